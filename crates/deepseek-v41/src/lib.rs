@@ -1,0 +1,26 @@
+//! DeepSeek V4.1 on Candle.
+//!
+//! The crate is organised as the spec (`docs/architecture.md` maps files to spec sections):
+//!
+//! * [`config`]: the HF / inference `config.json`, resolved once into typed per-layer roles.
+//! * [`numerics`]: the switches that choose the reference (trained) numerics or plain ones.
+//! * [`quant`]: the e4m3 / e2m1 / e8m0 formats, the three QAT fake-quant functions and the FP8
+//!   activation quantization of the reference's linear operator.
+//! * [`nn`]: RMSNorm, RoPE tables and GPT-J partial rotary embedding, the reference linear.
+//! * [`attention`]: window cache, compressor, lightning indexer, sparse attention with sink, and
+//!   the attention layer with its caller-owned cache.
+//! * [`model`]: mHC hyper-connections, MoE, Engram and the whole decoder.
+//! * [`loader`]: a `VarBuilder` backend over the release checkpoint format (FP8 / MXFP4).
+//! * [`golden`]: the checker for golden sets produced by the official reference code.
+
+pub mod attention;
+pub mod config;
+pub mod golden;
+pub mod loader;
+pub mod model;
+pub mod nn;
+pub mod numerics;
+pub mod quant;
+
+pub use config::Config;
+pub use numerics::Numerics;
