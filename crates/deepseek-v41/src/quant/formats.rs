@@ -38,3 +38,37 @@ pub fn e8m0_to_f32(b: u8) -> f32 {
         f32::from_bits((b as u32) << 23)
     }
 }
+
+/// Rounds `x` to the nearest e4m3fn value (ties to even), saturating at ±448. NaN stays NaN.
+/// Exact: works on the f32 exponent, no approximate division.
+pub fn round_to_e4m3(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let a = x.abs();
+    if a >= 448.0 {
+        return 448.0f32.copysign(x);
+    }
+    if a == 0.0 {
+        return 0.0f32.copysign(x);
+    }
+    // Normal e4m3 exponents go down to -6; below that the quantum stays 2^-9 (subnormals).
+    let e = ((a.to_bits() >> 23) as i32 - 127).max(-6);
+    let quantum = 2f32.powi(e - 3);
+    let q = (a / quantum).round_ties_even() * quantum;
+    q.min(448.0).copysign(x)
+}
+
+/// `ceil(log2(v))` for a positive finite f32, exactly from the bits (spec §2.3).
+pub fn ceil_log2(v: f32) -> i32 {
+    let bits = v.to_bits();
+    let exp = ((bits >> 23) & 0xff) as i32;
+    let man = bits & 0x7f_ffff;
+    if exp == 0 {
+        // Subnormal: v = man · 2^-149.
+        let lz = 32 - man.leading_zeros() as i32; // bit length
+        let floor = lz - 1 - 149;
+        return if man.is_power_of_two() { floor } else { floor + 1 };
+    }
+    exp - 127 + (man != 0) as i32
+}
