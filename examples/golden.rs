@@ -1,1 +1,43 @@
-fn main() {}
+//! Checks a golden set produced by the official DeepSeek V4.1 reference.
+//!
+//! ```text
+//! cargo run --release --example golden -- <golden-dir> [--device cpu|cuda]
+//! ```
+//!
+//! Prints one line per compared tensor (`PASS|FAIL name max_abs max_rel rel_fro ...`), `SKIP`
+//! lines for tensors that need parts not built yet, then `N passed, M failed`. Exits non-zero
+//! on any failure.
+
+use clap::{Parser, ValueEnum};
+use deepseek_v41::golden;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Check a DeepSeek V4.1 golden set")]
+struct Args {
+    /// Folder of the golden set (config.json, model.safetensors, modules/, one folder per case).
+    golden_dir: std::path::PathBuf,
+    /// Device to run on.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let device = match args.device {
+        DeviceArg::Cpu => candle_core::Device::Cpu,
+        DeviceArg::Cuda => candle_core::Device::new_cuda(0)?,
+    };
+    let report = golden::check_set(&args.golden_dir, &device)?;
+    println!("{} skipped", report.skipped.len());
+    println!("{} passed, {} failed", report.passed(), report.failed());
+    if report.failed() > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
+}

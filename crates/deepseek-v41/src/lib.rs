@@ -24,3 +24,6 @@ pub mod quant;
 
 pub use config::Config;
 pub use numerics::Numerics;
+
+#[cfg(test)]
+pub(crate) mod test_util;

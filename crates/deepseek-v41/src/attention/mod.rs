@@ -1,1 +1,23 @@
-//! (work in progress)
+//! The V4.1 sparse attention stack (spec §4–§7).
+//!
+//! * [`window`]: the per-layer sliding-window ring (every layer).
+//! * [`compressor`]: the kv sources' compressor (ratio 1: per-token stream; ratio 2: gated pairs),
+//!   with its carry across calls.
+//! * [`indexer`]: the lightning indexer (index keys, scores, visibility, candidate blocks, top-k).
+//! * [`sparse_attention`]: attention over gathered rows with a per-head sink.
+//! * [`layer`]: the attention layer wiring all of the above.
+//! * [`cache`]: the caller-owned per-sequence cache through which layers share compressed KV,
+//!   index keys, top-k sets and candidate blocks.
+
+pub mod cache;
+pub mod compressor;
+pub mod indexer;
+pub mod layer;
+pub mod sparse_attention;
+pub mod trace;
+pub mod window;
+
+pub use cache::SequenceCache;
+pub use layer::Attention;
+pub use sparse_attention::{sparse_attention, sparse_attention_ref};
+pub use trace::Trace;

@@ -1,1 +1,157 @@
-//! (work in progress)
+//! Checker for golden sets produced by the official V4.1 reference (the format of
+//! `tests/fixtures/v41-tiny`, described in its README and MANIFEST).
+//!
+//! A set is a folder with `config.json`, `model.safetensors`, an optional `modules/` folder of
+//! module-level goldens and one folder per case (`inputs.json` + `golden.safetensors`, optionally
+//! its own `config.json` / `model.safetensors`). The checker is driven by the golden files: every
+//! tensor a case holds is compared with what this crate computes under the same name, or
+//! reported as `SKIP name: reason`. Nothing is specific to one set: dims, head counts, windows,
+//! sharing layouts and chunkings all come from the set's files.
+
+pub mod compare;
+pub mod modules;
+pub mod runner;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Result, Tensor};
+use serde::Deserialize;
+
+use crate::config::Config;
+pub use compare::{compare, Outcome, Report, Tolerance};
+
+/// One forward call of a case: tokens `input_ids[start_pos .. start_pos + length]`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+pub struct Call {
+    pub start_pos: usize,
+    pub length: usize,
+}
+
+/// `inputs.json` of a case.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Inputs {
+    pub input_ids: Vec<u32>,
+    pub calls: Vec<Call>,
+    /// Cache fake-quant (QAT) on; defaults to the trained behaviour.
+    #[serde(default = "default_true")]
+    pub qat: bool,
+    /// How the Engram compressed token map was built (free text).
+    #[serde(default)]
+    pub compressed_token_map: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// One case of a golden set.
+#[derive(Debug)]
+pub struct Case {
+    pub name: String,
+    pub dir: PathBuf,
+    pub config: Config,
+    pub inputs: Inputs,
+    /// The checkpoint file of the case.
+    pub weights: PathBuf,
+    /// Golden tensors by name.
+    pub golden: HashMap<String, Tensor>,
+}
+
+/// A golden set on disk.
+#[derive(Debug)]
+pub struct GoldenSet {
+    pub root: PathBuf,
+    /// Case folders, sorted by name.
+    pub cases: Vec<PathBuf>,
+    /// `modules/golden.safetensors`, if present.
+    pub modules: Option<PathBuf>,
+}
+
+fn msg(s: String) -> candle_core::Error {
+    candle_core::Error::Msg(s)
+}
+
+impl GoldenSet {
+    /// Scans `root`.
+    pub fn open(root: impl AsRef<Path>) -> Result<Self> {
+        let root = root.as_ref().to_path_buf();
+        let entries = std::fs::read_dir(&root).map_err(|e| msg(format!("golden set {}: {e}", root.display())))?;
+        let mut cases = Vec::new();
+        for e in entries {
+            let p = e.map_err(|e| msg(format!("golden set {}: {e}", root.display())))?.path();
+            if p.join("inputs.json").is_file() && p.join("golden.safetensors").is_file() {
+                cases.push(p);
+            }
+        }
+        cases.sort();
+        let modules = Some(root.join("modules/golden.safetensors")).filter(|p| p.is_file());
+        if cases.is_empty() && modules.is_none() {
+            candle_core::bail!("{} holds no golden case (no <case>/inputs.json + golden.safetensors)", root.display())
+        }
+        Ok(Self { root, cases, modules })
+    }
+
+    /// Loads case `dir` (config, inputs, checkpoint path, goldens) onto `device`.
+    pub fn load_case(&self, dir: &Path, device: &Device) -> Result<Case> {
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let config_path = [dir.join("config.json"), self.root.join("config.json")]
+            .into_iter()
+            .find(|p| p.is_file())
+            .ok_or_else(|| msg(format!("case {name}: no config.json in the case or the set")))?;
+        let config = Config::from_file(&config_path)?;
+        let text = std::fs::read_to_string(dir.join("inputs.json")).map_err(|e| msg(format!("case {name}: inputs.json: {e}")))?;
+        let inputs: Inputs = serde_json::from_str(&text).map_err(|e| msg(format!("case {name}: inputs.json: {e}")))?;
+        validate_calls(&name, &inputs)?;
+        let weights = [dir.join("model.safetensors"), self.root.join("model.safetensors")]
+            .into_iter()
+            .filter_map(|p| resolve_pointer(&p))
+            .next()
+            .ok_or_else(|| msg(format!("case {name}: no model.safetensors in the case or the set")))?;
+        let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), device)?;
+        Ok(Case { name, dir: dir.to_path_buf(), config, inputs, weights, golden })
+    }
+}
+
+fn validate_calls(name: &str, inputs: &Inputs) -> Result<()> {
+    let mut next = 0;
+    for (i, c) in inputs.calls.iter().enumerate() {
+        if c.start_pos != next || c.length == 0 || c.start_pos + c.length > inputs.input_ids.len() {
+            candle_core::bail!(
+                "case {name}: calls[{i}] = {{start_pos: {}, length: {}}} does not continue at {next} within {} tokens",
+                c.start_pos,
+                c.length,
+                inputs.input_ids.len()
+            )
+        }
+        next += c.length;
+    }
+    Ok(())
+}
+
+/// A checkpoint path, following a lost symlink stored as a small text file holding a relative
+/// path (as in some copies of the sets).
+fn resolve_pointer(p: &Path) -> Option<PathBuf> {
+    let meta = std::fs::metadata(p).ok()?;
+    if meta.len() < 1024 {
+        let target = std::fs::read_to_string(p).ok()?;
+        let target = p.parent()?.join(target.trim());
+        return target.is_file().then_some(target);
+    }
+    Some(p.to_path_buf())
+}
+
+/// Checks a whole set: module goldens, then every case. Prints one line per compared tensor and
+/// returns the report (the caller prints the summary).
+pub fn check_set(root: impl AsRef<Path>, device: &Device) -> Result<Report> {
+    let set = GoldenSet::open(root)?;
+    let mut report = Report::default();
+    if let Some(m) = &set.modules {
+        modules::check_modules(&set, m, device, &mut report)?;
+    }
+    for dir in &set.cases {
+        let case = set.load_case(dir, device)?;
+        runner::check_case(&case, device, &mut report)?;
+    }
+    Ok(report)
+}

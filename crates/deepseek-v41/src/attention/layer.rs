@@ -1,0 +1,251 @@
+//! The V4.1 attention layer (spec §4): projections, q path, window path, compressed path,
+//! selection, sparse attention with sink, inverse RoPE, grouped `wo_a`, `wo_b`.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::cache::SequenceCache;
+use super::compressor::Compressor;
+use super::indexer::{IndexKeyProjection, Indexer};
+use super::sparse_attention::sparse_attention;
+use crate::config::{AttentionRole, CandidateRole, Config, TopkRole};
+use crate::nn::linear::compute_dtype;
+use crate::nn::{Linear, LinearKind, RmsNorm, RopeKind, RopeTable};
+use crate::numerics::Numerics;
+use crate::quant::fake_quant::{fake_quant, QatFormat};
+
+/// `layers.N.attn`.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    layer: usize,
+    role: AttentionRole,
+    wq_a: Linear,
+    q_norm: RmsNorm,
+    wq_b: Linear,
+    wkv: Linear,
+    kv_norm: RmsNorm,
+    /// `[o_groups, o_lora, heads_per_group·head_dim]`: the grouped (block-diagonal) `wo_a`.
+    wo_a: Tensor,
+    wo_b: Linear,
+    /// `[H]` f32 sink logits.
+    attn_sink: Tensor,
+    /// Kv sources only.
+    compressor: Option<Compressor>,
+    /// Kv sources only (they own the index keys).
+    key_projection: Option<IndexKeyProjection>,
+    /// Index sources only.
+    indexer: Option<Indexer>,
+    rope: RopeTable,
+    n_heads: usize,
+    head_dim: usize,
+    o_groups: usize,
+    numerics: Numerics,
+}
+
+impl Attention {
+    /// Loads layer `layer`'s attention from `vb` (= `layers.N.attn`).
+    pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
+        let role = cfg
+            .layers
+            .get(layer)
+            .ok_or_else(|| candle_core::Error::Msg(format!("Attention: config has no layer {layer}")))?
+            .attention;
+        let (d, h, hd) = (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim);
+        let (g, ol) = (cfg.o_groups, cfg.o_lora_rank);
+        let q = LinearKind::Quantized;
+        let ratio = match role {
+            AttentionRole::WindowOnly => 0,
+            AttentionRole::Compressed { ratio, .. } => ratio,
+        };
+        let wo_a = vb
+            .pp("wo_a")
+            .get_with_hints_dtype((g * ol, h / g * hd), "weight", Default::default(), compute_dtype(vb.device(), vb.dtype()))?
+            .reshape((g, ol, h / g * hd))?;
+        let (mut compressor, mut key_projection, mut indexer) = (None, None, None);
+        if let AttentionRole::Compressed { ratio, kv_source, topk } = role {
+            if kv_source == layer {
+                compressor = Some(Compressor::new(cfg, ratio, numerics, vb.pp("compressor"))?);
+                key_projection = Some(IndexKeyProjection::new(cfg, numerics, vb.pp("indexer"))?);
+            }
+            let candidates = match topk {
+                TopkRole::Full { candidates } | TopkRole::Reindex { candidates, .. } => Some(candidates),
+                TopkRole::Reuse { .. } => None,
+            };
+            if let Some(c) = candidates {
+                indexer = Some(Indexer::new(cfg, ratio, c, numerics, vb.pp("indexer"))?);
+            }
+        }
+        Ok(Self {
+            layer,
+            role,
+            wq_a: Linear::new(d, cfg.q_lora_rank, q, numerics, vb.pp("wq_a"))?,
+            q_norm: RmsNorm::new(cfg.q_lora_rank, cfg.rms_norm_eps, vb.pp("q_norm"))?,
+            wq_b: Linear::new(cfg.q_lora_rank, h * hd, q, numerics, vb.pp("wq_b"))?,
+            wkv: Linear::new(d, hd, q, numerics, vb.pp("wkv"))?,
+            kv_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("kv_norm"))?,
+            wo_a,
+            wo_b: Linear::new(g * ol, d, q, numerics, vb.pp("wo_b"))?,
+            attn_sink: vb.get_with_hints_dtype(h, "attn_sink", Default::default(), DType::F32)?,
+            compressor,
+            key_projection,
+            indexer,
+            rope: RopeTable::new(cfg.qk_rope_head_dim, &RopeKind::for_ratio(cfg, ratio), vb.device())?,
+            n_heads: h,
+            head_dim: hd,
+            o_groups: g,
+            numerics,
+        })
+    }
+
+    /// The layer's role.
+    pub fn role(&self) -> AttentionRole {
+        self.role
+    }
+
+    /// Attention of the tokens at positions `start .. start + T`.
+    ///
+    /// `x`: `[T, hidden]` (bf16), the attn-normed sublayer input. Layers of one call must run in
+    /// layer order on the same `cache` (kv sources and index sources publish to later layers).
+    /// Returns `[T, hidden]` in `x`'s dtype.
+    pub fn forward(&self, x: &Tensor, start: usize, cache: &mut SequenceCache) -> Result<Tensor> {
+        let l = self.layer;
+        let t = x.dim(0)?;
+        let expected = cache.layer(l)?.next_pos;
+        if start != expected {
+            candle_core::bail!("layer {l}: call starts at position {start}, but the cache holds {expected} tokens")
+        }
+        let positions: Vec<usize> = (start..start + t).collect();
+
+        // Projections and the q path (no q norm in V4.1).
+        let qr = self.q_norm.forward(&self.wq_a.forward(x)?)?;
+        let kv = self.kv_norm.forward(&self.wkv.forward(x)?)?;
+        let q = self.wq_b.forward(&qr)?.reshape((t, self.n_heads, self.head_dim))?;
+        let q = self.rope.apply(&q, &positions, false)?;
+
+        // Window path, every layer.
+        let mut window_kv = self.rope.apply(&kv, &positions, false)?;
+        if self.numerics.cache_fake_quant {
+            window_kv = fake_quant(&window_kv, QatFormat::Fp8Ue8m0B32)?;
+        }
+        cache.record(|| format!("L{l}.window_kv"), &window_kv);
+        let window = cache.layer_mut(l)?.window.extend(&window_kv, start)?;
+
+        // Compressed path and selection.
+        let (kv_all, indices) = match self.role {
+            AttentionRole::WindowOnly => (window.kv, window.indices),
+            AttentionRole::Compressed { ratio, kv_source, topk } => {
+                if let (Some(c), Some(kp)) = (&self.compressor, &self.key_projection) {
+                    self.compress(x, start, ratio, c, kp, cache)?;
+                }
+                let selected = self.select(x, &qr, &positions, topk, cache)?;
+                cache.record(|| format!("L{l}.topk"), &Tensor::new(selected.clone(), x.device())?);
+                let compressed = cache.source(kv_source)?.compressed.rows()?;
+                let offset = window.kv.dim(0)? as i64;
+                let indices = window
+                    .indices
+                    .into_iter()
+                    .zip(selected)
+                    .map(|(mut w, s)| {
+                        w.extend(s.iter().map(|&j| if j >= 0 { j + offset } else { -1 }));
+                        w
+                    })
+                    .collect();
+                (Tensor::cat(&[window.kv, compressed], 0)?, indices)
+            }
+        };
+        cache.layer_mut(l)?.next_pos = start + t;
+
+        let indices = Tensor::new(indices, x.device())?;
+        let scale = (self.head_dim as f32).powf(-0.5);
+        let o = sparse_attention(&q, &kv_all, &indices, &self.attn_sink, scale)?;
+        let o = self.rope.apply(&o, &positions, true)?;
+        self.output(&o)
+    }
+
+    /// Runs the compressor of this kv source and appends index keys and compressed entries.
+    fn compress(
+        &self,
+        x: &Tensor,
+        start: usize,
+        ratio: usize,
+        compressor: &Compressor,
+        keys: &IndexKeyProjection,
+        cache: &mut SequenceCache,
+    ) -> Result<()> {
+        let l = self.layer;
+        let source = cache.source_mut(l)?;
+        let lat = compressor.forward(x, start, &mut source.carry)?;
+        let g = lat.latent.dim(0)?;
+        if g == 0 {
+            return Ok(());
+        }
+        let index_k = keys.keys(&lat.latent, lat.first_entry, ratio, &self.rope)?;
+        let positions: Vec<usize> = (0..g).map(|i| (lat.first_entry + i) * ratio).collect();
+        let mut entries = self.rope.apply(&lat.latent, &positions, false)?;
+        if self.numerics.cache_fake_quant {
+            entries = fake_quant(&entries, QatFormat::Fp4E4m3B16)?;
+        }
+        if source.compressed.len() != lat.first_entry {
+            candle_core::bail!("layer {l}: compressed cache holds {} entries, call emits entry {}", source.compressed.len(), lat.first_entry)
+        }
+        source.compressed.append(&entries)?;
+        source.index_keys.append(&index_k)?;
+        Ok(())
+    }
+
+    /// The top-k of this call: computed by index sources (and published), reused otherwise.
+    fn select(
+        &self,
+        x: &Tensor,
+        qr: &Tensor,
+        positions: &[usize],
+        topk: TopkRole,
+        cache: &mut SequenceCache,
+    ) -> Result<Vec<Vec<i64>>> {
+        let l = self.layer;
+        let start = positions[0];
+        match (topk, &self.indexer) {
+            (TopkRole::Reuse { index_source }, _) => Ok(cache.published_topk(index_source, start, positions.len())?.to_vec()),
+            (TopkRole::Full { candidates } | TopkRole::Reindex { candidates, .. }, Some(indexer)) => {
+                let owner = match topk {
+                    TopkRole::Reindex { key_owner, .. } => key_owner,
+                    _ => l,
+                };
+                let keys = cache.source(owner)?.index_keys.rows()?;
+                let published = match candidates {
+                    CandidateRole::Consume { .. } => cache.published_candidates(start),
+                    _ => None,
+                };
+                let sel = indexer.select(x, qr, positions, &keys, &self.rope, published)?;
+                if let Some(c) = sel.candidates {
+                    let width = indexer.candidate_topk_blocks();
+                    let blocks: Vec<Vec<i64>> = c
+                        .kept
+                        .iter()
+                        .map(|k| {
+                            let mut v: Vec<i64> = k.iter().map(|&b| b as i64).collect();
+                            v.resize(width.max(v.len()), -1);
+                            v
+                        })
+                        .collect();
+                    cache.record(|| format!("L{l}.cand_blocks"), &Tensor::new(blocks, x.device())?);
+                    cache.publish_candidates(start, c);
+                }
+                cache.publish_topk(l, start, sel.topk.clone());
+                Ok(sel.topk)
+            }
+            (_, None) => candle_core::bail!("layer {l}: index source without an indexer"),
+        }
+    }
+
+    /// Grouped `wo_a` then `wo_b`: `o` `[T, H, head_dim]` → `[T, hidden]`.
+    fn output(&self, o: &Tensor) -> Result<Tensor> {
+        let t = o.dim(0)?;
+        let g = self.o_groups;
+        let dtype = o.dtype();
+        let o = o.reshape((t, g, self.n_heads / g * self.head_dim))?.transpose(0, 1)?.to_dtype(self.wo_a.dtype())?;
+        // [G, T, hd'] x [G, hd', o_lora] -> [G, T, o_lora]
+        let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
+        self.wo_b.forward(&z.flatten_from(1)?)
+    }
+}
