@@ -1,0 +1,180 @@
+//! The whole V4.1 text decoder (spec §3): embedding, `num_hidden_layers` blocks with staggered
+//! mHC, Engram before the mixes of its layers, attention and MoE sublayers, then the final
+//! collapse with the last FFN pre, RMSNorm and the f32 head. MTP (`mtp.*`) and vision weights are
+//! not loaded: plain generation does not run them (spec §10).
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{Embedding, VarBuilder};
+
+use super::engram::{Engram, EngramHistory, EngramLayout, TokenMap};
+use super::mhc::{collapse, post, HcMix, HcSublayer};
+use super::moe::Moe;
+use crate::attention::{Attention, SequenceCache, Trace};
+use crate::config::Config;
+use crate::nn::{Linear, LinearKind, RmsNorm};
+use crate::numerics::Numerics;
+
+/// The caller-owned state of one sequence: attention caches and the Engram token history.
+#[derive(Debug, Clone)]
+pub struct ModelCache {
+    pub attention: SequenceCache,
+    pub engram: EngramHistory,
+}
+
+impl ModelCache {
+    /// An empty cache (activations in `dtype` on `device`).
+    pub fn new(cfg: &Config, dtype: DType, device: &Device) -> Result<Self> {
+        Ok(Self { attention: SequenceCache::new(cfg, dtype, device)?, engram: EngramHistory::new(cfg) })
+    }
+
+    /// Tokens processed so far.
+    pub fn seq_len(&self) -> usize {
+        self.attention.seq_len()
+    }
+
+    /// Installs a recorder of intermediate tensors (golden names).
+    pub fn set_trace(&mut self, trace: Option<Trace>) {
+        self.attention.set_trace(trace);
+    }
+}
+
+/// One decoder block: `layers.N`.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    layer: usize,
+    engram: Option<Engram>,
+    hc_attn: HcMix,
+    hc_ffn: HcMix,
+    attn_norm: RmsNorm,
+    attn: Attention,
+    ffn_norm: RmsNorm,
+    ffn: Moe,
+}
+
+impl DecoderLayer {
+    /// Loads block `layer` from `vb` (= `layers.N`).
+    pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
+        let engram = if cfg.layers[layer].engram { Some(Engram::new(cfg, layer, numerics, vb.pp("engram"))?) } else { None };
+        Ok(Self {
+            layer,
+            engram,
+            hc_attn: HcMix::new(cfg, vb.clone(), HcSublayer::Attn)?,
+            hc_ffn: HcMix::new(cfg, vb.clone(), HcSublayer::Ffn)?,
+            attn_norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("attn_norm"))?,
+            attn: Attention::new(cfg, layer, numerics, vb.pp("attn"))?,
+            ffn_norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("ffn_norm"))?,
+            ffn: Moe::new(cfg, numerics, vb.pp("ffn"))?,
+        })
+    }
+
+    /// Runs the block on the stream `x` `[T, hc, D]` (bf16) with the carried pre `p_in` `[T, hc]`
+    /// (f32); `hashes` are this layer's Engram row ids `[T, n]` when it is an Engram layer.
+    /// Returns the new stream and the pre for the next block (this block's FFN pre).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        p_in: &Tensor,
+        start: usize,
+        hashes: Option<&Tensor>,
+        cache: &mut SequenceCache,
+    ) -> Result<(Tensor, Tensor)> {
+        let l = self.layer;
+        let mut x = x.clone();
+        if let (Some(engram), Some(h)) = (&self.engram, hashes) {
+            x = engram.forward(&x, h)?;
+            cache.record(|| format!("L{l}.engram_out"), &x);
+        }
+        let a = self.hc_attn.mixes(&x)?;
+        let h = self.attn_norm.forward(&collapse(&x, p_in)?)?;
+        cache.record(|| format!("L{l}.attn_in"), &h);
+        let y = self.attn.forward(&h, start, cache)?;
+        cache.record(|| format!("L{l}.attn_out"), &y);
+        let x1 = post(&y, &x, &a.post, &a.comb)?;
+        let f = self.hc_ffn.mixes(&x1)?;
+        let h2 = self.ffn_norm.forward(&collapse(&x1, &a.pre)?)?;
+        cache.record(|| format!("L{l}.ffn_in"), &h2);
+        let z = self.ffn.forward(&h2)?;
+        cache.record(|| format!("L{l}.ffn_out"), &z.out);
+        cache.record(|| format!("L{l}.moe_ids"), &z.ids);
+        cache.record(|| format!("L{l}.moe_weights"), &z.weights);
+        for (name, c) in [("attn", &a), ("ffn", &f)] {
+            cache.record(|| format!("L{l}.hc_{name}_pre"), &c.pre);
+            cache.record(|| format!("L{l}.hc_{name}_post"), &c.post);
+            cache.record(|| format!("L{l}.hc_{name}_comb"), &c.comb);
+        }
+        let x2 = post(&z.out, &x1, &f.post, &f.comb)?;
+        Ok((x2, f.pre))
+    }
+}
+
+/// The V4.1 text model.
+#[derive(Debug, Clone)]
+pub struct Model {
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    head: Linear,
+    engram: Option<(EngramLayout, TokenMap)>,
+    hc: usize,
+    dtype: DType,
+}
+
+impl Model {
+    /// Loads the text model from `vb` (checkpoint root). `token_map` maps token ids to Engram
+    /// compressed ids (required when the config has Engram layers).
+    pub fn new(cfg: &Config, numerics: Numerics, token_map: Option<TokenMap>, vb: VarBuilder) -> Result<Self> {
+        let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed"))?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| DecoderLayer::new(cfg, l, numerics, vb.pp("layers").pp(l)))
+            .collect::<Result<Vec<_>>>()?;
+        let engram = match (&cfg.engram, token_map) {
+            (None, _) => None,
+            (Some(_), Some(map)) => Some((EngramLayout::new(cfg)?, map)),
+            (Some(_), None) => candle_core::bail!("Model: the config has Engram layers but no token map was given"),
+        };
+        Ok(Self {
+            embed,
+            layers,
+            norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?,
+            head: Linear::new(cfg.hidden_size, cfg.vocab_size, LinearKind::F32, numerics, vb.pp("head"))?,
+            engram,
+            hc: cfg.hc_mult,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// Logits `[T, vocab]` (f32) of `tokens` at positions `cache.seq_len() ..`.
+    pub fn forward(&self, tokens: &[u32], cache: &mut ModelCache) -> Result<Tensor> {
+        let start = cache.seq_len();
+        let t = tokens.len();
+        if t == 0 {
+            candle_core::bail!("Model::forward: no tokens")
+        }
+        let dev = self.head.weight().device().clone();
+        let ids = Tensor::new(tokens, &dev)?;
+        let h0 = self.embed.forward(&ids)?.to_dtype(self.dtype)?;
+        let d = h0.dim(1)?;
+        let mut x = h0.unsqueeze(1)?.broadcast_as((t, self.hc, d))?.contiguous()?;
+        let mut one_hot = vec![0f32; self.hc];
+        one_hot[0] = 1.0;
+        let mut pre = Tensor::new(one_hot, &dev)?.unsqueeze(0)?.broadcast_as((t, self.hc))?.contiguous()?;
+        let hashes = match &self.engram {
+            Some((layout, map)) => Some(layout.hash_ids(tokens, map, &mut cache.engram)?),
+            None => None,
+        };
+        for layer in &self.layers {
+            let h = match &hashes {
+                Some(hs) => hs.get(&layer.layer).map(|v| Tensor::new(v.clone(), &dev)).transpose()?,
+                None => None,
+            };
+            if let Some(h) = &h {
+                cache.attention.record(|| format!("L{}.engram_hash", layer.layer), h);
+            }
+            (x, pre) = layer.forward(&x, &pre, start, h.as_ref(), &mut cache.attention)?;
+        }
+        let h = self.norm.forward(&collapse(&x, &pre)?)?;
+        let logits = self.head.forward(&h)?;
+        cache.attention.record(|| "logits".to_string(), &logits);
+        Ok(logits)
+    }
+}
