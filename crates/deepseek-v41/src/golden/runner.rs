@@ -89,7 +89,7 @@ fn sorted(m: &HashMap<String, Tensor>) -> Vec<(&String, &Tensor)> {
 pub fn run_attention_teacher_forced(case: &Case, device: &Device) -> Result<Produced> {
     let cfg = &case.config;
     let numerics = case_numerics(case);
-    let vb = loader::var_builder_from_files(&[case.weights.clone()], DType::BF16, device)?;
+    let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
     let layers = (0..cfg.num_hidden_layers)
         .map(|l| Attention::new(cfg, l, numerics, vb.pp("layers").pp(l).pp("attn")))
         .collect::<Result<Vec<_>>>()?;
