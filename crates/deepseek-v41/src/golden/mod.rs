@@ -80,7 +80,8 @@ impl GoldenSet {
         let mut cases = Vec::new();
         for e in entries {
             let p = e.map_err(|e| msg(format!("golden set {}: {e}", root.display())))?.path();
-            if p.join("inputs.json").is_file() && p.join("golden.safetensors").is_file() {
+            let is_modules = p.file_name().is_some_and(|n| n == "modules");
+            if !is_modules && p.join("inputs.json").is_file() && p.join("golden.safetensors").is_file() {
                 cases.push(p);
             }
         }

@@ -63,7 +63,8 @@ pub fn check_case(case: &Case, device: &Device, report: &mut Report) -> Result<(
         for (name, golden) in sorted(&case.golden) {
             if let Some(t) = produced.get(name) {
                 let full = format!("{}/teacher_forced/{name}", case.name);
-                report.check(&full, t, golden, tolerance_for(name, Regime::TeacherForced))?;
+                let golden = meaningful_part(name, t, golden)?;
+                report.check(&full, t, &golden, tolerance_for(name, Regime::TeacherForced))?;
                 compared.insert(name.clone());
             }
         }
@@ -77,6 +78,17 @@ pub fn check_case(case: &Case, device: &Device, report: &mut Report) -> Result<(
         }
     }
     Ok(())
+}
+
+/// The part of a golden tensor that carries information: the compressor carry's slots at or
+/// beyond `n mod ratio` are stale in the reference (golden README), so only the leading rows the
+/// run produced are compared.
+fn meaningful_part(name: &str, produced: &Tensor, golden: &Tensor) -> Result<Tensor> {
+    if name.contains(".carry_") && produced.dim(0)? <= golden.dim(0)? {
+        golden.narrow(0, 0, produced.dim(0)?)
+    } else {
+        Ok(golden.clone())
+    }
 }
 
 fn sorted(m: &HashMap<String, Tensor>) -> Vec<(&String, &Tensor)> {
