@@ -344,6 +344,15 @@ fn no_candidate_source_means_no_candidates() {
 }
 
 #[test]
+fn kv_source_owners_after_the_candidate_source_consume_candidates() {
+    // Spec §0.1b.4: every index source with a larger id consumes, kv-source owners included.
+    let cfg = tiny_hf_with(|v| v["text_config"]["kv_source_layer_ids"] = json!([1, 3, 4, 6])).unwrap();
+    assert_eq!(cfg.layers[6], full(6, 1, CandidateRole::Consume { source: 4 }, false));
+    assert_eq!(cfg.layers[7], reuse(7, 1, 6, 6, false));
+    assert_eq!(cfg.layers[5], reuse(5, 1, 4, 4, true));
+}
+
+#[test]
 fn inference_dtype_bf16_means_unquantized() {
     let cfg = tiny_inf_with(|v| {
         v["dtype"] = json!("bf16");
