@@ -46,7 +46,11 @@ impl SimpleBackend for ReleaseBackend {
             Err(e) => return Err(e.into()),
         };
         if info.shape != s.dims() {
-            let e = LoadError::ShapeMismatch { name: name.to_string(), expected: s.dims().to_vec(), found: info.shape };
+            let e = LoadError::ShapeMismatch {
+                name: name.to_string(),
+                expected: s.dims().to_vec(),
+                found: info.shape,
+            };
             return self.fail_or_collect(e, &s, dtype, dev);
         }
         self.ckpt.get(name, dtype, dev)

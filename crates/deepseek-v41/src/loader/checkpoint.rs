@@ -113,7 +113,13 @@ impl ReleaseCheckpoint {
             }
             shards.push(shard);
         }
-        Ok(Self { inner: Arc::new(Inner { shards, entries, usage: Mutex::new(Usage::default()) }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                shards,
+                entries,
+                usage: Mutex::new(Usage::default()),
+            }),
+        })
     }
 
     /// Every name of the index must be in the shard it names.
@@ -150,8 +156,13 @@ impl ReleaseCheckpoint {
     /// Logical tensor names, sorted: every stored tensor except the `.scale` companions of
     /// weights.
     pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> =
-            self.inner.entries.keys().filter(|n| !self.is_companion(n)).cloned().collect();
+        let mut v: Vec<String> = self
+            .inner
+            .entries
+            .keys()
+            .filter(|n| !self.is_companion(n))
+            .cloned()
+            .collect();
         v.sort();
         v
     }
@@ -195,20 +206,28 @@ impl ReleaseCheckpoint {
             });
         }
         let Some(stored) = self.stored(name) else {
-            return Err(LoadError::Missing { name: name.to_string(), hint: String::new() });
+            return Err(LoadError::Missing {
+                name: name.to_string(),
+                hint: String::new(),
+            });
         };
         let scale = scale_name(name).and_then(|s| self.stored(&s));
         let (format, shape) = classify(&stored, scale.as_ref())?;
-        Ok(TensorInfo { name: name.to_string(), format, shape, stored, scale })
+        Ok(TensorInfo {
+            name: name.to_string(),
+            format,
+            shape,
+            stored,
+            scale,
+        })
     }
 
     /// The raw stored bytes of any stored tensor (companions included), straight from the map.
     pub fn raw_bytes(&self, name: &str) -> Result<&[u8], LoadError> {
-        let e = self
-            .inner
-            .entries
-            .get(name)
-            .ok_or_else(|| LoadError::Missing { name: name.to_string(), hint: String::new() })?;
+        let e = self.inner.entries.get(name).ok_or_else(|| LoadError::Missing {
+            name: name.to_string(),
+            hint: String::new(),
+        })?;
         Ok(self.inner.shards[e.shard].bytes(e.raw.range.clone()))
     }
 
@@ -243,8 +262,11 @@ impl ReleaseCheckpoint {
                 Tensor::from_vec(v, (out, inp), &Device::Cpu)?
             }
             (_, shape) => {
-                return Err(LoadError::BadFormat { name: name.to_string(), detail: format!("quantized tensor of shape {shape:?}") }
-                    .into())
+                return Err(LoadError::BadFormat {
+                    name: name.to_string(),
+                    detail: format!("quantized tensor of shape {shape:?}"),
+                }
+                .into())
             }
         };
         let t = t.to_dtype(dtype)?.to_device(device)?;
@@ -261,7 +283,13 @@ impl ReleaseCheckpoint {
     /// bf16). Works for every format (a 32×32-block FP8 row uses its block row's scales, an
     /// MXFP4 row its own scales, a plain row is copied). Row ids may repeat. Records `name` as
     /// used. Errors on a row id ≥ the number of rows, naming both.
-    pub fn get_raw_rows(&self, name: &str, row_ids: &[usize], dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    pub fn get_raw_rows(
+        &self,
+        name: &str,
+        row_ids: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
         let info = self.info(name)?;
         let &[rows, cols] = info.shape.as_slice() else {
             return Err(LoadError::BadFormat {
@@ -271,7 +299,12 @@ impl ReleaseCheckpoint {
             .into());
         };
         if let Some(&row) = row_ids.iter().find(|&&r| r >= rows) {
-            return Err(LoadError::RowOutOfRange { name: name.to_string(), row: row as i64, rows }.into());
+            return Err(LoadError::RowOutOfRange {
+                name: name.to_string(),
+                row: row as i64,
+                rows,
+            }
+            .into());
         }
         let w = self.bytes_of(&info.stored)?;
         let n = row_ids.len();
@@ -292,7 +325,9 @@ impl ReleaseCheckpoint {
             let mut v = Vec::with_capacity(n * cols);
             for &r in row_ids {
                 let row = match info.format {
-                    WeightFormat::Fp8Rows => dequant_fp8_rows(&w[r * cols..(r + 1) * cols], &s[r * sc..(r + 1) * sc], 1, cols),
+                    WeightFormat::Fp8Rows => {
+                        dequant_fp8_rows(&w[r * cols..(r + 1) * cols], &s[r * sc..(r + 1) * sc], 1, cols)
+                    }
                     WeightFormat::Fp8Block32 => {
                         let b = r / 32;
                         dequant_fp8_block32(&w[r * cols..(r + 1) * cols], &s[b * sc..(b + 1) * sc], 1, cols)
@@ -334,19 +369,30 @@ impl ReleaseCheckpoint {
 }
 
 fn missing_scale(name: &str) -> LoadError {
-    LoadError::BadFormat { name: name.to_string(), detail: "quantized weight lost its scale companion".to_string() }
+    LoadError::BadFormat {
+        name: name.to_string(),
+        detail: "quantized weight lost its scale companion".to_string(),
+    }
 }
 
 fn with_name(name: &str, e: LoadError) -> LoadError {
-    LoadError::BadFormat { name: name.to_string(), detail: e.to_string() }
+    LoadError::BadFormat {
+        name: name.to_string(),
+        detail: e.to_string(),
+    }
 }
 
 /// Reads an index file: the shard paths (deduplicated, relative to the index's folder, each
 /// checked to exist) and the name -> shard map.
 fn read_index(index: &Path) -> Result<(Vec<PathBuf>, BTreeMap<String, PathBuf>), LoadError> {
-    let text = std::fs::read_to_string(index).map_err(|source| LoadError::Io { path: index.to_path_buf(), source })?;
-    let parsed: IndexJson = serde_json::from_str(&text)
-        .map_err(|e| LoadError::BadIndex { path: index.to_path_buf(), detail: format!("not a valid index: {e}") })?;
+    let text = std::fs::read_to_string(index).map_err(|source| LoadError::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let parsed: IndexJson = serde_json::from_str(&text).map_err(|e| LoadError::BadIndex {
+        path: index.to_path_buf(),
+        detail: format!("not a valid index: {e}"),
+    })?;
     let dir = index.parent().unwrap_or_else(|| Path::new("."));
     let mut shards = Vec::new();
     let mut seen = BTreeSet::new();
@@ -355,7 +401,11 @@ fn read_index(index: &Path) -> Result<(Vec<PathBuf>, BTreeMap<String, PathBuf>),
         let path = dir.join(&file);
         if seen.insert(path.clone()) {
             if !path.is_file() {
-                return Err(LoadError::MissingShard { index: index.to_path_buf(), shard: path, tensor: name });
+                return Err(LoadError::MissingShard {
+                    index: index.to_path_buf(),
+                    shard: path,
+                    tensor: name,
+                });
             }
             shards.push(path.clone());
         }

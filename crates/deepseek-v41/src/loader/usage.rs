@@ -41,7 +41,12 @@ impl ReleaseCheckpoint {
         self.names()
             .into_iter()
             .filter(|n| !usage.used.contains(n))
-            .filter(|n| !NON_TEXT_PREFIXES.iter().chain(ignore_prefixes).any(|p| n.starts_with(p)))
+            .filter(|n| {
+                !NON_TEXT_PREFIXES
+                    .iter()
+                    .chain(ignore_prefixes)
+                    .any(|p| n.starts_with(p))
+            })
             .filter(|n| !NON_TEXT_SUFFIXES.iter().any(|s| n.ends_with(s)))
             .collect()
     }
