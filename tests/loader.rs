@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -11,8 +10,11 @@ use deepseek_v41::loader::{
     dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4, var_builder, ReleaseCheckpoint, WeightFormat,
 };
 use deepseek_v41::quant::formats::{e2m1_to_f32, e4m3_to_f32};
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+
+#[path = "support/release_writer.rs"]
+mod release_writer;
+use release_writer::{bf16_bytes, bytes, f32_bytes, raw, scales, write_sharded, write_st, Raw, TempDir};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny");
 
@@ -313,82 +315,6 @@ fn tiny_checkpoint_every_tensor_via_var_builder() -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // Writing checkpoints in the release format.
 
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-/// A unique temporary folder, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<Self> {
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let p = std::env::temp_dir().join(format!("dsv41-loader-{}-{tag}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
-        Ok(Self(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// One stored tensor to write.
-#[derive(Clone)]
-struct Raw {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-fn raw(name: &str, dtype: Dtype, shape: &[usize], data: Vec<u8>) -> Raw {
-    Raw {
-        name: name.to_string(),
-        dtype,
-        shape: shape.to_vec(),
-        data,
-    }
-}
-
-fn write_st(path: &Path, tensors: &[Raw]) -> Result<()> {
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|t| Ok((t.name.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.data)?)))
-        .collect::<Result<_>>()?;
-    std::fs::write(path, safetensors::serialize(views, None)?)?;
-    Ok(())
-}
-
-/// Deterministic bytes; e4m3 NaN codes (0x7f, 0xff) avoided.
-fn bytes(n: usize, seed: u32, fp8: bool) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(1103515245).wrapping_add(12345);
-            let b = (x >> 16) as u8;
-            if fp8 && b & 0x7f == 0x7f {
-                b ^ 1
-            } else {
-                b
-            }
-        })
-        .collect()
-}
-
-fn scales(n: usize, seed: u32) -> Vec<u8> {
-    bytes(n, seed, false).iter().map(|b| 115 + b % 20).collect()
-}
-
-fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect()
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 fn pow2(b: u8) -> f32 {
     2f32.powi(b as i32 - 127)
 }
@@ -511,32 +437,49 @@ fn round_trip_single_file() -> Result<()> {
         Some("layers.0.ffn.experts.0.w1.scale")
     );
     check_synthetic(&ckpt, &t)?;
+    // `open` takes folders too.
+    let ckpt2 = ReleaseCheckpoint::open(&[&dir.0])?;
+    assert_eq!(ckpt2.names(), ckpt.names());
     Ok(())
 }
 
-/// Writes `t` as two shards plus `model.safetensors.index.json`; returns the shard names.
-fn write_sharded(dir: &Path, t: &[Raw]) -> Result<[String; 2]> {
-    let names = [
-        "model-00001-of-00002.safetensors".to_string(),
-        "model-00002-of-00002.safetensors".to_string(),
-    ];
-    // Split a weight from its scale on purpose: companions may live in another shard.
-    let a: Vec<Raw> = t.iter().step_by(2).cloned().collect();
-    let b: Vec<Raw> = t.iter().skip(1).step_by(2).cloned().collect();
-    write_st(&dir.join(&names[0]), &a)?;
-    write_st(&dir.join(&names[1]), &b)?;
-    let mut map = serde_json::Map::new();
-    for (shard, part) in names.iter().zip([&a, &b]) {
-        for r in part {
-            map.insert(r.name.clone(), serde_json::Value::String(shard.clone()));
-        }
-    }
-    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
-    std::fs::write(
-        dir.join("model.safetensors.index.json"),
-        serde_json::to_string_pretty(&index)?,
-    )?;
-    Ok(names)
+/// Engram-style row tables, and the dense-size guard that keeps `get` off a 100 GB table.
+#[test]
+fn row_table_and_dense_limit() -> Result<()> {
+    let dir = TempDir::new("rows")?;
+    let t = synthetic();
+    write_st(&dir.0.join("model.safetensors"), &t)?;
+    let ckpt = ReleaseCheckpoint::open_dir(&dir.0)?;
+    let name = "layers.0.engram.embed.weight";
+    ckpt.set_dense_limit(1000); // the table is 5 x 64 x 4 = 1280 bytes as f32
+    let e = err_of(ckpt.get(name, DType::F32, &Device::Cpu));
+    assert!(
+        e.contains(name) && e.contains("1280 bytes") && e.contains("dense limit of 1000") && e.contains("row_table"),
+        "{e}"
+    );
+    let vb = var_builder(ckpt.clone(), DType::F32, &Device::Cpu);
+    assert!(vb.get((5, 64), name).is_err());
+
+    let table = ckpt.row_table(name)?;
+    assert_eq!(
+        (table.num_rows(), table.width(), table.format()),
+        (5, 64, WeightFormat::Fp8Rows)
+    );
+    let ids = Tensor::new(&[[4u32], [1], [4]], &Device::Cpu)?;
+    let rows = table.lookup(&ids, DType::F32)?;
+    assert_eq!(rows.dims(), &[3, 1, 64]);
+    let full = expected_synthetic(name, &t);
+    let want: Vec<f32> = [4usize, 1, 4]
+        .iter()
+        .flat_map(|&r| full[r * 64..(r + 1) * 64].to_vec())
+        .collect();
+    assert_eq!(bits(&rows)?, f32_bits(&want));
+    assert!(ckpt.used_names().contains(&name.to_string()));
+    let e = err_of(ckpt.row_table("mtp.0.norm.weight"));
+    assert!(e.contains("mtp.0.norm.weight") && e.contains("2-D"), "{e}");
+    ckpt.set_dense_limit(deepseek_v41::loader::DEFAULT_DENSE_LIMIT);
+    assert_eq!(ckpt.get(name, DType::F32, &Device::Cpu)?.dims(), &[5, 64]);
+    Ok(())
 }
 
 #[test]

@@ -14,11 +14,27 @@ pub const NON_TEXT_PREFIXES: [&str; 4] = ["mtp.", "vision.", "aligner.", "image_
 pub const NON_TEXT_SUFFIXES: [&str; 1] = [".ffn.gate.bias_vl"];
 
 /// The usage record shared by the clones of a checkpoint.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Usage {
     used: HashSet<String>,
     collect: bool,
     problems: Vec<String>,
+    dense_limit: usize,
+}
+
+/// Default largest tensor [`ReleaseCheckpoint::get`] materializes: 32 GiB as f32 (the release's
+/// largest dense tensors are about 2.6 GB; an Engram table is about 400 GB as f32).
+pub const DEFAULT_DENSE_LIMIT: usize = 32 << 30;
+
+impl Default for Usage {
+    fn default() -> Self {
+        Self {
+            used: HashSet::new(),
+            collect: false,
+            problems: Vec::new(),
+            dense_limit: DEFAULT_DENSE_LIMIT,
+        }
+    }
 }
 
 impl ReleaseCheckpoint {
@@ -93,6 +109,17 @@ impl ReleaseCheckpoint {
         } else {
             Err(LoadError::Collected { problems })
         }
+    }
+
+    /// Sets the largest tensor, in bytes as f32, that [`get`](Self::get) materializes (default
+    /// [`DEFAULT_DENSE_LIMIT`]); larger ones must be read by rows.
+    pub fn set_dense_limit(&self, bytes: usize) {
+        self.usage().dense_limit = bytes;
+    }
+
+    /// The current dense limit in bytes (see [`set_dense_limit`](Self::set_dense_limit)).
+    pub fn dense_limit(&self) -> usize {
+        self.usage().dense_limit
     }
 
     /// Forgets the used names and recorded problems (e.g. before loading a second model from
