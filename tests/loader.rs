@@ -674,6 +674,9 @@ fn error_missing_tensor_wrong_shape_and_collect_mode() -> Result<()> {
     vb.get((4, 6), "embed.weight")?;
     let e = err_of(ckpt.check_missing());
     assert!(e.starts_with("3 problem(s)"), "{e}");
+    // A `.scale` companion asked for as a variable is collected too.
+    vb.get((2, 2), "layers.0.attn.wq_a.scale")?;
+    assert_eq!(ckpt.load_problems().len(), 4);
     assert!(
         e.contains("`nope.a`") && e.contains("`nope.b`") && e.contains("expected [4, 7]"),
         "{e}"

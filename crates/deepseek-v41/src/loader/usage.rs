@@ -79,10 +79,10 @@ impl ReleaseCheckpoint {
     }
 
     /// Collect mode (off by default). When on, the `VarBuilder` backend
-    /// ([`super::var_builder`]) does not fail on a missing or mis-shaped tensor: it records the
-    /// problem and returns zeros of the requested shape so that loading continues, and
-    /// [`check_missing`](Self::check_missing) reports every problem at once. For diagnostics
-    /// only: a model built in collect mode with problems holds zero weights.
+    /// ([`super::var_builder`]) does not fail on a missing, badly stored or mis-shaped tensor:
+    /// it records the problem and returns zeros of the requested shape so that loading
+    /// continues, and [`check_missing`](Self::check_missing) reports every problem at once. For
+    /// diagnostics only: a model built in collect mode with problems holds zero weights.
     pub fn set_collect_missing(&self, on: bool) {
         self.usage().collect = on;
     }
