@@ -8,7 +8,7 @@
 //! * **end to end**: the whole model on the case's tokens, compared under `<case>/<name>` with
 //!   the end-to-end tolerances (check 5). Until the model exists its tensors are skipped.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -57,17 +57,10 @@ fn is_metadata(name: &str) -> bool {
 pub fn check_case(case: &Case, device: &Device, report: &mut Report) -> Result<()> {
     let n_layers = case.config.num_hidden_layers;
     let teacher = (0..n_layers).all(|l| case.golden.contains_key(&format!("L{l}.attn_in")));
-    let mut compared = std::collections::HashSet::new();
+    let mut compared = HashSet::new();
     if teacher {
         let produced = run_attention_teacher_forced(case, device)?;
-        for (name, golden) in sorted(&case.golden) {
-            if let Some(t) = produced.get(name) {
-                let full = format!("{}/teacher_forced/{name}", case.name);
-                let golden = meaningful_part(name, t, golden)?;
-                report.check(&full, t, &golden, tolerance_for(name, Regime::TeacherForced))?;
-                compared.insert(name.clone());
-            }
-        }
+        compared = compare_produced(case, &produced, Regime::TeacherForced, report)?;
     }
     for (name, _) in sorted(&case.golden) {
         let full = format!("{}/{name}", case.name);
@@ -78,6 +71,26 @@ pub fn check_case(case: &Case, device: &Device, report: &mut Report) -> Result<(
         }
     }
     Ok(())
+}
+
+/// Compares every golden tensor of `case` that `produced` holds, labelled
+/// `<case>/<regime>/<name>` (`teacher_forced/` or nothing for end to end); returns the names
+/// compared.
+pub fn compare_produced(case: &Case, produced: &Produced, regime: Regime, report: &mut Report) -> Result<HashSet<String>> {
+    let label = match regime {
+        Regime::TeacherForced => "teacher_forced/",
+        Regime::EndToEnd => "",
+    };
+    let mut compared = HashSet::new();
+    for (name, golden) in sorted(&case.golden) {
+        if let Some(t) = produced.get(name) {
+            let full = format!("{}/{label}{name}", case.name);
+            let golden = meaningful_part(name, t, golden)?;
+            report.check(&full, t, &golden, tolerance_for(name, regime))?;
+            compared.insert(name.clone());
+        }
+    }
+    Ok(compared)
 }
 
 /// The part of a golden tensor that carries information: the compressor carry's slots at or
