@@ -8,17 +8,49 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
+use crate::loader::ReleaseCheckpoint;
 use crate::nn::{Linear, LinearKind};
 use crate::numerics::Numerics;
 
 /// Floor of `|dot|` under the signed square root of the gate.
 const GATE_CLAMP: f64 = 1e-6;
 
+/// Where the Engram table rows come from.
+#[derive(Clone)]
+pub enum EngramTable {
+    /// The whole dequantized table `[rows, head_dim]` bf16 in memory (small models).
+    Resident(Tensor),
+    /// Rows read and dequantized on lookup from the checkpoint tensor `name` (the released
+    /// ~384M-row FP8 tables).
+    Checkpoint { ckpt: ReleaseCheckpoint, name: String },
+}
+
+impl std::fmt::Debug for EngramTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EngramTable::Resident(t) => write!(f, "EngramTable::Resident({:?})", t.shape()),
+            EngramTable::Checkpoint { name, .. } => write!(f, "EngramTable::Checkpoint({name})"),
+        }
+    }
+}
+
+impl EngramTable {
+    /// The rows `ids` (`[N]` u32) as `[N, head_dim]` bf16 on `device`.
+    pub fn rows(&self, ids: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
+        match self {
+            EngramTable::Resident(t) => t.index_select(&ids.to_device(t.device())?, 0)?.to_device(device),
+            EngramTable::Checkpoint { ckpt, name } => {
+                ckpt.lookup_rows(name, &ids.to_device(&candle_core::Device::Cpu)?, DType::BF16)?.to_device(device)
+            }
+        }
+    }
+}
+
 /// The Engram of one layer: `layers.N.engram.{embed, wkv, q_weight, k_weight}`.
 #[derive(Debug, Clone)]
 pub struct Engram {
-    /// `[rows, head_dim]` bf16: the dequantized table.
-    table: Tensor,
+    /// The `[rows, head_dim]` table (dequantized rows are bf16).
+    table: EngramTable,
     /// `[(hc+1)·D, cols·head_dim]`, quantized linear.
     wkv: Linear,
     /// `[hc, D]` f32: `q_weight ⊙ k_weight`.
@@ -32,27 +64,39 @@ pub struct Engram {
 impl Engram {
     /// Loads Engram layer `layer` (its index in `engram_layer_ids` gives the table size) from
     /// `vb` = `layers.N.engram`: `embed.weight` `[rows, head_dim]` (FP8 with a 1×32 scale in the
-    /// release, taken dequantized and held in bf16), `wkv.weight` `[(hc+1)·D, cols·head_dim]`
-    /// (FP8), `q_weight` and `k_weight` `[hc, D]` (bf16).
+    /// release; the whole table is taken dequantized and held in bf16), `wkv.weight`
+    /// `[(hc+1)·D, cols·head_dim]` (FP8), `q_weight` and `k_weight` `[hc, D]` (bf16).
     ///
-    /// The whole table is loaded: right for small models. The released tables have ~384M rows
-    /// (~100 GB in FP8) and need row-wise loading of the looked-up rows instead.
+    /// Holding the whole table suits small models only: the released tables have ~384M rows
+    /// (~100 GB each in FP8); use [`Engram::with_table`] with [`EngramTable::Checkpoint`] there.
     pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
-        let Some(ecfg) = &cfg.engram else { candle_core::bail!("Engram::new: the config has no Engram section") };
-        let Some(i) = ecfg.layer_ids.iter().position(|&l| l == layer) else {
-            candle_core::bail!("Engram::new: layer {layer} is not in engram_layer_ids {:?}", ecfg.layer_ids)
-        };
-        let Some(&rows) = ecfg.num_embeddings.get(i) else {
-            candle_core::bail!("Engram::new: no engram_num_embeddings entry for layer {layer}")
-        };
+        let (rows, head_dim, _) = Self::table_shape(cfg, layer)?;
+        let table = vb.pp("embed").get_with_hints_dtype((rows, head_dim), "weight", Default::default(), DType::BF16)?;
+        Self::with_table(cfg, layer, numerics, vb, EngramTable::Resident(table))
+    }
+
+    /// As [`Engram::new`], with the table rows taken from `table` instead of `embed.weight`.
+    pub fn with_table(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder, table: EngramTable) -> Result<Self> {
+        let (_, head_dim, n_cols) = Self::table_shape(cfg, layer)?;
         let (hc, dim) = (cfg.hc_mult, cfg.hidden_size);
-        let n_cols = (ecfg.max_ngram_size.saturating_sub(1)) * ecfg.n_heads;
         let hints = Default::default();
-        let table = vb.pp("embed").get_with_hints_dtype((rows, ecfg.head_dim), "weight", hints, DType::BF16)?;
-        let wkv = Linear::new(n_cols * ecfg.head_dim, (hc + 1) * dim, LinearKind::Quantized, numerics, vb.pp("wkv"))?;
+        let wkv = Linear::new(n_cols * head_dim, (hc + 1) * dim, LinearKind::Quantized, numerics, vb.pp("wkv"))?;
         let q = vb.get_with_hints_dtype((hc, dim), "q_weight", hints, DType::F32)?;
         let k = vb.get_with_hints_dtype((hc, dim), "k_weight", hints, DType::F32)?;
         Ok(Self { table, wkv, qk_weight: (q * k)?, hc, dim, n_cols, eps: cfg.rms_norm_eps })
+    }
+
+    /// `(rows, head_dim, ids per token)` of layer `layer`'s table, or an error when it is not an
+    /// Engram layer.
+    fn table_shape(cfg: &Config, layer: usize) -> Result<(usize, usize, usize)> {
+        let Some(ecfg) = &cfg.engram else { candle_core::bail!("Engram: the config has no Engram section") };
+        let Some(i) = ecfg.layer_ids.iter().position(|&l| l == layer) else {
+            candle_core::bail!("Engram: layer {layer} is not in engram_layer_ids {:?}", ecfg.layer_ids)
+        };
+        let Some(&rows) = ecfg.num_embeddings.get(i) else {
+            candle_core::bail!("Engram: no engram_num_embeddings entry for layer {layer}")
+        };
+        Ok((rows, ecfg.head_dim, ecfg.max_ngram_size.saturating_sub(1) * ecfg.n_heads))
     }
 
     /// `x`: the stream `[T, hc, D]` (bf16); `ids`: the layer's hash ids `[T, cols]` u32 (table
@@ -71,7 +115,7 @@ impl Engram {
                 self.n_cols
             )
         }
-        let rows = self.table.index_select(&ids.flatten_all()?, 0)?.reshape((t, ()))?;
+        let rows = self.table.rows(&ids.flatten_all()?, x.device())?.reshape((t, ()))?;
         let kv = self.wkv.forward(&rows.to_dtype(x.dtype())?)?.to_dtype(DType::F32)?;
         let key = kv.narrow(1, 0, hc * d)?.reshape((t, hc, d))?;
         let value = kv.narrow(1, hc * d, d)?.unsqueeze(1)?;

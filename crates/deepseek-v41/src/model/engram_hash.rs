@@ -79,12 +79,12 @@ fn is_prime(n: u64) -> bool {
     if n < 2 {
         return false;
     }
-    if n % 2 == 0 {
+    if n.is_multiple_of(2) {
         return n == 2;
     }
     let mut i = 3u64;
     while i * i <= n {
-        if n % i == 0 {
+        if n.is_multiple_of(i) {
             return false;
         }
         i += 2;
@@ -304,8 +304,8 @@ impl EngramHasher {
             for (layout, (_, out)) in self.layout.layers.iter().zip(per_layer.iter_mut()) {
                 // tok < compressed vocab and m < 2·(i64::MAX / vocab / 2) + 1, so no overflow.
                 let mut rolling = lookback[0] * layout.multipliers[0];
-                for s in 1..g {
-                    rolling ^= lookback[s] * layout.multipliers[s];
+                for (s, (&tok, &m)) in lookback.iter().zip(&layout.multipliers).enumerate().skip(1) {
+                    rolling ^= tok * m;
                     for k in 0..heads {
                         let c = (s - 1) * heads + k;
                         out.push((rolling % layout.primes[c] + layout.offsets[c]) as u32);
@@ -380,8 +380,8 @@ mod tests {
         let l = &h.layout().layers()[0];
         let (m, p, o) = (&l.multipliers, &l.primes, &l.offsets);
         let expect = |t: [u64; 3]| -> Vec<u32> {
-            let r1 = t[0] * m[0] ^ t[1] * m[1];
-            let r2 = r1 ^ t[2] * m[2];
+            let r1 = (t[0] * m[0]) ^ (t[1] * m[1]);
+            let r2 = r1 ^ (t[2] * m[2]);
             vec![(r1 % p[0] + o[0]) as u32, (r1 % p[1] + o[1]) as u32, (r2 % p[2] + o[2]) as u32, (r2 % p[3] + o[3]) as u32]
         };
         let got = ids.layer(1).unwrap();

@@ -167,3 +167,85 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
     let direct = post.to_dtype(DType::F32)?.unsqueeze(2)?.broadcast_mul(&y.to_dtype(DType::F32)?.unsqueeze(1)?)?;
     (direct + mixed)?.to_dtype(x.dtype())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn bf16_round(v: f32) -> f32 {
+        half::bf16::from_f32(v).to_f32()
+    }
+
+    /// Dyadic values so every product and sum below is exact in f32 (outputs are rounded to bf16).
+    fn setup() -> Result<(Tensor, Tensor, Tensor, Tensor, Tensor)> {
+        let dev = Device::Cpu;
+        let (t, hc, d) = (2usize, 4usize, 3usize);
+        let x: Vec<f32> = (0..t * hc * d).map(|i| (i as f32 - 10.0) * 0.25).collect();
+        let x = Tensor::from_vec(x, (t, hc, d), &dev)?.to_dtype(DType::BF16)?;
+        let y = Tensor::from_vec((0..t * d).map(|i| i as f32 * 0.5 - 1.0).collect::<Vec<_>>(), (t, d), &dev)?
+            .to_dtype(DType::BF16)?;
+        let pre = Tensor::from_vec((0..t * hc).map(|i| (i % 5) as f32 * 0.125).collect::<Vec<_>>(), (t, hc), &dev)?;
+        let post = Tensor::from_vec((0..t * hc).map(|i| 2.0 - i as f32 * 0.25).collect::<Vec<_>>(), (t, hc), &dev)?;
+        // A deliberately non-symmetric comb.
+        let comb: Vec<f32> = (0..t * hc * hc).map(|i| ((i * 7) % 11) as f32 * 0.0625).collect();
+        let comb = Tensor::from_vec(comb, (t, hc, hc), &dev)?;
+        Ok((x, y, pre, post, comb))
+    }
+
+    #[test]
+    fn collapse_by_hand() -> Result<()> {
+        let (x, _, pre, _, _) = setup()?;
+        let got = collapse(&x, &pre)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let xv = x.to_dtype(DType::F32)?.to_vec3::<f32>()?;
+        let pv = pre.to_vec2::<f32>()?;
+        for t in 0..2 {
+            for c in 0..3 {
+                let want = bf16_round((0..4).map(|k| pv[t][k] * xv[t][k][c]).sum());
+                assert_eq!(got[t][c], want, "t {t} c {c}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn post_sums_comb_first_index() -> Result<()> {
+        let (x, y, _, p, comb) = setup()?;
+        let got = post(&y, &x, &p, &comb)?.to_dtype(DType::F32)?.to_vec3::<f32>()?;
+        let (xv, yv) = (x.to_dtype(DType::F32)?.to_vec3::<f32>()?, y.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+        let (pv, cv) = (p.to_vec2::<f32>()?, comb.to_vec3::<f32>()?);
+        let mut transposed_differs = false;
+        for t in 0..2 {
+            for j in 0..4 {
+                for c in 0..3 {
+                    let want = pv[t][j] * yv[t][c] + (0..4).map(|i| cv[t][i][j] * xv[t][i][c]).sum::<f32>();
+                    assert_eq!(got[t][j][c], bf16_round(want), "t {t} copy {j} c {c}");
+                    // Negative control: the residual on comb's second index.
+                    let wrong = pv[t][j] * yv[t][c] + (0..4).map(|i| cv[t][j][i] * xv[t][i][c]).sum::<f32>();
+                    transposed_differs |= (wrong - want).abs() > 0.1;
+                }
+            }
+        }
+        assert!(transposed_differs, "the test comb does not distinguish comb from its transpose");
+        Ok(())
+    }
+
+    #[test]
+    fn sinkhorn_identity_mixes() -> Result<()> {
+        // Zero mixes and zero base: uniform comb 1/4, pre σ(0)+eps, post 1.
+        let dev = Device::Cpu;
+        let m = Tensor::zeros((1, 24), DType::F32, &dev)?;
+        let c = split_sinkhorn(&m, &Tensor::ones(3, DType::F32, &dev)?, &Tensor::zeros(24, DType::F32, &dev)?, 4, 20, 1e-6)?;
+        for v in c.comb.flatten_all()?.to_vec1::<f32>()? {
+            assert!((v - 0.25).abs() < 1e-5);
+        }
+        for v in c.pre.flatten_all()?.to_vec1::<f32>()? {
+            assert!((v - (0.5 + 1e-6)).abs() < 1e-7);
+        }
+        for v in c.post.flatten_all()?.to_vec1::<f32>()? {
+            assert!((v - 1.0).abs() < 1e-7);
+        }
+        assert!(split_sinkhorn(&m, &Tensor::ones(3, DType::F32, &dev)?, &Tensor::zeros(24, DType::F32, &dev)?, 3, 20, 1e-6).is_err());
+        Ok(())
+    }
+}

@@ -41,11 +41,7 @@ pub struct Routing {
 impl Routing {
     /// Number of tokens.
     pub fn tokens(&self) -> usize {
-        if self.k == 0 {
-            0
-        } else {
-            self.ids.len() / self.k
-        }
+        self.ids.len().checked_div(self.k).unwrap_or(0)
     }
 
     /// `ids` as a `[T, k]` u32 tensor.
@@ -81,7 +77,7 @@ impl Gate {
         if cfg.num_experts_per_tok == 0 || cfg.num_experts_per_tok > e {
             candle_core::bail!("MoE gate: num_experts_per_tok {} not in 1..={e}", cfg.num_experts_per_tok)
         }
-        if !(cfg.gate_temp > 0.0) {
+        if cfg.gate_temp.is_nan() || cfg.gate_temp <= 0.0 {
             candle_core::bail!("MoE gate: gate_temp must be > 0, got {}", cfg.gate_temp)
         }
         match cfg.scoring_func {
@@ -121,26 +117,30 @@ impl Gate {
     /// Routes `x` `[T, D]` (bf16): top-k of score + bias (ties: lower expert id first), weights
     /// `score / (Σ_sel score + 1e-20) · routed_scaling_factor` from the unbiased scores.
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
-        let scores = self.scores(x)?;
-        let k = self.top_k;
-        let mut ids = Vec::with_capacity(scores.len() * k);
-        let mut weights = Vec::with_capacity(scores.len() * k);
-        let mut order: Vec<usize> = Vec::with_capacity(self.bias.len());
-        for row in &scores {
-            let biased: Vec<f32> = row.iter().zip(&self.bias).map(|(s, b)| s + b).collect();
-            order.clear();
-            order.extend(0..row.len());
-            // total_cmp keeps NaN deterministic (ordered above +inf, so a NaN score is visible).
-            order.sort_by(|&a, &b| biased[b].total_cmp(&biased[a]).then(a.cmp(&b)));
-            let sel = &order[..k];
-            let sum: f32 = sel.iter().map(|&e| row[e]).sum();
-            for &e in sel {
-                ids.push(e as u32);
-                weights.push(row[e] / (sum + RENORM_EPS) * self.route_scale);
-            }
-        }
-        Ok(Routing { k, ids, weights })
+        Ok(select_experts(&self.scores(x)?, &self.bias, self.top_k, self.route_scale))
     }
+}
+
+/// Top-`k` of `score + bias` per row (ties: lower expert id first), weights
+/// `score / (Σ_sel score + 1e-20) · route_scale` from the unbiased `scores` (`[T][E]` f32).
+fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32) -> Routing {
+    let mut ids = Vec::with_capacity(scores.len() * k);
+    let mut weights = Vec::with_capacity(scores.len() * k);
+    let mut order: Vec<usize> = Vec::with_capacity(bias.len());
+    for row in scores {
+        let biased: Vec<f32> = row.iter().zip(bias).map(|(s, b)| s + b).collect();
+        order.clear();
+        order.extend(0..row.len());
+        // total_cmp keeps NaN deterministic (ordered above +inf, so a NaN score is visible).
+        order.sort_by(|&a, &b| biased[b].total_cmp(&biased[a]).then(a.cmp(&b)));
+        let sel = &order[..k];
+        let sum: f32 = sel.iter().map(|&e| row[e]).sum();
+        for &e in sel {
+            ids.push(e as u32);
+            weights.push(row[e] / (sum + RENORM_EPS) * route_scale);
+        }
+    }
+    Routing { k, ids, weights }
 }
 
 /// One SwiGLU expert `w2(silu(min(w1·x, L)) · clamp(w3·x, −L, L))` with FP8/FP4 weights
@@ -261,6 +261,70 @@ impl Moe {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn selection_uses_bias_weights_do_not() {
+        let scores = vec![vec![0.5f32, 0.9, 0.7, 0.1]];
+        // The bias lifts expert 3 into the top-2 and pushes expert 1 out.
+        let r = select_experts(&scores, &[0.0, -1.0, 0.0, 1.0], 2, 1.5);
+        assert_eq!(r.ids, vec![3, 2]);
+        let sum = 0.1f32 + 0.7;
+        assert_eq!(r.weights, vec![0.1 / (sum + 1e-20) * 1.5, 0.7 / (sum + 1e-20) * 1.5]);
+        assert!((r.weights.iter().sum::<f32>() - 1.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn ties_pick_the_lower_expert_id() {
+        let scores = vec![vec![0.3f32, 0.6, 0.6, 0.6], vec![0.2, 0.2, 0.2, 0.2]];
+        let r = select_experts(&scores, &[0.0; 4], 2, 1.0);
+        assert_eq!(r.ids, vec![1, 2, 0, 1]);
+        assert_eq!(r.tokens(), 2);
+    }
+
+    /// The clamped SwiGLU against a hand computation: gate clamped above only, up clamped on both
+    /// sides, routing weight applied before `w2`. Weights are exact small values so f32 is exact.
+    #[test]
+    fn expert_clamp_by_hand() -> Result<()> {
+        let dev = Device::Cpu;
+        let (d, inter, limit) = (32usize, 4usize, 0.5f32);
+        // x: one token with x[c] = 1 for c < 2, else 0; w1/w3 rows pick scaled sums.
+        let mut x = vec![0f32; d];
+        x[0] = 1.0;
+        x[1] = 1.0;
+        let gate_rows = [2.0f32, -3.0, 0.25, 0.0]; // a = 2·row value (x has two ones)
+        let up_rows = [-1.0f32, 0.125, 2.0, -0.0625];
+        let row = |v: f32| -> Vec<f32> { (0..d).map(|c| if c < 2 { v } else { 0.0 }).collect() };
+        let w1: Vec<f32> = gate_rows.iter().flat_map(|&v| row(v)).collect();
+        let w3: Vec<f32> = up_rows.iter().flat_map(|&v| row(v)).collect();
+        let w2: Vec<f32> = (0..d * inter).map(|i| if i / inter == i % inter { 1.0 } else { 0.0 }).collect();
+        let mut ts = HashMap::new();
+        ts.insert("w1.weight".to_string(), Tensor::from_vec(w1, (inter, d), &dev)?);
+        ts.insert("w3.weight".to_string(), Tensor::from_vec(w3, (inter, d), &dev)?);
+        ts.insert("w2.weight".to_string(), Tensor::from_vec(w2, (d, inter), &dev)?);
+        let vb = VarBuilder::from_tensors(ts, DType::F32, &dev);
+        let expert = Expert::new(d, inter, limit as f64, Numerics::PLAIN, vb.clone())?;
+        let unclamped = Expert::new(d, inter, 0.0, Numerics::PLAIN, vb)?;
+        let xt = Tensor::from_vec(x, (1, d), &dev)?;
+        let w = Tensor::new(&[[0.75f32]], &dev)?;
+        let got = expert.forward(&xt, Some(&w))?.to_vec2::<f32>()?[0].clone();
+        let free = unclamped.forward(&xt, Some(&w))?.to_vec2::<f32>()?[0].clone();
+        let silu = |a: f32| a / (1.0 + (-a).exp());
+        for j in 0..inter {
+            let (a, u) = (2.0 * gate_rows[j], 2.0 * up_rows[j]);
+            let want = silu(a.min(limit)) * u.clamp(-limit, limit) * 0.75;
+            assert!((got[j] - want).abs() <= 1e-6 * want.abs().max(1.0), "col {j}: {} vs {want}", got[j]);
+            let want_free = silu(a) * u * 0.75;
+            assert!((free[j] - want_free).abs() <= 1e-6 * want_free.abs().max(1.0));
+        }
+        // The clamp is active here: rows 0 (gate 4 → 0.5, up −2 → −0.5) and 2 (up 4 → 0.5).
+        assert!((got[0] - free[0]).abs() > 0.1 && (got[2] - free[2]).abs() > 0.1);
+        // Upper-only on the gate: a = −6 is not raised to −0.5.
+        let want1 = silu(-6.0) * 0.25 * 0.75;
+        assert!((got[1] - want1).abs() < 1e-7);
+        assert!(got[4..].iter().all(|&v| v == 0.0));
+        Ok(())
+    }
 
     #[test]
     fn softplus_is_stable() {
