@@ -26,6 +26,7 @@ impl ReleaseBackend {
     }
 
     /// In collect mode, records `err` and returns zeros of `shape`; otherwise returns `err`.
+    /// (Missing tensors, unsupported formats and shape mismatches are all collected.)
     fn fail_or_collect(&self, err: LoadError, shape: &Shape, dtype: DType, dev: &Device) -> Result<Tensor> {
         if self.ckpt.collects_missing() {
             self.ckpt.record_problem(err.to_string());
@@ -42,11 +43,14 @@ impl SimpleBackend for ReleaseBackend {
     fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, dev: &Device) -> Result<Tensor> {
         let info = match self.ckpt.info(name) {
             Ok(info) => info,
-            Err(e @ LoadError::Missing { .. }) => return self.fail_or_collect(e, &s, dtype, dev),
-            Err(e) => return Err(e.into()),
+            Err(e) => return self.fail_or_collect(e, &s, dtype, dev),
         };
         if info.shape != s.dims() {
-            let e = LoadError::ShapeMismatch { name: name.to_string(), expected: s.dims().to_vec(), found: info.shape };
+            let e = LoadError::ShapeMismatch {
+                name: name.to_string(),
+                expected: s.dims().to_vec(),
+                found: info.shape,
+            };
             return self.fail_or_collect(e, &s, dtype, dev);
         }
         self.ckpt.get(name, dtype, dev)

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
-use super::dequant::{blocks, dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
+use super::dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
 use super::error::LoadError;
 use super::layout::{classify, scale_name, weight_of_scale, StoredTensor, TensorInfo, WeightFormat};
 use super::shard::{RawEntry, Shard};
@@ -49,13 +49,14 @@ struct IndexJson {
 }
 
 impl ReleaseCheckpoint {
-    /// Opens one or several safetensors files (or `model.safetensors.index.json` files, whose
-    /// shards are opened and cross-checked). A tensor name present in two files is an error.
+    /// Opens one or several safetensors files, `model.safetensors.index.json` files (whose
+    /// shards are opened and cross-checked) or folders (as [`open_dir`](Self::open_dir)). A
+    /// tensor name present in two files is an error.
     pub fn open<P: AsRef<Path>>(paths: &[P]) -> Result<Self, LoadError> {
         let mut files = Vec::new();
         let mut indexes = Vec::new();
         for p in paths {
-            let p = p.as_ref();
+            let p = &resolve_dir(p.as_ref())?;
             if p.extension().is_some_and(|e| e == "json") {
                 let (shards, map) = read_index(p)?;
                 files.extend(shards);
@@ -76,22 +77,7 @@ impl ReleaseCheckpoint {
     /// Opens a checkpoint folder: `model.safetensors.index.json` and its shards if the index
     /// exists, otherwise `model.safetensors`.
     pub fn open_dir(dir: impl AsRef<Path>) -> Result<Self, LoadError> {
-        let dir = dir.as_ref();
-        let index = dir.join(INDEX_FILE);
-        if index.is_file() {
-            return Self::open(&[index]);
-        }
-        let single = dir.join(SINGLE_FILE);
-        if single.is_file() {
-            return Self::open(&[single]);
-        }
-        Err(LoadError::Io {
-            path: dir.to_path_buf(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!("neither {INDEX_FILE} nor {SINGLE_FILE} in this folder"),
-            ),
-        })
+        Self::open(&[resolve_dir(dir.as_ref())?])
     }
 
     fn open_files(files: &[PathBuf]) -> Result<Self, LoadError> {
@@ -113,7 +99,13 @@ impl ReleaseCheckpoint {
             }
             shards.push(shard);
         }
-        Ok(Self { inner: Arc::new(Inner { shards, entries, usage: Mutex::new(Usage::default()) }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                shards,
+                entries,
+                usage: Mutex::new(Usage::default()),
+            }),
+        })
     }
 
     /// Every name of the index must be in the shard it names.
@@ -150,8 +142,13 @@ impl ReleaseCheckpoint {
     /// Logical tensor names, sorted: every stored tensor except the `.scale` companions of
     /// weights.
     pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> =
-            self.inner.entries.keys().filter(|n| !self.is_companion(n)).cloned().collect();
+        let mut v: Vec<String> = self
+            .inner
+            .entries
+            .keys()
+            .filter(|n| !self.is_companion(n))
+            .cloned()
+            .collect();
         v.sort();
         v
     }
@@ -195,24 +192,32 @@ impl ReleaseCheckpoint {
             });
         }
         let Some(stored) = self.stored(name) else {
-            return Err(LoadError::Missing { name: name.to_string(), hint: String::new() });
+            return Err(LoadError::Missing {
+                name: name.to_string(),
+                hint: String::new(),
+            });
         };
         let scale = scale_name(name).and_then(|s| self.stored(&s));
         let (format, shape) = classify(&stored, scale.as_ref())?;
-        Ok(TensorInfo { name: name.to_string(), format, shape, stored, scale })
+        Ok(TensorInfo {
+            name: name.to_string(),
+            format,
+            shape,
+            stored,
+            scale,
+        })
     }
 
     /// The raw stored bytes of any stored tensor (companions included), straight from the map.
     pub fn raw_bytes(&self, name: &str) -> Result<&[u8], LoadError> {
-        let e = self
-            .inner
-            .entries
-            .get(name)
-            .ok_or_else(|| LoadError::Missing { name: name.to_string(), hint: String::new() })?;
+        let e = self.inner.entries.get(name).ok_or_else(|| LoadError::Missing {
+            name: name.to_string(),
+            hint: String::new(),
+        })?;
         Ok(self.inner.shards[e.shard].bytes(e.raw.range.clone()))
     }
 
-    fn bytes_of(&self, t: &StoredTensor) -> Result<&[u8], LoadError> {
+    pub(super) fn bytes_of(&self, t: &StoredTensor) -> Result<&[u8], LoadError> {
         self.raw_bytes(&t.name)
     }
 
@@ -221,8 +226,23 @@ impl ReleaseCheckpoint {
     /// Returns the logical shape of [`info`](Self::info) (e.g. `[out, in]` for an MXFP4 weight
     /// stored as `[out, in/2]`). FP8 / MXFP4 weights are dequantized to f32 exactly (spec §2.4),
     /// then cast; unquantized tensors are cast from their stored dtype. Records `name` as used.
+    ///
+    /// Errors ([`LoadError::TooLarge`]) if the tensor would take more than the dense limit
+    /// ([`set_dense_limit`](Self::set_dense_limit)) as f32: use [`row_table`](Self::row_table)
+    /// for the Engram tables.
     pub fn get(&self, name: &str, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
         let info = self.info(name)?;
+        let limit = self.dense_limit();
+        let bytes = info.shape.iter().product::<usize>().saturating_mul(4);
+        if bytes > limit {
+            return Err(LoadError::TooLarge {
+                name: name.to_string(),
+                shape: info.shape,
+                bytes,
+                limit,
+            }
+            .into());
+        }
         let w = self.bytes_of(&info.stored)?;
         let t = match (info.format, info.shape.as_slice()) {
             (WeightFormat::Plain, _) => {
@@ -243,89 +263,16 @@ impl ReleaseCheckpoint {
                 Tensor::from_vec(v, (out, inp), &Device::Cpu)?
             }
             (_, shape) => {
-                return Err(LoadError::BadFormat { name: name.to_string(), detail: format!("quantized tensor of shape {shape:?}") }
-                    .into())
-            }
-        };
-        let t = t.to_dtype(dtype)?.to_device(device)?;
-        self.mark_used(name);
-        Ok(t)
-    }
-
-    /// Selected rows of the 2-D logical tensor `name`, dequantized: `[row_ids.len(), cols]` as
-    /// `dtype` on `device`.
-    ///
-    /// Meant for the Engram tables (spec §9, §2.4): the release tables are `F8_E4M3 [rows, 256]`
-    /// with per-row 1×32 scales and about 100 GB each, so only the looked-up rows are read from
-    /// the map and dequantized (e4m3 × 2^(s − 127) in f32, then cast; the reference casts to
-    /// bf16). Works for every format (a 32×32-block FP8 row uses its block row's scales, an
-    /// MXFP4 row its own scales, a plain row is copied). Row ids may repeat. Records `name` as
-    /// used. Errors on a row id ≥ the number of rows, naming both.
-    pub fn get_raw_rows(&self, name: &str, row_ids: &[usize], dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-        let info = self.info(name)?;
-        let &[rows, cols] = info.shape.as_slice() else {
-            return Err(LoadError::BadFormat {
-                name: name.to_string(),
-                detail: format!("row lookup needs a 2-D tensor, found shape {:?}", info.shape),
-            }
-            .into());
-        };
-        if let Some(&row) = row_ids.iter().find(|&&r| r >= rows) {
-            return Err(LoadError::RowOutOfRange { name: name.to_string(), row: row as i64, rows }.into());
-        }
-        let w = self.bytes_of(&info.stored)?;
-        let n = row_ids.len();
-        let t = if info.format == WeightFormat::Plain {
-            let sd = info.stored.dtype.candle().ok_or_else(|| LoadError::BadFormat {
-                name: name.to_string(),
-                detail: format!("dtype {} is not supported", info.stored.dtype),
-            })?;
-            let row_bytes = cols * info.stored.dtype.size();
-            let mut buf = Vec::with_capacity(n * row_bytes);
-            for &r in row_ids {
-                buf.extend_from_slice(&w[r * row_bytes..(r + 1) * row_bytes]);
-            }
-            Tensor::from_raw_buffer(&buf, sd, &[n, cols], &Device::Cpu)?
-        } else {
-            let s = self.bytes_of(info.scale.as_ref().ok_or_else(|| missing_scale(name))?)?;
-            let sc = blocks(cols);
-            let mut v = Vec::with_capacity(n * cols);
-            for &r in row_ids {
-                let row = match info.format {
-                    WeightFormat::Fp8Rows => dequant_fp8_rows(&w[r * cols..(r + 1) * cols], &s[r * sc..(r + 1) * sc], 1, cols),
-                    WeightFormat::Fp8Block32 => {
-                        let b = r / 32;
-                        dequant_fp8_block32(&w[r * cols..(r + 1) * cols], &s[b * sc..(b + 1) * sc], 1, cols)
-                    }
-                    _ => dequant_mxfp4(&w[r * cols / 2..(r + 1) * cols / 2], &s[r * sc..(r + 1) * sc], 1, cols),
+                return Err(LoadError::BadFormat {
+                    name: name.to_string(),
+                    detail: format!("quantized tensor of shape {shape:?}"),
                 }
-                .map_err(|e| with_name(name, e))?;
-                v.extend_from_slice(&row);
+                .into())
             }
-            Tensor::from_vec(v, (n, cols), &Device::Cpu)?
         };
         let t = t.to_dtype(dtype)?.to_device(device)?;
         self.mark_used(name);
         Ok(t)
-    }
-
-    /// Row lookup with a tensor of ids: `ids` is any-rank integer (U8/U32/I16/I32/I64); returns
-    /// `ids.dims() ++ [cols]` as `dtype` on `ids`' device. See [`get_raw_rows`](Self::get_raw_rows).
-    pub fn lookup_rows(&self, name: &str, ids: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
-        let flat: Vec<i64> = ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
-        let mut rows = Vec::with_capacity(flat.len());
-        for id in flat {
-            let r = usize::try_from(id).map_err(|_| LoadError::RowOutOfRange {
-                name: name.to_string(),
-                row: id,
-                rows: self.info(name).ok().and_then(|i| i.shape.first().copied()).unwrap_or(0),
-            })?;
-            rows.push(r);
-        }
-        let t = self.get_raw_rows(name, &rows, dtype, ids.device())?;
-        let mut dims = ids.dims().to_vec();
-        dims.push(t.dim(1)?);
-        t.reshape(dims)
     }
 
     pub(super) fn usage(&self) -> std::sync::MutexGuard<'_, Usage> {
@@ -333,20 +280,52 @@ impl ReleaseCheckpoint {
     }
 }
 
-fn missing_scale(name: &str) -> LoadError {
-    LoadError::BadFormat { name: name.to_string(), detail: "quantized weight lost its scale companion".to_string() }
+pub(super) fn missing_scale(name: &str) -> LoadError {
+    LoadError::BadFormat {
+        name: name.to_string(),
+        detail: "quantized weight lost its scale companion".to_string(),
+    }
 }
 
-fn with_name(name: &str, e: LoadError) -> LoadError {
-    LoadError::BadFormat { name: name.to_string(), detail: e.to_string() }
+pub(super) fn with_name(name: &str, e: LoadError) -> LoadError {
+    LoadError::BadFormat {
+        name: name.to_string(),
+        detail: e.to_string(),
+    }
+}
+
+/// A folder's checkpoint file: its index if there is one, else `model.safetensors`. Other
+/// paths are returned unchanged.
+fn resolve_dir(dir: &Path) -> Result<PathBuf, LoadError> {
+    if !dir.is_dir() {
+        return Ok(dir.to_path_buf());
+    }
+    for name in [INDEX_FILE, SINGLE_FILE] {
+        let p = dir.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    Err(LoadError::Io {
+        path: dir.to_path_buf(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("neither {INDEX_FILE} nor {SINGLE_FILE} in this folder"),
+        ),
+    })
 }
 
 /// Reads an index file: the shard paths (deduplicated, relative to the index's folder, each
 /// checked to exist) and the name -> shard map.
 fn read_index(index: &Path) -> Result<(Vec<PathBuf>, BTreeMap<String, PathBuf>), LoadError> {
-    let text = std::fs::read_to_string(index).map_err(|source| LoadError::Io { path: index.to_path_buf(), source })?;
-    let parsed: IndexJson = serde_json::from_str(&text)
-        .map_err(|e| LoadError::BadIndex { path: index.to_path_buf(), detail: format!("not a valid index: {e}") })?;
+    let text = std::fs::read_to_string(index).map_err(|source| LoadError::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let parsed: IndexJson = serde_json::from_str(&text).map_err(|e| LoadError::BadIndex {
+        path: index.to_path_buf(),
+        detail: format!("not a valid index: {e}"),
+    })?;
     let dir = index.parent().unwrap_or_else(|| Path::new("."));
     let mut shards = Vec::new();
     let mut seen = BTreeSet::new();
@@ -355,7 +334,11 @@ fn read_index(index: &Path) -> Result<(Vec<PathBuf>, BTreeMap<String, PathBuf>),
         let path = dir.join(&file);
         if seen.insert(path.clone()) {
             if !path.is_file() {
-                return Err(LoadError::MissingShard { index: index.to_path_buf(), shard: path, tensor: name });
+                return Err(LoadError::MissingShard {
+                    index: index.to_path_buf(),
+                    shard: path,
+                    tensor: name,
+                });
             }
             shards.push(path.clone());
         }

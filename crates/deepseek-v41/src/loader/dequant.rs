@@ -47,7 +47,12 @@ fn check_len(what: &'static str, buf: &[u8], expected: usize, dims: impl FnOnce(
     if buf.len() == expected {
         Ok(())
     } else {
-        Err(LoadError::BufferLength { what, dims: dims(), expected, found: buf.len() })
+        Err(LoadError::BufferLength {
+            what,
+            dims: dims(),
+            expected,
+            found: buf.len(),
+        })
     }
 }
 
@@ -61,8 +66,12 @@ fn check_len(what: &'static str, buf: &[u8], expected: usize, dims: impl FnOnce(
 /// negative zeros returned as `+0.0`. Errors if a buffer length does not match the dims.
 pub fn dequant_fp8_block32(weight: &[u8], scale: &[u8], out: usize, inp: usize) -> Result<Vec<f32>, LoadError> {
     let (sr, sc) = (blocks(out), blocks(inp));
-    check_len("FP8 block-32 weight (e4m3)", weight, out * inp, || format!("[{out}, {inp}]"))?;
-    check_len("FP8 block-32 scale (e8m0)", scale, sr * sc, || format!("[{sr}, {sc}] (weight [{out}, {inp}])"))?;
+    check_len("FP8 block-32 weight (e4m3)", weight, out * inp, || {
+        format!("[{out}, {inp}]")
+    })?;
+    check_len("FP8 block-32 scale (e8m0)", scale, sr * sc, || {
+        format!("[{sr}, {sc}] (weight [{out}, {inp}])")
+    })?;
     let (lut, s_lut) = (e4m3_table(), e8m0_table());
     let mut dst = Vec::with_capacity(out * inp);
     for (r, row) in weight.chunks_exact(inp.max(1)).take(out).enumerate() {
@@ -84,7 +93,7 @@ pub fn dequant_fp8_block32(weight: &[u8], scale: &[u8], out: usize, inp: usize) 
 /// Returns the f32 weight `[out, inp]` row-major: `W[r,c] = e2m1(code(r,c)) · 2^(s[r, c/32] − 127)`,
 /// code 8 ("−0") returned as `+0.0`. Errors on an odd `inp` or a buffer length mismatch.
 pub fn dequant_mxfp4(packed: &[u8], scale: &[u8], out: usize, inp: usize) -> Result<Vec<f32>, LoadError> {
-    if inp % 2 != 0 {
+    if !inp.is_multiple_of(2) {
         return Err(LoadError::BufferLength {
             what: "MXFP4 weight (logical input dim must be even)",
             dims: format!("[{out}, {inp}]"),
@@ -93,8 +102,12 @@ pub fn dequant_mxfp4(packed: &[u8], scale: &[u8], out: usize, inp: usize) -> Res
         });
     }
     let sc = blocks(inp);
-    check_len("MXFP4 packed weight", packed, out * inp / 2, || format!("[{out}, {inp}] (packed [{out}, {}])", inp / 2))?;
-    check_len("MXFP4 scale (e8m0)", scale, out * sc, || format!("[{out}, {sc}] (weight [{out}, {inp}])"))?;
+    check_len("MXFP4 packed weight", packed, out * inp / 2, || {
+        format!("[{out}, {inp}] (packed [{out}, {}])", inp / 2)
+    })?;
+    check_len("MXFP4 scale (e8m0)", scale, out * sc, || {
+        format!("[{out}, {sc}] (weight [{out}, {inp}])")
+    })?;
     let (pairs, s_lut) = (e2m1_pair_table(), e8m0_table());
     let mut dst = Vec::with_capacity(out * inp);
     for (r, row) in packed.chunks_exact((inp / 2).max(1)).take(out).enumerate() {
@@ -119,8 +132,12 @@ pub fn dequant_mxfp4(packed: &[u8], scale: &[u8], out: usize, inp: usize) -> Res
 /// `rows` = their count (see [`super::ReleaseCheckpoint::get_raw_rows`]).
 pub fn dequant_fp8_rows(weight: &[u8], scale: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, LoadError> {
     let sc = blocks(cols);
-    check_len("FP8 row weight (e4m3)", weight, rows * cols, || format!("[{rows}, {cols}]"))?;
-    check_len("FP8 row scale (e8m0)", scale, rows * sc, || format!("[{rows}, {sc}] (weight [{rows}, {cols}])"))?;
+    check_len("FP8 row weight (e4m3)", weight, rows * cols, || {
+        format!("[{rows}, {cols}]")
+    })?;
+    check_len("FP8 row scale (e8m0)", scale, rows * sc, || {
+        format!("[{rows}, {sc}] (weight [{rows}, {cols}])")
+    })?;
     let (lut, s_lut) = (e4m3_table(), e8m0_table());
     let mut dst = Vec::with_capacity(rows * cols);
     for (r, row) in weight.chunks_exact(cols.max(1)).take(rows).enumerate() {
@@ -140,7 +157,16 @@ mod tests {
     #[test]
     fn fp8_spec_vector() {
         let bytes = [0xd8u8, 0x71, 0xf2, 0x79, 0x70, 0x69, 0xf0, 0xe5];
-        let expect = [-0.00390625f32, 0.03515625, -0.0390625, 0.0703125, 0.03125, 0.017578125, -0.03125, -0.0126953125];
+        let expect = [
+            -0.00390625f32,
+            0.03515625,
+            -0.0390625,
+            0.0703125,
+            0.03125,
+            0.017578125,
+            -0.03125,
+            -0.0126953125,
+        ];
         // A 1x8 matrix: one (partial) 32x32 block.
         let got = dequant_fp8_block32(&bytes, &[0x73], 1, 8).unwrap();
         assert_eq!(got, expect);
@@ -176,7 +202,9 @@ mod tests {
             }
         }
         // Wrong scale length (a 128x128-block layout would have 1 scale) is an error, not a panic.
-        let e = dequant_fp8_block32(&weight, &[127u8], out, inp).unwrap_err().to_string();
+        let e = dequant_fp8_block32(&weight, &[127u8], out, inp)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("expected 4 bytes") && e.contains("got 1"), "{e}");
     }
 

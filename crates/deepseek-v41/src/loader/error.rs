@@ -127,6 +127,21 @@ pub enum LoadError {
         /// Number of rows.
         rows: usize,
     },
+    /// A tensor too large to materialize densely (the Engram tables): read it by rows.
+    #[error(
+        "tensor `{name}` {shape:?} would take {bytes} bytes as f32, over the dense limit of {limit}; \
+         read it by rows (ReleaseCheckpoint::row_table / get_raw_rows) or raise the limit"
+    )]
+    TooLarge {
+        /// The tensor.
+        name: String,
+        /// Its logical shape.
+        shape: Vec<usize>,
+        /// Its dense f32 size.
+        bytes: usize,
+        /// The limit in force.
+        limit: usize,
+    },
     /// Tensors of the checkpoint that the model never requested (strict loading).
     #[error("{} checkpoint tensor(s) were never used: {}", names.len(), names.join(", "))]
     Unused {

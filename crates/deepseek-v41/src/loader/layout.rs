@@ -72,14 +72,23 @@ pub fn weight_of_scale(scale: &str) -> Option<String> {
 
 /// Decides the format and logical shape of `weight` given its optional `.scale` companion.
 pub fn classify(weight: &StoredTensor, scale: Option<&StoredTensor>) -> Result<(WeightFormat, Vec<usize>), LoadError> {
-    let bad = |detail: String| LoadError::BadFormat { name: weight.name.clone(), detail };
+    let bad = |detail: String| LoadError::BadFormat {
+        name: weight.name.clone(),
+        detail,
+    };
     let dims2 = || match weight.shape[..] {
         [a, b] => Ok((a, b)),
-        _ => Err(bad(format!("quantized {} weight must be 2-D, found shape {:?}", weight.dtype, weight.shape))),
+        _ => Err(bad(format!(
+            "quantized {} weight must be 2-D, found shape {:?}",
+            weight.dtype, weight.shape
+        ))),
     };
     let check_scale_dtype = |s: &StoredTensor| match s.dtype {
         StoredDtype::F8E8M0 | StoredDtype::U8 => Ok(()),
-        d => Err(bad(format!("its scale `{}` has dtype {d}, expected F8_E8M0 (or U8)", s.name))),
+        d => Err(bad(format!(
+            "its scale `{}` has dtype {d}, expected F8_E8M0 (or U8)",
+            s.name
+        ))),
     };
     match (weight.dtype, scale) {
         (StoredDtype::F8E4M3, None) => Err(bad(format!(
@@ -123,13 +132,16 @@ pub fn classify(weight: &StoredTensor, scale: Option<&StoredTensor>) -> Result<(
                 )))
             }
         }
-        (StoredDtype::I8, None) => {
-            Err(bad("I8 tensor without a `.scale` companion (MXFP4 weights need an F8_E8M0 scale)".to_string()))
-        }
-        (StoredDtype::F8E8M0, _) => {
-            Err(bad("F8_E8M0 tensor that is not the `.scale` companion of a weight".to_string()))
-        }
-        (d, Some(s)) => Err(bad(format!("has a scale companion `{}` but its dtype {d} is not a quantized format", s.name))),
+        (StoredDtype::I8, None) => Err(bad(
+            "I8 tensor without a `.scale` companion (MXFP4 weights need an F8_E8M0 scale)".to_string(),
+        )),
+        (StoredDtype::F8E8M0, _) => Err(bad(
+            "F8_E8M0 tensor that is not the `.scale` companion of a weight".to_string()
+        )),
+        (d, Some(s)) => Err(bad(format!(
+            "has a scale companion `{}` but its dtype {d} is not a quantized format",
+            s.name
+        ))),
         (d, None) => match d.candle() {
             Some(_) => Ok((WeightFormat::Plain, weight.shape.clone())),
             None => Err(bad(format!("dtype {d} is not supported"))),

@@ -6,6 +6,7 @@
 //! * [`layout`]: how a weight and its `.scale` companion form one logical tensor.
 //! * [`checkpoint`]: [`ReleaseCheckpoint`] (one file, several files, or a folder with
 //!   `model.safetensors.index.json`), dequantizing `get`, Engram row lookups.
+//! * [`rows`]: row lookups without materializing a table ([`RowTable`], for Engram).
 //! * [`usage`]: strict loading (unused tensors, collect mode for missing ones).
 //! * [`backend`]: the [`candle_nn::var_builder::SimpleBackend`] and [`var_builder`].
 //!
@@ -25,6 +26,7 @@ pub mod checkpoint;
 pub mod dequant;
 pub mod error;
 pub mod layout;
+pub mod rows;
 pub mod shard;
 pub mod usage;
 
@@ -33,5 +35,6 @@ pub use checkpoint::ReleaseCheckpoint;
 pub use dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
 pub use error::LoadError;
 pub use layout::{StoredTensor, TensorInfo, WeightFormat};
+pub use rows::RowTable;
 pub use shard::StoredDtype;
-pub use usage::{NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};
+pub use usage::{DEFAULT_DENSE_LIMIT, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};

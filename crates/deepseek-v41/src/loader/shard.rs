@@ -164,20 +164,33 @@ impl Shard {
     /// Maps `path` and validates its header: every tensor's byte range must lie inside the file
     /// and match its shape × dtype size. Returns the shard and its entries (sorted by name).
     pub fn open(path: &Path) -> Result<(Self, Vec<RawEntry>), LoadError> {
-        let io = |source| LoadError::Io { path: path.to_path_buf(), source };
+        let io = |source| LoadError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = std::fs::File::open(path).map_err(io)?;
         let file_len = file.metadata().map_err(io)?.len();
-        let truncated = |detail: String| LoadError::Truncated { path: path.to_path_buf(), detail };
-        let corrupt = |detail: String| LoadError::CorruptHeader { path: path.to_path_buf(), detail };
+        let truncated = |detail: String| LoadError::Truncated {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let corrupt = |detail: String| LoadError::CorruptHeader {
+            path: path.to_path_buf(),
+            detail,
+        };
         if file_len < 8 {
-            return Err(truncated(format!("{file_len} bytes, shorter than the 8-byte header length")));
+            return Err(truncated(format!(
+                "{file_len} bytes, shorter than the 8-byte header length"
+            )));
         }
         // SAFETY: the map is read-only; like every mmap-based loader we assume the file is not
         // modified while the checkpoint is open.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
         let header_len = u64::from_le_bytes(mmap[..8].try_into().expect("8 bytes checked above"));
         if header_len > MAX_HEADER {
-            return Err(corrupt(format!("header length {header_len} exceeds the {MAX_HEADER}-byte limit")));
+            return Err(corrupt(format!(
+                "header length {header_len} exceeds the {MAX_HEADER}-byte limit"
+            )));
         }
         if 8 + header_len > file_len {
             return Err(truncated(format!(
@@ -187,8 +200,8 @@ impl Shard {
         }
         let data_start = 8 + header_len as usize;
         let data_len = mmap.len() - data_start;
-        let text = std::str::from_utf8(&mmap[8..data_start])
-            .map_err(|e| corrupt(format!("header is not UTF-8: {e}")))?;
+        let text =
+            std::str::from_utf8(&mmap[8..data_start]).map_err(|e| corrupt(format!("header is not UTF-8: {e}")))?;
         let json: BTreeMap<String, serde_json::Value> =
             serde_json::from_str(text).map_err(|e| corrupt(format!("header is not a JSON object: {e}")))?;
         let mut entries = Vec::with_capacity(json.len());
@@ -207,7 +220,9 @@ impl Shard {
                 return Err(corrupt(format!("tensor `{name}` shape {:?} overflows", h.shape)));
             };
             if e < s {
-                return Err(corrupt(format!("tensor `{name}` has data_offsets [{s}, {e}) with end before start")));
+                return Err(corrupt(format!(
+                    "tensor `{name}` has data_offsets [{s}, {e}) with end before start"
+                )));
             }
             if e - s != expected {
                 return Err(LoadError::LengthMismatch {
@@ -224,9 +239,20 @@ impl Shard {
                     "tensor `{name}` data ends at byte {e} of the data section, which has only {data_len} bytes"
                 )));
             }
-            entries.push(RawEntry { name, dtype, shape: h.shape, range: data_start + s..data_start + e });
+            entries.push(RawEntry {
+                name,
+                dtype,
+                shape: h.shape,
+                range: data_start + s..data_start + e,
+            });
         }
-        Ok((Self { path: path.to_path_buf(), mmap }, entries))
+        Ok((
+            Self {
+                path: path.to_path_buf(),
+                mmap,
+            },
+            entries,
+        ))
     }
 
     /// The file path.

@@ -14,11 +14,27 @@ pub const NON_TEXT_PREFIXES: [&str; 4] = ["mtp.", "vision.", "aligner.", "image_
 pub const NON_TEXT_SUFFIXES: [&str; 1] = [".ffn.gate.bias_vl"];
 
 /// The usage record shared by the clones of a checkpoint.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Usage {
     used: HashSet<String>,
     collect: bool,
     problems: Vec<String>,
+    dense_limit: usize,
+}
+
+/// Default largest tensor [`ReleaseCheckpoint::get`] materializes: 32 GiB as f32 (the release's
+/// largest dense tensors are about 2.6 GB; an Engram table is about 400 GB as f32).
+pub const DEFAULT_DENSE_LIMIT: usize = 32 << 30;
+
+impl Default for Usage {
+    fn default() -> Self {
+        Self {
+            used: HashSet::new(),
+            collect: false,
+            problems: Vec::new(),
+            dense_limit: DEFAULT_DENSE_LIMIT,
+        }
+    }
 }
 
 impl ReleaseCheckpoint {
@@ -41,7 +57,12 @@ impl ReleaseCheckpoint {
         self.names()
             .into_iter()
             .filter(|n| !usage.used.contains(n))
-            .filter(|n| !NON_TEXT_PREFIXES.iter().chain(ignore_prefixes).any(|p| n.starts_with(p)))
+            .filter(|n| {
+                !NON_TEXT_PREFIXES
+                    .iter()
+                    .chain(ignore_prefixes)
+                    .any(|p| n.starts_with(p))
+            })
             .filter(|n| !NON_TEXT_SUFFIXES.iter().any(|s| n.ends_with(s)))
             .collect()
     }
@@ -58,10 +79,10 @@ impl ReleaseCheckpoint {
     }
 
     /// Collect mode (off by default). When on, the `VarBuilder` backend
-    /// ([`super::var_builder`]) does not fail on a missing or mis-shaped tensor: it records the
-    /// problem and returns zeros of the requested shape so that loading continues, and
-    /// [`check_missing`](Self::check_missing) reports every problem at once. For diagnostics
-    /// only: a model built in collect mode with problems holds zero weights.
+    /// ([`super::var_builder`]) does not fail on a missing, badly stored or mis-shaped tensor:
+    /// it records the problem and returns zeros of the requested shape so that loading
+    /// continues, and [`check_missing`](Self::check_missing) reports every problem at once. For
+    /// diagnostics only: a model built in collect mode with problems holds zero weights.
     pub fn set_collect_missing(&self, on: bool) {
         self.usage().collect = on;
     }
@@ -88,6 +109,17 @@ impl ReleaseCheckpoint {
         } else {
             Err(LoadError::Collected { problems })
         }
+    }
+
+    /// Sets the largest tensor, in bytes as f32, that [`get`](Self::get) materializes (default
+    /// [`DEFAULT_DENSE_LIMIT`]); larger ones must be read by rows.
+    pub fn set_dense_limit(&self, bytes: usize) {
+        self.usage().dense_limit = bytes;
+    }
+
+    /// The current dense limit in bytes (see [`set_dense_limit`](Self::set_dense_limit)).
+    pub fn dense_limit(&self) -> usize {
+        self.usage().dense_limit
     }
 
     /// Forgets the used names and recorded problems (e.g. before loading a second model from
