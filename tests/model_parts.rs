@@ -11,18 +11,20 @@ use std::path::PathBuf;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use candle_nn::VarBuilder;
-use deepseek_v41::config::{Config, EngramConfig, ScoringFunc, YarnScaling};
+use deepseek_v41::config::{Config, EngramConfig};
 use deepseek_v41::loader::{var_builder, ReleaseCheckpoint};
 use deepseek_v41::model::{
-    collapse, post, split_sinkhorn, Engram, EngramHasher, EngramLayout, HcMix, HcSublayer, Moe, TokenMap,
+    collapse, post, split_sinkhorn, Engram, EngramHasher, EngramLayout, HcMix, HcSublayer, Moe,
+    TokenMap,
 };
 use deepseek_v41::nn::RmsNorm;
 use deepseek_v41::Numerics;
 
-const LAYERS: usize = 9;
-
 fn fixtures() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny"))
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/v41-tiny"
+    ))
 }
 
 fn golden(case: &str) -> Result<HashMap<String, Tensor>> {
@@ -31,14 +33,17 @@ fn golden(case: &str) -> Result<HashMap<String, Tensor>> {
 }
 
 fn get<'a>(g: &'a HashMap<String, Tensor>, name: &str) -> Result<&'a Tensor> {
-    g.get(name).with_context(|| format!("golden tensor {name} missing"))
+    g.get(name)
+        .with_context(|| format!("golden tensor {name} missing"))
 }
 
 fn input_ids(case: &str) -> Result<Vec<u32>> {
     let p = fixtures().join(case).join("inputs.json");
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p)?)?;
     let ids = v["input_ids"].as_array().context("input_ids")?;
-    ids.iter().map(|x| Ok(x.as_u64().context("input id")? as u32)).collect()
+    ids.iter()
+        .map(|x| Ok(x.as_u64().context("input id")? as u32))
+        .collect()
 }
 
 fn checkpoint() -> Result<(ReleaseCheckpoint, VarBuilder<'static>)> {
@@ -47,71 +52,17 @@ fn checkpoint() -> Result<(ReleaseCheckpoint, VarBuilder<'static>)> {
     Ok((ckpt, vb))
 }
 
-/// The tiny config of spec §15.1 (layer roles are not needed by these modules).
-fn tiny_config(swiglu_limit: f64) -> Config {
-    Config {
-        vocab_size: 512,
-        hidden_size: 256,
-        num_hidden_layers: LAYERS,
-        num_attention_heads: 4,
-        head_dim: 128,
-        qk_rope_head_dim: 64,
-        q_lora_rank: 64,
-        o_lora_rank: 32,
-        o_groups: 2,
-        rms_norm_eps: 1e-20,
-        rope_theta: 10000.0,
-        compress_rope_theta: 160000.0,
-        rope_scaling: Some(YarnScaling {
-            factor: 16.0,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-            original_max_position_embeddings: 65536,
-        }),
-        max_position_embeddings: 1048576,
-        n_routed_experts: 8,
-        n_shared_experts: 1,
-        num_experts_per_tok: 2,
-        moe_intermediate_size: 64,
-        routed_scaling_factor: 1.5,
-        gate_temp: 1.0,
-        swiglu_limit,
-        scoring_func: ScoringFunc::SqrtSoftplus,
-        norm_topk_prob: true,
-        sliding_window: 8,
-        compress_ratios: vec![0, 2, 2, 2, 1, 1, 1, 1, 0],
-        kv_source_layer_ids: vec![1, 3, 4],
-        index_source_layer_ids: vec![1, 3, 4, 6],
-        index_n_heads: 2,
-        index_head_dim: 128,
-        index_topk: 4,
-        candidate_source_layer_id: Some(4),
-        candidate_topk_blocks: 3,
-        candidate_block_size: 2,
-        hc_mult: 4,
-        hc_sinkhorn_iters: 20,
-        hc_eps: 1e-6,
-        engram: Some(tiny_engram()),
-        bos_token_id: 0,
-        eos_token_id: 1,
-        pad_token_id: 2,
-        image_token_id: Some(511),
-        num_nextn_predict_layers: 0,
-        layers: vec![],
-    }
+/// The config of `case` (the HF `config.json` of the case folder).
+fn case_config(case: &str) -> Result<Config> {
+    Ok(Config::from_file(
+        fixtures().join(case).join("config.json"),
+    )?)
 }
 
-fn tiny_engram() -> EngramConfig {
-    EngramConfig {
-        layer_ids: vec![1, 5],
-        num_embeddings: vec![420, 508],
-        max_ngram_size: 3,
-        vocab_size: 101,
-        n_heads: 2,
-        head_dim: 32,
-        pad_token_id: 2,
-        compressed_vocab_size: 256,
-    }
+fn tiny_engram() -> Result<EngramConfig> {
+    case_config("prefill_full")?
+        .engram
+        .context("the tiny config has an Engram section")
 }
 
 fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -151,7 +102,10 @@ fn sinkhorn_module_golden() -> Result<()> {
     let cols = c.comb.sum(1)?;
     let rows = c.comb.sum(2)?;
     ensure!(max_abs(&cols, &cols.ones_like()?)? < 1e-5, "column sums");
-    ensure!(max_abs(&rows, &rows.ones_like()?)? < 0.05, "row sums: {rows}");
+    ensure!(
+        max_abs(&rows, &rows.ones_like()?)? < 0.05,
+        "row sums: {rows}"
+    );
     // With many more iterations the rows converge too (Sinkhorn, not just a column scaling).
     let long = split_sinkhorn(
         get(&g, "hc_split_sinkhorn.mixes")?,
@@ -162,7 +116,10 @@ fn sinkhorn_module_golden() -> Result<()> {
         1e-6,
     )?;
     let rows = long.comb.sum(2)?;
-    ensure!(max_abs(&rows, &rows.ones_like()?)? < 1e-4, "row sums after 500 iterations: {rows}");
+    ensure!(
+        max_abs(&rows, &rows.ones_like()?)? < 1e-4,
+        "row sums after 500 iterations: {rows}"
+    );
     // Negative control: stopping after fewer iterations changes comb beyond the tolerance.
     let short = split_sinkhorn(
         get(&g, "hc_split_sinkhorn.mixes")?,
@@ -172,7 +129,10 @@ fn sinkhorn_module_golden() -> Result<()> {
         2,
         1e-6,
     )?;
-    ensure!(max_abs(&short.comb, get(&g, "hc_split_sinkhorn.comb")?)? > 1e-4, "iteration count has no effect");
+    ensure!(
+        max_abs(&short.comb, get(&g, "hc_split_sinkhorn.comb")?)? > 1e-4,
+        "iteration count has no effect"
+    );
     Ok(())
 }
 
@@ -195,7 +155,12 @@ fn layer_parts(cfg: &Config, vb: &VarBuilder, l: usize) -> Result<LayerParts> {
     })
 }
 
-fn check_coeffs(g: &HashMap<String, Tensor>, l: usize, site: &str, c: &deepseek_v41::model::HcCoeffs) -> Result<()> {
+fn check_coeffs(
+    g: &HashMap<String, Tensor>,
+    l: usize,
+    site: &str,
+    c: &deepseek_v41::model::HcCoeffs,
+) -> Result<()> {
     for (name, ours) in [("pre", &c.pre), ("post", &c.post), ("comb", &c.comb)] {
         let key = format!("L{l}.hc_{site}_{name}");
         let err = max_abs(ours, get(g, &key)?)?;
@@ -210,32 +175,51 @@ fn check_coeffs(g: &HashMap<String, Tensor>, l: usize, site: &str, c: &deepseek_
 /// layer 1 and the logits.
 #[test]
 fn mhc_stream_teacher_forced() -> Result<()> {
-    let cfg = tiny_config(10.0);
+    let cfg = case_config("prefill_full")?;
     let (_ckpt, vb) = checkpoint()?;
     let g = golden("prefill_full")?;
     let ids = input_ids("prefill_full")?;
     let t = ids.len();
     let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
-    let embed = vb.get_with_hints_dtype((cfg.vocab_size, d), "embed.weight", Default::default(), DType::BF16)?;
+    let embed = vb.get_with_hints_dtype(
+        (cfg.vocab_size, d),
+        "embed.weight",
+        Default::default(),
+        DType::BF16,
+    )?;
     let h0 = embed.index_select(&Tensor::from_slice(&ids, t, &Device::Cpu)?, 0)?;
     let mut x = h0.unsqueeze(1)?.repeat((1, hc, 1))?;
-    let mut p_in = Tensor::cat(&[Tensor::ones((t, 1), DType::F32, &Device::Cpu)?, Tensor::zeros((t, hc - 1), DType::F32, &Device::Cpu)?], 1)?;
+    let mut p_in = Tensor::cat(
+        &[
+            Tensor::ones((t, 1), DType::F32, &Device::Cpu)?,
+            Tensor::zeros((t, hc - 1), DType::F32, &Device::Cpu)?,
+        ],
+        1,
+    )?;
 
-    let ecfg = tiny_engram();
+    let ecfg = cfg.engram.clone().context("engram")?;
     let hasher = EngramHasher::new(&ecfg, TokenMap::div2(cfg.vocab_size))?;
     let hash = hasher.hash(&ids, &mut hasher.new_history())?;
 
-    for l in 0..LAYERS {
+    for l in 0..cfg.num_hidden_layers {
         let parts = layer_parts(&cfg, &vb, l)?;
         if ecfg.layer_ids.contains(&l) {
-            let engram = Engram::new(&cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("engram"))?;
+            let engram = Engram::new(
+                &cfg,
+                l,
+                Numerics::REFERENCE,
+                vb.pp("layers").pp(l).pp("engram"),
+            )?;
             let injected = engram.forward(&x, &hash.tensor(l, &Device::Cpu)?)?;
             if let Some(want) = g.get(&format!("L{l}.engram_out")) {
                 let err = rel_frob(&injected, want)?;
                 eprintln!("L{l}.engram_out: rel Frobenius {err:.3e}");
                 ensure!(err <= 1e-3, "L{l}.engram_out: rel Frobenius {err}");
                 // Negative control: skipping the injection is visibly wrong.
-                ensure!(rel_frob(&x, want)? > 1e-2, "L{l}: Engram injection has no effect");
+                ensure!(
+                    rel_frob(&x, want)? > 1e-2,
+                    "L{l}: Engram injection has no effect"
+                );
             }
             x = injected;
         }
@@ -248,7 +232,10 @@ fn mhc_stream_teacher_forced() -> Result<()> {
         if l == 1 {
             // Negative control for the staggered wiring: the same sublayer's pre is wrong.
             let same = parts.attn_norm.forward(&collapse(&x, &a.pre)?)?;
-            ensure!(rel_frob(&same, get(&g, "L1.attn_in")?)? > 1e-2, "same-sublayer pre matches attn_in");
+            ensure!(
+                rel_frob(&same, get(&g, "L1.attn_in")?)? > 1e-2,
+                "same-sublayer pre matches attn_in"
+            );
         }
 
         let y = get(&g, &format!("L{l}.attn_out"))?.to_dtype(DType::BF16)?;
@@ -275,21 +262,39 @@ fn mhc_stream_teacher_forced() -> Result<()> {
     }
     let norm = RmsNorm::new(d, cfg.rms_norm_eps, vb.pp("norm"))?;
     let h = norm.forward(&collapse(&x, &p_in)?)?.to_dtype(DType::F32)?;
-    let head = vb.get_with_hints_dtype((cfg.vocab_size, d), "head.weight", Default::default(), DType::F32)?;
+    let head = vb.get_with_hints_dtype(
+        (cfg.vocab_size, d),
+        "head.weight",
+        Default::default(),
+        DType::F32,
+    )?;
     let logits = h.matmul(&head.t()?)?;
     let want = get(&g, "logits")?;
     let (rel, abs) = (rel_frob(&logits, want)?, max_abs(&logits, want)?);
     eprintln!("logits: rel Frobenius {rel:.3e}, max abs {abs:.3e}");
-    ensure!(rel <= 1e-3 && abs <= 1e-2, "logits: rel Frobenius {rel}, max abs {abs}");
+    ensure!(
+        rel <= 1e-3 && abs <= 1e-2,
+        "logits: rel Frobenius {rel}, max abs {abs}"
+    );
     Ok(())
 }
 
 // ---------------------------------------------------------------- MoE
 
-fn check_moe_case(case: &str, cfg: &Config, ffn_in_case: &str, layers: std::ops::Range<usize>, check_out: bool) -> Result<()> {
+fn check_moe_case(
+    case: &str,
+    cfg: &Config,
+    ffn_in_case: &str,
+    layers: std::ops::Range<usize>,
+    check_out: bool,
+) -> Result<()> {
     let (_ckpt, vb) = checkpoint()?;
     let g = golden(case)?;
-    let gin = if ffn_in_case == case { None } else { Some(golden(ffn_in_case)?) };
+    let gin = if ffn_in_case == case {
+        None
+    } else {
+        Some(golden(ffn_in_case)?)
+    };
     let gin = gin.as_ref().unwrap_or(&g);
     for l in layers {
         let moe = Moe::new(cfg, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("ffn"))?;
@@ -298,8 +303,14 @@ fn check_moe_case(case: &str, cfg: &Config, ffn_in_case: &str, layers: std::ops:
         let want_ids = i64s(get(&g, &format!("L{l}.moe_ids"))?)?;
         ensure!(i64s(&out.ids)? == want_ids, "{case} L{l}: moe_ids differ");
         let want_w = get(&g, &format!("L{l}.moe_weights"))?;
-        let werr = ((&out.weights - want_w)?.abs()? / want_w.abs()?)?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        ensure!(werr <= 1e-6, "{case} L{l}: moe_weights max rel error {werr}");
+        let werr = ((&out.weights - want_w)?.abs()? / want_w.abs()?)?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        ensure!(
+            werr <= 1e-6,
+            "{case} L{l}: moe_weights max rel error {werr}"
+        );
         if check_out {
             let err = rel_frob(&out.out, get(&g, &format!("L{l}.ffn_out"))?)?;
             eprintln!("{case} L{l}: ffn_out rel Frobenius {err:.3e}, weights max rel {werr:.3e}");
@@ -311,14 +322,27 @@ fn check_moe_case(case: &str, cfg: &Config, ffn_in_case: &str, layers: std::ops:
 
 #[test]
 fn moe_every_layer_prefill_full() -> Result<()> {
-    check_moe_case("prefill_full", &tiny_config(10.0), "prefill_full", 0..LAYERS, true)
+    let cfg = case_config("prefill_full")?;
+    check_moe_case(
+        "prefill_full",
+        &cfg,
+        "prefill_full",
+        0..cfg.num_hidden_layers,
+        true,
+    )
 }
 
 /// swiglu_limit 0.5: only layer 0's MoE input is the same as in `prefill_full` (later layers see
 /// the clamped outputs of earlier ones), so only its routing is checkable without attention.
 #[test]
 fn moe_swiglu_case_layer0_routing() -> Result<()> {
-    check_moe_case("prefill_full_swiglu", &tiny_config(0.5), "prefill_full", 0..1, false)
+    let cfg = case_config("prefill_full_swiglu")?;
+    ensure!(
+        cfg.swiglu_limit == 0.5,
+        "swiglu case config: limit {}",
+        cfg.swiglu_limit
+    );
+    check_moe_case("prefill_full_swiglu", &cfg, "prefill_full", 0..1, false)
 }
 
 /// Negative controls: without activation quantization, or with the 0.5 clamp, layer 0's MoE
@@ -329,13 +353,29 @@ fn moe_negative_controls() -> Result<()> {
     let g = golden("prefill_full")?;
     let x = get(&g, "L0.ffn_in")?.to_dtype(DType::BF16)?;
     let want = get(&g, "L0.ffn_out")?;
-    let plain = Moe::new(&tiny_config(10.0), Numerics::PLAIN, vb.pp("layers.0.ffn"))?.forward(&x)?;
+    let plain = Moe::new(
+        &case_config("prefill_full")?,
+        Numerics::PLAIN,
+        vb.pp("layers.0.ffn"),
+    )?
+    .forward(&x)?;
     let e_plain = rel_frob(&plain.out, want)?;
-    ensure!(e_plain > 1e-2, "activation quant has no visible effect (rel {e_plain})");
-    let clamped = Moe::new(&tiny_config(0.5), Numerics::REFERENCE, vb.pp("layers.0.ffn"))?.forward(&x)?;
+    ensure!(
+        e_plain > 1e-2,
+        "activation quant has no visible effect (rel {e_plain})"
+    );
+    let clamped = Moe::new(
+        &case_config("prefill_full_swiglu")?,
+        Numerics::REFERENCE,
+        vb.pp("layers.0.ffn"),
+    )?
+    .forward(&x)?;
     let e_clamp = rel_frob(&clamped.out, want)?;
     eprintln!("L0 MoE controls: plain numerics rel {e_plain:.3e}, clamp 0.5 rel {e_clamp:.3e}");
-    ensure!(e_clamp > 1e-2, "swiglu clamp 0.5 has no visible effect (rel {e_clamp})");
+    ensure!(
+        e_clamp > 1e-2,
+        "swiglu clamp 0.5 has no visible effect (rel {e_clamp})"
+    );
     Ok(())
 }
 
@@ -344,19 +384,45 @@ fn moe_negative_controls() -> Result<()> {
 #[test]
 fn engram_layout_module_golden() -> Result<()> {
     let g = golden("modules")?;
-    let layout = EngramLayout::new(&tiny_engram())?;
-    let primes: Vec<i64> = layout.layers().iter().flat_map(|l| l.primes.iter().map(|&p| p as i64)).collect();
-    let offsets: Vec<i64> = layout.layers().iter().flat_map(|l| l.offsets.iter().map(|&p| p as i64)).collect();
-    let mults: Vec<i64> = layout.layers().iter().flat_map(|l| l.multipliers.iter().map(|&p| p as i64)).collect();
-    ensure!(primes == i64s(get(&g, "engram.primes")?)?, "primes {primes:?}");
-    ensure!(offsets == i64s(get(&g, "engram.offsets")?)?, "offsets {offsets:?}");
-    ensure!(mults == i64s(get(&g, "engram.multipliers")?)?, "multipliers {mults:?}");
+    let layout = EngramLayout::new(&tiny_engram()?)?;
+    let primes: Vec<i64> = layout
+        .layers()
+        .iter()
+        .flat_map(|l| l.primes.iter().map(|&p| p as i64))
+        .collect();
+    let offsets: Vec<i64> = layout
+        .layers()
+        .iter()
+        .flat_map(|l| l.offsets.iter().map(|&p| p as i64))
+        .collect();
+    let mults: Vec<i64> = layout
+        .layers()
+        .iter()
+        .flat_map(|l| l.multipliers.iter().map(|&p| p as i64))
+        .collect();
+    ensure!(
+        primes == i64s(get(&g, "engram.primes")?)?,
+        "primes {primes:?}"
+    );
+    ensure!(
+        offsets == i64s(get(&g, "engram.offsets")?)?,
+        "offsets {offsets:?}"
+    );
+    ensure!(
+        mults == i64s(get(&g, "engram.multipliers")?)?,
+        "multipliers {mults:?}"
+    );
     let map = TokenMap::div2(512);
     let want_map = i64s(get(&g, "engram.token_map")?)?;
-    let ours: Vec<i64> = (0..512u32).map(|i| map.get(i).map(|c| c as i64)).collect::<candle_core::Result<_>>()?;
+    let ours: Vec<i64> = (0..512u32)
+        .map(|i| map.get(i).map(|c| c as i64))
+        .collect::<candle_core::Result<_>>()?;
     ensure!(ours == want_map, "token map");
-    let hasher = EngramHasher::new(&tiny_engram(), map)?;
-    ensure!(vec![hasher.pad_compressed() as i64] == i64s(get(&g, "engram.pad_id_compressed")?)?, "pad id");
+    let hasher = EngramHasher::new(&tiny_engram()?, map)?;
+    ensure!(
+        vec![hasher.pad_compressed() as i64] == i64s(get(&g, "engram.pad_id_compressed")?)?,
+        "pad id"
+    );
     Ok(())
 }
 
@@ -364,21 +430,29 @@ fn engram_layout_module_golden() -> Result<()> {
 fn check_hashes(case: &str, chunks: &[usize]) -> Result<()> {
     let g = golden(case)?;
     let ids = input_ids(case)?;
-    ensure!(chunks.iter().sum::<usize>() == ids.len(), "chunks do not cover the prompt");
-    let hasher = EngramHasher::new(&tiny_engram(), TokenMap::div2(512))?;
+    ensure!(
+        chunks.iter().sum::<usize>() == ids.len(),
+        "chunks do not cover the prompt"
+    );
+    let hasher = EngramHasher::new(&tiny_engram()?, TokenMap::div2(512))?;
     let mut history = hasher.new_history();
     let mut got: HashMap<usize, Vec<i64>> = HashMap::new();
     let mut start = 0;
     for &n in chunks {
         let h = hasher.hash(&ids[start..start + n], &mut history)?;
         for l in [1usize, 5] {
-            got.entry(l).or_default().extend(h.layer(l).context("layer")?.iter().map(|&v| v as i64));
+            got.entry(l)
+                .or_default()
+                .extend(h.layer(l).context("layer")?.iter().map(|&v| v as i64));
         }
         start += n;
     }
     for l in [1usize, 5] {
         let want = i64s(get(&g, &format!("L{l}.engram_hash"))?)?;
-        ensure!(got[&l] == want, "{case} L{l}: engram_hash differs (chunks {chunks:?})");
+        ensure!(
+            got[&l] == want,
+            "{case} L{l}: engram_hash differs (chunks {chunks:?})"
+        );
     }
     Ok(())
 }
@@ -393,28 +467,113 @@ fn engram_hash_full_chunked_decode() -> Result<()> {
     // Negative control: restarting the history at the chunk boundary changes the hashes.
     let g = golden("prefill_full")?;
     let ids = input_ids("prefill_full")?;
-    let hasher = EngramHasher::new(&tiny_engram(), TokenMap::div2(512))?;
+    let hasher = EngramHasher::new(&tiny_engram()?, TokenMap::div2(512))?;
     let tail = hasher.hash(&ids[23..], &mut hasher.new_history())?;
     let want = i64s(&get(&g, "L1.engram_hash")?.i(23..)?)?;
-    let got: Vec<i64> = tail.layer(1).context("layer 1")?.iter().map(|&v| v as i64).collect();
-    ensure!(got != want, "a fresh history reproduces the continued hashes");
+    let got: Vec<i64> = tail
+        .layer(1)
+        .context("layer 1")?
+        .iter()
+        .map(|&v| v as i64)
+        .collect();
+    ensure!(
+        got != want,
+        "a fresh history reproduces the continued hashes"
+    );
     Ok(())
 }
 
 #[test]
 fn engram_table_rows_checkpoint_equals_resident() -> Result<()> {
-    let cfg = tiny_config(10.0);
+    let cfg = case_config("prefill_full")?;
     let (ckpt, vb) = checkpoint()?;
     let g = golden("prefill_full")?;
     let ids = input_ids("prefill_full")?;
-    let hasher = EngramHasher::new(&tiny_engram(), TokenMap::div2(512))?;
-    let hash = hasher.hash(&ids, &mut hasher.new_history())?.tensor(1, &Device::Cpu)?;
+    let hasher = EngramHasher::new(&tiny_engram()?, TokenMap::div2(512))?;
+    let hash = hasher
+        .hash(&ids, &mut hasher.new_history())?
+        .tensor(1, &Device::Cpu)?;
     let x = get(&g, "L1.engram_out")?.to_dtype(DType::BF16)?; // any stream of the right shape
     let vbl = vb.pp("layers.1.engram");
     let resident = Engram::new(&cfg, 1, Numerics::REFERENCE, vbl.clone())?.forward(&x, &hash)?;
-    let table = deepseek_v41::model::EngramTable::Checkpoint { ckpt, name: "layers.1.engram.embed.weight".into() };
-    let rowwise = Engram::with_table(&cfg, 1, Numerics::REFERENCE, vbl, table)?.forward(&x, &hash)?;
-    ensure!(max_abs(&resident, &rowwise)? == 0.0, "row-wise table lookup differs from the resident table");
-    ensure!(resident.dims() == [ids.len(), cfg.hc_mult, cfg.hidden_size] && resident.dim(D::Minus1)? == 256);
+    let table =
+        deepseek_v41::model::EngramTable::Rows(ckpt.row_table("layers.1.engram.embed.weight")?);
+    let rowwise =
+        Engram::with_table(&cfg, 1, Numerics::REFERENCE, vbl, table)?.forward(&x, &hash)?;
+    ensure!(
+        max_abs(&resident, &rowwise)? == 0.0,
+        "row-wise table lookup differs from the resident table"
+    );
+    ensure!(
+        resident.dims() == [ids.len(), cfg.hc_mult, cfg.hidden_size]
+            && resident.dim(D::Minus1)? == 256
+    );
+    Ok(())
+}
+
+/// The released config: its Engram section yields the spec §9.2 tables and §9.3 multipliers.
+#[test]
+fn engram_layout_real_config() -> Result<()> {
+    let p = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/deepseek-v41-flash/config.json"
+    ));
+    let cfg = Config::from_file(p)?;
+    let layout = EngramLayout::new(cfg.engram.as_ref().context("engram")?)?;
+    let l = layout.layers();
+    ensure!(l.len() == 2 && l[0].layer == 1 && l[1].layer == 14);
+    ensure!(
+        l[0].num_rows() == 384006168 && l[1].num_rows() == 384016682,
+        "prime sums"
+    );
+    ensure!(
+        l[0].primes[0] == 16000057 && l[1].primes[0] == 16000477,
+        "first primes"
+    );
+    ensure!(
+        l[0].multipliers
+            == [
+                76632096046245,
+                4839876093313,
+                35959672319349,
+                73987337458391
+            ]
+    );
+    ensure!(
+        l[1].multipliers
+            == [
+                67716810739261,
+                51510806800915,
+                30921347202721,
+                82619226485591
+            ]
+    );
+    Ok(())
+}
+
+/// Every mHC, MoE and Engram tensor of the tiny checkpoint is consumed by these modules.
+#[test]
+fn modules_account_for_their_tensors() -> Result<()> {
+    let cfg = case_config("prefill_full")?;
+    let (ckpt, vb) = checkpoint()?;
+    for l in 0..cfg.num_hidden_layers {
+        let vbl = vb.pp("layers").pp(l);
+        HcMix::new(&cfg, vbl.clone(), HcSublayer::Attn)?;
+        HcMix::new(&cfg, vbl.clone(), HcSublayer::Ffn)?;
+        Moe::new(&cfg, Numerics::REFERENCE, vbl.pp("ffn"))?;
+        if cfg
+            .engram
+            .as_ref()
+            .is_some_and(|e| e.layer_ids.contains(&l))
+        {
+            Engram::new(&cfg, l, Numerics::REFERENCE, vbl.pp("engram"))?;
+        }
+    }
+    let unused: Vec<String> = ckpt
+        .unused_names(&[])
+        .into_iter()
+        .filter(|n| n.contains(".hc_") || n.contains(".ffn.") || n.contains(".engram."))
+        .collect();
+    ensure!(unused.is_empty(), "unused: {unused:?}");
     Ok(())
 }

@@ -8,7 +8,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
-use crate::loader::ReleaseCheckpoint;
+use crate::loader::RowTable;
 use crate::nn::{Linear, LinearKind};
 use crate::numerics::Numerics;
 
@@ -20,16 +20,16 @@ const GATE_CLAMP: f64 = 1e-6;
 pub enum EngramTable {
     /// The whole dequantized table `[rows, head_dim]` bf16 in memory (small models).
     Resident(Tensor),
-    /// Rows read and dequantized on lookup from the checkpoint tensor `name` (the released
-    /// ~384M-row FP8 tables).
-    Checkpoint { ckpt: ReleaseCheckpoint, name: String },
+    /// Rows read and dequantized on lookup from the checkpoint (the released ~384M-row FP8
+    /// tables): `ckpt.row_table("layers.N.engram.embed.weight")`.
+    Rows(RowTable),
 }
 
 impl std::fmt::Debug for EngramTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             EngramTable::Resident(t) => write!(f, "EngramTable::Resident({:?})", t.shape()),
-            EngramTable::Checkpoint { name, .. } => write!(f, "EngramTable::Checkpoint({name})"),
+            EngramTable::Rows(r) => write!(f, "EngramTable::Rows({})", r.name()),
         }
     }
 }
@@ -38,10 +38,12 @@ impl EngramTable {
     /// The rows `ids` (`[N]` u32) as `[N, head_dim]` bf16 on `device`.
     pub fn rows(&self, ids: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
         match self {
-            EngramTable::Resident(t) => t.index_select(&ids.to_device(t.device())?, 0)?.to_device(device),
-            EngramTable::Checkpoint { ckpt, name } => {
-                ckpt.lookup_rows(name, &ids.to_device(&candle_core::Device::Cpu)?, DType::BF16)?.to_device(device)
-            }
+            EngramTable::Resident(t) => t
+                .index_select(&ids.to_device(t.device())?, 0)?
+                .to_device(device),
+            EngramTable::Rows(r) => r
+                .lookup(&ids.to_device(&candle_core::Device::Cpu)?, DType::BF16)?
+                .to_device(device),
         }
     }
 }
@@ -68,35 +70,69 @@ impl Engram {
     /// `[(hc+1)·D, cols·head_dim]` (FP8), `q_weight` and `k_weight` `[hc, D]` (bf16).
     ///
     /// Holding the whole table suits small models only: the released tables have ~384M rows
-    /// (~100 GB each in FP8); use [`Engram::with_table`] with [`EngramTable::Checkpoint`] there.
+    /// (~100 GB each in FP8); use [`Engram::with_table`] with [`EngramTable::Rows`] there.
     pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
         let (rows, head_dim, _) = Self::table_shape(cfg, layer)?;
-        let table = vb.pp("embed").get_with_hints_dtype((rows, head_dim), "weight", Default::default(), DType::BF16)?;
+        let table = vb.pp("embed").get_with_hints_dtype(
+            (rows, head_dim),
+            "weight",
+            Default::default(),
+            DType::BF16,
+        )?;
         Self::with_table(cfg, layer, numerics, vb, EngramTable::Resident(table))
     }
 
     /// As [`Engram::new`], with the table rows taken from `table` instead of `embed.weight`.
-    pub fn with_table(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder, table: EngramTable) -> Result<Self> {
+    pub fn with_table(
+        cfg: &Config,
+        layer: usize,
+        numerics: Numerics,
+        vb: VarBuilder,
+        table: EngramTable,
+    ) -> Result<Self> {
         let (_, head_dim, n_cols) = Self::table_shape(cfg, layer)?;
         let (hc, dim) = (cfg.hc_mult, cfg.hidden_size);
         let hints = Default::default();
-        let wkv = Linear::new(n_cols * head_dim, (hc + 1) * dim, LinearKind::Quantized, numerics, vb.pp("wkv"))?;
+        let wkv = Linear::new(
+            n_cols * head_dim,
+            (hc + 1) * dim,
+            LinearKind::Quantized,
+            numerics,
+            vb.pp("wkv"),
+        )?;
         let q = vb.get_with_hints_dtype((hc, dim), "q_weight", hints, DType::F32)?;
         let k = vb.get_with_hints_dtype((hc, dim), "k_weight", hints, DType::F32)?;
-        Ok(Self { table, wkv, qk_weight: (q * k)?, hc, dim, n_cols, eps: cfg.rms_norm_eps })
+        Ok(Self {
+            table,
+            wkv,
+            qk_weight: (q * k)?,
+            hc,
+            dim,
+            n_cols,
+            eps: cfg.rms_norm_eps,
+        })
     }
 
     /// `(rows, head_dim, ids per token)` of layer `layer`'s table, or an error when it is not an
     /// Engram layer.
     fn table_shape(cfg: &Config, layer: usize) -> Result<(usize, usize, usize)> {
-        let Some(ecfg) = &cfg.engram else { candle_core::bail!("Engram: the config has no Engram section") };
+        let Some(ecfg) = &cfg.engram else {
+            candle_core::bail!("Engram: the config has no Engram section")
+        };
         let Some(i) = ecfg.layer_ids.iter().position(|&l| l == layer) else {
-            candle_core::bail!("Engram: layer {layer} is not in engram_layer_ids {:?}", ecfg.layer_ids)
+            candle_core::bail!(
+                "Engram: layer {layer} is not in engram_layer_ids {:?}",
+                ecfg.layer_ids
+            )
         };
         let Some(&rows) = ecfg.num_embeddings.get(i) else {
             candle_core::bail!("Engram: no engram_num_embeddings entry for layer {layer}")
         };
-        Ok((rows, ecfg.head_dim, ecfg.max_ngram_size.saturating_sub(1) * ecfg.n_heads))
+        Ok((
+            rows,
+            ecfg.head_dim,
+            ecfg.max_ngram_size.saturating_sub(1) * ecfg.n_heads,
+        ))
     }
 
     /// `x`: the stream `[T, hc, D]` (bf16); `ids`: the layer's hash ids `[T, cols]` u32 (table
@@ -115,12 +151,20 @@ impl Engram {
                 self.n_cols
             )
         }
-        let rows = self.table.rows(&ids.flatten_all()?, x.device())?.reshape((t, ()))?;
-        let kv = self.wkv.forward(&rows.to_dtype(x.dtype())?)?.to_dtype(DType::F32)?;
+        let rows = self
+            .table
+            .rows(&ids.flatten_all()?, x.device())?
+            .reshape((t, ()))?;
+        let kv = self
+            .wkv
+            .forward(&rows.to_dtype(x.dtype())?)?
+            .to_dtype(DType::F32)?;
         let key = kv.narrow(1, 0, hc * d)?.reshape((t, hc, d))?;
         let value = kv.narrow(1, hc * d, d)?.unsqueeze(1)?;
         let h = x.to_dtype(DType::F32)?;
-        let rstd = |v: &Tensor| -> Result<Tensor> { (v.sqr()?.mean(D::Minus1)? + self.eps)?.sqrt()?.recip() };
+        let rstd = |v: &Tensor| -> Result<Tensor> {
+            (v.sqr()?.mean(D::Minus1)? + self.eps)?.sqrt()?.recip()
+        };
         let qk = self.qk_weight.to_device(x.device())?;
         let dot = (h.broadcast_mul(&qk)? * &key)?.sum(D::Minus1)?;
         let dot = ((dot * rstd(&h)?)? * rstd(&key)?)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;

@@ -17,15 +17,23 @@ pub struct TokenMap {
 impl TokenMap {
     /// Wraps a map `map[token_id] = compressed_id`; the compressed vocab size is `max + 1`.
     pub fn new(map: Vec<u32>) -> Result<Self> {
-        let Some(&max) = map.iter().max() else { candle_core::bail!("TokenMap: empty map") };
-        Ok(Self { map, compressed_vocab_size: max as usize + 1 })
+        let Some(&max) = map.iter().max() else {
+            candle_core::bail!("TokenMap: empty map")
+        };
+        Ok(Self {
+            map,
+            compressed_vocab_size: max as usize + 1,
+        })
     }
 
     /// The synthetic map of the golden sets: `id → id / 2` over `vocab_size` ids.
     pub fn div2(vocab_size: usize) -> Self {
         let map: Vec<u32> = (0..vocab_size as u32).map(|i| i / 2).collect();
         let compressed_vocab_size = vocab_size.div_ceil(2);
-        Self { map, compressed_vocab_size }
+        Self {
+            map,
+            compressed_vocab_size,
+        }
     }
 
     /// Number of distinct compressed ids (`max + 1`).
@@ -42,7 +50,10 @@ impl TokenMap {
     pub fn get(&self, token: u32) -> Result<u32> {
         match self.map.get(token as usize) {
             Some(&c) => Ok(c),
-            None => candle_core::bail!("TokenMap: token id {token} outside the map's {} ids", self.map.len()),
+            None => candle_core::bail!(
+                "TokenMap: token id {token} outside the map's {} ids",
+                self.map.len()
+            ),
         }
     }
 }
@@ -135,12 +146,20 @@ impl EngramLayout {
                     primes.push(c);
                 }
             }
-            let offsets: Vec<u64> = primes.iter().scan(0u64, |acc, &p| Some(std::mem::replace(acc, *acc + p))).collect();
+            let offsets: Vec<u64> = primes
+                .iter()
+                .scan(0u64, |acc, &p| Some(std::mem::replace(acc, *acc + p)))
+                .collect();
             let multipliers = default_rng_integers(10007 * layer as u64, bound, max_ngram)?
                 .into_iter()
                 .map(|v| 2 * v as u64 + 1)
                 .collect();
-            let l = EngramLayerLayout { layer, primes, offsets, multipliers };
+            let l = EngramLayerLayout {
+                layer,
+                primes,
+                offsets,
+                multipliers,
+            };
             if l.num_rows() != rows as u64 {
                 candle_core::bail!(
                     "Engram layer {layer}: prime bucket sizes sum to {} but engram_num_embeddings says {rows}",
@@ -148,11 +167,18 @@ impl EngramLayout {
                 )
             }
             if l.num_rows() > u32::MAX as u64 + 1 {
-                candle_core::bail!("Engram layer {layer}: {} table rows do not fit u32 row ids", l.num_rows())
+                candle_core::bail!(
+                    "Engram layer {layer}: {} table rows do not fit u32 row ids",
+                    l.num_rows()
+                )
             }
             layers.push(l);
         }
-        Ok(Self { layers, max_ngram, n_heads })
+        Ok(Self {
+            layers,
+            max_ngram,
+            n_heads,
+        })
     }
 
     /// Per-layer layouts, in `engram_layer_ids` order.
@@ -187,7 +213,10 @@ pub struct EngramHistory {
 impl EngramHistory {
     /// An empty history (sequence start) for `max_ngram_size`.
     pub fn new(max_ngram_size: usize) -> Self {
-        Self { recent: Vec::new(), capacity: max_ngram_size.saturating_sub(1) }
+        Self {
+            recent: Vec::new(),
+            capacity: max_ngram_size.saturating_sub(1),
+        }
     }
 
     /// The remembered compressed ids, oldest first (fewer than `max_ngram − 1` near the start).
@@ -229,7 +258,10 @@ impl EngramIds {
 
     /// The `[T·n_cols]` row ids of backbone layer `layer` (row-major `[T, n_cols]`).
     pub fn layer(&self, layer: usize) -> Option<&[u32]> {
-        self.per_layer.iter().find(|(l, _)| *l == layer).map(|(_, v)| v.as_slice())
+        self.per_layer
+            .iter()
+            .find(|(l, _)| *l == layer)
+            .map(|(_, v)| v.as_slice())
     }
 
     /// The ids of `layer` as a `[T, n_cols]` u32 tensor.
@@ -261,7 +293,11 @@ impl EngramHasher {
             )
         }
         let pad = token_map.get(cfg.pad_token_id)?;
-        Ok(Self { layout: EngramLayout::new(cfg)?, token_map, pad })
+        Ok(Self {
+            layout: EngramLayout::new(cfg)?,
+            token_map,
+            pad,
+        })
     }
 
     /// The bucket layout.
@@ -287,12 +323,28 @@ impl EngramHasher {
     /// `rolling = tok₀·m₀`, then for `s = 1..max_ngram`: `rolling ^= tok_s·m_s` and
     /// `id[(s−1)·heads + k] = rolling mod prime + offset`.
     pub fn hash(&self, tokens: &[u32], history: &mut EngramHistory) -> Result<EngramIds> {
-        let compressed = tokens.iter().map(|&t| self.token_map.get(t)).collect::<Result<Vec<u32>>>()?;
-        let seq: Vec<u32> = history.recent().iter().chain(&compressed).copied().collect();
+        let compressed = tokens
+            .iter()
+            .map(|&t| self.token_map.get(t))
+            .collect::<Result<Vec<u32>>>()?;
+        let seq: Vec<u32> = history
+            .recent()
+            .iter()
+            .chain(&compressed)
+            .copied()
+            .collect();
         let start = history.recent().len();
-        let (g, heads, n_cols) = (self.layout.max_ngram, self.layout.n_heads, self.layout.n_cols());
-        let mut per_layer: Vec<(usize, Vec<u32>)> =
-            self.layout.layers.iter().map(|l| (l.layer, Vec::with_capacity(tokens.len() * n_cols))).collect();
+        let (g, heads, n_cols) = (
+            self.layout.max_ngram,
+            self.layout.n_heads,
+            self.layout.n_cols(),
+        );
+        let mut per_layer: Vec<(usize, Vec<u32>)> = self
+            .layout
+            .layers
+            .iter()
+            .map(|l| (l.layer, Vec::with_capacity(tokens.len() * n_cols)))
+            .collect();
         let mut lookback = vec![0u64; g];
         for i in 0..tokens.len() {
             let at = start + i;
@@ -304,7 +356,8 @@ impl EngramHasher {
             for (layout, (_, out)) in self.layout.layers.iter().zip(per_layer.iter_mut()) {
                 // tok < compressed vocab and m < 2·(i64::MAX / vocab / 2) + 1, so no overflow.
                 let mut rolling = lookback[0] * layout.multipliers[0];
-                for (s, (&tok, &m)) in lookback.iter().zip(&layout.multipliers).enumerate().skip(1) {
+                for (s, (&tok, &m)) in lookback.iter().zip(&layout.multipliers).enumerate().skip(1)
+                {
                     rolling ^= tok * m;
                     for k in 0..heads {
                         let c = (s - 1) * heads + k;
@@ -314,7 +367,11 @@ impl EngramHasher {
             }
         }
         history.push_all(&compressed);
-        Ok(EngramIds { tokens: tokens.len(), n_cols, per_layer })
+        Ok(EngramIds {
+            tokens: tokens.len(),
+            n_cols,
+            per_layer,
+        })
     }
 }
 
@@ -344,8 +401,24 @@ mod tests {
         assert_eq!(l.layers()[1].primes[0], 16000477);
         assert_eq!(l.layers()[0].num_rows(), 384006168);
         assert_eq!(l.layers()[1].num_rows(), 384016682);
-        assert_eq!(l.layers()[0].multipliers, vec![76632096046245, 4839876093313, 35959672319349, 73987337458391]);
-        assert_eq!(l.layers()[1].multipliers, vec![67716810739261, 51510806800915, 30921347202721, 82619226485591]);
+        assert_eq!(
+            l.layers()[0].multipliers,
+            vec![
+                76632096046245,
+                4839876093313,
+                35959672319349,
+                73987337458391
+            ]
+        );
+        assert_eq!(
+            l.layers()[1].multipliers,
+            vec![
+                67716810739261,
+                51510806800915,
+                30921347202721,
+                82619226485591
+            ]
+        );
         let o = &l.layers()[1].offsets;
         assert_eq!(o[0], 0);
         assert_eq!(o[23] + l.layers()[1].primes[23], 384016682);
@@ -357,7 +430,10 @@ mod tests {
         let mut cfg = real_cfg();
         cfg.num_embeddings[1] += 2;
         let err = EngramLayout::new(&cfg).unwrap_err().to_string();
-        assert!(err.contains("384016682") && err.contains("384016684"), "{err}");
+        assert!(
+            err.contains("384016682") && err.contains("384016684"),
+            "{err}"
+        );
     }
 
     /// Hand-built sequence: the first positions read the pad id for missing lookback.
@@ -382,7 +458,12 @@ mod tests {
         let expect = |t: [u64; 3]| -> Vec<u32> {
             let r1 = (t[0] * m[0]) ^ (t[1] * m[1]);
             let r2 = r1 ^ (t[2] * m[2]);
-            vec![(r1 % p[0] + o[0]) as u32, (r1 % p[1] + o[1]) as u32, (r2 % p[2] + o[2]) as u32, (r2 % p[3] + o[3]) as u32]
+            vec![
+                (r1 % p[0] + o[0]) as u32,
+                (r1 % p[1] + o[1]) as u32,
+                (r2 % p[2] + o[2]) as u32,
+                (r2 % p[3] + o[3]) as u32,
+            ]
         };
         let got = ids.layer(1).unwrap();
         assert_eq!(&got[0..4], expect([5, 1, 1]).as_slice());

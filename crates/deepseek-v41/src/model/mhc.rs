@@ -64,7 +64,12 @@ impl HcMix {
         let mix = (2 + hc) * hc;
         let p = which.prefix();
         let hints = Default::default();
-        let func = vb.get_with_hints_dtype((mix, hc * cfg.hidden_size), &format!("{p}_fn"), hints, DType::F32)?;
+        let func = vb.get_with_hints_dtype(
+            (mix, hc * cfg.hidden_size),
+            &format!("{p}_fn"),
+            hints,
+            DType::F32,
+        )?;
         let base = vb.get_with_hints_dtype(mix, &format!("{p}_base"), hints, DType::F32)?;
         let scale = vb.get_with_hints_dtype(3, &format!("{p}_scale"), hints, DType::F32)?;
         Ok(Self {
@@ -84,13 +89,26 @@ impl HcMix {
     pub fn mixes(&self, x: &Tensor) -> Result<HcCoeffs> {
         let (t, hc, d) = x.dims3()?;
         if hc != self.hc || hc * d != self.func.dim(1)? {
-            candle_core::bail!("HcMix::mixes: stream {:?} does not match hc_fn {:?}", x.shape(), self.func.shape())
+            candle_core::bail!(
+                "HcMix::mixes: stream {:?} does not match hc_fn {:?}",
+                x.shape(),
+                self.func.shape()
+            )
         }
         let xf = x.reshape((t, hc * d))?.to_dtype(DType::F32)?;
-        let rsqrt = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.norm_eps)?.sqrt()?.recip()?;
+        let rsqrt = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.norm_eps)?
+            .sqrt()?
+            .recip()?;
         let func = self.func.to_device(xf.device())?;
         let mixes = xf.matmul(&func.t()?)?.broadcast_mul(&rsqrt)?;
-        split_sinkhorn(&mixes, &self.scale, &self.base, self.hc, self.sinkhorn_iters, self.hc_eps)
+        split_sinkhorn(
+            &mixes,
+            &self.scale,
+            &self.base,
+            self.hc,
+            self.sinkhorn_iters,
+            self.hc_eps,
+        )
     }
 }
 
@@ -120,7 +138,9 @@ pub fn split_sinkhorn(
     let base = base.to_device(dev)?.to_dtype(DType::F32)?;
     let scale = scale.to_device(dev)?.to_dtype(DType::F32)?;
     let part = |start: usize, len: usize, s: usize| -> Result<Tensor> {
-        m.narrow(1, start, len)?.broadcast_mul(&scale.narrow(0, s, 1)?)?.broadcast_add(&base.narrow(0, start, len)?)
+        m.narrow(1, start, len)?
+            .broadcast_mul(&scale.narrow(0, s, 1)?)?
+            .broadcast_add(&base.narrow(0, start, len)?)
     };
     let pre = (candle_nn::ops::sigmoid(&part(0, hc, 0)?)? + eps)?;
     let post = (candle_nn::ops::sigmoid(&part(hc, hc, 1)?)? * 2.0)?;
@@ -140,10 +160,17 @@ pub fn split_sinkhorn(
 pub fn collapse(x: &Tensor, pre: &Tensor) -> Result<Tensor> {
     let (t, hc, _) = x.dims3()?;
     if pre.dims() != [t, hc] {
-        candle_core::bail!("mHC collapse: pre {:?} does not fit stream {:?}", pre.shape(), x.shape())
+        candle_core::bail!(
+            "mHC collapse: pre {:?} does not fit stream {:?}",
+            pre.shape(),
+            x.shape()
+        )
     }
     let pre = pre.to_dtype(DType::F32)?.unsqueeze(2)?;
-    x.to_dtype(DType::F32)?.broadcast_mul(&pre)?.sum(1)?.to_dtype(x.dtype())
+    x.to_dtype(DType::F32)?
+        .broadcast_mul(&pre)?
+        .sum(1)?
+        .to_dtype(x.dtype())
 }
 
 /// Post (spec §3.2): `out[t,j,:] = post[t,j]·y[t,:] + Σ_i comb[t,i,j]·x[t,i,:]` in f32 (the
@@ -164,7 +191,10 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
     // Σ_i comb[i, j]·x[i] = (combᵀ · x)[j], per token.
     let comb_t = comb.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
     let mixed = comb_t.matmul(&x.to_dtype(DType::F32)?)?;
-    let direct = post.to_dtype(DType::F32)?.unsqueeze(2)?.broadcast_mul(&y.to_dtype(DType::F32)?.unsqueeze(1)?)?;
+    let direct = post
+        .to_dtype(DType::F32)?
+        .unsqueeze(2)?
+        .broadcast_mul(&y.to_dtype(DType::F32)?.unsqueeze(1)?)?;
     (direct + mixed)?.to_dtype(x.dtype())
 }
 
@@ -183,12 +213,30 @@ mod tests {
         let (t, hc, d) = (2usize, 4usize, 3usize);
         let x: Vec<f32> = (0..t * hc * d).map(|i| (i as f32 - 10.0) * 0.25).collect();
         let x = Tensor::from_vec(x, (t, hc, d), &dev)?.to_dtype(DType::BF16)?;
-        let y = Tensor::from_vec((0..t * d).map(|i| i as f32 * 0.5 - 1.0).collect::<Vec<_>>(), (t, d), &dev)?
-            .to_dtype(DType::BF16)?;
-        let pre = Tensor::from_vec((0..t * hc).map(|i| (i % 5) as f32 * 0.125).collect::<Vec<_>>(), (t, hc), &dev)?;
-        let post = Tensor::from_vec((0..t * hc).map(|i| 2.0 - i as f32 * 0.25).collect::<Vec<_>>(), (t, hc), &dev)?;
+        let y = Tensor::from_vec(
+            (0..t * d).map(|i| i as f32 * 0.5 - 1.0).collect::<Vec<_>>(),
+            (t, d),
+            &dev,
+        )?
+        .to_dtype(DType::BF16)?;
+        let pre = Tensor::from_vec(
+            (0..t * hc)
+                .map(|i| (i % 5) as f32 * 0.125)
+                .collect::<Vec<_>>(),
+            (t, hc),
+            &dev,
+        )?;
+        let post = Tensor::from_vec(
+            (0..t * hc)
+                .map(|i| 2.0 - i as f32 * 0.25)
+                .collect::<Vec<_>>(),
+            (t, hc),
+            &dev,
+        )?;
         // A deliberately non-symmetric comb.
-        let comb: Vec<f32> = (0..t * hc * hc).map(|i| ((i * 7) % 11) as f32 * 0.0625).collect();
+        let comb: Vec<f32> = (0..t * hc * hc)
+            .map(|i| ((i * 7) % 11) as f32 * 0.0625)
+            .collect();
         let comb = Tensor::from_vec(comb, (t, hc, hc), &dev)?;
         Ok((x, y, pre, post, comb))
     }
@@ -211,22 +259,32 @@ mod tests {
     #[test]
     fn post_sums_comb_first_index() -> Result<()> {
         let (x, y, _, p, comb) = setup()?;
-        let got = post(&y, &x, &p, &comb)?.to_dtype(DType::F32)?.to_vec3::<f32>()?;
-        let (xv, yv) = (x.to_dtype(DType::F32)?.to_vec3::<f32>()?, y.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+        let got = post(&y, &x, &p, &comb)?
+            .to_dtype(DType::F32)?
+            .to_vec3::<f32>()?;
+        let (xv, yv) = (
+            x.to_dtype(DType::F32)?.to_vec3::<f32>()?,
+            y.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+        );
         let (pv, cv) = (p.to_vec2::<f32>()?, comb.to_vec3::<f32>()?);
         let mut transposed_differs = false;
         for t in 0..2 {
             for j in 0..4 {
                 for c in 0..3 {
-                    let want = pv[t][j] * yv[t][c] + (0..4).map(|i| cv[t][i][j] * xv[t][i][c]).sum::<f32>();
+                    let want = pv[t][j] * yv[t][c]
+                        + (0..4).map(|i| cv[t][i][j] * xv[t][i][c]).sum::<f32>();
                     assert_eq!(got[t][j][c], bf16_round(want), "t {t} copy {j} c {c}");
                     // Negative control: the residual on comb's second index.
-                    let wrong = pv[t][j] * yv[t][c] + (0..4).map(|i| cv[t][j][i] * xv[t][i][c]).sum::<f32>();
+                    let wrong = pv[t][j] * yv[t][c]
+                        + (0..4).map(|i| cv[t][j][i] * xv[t][i][c]).sum::<f32>();
                     transposed_differs |= (wrong - want).abs() > 0.1;
                 }
             }
         }
-        assert!(transposed_differs, "the test comb does not distinguish comb from its transpose");
+        assert!(
+            transposed_differs,
+            "the test comb does not distinguish comb from its transpose"
+        );
         Ok(())
     }
 
@@ -235,7 +293,14 @@ mod tests {
         // Zero mixes and zero base: uniform comb 1/4, pre σ(0)+eps, post 1.
         let dev = Device::Cpu;
         let m = Tensor::zeros((1, 24), DType::F32, &dev)?;
-        let c = split_sinkhorn(&m, &Tensor::ones(3, DType::F32, &dev)?, &Tensor::zeros(24, DType::F32, &dev)?, 4, 20, 1e-6)?;
+        let c = split_sinkhorn(
+            &m,
+            &Tensor::ones(3, DType::F32, &dev)?,
+            &Tensor::zeros(24, DType::F32, &dev)?,
+            4,
+            20,
+            1e-6,
+        )?;
         for v in c.comb.flatten_all()?.to_vec1::<f32>()? {
             assert!((v - 0.25).abs() < 1e-5);
         }
@@ -245,7 +310,15 @@ mod tests {
         for v in c.post.flatten_all()?.to_vec1::<f32>()? {
             assert!((v - 1.0).abs() < 1e-7);
         }
-        assert!(split_sinkhorn(&m, &Tensor::ones(3, DType::F32, &dev)?, &Tensor::zeros(24, DType::F32, &dev)?, 3, 20, 1e-6).is_err());
+        assert!(split_sinkhorn(
+            &m,
+            &Tensor::ones(3, DType::F32, &dev)?,
+            &Tensor::zeros(24, DType::F32, &dev)?,
+            3,
+            20,
+            1e-6
+        )
+        .is_err());
         Ok(())
     }
 }

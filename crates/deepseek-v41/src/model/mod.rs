@@ -7,6 +7,8 @@ pub mod moe;
 pub mod numpy_rng;
 
 pub use engram::{Engram, EngramTable};
-pub use engram_hash::{EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap};
+pub use engram_hash::{
+    EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap,
+};
 pub use mhc::{collapse, post, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
 pub use moe::{Expert, Gate, Moe, MoeOutput, Routing};

@@ -75,7 +75,10 @@ impl Gate {
     pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
         let e = cfg.n_routed_experts;
         if cfg.num_experts_per_tok == 0 || cfg.num_experts_per_tok > e {
-            candle_core::bail!("MoE gate: num_experts_per_tok {} not in 1..={e}", cfg.num_experts_per_tok)
+            candle_core::bail!(
+                "MoE gate: num_experts_per_tok {} not in 1..={e}",
+                cfg.num_experts_per_tok
+            )
         }
         if cfg.gate_temp.is_nan() || cfg.gate_temp <= 0.0 {
             candle_core::bail!("MoE gate: gate_temp must be > 0, got {}", cfg.gate_temp)
@@ -86,9 +89,17 @@ impl Gate {
         if !cfg.norm_topk_prob {
             candle_core::bail!("MoE gate: norm_topk_prob = false is not a V4.1 configuration")
         }
-        let proj = Linear::new(cfg.hidden_size, e, LinearKind::F32, Numerics::PLAIN, vb.clone())?;
+        let proj = Linear::new(
+            cfg.hidden_size,
+            e,
+            LinearKind::F32,
+            Numerics::PLAIN,
+            vb.clone(),
+        )?;
         let hints = Default::default();
-        let bias = vb.get_with_hints_dtype(e, "bias", hints, DType::F32)?.to_vec1::<f32>()?;
+        let bias = vb
+            .get_with_hints_dtype(e, "bias", hints, DType::F32)?
+            .to_vec1::<f32>()?;
         let bias_vl = vb.get_with_hints_dtype(e, "bias_vl", hints, DType::F32)?;
         Ok(Self {
             proj,
@@ -109,15 +120,27 @@ impl Gate {
     /// host rows `[T][E]`.
     fn scores(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
         let logits = self.proj.forward(x)?;
-        let logits = if self.temp == 1.0 { logits } else { (logits / self.temp as f64)? };
+        let logits = if self.temp == 1.0 {
+            logits
+        } else {
+            (logits / self.temp as f64)?
+        };
         let rows = logits.to_vec2::<f32>()?;
-        Ok(rows.into_iter().map(|r| r.into_iter().map(|l| softplus(l).sqrt()).collect()).collect())
+        Ok(rows
+            .into_iter()
+            .map(|r| r.into_iter().map(|l| softplus(l).sqrt()).collect())
+            .collect())
     }
 
     /// Routes `x` `[T, D]` (bf16): top-k of score + bias (ties: lower expert id first), weights
     /// `score / (Σ_sel score + 1e-20) · routed_scaling_factor` from the unbiased scores.
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
-        Ok(select_experts(&self.scores(x)?, &self.bias, self.top_k, self.route_scale))
+        Ok(select_experts(
+            &self.scores(x)?,
+            &self.bias,
+            self.top_k,
+            self.route_scale,
+        ))
     }
 }
 
@@ -156,7 +179,13 @@ pub struct Expert {
 impl Expert {
     /// Loads `w1`, `w3` `[inter, D]` and `w2` `[D, inter]` from `vb` = `…experts.E` or
     /// `…shared_experts`.
-    pub fn new(dim: usize, inter: usize, swiglu_limit: f64, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
+    pub fn new(
+        dim: usize,
+        inter: usize,
+        swiglu_limit: f64,
+        numerics: Numerics,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let lin = |i, o, name| Linear::new(i, o, LinearKind::Quantized, numerics, vb.pp(name));
         Ok(Self {
             w1: lin(dim, inter, "w1")?,
@@ -214,9 +243,19 @@ impl Moe {
             .collect::<Result<Vec<_>>>()?;
         let shared = match cfg.n_shared_experts {
             0 => None,
-            n => Some(Expert::new(d, inter * n, limit, numerics, vb.pp("shared_experts"))?),
+            n => Some(Expert::new(
+                d,
+                inter * n,
+                limit,
+                numerics,
+                vb.pp("shared_experts"),
+            )?),
         };
-        Ok(Self { gate, experts, shared })
+        Ok(Self {
+            gate,
+            experts,
+            shared,
+        })
     }
 
     /// The router.
@@ -254,7 +293,11 @@ impl Moe {
         if let Some(shared) = &self.shared {
             y = (y + shared.forward(x, None)?.to_dtype(DType::F32)?)?;
         }
-        Ok(MoeOutput { out: y.to_dtype(x.dtype())?, ids: routing.ids_tensor(dev)?, weights: routing.weights_tensor(dev)? })
+        Ok(MoeOutput {
+            out: y.to_dtype(x.dtype())?,
+            ids: routing.ids_tensor(dev)?,
+            weights: routing.weights_tensor(dev)?,
+        })
     }
 }
 
@@ -270,7 +313,10 @@ mod tests {
         let r = select_experts(&scores, &[0.0, -1.0, 0.0, 1.0], 2, 1.5);
         assert_eq!(r.ids, vec![3, 2]);
         let sum = 0.1f32 + 0.7;
-        assert_eq!(r.weights, vec![0.1 / (sum + 1e-20) * 1.5, 0.7 / (sum + 1e-20) * 1.5]);
+        assert_eq!(
+            r.weights,
+            vec![0.1 / (sum + 1e-20) * 1.5, 0.7 / (sum + 1e-20) * 1.5]
+        );
         assert!((r.weights.iter().sum::<f32>() - 1.5).abs() < 1e-6);
     }
 
@@ -297,11 +343,22 @@ mod tests {
         let row = |v: f32| -> Vec<f32> { (0..d).map(|c| if c < 2 { v } else { 0.0 }).collect() };
         let w1: Vec<f32> = gate_rows.iter().flat_map(|&v| row(v)).collect();
         let w3: Vec<f32> = up_rows.iter().flat_map(|&v| row(v)).collect();
-        let w2: Vec<f32> = (0..d * inter).map(|i| if i / inter == i % inter { 1.0 } else { 0.0 }).collect();
+        let w2: Vec<f32> = (0..d * inter)
+            .map(|i| if i / inter == i % inter { 1.0 } else { 0.0 })
+            .collect();
         let mut ts = HashMap::new();
-        ts.insert("w1.weight".to_string(), Tensor::from_vec(w1, (inter, d), &dev)?);
-        ts.insert("w3.weight".to_string(), Tensor::from_vec(w3, (inter, d), &dev)?);
-        ts.insert("w2.weight".to_string(), Tensor::from_vec(w2, (d, inter), &dev)?);
+        ts.insert(
+            "w1.weight".to_string(),
+            Tensor::from_vec(w1, (inter, d), &dev)?,
+        );
+        ts.insert(
+            "w3.weight".to_string(),
+            Tensor::from_vec(w3, (inter, d), &dev)?,
+        );
+        ts.insert(
+            "w2.weight".to_string(),
+            Tensor::from_vec(w2, (d, inter), &dev)?,
+        );
         let vb = VarBuilder::from_tensors(ts, DType::F32, &dev);
         let expert = Expert::new(d, inter, limit as f64, Numerics::PLAIN, vb.clone())?;
         let unclamped = Expert::new(d, inter, 0.0, Numerics::PLAIN, vb)?;
@@ -313,7 +370,11 @@ mod tests {
         for j in 0..inter {
             let (a, u) = (2.0 * gate_rows[j], 2.0 * up_rows[j]);
             let want = silu(a.min(limit)) * u.clamp(-limit, limit) * 0.75;
-            assert!((got[j] - want).abs() <= 1e-6 * want.abs().max(1.0), "col {j}: {} vs {want}", got[j]);
+            assert!(
+                (got[j] - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "col {j}: {} vs {want}",
+                got[j]
+            );
             let want_free = silu(a) * u * 0.75;
             assert!((free[j] - want_free).abs() <= 1e-6 * want_free.abs().max(1.0));
         }

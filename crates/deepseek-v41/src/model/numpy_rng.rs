@@ -32,7 +32,9 @@ fn hashmix(value: u32, hash_const: &mut u32) -> u32 {
 }
 
 fn mix(x: u32, y: u32) -> u32 {
-    let r = MIX_MULT_L.wrapping_mul(x).wrapping_sub(MIX_MULT_R.wrapping_mul(y));
+    let r = MIX_MULT_L
+        .wrapping_mul(x)
+        .wrapping_sub(MIX_MULT_R.wrapping_mul(y));
     r ^ (r >> XSHIFT)
 }
 
@@ -83,7 +85,10 @@ impl SeedSequence {
                 v ^ (v >> XSHIFT)
             })
             .collect();
-        words.chunks(2).map(|p| p[0] as u64 | (p[1] as u64) << 32).collect()
+        words
+            .chunks(2)
+            .map(|p| p[0] as u64 | (p[1] as u64) << 32)
+            .collect()
     }
 }
 
@@ -101,7 +106,10 @@ impl Pcg64 {
         let v = SeedSequence::new(seed).generate_state_u64(4);
         let init_state = (v[0] as u128) << 64 | v[1] as u128;
         let init_seq = (v[2] as u128) << 64 | v[3] as u128;
-        let mut rng = Self { state: 0, inc: init_seq << 1 | 1 };
+        let mut rng = Self {
+            state: 0,
+            inc: init_seq << 1 | 1,
+        };
         rng.step();
         rng.state = rng.state.wrapping_add(init_state);
         rng.step();
@@ -143,10 +151,14 @@ impl Pcg64 {
 pub fn default_rng_integers(seed: u64, high: i64, n: usize) -> candle_core::Result<Vec<i64>> {
     let rng = high - 1;
     if rng <= u32::MAX as i64 {
-        candle_core::bail!("default_rng_integers: high {high} needs numpy's 32-bit path, not implemented")
+        candle_core::bail!(
+            "default_rng_integers: high {high} needs numpy's 32-bit path, not implemented"
+        )
     }
     let mut g = Pcg64::from_seed(seed);
-    Ok((0..n).map(|_| g.bounded_lemire(rng as u64) as i64).collect())
+    Ok((0..n)
+        .map(|_| g.bounded_lemire(rng as u64) as i64)
+        .collect())
 }
 
 #[cfg(test)]
@@ -158,10 +170,30 @@ mod tests {
     fn released_multipliers() {
         let bound = (i64::MAX / 99092) / 2;
         let m = |l: u64| -> Vec<i64> {
-            default_rng_integers(10007 * l, bound, 4).unwrap().iter().map(|v| 2 * v + 1).collect()
+            default_rng_integers(10007 * l, bound, 4)
+                .unwrap()
+                .iter()
+                .map(|v| 2 * v + 1)
+                .collect()
         };
-        assert_eq!(m(1), vec![76632096046245, 4839876093313, 35959672319349, 73987337458391]);
-        assert_eq!(m(14), vec![67716810739261, 51510806800915, 30921347202721, 82619226485591]);
+        assert_eq!(
+            m(1),
+            vec![
+                76632096046245,
+                4839876093313,
+                35959672319349,
+                73987337458391
+            ]
+        );
+        assert_eq!(
+            m(14),
+            vec![
+                67716810739261,
+                51510806800915,
+                30921347202721,
+                82619226485591
+            ]
+        );
     }
 
     /// The tiny golden config (compressed vocab 256, 3 lookbacks, layers 1 and 5); values from
@@ -170,16 +202,29 @@ mod tests {
     fn tiny_multipliers() {
         let bound = (i64::MAX / 256) / 2;
         let m = |l: u64| -> Vec<i64> {
-            default_rng_integers(10007 * l, bound, 3).unwrap().iter().map(|v| 2 * v + 1).collect()
+            default_rng_integers(10007 * l, bound, 3)
+                .unwrap()
+                .iter()
+                .map(|v| 2 * v + 1)
+                .collect()
         };
-        assert_eq!(m(1), vec![29662608052400909, 1873410163432121, 13919202536988139]);
-        assert_eq!(m(5), vec![14090283695042227, 11980416300147269, 7883456125943357]);
+        assert_eq!(
+            m(1),
+            vec![29662608052400909, 1873410163432121, 13919202536988139]
+        );
+        assert_eq!(
+            m(5),
+            vec![14090283695042227, 11980416300147269, 7883456125943357]
+        );
     }
 
     /// Negative control: a different seed gives different draws.
     #[test]
     fn seed_matters() {
         let bound = (i64::MAX / 256) / 2;
-        assert_ne!(default_rng_integers(10007, bound, 3).unwrap(), default_rng_integers(10008, bound, 3).unwrap());
+        assert_ne!(
+            default_rng_integers(10007, bound, 3).unwrap(),
+            default_rng_integers(10008, bound, 3).unwrap()
+        );
     }
 }
