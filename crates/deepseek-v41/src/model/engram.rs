@@ -2,7 +2,8 @@
 //! one key per hc copy plus a shared value, and adds the value into every copy of the residual
 //! stream with a per-copy gate. Applied before the layer's mixes (spec §3.2 step 1).
 //!
-//! The hash ids come from [`super::engram_hash::EngramHasher`].
+//! The hash ids come from [`super::engram_hash::EngramHasher`]. Text only: the reference's zero
+//! gate for image tokens (spec §9.5 step 4) is not implemented.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
@@ -82,7 +83,8 @@ impl Engram {
         Self::with_table(cfg, layer, numerics, vb, EngramTable::Resident(table))
     }
 
-    /// As [`Engram::new`], with the table rows taken from `table` instead of `embed.weight`.
+    /// As [`Engram::new`], with the table rows taken from `table` instead of `embed.weight`;
+    /// errors unless `table` is `[rows, head_dim]` for this layer.
     pub fn with_table(
         cfg: &Config,
         layer: usize,
@@ -90,7 +92,16 @@ impl Engram {
         vb: VarBuilder,
         table: EngramTable,
     ) -> Result<Self> {
-        let (_, head_dim, n_cols) = Self::table_shape(cfg, layer)?;
+        let (rows, head_dim, n_cols) = Self::table_shape(cfg, layer)?;
+        let found = match &table {
+            EngramTable::Resident(t) => t.dims().to_vec(),
+            EngramTable::Rows(r) => vec![r.num_rows(), r.width()],
+        };
+        if found != [rows, head_dim] {
+            candle_core::bail!(
+                "Engram layer {layer}: table {found:?}, expected [{rows}, {head_dim}]"
+            )
+        }
         let (hc, dim) = (cfg.hc_mult, cfg.hidden_size);
         let hints = Default::default();
         let wkv = Linear::new(

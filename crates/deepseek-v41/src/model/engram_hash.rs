@@ -1,6 +1,8 @@
 //! Engram hashing (spec §9.1–§9.4): the compressed token map, the prime bucket layout, the hash
 //! multipliers, and the n-gram hash ids of every position, with a caller-owned lookback history
 //! so that chunked prefill and decode produce the same ids as one full prefill.
+//!
+//! Text only: the lookback blocking at image tokens (spec §9.4 step 2) is not implemented.
 
 use candle_core::{Device, Result, Tensor};
 
