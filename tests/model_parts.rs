@@ -497,7 +497,7 @@ fn engram_table_rows_checkpoint_equals_resident() -> Result<()> {
     let vbl = vb.pp("layers.1.engram");
     let resident = Engram::new(&cfg, 1, Numerics::REFERENCE, vbl.clone())?.forward(&x, &hash)?;
     let table =
-        deepseek_v41::model::EngramTable::Rows(ckpt.row_table("layers.1.engram.embed.weight")?);
+        deepseek_v41::model::EngramTable::Rows(Box::new(ckpt.row_table("layers.1.engram.embed.weight")?));
     let rowwise =
         Engram::with_table(&cfg, 1, Numerics::REFERENCE, vbl, table)?.forward(&x, &hash)?;
     ensure!(

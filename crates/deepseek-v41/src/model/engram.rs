@@ -23,7 +23,7 @@ pub enum EngramTable {
     Resident(Tensor),
     /// Rows read and dequantized on lookup from the checkpoint (the released ~384M-row FP8
     /// tables): `ckpt.row_table("layers.N.engram.embed.weight")`.
-    Rows(RowTable),
+    Rows(Box<RowTable>),
 }
 
 impl std::fmt::Debug for EngramTable {
