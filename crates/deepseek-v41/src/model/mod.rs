@@ -1,11 +1,13 @@
 //! The decoder's non-attention parts: mHC hyper-connections (spec §3.2), MoE (§8), Engram (§9).
 
+pub mod decoder;
 pub mod engram;
 pub mod engram_hash;
 pub mod mhc;
 pub mod moe;
 pub mod numpy_rng;
 
+pub use decoder::{DecoderLayer, Model, ModelCache};
 pub use engram::{Engram, EngramTable};
 pub use engram_hash::{
     EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap,
