@@ -9,6 +9,7 @@
 //! sharing layouts and chunkings all come from the set's files.
 
 pub mod compare;
+pub mod module_formats;
 pub mod modules;
 pub mod runner;
 
@@ -94,6 +95,13 @@ impl GoldenSet {
         Ok(Self { root, cases, modules })
     }
 
+    /// Reads `<dir>/inputs.json`.
+    pub fn load_inputs(&self, dir: &Path) -> Result<Inputs> {
+        let path = dir.join("inputs.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| msg(format!("{}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| msg(format!("{}: {e}", path.display())))
+    }
+
     /// Loads case `dir` (config, inputs, checkpoint path, goldens) onto `device`.
     pub fn load_case(&self, dir: &Path, device: &Device) -> Result<Case> {
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -102,8 +110,7 @@ impl GoldenSet {
             .find(|p| p.is_file())
             .ok_or_else(|| msg(format!("case {name}: no config.json in the case or the set")))?;
         let config = Config::from_file(&config_path)?;
-        let text = std::fs::read_to_string(dir.join("inputs.json")).map_err(|e| msg(format!("case {name}: inputs.json: {e}")))?;
-        let inputs: Inputs = serde_json::from_str(&text).map_err(|e| msg(format!("case {name}: inputs.json: {e}")))?;
+        let inputs = self.load_inputs(dir)?;
         validate_calls(&name, &inputs)?;
         let weights = [dir.join("model.safetensors"), self.root.join("model.safetensors")]
             .into_iter()
@@ -123,6 +130,9 @@ impl GoldenSet {
         if case.config.engram.is_none() {
             return Ok(None);
         }
+        if let Some(map) = declared_token_map(&case.inputs, case.config.vocab_size) {
+            return Ok(Some(map));
+        }
         if let Some(m) = &self.modules {
             let st = candle_core::safetensors::load(m, &Device::Cpu)?;
             if let Some(t) = st.get("engram.token_map") {
@@ -130,14 +140,19 @@ impl GoldenSet {
                 return Ok(Some(TokenMap::new(v)?));
             }
         }
-        match &case.inputs.compressed_token_map {
-            Some(s) if s.contains("// 2") => Ok(Some(TokenMap::div2(case.config.vocab_size))),
-            other => candle_core::bail!(
-                "case {}: the config has Engram layers but the set gives no token map (modules engram.token_map) and inputs.json says {other:?}",
-                case.name
-            ),
-        }
+        candle_core::bail!(
+            "case {}: the config has Engram layers but inputs.json declares no known token map ({:?}) and the set has no engram.token_map",
+            case.name,
+            case.inputs.compressed_token_map
+        )
     }
+}
+
+/// The Engram token map a case's `inputs.json` declares in words, when it is one this checker
+/// knows: the synthetic `id // 2` map of tokenizer-less golden sets.
+pub fn declared_token_map(inputs: &Inputs, vocab_size: usize) -> Option<TokenMap> {
+    let words = inputs.compressed_token_map.as_deref()?;
+    words.contains("id // 2").then(|| TokenMap::div2(vocab_size))
 }
 
 fn validate_calls(name: &str, inputs: &Inputs) -> Result<()> {

@@ -10,10 +10,11 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::compare::{Report, Tolerance};
-use super::GoldenSet;
+use super::{declared_token_map, GoldenSet};
 use crate::attention::indexer::{index_scores, mask_invisible, top_k, IndexKeyProjection, Indexer};
 use crate::attention::sparse_attention;
 use crate::config::{CandidateRole, Config};
+use crate::model::{split_sinkhorn, EngramHasher, EngramLayout, TokenMap};
 use crate::nn::{RopeKind, RopeTable};
 use crate::numerics::Numerics;
 
@@ -45,6 +46,21 @@ pub fn check_modules(set: &GoldenSet, path: &Path, device: &Device, report: &mut
         check_indexer(&cfg, layer, &g, report)?;
         mark(&format!("indexer.L{layer}."));
     }
+    for prefix in super::module_formats::check_fake_quant(&g, report)? {
+        mark(&prefix);
+    }
+    for prefix in super::module_formats::check_dequant(&g, &set.root.join("model.safetensors"), report)? {
+        mark(&prefix);
+    }
+    if g.contains_key("hc_split_sinkhorn.mixes") {
+        check_sinkhorn(&cfg, &g, report)?;
+        mark("hc_split_sinkhorn.");
+    }
+    if let Some(e) = &cfg.engram {
+        if check_engram_layout(set, e, &g, report)? {
+            mark("engram.");
+        }
+    }
     let mut rest: Vec<&String> = g.keys().filter(|k| !done.contains(*k)).collect();
     rest.sort();
     for k in rest {
@@ -55,6 +71,55 @@ pub fn check_modules(set: &GoldenSet, path: &Path, device: &Device, report: &mut
         }
     }
     Ok(())
+}
+
+fn check_sinkhorn(cfg: &Config, g: &Golden, report: &mut Report) -> Result<()> {
+    let c = split_sinkhorn(
+        get(g, "hc_split_sinkhorn.mixes")?,
+        get(g, "hc_split_sinkhorn.scale")?,
+        get(g, "hc_split_sinkhorn.base")?,
+        cfg.hc_mult,
+        cfg.hc_sinkhorn_iters,
+        cfg.hc_eps,
+    )?;
+    for (n, t) in [("pre", &c.pre), ("post", &c.post), ("comb", &c.comb)] {
+        report.check(&format!("modules/hc_split_sinkhorn.{n}"), t, get(g, &format!("hc_split_sinkhorn.{n}"))?, Tolerance::Abs(1e-6))?;
+    }
+    Ok(())
+}
+
+/// `engram.{primes, offsets, multipliers, pad_id_compressed, token_map}`; returns whether the
+/// group was present.
+fn check_engram_layout(set: &GoldenSet, cfg: &crate::config::EngramConfig, g: &Golden, report: &mut Report) -> Result<bool> {
+    let Some(primes_g) = g.get("engram.primes") else { return Ok(false) };
+    let layout = EngramLayout::new(cfg)?;
+    let dev = primes_g.device();
+    let collect = |f: &dyn Fn(&crate::model::EngramLayerLayout) -> Vec<u64>| -> Result<Tensor> {
+        let v: Vec<i64> = layout.layers().iter().flat_map(|l| f(l)).map(|x| x as i64).collect();
+        Tensor::new(v, dev)
+    };
+    let exact = Tolerance::Exact;
+    let as_i64 = |t: &Tensor| t.to_dtype(DType::I64)?.flatten_all();
+    report.check("modules/engram.primes", &collect(&|l| l.primes.clone())?, &as_i64(primes_g)?, exact)?;
+    report.check("modules/engram.offsets", &collect(&|l| l.offsets.clone())?, &as_i64(get(g, "engram.offsets")?)?, exact)?;
+    report.check("modules/engram.multipliers", &collect(&|l| l.multipliers.clone())?, &as_i64(get(g, "engram.multipliers")?)?, exact)?;
+    if let (Some(map), Some(pad)) = (g.get("engram.token_map"), g.get("engram.pad_id_compressed")) {
+        let map_v: Vec<u32> = map.to_dtype(DType::I64)?.to_vec1::<i64>()?.into_iter().map(|x| x as u32).collect();
+        let hasher = EngramHasher::new(cfg, TokenMap::new(map_v)?)?;
+        let ours = Tensor::new(&[hasher.pad_compressed() as i64], dev)?;
+        report.check("modules/engram.pad_id_compressed", &ours, &as_i64(pad)?, exact)?;
+        // The map the cases declare (their inputs.json) must be the one the set stores.
+        let vocab = map.dim(0)?;
+        let declared = set.cases.first().map(|c| set.load_inputs(c)).transpose()?.and_then(|i| declared_token_map(&i, vocab));
+        match declared {
+            Some(d) => {
+                let v: Vec<i64> = (0..vocab as u32).map(|t| d.get(t).map(|c| c as i64)).collect::<Result<_>>()?;
+                report.check("modules/engram.token_map", &Tensor::new(v, dev)?, &as_i64(map)?, exact)?;
+            }
+            None => println!("NOTE modules/engram.token_map: the cases declare no known map; the set's map is used as input"),
+        }
+    }
+    Ok(true)
 }
 
 fn check_rope(cfg: &Config, g: &Golden, report: &mut Report) -> Result<()> {
