@@ -19,6 +19,7 @@ use candle_core::{Device, Result, Tensor};
 use serde::Deserialize;
 
 use crate::config::Config;
+use crate::model::TokenMap;
 pub use compare::{compare, Outcome, Report, Tolerance};
 
 /// One forward call of a case: tokens `input_ids[start_pos .. start_pos + length]`.
@@ -80,7 +81,8 @@ impl GoldenSet {
         let mut cases = Vec::new();
         for e in entries {
             let p = e.map_err(|e| msg(format!("golden set {}: {e}", root.display())))?.path();
-            if p.join("inputs.json").is_file() && p.join("golden.safetensors").is_file() {
+            let is_modules = p.file_name().is_some_and(|n| n == "modules");
+            if !is_modules && p.join("inputs.json").is_file() && p.join("golden.safetensors").is_file() {
                 cases.push(p);
             }
         }
@@ -110,6 +112,31 @@ impl GoldenSet {
             .ok_or_else(|| msg(format!("case {name}: no model.safetensors in the case or the set")))?;
         let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), device)?;
         Ok(Case { name, dir: dir.to_path_buf(), config, inputs, weights, golden })
+    }
+}
+
+impl GoldenSet {
+    /// The Engram compressed token map of a case: the set's `engram.token_map` module golden if
+    /// present, else the synthetic `id // 2` map when `inputs.json` says so; `None` when the
+    /// config has no Engram layer.
+    pub fn token_map(&self, case: &Case) -> Result<Option<TokenMap>> {
+        if case.config.engram.is_none() {
+            return Ok(None);
+        }
+        if let Some(m) = &self.modules {
+            let st = candle_core::safetensors::load(m, &Device::Cpu)?;
+            if let Some(t) = st.get("engram.token_map") {
+                let v: Vec<u32> = t.to_dtype(candle_core::DType::I64)?.to_vec1::<i64>()?.into_iter().map(|x| x as u32).collect();
+                return Ok(Some(TokenMap::new(v)?));
+            }
+        }
+        match &case.inputs.compressed_token_map {
+            Some(s) if s.contains("// 2") => Ok(Some(TokenMap::div2(case.config.vocab_size))),
+            other => candle_core::bail!(
+                "case {}: the config has Engram layers but the set gives no token map (modules engram.token_map) and inputs.json says {other:?}",
+                case.name
+            ),
+        }
     }
 }
 
@@ -151,7 +178,8 @@ pub fn check_set(root: impl AsRef<Path>, device: &Device) -> Result<Report> {
     }
     for dir in &set.cases {
         let case = set.load_case(dir, device)?;
-        runner::check_case(&case, device, &mut report)?;
+        let token_map = set.token_map(&case)?;
+        runner::check_case(&case, token_map.as_ref(), device, &mut report)?;
     }
     Ok(report)
 }

@@ -48,7 +48,11 @@ pub fn check_modules(set: &GoldenSet, path: &Path, device: &Device, report: &mut
     let mut rest: Vec<&String> = g.keys().filter(|k| !done.contains(*k)).collect();
     rest.sort();
     for k in rest {
-        report.skip(&format!("modules/{k}"), "no module check for this group yet");
+        if k.ends_with("_margin") {
+            println!("NOTE modules/{k}: decision margin (metadata of the golden set, not an output)");
+        } else {
+            report.skip(&format!("modules/{k}"), "no module check for this group yet");
+        }
     }
     Ok(())
 }
@@ -62,22 +66,22 @@ fn check_rope(cfg: &Config, g: &Golden, report: &mut Report) -> Result<()> {
         let table = RopeTable::new(rd, &RopeKind::for_ratio(cfg, ratio), cos_g.device())?;
         let positions: Vec<usize> = (0..n).collect();
         let (cos, sin) = table.cos_sin(&positions)?;
-        let ulp1 = Tolerance::Ulps { ulps: 1.0, mantissa_bits: 23 };
+        let ulp1 = Tolerance::Ulps { ulps: 1.0, mantissa_bits: 7 };
         report.check(&format!("modules/{p}.cos"), &cos, cos_g, Tolerance::Abs(1.2e-7))?;
         report.check(&format!("modules/{p}.sin"), &sin, get(g, &format!("{p}.sin"))?, Tolerance::Abs(1.2e-7))?;
         let x = get(g, &format!("{p}.apply_in"))?;
         let (_, np, h, d) = x.dims4()?;
-        let x3 = x.reshape((np, h, d))?;
+        // The rotation runs in f32 on bf16 inputs and rounds to bf16, as the reference does.
+        let x3 = x.reshape((np, h, d))?.to_dtype(DType::BF16)?;
         let out = table.apply(&x3, &positions[..np], false)?;
-        // Rotated values are f32 in the golden; allow the trig-library ulp.
-        let _ = ulp1;
-        report.check(&format!("modules/{p}.apply_out"), &out, &get(g, &format!("{p}.apply_out"))?.reshape((np, h, d))?, Tolerance::Abs(1e-6))?;
-        let back = table.apply(&get(g, &format!("{p}.apply_out"))?.reshape((np, h, d))?, &positions[..np], true)?;
+        let out_g = get(g, &format!("{p}.apply_out"))?.reshape((np, h, d))?;
+        report.check(&format!("modules/{p}.apply_out"), &out, &out_g, ulp1)?;
+        let back = table.apply(&out_g.to_dtype(DType::BF16)?, &positions[..np], true)?;
         report.check(
             &format!("modules/{p}.apply_inverse_of_out"),
             &back,
             &get(g, &format!("{p}.apply_inverse_of_out"))?.reshape((np, h, d))?,
-            Tolerance::Abs(1e-6),
+            ulp1,
         )?;
     }
     Ok(())
