@@ -12,6 +12,9 @@
 //! * [`model`]: mHC hyper-connections, MoE, Engram and the whole decoder.
 //! * [`loader`]: a `VarBuilder` backend over the release checkpoint format (FP8 / MXFP4).
 //! * [`golden`]: the checker for golden sets produced by the official reference code.
+//! * [`tokenizer`]: `tokenizer.json` loading, chat / thinking prompts, streaming decoding and the
+//!   Engram compressed token map.
+//! * [`weights`]: the `weights.toml` catalog of supported checkpoints.
 
 pub mod attention;
 pub mod config;
@@ -21,6 +24,8 @@ pub mod model;
 pub mod nn;
 pub mod numerics;
 pub mod quant;
+pub mod tokenizer;
+pub mod weights;
 
 pub use config::Config;
 pub use numerics::Numerics;
