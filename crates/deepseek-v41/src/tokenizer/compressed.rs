@@ -7,6 +7,7 @@ use tokenizers::{NormalizedString, Normalizer, NormalizerWrapper};
 
 use super::error::backend;
 use super::{Result, Tokenizer};
+use crate::model::TokenMap;
 
 /// Private-use character that shields a token that is exactly one space from the final strip.
 const SENTINEL: &str = "\u{E000}";
@@ -61,6 +62,12 @@ pub fn compressed_token_map(tok: &Tokenizer) -> Result<Vec<u32>> {
         map.push(*keys.entry(key).or_insert(next));
     }
     Ok(map)
+}
+
+/// [`compressed_token_map`] as the model's [`TokenMap`] (what `Model::new` and
+/// `EngramHasher::new` take).
+pub fn engram_token_map(tok: &Tokenizer) -> candle_core::Result<TokenMap> {
+    TokenMap::new(compressed_token_map(tok)?)
 }
 
 #[cfg(test)]
@@ -139,6 +146,23 @@ mod tests {
         assert_eq!(id("The"), id(" The"));
         assert_eq!(id("the"), id("The"));
         assert_ne!(id("the"), id("and"));
+    }
+
+    #[test]
+    fn shakespeare_map_fits_the_models_engram_config() {
+        let root = crate::tokenizer::test_tokenizers::repo_root().join("models/v41-shakespeare-tiny");
+        // The config's `image_token_id` is 4096 = vocab_size on purpose (no real token is an image
+        // token, README); the config validator rejects that today, and Engram does not use it.
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(root.join("config.json")).unwrap()).unwrap();
+        json.as_object_mut().unwrap().remove("image_token_id");
+        let cfg = crate::Config::from_json(&json.to_string()).unwrap();
+        let engram = cfg.engram.as_ref().expect("the Shakespeare model has Engram layers");
+        let map = engram_token_map(shakespeare()).unwrap();
+        assert_eq!(map.vocab_size(), cfg.vocab_size);
+        assert_eq!(map.compressed_vocab_size(), engram.compressed_vocab_size);
+        let hasher = crate::model::EngramHasher::new(engram, map).unwrap();
+        assert_eq!(hasher.pad_compressed(), 2);
     }
 
     #[test]

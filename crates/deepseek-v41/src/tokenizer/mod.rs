@@ -11,7 +11,7 @@ mod error;
 mod stream;
 
 pub use chat::{ChatPrompt, ReasoningEffort};
-pub use compressed::compressed_token_map;
+pub use compressed::{compressed_token_map, engram_token_map};
 pub use error::{Result, TokenizerError};
 pub use stream::StreamDecoder;
 
