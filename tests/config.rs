@@ -611,8 +611,11 @@ fn rope_settings_are_checked() {
 
 #[test]
 fn token_ids_must_be_in_the_vocabulary() {
-    let err = tiny_hf_with(|v| v["image_token_id"] = json!(600)).unwrap_err();
-    assert_msg(&err, &["image_token_id", "= 600", "vocab_size = 512"]);
+    let err = tiny_hf_with(|v| v["bos_token_id"] = json!(600)).unwrap_err();
+    assert_msg(&err, &["bos_token_id", "= 600", "vocab_size = 512"]);
+    // An image token outside the vocab means "no image token" (text-only checkpoints).
+    let cfg = tiny_hf_with(|v| v["image_token_id"] = json!(512)).unwrap();
+    assert_eq!(cfg.image_token_id, Some(512));
     let err = tiny_err("engram_compressed_vocab_size", json!(513));
     assert_msg(&err, &["text_config.engram_compressed_vocab_size", "= 513", "vocab_size = 512"]);
 }

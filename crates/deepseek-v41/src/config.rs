@@ -230,7 +230,8 @@ pub struct Config {
     pub eos_token_id: u32,
     /// Padding token (default 2).
     pub pad_token_id: u32,
-    /// Image placeholder token (129264), if given.
+    /// Image placeholder token (129264), if given; an id `>= vocab_size` means no token is an
+    /// image token (text-only checkpoints). Images are not supported (spec §10).
     pub image_token_id: Option<u32>,
     /// MTP layers (`n_mtp_layers`; 3), not part of the backbone.
     pub num_nextn_predict_layers: usize,

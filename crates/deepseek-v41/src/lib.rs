@@ -18,6 +18,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod generation;
 pub mod golden;
 pub mod loader;
 pub mod model;

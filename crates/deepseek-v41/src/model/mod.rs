@@ -6,6 +6,7 @@ pub mod engram_hash;
 pub mod mhc;
 pub mod moe;
 pub mod numpy_rng;
+pub mod pretrained;
 
 pub use decoder::{DecoderLayer, Model, ModelCache};
 pub use engram::{Engram, EngramTable};
@@ -13,4 +14,5 @@ pub use engram_hash::{
     EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap,
 };
 pub use mhc::{collapse, post, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
+pub use pretrained::Pretrained;
 pub use moe::{Expert, Gate, Moe, MoeOutput, Routing};

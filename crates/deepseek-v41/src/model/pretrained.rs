@@ -1,0 +1,73 @@
+//! Loading a model folder in one call: `config.json`, the checkpoint (`model.safetensors` or a
+//! sharded `model.safetensors.index.json`), `tokenizer.json`, the Engram token map built from the
+//! tokenizer — with a strict check of the checkpoint's tensor names.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Result};
+
+use super::decoder::{Model, ModelCache};
+use crate::config::Config;
+use crate::loader::{var_builder, ReleaseCheckpoint};
+use crate::numerics::Numerics;
+use crate::tokenizer::{engram_token_map, Tokenizer};
+
+/// A loaded model with its configuration and tokenizer.
+#[derive(Debug)]
+pub struct Pretrained {
+    pub config: Config,
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Pretrained {
+    /// Loads the model folder `dir` strictly: every missing or malformed text-model tensor is
+    /// reported in one error, then every unexpected one (MTP `mtp.*` and vision tensors are
+    /// recognised and not loaded, spec §10). Activations run in `dtype` on `device`.
+    pub fn load_dir(dir: impl AsRef<Path>, numerics: Numerics, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = Config::from_file(dir.join("config.json"))?;
+        let tokenizer = Tokenizer::from_file(find(dir, &["tokenizer.json", "tokenizer.json.gz"])?)?;
+        let ckpt = ReleaseCheckpoint::open_dir(dir)?;
+        Self::load(config, tokenizer, ckpt, numerics, dtype, device)
+    }
+
+    /// Builds the model from parts (see [`Pretrained::load_dir`]).
+    pub fn load(
+        config: Config,
+        tokenizer: Tokenizer,
+        ckpt: ReleaseCheckpoint,
+        numerics: Numerics,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if tokenizer.vocab_size() > config.vocab_size {
+            candle_core::bail!("tokenizer has {} ids but the model's vocab_size is {}", tokenizer.vocab_size(), config.vocab_size)
+        }
+        let token_map = match config.engram {
+            Some(_) => Some(engram_token_map(&tokenizer)?),
+            None => None,
+        };
+        ckpt.set_collect_missing(true);
+        let model = Model::new(&config, numerics, token_map, var_builder(ckpt.clone(), dtype, device));
+        ckpt.check_missing()?;
+        let model = model?;
+        ckpt.check_all_used(&[])?;
+        Ok(Self { config, model, tokenizer, dtype, device: device.clone() })
+    }
+
+    /// A fresh cache for one sequence.
+    pub fn new_cache(&self) -> Result<ModelCache> {
+        ModelCache::new(&self.config, self.dtype, &self.device)
+    }
+}
+
+fn find(dir: &Path, names: &[&str]) -> Result<PathBuf> {
+    names
+        .iter()
+        .map(|n| dir.join(n))
+        .find(|p| p.is_file())
+        .ok_or_else(|| candle_core::Error::Msg(format!("{} holds none of {names:?}", dir.display())))
+}
