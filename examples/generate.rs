@@ -1,0 +1,155 @@
+//! Text generation with DeepSeek V4.1 on Candle.
+//!
+//! ```text
+//! cargo run --release --example generate                       # embedded Shakespeare model
+//! cargo run --release --example generate -- --prompt "HAMLET." --temperature 0
+//! cargo run --release --example generate -- --model path/to/folder --chat --prompt "Hi"
+//! ```
+//!
+//! `--model` is a name from `weights.toml` or a local folder holding `config.json`, the
+//! checkpoint and `tokenizer.json`. BOS is prepended; the prompt is printed, then the
+//! continuation streams as it is produced; a final line reports tokens/s.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::{Parser, ValueEnum};
+use deepseek_v41::generation::{generate, Sampler, Sampling};
+use deepseek_v41::model::Pretrained;
+use deepseek_v41::tokenizer::ChatPrompt;
+use deepseek_v41::weights::{WeightsCatalog, WeightsSource};
+use deepseek_v41::Numerics;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DTypeArg {
+    Bf16,
+    F32,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum NumericsArg {
+    /// The reference's trained numerics (QAT fake quant + FP8 activation quantization).
+    Reference,
+    /// No fake quant, no activation quantization.
+    Plain,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Generate text with DeepSeek V4.1 (default: the embedded Shakespeare model)")]
+struct Args {
+    /// A model name from weights.toml, or a local model folder.
+    #[arg(long)]
+    model: Option<String>,
+    /// The prompt.
+    #[arg(long, default_value = "ROMEO:")]
+    prompt: String,
+    /// Render the prompt with the V4.1 chat template (needs a tokenizer with role tokens).
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 120)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// Activation dtype.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: DTypeArg,
+    #[arg(long, value_enum, default_value = "reference")]
+    numerics: NumericsArg,
+}
+
+fn catalog() -> Result<WeightsCatalog> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../weights.toml");
+    WeightsCatalog::load(&path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The local folder of `--model` (a catalog name or a path).
+fn model_dir(model: Option<&str>) -> Result<PathBuf> {
+    if let Some(m) = model {
+        let p = PathBuf::from(m);
+        if p.is_dir() {
+            return Ok(p);
+        }
+    }
+    let cat = catalog()?;
+    let entry = match model {
+        Some(name) => cat.get(name)?,
+        None => cat.default_model()?,
+    };
+    match entry.source()? {
+        WeightsSource::Local { .. } => cat.local_dir(entry).context("local entry without a folder"),
+        WeightsSource::Hub { repo, revision } => {
+            bail!("`{}` lives on the hub ({repo}@{revision}); download it into a folder and pass --model <folder> (hub downloads are being wired in)", entry.name)
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = match args.device {
+        DeviceArg::Cpu => Device::Cpu,
+        DeviceArg::Cuda => Device::new_cuda(0)?,
+    };
+    let dtype = match args.dtype {
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F32 => DType::F32,
+    };
+    let numerics = match args.numerics {
+        NumericsArg::Reference => Numerics::REFERENCE,
+        NumericsArg::Plain => Numerics::PLAIN,
+    };
+    let dir = model_dir(args.model.as_deref())?;
+    let t0 = Instant::now();
+    let p = Pretrained::load_dir(&dir, numerics, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    eprintln!("loaded {} in {:.2}s", dir.display(), t0.elapsed().as_secs_f64());
+
+    let prompt_ids = if args.chat {
+        ChatPrompt::new(args.prompt.clone()).encode(&p.tokenizer)?
+    } else {
+        p.tokenizer.encode(&args.prompt, true)?
+    };
+    let mut sampler = Sampler::new(Sampling { temperature: args.temperature, top_p: args.top_p, seed: args.seed })?;
+    let mut cache = p.new_cache()?;
+    let mut stream = p.tokenizer.stream(true);
+    let mut out = std::io::stdout();
+    write!(out, "{}", args.prompt)?;
+    out.flush()?;
+    let eos = p.tokenizer.eos_id();
+    let t1 = Instant::now();
+    let new = generate(&p.model, &mut cache, &prompt_ids, args.max_new_tokens, &mut sampler, Some(eos), |id| {
+        if let Some(text) = stream.push(id)? {
+            write!(out, "{text}").map_err(candle_core::Error::wrap)?;
+            out.flush().map_err(candle_core::Error::wrap)?;
+        }
+        Ok(())
+    })?;
+    if let Some(text) = stream.finish()? {
+        write!(out, "{text}")?;
+    }
+    let secs = t1.elapsed().as_secs_f64();
+    println!();
+    eprintln!(
+        "{} prompt + {} new tokens in {:.2}s: {:.1} tokens/s{}",
+        prompt_ids.len(),
+        new.len(),
+        secs,
+        new.len() as f64 / secs,
+        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" }
+    );
+    Ok(())
+}
