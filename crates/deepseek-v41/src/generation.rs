@@ -15,6 +15,7 @@ pub struct Sampling {
     pub temperature: f64,
     /// Nucleus mass in (0, 1]; 1 = no truncation.
     pub top_p: f64,
+    /// Seed of the sampling RNG.
     pub seed: u64,
 }
 

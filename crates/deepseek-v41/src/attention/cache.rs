@@ -34,6 +34,7 @@ impl RowStore {
         self.len
     }
 
+    /// Whether no row was appended.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -80,6 +81,7 @@ pub struct SourceState {
 /// State of one layer.
 #[derive(Debug, Clone)]
 pub struct LayerState {
+    /// The layer's sliding-window ring.
     pub window: WindowCache,
     /// `Some` on kv sources.
     pub source: Option<SourceState>,
@@ -90,6 +92,7 @@ pub struct LayerState {
 /// The top-k of an index source for the tokens of the current call.
 #[derive(Debug, Clone)]
 pub struct PublishedTopk {
+    /// Start position of the call the top-k belongs to.
     pub start: usize,
     /// Per token, `index_topk` entry ids (−1 padded).
     pub topk: Vec<Vec<i64>>,

@@ -14,6 +14,7 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// An empty recorder.
     pub fn new() -> Self {
         Self::default()
     }

@@ -79,6 +79,7 @@ impl WindowCache {
         Ok(WindowRows { kv, base, indices })
     }
 
+    /// Number of rows in the ring (`sliding_window`).
     pub fn window(&self) -> usize {
         self.window
     }

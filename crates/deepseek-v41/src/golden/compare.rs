@@ -16,11 +16,21 @@ pub enum Tolerance {
     Exact,
     /// Every element within `ulps` units in the last place of the golden value in a format with
     /// `mantissa_bits` explicit mantissa bits (23 for f32, 7 for bf16).
-    Ulps { ulps: f32, mantissa_bits: i32 },
+    Ulps {
+        /// Allowed ulps.
+        ulps: f32,
+        /// Explicit mantissa bits of the format.
+        mantissa_bits: i32,
+    },
     /// Absolute error bound.
     Abs(f32),
     /// Relative Frobenius error bound, and optionally a max_abs bound.
-    RelFro { rel_fro: f32, max_abs: Option<f32> },
+    RelFro {
+        /// Bound on ‖a − g‖ / ‖g‖.
+        rel_fro: f32,
+        /// Optional bound on every |a − g|.
+        max_abs: Option<f32>,
+    },
     /// Per row (first dim), the sets of non-negative ids agree (order and −1 padding ignored).
     IdSets,
 }
@@ -28,13 +38,19 @@ pub enum Tolerance {
 /// One comparison.
 #[derive(Debug, Clone)]
 pub struct Outcome {
+    /// Label of the compared tensor.
     pub name: String,
+    /// max |a − g|.
     pub max_abs: f32,
+    /// max |a − g| / max |g|.
     pub max_rel: f32,
+    /// ‖a − g‖ / ‖g‖.
     pub rel_fro: f32,
     /// Elements (or rows, for [`Tolerance::IdSets`]) that disagree.
     pub mismatches: usize,
+    /// Whether the tolerance holds.
     pub pass: bool,
+    /// Extra detail (shape mismatch, first differing row).
     pub note: String,
 }
 
@@ -132,7 +148,9 @@ fn compare_id_sets(name: &str, actual: &Tensor, golden: &Tensor) -> Result<Outco
 /// A run's report: outcomes and skips, printed one line each.
 #[derive(Debug, Default)]
 pub struct Report {
+    /// Every comparison made.
     pub outcomes: Vec<Outcome>,
+    /// `(name, reason)` of tensors not compared.
     pub skipped: Vec<(String, String)>,
 }
 
@@ -156,10 +174,12 @@ impl Report {
         self.skipped.push((name.to_string(), reason.to_string()));
     }
 
+    /// Number of passing comparisons.
     pub fn passed(&self) -> usize {
         self.outcomes.iter().filter(|o| o.pass).count()
     }
 
+    /// Number of failing comparisons.
     pub fn failed(&self) -> usize {
         self.outcomes.len() - self.passed()
     }

@@ -26,14 +26,18 @@ pub use compare::{compare, Outcome, Report, Tolerance};
 /// One forward call of a case: tokens `input_ids[start_pos .. start_pos + length]`.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 pub struct Call {
+    /// Position of the call's first token.
     pub start_pos: usize,
+    /// Number of tokens.
     pub length: usize,
 }
 
 /// `inputs.json` of a case.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Inputs {
+    /// The whole token sequence.
     pub input_ids: Vec<u32>,
+    /// The forward calls, contiguous from position 0.
     pub calls: Vec<Call>,
     /// Cache fake-quant (QAT) on; defaults to the trained behaviour.
     #[serde(default = "default_true")]
@@ -50,9 +54,13 @@ fn default_true() -> bool {
 /// One case of a golden set.
 #[derive(Debug)]
 pub struct Case {
+    /// Folder name.
     pub name: String,
+    /// The case folder.
     pub dir: PathBuf,
+    /// The case's configuration.
     pub config: Config,
+    /// `inputs.json`.
     pub inputs: Inputs,
     /// The checkpoint file of the case.
     pub weights: PathBuf,
@@ -63,6 +71,7 @@ pub struct Case {
 /// A golden set on disk.
 #[derive(Debug)]
 pub struct GoldenSet {
+    /// The set's folder.
     pub root: PathBuf,
     /// Case folders, sorted by name.
     pub cases: Vec<PathBuf>,

@@ -32,7 +32,9 @@ pub fn case_numerics(case: &Case) -> Numerics {
 /// Which accuracy regime a comparison is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Regime {
+    /// Each layer fed the golden input (golden README check 4).
     TeacherForced,
+    /// The whole model on the case's tokens (check 5).
     EndToEnd,
 }
 

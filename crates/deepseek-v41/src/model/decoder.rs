@@ -18,7 +18,9 @@ use crate::numerics::Numerics;
 /// The caller-owned state of one sequence: attention caches and the Engram token history.
 #[derive(Debug, Clone)]
 pub struct ModelCache {
+    /// Attention caches of every layer.
     pub attention: SequenceCache,
+    /// The last `max_ngram_size − 1` compressed token ids (Engram lookback).
     pub engram: EngramHistory,
 }
 

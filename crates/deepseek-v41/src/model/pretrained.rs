@@ -15,10 +15,15 @@ use crate::tokenizer::{engram_token_map, Tokenizer};
 /// A loaded model with its configuration and tokenizer.
 #[derive(Debug)]
 pub struct Pretrained {
+    /// The resolved configuration.
     pub config: Config,
+    /// The model.
     pub model: Model,
+    /// Its tokenizer.
     pub tokenizer: Tokenizer,
+    /// Activation dtype.
     pub dtype: DType,
+    /// Device the model runs on.
     pub device: Device,
 }
 

@@ -15,9 +15,17 @@ use crate::config::{Config, YarnScaling};
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeKind {
     /// `inv_freq_i = theta^(-2i/rope_dim)` (ratio-0 layers).
-    Plain { theta: f64 },
+    Plain {
+        /// RoPE base.
+        theta: f64,
+    },
     /// YaRN-interpolated frequencies over `theta` (layers with ratio != 0).
-    Yarn { theta: f64, scaling: YarnScaling },
+    Yarn {
+        /// RoPE base (`compress_rope_theta`).
+        theta: f64,
+        /// YaRN parameters.
+        scaling: YarnScaling,
+    },
 }
 
 impl RopeKind {
@@ -78,6 +86,7 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
+    /// The frequencies of `kind` for `rope_dim` rotated dims (even).
     pub fn new(rope_dim: usize, kind: &RopeKind, device: &Device) -> Result<Self> {
         if rope_dim == 0 || rope_dim % 2 != 0 {
             candle_core::bail!("RopeTable: rope_dim must be even and > 0, got {rope_dim}")
@@ -86,6 +95,7 @@ impl RopeTable {
         Ok(Self { rope_dim, inv_freq: Tensor::from_vec(f, (1, rope_dim / 2), device)? })
     }
 
+    /// Number of rotated dims.
     pub fn rope_dim(&self) -> usize {
         self.rope_dim
     }
