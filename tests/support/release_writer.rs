@@ -1,5 +1,7 @@
 //! Writing small checkpoints in the release format (safetensors via the `safetensors` crate,
 //! optionally sharded with `model.safetensors.index.json`) into unique temporary folders.
+//! Shared by several test crates, each using a subset.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -61,6 +63,19 @@ pub fn write_st(path: &Path, tensors: &[Raw]) -> Result<()> {
         .collect::<Result<_>>()?;
     std::fs::write(path, safetensors::serialize(views, None)?)?;
     Ok(())
+}
+
+/// Reads every tensor of a safetensors file (the `safetensors` crate's parser), sorted by name.
+pub fn read_st(path: &Path) -> Result<Vec<Raw>> {
+    let buf = std::fs::read(path)?;
+    let st = safetensors::SafeTensors::deserialize(&buf)?;
+    let mut v: Vec<Raw> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| raw(&name, t.dtype(), t.shape(), t.data().to_vec()))
+        .collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(v)
 }
 
 /// Deterministic bytes; e4m3 NaN codes (0x7f, 0xff) avoided.

@@ -25,11 +25,13 @@ impl ReleaseBackend {
         &self.ckpt
     }
 
-    /// In collect mode, records `err` and returns zeros of `shape`; otherwise returns `err`.
+    /// In collect mode, records `err`, marks `name` as requested (so that a stored but malformed
+    /// tensor is not also reported unused) and returns zeros of `shape`; otherwise returns `err`.
     /// (Missing tensors, unsupported formats and shape mismatches are all collected.)
-    fn fail_or_collect(&self, err: LoadError, shape: &Shape, dtype: DType, dev: &Device) -> Result<Tensor> {
+    fn fail_or_collect(&self, name: &str, err: LoadError, shape: &Shape, dtype: DType, dev: &Device) -> Result<Tensor> {
         if self.ckpt.collects_missing() {
             self.ckpt.record_problem(err.to_string());
+            self.ckpt.mark_used(name);
             Tensor::zeros(shape, dtype, dev)
         } else {
             Err(err.into())
@@ -43,7 +45,7 @@ impl SimpleBackend for ReleaseBackend {
     fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, dev: &Device) -> Result<Tensor> {
         let info = match self.ckpt.info(name) {
             Ok(info) => info,
-            Err(e) => return self.fail_or_collect(e, &s, dtype, dev),
+            Err(e) => return self.fail_or_collect(name, e, &s, dtype, dev),
         };
         if info.shape != s.dims() {
             let e = LoadError::ShapeMismatch {
@@ -51,7 +53,7 @@ impl SimpleBackend for ReleaseBackend {
                 expected: s.dims().to_vec(),
                 found: info.shape,
             };
-            return self.fail_or_collect(e, &s, dtype, dev);
+            return self.fail_or_collect(name, e, &s, dtype, dev);
         }
         self.ckpt.get(name, dtype, dev)
     }
@@ -68,7 +70,7 @@ impl SimpleBackend for ReleaseBackend {
 }
 
 /// A `VarBuilder` over `ckpt` whose default dtype is `dtype` and device `device`. Keep a clone
-/// of `ckpt` to call [`ReleaseCheckpoint::check_all_used`] / [`ReleaseCheckpoint::check_missing`]
+/// of `ckpt` to call [`ReleaseCheckpoint::check_strict`] (or `check_all_used` / `check_missing`)
 /// after building the model, or for Engram row lookups.
 pub fn var_builder(ckpt: ReleaseCheckpoint, dtype: DType, device: &Device) -> VarBuilder<'static> {
     VarBuilder::from_backend(Box::new(ReleaseBackend::new(ckpt)), dtype, device.clone())

@@ -221,11 +221,20 @@ impl ReleaseCheckpoint {
         self.raw_bytes(&t.name)
     }
 
+    /// Releases the mapped pages of `t` (see [`Shard::release`]) once its bytes were copied.
+    fn release(&self, t: &StoredTensor) {
+        if let Some(e) = self.inner.entries.get(&t.name) {
+            self.inner.shards[e.shard].release(e.raw.range.clone());
+        }
+    }
+
     /// The logical tensor `name`, dequantized, as `dtype` on `device`.
     ///
     /// Returns the logical shape of [`info`](Self::info) (e.g. `[out, in]` for an MXFP4 weight
     /// stored as `[out, in/2]`). FP8 / MXFP4 weights are dequantized to f32 exactly (spec §2.4),
     /// then cast; unquantized tensors are cast from their stored dtype. Records `name` as used.
+    /// The tensor's mapped pages are released once copied out (see [`Shard::release`]), so the
+    /// process does not keep the checkpoint resident while loading.
     ///
     /// Errors ([`LoadError::TooLarge`]) if the tensor would take more than the dense limit
     /// ([`set_dense_limit`](Self::set_dense_limit)) as f32: use [`row_table`](Self::row_table)
@@ -270,6 +279,11 @@ impl ReleaseCheckpoint {
                 .into())
             }
         };
+        // `t` owns its data: the mapped pages of the weight and scale can go.
+        self.release(&info.stored);
+        if let Some(scale) = &info.scale {
+            self.release(scale);
+        }
         let t = t.to_dtype(dtype)?.to_device(device)?;
         self.mark_used(name);
         Ok(t)

@@ -148,6 +148,16 @@ pub enum LoadError {
         /// The unused tensor names (sorted).
         names: Vec<String>,
     },
+    /// Strict loading failed: every problem recorded in collect mode (missing, badly stored or
+    /// mis-shaped tensors) and every text-model tensor of the checkpoint the model never used,
+    /// in one error (see [`super::ReleaseCheckpoint::check_strict`]).
+    #[error("{}", mismatch_message(.problems, .unexpected))]
+    Mismatch {
+        /// One message per missing / malformed tensor, in load order.
+        problems: Vec<String>,
+        /// The unexpected (never used) tensor names, sorted.
+        unexpected: Vec<String>,
+    },
     /// Problems recorded while loading in "collect" mode (see
     /// [`super::ReleaseCheckpoint::set_collect_missing`]).
     #[error("{} problem(s) while loading: {}", problems.len(), problems.join("; "))]
@@ -155,6 +165,21 @@ pub enum LoadError {
         /// One message per problem.
         problems: Vec<String>,
     },
+}
+
+fn mismatch_message(problems: &[String], unexpected: &[String]) -> String {
+    let mut parts = Vec::new();
+    if !problems.is_empty() {
+        parts.push(format!("{} missing or malformed: {}", problems.len(), problems.join("; ")));
+    }
+    if !unexpected.is_empty() {
+        parts.push(format!(
+            "{} unexpected (in the checkpoint, never used by the model): {}",
+            unexpected.len(),
+            unexpected.join(", ")
+        ));
+    }
+    format!("checkpoint does not match the model: {}", parts.join(" | "))
 }
 
 impl From<LoadError> for candle_core::Error {

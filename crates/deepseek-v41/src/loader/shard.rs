@@ -264,4 +264,21 @@ impl Shard {
     pub fn bytes(&self, range: std::ops::Range<usize>) -> &[u8] {
         &self.mmap[range]
     }
+
+    /// Drops this process's mapped pages of `range` (best effort, Unix only): the resident set
+    /// no longer counts them, the data stays in the OS page cache, and the next access reads the
+    /// same bytes back. Called once a tensor has been copied out, so that loading does not leave
+    /// the whole checkpoint resident (`RssFile`) next to the dequantized weights.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        {
+            // SAFETY: the map is a read-only shared mapping of a file assumed unmodified (see
+            // `open`): after MADV_DONTNEED a later access faults in the same file contents, so
+            // any slice still borrowed from the map keeps reading the same bytes.
+            let advice = memmap2::UncheckedAdvice::DontNeed;
+            let _ = unsafe { self.mmap.unchecked_advise_range(advice, range.start, range.len()) };
+        }
+        #[cfg(not(unix))]
+        let _ = range;
+    }
 }

@@ -42,7 +42,8 @@ impl ReleaseCheckpoint {
         self.usage().used.insert(name.to_string());
     }
 
-    /// The names requested so far (successful `get` / row lookups), sorted.
+    /// The names requested so far (successful `get` / row lookups, and in collect mode the
+    /// failed requests whose problem was recorded), sorted.
     pub fn used_names(&self) -> Vec<String> {
         let mut v: Vec<String> = self.usage().used.iter().cloned().collect();
         v.sort();
@@ -108,6 +109,21 @@ impl ReleaseCheckpoint {
             Ok(())
         } else {
             Err(LoadError::Collected { problems })
+        }
+    }
+
+    /// The strict check after building a model in collect mode: errors
+    /// ([`LoadError::Mismatch`]) listing every recorded problem (as
+    /// [`check_missing`](Self::check_missing)) and every unused text-model tensor (as
+    /// [`check_all_used`](Self::check_all_used)) together, so that a renamed tensor shows up as
+    /// both missing and unexpected.
+    pub fn check_strict(&self, ignore_prefixes: &[&str]) -> Result<(), LoadError> {
+        let problems = self.load_problems();
+        let unexpected = self.unused_names(ignore_prefixes);
+        if problems.is_empty() && unexpected.is_empty() {
+            Ok(())
+        } else {
+            Err(LoadError::Mismatch { problems, unexpected })
         }
     }
 

@@ -28,9 +28,10 @@ pub struct Pretrained {
 }
 
 impl Pretrained {
-    /// Loads the model folder `dir` strictly: every missing or malformed text-model tensor is
-    /// reported in one error, then every unexpected one (MTP `mtp.*` and vision tensors are
-    /// recognised and not loaded, spec §10). Activations run in `dtype` on `device`.
+    /// Loads the model folder `dir` strictly: one error ([`crate::loader::LoadError::Mismatch`])
+    /// lists every missing or malformed text-model tensor and every unexpected one (MTP `mtp.*`,
+    /// vision `vision.*` / `aligner.*` / `image_*` tensors are recognised and not loaded, spec
+    /// §10). Activations run in `dtype` on `device`.
     pub fn load_dir(dir: impl AsRef<Path>, numerics: Numerics, dtype: DType, device: &Device) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
@@ -56,10 +57,13 @@ impl Pretrained {
             None => None,
         };
         ckpt.set_collect_missing(true);
-        let model = Model::new(&config, numerics, token_map, var_builder(ckpt.clone(), dtype, device));
-        ckpt.check_missing()?;
+        let model = match Model::new(&config, numerics, token_map, var_builder(ckpt.clone(), dtype, device)) {
+            // A failure unrelated to the checkpoint's names: the unused list would be noise.
+            Err(e) if ckpt.load_problems().is_empty() => return Err(e),
+            model => model,
+        };
+        ckpt.check_strict(&[])?;
         let model = model?;
-        ckpt.check_all_used(&[])?;
         Ok(Self { config, model, tokenizer, dtype, device: device.clone() })
     }
 
