@@ -95,7 +95,7 @@ fn check_engram_layout(set: &GoldenSet, cfg: &crate::config::EngramConfig, g: &G
     let layout = EngramLayout::new(cfg)?;
     let dev = primes_g.device();
     let collect = |f: &dyn Fn(&crate::model::EngramLayerLayout) -> Vec<u64>| -> Result<Tensor> {
-        let v: Vec<i64> = layout.layers().iter().flat_map(|l| f(l)).map(|x| x as i64).collect();
+        let v: Vec<i64> = layout.layers().iter().flat_map(f).map(|x| x as i64).collect();
         Tensor::new(v, dev)
     };
     let exact = Tolerance::Exact;

@@ -88,7 +88,7 @@ pub struct RopeTable {
 impl RopeTable {
     /// The frequencies of `kind` for `rope_dim` rotated dims (even).
     pub fn new(rope_dim: usize, kind: &RopeKind, device: &Device) -> Result<Self> {
-        if rope_dim == 0 || rope_dim % 2 != 0 {
+        if rope_dim == 0 || !rope_dim.is_multiple_of(2) {
             candle_core::bail!("RopeTable: rope_dim must be even and > 0, got {rope_dim}")
         }
         let f = inv_freq(rope_dim, kind);
