@@ -12,10 +12,14 @@
 //! * [`model`]: mHC hyper-connections, MoE, Engram and the whole decoder.
 //! * [`loader`]: a `VarBuilder` backend over the release checkpoint format (FP8 / MXFP4).
 //! * [`golden`]: the checker for golden sets produced by the official reference code.
+//! * [`hub`] (cargo feature `hub`, on by default): downloading checkpoints from the Hugging Face
+//!   hub into its shared cache (`docs/hub.md`).
 
 pub mod attention;
 pub mod config;
 pub mod golden;
+#[cfg(feature = "hub")]
+pub mod hub;
 pub mod loader;
 pub mod model;
 pub mod nn;
