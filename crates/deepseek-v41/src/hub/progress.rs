@@ -1,9 +1,9 @@
 //! One progress bar per downloaded file, labelled with its place in the checkpoint.
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-const TEMPLATE: &str =
-    "{prefix} {msg} [{elapsed_precise}] [{wide_bar}] {bytes}/{total_bytes} {bytes_per_sec} ({eta})";
+/// The file name takes the room the rest leaves (and is cut to fit an 80-column terminal).
+const TEMPLATE: &str = "{prefix} {wide_msg} [{bar:20}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}";
 
 /// The `hf-hub` download callback behind a bar on stderr.
 ///
@@ -12,24 +12,22 @@ const TEMPLATE: &str =
 /// true position instead of counting the resumed part twice.
 pub(crate) struct FileProgress {
     bar: ProgressBar,
+    visible: bool,
 }
 
 impl FileProgress {
-    /// A bar labelled `label` (e.g. `[2/5]`) and `file`, drawn on stderr when `visible` (indicatif
-    /// draws nothing when stderr is not a terminal), otherwise hidden but still counting.
+    /// A bar labelled `label` (e.g. `[2/5]`) and `file`, drawn on stderr from the first `init`
+    /// (when the size is known) when `visible` (indicatif draws nothing when stderr is not a
+    /// terminal), otherwise hidden but still counting.
     pub(crate) fn new(visible: bool, label: &str, file: &str) -> Self {
-        let bar = if visible {
-            ProgressBar::new(0)
-        } else {
-            ProgressBar::hidden()
-        };
+        let bar = ProgressBar::hidden();
         // The template is a constant that parses; fall back to the default style regardless.
         if let Ok(style) = ProgressStyle::with_template(TEMPLATE) {
             bar.set_style(style.progress_chars("=> "));
         }
         bar.set_prefix(label.to_string());
         bar.set_message(file.to_string());
-        Self { bar }
+        Self { bar, visible }
     }
 
     /// The underlying bar (position = bytes on disk, length = file size).
@@ -43,6 +41,9 @@ impl hf_hub::api::Progress for FileProgress {
     fn init(&mut self, size: usize, _filename: &str) {
         self.bar.set_length(size as u64);
         self.bar.set_position(0);
+        if self.visible && self.bar.is_hidden() {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
     }
 
     fn update(&mut self, size: usize) {
