@@ -77,7 +77,13 @@ fn snapshot(cache: &Path, commit: &str) -> PathBuf {
 
 fn assert_same_bytes(path: &Path, want: &[u8]) -> Result<()> {
     let got = std::fs::read(path)?;
-    assert!(got == want, "{} differs from the served bytes ({} vs {} bytes)", path.display(), got.len(), want.len());
+    assert!(
+        got == want,
+        "{} differs from the served bytes ({} vs {} bytes)",
+        path.display(),
+        got.len(),
+        want.len()
+    );
     Ok(())
 }
 
@@ -91,9 +97,17 @@ fn sharded_download_then_offline_from_cache() -> Result<()> {
     let got = fetch(&spec(COMMIT), &opts)?;
     let snap = snapshot(&cache.0, COMMIT);
     assert_eq!(got.index, Some(snap.join(INDEX)));
-    assert_eq!(got.weights, vec![snap.join(&ckpt.shards[0]), snap.join(&ckpt.shards[1])]);
+    assert_eq!(
+        got.weights,
+        vec![snap.join(&ckpt.shards[0]), snap.join(&ckpt.shards[1])]
+    );
     assert_eq!(got.extra_files, vec![snap.join("config.json")]);
-    for (path, name) in got.weights.iter().zip(&ckpt.shards).chain([(&snap.join(INDEX), &INDEX.to_string())]) {
+    for (path, name) in got
+        .weights
+        .iter()
+        .zip(&ckpt.shards)
+        .chain([(&snap.join(INDEX), &INDEX.to_string())])
+    {
         assert_same_bytes(path, &ckpt.files[name])?;
     }
     assert_same_bytes(&got.extra_files[0], &ckpt.files["config.json"])?;
@@ -106,12 +120,25 @@ fn sharded_download_then_offline_from_cache() -> Result<()> {
     for shard in &ckpt.shards {
         // Each shard is named twice in the index but fetched once: one metadata probe
         // (`Range: bytes=0-0`) and one body request, both redirected to the CDN route.
-        let resolve: Vec<_> = log.iter().filter(|r| r.path == format!("/{REPO}/resolve/{COMMIT}/{shard}")).collect();
+        let resolve: Vec<_> = log
+            .iter()
+            .filter(|r| r.path == format!("/{REPO}/resolve/{COMMIT}/{shard}"))
+            .collect();
         assert_eq!(resolve.len(), 2, "{shard}: {resolve:?}");
         assert_eq!(resolve[0].range.as_deref(), Some("bytes=0-0"));
         assert_eq!(resolve[1].range.as_deref(), Some("bytes=0-"));
-        assert!(resolve.iter().all(|r| r.auth.as_deref() == Some("Bearer hf_test_token")), "{resolve:?}");
-        assert_eq!(log.iter().filter(|r| r.path.starts_with("/cdn/") && r.file.as_deref() == Some(shard)).count(), 2);
+        assert!(
+            resolve
+                .iter()
+                .all(|r| r.auth.as_deref() == Some("Bearer hf_test_token")),
+            "{resolve:?}"
+        );
+        assert_eq!(
+            log.iter()
+                .filter(|r| r.path.starts_with("/cdn/") && r.file.as_deref() == Some(shard))
+                .count(),
+            2
+        );
     }
 
     // Server gone: offline mode reads everything from the cache ...
@@ -146,7 +173,10 @@ fn offline_with_empty_cache_names_the_missing_file() -> Result<()> {
     // No server: the endpoint is never contacted in offline mode.
     let opts = options("http://127.0.0.1:9", &cache.0).with_offline(true);
     let err = fetch(&spec(COMMIT), &opts).unwrap_err();
-    assert!(matches!(err, HubError::NotCached { ref file, .. } if file == INDEX), "{err:?}");
+    assert!(
+        matches!(err, HubError::NotCached { ref file, .. } if file == INDEX),
+        "{err:?}"
+    );
     let msg = candle_core::Error::from(err).to_string();
     for part in [INDEX, REPO, COMMIT, "HF_HUB_OFFLINE", &cache.0.display().to_string()] {
         assert!(msg.contains(part), "`{part}` missing from: {msg}");
@@ -183,7 +213,10 @@ fn dropped_connection_resumes_on_the_next_call() -> Result<()> {
     let err = fetch(&spec(COMMIT), &opts).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, HubError::Download { .. }), "{err:?}");
-    assert!(msg.contains(&format!("`{shard}` of {REPO} at revision {COMMIT}")), "{msg}");
+    assert!(
+        msg.contains(&format!("`{shard}` of {REPO} at revision {COMMIT}")),
+        "{msg}"
+    );
     let parts = part_files(&cache.0)?;
     assert_eq!(parts.len(), 1, "{parts:?}");
     assert_eq!(parts[0].1, cut as u64);
@@ -199,7 +232,10 @@ fn dropped_connection_resumes_on_the_next_call() -> Result<()> {
         .filter(|r| r.path.starts_with("/cdn/") && r.file.as_deref() == Some(shard.as_str()))
         .map(|r| r.range.clone().unwrap_or_default())
         .collect();
-    assert_eq!(ranges, ["bytes=0-0", "bytes=0-", "bytes=0-0", format!("bytes={cut}-").as_str()]);
+    assert_eq!(
+        ranges,
+        ["bytes=0-0", "bytes=0-", "bytes=0-0", format!("bytes={cut}-").as_str()]
+    );
     Ok(())
 }
 

@@ -223,7 +223,14 @@ impl State {
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut line = String::new();
         reader.read_line(&mut line)?;
-        let path = line.split_whitespace().nth(1).unwrap_or("/").split('?').next().unwrap_or("/").to_string();
+        let path = line
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or("/")
+            .split('?')
+            .next()
+            .unwrap_or("/")
+            .to_string();
         let (mut range, mut auth) = (None, None);
         for _ in 0..100 {
             let mut header = String::new();
@@ -240,7 +247,12 @@ impl State {
         }
         let (reply, file) = self.route(&path, range.as_deref());
         if let Ok(mut log) = self.log.lock() {
-            log.push(Logged { path, range, auth, file });
+            log.push(Logged {
+                path,
+                range,
+                auth,
+                file,
+            });
         }
         write_reply(stream, reply)
     }
@@ -259,7 +271,10 @@ impl State {
         }
         let prefix = format!("/{}/resolve/", self.site.repo);
         let Some(rest) = path.strip_prefix(&prefix) else {
-            return (Reply::error("404 Not Found", "RepoNotFound", "Repository not found"), None);
+            return (
+                Reply::error("404 Not Found", "RepoNotFound", "Repository not found"),
+                None,
+            );
         };
         let Some((revision, file)) = rest.split_once('/') else {
             return (Reply::error("404 Not Found", "EntryNotFound", "Entry not found"), None);
@@ -271,7 +286,8 @@ impl State {
         }
         let commit = self.site.commit.clone();
         let Some(bytes) = self.site.files.get(file).cloned() else {
-            let reply = Reply::error("404 Not Found", "EntryNotFound", "Entry not found").header("X-Repo-Commit", commit);
+            let reply =
+                Reply::error("404 Not Found", "EntryNotFound", "Entry not found").header("X-Repo-Commit", commit);
             return (reply, Some(file.to_string()));
         };
         let reply = if is_lfs(file) {
@@ -293,11 +309,18 @@ impl State {
     /// The bytes of `file`, honouring `range`, with the fault applied the first time it matches.
     fn ranged(&mut self, file: &str, bytes: Vec<u8>, range: Option<&str>) -> Reply {
         let total = bytes.len();
-        let parsed = range.and_then(|r| r.strip_prefix("bytes=")).and_then(|r| r.split_once('-')).map(|(a, b)| {
-            let start = a.parse::<usize>().ok();
-            let end = if b.is_empty() { Some(total.saturating_sub(1)) } else { b.parse::<usize>().ok() };
-            (start, end, b.is_empty())
-        });
+        let parsed = range
+            .and_then(|r| r.strip_prefix("bytes="))
+            .and_then(|r| r.split_once('-'))
+            .map(|(a, b)| {
+                let start = a.parse::<usize>().ok();
+                let end = if b.is_empty() {
+                    Some(total.saturating_sub(1))
+                } else {
+                    b.parse::<usize>().ok()
+                };
+                (start, end, b.is_empty())
+            });
         let mut reply = match parsed {
             None => {
                 let mut r = Reply::new("200 OK");
@@ -306,7 +329,8 @@ impl State {
             }
             Some((Some(start), Some(end), open)) if start < total => {
                 let end = end.min(total - 1);
-                let mut r = Reply::new("206 Partial Content").header("Content-Range", format!("bytes {start}-{end}/{total}"));
+                let mut r =
+                    Reply::new("206 Partial Content").header("Content-Range", format!("bytes {start}-{end}/{total}"));
                 r.body = bytes[start..=end].to_vec();
                 if open && self.site.fault.as_ref().is_some_and(|f| f.file == file) {
                     r.cut = self.site.fault.take().map(|f| f.after);
@@ -321,7 +345,11 @@ impl State {
 }
 
 fn write_reply(mut stream: TcpStream, reply: Reply) -> std::io::Result<()> {
-    let mut head = format!("HTTP/1.1 {}\r\nConnection: close\r\nContent-Length: {}\r\n", reply.status, reply.body.len());
+    let mut head = format!(
+        "HTTP/1.1 {}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        reply.status,
+        reply.body.len()
+    );
     for (name, value) in &reply.headers {
         head.push_str(&format!("{name}: {value}\r\n"));
     }

@@ -141,9 +141,9 @@ fn status_detail(status: u16, response: &ureq::Response) -> String {
         .map(str::to_string)
         .collect();
     match status {
-        401 | 403 => parts.push(
-            "the repository may be gated or private: set HF_TOKEN to a token with access".to_string(),
-        ),
+        401 | 403 => {
+            parts.push("the repository may be gated or private: set HF_TOKEN to a token with access".to_string())
+        }
         404 => parts.push("check the repository id, the revision and the file name".to_string()),
         _ => {}
     }

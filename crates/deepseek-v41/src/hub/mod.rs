@@ -30,8 +30,8 @@ use hf_hub::api::sync::{Api, ApiBuilder};
 use hf_hub::{Cache, Repo, RepoType};
 use serde::Deserialize;
 
-pub use error::HubError;
 use error::FileRef;
+pub use error::HubError;
 pub use options::{HubOptions, DEFAULT_ENDPOINT, DEFAULT_RETRIES};
 use progress::FileProgress;
 
@@ -218,17 +218,21 @@ impl Hub {
             });
         };
         let progress = FileProgress::new(self.options.progress, label, file);
-        api.repo(Repo::with_revision(repo.to_string(), RepoType::Model, revision.to_string()))
-            .download_with_progress(file, progress)
-            .map_err(|e| {
-                FileRef {
-                    repo,
-                    revision,
-                    file,
-                    endpoint: &self.options.endpoint,
-                }
-                .error(e)
-            })
+        api.repo(Repo::with_revision(
+            repo.to_string(),
+            RepoType::Model,
+            revision.to_string(),
+        ))
+        .download_with_progress(file, progress)
+        .map_err(|e| {
+            FileRef {
+                repo,
+                revision,
+                file,
+                endpoint: &self.options.endpoint,
+            }
+            .error(e)
+        })
     }
 }
 
@@ -248,8 +252,7 @@ fn shard_names(path: &Path, repo: &str, revision: &str, file: &str) -> Result<Ve
         detail,
     };
     let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
-    let index: IndexJson =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not a safetensors index: {e}")))?;
+    let index: IndexJson = serde_json::from_str(&text).map_err(|e| bad(format!("not a safetensors index: {e}")))?;
     let shards: BTreeSet<&String> = index.weight_map.values().collect();
     if shards.is_empty() {
         return Err(bad("its weight_map is empty".to_string()));
@@ -297,7 +300,11 @@ fn check_revision(revision: &str) -> Result<()> {
 
 fn check_file(file: &str) -> Result<()> {
     if !is_relative_path(file) {
-        return Err(invalid("file name", file, "expected a relative path inside the repository"));
+        return Err(invalid(
+            "file name",
+            file,
+            "expected a relative path inside the repository",
+        ));
     }
     Ok(())
 }
@@ -332,7 +339,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("model.safetensors.index.json");
         let write = |map: serde_json::Value| {
-            std::fs::write(&path, serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap()
+            std::fs::write(
+                &path,
+                serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+            )
+            .unwrap()
         };
         write(serde_json::json!({"a": "s-2.safetensors", "b": "s-1.safetensors", "c": "s-2.safetensors"}));
         let names = shard_names(&path, "o/r", "main", "model.safetensors.index.json").unwrap();
@@ -368,7 +379,10 @@ mod tests {
         std::fs::write(repo_dir.join("refs").join("main"), commit).unwrap();
         assert_eq!(hub.cached("o/r", "main", "config.json").unwrap(), want);
         let err = hub.file("o/r", "main", "tokenizer.json").unwrap_err().to_string();
-        assert!(err.contains("`tokenizer.json` of o/r at revision main") && err.contains("HF_HUB_OFFLINE"), "{err}");
+        assert!(
+            err.contains("`tokenizer.json` of o/r at revision main") && err.contains("HF_HUB_OFFLINE"),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -64,12 +64,10 @@ impl HubOptions {
             .or_else(|| var("HUGGINGFACE_HUB_CACHE"))
             .map_or_else(|| hf_home.join("hub"), PathBuf::from);
         let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| DEFAULT_ENDPOINT.to_string());
-        let token = var("HF_TOKEN")
-            .or_else(|| var("HUGGING_FACE_HUB_TOKEN"))
-            .or_else(|| {
-                let path = var("HF_TOKEN_PATH").map_or_else(|| hf_home.join("token"), PathBuf::from);
-                read_token(&path)
-            });
+        let token = var("HF_TOKEN").or_else(|| var("HUGGING_FACE_HUB_TOKEN")).or_else(|| {
+            let path = var("HF_TOKEN_PATH").map_or_else(|| hf_home.join("token"), PathBuf::from);
+            read_token(&path)
+        });
         Self {
             endpoint: endpoint.trim_end_matches('/').to_string(),
             cache_dir,
@@ -159,13 +157,22 @@ mod tests {
             ("HUGGINGFACE_HUB_CACHE", "/legacy"),
             ("HF_HUB_CACHE", "/hub"),
         ];
-        let expect = ["/hub", "/legacy", "/hf/hub", "/xdg/huggingface/hub", "/h/.cache/huggingface/hub"];
+        let expect = [
+            "/hub",
+            "/legacy",
+            "/hf/hub",
+            "/xdg/huggingface/hub",
+            "/h/.cache/huggingface/hub",
+        ];
         for (drop, want) in expect.iter().enumerate() {
             let o = opts(&all[..all.len() - drop]);
             assert_eq!(o.cache_dir, PathBuf::from(want), "with {:?}", &all[..all.len() - drop]);
         }
         // An empty value counts as unset.
-        assert_eq!(opts(&[("HF_HOME", "/hf"), ("HF_HUB_CACHE", "")]).cache_dir, PathBuf::from("/hf/hub"));
+        assert_eq!(
+            opts(&[("HF_HOME", "/hf"), ("HF_HUB_CACHE", "")]).cache_dir,
+            PathBuf::from("/hf/hub")
+        );
     }
 
     #[test]
@@ -201,13 +208,19 @@ mod tests {
             Some("hf_path")
         );
         assert_eq!(
-            opts(&[("HF_HOME", home), ("HUGGING_FACE_HUB_TOKEN", "hf_legacy")]).token.as_deref(),
+            opts(&[("HF_HOME", home), ("HUGGING_FACE_HUB_TOKEN", "hf_legacy")])
+                .token
+                .as_deref(),
             Some("hf_legacy")
         );
         assert_eq!(
-            opts(&[("HF_HOME", home), ("HUGGING_FACE_HUB_TOKEN", "hf_legacy"), ("HF_TOKEN", "hf_env")])
-                .token
-                .as_deref(),
+            opts(&[
+                ("HF_HOME", home),
+                ("HUGGING_FACE_HUB_TOKEN", "hf_legacy"),
+                ("HF_TOKEN", "hf_env")
+            ])
+            .token
+            .as_deref(),
             Some("hf_env")
         );
         std::fs::write(dir.join("token"), " \n").unwrap();
