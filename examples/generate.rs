@@ -14,13 +14,14 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::{Parser, ValueEnum};
 use deepseek_v41::generation::{generate, Sampler, Sampling};
 use deepseek_v41::model::Pretrained;
 use deepseek_v41::tokenizer::ChatPrompt;
-use deepseek_v41::weights::{WeightsCatalog, WeightsSource};
+use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
+use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsSource};
 use deepseek_v41::Numerics;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -94,7 +95,16 @@ fn model_dir(model: Option<&str>) -> Result<PathBuf> {
     match entry.source()? {
         WeightsSource::Local { .. } => cat.local_dir(entry).context("local entry without a folder"),
         WeightsSource::Hub { repo, revision } => {
-            bail!("`{}` lives on the hub ({repo}@{revision}); download it into a folder and pass --model <folder> (hub downloads are being wired in)", entry.name)
+            let weights = match entry.weight_files() {
+                WeightFiles::Index(i) => HubWeights::Index(i.to_string()),
+                WeightFiles::Files(f) => HubWeights::Files(f.to_vec()),
+            };
+            let extra: Vec<String> = std::iter::once(entry.config.clone()).chain(entry.tokenizer.clone()).collect();
+            let spec = HubCheckpoint::new(repo, revision, weights).with_extra_files(extra);
+            let fetched = fetch(&spec, &HubOptions::from_env()).with_context(|| format!("downloading {repo}@{revision}"))?;
+            // Every file of a revision lands in the same snapshot folder of the hub cache.
+            let config = fetched.extra_files.first().context("hub fetch returned no config")?;
+            Ok(config.parent().context("config path has no folder")?.to_path_buf())
         }
     }
 }

@@ -15,11 +15,15 @@
 //! * [`tokenizer`]: `tokenizer.json` loading, chat / thinking prompts, streaming decoding and the
 //!   Engram compressed token map.
 //! * [`weights`]: the `weights.toml` catalog of supported checkpoints.
+//! * [`hub`] (cargo feature `hub`, on by default): downloading checkpoints from the Hugging Face
+//!   hub into its shared cache (`docs/hub.md`).
 
 pub mod attention;
 pub mod config;
 pub mod generation;
 pub mod golden;
+#[cfg(feature = "hub")]
+pub mod hub;
 pub mod loader;
 pub mod model;
 pub mod nn;
