@@ -11,10 +11,13 @@
 //!   the attention layer with its caller-owned cache.
 //! * [`model`]: mHC hyper-connections, MoE, Engram and the whole decoder.
 //! * [`loader`]: a `VarBuilder` backend over the release checkpoint format (FP8 / MXFP4).
+//! * `cuda` (feature `cuda`): fused CUDA kernels for the cache inserts and the query RoPE.
 //! * [`golden`]: the checker for golden sets produced by the official reference code.
 
 pub mod attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod golden;
 pub mod loader;
 pub mod model;
