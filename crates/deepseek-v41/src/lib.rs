@@ -13,6 +13,9 @@
 //! * [`loader`]: a `VarBuilder` backend over the release checkpoint format (FP8 / MXFP4).
 //! * `cuda` (feature `cuda`): fused CUDA kernels for the cache inserts and the query RoPE.
 //! * [`golden`]: the checker for golden sets produced by the official reference code.
+//! * [`tokenizer`]: `tokenizer.json` loading, chat / thinking prompts, streaming decoding and the
+//!   Engram compressed token map.
+//! * [`weights`]: the `weights.toml` catalog of supported checkpoints.
 
 pub mod attention;
 pub mod config;
@@ -24,6 +27,8 @@ pub mod model;
 pub mod nn;
 pub mod numerics;
 pub mod quant;
+pub mod tokenizer;
+pub mod weights;
 
 pub use config::Config;
 pub use numerics::Numerics;

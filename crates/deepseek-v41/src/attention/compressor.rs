@@ -8,7 +8,7 @@
 //!
 //! Latents are pre-RoPE and pre-quantization: the indexer's key projection consumes them as is.
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;

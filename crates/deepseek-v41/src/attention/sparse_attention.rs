@@ -132,7 +132,8 @@ mod tests {
             for hi in 0..h {
                 let want = if rows.is_empty() { vec![0.0; d] } else { dense(&qv[ti][hi], &rows, sinks[hi], 0.3) };
                 for (a, b) in out[ti][hi].iter().zip(&want) {
-                    assert!((a - b).abs() <= 2e-2 * b.abs().max(0.05), "t{ti} h{hi}: {a} vs {b}");
+                    // bf16 probabilities and output: errors of ~2^-8 of the value scale (|v| ~ 1).
+                    assert!((a - b).abs() <= 1e-2 + 1e-2 * b.abs(), "t{ti} h{hi}: {a} vs {b}");
                 }
             }
         }

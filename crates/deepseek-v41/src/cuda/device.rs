@@ -29,7 +29,7 @@ pub(crate) fn as_cuda<'a>(storage: &'a Storage, what: &str) -> Result<&'a CudaSt
 }
 
 /// Read pointer to the first element of `layout` in `storage` (element type `T`).
-pub(crate) fn read_ptr<'a, T: CudaDType>(
+pub(crate) fn read_ptr<'a, T: CudaDType + 'a>(
     storage: &'a CudaStorage,
     layout: &Layout,
     stream: &'a CudaStream,
@@ -41,7 +41,7 @@ pub(crate) fn read_ptr<'a, T: CudaDType>(
 }
 
 /// Write pointer to the first element of `layout` in `storage` (element type `T`).
-pub(crate) fn write_ptr<'a, T: CudaDType>(
+pub(crate) fn write_ptr<'a, T: CudaDType + 'a>(
     storage: &'a mut CudaStorage,
     layout: &Layout,
     stream: &'a CudaStream,

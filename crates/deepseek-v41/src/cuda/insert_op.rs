@@ -23,6 +23,7 @@
 //! then holds bytes of either token): callers pass unique slots (see
 //! [`super::keep_last_writer`]); the CPU path rejects duplicates.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp2, Layout, Module, Result, Tensor, WithDType};
 use half::bf16;
 
@@ -218,6 +219,15 @@ impl RowInsert {
     }
 }
 
+/// Storage offsets of the elements of `layout`, in logical (row-major) order.
+pub(crate) fn layout_offsets(layout: &Layout) -> Vec<usize> {
+    let mut out = vec![layout.start_offset()];
+    for (&dim, &stride) in layout.dims().iter().zip(layout.stride()) {
+        out = out.iter().flat_map(|&o| (0..dim).map(move |i| o + i * stride)).collect();
+    }
+    out
+}
+
 /// The elements of a CPU storage in the logical order of `layout`.
 pub(crate) fn gather<T: WithDType>(storage: &CpuStorage, layout: &Layout, what: &str) -> Result<Vec<T>> {
     let v = storage.as_slice::<T>().map_err(|_| {
@@ -225,7 +235,7 @@ pub(crate) fn gather<T: WithDType>(storage: &CpuStorage, layout: &Layout, what: 
     })?;
     Ok(match layout.contiguous_offsets() {
         Some((a, b)) => v[a..b].to_vec(),
-        None => layout.strided_index().map(|i| v[i]).collect(),
+        None => layout_offsets(layout).into_iter().map(|i| v[i]).collect(),
     })
 }
 

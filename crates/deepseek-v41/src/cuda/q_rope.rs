@@ -19,7 +19,7 @@ use half::bf16;
 
 use super::device::{raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
-use super::insert_op::gather;
+use super::insert_op::{gather, layout_offsets};
 use crate::nn::rms_norm::rms_normalize_f32;
 use crate::nn::rope::apply_rope_tail;
 
@@ -218,7 +218,7 @@ impl InplaceOp3 for QRope {
     ) -> Result<()> {
         let out = self.cpu_reference(q, ql, cos, cl, sin, sl)?;
         let CpuStorage::BF16(v) = q else { candle_core::bail!("q_rope_inplace: expected bf16 storage for q") };
-        for (i, idx) in ql.strided_index().enumerate() {
+        for (i, idx) in layout_offsets(ql).into_iter().enumerate() {
             v[idx] = out[i];
         }
         Ok(())

@@ -9,6 +9,7 @@
 //! sharing layouts and chunkings all come from the set's files.
 
 pub mod compare;
+pub mod module_formats;
 pub mod modules;
 pub mod runner;
 
@@ -19,6 +20,7 @@ use candle_core::{Device, Result, Tensor};
 use serde::Deserialize;
 
 use crate::config::Config;
+use crate::model::TokenMap;
 pub use compare::{compare, Outcome, Report, Tolerance};
 
 /// One forward call of a case: tokens `input_ids[start_pos .. start_pos + length]`.
@@ -80,7 +82,8 @@ impl GoldenSet {
         let mut cases = Vec::new();
         for e in entries {
             let p = e.map_err(|e| msg(format!("golden set {}: {e}", root.display())))?.path();
-            if p.join("inputs.json").is_file() && p.join("golden.safetensors").is_file() {
+            let is_modules = p.file_name().is_some_and(|n| n == "modules");
+            if !is_modules && p.join("inputs.json").is_file() && p.join("golden.safetensors").is_file() {
                 cases.push(p);
             }
         }
@@ -92,6 +95,13 @@ impl GoldenSet {
         Ok(Self { root, cases, modules })
     }
 
+    /// Reads `<dir>/inputs.json`.
+    pub fn load_inputs(&self, dir: &Path) -> Result<Inputs> {
+        let path = dir.join("inputs.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| msg(format!("{}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| msg(format!("{}: {e}", path.display())))
+    }
+
     /// Loads case `dir` (config, inputs, checkpoint path, goldens) onto `device`.
     pub fn load_case(&self, dir: &Path, device: &Device) -> Result<Case> {
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -100,8 +110,7 @@ impl GoldenSet {
             .find(|p| p.is_file())
             .ok_or_else(|| msg(format!("case {name}: no config.json in the case or the set")))?;
         let config = Config::from_file(&config_path)?;
-        let text = std::fs::read_to_string(dir.join("inputs.json")).map_err(|e| msg(format!("case {name}: inputs.json: {e}")))?;
-        let inputs: Inputs = serde_json::from_str(&text).map_err(|e| msg(format!("case {name}: inputs.json: {e}")))?;
+        let inputs = self.load_inputs(dir)?;
         validate_calls(&name, &inputs)?;
         let weights = [dir.join("model.safetensors"), self.root.join("model.safetensors")]
             .into_iter()
@@ -111,6 +120,39 @@ impl GoldenSet {
         let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), device)?;
         Ok(Case { name, dir: dir.to_path_buf(), config, inputs, weights, golden })
     }
+}
+
+impl GoldenSet {
+    /// The Engram compressed token map of a case: the set's `engram.token_map` module golden if
+    /// present, else the synthetic `id // 2` map when `inputs.json` says so; `None` when the
+    /// config has no Engram layer.
+    pub fn token_map(&self, case: &Case) -> Result<Option<TokenMap>> {
+        if case.config.engram.is_none() {
+            return Ok(None);
+        }
+        if let Some(map) = declared_token_map(&case.inputs, case.config.vocab_size) {
+            return Ok(Some(map));
+        }
+        if let Some(m) = &self.modules {
+            let st = candle_core::safetensors::load(m, &Device::Cpu)?;
+            if let Some(t) = st.get("engram.token_map") {
+                let v: Vec<u32> = t.to_dtype(candle_core::DType::I64)?.to_vec1::<i64>()?.into_iter().map(|x| x as u32).collect();
+                return Ok(Some(TokenMap::new(v)?));
+            }
+        }
+        candle_core::bail!(
+            "case {}: the config has Engram layers but inputs.json declares no known token map ({:?}) and the set has no engram.token_map",
+            case.name,
+            case.inputs.compressed_token_map
+        )
+    }
+}
+
+/// The Engram token map a case's `inputs.json` declares in words, when it is one this checker
+/// knows: the synthetic `id // 2` map of tokenizer-less golden sets.
+pub fn declared_token_map(inputs: &Inputs, vocab_size: usize) -> Option<TokenMap> {
+    let words = inputs.compressed_token_map.as_deref()?;
+    words.contains("id // 2").then(|| TokenMap::div2(vocab_size))
 }
 
 fn validate_calls(name: &str, inputs: &Inputs) -> Result<()> {
@@ -151,7 +193,8 @@ pub fn check_set(root: impl AsRef<Path>, device: &Device) -> Result<Report> {
     }
     for dir in &set.cases {
         let case = set.load_case(dir, device)?;
-        runner::check_case(&case, device, &mut report)?;
+        let token_map = set.token_map(&case)?;
+        runner::check_case(&case, token_map.as_ref(), device, &mut report)?;
     }
     Ok(report)
 }

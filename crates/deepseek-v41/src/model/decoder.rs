@@ -6,7 +6,8 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 
-use super::engram::{Engram, EngramHistory, EngramLayout, TokenMap};
+use super::engram::Engram;
+use super::engram_hash::{EngramHasher, EngramHistory, TokenMap};
 use super::mhc::{collapse, post, HcMix, HcSublayer};
 use super::moe::Moe;
 use crate::attention::{Attention, SequenceCache, Trace};
@@ -24,7 +25,8 @@ pub struct ModelCache {
 impl ModelCache {
     /// An empty cache (activations in `dtype` on `device`).
     pub fn new(cfg: &Config, dtype: DType, device: &Device) -> Result<Self> {
-        Ok(Self { attention: SequenceCache::new(cfg, dtype, device)?, engram: EngramHistory::new(cfg) })
+        let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
+        Ok(Self { attention: SequenceCache::new(cfg, dtype, device)?, engram: EngramHistory::new(ngram) })
     }
 
     /// Tokens processed so far.
@@ -114,7 +116,7 @@ pub struct Model {
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     head: Linear,
-    engram: Option<(EngramLayout, TokenMap)>,
+    engram: Option<EngramHasher>,
     hc: usize,
     dtype: DType,
 }
@@ -129,7 +131,7 @@ impl Model {
             .collect::<Result<Vec<_>>>()?;
         let engram = match (&cfg.engram, token_map) {
             (None, _) => None,
-            (Some(_), Some(map)) => Some((EngramLayout::new(cfg)?, map)),
+            (Some(e), Some(map)) => Some(EngramHasher::new(e, map)?),
             (Some(_), None) => candle_core::bail!("Model: the config has Engram layers but no token map was given"),
         };
         Ok(Self {
@@ -159,13 +161,13 @@ impl Model {
         one_hot[0] = 1.0;
         let mut pre = Tensor::new(one_hot, &dev)?.unsqueeze(0)?.broadcast_as((t, self.hc))?.contiguous()?;
         let hashes = match &self.engram {
-            Some((layout, map)) => Some(layout.hash_ids(tokens, map, &mut cache.engram)?),
+            Some(hasher) => Some(hasher.hash(tokens, &mut cache.engram)?),
             None => None,
         };
         for layer in &self.layers {
-            let h = match &hashes {
-                Some(hs) => hs.get(&layer.layer).map(|v| Tensor::new(v.clone(), &dev)).transpose()?,
-                None => None,
+            let h = match (&hashes, &layer.engram) {
+                (Some(hs), Some(_)) => Some(hs.tensor(layer.layer, &dev)?),
+                _ => None,
             };
             if let Some(h) = &h {
                 cache.attention.record(|| format!("L{}.engram_hash", layer.layer), h);

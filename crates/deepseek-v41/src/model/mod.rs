@@ -1,1 +1,16 @@
-//! (work in progress)
+//! The decoder's non-attention parts: mHC hyper-connections (spec §3.2), MoE (§8), Engram (§9).
+
+pub mod decoder;
+pub mod engram;
+pub mod engram_hash;
+pub mod mhc;
+pub mod moe;
+pub mod numpy_rng;
+
+pub use decoder::{DecoderLayer, Model, ModelCache};
+pub use engram::{Engram, EngramTable};
+pub use engram_hash::{
+    EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap,
+};
+pub use mhc::{collapse, post, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
+pub use moe::{Expert, Gate, Moe, MoeOutput, Routing};

@@ -1,0 +1,187 @@
+//! The Engram module (spec §9.5): looks up the n-gram rows of each position, projects them into
+//! one key per hc copy plus a shared value, and adds the value into every copy of the residual
+//! stream with a per-copy gate. Applied before the layer's mixes (spec §3.2 step 1).
+//!
+//! The hash ids come from [`super::engram_hash::EngramHasher`]. Text only: the reference's zero
+//! gate for image tokens (spec §9.5 step 4) is not implemented.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+use crate::config::Config;
+use crate::loader::RowTable;
+use crate::nn::{Linear, LinearKind};
+use crate::numerics::Numerics;
+
+/// Floor of `|dot|` under the signed square root of the gate.
+const GATE_CLAMP: f64 = 1e-6;
+
+/// Where the Engram table rows come from.
+#[derive(Clone)]
+pub enum EngramTable {
+    /// The whole dequantized table `[rows, head_dim]` bf16 in memory (small models).
+    Resident(Tensor),
+    /// Rows read and dequantized on lookup from the checkpoint (the released ~384M-row FP8
+    /// tables): `ckpt.row_table("layers.N.engram.embed.weight")`.
+    Rows(Box<RowTable>),
+}
+
+impl std::fmt::Debug for EngramTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EngramTable::Resident(t) => write!(f, "EngramTable::Resident({:?})", t.shape()),
+            EngramTable::Rows(r) => write!(f, "EngramTable::Rows({})", r.name()),
+        }
+    }
+}
+
+impl EngramTable {
+    /// The rows `ids` (`[N]` u32) as `[N, head_dim]` bf16 on `device`.
+    pub fn rows(&self, ids: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
+        match self {
+            EngramTable::Resident(t) => t
+                .index_select(&ids.to_device(t.device())?, 0)?
+                .to_device(device),
+            EngramTable::Rows(r) => r
+                .lookup(&ids.to_device(&candle_core::Device::Cpu)?, DType::BF16)?
+                .to_device(device),
+        }
+    }
+}
+
+/// The Engram of one layer: `layers.N.engram.{embed, wkv, q_weight, k_weight}`.
+#[derive(Debug, Clone)]
+pub struct Engram {
+    /// The `[rows, head_dim]` table (dequantized rows are bf16).
+    table: EngramTable,
+    /// `[(hc+1)·D, cols·head_dim]`, quantized linear.
+    wkv: Linear,
+    /// `[hc, D]` f32: `q_weight ⊙ k_weight`.
+    qk_weight: Tensor,
+    hc: usize,
+    dim: usize,
+    n_cols: usize,
+    eps: f64,
+}
+
+impl Engram {
+    /// Loads Engram layer `layer` (its index in `engram_layer_ids` gives the table size) from
+    /// `vb` = `layers.N.engram`: `embed.weight` `[rows, head_dim]` (FP8 with a 1×32 scale in the
+    /// release; the whole table is taken dequantized and held in bf16), `wkv.weight`
+    /// `[(hc+1)·D, cols·head_dim]` (FP8), `q_weight` and `k_weight` `[hc, D]` (bf16).
+    ///
+    /// Holding the whole table suits small models only: the released tables have ~384M rows
+    /// (~100 GB each in FP8); use [`Engram::with_table`] with [`EngramTable::Rows`] there.
+    pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
+        let (rows, head_dim, _) = Self::table_shape(cfg, layer)?;
+        let table = vb.pp("embed").get_with_hints_dtype(
+            (rows, head_dim),
+            "weight",
+            Default::default(),
+            DType::BF16,
+        )?;
+        Self::with_table(cfg, layer, numerics, vb, EngramTable::Resident(table))
+    }
+
+    /// As [`Engram::new`], with the table rows taken from `table` instead of `embed.weight`;
+    /// errors unless `table` is `[rows, head_dim]` for this layer.
+    pub fn with_table(
+        cfg: &Config,
+        layer: usize,
+        numerics: Numerics,
+        vb: VarBuilder,
+        table: EngramTable,
+    ) -> Result<Self> {
+        let (rows, head_dim, n_cols) = Self::table_shape(cfg, layer)?;
+        let found = match &table {
+            EngramTable::Resident(t) => t.dims().to_vec(),
+            EngramTable::Rows(r) => vec![r.num_rows(), r.width()],
+        };
+        if found != [rows, head_dim] {
+            candle_core::bail!(
+                "Engram layer {layer}: table {found:?}, expected [{rows}, {head_dim}]"
+            )
+        }
+        let (hc, dim) = (cfg.hc_mult, cfg.hidden_size);
+        let hints = Default::default();
+        let wkv = Linear::new(
+            n_cols * head_dim,
+            (hc + 1) * dim,
+            LinearKind::Quantized,
+            numerics,
+            vb.pp("wkv"),
+        )?;
+        let q = vb.get_with_hints_dtype((hc, dim), "q_weight", hints, DType::F32)?;
+        let k = vb.get_with_hints_dtype((hc, dim), "k_weight", hints, DType::F32)?;
+        Ok(Self {
+            table,
+            wkv,
+            qk_weight: (q * k)?,
+            hc,
+            dim,
+            n_cols,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// `(rows, head_dim, ids per token)` of layer `layer`'s table, or an error when it is not an
+    /// Engram layer.
+    fn table_shape(cfg: &Config, layer: usize) -> Result<(usize, usize, usize)> {
+        let Some(ecfg) = &cfg.engram else {
+            candle_core::bail!("Engram: the config has no Engram section")
+        };
+        let Some(i) = ecfg.layer_ids.iter().position(|&l| l == layer) else {
+            candle_core::bail!(
+                "Engram: layer {layer} is not in engram_layer_ids {:?}",
+                ecfg.layer_ids
+            )
+        };
+        let Some(&rows) = ecfg.num_embeddings.get(i) else {
+            candle_core::bail!("Engram: no engram_num_embeddings entry for layer {layer}")
+        };
+        Ok((
+            rows,
+            ecfg.head_dim,
+            ecfg.max_ngram_size.saturating_sub(1) * ecfg.n_heads,
+        ))
+    }
+
+    /// `x`: the stream `[T, hc, D]` (bf16); `ids`: the layer's hash ids `[T, cols]` u32 (table
+    /// rows, offsets included). Returns `[T, hc, D]` in `x`'s dtype:
+    /// `x[k] + σ(signed_sqrt(dot_k))·value` with, in f32,
+    /// `dot_k = Σ_d x[k]·qw[k]·kw[k]·key[k] · rsqrt(mean(x[k]²)+eps) · rsqrt(mean(key[k]²)+eps) / sqrt(D)`.
+    pub fn forward(&self, x: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        let (t, hc, d) = x.dims3()?;
+        if hc != self.hc || d != self.dim || ids.dims() != [t, self.n_cols] {
+            candle_core::bail!(
+                "Engram: stream {:?} / ids {:?} do not fit hc {}, D {}, {} ids per token",
+                x.shape(),
+                ids.shape(),
+                self.hc,
+                self.dim,
+                self.n_cols
+            )
+        }
+        let rows = self
+            .table
+            .rows(&ids.flatten_all()?, x.device())?
+            .reshape((t, ()))?;
+        let kv = self
+            .wkv
+            .forward(&rows.to_dtype(x.dtype())?)?
+            .to_dtype(DType::F32)?;
+        let key = kv.narrow(1, 0, hc * d)?.reshape((t, hc, d))?;
+        let value = kv.narrow(1, hc * d, d)?.unsqueeze(1)?;
+        let h = x.to_dtype(DType::F32)?;
+        let rstd = |v: &Tensor| -> Result<Tensor> {
+            (v.sqr()?.mean(D::Minus1)? + self.eps)?.sqrt()?.recip()
+        };
+        let qk = self.qk_weight.to_device(x.device())?;
+        let dot = (h.broadcast_mul(&qk)? * &key)?.sum(D::Minus1)?;
+        let dot = ((dot * rstd(&h)?)? * rstd(&key)?)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;
+        let mag = dot.abs()?.maximum(GATE_CLAMP)?.sqrt()?;
+        let signed = dot.lt(0.0)?.where_cond(&mag.neg()?, &mag)?;
+        let gate = candle_nn::ops::sigmoid(&signed)?.unsqueeze(2)?;
+        (h + gate.broadcast_mul(&value)?)?.to_dtype(x.dtype())
+    }
+}

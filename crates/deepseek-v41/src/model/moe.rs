@@ -1,0 +1,397 @@
+//! The MoE FFN of every V4.1 layer (spec §8): a sqrt-softplus router with a selection-only bias,
+//! routed experts (MXFP4 in the release) and one always-on shared expert (FP8), both with the
+//! clamped SwiGLU.
+//!
+//! Routing decisions are made on the host: the expert dispatch needs the ids there anyway, and
+//! the router tensor is only `[T, n_routed_experts]`.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::config::{Config, ScoringFunc};
+use crate::nn::{Linear, LinearKind};
+use crate::numerics::Numerics;
+
+/// The literal added to the sum of the selected scores before renormalizing (spec §8 step 4,
+/// §14 item 10: not `rms_norm_eps`).
+const RENORM_EPS: f32 = 1e-20;
+
+/// Stable softplus in f32, as torch computes it (`x` above 20 passes through).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// The routing decision for `T` tokens, `k` experts each, on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Experts per token.
+    pub k: usize,
+    /// `[T·k]`: the chosen experts of token `t` at `t·k..(t+1)·k`, in descending (score + bias)
+    /// order, ties broken by the lower expert id.
+    pub ids: Vec<u32>,
+    /// `[T·k]`: the routing weights of `ids` (unbiased scores, renormalized, times the routed
+    /// scaling factor).
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    /// Number of tokens.
+    pub fn tokens(&self) -> usize {
+        self.ids.len().checked_div(self.k).unwrap_or(0)
+    }
+
+    /// `ids` as a `[T, k]` u32 tensor.
+    pub fn ids_tensor(&self, device: &Device) -> Result<Tensor> {
+        Tensor::from_slice(&self.ids, (self.tokens(), self.k), device)
+    }
+
+    /// `weights` as a `[T, k]` f32 tensor.
+    pub fn weights_tensor(&self, device: &Device) -> Result<Tensor> {
+        Tensor::from_slice(&self.weights, (self.tokens(), self.k), device)
+    }
+}
+
+/// The router: `ffn.gate.{weight, bias, bias_vl}`.
+#[derive(Debug, Clone)]
+pub struct Gate {
+    /// `[E, D]`, used in f32 (plain linear, no activation quantization).
+    proj: Linear,
+    /// `[E]` f32 selection bias for text tokens.
+    bias: Vec<f32>,
+    /// `[E]` f32 selection bias for tokens inside image spans (unused for text).
+    bias_vl: Tensor,
+    top_k: usize,
+    route_scale: f32,
+    temp: f32,
+}
+
+impl Gate {
+    /// Loads `weight` `[E, D]` (bf16 in the release, used in f32), `bias` `[E]` f32 and
+    /// `bias_vl` `[E]` f32 from `vb` = `layers.N.ffn.gate`.
+    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.n_routed_experts;
+        if cfg.num_experts_per_tok == 0 || cfg.num_experts_per_tok > e {
+            candle_core::bail!(
+                "MoE gate: num_experts_per_tok {} not in 1..={e}",
+                cfg.num_experts_per_tok
+            )
+        }
+        if cfg.gate_temp.is_nan() || cfg.gate_temp <= 0.0 {
+            candle_core::bail!("MoE gate: gate_temp must be > 0, got {}", cfg.gate_temp)
+        }
+        match cfg.scoring_func {
+            ScoringFunc::SqrtSoftplus => {}
+        }
+        if !cfg.norm_topk_prob {
+            candle_core::bail!("MoE gate: norm_topk_prob = false is not a V4.1 configuration")
+        }
+        let proj = Linear::new(
+            cfg.hidden_size,
+            e,
+            LinearKind::F32,
+            Numerics::PLAIN,
+            vb.clone(),
+        )?;
+        let hints = Default::default();
+        let bias = vb
+            .get_with_hints_dtype(e, "bias", hints, DType::F32)?
+            .to_vec1::<f32>()?;
+        let bias_vl = vb.get_with_hints_dtype(e, "bias_vl", hints, DType::F32)?;
+        Ok(Self {
+            proj,
+            bias,
+            bias_vl,
+            top_k: cfg.num_experts_per_tok,
+            route_scale: cfg.routed_scaling_factor as f32,
+            temp: cfg.gate_temp as f32,
+        })
+    }
+
+    /// The image-span selection bias `[E]` f32 (spec §8 step 3; text inference never uses it).
+    pub fn bias_vl(&self) -> &Tensor {
+        &self.bias_vl
+    }
+
+    /// The router scores `sqrt(softplus(x·Wᵀ / gate_temp))` in f32 for `x` `[T, D]` (bf16), as
+    /// host rows `[T][E]`.
+    fn scores(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let logits = self.proj.forward(x)?;
+        let logits = if self.temp == 1.0 {
+            logits
+        } else {
+            (logits / self.temp as f64)?
+        };
+        let rows = logits.to_vec2::<f32>()?;
+        Ok(rows
+            .into_iter()
+            .map(|r| r.into_iter().map(|l| softplus(l).sqrt()).collect())
+            .collect())
+    }
+
+    /// Routes `x` `[T, D]` (bf16): top-k of score + bias (ties: lower expert id first), weights
+    /// `score / (Σ_sel score + 1e-20) · routed_scaling_factor` from the unbiased scores.
+    pub fn route(&self, x: &Tensor) -> Result<Routing> {
+        Ok(select_experts(
+            &self.scores(x)?,
+            &self.bias,
+            self.top_k,
+            self.route_scale,
+        ))
+    }
+}
+
+/// Top-`k` of `score + bias` per row (ties: lower expert id first), weights
+/// `score / (Σ_sel score + 1e-20) · route_scale` from the unbiased `scores` (`[T][E]` f32).
+fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32) -> Routing {
+    let mut ids = Vec::with_capacity(scores.len() * k);
+    let mut weights = Vec::with_capacity(scores.len() * k);
+    let mut order: Vec<usize> = Vec::with_capacity(bias.len());
+    for row in scores {
+        let biased: Vec<f32> = row.iter().zip(bias).map(|(s, b)| s + b).collect();
+        order.clear();
+        order.extend(0..row.len());
+        // total_cmp keeps NaN deterministic (ordered above +inf, so a NaN score is visible).
+        order.sort_by(|&a, &b| biased[b].total_cmp(&biased[a]).then(a.cmp(&b)));
+        let sel = &order[..k];
+        let sum: f32 = sel.iter().map(|&e| row[e]).sum();
+        for &e in sel {
+            ids.push(e as u32);
+            weights.push(row[e] / (sum + RENORM_EPS) * route_scale);
+        }
+    }
+    Routing { k, ids, weights }
+}
+
+/// One SwiGLU expert `w2(silu(min(w1·x, L)) · clamp(w3·x, −L, L))` with FP8/FP4 weights
+/// (quantized linears), `L` = `swiglu_limit` (no clamp when `L <= 0`).
+#[derive(Debug, Clone)]
+pub struct Expert {
+    w1: Linear,
+    w2: Linear,
+    w3: Linear,
+    limit: Option<f64>,
+}
+
+impl Expert {
+    /// Loads `w1`, `w3` `[inter, D]` and `w2` `[D, inter]` from `vb` = `…experts.E` or
+    /// `…shared_experts`.
+    pub fn new(
+        dim: usize,
+        inter: usize,
+        swiglu_limit: f64,
+        numerics: Numerics,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let lin = |i, o, name| Linear::new(i, o, LinearKind::Quantized, numerics, vb.pp(name));
+        Ok(Self {
+            w1: lin(dim, inter, "w1")?,
+            w2: lin(inter, dim, "w2")?,
+            w3: lin(dim, inter, "w3")?,
+            limit: (swiglu_limit > 0.0).then_some(swiglu_limit),
+        })
+    }
+
+    /// `x`: `[n, D]` (bf16); `weight`: optional `[n, 1]` f32 routing weight, multiplied into the
+    /// f32 activation before it is rounded to `x`'s dtype and fed to `w2` (the reference's
+    /// order). Returns `[n, D]` in `x`'s dtype.
+    pub fn forward(&self, x: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
+        let mut gate = self.w1.forward(x)?.to_dtype(DType::F32)?;
+        let mut up = self.w3.forward(x)?.to_dtype(DType::F32)?;
+        if let Some(l) = self.limit {
+            gate = gate.minimum(l)?;
+            up = up.clamp(-l, l)?;
+        }
+        let mut act = (gate.silu()? * up)?;
+        if let Some(w) = weight {
+            act = act.broadcast_mul(w)?;
+        }
+        self.w2.forward(&act.to_dtype(x.dtype())?)
+    }
+}
+
+/// The MoE output with the routing decision kept for checking.
+#[derive(Debug, Clone)]
+pub struct MoeOutput {
+    /// `[T, D]` in the input's dtype (bf16).
+    pub out: Tensor,
+    /// `[T, k]` u32: chosen experts in descending (score + bias) order.
+    pub ids: Tensor,
+    /// `[T, k]` f32: their routing weights.
+    pub weights: Tensor,
+}
+
+/// The MoE FFN of one layer: `layers.N.ffn`.
+#[derive(Debug, Clone)]
+pub struct Moe {
+    gate: Gate,
+    experts: Vec<Expert>,
+    shared: Option<Expert>,
+}
+
+impl Moe {
+    /// Loads `gate`, `experts.0..E` and `shared_experts` (intermediate width
+    /// `moe_intermediate_size · n_shared_experts`, absent when 0) from `vb` = `layers.N.ffn`.
+    pub fn new(cfg: &Config, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
+        let (d, inter, limit) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit);
+        let gate = Gate::new(cfg, vb.pp("gate"))?;
+        let experts = (0..cfg.n_routed_experts)
+            .map(|e| Expert::new(d, inter, limit, numerics, vb.pp("experts").pp(e)))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match cfg.n_shared_experts {
+            0 => None,
+            n => Some(Expert::new(
+                d,
+                inter * n,
+                limit,
+                numerics,
+                vb.pp("shared_experts"),
+            )?),
+        };
+        Ok(Self {
+            gate,
+            experts,
+            shared,
+        })
+    }
+
+    /// The router.
+    pub fn gate(&self) -> &Gate {
+        &self.gate
+    }
+
+    /// `x`: `[T, D]` (bf16, already ffn-normed). Routed expert outputs (each in `x`'s dtype) are
+    /// summed per token in f32 in expert-id order, the shared expert's output is added, and the
+    /// sum is rounded to `x`'s dtype.
+    pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
+        let (t, d) = x.dims2()?;
+        let dev = x.device();
+        let routing = self.gate.route(x)?;
+        let k = routing.k;
+        let mut y = Tensor::zeros((t, d), DType::F32, dev)?;
+        for (e, expert) in self.experts.iter().enumerate() {
+            let mut rows = Vec::new();
+            let mut ws = Vec::new();
+            for (slot, (&id, &w)) in routing.ids.iter().zip(&routing.weights).enumerate() {
+                if id as usize == e {
+                    rows.push((slot / k) as u32);
+                    ws.push(w);
+                }
+            }
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len();
+            let rows = Tensor::from_vec(rows, n, dev)?;
+            let ws = Tensor::from_vec(ws, (n, 1), dev)?;
+            let out = expert.forward(&x.index_select(&rows, 0)?, Some(&ws))?;
+            y = y.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?;
+        }
+        if let Some(shared) = &self.shared {
+            y = (y + shared.forward(x, None)?.to_dtype(DType::F32)?)?;
+        }
+        Ok(MoeOutput {
+            out: y.to_dtype(x.dtype())?,
+            ids: routing.ids_tensor(dev)?,
+            weights: routing.weights_tensor(dev)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn selection_uses_bias_weights_do_not() {
+        let scores = vec![vec![0.5f32, 0.9, 0.7, 0.1]];
+        // The bias lifts expert 3 into the top-2 and pushes expert 1 out.
+        let r = select_experts(&scores, &[0.0, -1.0, 0.0, 1.0], 2, 1.5);
+        assert_eq!(r.ids, vec![3, 2]);
+        let sum = 0.1f32 + 0.7;
+        assert_eq!(
+            r.weights,
+            vec![0.1 / (sum + 1e-20) * 1.5, 0.7 / (sum + 1e-20) * 1.5]
+        );
+        assert!((r.weights.iter().sum::<f32>() - 1.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn ties_pick_the_lower_expert_id() {
+        let scores = vec![vec![0.3f32, 0.6, 0.6, 0.6], vec![0.2, 0.2, 0.2, 0.2]];
+        let r = select_experts(&scores, &[0.0; 4], 2, 1.0);
+        assert_eq!(r.ids, vec![1, 2, 0, 1]);
+        assert_eq!(r.tokens(), 2);
+    }
+
+    /// The clamped SwiGLU against a hand computation: gate clamped above only, up clamped on both
+    /// sides, routing weight applied before `w2`. Weights are exact small values so f32 is exact.
+    #[test]
+    fn expert_clamp_by_hand() -> Result<()> {
+        let dev = Device::Cpu;
+        let (d, inter, limit) = (32usize, 4usize, 0.5f32);
+        // x: one token with x[c] = 1 for c < 2, else 0; w1/w3 rows pick scaled sums.
+        let mut x = vec![0f32; d];
+        x[0] = 1.0;
+        x[1] = 1.0;
+        let gate_rows = [2.0f32, -3.0, 0.25, 0.0]; // a = 2·row value (x has two ones)
+        let up_rows = [-1.0f32, 0.125, 2.0, -0.0625];
+        let row = |v: f32| -> Vec<f32> { (0..d).map(|c| if c < 2 { v } else { 0.0 }).collect() };
+        let w1: Vec<f32> = gate_rows.iter().flat_map(|&v| row(v)).collect();
+        let w3: Vec<f32> = up_rows.iter().flat_map(|&v| row(v)).collect();
+        let w2: Vec<f32> = (0..d * inter)
+            .map(|i| if i / inter == i % inter { 1.0 } else { 0.0 })
+            .collect();
+        let mut ts = HashMap::new();
+        ts.insert(
+            "w1.weight".to_string(),
+            Tensor::from_vec(w1, (inter, d), &dev)?,
+        );
+        ts.insert(
+            "w3.weight".to_string(),
+            Tensor::from_vec(w3, (inter, d), &dev)?,
+        );
+        ts.insert(
+            "w2.weight".to_string(),
+            Tensor::from_vec(w2, (d, inter), &dev)?,
+        );
+        let vb = VarBuilder::from_tensors(ts, DType::F32, &dev);
+        let expert = Expert::new(d, inter, limit as f64, Numerics::PLAIN, vb.clone())?;
+        let unclamped = Expert::new(d, inter, 0.0, Numerics::PLAIN, vb)?;
+        let xt = Tensor::from_vec(x, (1, d), &dev)?;
+        let w = Tensor::new(&[[0.75f32]], &dev)?;
+        let got = expert.forward(&xt, Some(&w))?.to_vec2::<f32>()?[0].clone();
+        let free = unclamped.forward(&xt, Some(&w))?.to_vec2::<f32>()?[0].clone();
+        let silu = |a: f32| a / (1.0 + (-a).exp());
+        for j in 0..inter {
+            let (a, u) = (2.0 * gate_rows[j], 2.0 * up_rows[j]);
+            let want = silu(a.min(limit)) * u.clamp(-limit, limit) * 0.75;
+            assert!(
+                (got[j] - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "col {j}: {} vs {want}",
+                got[j]
+            );
+            let want_free = silu(a) * u * 0.75;
+            assert!((free[j] - want_free).abs() <= 1e-6 * want_free.abs().max(1.0));
+        }
+        // The clamp is active here: rows 0 (gate 4 → 0.5, up −2 → −0.5) and 2 (up 4 → 0.5).
+        assert!((got[0] - free[0]).abs() > 0.1 && (got[2] - free[2]).abs() > 0.1);
+        // Upper-only on the gate: a = −6 is not raised to −0.5.
+        let want1 = silu(-6.0) * 0.25 * 0.75;
+        assert!((got[1] - want1).abs() < 1e-7);
+        assert!(got[4..].iter().all(|&v| v == 0.0));
+        Ok(())
+    }
+
+    #[test]
+    fn softplus_is_stable() {
+        assert_eq!(softplus(100.0), 100.0);
+        assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
+        let tiny = softplus(-30.0);
+        assert!(tiny > 0.0 && (tiny / (-30f32).exp() - 1.0).abs() < 1e-5);
+    }
+}
