@@ -18,11 +18,12 @@
 namespace dsv41 {
 
 // grid.x = ceil(G / 4), block = 128 threads (4 warps, one entry each).
-template <int D>
+// Q = Quant::None stores the RoPE'd rows unquantized (reference numerics with QAT off).
+template <int D, Quant Q>
 __global__ void __launch_bounds__(kThreadsPerBlock) compressed_insert_kernel(const Dsv41RowInsertParams p) {
     const int t = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
     if (t >= p.num_tokens) return;
-    insert_row<D, Quant::Fp4E4m3B16, Norm::None>(p, t, threadIdx.x % 32, nullptr);
+    insert_row<D, Q, Norm::None>(p, t, threadIdx.x % 32, nullptr);
 }
 
 }  // namespace dsv41
@@ -33,11 +34,13 @@ extern "C" int dsv41_compressed_insert(const Dsv41RowInsertParams* p, size_t par
     using namespace dsv41;
     int status = check_insert_params(p, params_size);
     if (status != DSV41_OK || p->num_tokens == 0) return status;
-    if (p->quant != DSV41_QUANT_FP4_E4M3_B16 || p->apply_norm) return DSV41_ERR_QUANT;
+    if ((p->quant != DSV41_QUANT_FP4_E4M3_B16 && p->quant != DSV41_QUANT_NONE) || p->apply_norm) return DSV41_ERR_QUANT;
     const dim3 grid(blocks_for_rows(p->num_tokens));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     return with_head_dim(p->head_dim, [&](auto d) -> int {
-        compressed_insert_kernel<decltype(d)::value><<<grid, kThreadsPerBlock, 0, s>>>(*p);
+        constexpr int D = decltype(d)::value;
+        if (p->quant == DSV41_QUANT_NONE) compressed_insert_kernel<D, Quant::None><<<grid, kThreadsPerBlock, 0, s>>>(*p);
+        else compressed_insert_kernel<D, Quant::Fp4E4m3B16><<<grid, kThreadsPerBlock, 0, s>>>(*p);
         return static_cast<int>(cudaGetLastError());
     });
 }

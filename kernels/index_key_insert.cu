@@ -18,13 +18,14 @@
 namespace dsv41 {
 
 // grid.x = ceil(G / 4), block = 128 threads (4 warps, one key each), 4*D*4 bytes of shared memory.
-template <int D>
+// Q = Quant::None stores the normed, RoPE'd keys unquantized (reference numerics with QAT off).
+template <int D, Quant Q>
 __global__ void __launch_bounds__(kThreadsPerBlock) index_key_insert_kernel(const Dsv41RowInsertParams p) {
     __shared__ float squares[kWarpsPerBlock][D];
     const int warp = threadIdx.x / 32;
     const int t = blockIdx.x * kWarpsPerBlock + warp;
     if (t >= p.num_tokens) return;
-    insert_row<D, Quant::Fp4Ue8m0B32, Norm::Weighted>(p, t, threadIdx.x % 32, squares[warp]);
+    insert_row<D, Q, Norm::Weighted>(p, t, threadIdx.x % 32, squares[warp]);
 }
 
 }  // namespace dsv41
@@ -35,11 +36,13 @@ extern "C" int dsv41_index_key_insert(const Dsv41RowInsertParams* p, size_t para
     using namespace dsv41;
     int status = check_insert_params(p, params_size);
     if (status != DSV41_OK || p->num_tokens == 0) return status;
-    if (p->quant != DSV41_QUANT_FP4_UE8M0_B32 || !p->apply_norm) return DSV41_ERR_QUANT;
+    if ((p->quant != DSV41_QUANT_FP4_UE8M0_B32 && p->quant != DSV41_QUANT_NONE) || !p->apply_norm) return DSV41_ERR_QUANT;
     const dim3 grid(blocks_for_rows(p->num_tokens));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     return with_head_dim(p->head_dim, [&](auto d) -> int {
-        index_key_insert_kernel<decltype(d)::value><<<grid, kThreadsPerBlock, 0, s>>>(*p);
+        constexpr int D = decltype(d)::value;
+        if (p->quant == DSV41_QUANT_NONE) index_key_insert_kernel<D, Quant::None><<<grid, kThreadsPerBlock, 0, s>>>(*p);
+        else index_key_insert_kernel<D, Quant::Fp4Ue8m0B32><<<grid, kThreadsPerBlock, 0, s>>>(*p);
         return static_cast<int>(cudaGetLastError());
     });
 }

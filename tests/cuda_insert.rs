@@ -10,7 +10,10 @@
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
-use deepseek_v41::cuda::{compressed_insert, index_key_insert, keep_last_writer, q_rope, q_rope_inplace, window_insert};
+use deepseek_v41::cuda::{
+    compressed_insert, index_key_insert, keep_last_writer, packed_insert, q_rope, q_rope_inplace, window_insert,
+    PackedLayout,
+};
 use deepseek_v41::nn::rope::{RopeKind, RopeTable};
 use deepseek_v41::quant::{fake_quant, QatFormat};
 use half::bf16;
@@ -455,6 +458,88 @@ fn q_rope_inplace_on_a_head_view() -> Result<()> {
     let untouched = |x: &Tensor| -> Result<Vec<u16>> { bits(&x.narrow(1, 0, 2)?.contiguous()?) };
     ensure!(untouched(&g)? == untouched(&flat.reshape((t, h, d))?)?, "heads outside the view changed");
     Ok(())
+}
+
+// ------------------------------------------------------------------------------ packed caches
+
+/// Packs `t` rows into a paged cache of `pages` pages on GPU and CPU (caches poisoned with 0xAB
+/// bytes) and compares every byte; then checks that the unpacked GPU rows equal what the bf16
+/// insert of the same format stores, and that bytes of unwritten slots are still poison.
+fn check_packed(seed: u64, fmt: QatFormat, d: usize, page: usize, pages: usize, t: usize, norm: bool) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(seed);
+    let layout = PackedLayout::new(fmt, d, page)?;
+    let n = page * pages;
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut slots: Vec<i64> = order[..t].iter().map(|&s| s as i64).collect();
+    if t > 2 {
+        slots[t / 2] = -1; // one padding token
+    }
+    let rows = random_rows(&mut rng, t, d, &Device::Cpu)?;
+    let positions: Vec<usize> = (0..t).map(|_| rng.below(1 << 18)).collect();
+    let (cos, sin) = cos_sin(&yarn_table(64)?, &positions)?;
+    let weight = Tensor::from_vec((0..d).map(|_| 0.25 + rng.uniform()).collect::<Vec<f32>>(), d, &Device::Cpu)?;
+    let slots_cpu = i64_tensor(&slots, &Device::Cpu)?;
+    let what = format!("packed_insert {fmt} d={d} page={page} pages={pages} T={t}");
+
+    let poison = |device: &Device| -> Result<Tensor> {
+        Ok(Tensor::full(0xABu8, (pages, layout.page_bytes()), &Device::Cpu)?.to_device(device)?)
+    };
+    let norm_cpu = norm.then_some((&weight, 1e-20));
+    let cache_cpu = poison(&Device::Cpu)?;
+    packed_insert(&cache_cpu, &layout, &rows, &cos, &sin, &slots_cpu, norm_cpu)?;
+    let cache_gpu = poison(&dev)?;
+    let weight_gpu = weight.to_device(&dev)?;
+    packed_insert(
+        &cache_gpu,
+        &layout,
+        &rows.to_device(&dev)?,
+        &cos.to_device(&dev)?,
+        &sin.to_device(&dev)?,
+        &slots_cpu.to_device(&dev)?,
+        norm.then_some((&weight_gpu, 1e-20)),
+    )?;
+    let (g, c) = (cache_gpu.flatten_all()?.to_vec1::<u8>()?, cache_cpu.flatten_all()?.to_vec1::<u8>()?);
+    let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i] != c[i]).take(8).collect();
+    ensure!(diff.is_empty(), "{what}: bytes differ at {diff:?}");
+    let poisoned_bytes = g.iter().filter(|&&b| b == 0xAB).count();
+    let written = slots.iter().filter(|&&s| s >= 0).count();
+    ensure!(poisoned_bytes >= (n - written) * layout.row_bytes(), "{what}: bytes of unwritten slots were changed");
+
+    // The packed rows are the bf16 inserts' rows (format E is always used with k_norm here).
+    let used: Vec<usize> = slots.iter().filter(|&&s| s >= 0).map(|&s| s as usize).collect();
+    let unpacked = layout.unpack(&cache_gpu, &used)?;
+    let bf16_cache = poisoned(n, d, &dev)?;
+    let (r, c, s, sl) = (rows.to_device(&dev)?, cos.to_device(&dev)?, sin.to_device(&dev)?, slots_cpu.to_device(&dev)?);
+    match fmt {
+        QatFormat::Fp8Ue8m0B32 => window_insert(&bf16_cache, &r, &c, &s, &sl, true)?,
+        QatFormat::Fp4E4m3B16 => compressed_insert(&bf16_cache, &r, &c, &s, &sl, true)?,
+        QatFormat::Fp4Ue8m0B32 => index_key_insert(&bf16_cache, &r, &weight_gpu, 1e-20, &c, &s, &sl, true)?,
+    }
+    let idx = Tensor::from_vec(used.iter().map(|&u| u as u32).collect::<Vec<_>>(), used.len(), &dev)?;
+    let want = bf16_cache.index_select(&idx, 0)?;
+    assert_same_bits(&unpacked.to_dtype(DType::BF16)?, &want, &format!("{what}: unpacked vs bf16 insert"))?;
+    Ok(())
+}
+
+#[test]
+fn packed_window_rows_format_a() -> Result<()> {
+    check_packed(50, QatFormat::Fp8Ue8m0B32, 512, 32, 5, 77, false)?; // 528 B rows, 32-token pages
+    check_packed(51, QatFormat::Fp8Ue8m0B32, 512, 1, 3, 1, false) // decode, one-token pages
+}
+
+#[test]
+fn packed_compressed_rows_format_b() -> Result<()> {
+    check_packed(52, QatFormat::Fp4E4m3B16, 512, 16, 4, 63, false) // 288 B rows
+}
+
+#[test]
+fn packed_index_rows_format_e() -> Result<()> {
+    check_packed(53, QatFormat::Fp4Ue8m0B32, 128, 64, 3, 150, true)?; // 68 B rows with k_norm
+    check_packed(54, QatFormat::Fp4Ue8m0B32, 128, 4, 2, 7, true)
 }
 
 // ------------------------------------------------------------------------------------ errors

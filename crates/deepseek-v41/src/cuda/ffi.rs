@@ -70,7 +70,37 @@ pub(crate) struct QRopeParams {
     pub _pad: i32,
 }
 
+/// `Dsv41PackedInsertParams`: the insert pipeline storing packed rows in segregated pages.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PackedInsertParams {
+    /// bf16 `[T, D]`, row t at `src + t * src_row_stride`.
+    pub src: *const c_void,
+    /// f32 `[T, R/2]`, contiguous.
+    pub cos: *const f32,
+    /// f32 `[T, R/2]`, contiguous.
+    pub sin: *const f32,
+    /// i64 `[T]`; values outside `[0, num_slots)` skip the token.
+    pub slots: *const i64,
+    /// f32 `[D]` RMSNorm weight, or null.
+    pub norm_weight: *const f32,
+    /// u8 `[pages, page_stride]`: page p holds `page_size` rows of data then their scales.
+    pub cache: *mut u8,
+    pub src_row_stride: i64,
+    pub page_stride: i64,
+    pub num_slots: i64,
+    pub num_tokens: i32,
+    pub head_dim: i32,
+    pub rope_dim: i32,
+    pub quant: i32,
+    pub apply_norm: i32,
+    pub page_size: i32,
+    pub norm_eps: f32,
+    pub norm_inv_dim: f32,
+}
+
 extern "C" {
+    pub(crate) fn dsv41_packed_insert(p: *const PackedInsertParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_window_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_compressed_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void)
         -> i32;

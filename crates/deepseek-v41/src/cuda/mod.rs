@@ -9,6 +9,8 @@
 //! * [`index_key_insert`]: index key `fq_Q3(RoPE(j·r)(k_norm(k_pre)))` (spec §6.2).
 //! * [`q_rope`] / [`q_rope_inplace`]: the query RoPE, with the optional weightless per-head
 //!   RMSNorm of V4.0 (spec §4.2).
+//! * [`packed_insert`] with a [`PackedLayout`]: the same inserts into the packed, paged cache
+//!   formats of spec §7.2 (528 B window rows, 288 B compressed rows, 68 B index rows).
 //!
 //! All of them take the per-token `cos`/`sin` rows (`[T, R/2]` f32) of
 //! [`crate::nn::RopeTable::cos_sin`] rather than positions: a step computes them once for q,
@@ -21,12 +23,15 @@ mod device;
 mod ffi;
 mod index_key_insert;
 mod insert_op;
+mod packed_insert;
 mod q_rope;
+mod row_inputs;
 mod slots;
 mod window_insert;
 
 pub use compressed_insert::compressed_insert;
 pub use index_key_insert::index_key_insert;
+pub use packed_insert::{packed_insert, PackedLayout};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;
 pub use window_insert::window_insert;

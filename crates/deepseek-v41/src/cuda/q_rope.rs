@@ -19,7 +19,7 @@ use half::bf16;
 
 use super::device::{raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
-use super::insert_op::{gather, layout_offsets};
+use super::row_inputs::{gather, layout_offsets, CUDA_HEAD_DIMS};
 use crate::nn::rms_norm::rms_normalize_f32;
 use crate::nn::rope::apply_rope_tail;
 
@@ -73,7 +73,7 @@ fn check(q: &Tensor, cos: &Tensor, sin: &Tensor, op: &str) -> Result<()> {
     if q.stride()[2] != 1 {
         candle_core::bail!("{op}: q's last dim must be contiguous, got strides {:?}", q.stride())
     }
-    if q.device().is_cuda() && ![64, 128, 256, 512].contains(&d) {
+    if q.device().is_cuda() && !CUDA_HEAD_DIMS.contains(&d) {
         candle_core::bail!("{op}: the CUDA kernel supports head_dim 64, 128, 256 or 512, got {d}")
     }
     if t > i32::MAX as usize || q.dim(1)? > i32::MAX as usize {
