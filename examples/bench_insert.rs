@@ -20,7 +20,9 @@ use anyhow::{Context, Result};
 use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaStream};
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
-use deepseek_v41::cuda::{compressed_insert, index_key_insert, q_rope, q_rope_inplace, window_insert};
+use deepseek_v41::cuda::{
+    compressed_insert, index_key_insert, packed_insert, q_rope, q_rope_inplace, window_insert, PackedLayout,
+};
 use deepseek_v41::nn::rms_norm::RmsNorm;
 use deepseek_v41::nn::rope::{apply_rope_tail, RopeKind, RopeTable};
 use deepseek_v41::quant::QatFormat;
@@ -66,7 +68,8 @@ impl Bench {
         // Calibrate the number of calls per repetition.
         let probe = self.span(3, &mut f)?;
         let iters = ((self.args.rep_ms / probe.max(1e-4)) as usize).clamp(3, 5000);
-        let mut samples: Vec<f64> = (0..self.args.reps.max(1)).map(|_| self.span(iters, &mut f)).collect::<Result<_>>()?;
+        let mut samples: Vec<f64> =
+            (0..self.args.reps.max(1)).map(|_| self.span(iters, &mut f)).collect::<Result<_>>()?;
         samples.sort_by(|a, b| a.total_cmp(b));
         Ok(samples[samples.len() / 2])
     }
@@ -81,7 +84,14 @@ impl Bench {
     }
 
     /// Times the fused op and (unless disabled) the baseline, prints one table row.
-    fn row(&self, op: &str, case: &str, bytes: f64, fused: impl FnMut() -> Result<()>, base: Option<&mut dyn FnMut() -> Result<()>>) -> Result<()> {
+    fn row(
+        &self,
+        op: &str,
+        case: &str,
+        bytes: f64,
+        fused: impl FnMut() -> Result<()>,
+        base: Option<&mut dyn FnMut() -> Result<()>>,
+    ) -> Result<()> {
         let t = self.time(fused)?;
         let gbps = bytes / (t * 1e-3) / 1e9;
         let base = match base {
@@ -91,12 +101,7 @@ impl Bench {
             },
             _ => String::new(),
         };
-        println!(
-            "{op:<22} {case:<16} {:>10.2} {:>9.1} {:>7.1}% {base}",
-            t * 1e3,
-            gbps,
-            100.0 * gbps / HBM_GBPS
-        );
+        println!("{op:<22} {case:<16} {:>10.2} {:>9.1} {:>7.1}% {base}", t * 1e3, gbps, 100.0 * gbps / HBM_GBPS);
         Ok(())
     }
 }
@@ -135,7 +140,9 @@ fn candle_fake_quant(x: &Tensor, fmt: QatFormat) -> Result<Tensor> {
     let (s, max) = match fmt {
         QatFormat::Fp8Ue8m0B32 => (pow2_ceil(&(amax.maximum(1e-4)? / 448.0)?)?, 448.0),
         QatFormat::Fp4Ue8m0B32 => (pow2_ceil(&(amax.maximum(6.0 * 2f64.powi(-126))? / 6.0)?)?, 6.0),
-        QatFormat::Fp4E4m3B16 => (round_grid(&(amax.maximum(6.0 * 2f64.powi(-9))? / 6.0)?, 3, -6.0)?.minimum(448.0)?, 6.0),
+        QatFormat::Fp4E4m3B16 => {
+            (round_grid(&(amax.maximum(6.0 * 2f64.powi(-9))? / 6.0)?, 3, -6.0)?.minimum(448.0)?, 6.0)
+        }
     };
     let y = x.broadcast_div(&s)?.clamp(-max, max)?;
     let q = if fmt.is_fp4() { round_grid(&y, 1, 0.0)? } else { round_grid(&y, 3, -6.0)? };
@@ -143,7 +150,15 @@ fn candle_fake_quant(x: &Tensor, fmt: QatFormat) -> Result<Tensor> {
 }
 
 /// Baseline insert: [norm] -> RoPE -> fake quant -> scatter_set into the cache.
-fn candle_insert(cache: &Tensor, rows: &Tensor, cos: &Tensor, sin: &Tensor, index: &Tensor, fmt: QatFormat, norm: Option<&RmsNorm>) -> Result<()> {
+fn candle_insert(
+    cache: &Tensor,
+    rows: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    index: &Tensor,
+    fmt: QatFormat,
+    norm: Option<&RmsNorm>,
+) -> Result<()> {
     let x = match norm {
         Some(n) => n.forward(rows)?,
         None => rows.clone(),
@@ -181,7 +196,10 @@ fn main() -> Result<()> {
     )?;
 
     println!("V4.1-Flash shapes: H={HEADS} D={HEAD_DIM} R={ROPE_DIM} W={WINDOW} D_I={INDEX_DIM}; HBM ceiling {HBM_GBPS} GB/s");
-    println!("{:<22} {:<16} {:>10} {:>9} {:>8} {:>11} {:>9}", "op", "case", "fused us", "GB/s", "of HBM", "candle us", "speed-up");
+    println!(
+        "{:<22} {:<16} {:>10} {:>9} {:>8} {:>11} {:>9}",
+        "op", "case", "fused us", "GB/s", "of HBM", "candle us", "speed-up"
+    );
 
     let decode: Vec<usize> = vec![1, 2, 4, 8, 16, 32, 64, 128, 256];
     let prefill: Vec<usize> = [1024, 4096, 16384, 65536].into_iter().filter(|&t| t <= bench.args.max_prefill).collect();
@@ -209,7 +227,24 @@ fn main() -> Result<()> {
         let index = scatter_index(&slots, d, &dev)?;
         let bytes = (n * (4 * d + 4 * ROPE_DIM + 8)) as f64;
         let mut base = || candle_insert(&cache, &kv, &cos, &sin, &index, QatFormat::Fp8Ue8m0B32, None);
-        bench.row("window_insert Q1", case, bytes, || Ok(window_insert(&cache, &kv, &cos, &sin, &slots_t, true)?), Some(&mut base))?;
+        bench.row(
+            "window_insert Q1",
+            case,
+            bytes,
+            || Ok(window_insert(&cache, &kv, &cos, &sin, &slots_t, true)?),
+            Some(&mut base),
+        )?;
+        // The same rows into the packed format A (528 B per row, 64-token pages).
+        let layout = PackedLayout::new(QatFormat::Fp8Ue8m0B32, d, 64)?;
+        let packed = layout.zeros(rows.div_ceil(64), &dev)?;
+        let bytes = (n * (2 * d + layout.row_bytes() + 4 * ROPE_DIM + 8)) as f64;
+        bench.row(
+            "window_insert packed A",
+            case,
+            bytes,
+            || Ok(packed_insert(&packed, &layout, &kv, &cos, &sin, &slots_t, None)?),
+            None,
+        )?;
     }
 
     // ---- q RoPE in place (64 heads x 512): decode B tokens / prefill T tokens.
@@ -225,10 +260,16 @@ fn main() -> Result<()> {
         };
         bench.row("q_rope in place", case, bytes, || Ok(q_rope_inplace(&q, &cos, &sin, None)?), Some(&mut base))?;
         let bytes_oop = (n * (HEADS * HEAD_DIM * 4 + ROPE_DIM * 4)) as f64;
-        bench.row("q_rope out of place", case, bytes_oop, || {
-            q_rope(&q, &cos, &sin, None)?;
-            Ok(())
-        }, None)?;
+        bench.row(
+            "q_rope out of place",
+            case,
+            bytes_oop,
+            || {
+                q_rope(&q, &cos, &sin, None)?;
+                Ok(())
+            },
+            None,
+        )?;
     }
 
     // ---- compressed_insert (Q2) and index_key_insert (Q3): decode = B closing groups of B
@@ -252,16 +293,26 @@ fn main() -> Result<()> {
         let index = scatter_index(&slots, HEAD_DIM, &dev)?;
         let bytes = (g * (4 * HEAD_DIM + 4 * ROPE_DIM + 8)) as f64;
         let mut base = || candle_insert(&cache, &latent, &cos, &sin, &index, QatFormat::Fp4E4m3B16, None);
-        bench.row("compressed_insert Q2", case, bytes, || Ok(compressed_insert(&cache, &latent, &cos, &sin, &slots_t, true)?), Some(&mut base))?;
+        bench.row(
+            "compressed_insert Q2",
+            case,
+            bytes,
+            || Ok(compressed_insert(&cache, &latent, &cos, &sin, &slots_t, true)?),
+            Some(&mut base),
+        )?;
 
         let kcache = Tensor::zeros((rows, INDEX_DIM), DType::BF16, &dev)?;
         let k_pre = random_bf16(&[g, INDEX_DIM], &dev)?;
         let kindex = scatter_index(&slots, INDEX_DIM, &dev)?;
         let bytes = (g * (4 * INDEX_DIM + 4 * ROPE_DIM + 8)) as f64;
         let mut base = || candle_insert(&kcache, &k_pre, &cos, &sin, &kindex, QatFormat::Fp4Ue8m0B32, Some(&k_norm));
-        bench.row("index_key_insert Q3", case, bytes, || {
-            Ok(index_key_insert(&kcache, &k_pre, &k_weight, 1e-20, &cos, &sin, &slots_t, true)?)
-        }, Some(&mut base))?;
+        bench.row(
+            "index_key_insert Q3",
+            case,
+            bytes,
+            || Ok(index_key_insert(&kcache, &k_pre, &k_weight, 1e-20, &cos, &sin, &slots_t, true)?),
+            Some(&mut base),
+        )?;
     }
     Ok(())
 }

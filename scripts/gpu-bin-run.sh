@@ -50,6 +50,9 @@ done
 if [[ -z "$SAN" ]] && ls "$HERE"/nvidia_cuda_sanitizer_api-*.whl >/dev/null 2>&1 && command -v python3 >/dev/null; then
     python3 -m zipfile -e "$HERE"/nvidia_cuda_sanitizer_api-*.whl "$WORK/sanitizer" \
         && chmod +x "$WORK/sanitizer/nvidia/cu13/bin/compute-sanitizer" \
+        && for f in "$WORK/sanitizer/nvidia/cu13/lib/"*.so; do
+               [[ -e "$WORK/sanitizer/nvidia/cu13/bin/$(basename "$f")" ]] || cp "$f" "$WORK/sanitizer/nvidia/cu13/bin/"
+           done \
         && SAN="$WORK/sanitizer/nvidia/cu13/bin/compute-sanitizer"
 fi
 MEM_RC=0

@@ -187,7 +187,14 @@ fn check_window(seed: u64, d: usize, rope_dim: usize, window: usize, seqs: &[(us
     let cache_cpu = poisoned(slots_n, d, &Device::Cpu)?;
     window_insert(&cache_cpu, &kv, &cos, &sin, &slots_cpu, fq)?;
     let cache_gpu = poisoned(slots_n, d, &dev)?;
-    window_insert(&cache_gpu, &kv.to_device(&dev)?, &cos.to_device(&dev)?, &sin.to_device(&dev)?, &slots_cpu.to_device(&dev)?, fq)?;
+    window_insert(
+        &cache_gpu,
+        &kv.to_device(&dev)?,
+        &cos.to_device(&dev)?,
+        &sin.to_device(&dev)?,
+        &slots_cpu.to_device(&dev)?,
+        fq,
+    )?;
 
     let what = format!("window_insert d={d} r={rope_dim} W={window} seqs={seqs:?} fq={fq}");
     assert_same_bits(&cache_gpu, &cache_cpu, &what)?;
@@ -253,7 +260,14 @@ fn window_insert_skips_padding_and_out_of_range_slots() -> Result<()> {
     let cache_cpu = poisoned(s, d, &Device::Cpu)?;
     window_insert(&cache_cpu, &kv, &cos, &sin, &slots_cpu, true)?;
     let cache_gpu = poisoned(s, d, &dev)?;
-    window_insert(&cache_gpu, &kv.to_device(&dev)?, &cos.to_device(&dev)?, &sin.to_device(&dev)?, &slots_cpu.to_device(&dev)?, true)?;
+    window_insert(
+        &cache_gpu,
+        &kv.to_device(&dev)?,
+        &cos.to_device(&dev)?,
+        &sin.to_device(&dev)?,
+        &slots_cpu.to_device(&dev)?,
+        true,
+    )?;
     assert_same_bits(&cache_gpu, &cache_cpu, "window_insert with skipped slots")?;
     let (all_nan, none_nan) = nan_rows(&cache_gpu)?;
     ensure!(none_nan == vec![0, 2, 7], "written rows {none_nan:?}");
@@ -311,6 +325,7 @@ fn check_compressed(seed: u64, d: usize, ratio: usize, entries_per_seq: usize, s
         }
     }
     let g = pos.len();
+    ensure!(pos.iter().all(|&p| p / ratio < entries_per_seq), "test setup: entries overflow a sequence's rows");
     let latent = random_rows(&mut rng, g, d, &Device::Cpu)?;
     let (cos, sin) = cos_sin(&yarn_table(64)?, &pos)?;
     let slots_cpu = i64_tensor(&slots, &Device::Cpu)?;
@@ -320,7 +335,14 @@ fn check_compressed(seed: u64, d: usize, ratio: usize, entries_per_seq: usize, s
         let cache_cpu = poisoned(n, d, &Device::Cpu)?;
         compressed_insert(&cache_cpu, &latent, &cos, &sin, &slots_cpu, fq)?;
         let cache_gpu = poisoned(n, d, &dev)?;
-        compressed_insert(&cache_gpu, &latent.to_device(&dev)?, &cos.to_device(&dev)?, &sin.to_device(&dev)?, &slots_cpu.to_device(&dev)?, fq)?;
+        compressed_insert(
+            &cache_gpu,
+            &latent.to_device(&dev)?,
+            &cos.to_device(&dev)?,
+            &sin.to_device(&dev)?,
+            &slots_cpu.to_device(&dev)?,
+            fq,
+        )?;
         assert_same_bits(&cache_gpu, &cache_cpu, &format!("{what} fq={fq}"))?;
         let (all_nan, none_nan) = nan_rows(&cache_gpu)?;
         ensure!(none_nan.len() == g && all_nan.len() == n - g, "{what}: written rows {none_nan:?}");
@@ -340,7 +362,7 @@ fn compressed_insert_ratio_2_group_boundaries() -> Result<()> {
 
 #[test]
 fn compressed_insert_ratio_1_and_tiny() -> Result<()> {
-    check_compressed(21, 512, 1, 40, &[(0, 1), (3, 17), (100, 40)])?;
+    check_compressed(21, 512, 1, 160, &[(0, 1), (3, 17), (100, 40)])?;
     check_compressed(22, 128, 2, 16, &[(0, 7), (2, 30)])
 }
 

@@ -9,7 +9,7 @@ use crate::nn::rope::{apply_rope_tail, RopeKind, RopeTable};
 use crate::quant::{fake_quant, QatFormat};
 
 fn rows(t: usize, d: usize, seed: f32) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t * d).map(|i| ((i as f32 * 0.37 + seed).sin() * 3.0)).collect();
+    let v: Vec<f32> = (0..t * d).map(|i| (i as f32 * 0.37 + seed).sin() * 3.0).collect();
     Tensor::from_vec(v, (t, d), &Device::Cpu)?.to_dtype(DType::BF16)
 }
 

@@ -94,11 +94,15 @@ pub(crate) fn insert_rows(
 ) -> Result<()> {
     let op = kind.name();
     if cache.dtype() != DType::BF16 || cache.rank() != 2 {
-        candle_core::bail!("{op}: cache must be [num_slots, head_dim] bf16, got {:?} {:?}", cache.dtype(), cache.shape())
+        candle_core::bail!(
+            "{op}: cache must be [num_slots, head_dim] bf16, got {:?} {:?}",
+            cache.dtype(),
+            cache.shape()
+        )
     }
     let (num_slots, d) = cache.dims2()?;
     let block = kind.format().block();
-    if fake_quant && d % block != 0 {
+    if fake_quant && !d.is_multiple_of(block) {
         candle_core::bail!("{op}: head_dim {d} is not a multiple of the {} block {block}", kind.format())
     }
     let (inputs, rows) = RowInputs::check(op, d, cache.device(), rows, cos, sin, slots, norm)?;
@@ -108,7 +112,7 @@ pub(crate) fn insert_rows(
     }
     if cache.device().is_cuda() {
         let (v, off) = (vector_elems(d), cache.layout().start_offset());
-        if off % v != 0 || cs[0] % v != 0 {
+        if !off.is_multiple_of(v) || !cs[0].is_multiple_of(v) {
             candle_core::bail!("{op}: cache view (offset {off}, row stride {}) is not aligned to {v} elements", cs[0])
         }
     }

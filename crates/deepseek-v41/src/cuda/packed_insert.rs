@@ -34,11 +34,15 @@ impl PackedLayout {
     /// format's block, and pages a multiple of 16 bytes (e.g. any page size for 528 B / 288 B
     /// rows, a multiple of 4 tokens for 68 B rows).
     pub fn new(format: QatFormat, head_dim: usize, page_size: usize) -> Result<Self> {
-        if head_dim == 0 || head_dim % format.block() != 0 || (format.is_fp4() && head_dim % 2 != 0) {
-            candle_core::bail!("PackedLayout: head_dim {head_dim} is not a multiple of the {format} block {}", format.block())
+        if head_dim == 0 || !head_dim.is_multiple_of(format.block()) || (format.is_fp4() && !head_dim.is_multiple_of(2))
+        {
+            candle_core::bail!(
+                "PackedLayout: head_dim {head_dim} is not a multiple of the {format} block {}",
+                format.block()
+            )
         }
         let layout = Self { format, head_dim, page_size };
-        if page_size == 0 || layout.page_bytes() % 16 != 0 {
+        if page_size == 0 || !layout.page_bytes().is_multiple_of(16) {
             candle_core::bail!(
                 "PackedLayout: {page_size} tokens of {} B make a page of {} B, not a positive multiple of 16",
                 layout.row_bytes(),
@@ -96,7 +100,10 @@ impl PackedLayout {
     fn offsets(&self, slot: usize) -> (usize, usize) {
         let (page, row) = (slot / self.page_size, slot % self.page_size);
         let base = page * self.page_bytes();
-        (base + row * self.row_data_bytes(), base + self.page_size * self.row_data_bytes() + row * self.row_scale_bytes())
+        (
+            base + row * self.row_data_bytes(),
+            base + self.page_size * self.row_data_bytes() + row * self.row_scale_bytes(),
+        )
     }
 
     /// Dequantizes the rows at `slots` of a packed cache (`[pages, page_bytes]` u8, any device)
@@ -108,7 +115,10 @@ impl PackedLayout {
         let mut out = Vec::with_capacity(slots.len() * self.head_dim);
         for &s in slots {
             if s >= pages * self.page_size {
-                candle_core::bail!("PackedLayout::unpack: slot {s} outside the {pages} pages of {} tokens", self.page_size)
+                candle_core::bail!(
+                    "PackedLayout::unpack: slot {s} outside the {pages} pages of {} tokens",
+                    self.page_size
+                )
             }
             let (d, sc) = self.offsets(s);
             out.extend(unpack_row(
@@ -121,7 +131,11 @@ impl PackedLayout {
     }
 
     fn check_cache(&self, cache: &Tensor, op: &str) -> Result<usize> {
-        if cache.dtype() != DType::U8 || cache.rank() != 2 || cache.dim(1)? != self.page_bytes() || !cache.is_contiguous() {
+        if cache.dtype() != DType::U8
+            || cache.rank() != 2
+            || cache.dim(1)? != self.page_bytes()
+            || !cache.is_contiguous()
+        {
             candle_core::bail!(
                 "{op}: cache must be a contiguous [pages, {}] u8 tensor for {self:?}, got {:?} {:?}",
                 self.page_bytes(),
@@ -157,7 +171,7 @@ pub fn packed_insert(
     let op = "packed_insert";
     let num_slots = layout.check_cache(cache, op)?;
     let (inputs, rows) = RowInputs::check(op, layout.head_dim, cache.device(), rows, cos, sin, slots, norm)?;
-    if cache.device().is_cuda() && cache.layout().start_offset() % 16 != 0 {
+    if cache.device().is_cuda() && !cache.layout().start_offset().is_multiple_of(16) {
         candle_core::bail!("{op}: the cache view must start on a 16-byte boundary")
     }
     if rows.dim(0)? == 0 {
@@ -224,8 +238,9 @@ impl InplaceOp2 for PackedInsert {
         // SAFETY: pointers come from storages locked for this call (the cache with its write
         // lock); the cache is a contiguous [pages, page_bytes] u8 view starting 16-byte aligned
         // (checked), and the kernel writes only the bytes of slots [0, num_slots).
-        let code =
-            unsafe { ffi::dsv41_packed_insert(&params, std::mem::size_of::<ffi::PackedInsertParams>(), raw_stream(&stream)) };
+        let code = unsafe {
+            ffi::dsv41_packed_insert(&params, std::mem::size_of::<ffi::PackedInsertParams>(), raw_stream(&stream))
+        };
         ffi::check_status("packed_insert", code)
     }
 }

@@ -12,9 +12,7 @@
 //! storage; `cos`/`sin` are f32 and cannot alias the bf16 `q`); every element the kernel writes
 //! is an element of the `q` view.
 
-use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Result, Shape, Tensor,
-};
+use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 use super::device::{raw_stream, read_ptr, stream_for, write_ptr};
@@ -86,7 +84,7 @@ fn check(q: &Tensor, cos: &Tensor, sin: &Tensor, op: &str) -> Result<()> {
 fn aligned_rows(q: &Tensor) -> bool {
     let v = (q.dim(2).unwrap_or(0) / 32).clamp(1, 8);
     let s = q.stride();
-    s[2] == 1 && q.layout().start_offset() % v == 0 && s[0] % v == 0 && s[1] % v == 0
+    s[2] == 1 && q.layout().start_offset().is_multiple_of(v) && s[0].is_multiple_of(v) && s[1].is_multiple_of(v)
 }
 
 /// The op: `norm_eps` selects the optional weightless RMSNorm.

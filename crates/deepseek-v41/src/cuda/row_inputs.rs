@@ -44,6 +44,7 @@ impl RowInputs {
     /// Checks `rows` (`[T, d]` bf16) and the per-token inputs against `device`, and returns the
     /// inputs together with the rows, re-laid out if the CUDA kernels cannot read them as they
     /// are (rows must be dense and vector-aligned there). Errors name `op` and the argument.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn check(
         op: &str,
         d: usize,
@@ -98,9 +99,9 @@ impl RowInputs {
             }
             let v = vector_elems(d);
             let rs = rows.stride();
-            if rs[1] != 1 || rows.layout().start_offset() % v != 0 || rs[0] % v != 0 || rs[0] < d {
+            if rs[1] != 1 || !rows.layout().start_offset().is_multiple_of(v) || !rs[0].is_multiple_of(v) || rs[0] < d {
                 rows = rows.contiguous()?;
-                if rows.layout().start_offset() % v != 0 {
+                if !rows.layout().start_offset().is_multiple_of(v) {
                     rows = rows.copy()?;
                 }
             }
