@@ -11,6 +11,7 @@
 //!   the attention layer with its caller-owned cache.
 //! * [`model`]: mHC hyper-connections, MoE, Engram and the whole decoder.
 //! * [`loader`]: a `VarBuilder` backend over the release checkpoint format (FP8 / MXFP4).
+//! * `cuda` (feature `cuda`): fused CUDA kernels for the cache inserts and the query RoPE.
 //! * [`golden`]: the checker for golden sets produced by the official reference code.
 //! * [`tokenizer`]: `tokenizer.json` loading, chat / thinking prompts, streaming decoding and the
 //!   Engram compressed token map.
@@ -20,6 +21,8 @@
 
 pub mod attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod generation;
 pub mod golden;
 #[cfg(feature = "hub")]

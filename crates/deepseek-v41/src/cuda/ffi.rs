@@ -1,0 +1,130 @@
+//! The C ABI of the kernels in the repository's `kernels/` folder: `#[repr(C)]` mirrors of the
+//! parameter blocks of `kernels/include/dsv41_params.h` and the launcher declarations.
+//!
+//! Field order and types must match the header exactly; every launcher also receives
+//! `size_of` of the struct and refuses a mismatch (`DSV41_ERR_PARAMS_SIZE`).
+
+use std::ffi::{c_char, c_void, CStr};
+
+/// `enum Dsv41Quant`.
+pub(crate) const QUANT_NONE: i32 = 0;
+/// Q1, fp8 e4m3 with UE8M0 scales, block 32.
+pub(crate) const QUANT_FP8_UE8M0_B32: i32 = 1;
+/// Q2, fp4 e2m1 with e4m3 scales, block 16.
+pub(crate) const QUANT_FP4_E4M3_B16: i32 = 2;
+/// Q3, fp4 e2m1 with UE8M0 scales, block 32.
+pub(crate) const QUANT_FP4_UE8M0_B32: i32 = 3;
+
+/// `Dsv41RowInsertParams`: one row per token, `[norm] -> RoPE -> [fake quant] -> cache[slot]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowInsertParams {
+    /// bf16 `[T, D]`, row t at `src + t * src_row_stride`.
+    pub src: *const c_void,
+    /// f32 `[T, R/2]`, contiguous.
+    pub cos: *const f32,
+    /// f32 `[T, R/2]`, contiguous.
+    pub sin: *const f32,
+    /// i64 `[T]`; values outside `[0, num_slots)` skip the token.
+    pub slots: *const i64,
+    /// f32 `[D]` RMSNorm weight, or null.
+    pub norm_weight: *const f32,
+    /// bf16 `[S, D]`, row s at `cache + s * cache_row_stride`.
+    pub cache: *mut c_void,
+    pub src_row_stride: i64,
+    pub cache_row_stride: i64,
+    pub num_slots: i64,
+    pub num_tokens: i32,
+    pub head_dim: i32,
+    pub rope_dim: i32,
+    pub quant: i32,
+    pub apply_norm: i32,
+    pub norm_eps: f32,
+    pub norm_inv_dim: f32,
+    pub _pad: i32,
+}
+
+/// `Dsv41QRopeParams`: RoPE of the last R dims of every head of `q [T, H, D]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QRopeParams {
+    /// bf16 `[T, H, D]`, element (t, h, d) at `q + t * q_token_stride + h * q_head_stride + d`.
+    pub q: *const c_void,
+    /// bf16 `[T, H, D]` output (may equal `q` with equal strides: in place).
+    pub out: *mut c_void,
+    /// f32 `[T, R/2]`, contiguous.
+    pub cos: *const f32,
+    /// f32 `[T, R/2]`, contiguous.
+    pub sin: *const f32,
+    pub q_token_stride: i64,
+    pub q_head_stride: i64,
+    pub out_token_stride: i64,
+    pub out_head_stride: i64,
+    pub num_tokens: i32,
+    pub num_heads: i32,
+    pub head_dim: i32,
+    pub rope_dim: i32,
+    pub apply_norm: i32,
+    pub norm_eps: f32,
+    pub norm_inv_dim: f32,
+    pub _pad: i32,
+}
+
+/// `Dsv41PackedInsertParams`: the insert pipeline storing packed rows in segregated pages.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PackedInsertParams {
+    /// bf16 `[T, D]`, row t at `src + t * src_row_stride`.
+    pub src: *const c_void,
+    /// f32 `[T, R/2]`, contiguous.
+    pub cos: *const f32,
+    /// f32 `[T, R/2]`, contiguous.
+    pub sin: *const f32,
+    /// i64 `[T]`; values outside `[0, num_slots)` skip the token.
+    pub slots: *const i64,
+    /// f32 `[D]` RMSNorm weight, or null.
+    pub norm_weight: *const f32,
+    /// u8 `[pages, page_stride]`: page p holds `page_size` rows of data then their scales.
+    pub cache: *mut u8,
+    pub src_row_stride: i64,
+    pub page_stride: i64,
+    pub num_slots: i64,
+    pub num_tokens: i32,
+    pub head_dim: i32,
+    pub rope_dim: i32,
+    pub quant: i32,
+    pub apply_norm: i32,
+    pub page_size: i32,
+    pub norm_eps: f32,
+    pub norm_inv_dim: f32,
+}
+
+extern "C" {
+    pub(crate) fn dsv41_packed_insert(p: *const PackedInsertParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_window_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_compressed_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_index_key_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_q_rope(p: *const QRopeParams, params_size: usize, stream: *mut c_void) -> i32;
+    fn dsv41_cuda_error_string(code: i32) -> *const c_char;
+}
+
+/// Turns a launcher's return code into a `Result`, naming the operation.
+pub(crate) fn check_status(op: &str, code: i32) -> candle_core::Result<()> {
+    let why = match code {
+        0 => return Ok(()),
+        -1 => "parameter block size mismatch between Rust and C (rebuild the kernels)".to_string(),
+        -2 => "head_dim must be 64, 128, 256 or 512".to_string(),
+        -3 => "rope_dim must be even, > 0 and <= head_dim".to_string(),
+        -4 => "quantization format (or norm) not supported by this kernel".to_string(),
+        -5 => "a row pointer or row stride is not aligned for vector access".to_string(),
+        -6 => "a required device pointer is null".to_string(),
+        -7 => "a count or stride is out of range".to_string(),
+        c if c > 0 => {
+            // SAFETY: the launcher library returns a pointer to a static NUL-terminated string.
+            let s = unsafe { CStr::from_ptr(dsv41_cuda_error_string(c)) };
+            format!("CUDA error {c}: {}", s.to_string_lossy())
+        }
+        c => format!("unknown status {c}"),
+    };
+    candle_core::bail!("{op}: kernel launch failed: {why}")
+}

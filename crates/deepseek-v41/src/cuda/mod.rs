@@ -1,0 +1,40 @@
+//! CUDA kernels of the attention caches (compiled only with the `cuda` feature), bound as
+//! Candle ops. Each op has a CUDA path (one fused kernel from the repository's `kernels/`
+//! folder, built by `build.rs`) and a CPU path that is the reference: the crate's own
+//! [`crate::nn::rope`], [`crate::nn::rms_norm`] and [`crate::quant::fake_quant`] functions. The
+//! CUDA kernels match the CPU path bit for bit (`tests/cuda_insert.rs`).
+//!
+//! * [`window_insert`]: window KV row `fq_Q1(RoPE(p)(kv))` into a row cache (spec §4.3).
+//! * [`compressed_insert`]: compressed entry `fq_Q2(RoPE(j·r)(latent))` (spec §4.4).
+//! * [`index_key_insert`]: index key `fq_Q3(RoPE(j·r)(k_norm(k_pre)))` (spec §6.2).
+//! * [`q_rope`] / [`q_rope_inplace`]: the query RoPE, with the optional weightless per-head
+//!   RMSNorm of V4.0 (spec §4.2).
+//! * [`packed_insert`] with a [`PackedLayout`]: the same inserts into the packed, paged cache
+//!   formats of spec §7.2 (528 B window rows, 288 B compressed rows, 68 B index rows).
+//!
+//! All of them take the per-token `cos`/`sin` rows (`[T, R/2]` f32) of
+//! [`crate::nn::RopeTable::cos_sin`] rather than positions: a step computes them once for q,
+//! kv and every layer of the same frequency set, and the kernels need no trigonometry, which
+//! keeps them bit-exact with the CPU. Cache rows are addressed by per-token `slots` (`[T]` i64),
+//! so one call serves many sequences (ring slots, paged slots, ...).
+
+mod compressed_insert;
+mod device;
+mod ffi;
+mod index_key_insert;
+mod insert_op;
+mod packed_insert;
+mod q_rope;
+mod row_inputs;
+mod slots;
+mod window_insert;
+
+pub use compressed_insert::compressed_insert;
+pub use index_key_insert::index_key_insert;
+pub use packed_insert::{packed_insert, PackedLayout};
+pub use q_rope::{q_rope, q_rope_inplace};
+pub use slots::keep_last_writer;
+pub use window_insert::window_insert;
+
+#[cfg(test)]
+mod cpu_tests;

@@ -1,0 +1,46 @@
+// compressed_insert: the compressed KV entries of a kv-source layer (spec §4.4 step 3, §5.4):
+//
+//   c_j = fq_Q2( RoPE(j*r)(latent_j) )  ->  cache[slot_j]
+//
+// for the G group-closing tokens of a call (any number of sequences). The latent is the
+// compressor's RMSNorm'ed, pre-RoPE bf16 output [G, D]; the cos/sin rows are those of the
+// group's FIRST position j*r (spec §2.2), prepared on the host side by the crate's RopeTable.
+//
+// Design: identical to window_insert (one warp per entry, registers only, dsv41_row.cuh); only
+// the quantizer differs.
+//
+// Numerics (Q2, quant::fake_quant::QatFormat::Fp4E4m3B16): RoPE in f32 rounded to bf16; per
+// block of 16: amax floored to 6*2^-9, s = min(e4m3_rne(amax/6), 448) with an IEEE division,
+// q = e2m1 (ties to the even code) of clamp(x/s, +-6), value q*s, exact in bf16; negative values
+// rounding to zero give -0.0.
+#include "include/dsv41_row.cuh"
+
+namespace dsv41 {
+
+// grid.x = ceil(G / 4), block = 128 threads (4 warps, one entry each).
+// Q = Quant::None stores the RoPE'd rows unquantized (reference numerics with QAT off).
+template <int D, Quant Q>
+__global__ void __launch_bounds__(kThreadsPerBlock) compressed_insert_kernel(const Dsv41RowInsertParams p) {
+    const int t = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+    if (t >= p.num_tokens) return;
+    insert_row<D, Q, Norm::None>(p, t, threadIdx.x % 32, nullptr);
+}
+
+}  // namespace dsv41
+
+// ------------------------------------------------------------------------------------ launcher
+
+extern "C" int dsv41_compressed_insert(const Dsv41RowInsertParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    int status = check_insert_params(p, params_size);
+    if (status != DSV41_OK || p->num_tokens == 0) return status;
+    if ((p->quant != DSV41_QUANT_FP4_E4M3_B16 && p->quant != DSV41_QUANT_NONE) || p->apply_norm) return DSV41_ERR_QUANT;
+    const dim3 grid(blocks_for_rows(p->num_tokens));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    return with_head_dim(p->head_dim, [&](auto d) -> int {
+        constexpr int D = decltype(d)::value;
+        if (p->quant == DSV41_QUANT_NONE) compressed_insert_kernel<D, Quant::None><<<grid, kThreadsPerBlock, 0, s>>>(*p);
+        else compressed_insert_kernel<D, Quant::Fp4E4m3B16><<<grid, kThreadsPerBlock, 0, s>>>(*p);
+        return static_cast<int>(cudaGetLastError());
+    });
+}

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Builds the CUDA test and benchmark binaries (release, feature `cuda`) and packs them for a
+# GPU machine without Rust into gpu-bin/ (gitignored): stripped + xz-compressed binaries,
+# SHA256SUMS of the unpacked binaries, run.sh (scripts/gpu-bin-run.sh) and, when available, the
+# compute-sanitizer wheel (pip download, cached in .cuda/wheels) for the memcheck run.
+#
+#   scripts/pack-gpu-bin.sh          # then copy gpu-bin/ to the GPU machine: bash gpu-bin/run.sh
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+source scripts/cuda-env.sh
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-2}"
+NICE="nice -n 19"
+
+# Build and collect the executables' paths from cargo's JSON messages.
+msgs="$(mktemp)"
+$NICE cargo test --release --features cuda --test cuda_insert --no-run --message-format=json > "$msgs"
+$NICE cargo build --release --features cuda --example bench_insert --message-format=json >> "$msgs"
+exe_of() {
+    python3 - "$msgs" "$1" <<'PY'
+import json, sys
+path, name = sys.argv[1], sys.argv[2]
+found = None
+for line in open(path):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == name and m.get("executable"):
+        found = m["executable"]
+print(found or "")
+PY
+}
+TEST_EXE="$(exe_of cuda_insert)"
+BENCH_EXE="$(exe_of bench_insert)"
+rm -f "$msgs"
+[[ -x "$TEST_EXE" && -x "$BENCH_EXE" ]] || { echo "pack-gpu-bin: executables not found" >&2; exit 1; }
+
+mkdir -p gpu-bin
+rm -f gpu-bin/*.xz gpu-bin/SHA256SUMS
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+cp "$TEST_EXE" "$tmp/cuda_insert"
+cp "$BENCH_EXE" "$tmp/bench_insert"
+strip "$tmp/cuda_insert" "$tmp/bench_insert"
+(cd "$tmp" && sha256sum cuda_insert bench_insert) > gpu-bin/SHA256SUMS
+for b in cuda_insert bench_insert; do
+    $NICE xz -T2 -6 -c "$tmp/$b" > "gpu-bin/$b.xz"
+done
+cp scripts/gpu-bin-run.sh gpu-bin/run.sh
+chmod +x gpu-bin/run.sh
+
+# compute-sanitizer for memcheck (the GPU image may not have one).
+WHEEL_REQ="nvidia-cuda-sanitizer-api==13.0.85"
+mkdir -p .cuda/wheels
+if ! ls .cuda/wheels/nvidia_cuda_sanitizer_api-13.0.85-*.whl >/dev/null 2>&1; then
+    python3 -m pip download --no-deps --quiet --disable-pip-version-check -d .cuda/wheels "$WHEEL_REQ" \
+        || echo "pack-gpu-bin: could not download $WHEEL_REQ; run.sh will look for a system compute-sanitizer"
+fi
+rm -f gpu-bin/nvidia_cuda_sanitizer_api-*.whl
+cp .cuda/wheels/nvidia_cuda_sanitizer_api-13.0.85-*.whl gpu-bin/ 2>/dev/null || true
+(cd gpu-bin && sha256sum ./*.xz ./*.whl 2>/dev/null) > gpu-bin/SHA256SUMS.packed || true
+ls -la gpu-bin
+cat gpu-bin/SHA256SUMS
