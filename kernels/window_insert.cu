@@ -50,8 +50,3 @@ extern "C" int dsv41_window_insert(const Dsv41RowInsertParams* p, size_t params_
         return static_cast<int>(cudaGetLastError());
     });
 }
-
-extern "C" const char* dsv41_cuda_error_string(int code) {
-    const char* s = cudaGetErrorString(static_cast<cudaError_t>(code));
-    return s ? s : "unknown CUDA error";
-}

@@ -26,7 +26,7 @@ use half::bf16;
 
 use super::device::{raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
-use super::row_inputs::{cpu_rows, vector_elems, RowInputs};
+use super::row_inputs::{cpu_rows, row_stride, vector_elems, RowInputs};
 use crate::quant::fake_quant::QatFormat;
 
 /// Which of the three cache inserts an op performs.
@@ -100,20 +100,20 @@ pub(crate) fn insert_rows(
             cache.shape()
         )
     }
-    let (num_slots, d) = cache.dims2()?;
+    let d = cache.dim(1)?;
     let block = kind.format().block();
     if fake_quant && !d.is_multiple_of(block) {
         candle_core::bail!("{op}: head_dim {d} is not a multiple of the {} block {block}", kind.format())
     }
     let (inputs, rows) = RowInputs::check(op, d, cache.device(), rows, cos, sin, slots, norm)?;
-    let cs = cache.stride();
-    if cs[1] != 1 || (num_slots > 1 && cs[0] < d) {
+    let (cs, stride) = (cache.stride(), row_stride(cache.layout(), d));
+    if cs[1] != 1 || stride < d {
         candle_core::bail!("{op}: cache rows must be dense and non-overlapping, got strides {cs:?}")
     }
     if cache.device().is_cuda() {
         let (v, off) = (vector_elems(d), cache.layout().start_offset());
-        if !off.is_multiple_of(v) || !cs[0].is_multiple_of(v) {
-            candle_core::bail!("{op}: cache view (offset {off}, row stride {}) is not aligned to {v} elements", cs[0])
+        if !off.is_multiple_of(v) || !stride.is_multiple_of(v) {
+            candle_core::bail!("{op}: cache view (offset {off}, row stride {stride}) is not aligned to {v} elements")
         }
     }
     if rows.dim(0)? == 0 {
@@ -135,7 +135,7 @@ impl InplaceOp2 for RowInsert {
         let num_slots = dl.dims()[0];
         let slots = self.inputs.host_slots(op, num_slots)?;
         let CpuStorage::BF16(cache) = dst else { candle_core::bail!("{op}: expected a bf16 cache storage") };
-        let (off, stride) = (dl.start_offset(), dl.stride()[0]);
+        let (off, stride) = (dl.start_offset(), row_stride(dl, d));
         for (t, &s) in slots.iter().enumerate() {
             if s >= 0 && (s as u64) < num_slots as u64 {
                 let o = off + s as usize * stride;
@@ -159,8 +159,8 @@ impl InplaceOp2 for RowInsert {
             slots: inp.slots,
             norm_weight: inp.norm_weight,
             cache: cache.cast(),
-            src_row_stride: sl.stride()[0] as i64,
-            cache_row_stride: dl.stride()[0] as i64,
+            src_row_stride: row_stride(sl, d) as i64,
+            cache_row_stride: row_stride(dl, d) as i64,
             num_slots: dl.dims()[0] as i64,
             num_tokens: t as i32,
             head_dim: d as i32,

@@ -16,7 +16,7 @@ use half::bf16;
 use super::device::{raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
 use super::insert_op::quant_code;
-use super::row_inputs::{cpu_rows, RowInputs};
+use super::row_inputs::{cpu_rows, row_stride, RowInputs};
 use crate::quant::fake_quant::QatFormat;
 use crate::quant::packed::{pack_row, unpack_row};
 
@@ -223,7 +223,7 @@ impl InplaceOp2 for PackedInsert {
             slots: inp.slots,
             norm_weight: inp.norm_weight,
             cache,
-            src_row_stride: sl.stride()[0] as i64,
+            src_row_stride: row_stride(sl, l.head_dim) as i64,
             page_stride: l.page_bytes() as i64,
             num_slots: self.num_slots as i64,
             num_tokens: sl.dims()[0] as i32,

@@ -9,7 +9,10 @@
 //! insert passes only the rows through candle (which rejects rows sharing the cache's storage)
 //! and the op holds the other inputs and read-locks them itself ([`RowInputs::lock`]). Their
 //! dtypes (f32, i64) differ from every cache dtype (bf16, u8), so they never share the cache's
-//! storage and its write lock is never requested twice on one thread.
+//! storage and its write lock is never requested twice on one thread. These read locks are
+//! plain (not recursive): should two of these inputs share a storage (say `cos` and `sin` as row
+//! ranges of one tensor), a concurrent writer of that storage on another thread could block the
+//! second read lock; no code writes such tensors while they are being read.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, SyncOnDrop};
@@ -26,6 +29,16 @@ pub(crate) const CUDA_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 /// Vector width (in bf16 elements) the kernels use for a row of `d` elements.
 pub(crate) fn vector_elems(d: usize) -> usize {
     (d / 32).clamp(1, 8)
+}
+
+/// Elements between consecutive rows of a `[rows, d]` layout; a single row has no stride of
+/// its own, so it reports `d` (any stride is valid for it).
+pub(crate) fn row_stride(layout: &Layout, d: usize) -> usize {
+    if layout.dims()[0] <= 1 {
+        d
+    } else {
+        layout.stride()[0]
+    }
 }
 
 /// Checked per-token inputs of an insert (contiguous, on the cache's device).
@@ -98,8 +111,9 @@ impl RowInputs {
                 candle_core::bail!("{op}: the CUDA kernel supports head_dim 64, 128, 256 or 512, got {d}")
             }
             let v = vector_elems(d);
-            let rs = rows.stride();
-            if rs[1] != 1 || !rows.layout().start_offset().is_multiple_of(v) || !rs[0].is_multiple_of(v) || rs[0] < d {
+            let (rs, stride) = (rows.stride(), row_stride(rows.layout(), d));
+            if rs[1] != 1 || !rows.layout().start_offset().is_multiple_of(v) || !stride.is_multiple_of(v) || stride < d
+            {
                 rows = rows.contiguous()?;
                 if !rows.layout().start_offset().is_multiple_of(v) {
                     rows = rows.copy()?;
