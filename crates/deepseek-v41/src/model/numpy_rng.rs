@@ -165,17 +165,16 @@ pub fn default_rng_integers(seed: u64, high: i64, n: usize) -> candle_core::Resu
 mod tests {
     use super::*;
 
+    /// Engram multipliers `2v + 1` of layer `l` for a compressed vocab and `n` lookbacks.
+    fn multipliers(compressed_vocab: i64, n: usize, l: u64) -> Vec<i64> {
+        let bound = (i64::MAX / compressed_vocab) / 2;
+        default_rng_integers(10007 * l, bound, n).unwrap().iter().map(|v| 2 * v + 1).collect()
+    }
+
     /// The released V4.1 multipliers (spec §9.3) are `2v + 1` of these draws.
     #[test]
     fn released_multipliers() {
-        let bound = (i64::MAX / 99092) / 2;
-        let m = |l: u64| -> Vec<i64> {
-            default_rng_integers(10007 * l, bound, 4)
-                .unwrap()
-                .iter()
-                .map(|v| 2 * v + 1)
-                .collect()
-        };
+        let m = |l: u64| multipliers(99092, 4, l);
         assert_eq!(
             m(1),
             vec![
@@ -200,14 +199,7 @@ mod tests {
     /// `modules/golden.safetensors` `engram.multipliers`.
     #[test]
     fn tiny_multipliers() {
-        let bound = (i64::MAX / 256) / 2;
-        let m = |l: u64| -> Vec<i64> {
-            default_rng_integers(10007 * l, bound, 3)
-                .unwrap()
-                .iter()
-                .map(|v| 2 * v + 1)
-                .collect()
-        };
+        let m = |l: u64| multipliers(256, 3, l);
         assert_eq!(
             m(1),
             vec![29662608052400909, 1873410163432121, 13919202536988139]
