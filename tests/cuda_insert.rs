@@ -205,8 +205,9 @@ fn check_window(seed: u64, d: usize, rope_dim: usize, window: usize, seqs: &[(us
     ensure!(none_nan.iter().copied().collect::<std::collections::BTreeSet<_>>() == written, "{what}: written rows");
     ensure!(all_nan.len() + written.len() == slots_n, "{what}: a row is partially written");
 
-    // Negative control: the stored rows are the RoPE'd (and quantized) rows, not the input.
-    let first_slot = slots.iter().position(|&s| s >= 0).context("no slot written")?;
+    // Negative control: the stored rows are the RoPE'd (and quantized) rows, not the input
+    // (position 0 rotates by angle 0, so take a written token at a later position).
+    let first_slot = (0..t).find(|&i| slots[i] >= 0 && b.positions[i] > 0).context("no slot written past position 0")?;
     let stored = cache_cpu.get(slots[first_slot] as usize)?;
     let raw = kv.get(first_slot)?;
     ensure!(bits(&stored)? != bits(&raw)?, "{what}: the stored row equals the raw input row");
