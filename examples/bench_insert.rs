@@ -169,8 +169,12 @@ fn candle_insert(
     Ok(())
 }
 
-/// `[T, D]` u32 row indices for scatter_set.
-fn scatter_index(slots: &[i64], d: usize, dev: &Device) -> Result<Tensor> {
+/// `[T, D]` u32 row indices for scatter_set into a cache of `rows` rows (every slot must be a
+/// row of the cache: candle's scatter asserts on the device otherwise).
+fn scatter_index(slots: &[i64], rows: usize, d: usize, dev: &Device) -> Result<Tensor> {
+    if let Some(bad) = slots.iter().find(|&&s| s < 0 || s as usize >= rows) {
+        anyhow::bail!("bench: slot {bad} outside the cache's {rows} rows")
+    }
     let s: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
     Ok(Tensor::from_vec(s, (slots.len(), 1), dev)?.broadcast_as((slots.len(), d))?.contiguous()?)
 }
@@ -224,7 +228,7 @@ fn main() -> Result<()> {
         let kv = random_bf16(&[n, d], &dev)?;
         let (cos, sin) = cos_sin(&plain, &positions, &dev)?;
         let slots_t = Tensor::from_vec(slots.clone(), n, &dev)?;
-        let index = scatter_index(&slots, d, &dev)?;
+        let index = scatter_index(&slots, rows, d, &dev)?;
         let bytes = (n * (4 * d + 4 * ROPE_DIM + 8)) as f64;
         let mut base = || candle_insert(&cache, &kv, &cos, &sin, &index, QatFormat::Fp8Ue8m0B32, None);
         bench.row(
@@ -279,8 +283,10 @@ fn main() -> Result<()> {
     for (case, n, is_decode) in &cases {
         let g = if *is_decode { *n } else { n / 2 };
         let (pos, slots, rows): (Vec<usize>, Vec<i64>, usize) = if *is_decode {
+            // Sequence s owns entries [s * 4096, (s + 1) * 4096); its entry index p / 2 can pass
+            // 4096 for large B, so it wraps inside the sequence's region (every slot in range).
             let pos: Vec<usize> = (0..g).map(|s| 2 * (2048 + 11 * s)).collect();
-            let slots = pos.iter().enumerate().map(|(s, &p)| (s * 4096 + p / 2) as i64).collect();
+            let slots = pos.iter().enumerate().map(|(s, &p)| (s * 4096 + (p / 2) % 4096) as i64).collect();
             (pos, slots, g * 4096)
         } else {
             ((0..g).map(|j| 2 * j).collect(), (0..g as i64).collect(), g)
@@ -290,7 +296,7 @@ fn main() -> Result<()> {
 
         let cache = Tensor::zeros((rows, HEAD_DIM), DType::BF16, &dev)?;
         let latent = random_bf16(&[g, HEAD_DIM], &dev)?;
-        let index = scatter_index(&slots, HEAD_DIM, &dev)?;
+        let index = scatter_index(&slots, rows, HEAD_DIM, &dev)?;
         let bytes = (g * (4 * HEAD_DIM + 4 * ROPE_DIM + 8)) as f64;
         let mut base = || candle_insert(&cache, &latent, &cos, &sin, &index, QatFormat::Fp4E4m3B16, None);
         bench.row(
@@ -303,7 +309,7 @@ fn main() -> Result<()> {
 
         let kcache = Tensor::zeros((rows, INDEX_DIM), DType::BF16, &dev)?;
         let k_pre = random_bf16(&[g, INDEX_DIM], &dev)?;
-        let kindex = scatter_index(&slots, INDEX_DIM, &dev)?;
+        let kindex = scatter_index(&slots, rows, INDEX_DIM, &dev)?;
         let bytes = (g * (4 * INDEX_DIM + 4 * ROPE_DIM + 8)) as f64;
         let mut base = || candle_insert(&kcache, &k_pre, &cos, &sin, &kindex, QatFormat::Fp4Ue8m0B32, Some(&k_norm));
         bench.row(

@@ -205,8 +205,9 @@ fn check_window(seed: u64, d: usize, rope_dim: usize, window: usize, seqs: &[(us
     ensure!(none_nan.iter().copied().collect::<std::collections::BTreeSet<_>>() == written, "{what}: written rows");
     ensure!(all_nan.len() + written.len() == slots_n, "{what}: a row is partially written");
 
-    // Negative control: the stored rows are the RoPE'd (and quantized) rows, not the input.
-    let first_slot = slots.iter().position(|&s| s >= 0).context("no slot written")?;
+    // Negative control: the stored rows are the RoPE'd (and quantized) rows, not the input
+    // (position 0 rotates by angle 0, so take a written token at a later position).
+    let first_slot = (0..t).find(|&i| slots[i] >= 0 && b.positions[i] > 0).context("no slot written past position 0")?;
     let stored = cache_cpu.get(slots[first_slot] as usize)?;
     let raw = kv.get(first_slot)?;
     ensure!(bits(&stored)? != bits(&raw)?, "{what}: the stored row equals the raw input row");
@@ -471,14 +472,25 @@ fn q_rope_inplace_on_a_head_view() -> Result<()> {
     let flat = random_rows(&mut rng, t, h * d, &Device::Cpu)?;
     let positions: Vec<usize> = (0..t).map(|i| 1000 + 3 * i).collect();
     let (cos, sin) = cos_sin(&plain_table(64)?, &positions)?;
+    // The GPU copy and the pristine copy are taken before the CPU rotation: `cpu` is a reshape
+    // of `flat` and shares its storage, so rotating it in place also rotates `flat`.
+    let gflat = flat.to_device(&dev)?;
+    let original = flat.copy()?.reshape((t, h, d))?;
     let cpu = flat.reshape((t, h, d))?;
     q_rope_inplace(&cpu.narrow(1, 2, 4)?, &cos, &sin, None)?;
-    let gflat = flat.to_device(&dev)?;
     let g = gflat.reshape((t, h, d))?;
     q_rope_inplace(&g.narrow(1, 2, 4)?, &cos.to_device(&dev)?, &sin.to_device(&dev)?, None)?;
     assert_same_bits(&g.reshape((t * h, d))?, &cpu.reshape((t * h, d))?, "q_rope_inplace on a head narrow")?;
-    let untouched = |x: &Tensor| -> Result<Vec<u16>> { bits(&x.narrow(1, 0, 2)?.contiguous()?) };
-    ensure!(untouched(&g)? == untouched(&flat.reshape((t, h, d))?)?, "heads outside the view changed");
+    let heads = |x: &Tensor, first: usize, n: usize| -> Result<Vec<u16>> {
+        bits(&x.narrow(1, first, n)?.contiguous()?)
+    };
+    ensure!(heads(&g, 0, 2)? == heads(&original, 0, 2)?, "heads before the view changed");
+    ensure!(heads(&g, 6, 2)? == heads(&original, 6, 2)?, "heads after the view changed");
+    // The CPU in-place path on the view equals the out-of-place op on that view.
+    let expected = q_rope(&original.narrow(1, 2, 4)?, &cos, &sin, None)?.reshape((t * 4, d))?;
+    assert_same_bits(&cpu.narrow(1, 2, 4)?.reshape((t * 4, d))?, &expected, "cpu in place vs out of place")?;
+    // Negative control: the view itself was rotated.
+    ensure!(heads(&g, 2, 4)? != heads(&original, 2, 4)?, "the view was not rotated");
     Ok(())
 }
 
