@@ -195,7 +195,7 @@ fn sharp_logits_move_the_running_max_h64() -> Result<()> {
 
 #[test]
 fn odd_heads_and_window_only() -> Result<()> {
-    run_case(&Case { seed: 4, h: 20, win_lens: &[128, 5, 0, 77], extra_lens: &[0, 0, 0, 0], kw: 128, kc: 0, holes: 2, amp_q: 2.0, i32_indices: false })
+    run_case(&Case { seed: 4, h: 20, win_lens: &[128, 5, 0, 77], extra_lens: &[0, 0, 0, 0], kw: 128, kc: 1, holes: 2, amp_q: 2.0, i32_indices: false })
 }
 
 #[test]
