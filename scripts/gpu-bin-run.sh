@@ -25,7 +25,9 @@ unxz_to() {  # unxz_to SRC.xz DST
 }
 
 { nvidia-smi || echo "nvidia-smi not available"; } > "$OUT/nvidia-smi.txt" 2>&1
-for b in cuda_insert bench_insert; do
+TESTS=(cuda_insert cuda_sparse_attention)
+BENCHES=(bench_insert bench_sparse_attention)
+for b in "${TESTS[@]}" "${BENCHES[@]}"; do
     unxz_to "$HERE/$b.xz" "$WORK/$b" || { say "cannot unpack $b.xz"; exit 2; }
     chmod +x "$WORK/$b"
 done
@@ -35,11 +37,15 @@ fi
 ldd "$WORK/cuda_insert" > "$OUT/ldd.txt" 2>&1
 if grep -q "not found" "$OUT/ldd.txt"; then say "missing shared libraries:"; grep "not found" "$OUT/ldd.txt" | tee -a "$SUMMARY"; fi
 
-# 1. Tests (they fail without a CUDA device).
-with_timeout 180 "$WORK/cuda_insert" --test-threads=1 > "$OUT/tests.log" 2>&1
-TESTS_RC=$?
-tail -n 30 "$OUT/tests.log"
-say "tests: exit $TESTS_RC"
+# 1. Tests (they fail without a CUDA device): $OUT/tests-<name>.log.
+TESTS_RC=0
+for b in "${TESTS[@]}"; do
+    with_timeout 180 "$WORK/$b" --test-threads=1 > "$OUT/tests-$b.log" 2>&1
+    rc=$?
+    tail -n 30 "$OUT/tests-$b.log"
+    say "tests $b: exit $rc"
+    [[ $rc -eq 0 ]] || TESTS_RC=$rc
+done
 
 # 2. compute-sanitizer memcheck of the same tests.
 SAN=""
@@ -58,19 +64,24 @@ fi
 MEM_RC=0
 if [[ -n "$SAN" ]]; then
     say "memcheck with $SAN"
-    with_timeout 300 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 50 \
-        "$WORK/cuda_insert" --test-threads=1 > "$OUT/memcheck.log" 2>&1
-    MEM_RC=$?
-    tail -n 15 "$OUT/memcheck.log"
-    say "memcheck: exit $MEM_RC"
+    for b in "${TESTS[@]}"; do
+        with_timeout 300 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 50 \
+            "$WORK/$b" --test-threads=1 > "$OUT/memcheck-$b.log" 2>&1
+        rc=$?
+        tail -n 15 "$OUT/memcheck-$b.log"
+        say "memcheck $b: exit $rc"
+        [[ $rc -eq 0 ]] || MEM_RC=$rc
+    done
 else
     say "compute-sanitizer not found (looked in $TORCH_CU13/bin, /usr/local/cuda*/bin, PATH, the shipped wheel): memcheck skipped"
 fi
 
-# 3. Benchmark.
-with_timeout 240 "$WORK/bench_insert" > "$OUT/bench.log" 2>&1
-say "bench: exit $?"
-cat "$OUT/bench.log"
+# 3. Benchmarks: $OUT/bench-<name>.log.
+for b in "${BENCHES[@]}"; do
+    with_timeout 240 "$WORK/$b" > "$OUT/bench-$b.log" 2>&1
+    say "bench $b: exit $?"
+    cat "$OUT/bench-$b.log"
+done
 
 cat "$SUMMARY"
 [[ $TESTS_RC -eq 0 && $MEM_RC -eq 0 ]]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the CUDA test and benchmark binaries (release, feature `cuda`) and packs them for a
+# Builds the CUDA test and benchmark binaries (tests/cuda_insert.rs, tests/cuda_sparse_attention.rs,
+# examples/bench_insert.rs, examples/bench_sparse_attention.rs) (release, feature `cuda`) and packs them for a
 # GPU machine without Rust into gpu-bin/ (gitignored): stripped + xz-compressed binaries,
 # SHA256SUMS of the unpacked binaries, run.sh (scripts/gpu-bin-run.sh) and, when available, the
 # compute-sanitizer wheel (pip download, cached in .cuda/wheels) for the memcheck run.
@@ -14,8 +15,10 @@ NICE="nice -n 19"
 
 # Build and collect the executables' paths from cargo's JSON messages.
 msgs="$(mktemp)"
-$NICE cargo test --release --features cuda --test cuda_insert --no-run --message-format=json > "$msgs"
-$NICE cargo build --release --features cuda --example bench_insert --message-format=json >> "$msgs"
+TESTS=(cuda_insert cuda_sparse_attention)
+BENCHES=(bench_insert bench_sparse_attention)
+$NICE cargo test --release --features cuda "${TESTS[@]/#/--test=}" --no-run --message-format=json > "$msgs"
+$NICE cargo build --release --features cuda "${BENCHES[@]/#/--example=}" --message-format=json >> "$msgs"
 exe_of() {
     python3 - "$msgs" "$1" <<'PY'
 import json, sys
@@ -31,20 +34,19 @@ for line in open(path):
 print(found or "")
 PY
 }
-TEST_EXE="$(exe_of cuda_insert)"
-BENCH_EXE="$(exe_of bench_insert)"
-rm -f "$msgs"
-[[ -x "$TEST_EXE" && -x "$BENCH_EXE" ]] || { echo "pack-gpu-bin: executables not found" >&2; exit 1; }
-
 mkdir -p gpu-bin
 rm -f gpu-bin/*.xz gpu-bin/SHA256SUMS
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-cp "$TEST_EXE" "$tmp/cuda_insert"
-cp "$BENCH_EXE" "$tmp/bench_insert"
-strip "$tmp/cuda_insert" "$tmp/bench_insert"
-(cd "$tmp" && sha256sum cuda_insert bench_insert) > gpu-bin/SHA256SUMS
-for b in cuda_insert bench_insert; do
+for b in "${TESTS[@]}" "${BENCHES[@]}"; do
+    exe="$(exe_of "$b")"
+    [[ -x "$exe" ]] || { echo "pack-gpu-bin: executable of $b not found" >&2; exit 1; }
+    cp "$exe" "$tmp/$b"
+    strip "$tmp/$b"
+done
+rm -f "$msgs"
+(cd "$tmp" && sha256sum "${TESTS[@]}" "${BENCHES[@]}") > gpu-bin/SHA256SUMS
+for b in "${TESTS[@]}" "${BENCHES[@]}"; do
     $NICE xz -T2 -6 -c "$tmp/$b" > "gpu-bin/$b.xz"
 done
 cp scripts/gpu-bin-run.sh gpu-bin/run.sh

@@ -99,7 +99,48 @@ pub(crate) struct PackedInsertParams {
     pub norm_inv_dim: f32,
 }
 
+/// `Dsv41SparseAttentionParams` (`kernels/include/dsv41_sparse_attention.h`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SparseAttentionParams {
+    /// bf16 `[T, H, D]`, (t, h, d) at `q + t * q_token_stride + h * q_head_stride + d`.
+    pub q: *const c_void,
+    /// bf16 `[Nw, D]`, row s at `kv_window + s * window_row_stride`.
+    pub kv_window: *const c_void,
+    /// bf16 `[Nc, D]`, row s at `kv_extra + s * extra_row_stride`.
+    pub kv_extra: *const c_void,
+    /// i32 / i64 `[T, Kw]`, contiguous.
+    pub idx_window: *const c_void,
+    /// i32 / i64 `[T, Kc]`, contiguous.
+    pub idx_extra: *const c_void,
+    /// f32 `[H]`.
+    pub sink: *const f32,
+    /// bf16 `[T, H, D]`, contiguous.
+    pub out: *mut c_void,
+    /// f32 `[T, H]`, contiguous.
+    pub lse: *mut f32,
+    pub q_token_stride: i64,
+    pub q_head_stride: i64,
+    pub window_row_stride: i64,
+    pub extra_row_stride: i64,
+    pub num_window_rows: i64,
+    pub num_extra_rows: i64,
+    pub num_tokens: i32,
+    pub num_heads: i32,
+    pub head_dim: i32,
+    pub kw: i32,
+    pub kc: i32,
+    pub index_bytes: i32,
+    pub scale: f32,
+    pub _pad: i32,
+}
+
 extern "C" {
+    pub(crate) fn dsv41_sparse_attention(
+        p: *const SparseAttentionParams,
+        params_size: usize,
+        stream: *mut c_void,
+    ) -> i32;
     pub(crate) fn dsv41_packed_insert(p: *const PackedInsertParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_window_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_compressed_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;

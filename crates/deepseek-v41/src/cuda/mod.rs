@@ -11,6 +11,8 @@
 //!   RMSNorm of V4.0 (spec §4.2).
 //! * [`packed_insert`] with a [`PackedLayout`]: the same inserts into the packed, paged cache
 //!   formats of spec §7.2 (528 B window rows, 288 B compressed rows, 68 B index rows).
+//! * [`sparse_attention_two_source`]: sparse attention with sink over window + extra rows
+//!   (spec §4.7), returning the output and the log-sum-exp.
 //!
 //! All of them take the per-token `cos`/`sin` rows (`[T, R/2]` f32) of
 //! [`crate::nn::RopeTable::cos_sin`] rather than positions: a step computes them once for q,
@@ -27,6 +29,7 @@ mod packed_insert;
 mod q_rope;
 mod row_inputs;
 mod slots;
+mod sparse_attention;
 mod window_insert;
 
 pub use compressed_insert::compressed_insert;
@@ -34,6 +37,7 @@ pub use index_key_insert::index_key_insert;
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;
+pub use sparse_attention::{sparse_attention_two_source, SPARSE_ATTENTION_HEAD_DIM};
 pub use window_insert::window_insert;
 
 #[cfg(test)]

@@ -1,0 +1,273 @@
+//! Sparse attention with a per-head sink over two KV sources (spec §4.6–§4.7, §0.1b.6), like
+//! FlashMLA's `k_cache` + `extra_k_cache`: token t attends to the valid rows of
+//! `[kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]` in that order, without dedupe.
+//!
+//! Semantics are exactly [`sparse_attention_ref`] applied to that concatenation (f32 logits,
+//! sink in the denominator only, bf16-rounded probabilities per block of 64 valid indices, empty
+//! row → zeros, bf16 output), plus the log-sum-exp of the valid logits (sink excluded).
+//!
+//! On CUDA one kernel (`kernels/sparse_attention.cu`, decode design: one CTA per token and group
+//! of 16 heads, each gathered row read once per CTA with 16-byte loads); on the CPU the crate's
+//! reference. They agree to about one bf16 ulp (the order of f32 sums differs).
+//!
+//! The CUDA path read-locks the inputs' storages for the launch; `kv_window` and `kv_extra` may
+//! be views of one storage (two plain read locks on one thread, see `row_inputs`).
+
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
+use half::bf16;
+
+use super::device::{as_cuda, raw_stream, read_ptr, stream_for, write_ptr};
+use super::ffi;
+use crate::attention::sparse_attention::sparse_attention_ref;
+
+/// Row width the CUDA kernel supports (V4's head dim).
+pub const SPARSE_ATTENTION_HEAD_DIM: usize = 512;
+
+/// Sparse attention over `[kv_window rows ; kv_extra rows]`; returns `(out, lse)`.
+///
+/// * `q`: `[T, H, D]` bf16 (D = 512 on CUDA).
+/// * `kv_window`: `[Nw, D]` bf16 rows (K = V); `idx_window`: `[T, Kw]` i64 or i32, −1 = none.
+/// * `kv_extra`: `[Nc, D]` bf16 rows; `idx_extra`: `[T, Kc]` same dtype as `idx_window`.
+/// * `sink`: `[H]` f32 logit added to the denominator only (−inf = no sink).
+/// * `scale`: multiplies `q·k` (not the sink), usually `D^-0.5`.
+///
+/// Returns `out` `[T, H, D]` bf16 and `lse` `[T, H]` f32 = `ln Σ_s e^{ℓ_s}` over the valid rows
+/// (−inf for a row without any). Indices must lie in `[-1, N)` of their source: the CPU path
+/// rejects others; the CUDA path (which does not read indices back to the host) skips them.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_two_source(
+    q: &Tensor,
+    kv_window: &Tensor,
+    idx_window: &Tensor,
+    kv_extra: &Tensor,
+    idx_extra: &Tensor,
+    sink: &Tensor,
+    scale: f32,
+) -> Result<(Tensor, Tensor)> {
+    check(q, kv_window, idx_window, kv_extra, idx_extra, sink)?;
+    if q.device().is_cuda() {
+        cuda_forward(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale)
+    } else {
+        cpu_forward(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale)
+    }
+}
+
+fn check(q: &Tensor, kvw: &Tensor, iw: &Tensor, kvc: &Tensor, ic: &Tensor, sink: &Tensor) -> Result<()> {
+    const OP: &str = "sparse_attention_two_source";
+    let shapes = || {
+        format!(
+            "q {:?}, kv_window {:?}, idx_window {:?}, kv_extra {:?}, idx_extra {:?}, sink {:?}",
+            q.shape(),
+            kvw.shape(),
+            iw.shape(),
+            kvc.shape(),
+            ic.shape(),
+            sink.shape()
+        )
+    };
+    if q.rank() != 3 || kvw.rank() != 2 || kvc.rank() != 2 || iw.rank() != 2 || ic.rank() != 2 || sink.rank() != 1 {
+        candle_core::bail!("{OP}: want q [T,H,D], kv_* [N,D], idx_* [T,K], sink [H]; got {}", shapes())
+    }
+    let (t, h, d) = q.dims3()?;
+    if kvw.dim(1)? != d || kvc.dim(1)? != d || iw.dim(0)? != t || ic.dim(0)? != t || sink.dim(0)? != h {
+        candle_core::bail!("{OP}: shapes disagree (want q [T,H,D], kv_* [N,D], idx_* [T,K], sink [H]): {}", shapes())
+    }
+    for (name, x) in [("q", q), ("kv_window", kvw), ("kv_extra", kvc)] {
+        if x.dtype() != DType::BF16 {
+            candle_core::bail!("{OP}: {name} must be bf16, got {:?}", x.dtype())
+        }
+    }
+    if sink.dtype() != DType::F32 {
+        candle_core::bail!("{OP}: sink must be f32, got {:?}", sink.dtype())
+    }
+    if !matches!(iw.dtype(), DType::I64 | DType::I32) || iw.dtype() != ic.dtype() {
+        candle_core::bail!(
+            "{OP}: idx_window and idx_extra must both be i64 or both i32, got {:?} and {:?}",
+            iw.dtype(),
+            ic.dtype()
+        )
+    }
+    for (name, x) in [("kv_window", kvw), ("idx_window", iw), ("kv_extra", kvc), ("idx_extra", ic), ("sink", sink)] {
+        if !x.device().same_device(q.device()) {
+            candle_core::bail!("{OP}: {name} is on {:?} but q is on {:?}", x.device(), q.device())
+        }
+    }
+    if q.device().is_cuda() {
+        if d != SPARSE_ATTENTION_HEAD_DIM {
+            candle_core::bail!("{OP}: the CUDA kernel supports head_dim {SPARSE_ATTENTION_HEAD_DIM}, got q {:?}", q.shape())
+        }
+        if t > 65535 || iw.dim(1)? + ic.dim(1)? > 16384 {
+            candle_core::bail!("{OP}: the CUDA kernel takes at most 65535 tokens and 16384 indices per token: {}", shapes())
+        }
+    }
+    Ok(())
+}
+
+fn host_indices(idx: &Tensor) -> Result<Vec<Vec<i64>>> {
+    idx.to_device(&Device::Cpu)?.to_dtype(DType::I64)?.to_vec2::<i64>()
+}
+
+/// Validated host copies of both index lists, the extra ones shifted past the window rows.
+fn concat_indices(iw: &Tensor, nw: usize, ic: &Tensor, nc: usize) -> Result<Vec<Vec<i64>>> {
+    let (w, c) = (host_indices(iw)?, host_indices(ic)?);
+    for (name, rows, n) in [("idx_window", &w, nw), ("idx_extra", &c, nc)] {
+        for (r, row) in rows.iter().enumerate() {
+            if let Some(&bad) = row.iter().find(|&&i| i < -1 || i >= n as i64) {
+                candle_core::bail!("sparse_attention_two_source: {name}[{r}] holds {bad}, outside -1..{n}")
+            }
+        }
+    }
+    Ok(w.into_iter()
+        .zip(c)
+        .map(|(mut a, b)| {
+            a.extend(b.into_iter().map(|i| if i < 0 { -1 } else { i + nw as i64 }));
+            a
+        })
+        .collect())
+}
+
+fn cpu_forward(
+    q: &Tensor,
+    kvw: &Tensor,
+    iw: &Tensor,
+    kvc: &Tensor,
+    ic: &Tensor,
+    sink: &Tensor,
+    scale: f32,
+) -> Result<(Tensor, Tensor)> {
+    let idx = concat_indices(iw, kvw.dim(0)?, ic, kvc.dim(0)?)?;
+    let kv = Tensor::cat(&[kvw, kvc], 0)?;
+    let out = sparse_attention_ref(q, &kv, &idx, sink, scale)?;
+    let lse = log_sum_exp(q, &kv, &idx, scale)?;
+    Ok((out, lse))
+}
+
+/// `[T, H]` f32: `ln Σ_s e^{ℓ_s}` over the valid rows (logits in f32 as the reference, the sum
+/// in f64), −inf for an empty row.
+fn log_sum_exp(q: &Tensor, kv: &Tensor, idx: &[Vec<i64>], scale: f32) -> Result<Tensor> {
+    let (t, h, d) = q.dims3()?;
+    let qv = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let kvv = kv.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut lse = vec![f32::NEG_INFINITY; t * h];
+    for (ti, row) in idx.iter().enumerate() {
+        for hi in 0..h {
+            let qr = &qv[(ti * h + hi) * d..][..d];
+            let l: Vec<f32> = row
+                .iter()
+                .filter(|&&s| s >= 0)
+                .map(|&s| scale * qr.iter().zip(&kvv[s as usize * d..][..d]).map(|(a, b)| a * b).sum::<f32>())
+                .collect();
+            if let Some(m) = l.iter().cloned().reduce(f32::max) {
+                let sum: f64 = l.iter().map(|&x| ((x - m) as f64).exp()).sum();
+                lse[ti * h + hi] = (m as f64 + sum.ln()) as f32;
+            }
+        }
+    }
+    Tensor::from_vec(lse, (t, h), &Device::Cpu)?.to_device(q.device())
+}
+
+/// A tensor whose rows (last dim contiguous) start on 16-byte boundaries, copied if needed.
+fn rows_aligned(x: &Tensor) -> Result<Tensor> {
+    let ok = |x: &Tensor| {
+        let s = x.stride();
+        s[s.len() - 1] == 1
+            && x.layout().start_offset().is_multiple_of(8)
+            && s[..s.len() - 1].iter().zip(x.dims()).all(|(&st, &n)| n <= 1 || st.is_multiple_of(8))
+    };
+    if ok(x) {
+        return Ok(x.clone());
+    }
+    let c = x.contiguous()?;
+    if ok(&c) {
+        Ok(c)
+    } else {
+        c.copy()
+    }
+}
+
+fn cuda_forward(
+    q: &Tensor,
+    kvw: &Tensor,
+    iw: &Tensor,
+    kvc: &Tensor,
+    ic: &Tensor,
+    sink: &Tensor,
+    scale: f32,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "sparse_attention_two_source";
+    let (t, h, d) = q.dims3()?;
+    let (q, kvw, kvc) = (rows_aligned(q)?, rows_aligned(kvw)?, rows_aligned(kvc)?);
+    let (iw, ic, sink) = (iw.contiguous()?, ic.contiguous()?, sink.contiguous()?);
+    let index_bytes = iw.dtype().size_in_bytes() as i32;
+    let (qs, ql) = q.storage_and_layout();
+    let qc = as_cuda(&qs, "q")?;
+    let stream = stream_for(qc)?;
+    // SAFETY: uninitialized memory is fine: the kernel writes every element of both outputs.
+    let out_slice = unsafe { qc.device.alloc::<bf16>(t * h * d)? };
+    let lse_slice = unsafe { qc.device.alloc::<f32>(t * h)? };
+    let mut out = CudaStorage::wrap_cuda_slice(out_slice, qc.device.clone());
+    let mut lse = CudaStorage::wrap_cuda_slice(lse_slice, qc.device.clone());
+    {
+        let (ws, wl) = kvw.storage_and_layout();
+        let (cs, cl) = kvc.storage_and_layout();
+        let (iws, iwl) = iw.storage_and_layout();
+        let (ics, icl) = ic.storage_and_layout();
+        let (ss, sl) = sink.storage_and_layout();
+        let (wc, cc) = (as_cuda(&ws, "kv_window")?, as_cuda(&cs, "kv_extra")?);
+        let (iwc, icc, sc) = (as_cuda(&iws, "idx_window")?, as_cuda(&ics, "idx_extra")?, as_cuda(&ss, "sink")?);
+        let (q_p, _g0) = read_ptr::<bf16>(qc, ql, &stream)?;
+        let (w_p, _g1) = read_ptr::<bf16>(wc, wl, &stream)?;
+        let (c_p, _g2) = read_ptr::<bf16>(cc, cl, &stream)?;
+        let (iw_p, ic_p, _g3, _g4) = if index_bytes == 8 {
+            let (a, ga) = read_ptr::<i64>(iwc, iwl, &stream)?;
+            let (b, gb) = read_ptr::<i64>(icc, icl, &stream)?;
+            (a.cast::<std::ffi::c_void>(), b.cast::<std::ffi::c_void>(), ga, gb)
+        } else {
+            let (a, ga) = read_ptr::<i32>(iwc, iwl, &stream)?;
+            let (b, gb) = read_ptr::<i32>(icc, icl, &stream)?;
+            (a.cast::<std::ffi::c_void>(), b.cast::<std::ffi::c_void>(), ga, gb)
+        };
+        let (s_p, _g5) = read_ptr::<f32>(sc, sl, &stream)?;
+        let out_l = candle_core::Layout::contiguous((t, h, d));
+        let lse_l = candle_core::Layout::contiguous((t, h));
+        let (o_p, _g6) = write_ptr::<bf16>(&mut out, &out_l, &stream)?;
+        let (l_p, _g7) = write_ptr::<f32>(&mut lse, &lse_l, &stream)?;
+        let row_stride = |l: &candle_core::Layout| if l.dims()[0] <= 1 { d as i64 } else { l.stride()[0] as i64 };
+        let params = ffi::SparseAttentionParams {
+            q: q_p.cast(),
+            kv_window: w_p.cast(),
+            kv_extra: c_p.cast(),
+            idx_window: iw_p,
+            idx_extra: ic_p,
+            sink: s_p,
+            out: o_p.cast(),
+            lse: l_p,
+            q_token_stride: if t <= 1 { (h * d) as i64 } else { ql.stride()[0] as i64 },
+            q_head_stride: if h <= 1 { d as i64 } else { ql.stride()[1] as i64 },
+            window_row_stride: row_stride(wl),
+            extra_row_stride: row_stride(cl),
+            num_window_rows: wl.dims()[0] as i64,
+            num_extra_rows: cl.dims()[0] as i64,
+            num_tokens: t as i32,
+            num_heads: h as i32,
+            head_dim: d as i32,
+            kw: iwl.dims()[1] as i32,
+            kc: icl.dims()[1] as i32,
+            index_bytes,
+            scale,
+            _pad: 0,
+        };
+        // SAFETY: every pointer comes from a storage read-locked (outputs: owned) for this call;
+        // `check`, `rows_aligned` and the launcher validate shapes, strides and alignment; the
+        // kernel reads only rows with indices in [0, N) of their source and writes only the
+        // [T, H, D] / [T, H] outputs.
+        let code = unsafe {
+            ffi::dsv41_sparse_attention(&params, std::mem::size_of::<ffi::SparseAttentionParams>(), raw_stream(&stream))
+        };
+        ffi::check_status(OP, code)?;
+    }
+    let out = Tensor::from_storage(Storage::Cuda(out), (t, h, d), BackpropOp::none(), false);
+    let lse = Tensor::from_storage(Storage::Cuda(lse), (t, h), BackpropOp::none(), false);
+    Ok((out, lse))
+}

@@ -1,0 +1,260 @@
+//! GPU tests of `deepseek_v41::cuda::sparse_attention_two_source` (kernels/sparse_attention.cu)
+//! against its CPU path (the crate's `sparse_attention_ref` on the concatenated sources).
+//!
+//! Random data (never zeros), both outputs' memory poisoned with NaN beforehand (the allocator
+//! hands freed blocks back), −1 holes and padding, duplicates, lengths 0 / 1 / 127 / 128 / 129 /
+//! 512 mixed in one batch, sinks on and off (−inf), H = 4 and 64, i64 and i32 indices.
+//! Tolerance: bf16 outputs within 1 ulp, a small fraction within 2 ulps (the f32 order of the
+//! dot products differs, which can flip a bf16-rounded probability); lse within 1e-5 relative.
+//!
+//! These tests need a CUDA device and FAIL without one.
+//! Build: `cargo test --release --features cuda --test cuda_sparse_attention`.
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use deepseek_v41::cuda::sparse_attention_two_source;
+use half::bf16;
+
+const D: usize = 512;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("tests/cuda_sparse_attention.rs needs a CUDA device (none found)")
+}
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    fn normal(&mut self) -> f32 {
+        let s: f32 = (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0;
+        if s == 0.0 {
+            1e-3
+        } else {
+            s * 1.7
+        }
+    }
+}
+
+fn random_bf16(rng: &mut Rng, shape: &[usize], amp: f32) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<bf16> = (0..n).map(|_| bf16::from_f32(amp * rng.normal())).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+/// `[T, K]` index rows: token t has `lens[t]` valid entries (random rows of `0..n`, some
+/// duplicated) followed by −1 padding, with `holes` of its valid slots replaced by −1.
+fn index_rows(rng: &mut Rng, lens: &[usize], k: usize, n: usize, holes: usize) -> Vec<i64> {
+    let mut v = vec![-1i64; lens.len() * k];
+    for (t, &len) in lens.iter().enumerate() {
+        for j in 0..len {
+            v[t * k + j] = if j > 0 && rng.below(16) == 0 { v[t * k + j - 1] } else { rng.below(n) as i64 };
+        }
+        for _ in 0..holes.min(len) {
+            v[t * k + rng.below(len)] = -1;
+        }
+    }
+    v
+}
+
+/// Allocates and frees NaN buffers of the outputs' sizes so the op's fresh (uninitialized)
+/// outputs likely reuse NaN memory: an element the kernel fails to write shows up as NaN.
+fn poison_allocator(dev: &Device, t: usize, h: usize) -> Result<()> {
+    let a = Tensor::full(f32::NAN, (t, h, D), dev)?.to_dtype(DType::BF16)?;
+    let b = Tensor::full(f32::NAN, (t, h), dev)?;
+    dev.synchronize()?;
+    drop((a, b));
+    Ok(())
+}
+
+fn ulps(a: bf16, b: bf16) -> u32 {
+    let key = |x: bf16| {
+        let u = x.to_bits() as i32;
+        if u & 0x8000 != 0 {
+            -(u & 0x7fff)
+        } else {
+            u
+        }
+    };
+    (key(a) - key(b)).unsigned_abs()
+}
+
+struct Case<'a> {
+    seed: u64,
+    h: usize,
+    win_lens: &'a [usize],
+    extra_lens: &'a [usize],
+    kw: usize,
+    kc: usize,
+    holes: usize,
+    amp_q: f32,
+    i32_indices: bool,
+}
+
+fn run_case(c: &Case) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(c.seed);
+    let t = c.win_lens.len();
+    let (nw, nc) = (257usize, 1031usize);
+    let q = random_bf16(&mut rng, &[t, c.h, D], c.amp_q)?;
+    let kvw = random_bf16(&mut rng, &[nw, D], 1.0)?;
+    let kvc = random_bf16(&mut rng, &[nc, D], 1.0)?;
+    let iw = index_rows(&mut rng, c.win_lens, c.kw, nw, c.holes);
+    let ic = index_rows(&mut rng, c.extra_lens, c.kc, nc, c.holes);
+    let mut iw = Tensor::from_vec(iw, (t, c.kw), &Device::Cpu)?;
+    let mut ic = Tensor::from_vec(ic, (t, c.kc), &Device::Cpu)?;
+    if c.i32_indices {
+        iw = iw.to_dtype(DType::I32)?;
+        ic = ic.to_dtype(DType::I32)?;
+    }
+    // Heads alternate: sink on (values around the logits' range), off (−inf).
+    let sink: Vec<f32> = (0..c.h).map(|i| if i % 3 == 1 { f32::NEG_INFINITY } else { 2.0 * rng.normal() }).collect();
+    let sink = Tensor::new(sink.as_slice(), &Device::Cpu)?;
+    let scale = (D as f32).powf(-0.5);
+
+    let (out_c, lse_c) = sparse_attention_two_source(&q, &kvw, &iw, &kvc, &ic, &sink, scale)?;
+    let g = |x: &Tensor| x.to_device(&dev);
+    poison_allocator(&dev, t, c.h)?;
+    let (out_g, lse_g) = sparse_attention_two_source(&g(&q)?, &g(&kvw)?, &g(&iw)?, &g(&kvc)?, &g(&ic)?, &g(&sink)?, scale)?;
+    ensure!(out_g.dims() == [t, c.h, D] && lse_g.dims() == [t, c.h], "output shapes {:?} {:?}", out_g.shape(), lse_g.shape());
+
+    let og = out_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()?;
+    let oc = out_c.flatten_all()?.to_vec1::<bf16>()?;
+    let (mut one, mut two) = (0usize, 0usize);
+    for (i, (&a, &b)) in og.iter().zip(&oc).enumerate() {
+        ensure!(a.is_finite(), "seed {}: out[{i}] = {a} (unwritten or overflow)", c.seed);
+        let u = ulps(a, b);
+        if u == 2 {
+            two += 1;
+        } else if u > 2 {
+            // Cancellation in P·V: allow an absolute error of a few bf16 ulps of the row scale.
+            let row = &oc[i / D * D..][..D];
+            let amax = row.iter().map(|x| x.to_f32().abs()).fold(0f32, f32::max);
+            ensure!(
+                (a.to_f32() - b.to_f32()).abs() <= amax * 2f32.powi(-7),
+                "seed {}: out[t{} h{} d{}] gpu {a} cpu {b} ({u} ulps, row amax {amax})",
+                c.seed,
+                i / D / c.h,
+                i / D % c.h,
+                i % D
+            );
+            two += 1;
+        } else if u == 1 {
+            one += 1;
+        }
+    }
+    ensure!(two * 200 <= og.len(), "seed {}: {two} of {} outputs beyond 1 ulp", c.seed, og.len());
+    eprintln!("seed {}: {} outputs, {one} at 1 ulp, {two} at >= 2 ulps", c.seed, og.len());
+
+    let lg = lse_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    let lc = lse_c.flatten_all()?.to_vec1::<f32>()?;
+    for (i, (&a, &b)) in lg.iter().zip(&lc).enumerate() {
+        let ok = if b == f32::NEG_INFINITY { a == b } else { (a - b).abs() <= 1e-5 * b.abs().max(1.0) };
+        ensure!(ok, "seed {}: lse[t{} h{}] gpu {a} cpu {b}", c.seed, i / c.h, i % c.h);
+    }
+    // Empty rows: zeros and −inf.
+    for (ti, (&lw, &lc_)) in c.win_lens.iter().zip(c.extra_lens).enumerate() {
+        if lw == 0 && lc_ == 0 {
+            ensure!(og[ti * c.h * D..][..c.h * D].iter().all(|x| x.to_f32() == 0.0), "empty token {ti} not zero");
+            ensure!(lg[ti * c.h..][..c.h].iter().all(|&x| x == f32::NEG_INFINITY), "empty token {ti} lse not -inf");
+        }
+    }
+    Ok(())
+}
+
+const WIN: [usize; 10] = [0, 1, 127, 128, 128, 0, 64, 128, 1, 100];
+const EXTRA: [usize; 10] = [0, 0, 1, 129, 512, 127, 128, 512, 300, 0];
+
+#[test]
+fn mixed_lengths_h4_i64() -> Result<()> {
+    run_case(&Case { seed: 1, h: 4, win_lens: &WIN, extra_lens: &EXTRA, kw: 128, kc: 512, holes: 0, amp_q: 1.0, i32_indices: false })
+}
+
+#[test]
+fn mixed_lengths_h64_i32_with_holes() -> Result<()> {
+    run_case(&Case { seed: 2, h: 64, win_lens: &WIN, extra_lens: &EXTRA, kw: 128, kc: 512, holes: 9, amp_q: 1.0, i32_indices: true })
+}
+
+#[test]
+fn sharp_logits_move_the_running_max_h64() -> Result<()> {
+    // Larger q: logits spread over tens of units, so block maxima change often.
+    run_case(&Case { seed: 3, h: 64, win_lens: &WIN, extra_lens: &EXTRA, kw: 130, kc: 520, holes: 3, amp_q: 6.0, i32_indices: false })
+}
+
+#[test]
+fn odd_heads_and_window_only() -> Result<()> {
+    run_case(&Case { seed: 4, h: 20, win_lens: &[128, 5, 0, 77], extra_lens: &[0, 0, 0, 0], kw: 128, kc: 1, holes: 2, amp_q: 2.0, i32_indices: false })
+}
+
+#[test]
+fn decode_batch_flash_shapes() -> Result<()> {
+    let win = [128usize; 33];
+    let extra: Vec<usize> = (0..33).map(|i| [512, 511, 129, 1, 0][i % 5]).collect();
+    run_case(&Case { seed: 5, h: 64, win_lens: &win, extra_lens: &extra, kw: 128, kc: 512, holes: 0, amp_q: 1.5, i32_indices: false })
+}
+
+#[test]
+fn sink_changes_output_and_matches_lse_identity() -> Result<()> {
+    // Negative control and identity: out(sink) = out(no sink) / (1 + e^{sink - lse}).
+    let dev = gpu();
+    let mut rng = Rng(6);
+    let (t, h) = (3, 4);
+    let q = random_bf16(&mut rng, &[t, h, D], 1.0)?.to_device(&dev)?;
+    let kv = random_bf16(&mut rng, &[200, D], 1.0)?.to_device(&dev)?;
+    let iw = Tensor::from_vec(index_rows(&mut rng, &[100, 40, 128], 128, 200, 0), (t, 128), &dev)?;
+    let ic = Tensor::from_vec(index_rows(&mut rng, &[64, 0, 10], 64, 200, 0), (t, 64), &dev)?;
+    let none = Tensor::full(f32::NEG_INFINITY, h, &dev)?;
+    let sink = Tensor::new(&[0.5f32, 1.0, 2.0, 3.0], &dev)?;
+    let (o0, lse) = sparse_attention_two_source(&q, &kv, &iw, &kv, &ic, &none, 0.05)?;
+    let (o1, lse1) = sparse_attention_two_source(&q, &kv, &iw, &kv, &ic, &sink, 0.05)?;
+    ensure!(lse.to_vec2::<f32>()? == lse1.to_vec2::<f32>()?, "lse must not depend on the sink");
+    let o0 = o0.to_dtype(DType::F32)?.to_vec3::<f32>()?;
+    let o1 = o1.to_dtype(DType::F32)?.to_vec3::<f32>()?;
+    let lse = lse.to_vec2::<f32>()?;
+    let sinks = [0.5f32, 1.0, 2.0, 3.0];
+    let mut differs = false;
+    for ti in 0..t {
+        for hi in 0..h {
+            let f = 1.0 / (1.0 + (sinks[hi] - lse[ti][hi]).exp());
+            for d in 0..D {
+                let (a, b) = (o1[ti][hi][d], o0[ti][hi][d] * f);
+                differs |= a != o0[ti][hi][d];
+                ensure!((a - b).abs() <= 1e-2 * b.abs() + 1e-4, "t{ti} h{hi} d{d}: {a} vs {b}");
+            }
+        }
+    }
+    ensure!(differs, "the sink had no effect");
+    Ok(())
+}
+
+#[test]
+fn rejects_bad_shapes_and_dtypes() -> Result<()> {
+    let dev = gpu();
+    let q = Tensor::zeros((2, 4, D), DType::BF16, &dev)?;
+    let kv = Tensor::zeros((8, D), DType::BF16, &dev)?;
+    let idx = Tensor::zeros((2, 3), DType::I64, &dev)?;
+    let sink = Tensor::zeros(4, DType::F32, &dev)?;
+    let bad_sink = Tensor::zeros(5, DType::F32, &dev)?;
+    let e = sparse_attention_two_source(&q, &kv, &idx, &kv, &idx, &bad_sink, 1.0).unwrap_err().to_string();
+    ensure!(e.contains("sink [5]"), "{e}");
+    let idx32 = idx.to_dtype(DType::I32)?;
+    let e = sparse_attention_two_source(&q, &kv, &idx, &kv, &idx32, &sink, 1.0).unwrap_err().to_string();
+    ensure!(e.contains("both be i64 or both i32"), "{e}");
+    let q256 = Tensor::zeros((2, 4, 256), DType::BF16, &dev)?;
+    let kv256 = Tensor::zeros((8, 256), DType::BF16, &dev)?;
+    let e = sparse_attention_two_source(&q256, &kv256, &idx, &kv256, &idx, &sink, 1.0).unwrap_err().to_string();
+    ensure!(e.contains("head_dim 512"), "{e}");
+    Ok(())
+}
