@@ -249,7 +249,8 @@ fn rejects_bad_shapes_and_dtypes() -> Result<()> {
     let bad_sink = Tensor::zeros(5, DType::F32, &dev)?;
     let e = sparse_attention_two_source(&q, &kv, &idx, &kv, &idx, &bad_sink, 1.0).unwrap_err().to_string();
     ensure!(e.contains("sink [5]"), "{e}");
-    let idx32 = idx.to_dtype(DType::I32)?;
+    // Built on the host: candle's CUDA backend has no i64 -> i32 cast kernel.
+    let idx32 = Tensor::zeros((2, 3), DType::I32, &Device::Cpu)?.to_device(&dev)?;
     let e = sparse_attention_two_source(&q, &kv, &idx, &kv, &idx32, &sink, 1.0).unwrap_err().to_string();
     ensure!(e.contains("both be i64 or both i32"), "{e}");
     let q256 = Tensor::zeros((2, 4, 256), DType::BF16, &dev)?;
