@@ -21,32 +21,10 @@ fn gpu() -> Device {
     Device::new_cuda(0).expect("tests/cuda_sparse_attention.rs needs a CUDA device (none found)")
 }
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn normal(&mut self) -> f32 {
-        let s: f32 = (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0;
-        if s == 0.0 {
-            1e-3
-        } else {
-            s * 1.7
-        }
-    }
-}
+#[path = "support/rng.rs"]
+#[allow(dead_code)]
+mod rng;
+use rng::Rng;
 
 fn random_bf16(rng: &mut Rng, shape: &[usize], amp: f32) -> Result<Tensor> {
     let n: usize = shape.iter().product();
