@@ -193,6 +193,11 @@ impl SequenceCache {
         self.trace.as_ref()
     }
 
+    /// Whether a recorder is installed (callers skip building trace-only tensors otherwise).
+    pub fn is_tracing(&self) -> bool {
+        self.trace.is_some()
+    }
+
     /// Records `t` under `name` when a recorder is installed.
     pub fn record(&mut self, name: impl FnOnce() -> String, t: &Tensor) {
         if let Some(tr) = self.trace.as_mut() {

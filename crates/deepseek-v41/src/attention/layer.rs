@@ -138,7 +138,9 @@ impl Attention {
                     self.compress(x, start, ratio, c, kp, cache)?;
                 }
                 let selected = self.select(x, &qr, &positions, topk, cache)?;
-                cache.record(|| format!("L{l}.topk"), &Tensor::new(selected.clone(), x.device())?);
+                if cache.is_tracing() {
+                    cache.record(|| format!("L{l}.topk"), &Tensor::new(selected.clone(), x.device())?);
+                }
                 let compressed = cache.source(kv_source)?.compressed.rows()?;
                 let offset = window.kv.dim(0)? as i64;
                 let indices = window
@@ -218,17 +220,9 @@ impl Attention {
                 };
                 let sel = indexer.select(x, qr, positions, &keys, &self.rope, published)?;
                 if let Some(c) = sel.candidates {
-                    let width = indexer.candidate_topk_blocks();
-                    let blocks: Vec<Vec<i64>> = c
-                        .kept
-                        .iter()
-                        .map(|k| {
-                            let mut v: Vec<i64> = k.iter().map(|&b| b as i64).collect();
-                            v.resize(width.max(v.len()), -1);
-                            v
-                        })
-                        .collect();
-                    cache.record(|| format!("L{l}.cand_blocks"), &Tensor::new(blocks, x.device())?);
+                    if cache.is_tracing() {
+                        record_candidate_blocks(cache, l, &c, indexer.candidate_topk_blocks(), x.device())?;
+                    }
                     cache.publish_candidates(start, c);
                 }
                 cache.publish_topk(l, start, sel.topk.clone());
@@ -248,4 +242,26 @@ impl Attention {
         let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
         self.wo_b.forward(&z.flatten_from(1)?)
     }
+}
+
+/// Records the kept candidate blocks `[T, candidate_topk_blocks]` (−1 padded) under
+/// `L{l}.cand_blocks` (tracing only).
+fn record_candidate_blocks(
+    cache: &mut SequenceCache,
+    l: usize,
+    c: &super::indexer::Candidates,
+    width: usize,
+    device: &candle_core::Device,
+) -> Result<()> {
+    let blocks: Vec<Vec<i64>> = c
+        .kept
+        .iter()
+        .map(|k| {
+            let mut v: Vec<i64> = k.iter().map(|&b| b as i64).collect();
+            v.resize(width.max(v.len()), -1);
+            v
+        })
+        .collect();
+    cache.record(|| format!("L{l}.cand_blocks"), &Tensor::new(blocks, device)?);
+    Ok(())
 }
