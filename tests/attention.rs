@@ -4,9 +4,11 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
-use deepseek_v41::attention::{Attention, SequenceCache, Trace};
-use deepseek_v41::golden::runner::{collect_trace, compare_produced, run_attention_teacher_forced, Produced, Regime};
+use candle_core::{DType, Device};
+use deepseek_v41::attention::{Attention, SequenceCache};
+use deepseek_v41::golden::runner::{
+    compare_produced, run_attention_teacher_forced, run_attention_teacher_forced_calls, Produced, Regime,
+};
 use deepseek_v41::golden::{compare, Call, GoldenSet, Report, Tolerance};
 use deepseek_v41::loader;
 use deepseek_v41::Numerics;
@@ -19,26 +21,7 @@ fn set() -> Result<GoldenSet> {
 fn run_chunked(calls: &[Call]) -> Result<Produced> {
     let set = set()?;
     let case = set.load_case(&set.root.join("prefill_full"), &Device::Cpu)?;
-    let cfg = &case.config;
-    let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, &Device::Cpu);
-    let layers = (0..cfg.num_hidden_layers)
-        .map(|l| Attention::new(cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn")))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let mut cache = SequenceCache::new(cfg, DType::BF16, &Device::Cpu)?;
-    cache.set_trace(Some(Trace::new()));
-    let mut outs: Vec<Vec<Tensor>> = vec![vec![]; layers.len()];
-    for c in calls {
-        for (l, a) in layers.iter().enumerate() {
-            let x = case.golden[&format!("L{l}.attn_in")].narrow(0, c.start_pos, c.length)?.to_dtype(DType::BF16)?;
-            outs[l].push(a.forward(&x, c.start_pos, &mut cache)?);
-        }
-    }
-    let mut p = Produced::new();
-    for (l, o) in outs.iter().enumerate() {
-        p.insert(format!("L{l}.attn_out"), Tensor::cat(o, 0)?);
-    }
-    collect_trace(cfg, &cache, &mut p)?;
-    Ok(p)
+    Ok(run_attention_teacher_forced_calls(&case, calls, &Device::Cpu)?)
 }
 
 #[test]

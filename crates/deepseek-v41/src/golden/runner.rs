@@ -116,6 +116,12 @@ fn sorted(m: &HashMap<String, Tensor>) -> Vec<(&String, &Tensor)> {
 
 /// Replays the case's calls through every layer's attention fed with the golden `attn_in`.
 pub fn run_attention_teacher_forced(case: &Case, device: &Device) -> Result<Produced> {
+    run_attention_teacher_forced_calls(case, &case.inputs.calls, device)
+}
+
+/// As [`run_attention_teacher_forced`] with another chunking of the same tokens (`calls`
+/// contiguous from position 0 within the case's golden `attn_in` rows).
+pub fn run_attention_teacher_forced_calls(case: &Case, calls: &[super::Call], device: &Device) -> Result<Produced> {
     let cfg = &case.config;
     let numerics = case_numerics(case);
     let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
@@ -126,7 +132,7 @@ pub fn run_attention_teacher_forced(case: &Case, device: &Device) -> Result<Prod
     cache.set_trace(Some(Trace::new()));
     let mut produced = Produced::new();
     let mut outs: Vec<Vec<Tensor>> = vec![Vec::new(); layers.len()];
-    for call in &case.inputs.calls {
+    for call in calls {
         for (l, attn) in layers.iter().enumerate() {
             let x = case.golden[&format!("L{l}.attn_in")].narrow(0, call.start_pos, call.length)?.to_dtype(DType::BF16)?;
             outs[l].push(attn.forward(&x, call.start_pos, &mut cache)?);
