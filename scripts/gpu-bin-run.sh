@@ -4,6 +4,7 @@
 # python3, and the NVIDIA driver. Logs go to $OUT (default: gpu-bin/out).
 #
 #   bash gpu-bin/run.sh            # tests, compute-sanitizer memcheck of the tests, benchmark
+#   SKIP_MEMCHECK=1 TEST_FILTER=name BENCH_ARGS="--quick" bash gpu-bin/run.sh
 #
 # Exit status: 0 when the tests (and memcheck, when it ran) passed; the bench never fails it.
 set -u
@@ -27,6 +28,10 @@ unxz_to() {  # unxz_to SRC.xz DST
 { nvidia-smi || echo "nvidia-smi not available"; } > "$OUT/nvidia-smi.txt" 2>&1
 TESTS=(cuda_insert cuda_sparse_attention)
 BENCHES=(bench_insert bench_sparse_attention)
+[[ -f "$HERE/TARGETS" ]] && source "$HERE/TARGETS"   # written by pack-gpu-bin.sh
+read -r -a TEST_FILTER_ARR <<< "${TEST_FILTER:-}"
+read -r -a BENCH_ARGS_ARR <<< "${BENCH_ARGS:-}"
+SKIP_MEMCHECK="${SKIP_MEMCHECK:-0}"
 for b in "${TESTS[@]}" "${BENCHES[@]}"; do
     unxz_to "$HERE/$b.xz" "$WORK/$b" || { say "cannot unpack $b.xz"; exit 2; }
     chmod +x "$WORK/$b"
@@ -34,13 +39,13 @@ done
 if command -v sha256sum >/dev/null; then
     (cd "$WORK" && sha256sum -c "$HERE/SHA256SUMS" 2>&1) | tee -a "$SUMMARY"
 fi
-ldd "$WORK/cuda_insert" > "$OUT/ldd.txt" 2>&1
+ldd "$WORK/${TESTS[0]:-${BENCHES[0]}}" > "$OUT/ldd.txt" 2>&1
 if grep -q "not found" "$OUT/ldd.txt"; then say "missing shared libraries:"; grep "not found" "$OUT/ldd.txt" | tee -a "$SUMMARY"; fi
 
 # 1. Tests (they fail without a CUDA device): $OUT/tests-<name>.log.
 TESTS_RC=0
 for b in "${TESTS[@]}"; do
-    with_timeout 180 "$WORK/$b" --test-threads=1 > "$OUT/tests-$b.log" 2>&1
+    with_timeout 180 "$WORK/$b" --test-threads=1 "${TEST_FILTER_ARR[@]}" > "$OUT/tests-$b.log" 2>&1
     rc=$?
     tail -n 30 "$OUT/tests-$b.log"
     say "tests $b: exit $rc"
@@ -62,7 +67,9 @@ if [[ -z "$SAN" ]] && ls "$HERE"/nvidia_cuda_sanitizer_api-*.whl >/dev/null 2>&1
         && SAN="$WORK/sanitizer/nvidia/cu13/bin/compute-sanitizer"
 fi
 MEM_RC=0
-if [[ -n "$SAN" ]]; then
+if [[ "$SKIP_MEMCHECK" == 1 ]]; then
+    say "memcheck skipped (SKIP_MEMCHECK=1)"
+elif [[ -n "$SAN" ]]; then
     say "memcheck with $SAN"
     for b in "${TESTS[@]}"; do
         with_timeout 300 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 50 \
@@ -78,7 +85,7 @@ fi
 
 # 3. Benchmarks: $OUT/bench-<name>.log.
 for b in "${BENCHES[@]}"; do
-    with_timeout 240 "$WORK/$b" > "$OUT/bench-$b.log" 2>&1
+    with_timeout 240 "$WORK/$b" "${BENCH_ARGS_ARR[@]}" > "$OUT/bench-$b.log" 2>&1
     say "bench $b: exit $?"
     cat "$OUT/bench-$b.log"
 done

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Builds the CUDA test and benchmark binaries (tests/cuda_insert.rs, tests/cuda_sparse_attention.rs,
 # examples/bench_insert.rs, examples/bench_sparse_attention.rs) (release, feature `cuda`) and packs them for a
-# GPU machine without Rust into gpu-bin/ (gitignored): stripped + xz-compressed binaries,
+# GPU machine without Rust into "$DIR"/ (gitignored): stripped + xz-compressed binaries,
 # SHA256SUMS of the unpacked binaries, run.sh (scripts/gpu-bin-run.sh) and, when available, the
 # compute-sanitizer wheel (pip download, cached in .cuda/wheels) for the memcheck run.
 #
-#   scripts/pack-gpu-bin.sh          # then copy gpu-bin/ to the GPU machine: bash gpu-bin/run.sh
+#   scripts/pack-gpu-bin.sh          # then copy "$DIR"/ to the GPU machine: bash "$DIR"/run.sh
+#
+# Environment: PACK_TESTS / PACK_BENCHES (space-separated target names, default: all CUDA tests /
+# benches below), PACK_DIR (output folder, default gpu-bin). The chosen names are written to
+# $PACK_DIR/TARGETS so run.sh runs exactly what was packed; run.sh's BENCH_ARGS / TEST_FILTER
+# pass arguments through.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -15,10 +20,12 @@ NICE="nice -n 19"
 
 # Build and collect the executables' paths from cargo's JSON messages.
 msgs="$(mktemp)"
-TESTS=(cuda_insert cuda_sparse_attention)
-BENCHES=(bench_insert bench_sparse_attention)
-$NICE cargo test --release --features cuda "${TESTS[@]/#/--test=}" --no-run --message-format=json > "$msgs"
-$NICE cargo build --release --features cuda "${BENCHES[@]/#/--example=}" --message-format=json >> "$msgs"
+read -r -a TESTS <<< "${PACK_TESTS:-cuda_insert cuda_sparse_attention}"
+read -r -a BENCHES <<< "${PACK_BENCHES:-bench_insert bench_sparse_attention}"
+DIR="${PACK_DIR:-gpu-bin}"
+: > "$msgs"
+((${#TESTS[@]} == 0)) || $NICE cargo test --release --features cuda "${TESTS[@]/#/--test=}" --no-run --message-format=json >> "$msgs"
+((${#BENCHES[@]} == 0)) || $NICE cargo build --release --features cuda "${BENCHES[@]/#/--example=}" --message-format=json >> "$msgs"
 exe_of() {
     python3 - "$msgs" "$1" <<'PY'
 import json, sys
@@ -34,8 +41,8 @@ for line in open(path):
 print(found or "")
 PY
 }
-mkdir -p gpu-bin
-rm -f gpu-bin/*.xz gpu-bin/SHA256SUMS
+mkdir -p "$DIR"
+rm -f "$DIR"/*.xz "$DIR"/SHA256SUMS
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 for b in "${TESTS[@]}" "${BENCHES[@]}"; do
@@ -45,12 +52,13 @@ for b in "${TESTS[@]}" "${BENCHES[@]}"; do
     strip "$tmp/$b"
 done
 rm -f "$msgs"
-(cd "$tmp" && sha256sum "${TESTS[@]}" "${BENCHES[@]}") > gpu-bin/SHA256SUMS
+(cd "$tmp" && sha256sum "${TESTS[@]}" "${BENCHES[@]}") > "$DIR"/SHA256SUMS
 for b in "${TESTS[@]}" "${BENCHES[@]}"; do
-    $NICE xz -T2 -6 -c "$tmp/$b" > "gpu-bin/$b.xz"
+    $NICE xz -T2 -6 -c "$tmp/$b" > ""$DIR"/$b.xz"
 done
-cp scripts/gpu-bin-run.sh gpu-bin/run.sh
-chmod +x gpu-bin/run.sh
+cp scripts/gpu-bin-run.sh "$DIR"/run.sh
+printf 'TESTS=(%s)\nBENCHES=(%s)\n' "${TESTS[*]}" "${BENCHES[*]}" > "$DIR"/TARGETS
+chmod +x "$DIR"/run.sh
 
 # compute-sanitizer for memcheck (the GPU image may not have one).
 WHEEL_REQ="nvidia-cuda-sanitizer-api==13.0.85"
@@ -59,8 +67,8 @@ if ! ls .cuda/wheels/nvidia_cuda_sanitizer_api-13.0.85-*.whl >/dev/null 2>&1; th
     python3 -m pip download --no-deps --quiet --disable-pip-version-check -d .cuda/wheels "$WHEEL_REQ" \
         || echo "pack-gpu-bin: could not download $WHEEL_REQ; run.sh will look for a system compute-sanitizer"
 fi
-rm -f gpu-bin/nvidia_cuda_sanitizer_api-*.whl
-cp .cuda/wheels/nvidia_cuda_sanitizer_api-13.0.85-*.whl gpu-bin/ 2>/dev/null || true
-(cd gpu-bin && sha256sum ./*.xz ./*.whl 2>/dev/null) > gpu-bin/SHA256SUMS.packed || true
-ls -la gpu-bin
-cat gpu-bin/SHA256SUMS
+rm -f "$DIR"/nvidia_cuda_sanitizer_api-*.whl
+cp .cuda/wheels/nvidia_cuda_sanitizer_api-13.0.85-*.whl "$DIR"/ 2>/dev/null || true
+(cd "$DIR" && sha256sum ./*.xz ./*.whl 2>/dev/null) > "$DIR"/SHA256SUMS.packed || true
+ls -la "$DIR"
+cat "$DIR"/SHA256SUMS
