@@ -61,10 +61,6 @@ struct Args {
     /// Skip the plain-Candle baseline.
     #[arg(long)]
     no_baseline: bool,
-    /// Also time the prefill cases with these rows-per-warp variants of the insert kernels
-    /// (tuning; the default kernel is variant 1).
-    #[arg(long, value_delimiter = ',')]
-    variants: Vec<i32>,
 }
 
 struct Bench {
@@ -130,18 +126,6 @@ impl Bench {
             100.0 * bw / HBM_READ_GBPS,
             100.0 * bw / copy_bw,
         );
-        Ok(())
-    }
-
-    /// Prefill tuning rows: the fused op (graph time) under each rows-per-warp variant.
-    fn variants(&self, op: &str, case: &str, bytes: f64, sets: usize, mut fused: impl FnMut(usize) -> Result<()>) -> Result<()> {
-        for &v in &self.args.variants {
-            deepseek_v41::cuda::bench_set_insert_rows_variant(v);
-            let t = self.fused(sets, &mut fused)?;
-            let ms = t.graph_ms.unwrap_or(t.loop_ms);
-            println!("  variant {v}: {op:<22} {case:<16} {:>9.2} us {:>8.0} GB/s {:>6.1}%", ms * 1e3, gbps(bytes, ms), 100.0 * gbps(bytes, ms) / HBM_READ_GBPS);
-        }
-        deepseek_v41::cuda::bench_set_insert_rows_variant(1);
         Ok(())
     }
 
@@ -308,18 +292,12 @@ fn main() -> Result<()> {
         let mut base = || candle_insert(&caches[0], &kvs[0], &cos, &sin, &index, QatFormat::Fp8Ue8m0B32, None);
         let fused = |i: usize| Ok(window_insert(&caches[i % sets], &kvs[i % sets], &cos, &sin, &slots_t, true)?);
         bench.row("window_insert Q1", case, bytes, sets, fused, Some(&mut base))?;
-        if !is_decode {
-            bench.variants("window_insert Q1", case, bytes, sets, fused)?;
-        }
         // The same rows into the packed format A (528 B per row, 64-token pages).
         let layout = PackedLayout::new(QatFormat::Fp8Ue8m0B32, d, 64)?;
         let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), &dev)).collect::<Result<_, _>>()?;
         let bytes = (n * (2 * d + layout.row_bytes() + 4 * ROPE_DIM + 8)) as f64;
         let fused = |i: usize| Ok(packed_insert(&packed[i % sets], &layout, &kvs[i % sets], &cos, &sin, &slots_t, None)?);
         bench.row("window_insert packed A", case, bytes, sets, fused, None)?;
-        if !is_decode {
-            bench.variants("window_insert packed A", case, bytes, sets, fused)?;
-        }
     }
 
     // ---- q RoPE (64 heads x 512): decode B tokens / prefill T tokens.
@@ -362,9 +340,6 @@ fn main() -> Result<()> {
         let mut base = || candle_insert(&caches[0], &latents[0], &cos, &sin, &index, QatFormat::Fp4E4m3B16, None);
         let fused = |i: usize| Ok(compressed_insert(&caches[i % sets], &latents[i % sets], &cos, &sin, &slots_t, true)?);
         bench.row("compressed_insert Q2", case, bytes, sets, fused, Some(&mut base))?;
-        if !is_decode {
-            bench.variants("compressed_insert Q2", case, bytes, sets, fused)?;
-        }
         // The same entries into the packed format B (288 B per row, 64-entry pages).
         let layout = PackedLayout::new(QatFormat::Fp4E4m3B16, HEAD_DIM, 64)?;
         let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), &dev)).collect::<Result<_, _>>()?;
@@ -385,9 +360,6 @@ fn main() -> Result<()> {
             Ok(index_key_insert(&kcaches[i % sets], &k_pres[i % sets], &k_weight, 1e-20, &cos, &sin, &slots_t, true)?)
         };
         bench.row("index_key_insert Q3", case, bytes, sets, fused, Some(&mut base))?;
-        if !is_decode {
-            bench.variants("index_key_insert Q3", case, bytes, sets, fused)?;
-        }
         // The same keys into the packed format E (68 B per row, 64-key pages).
         let layout = PackedLayout::new(QatFormat::Fp4Ue8m0B32, INDEX_DIM, 64)?;
         let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), &dev)).collect::<Result<_, _>>()?;

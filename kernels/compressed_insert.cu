@@ -40,7 +40,7 @@ extern "C" int dsv41_compressed_insert(const Dsv41RowInsertParams* p, size_t par
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     return with_head_dim(p->head_dim, [&](auto d) -> int {
         constexpr int D = decltype(d)::value;
-        return with_insert_rows<D>([&](auto rows) -> int {
+        return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {
             constexpr int ROWS = decltype(rows)::value;
             const dim3 grid(insert_blocks(p->num_tokens, ROWS));
             if (p->quant == DSV41_QUANT_NONE)

@@ -90,7 +90,7 @@ namespace {
 template <int D, dsv41::Quant Q>
 int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     using namespace dsv41;
-    return with_insert_rows<D>([&](auto rows) -> int {
+    return with_insert_rows<D>(p->num_tokens, false, [&](auto rows) -> int {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
         if (p->apply_norm) packed_insert_kernel<D, ROWS, Q, Norm::Weighted><<<grid, kInsertThreads, 0, s>>>(*p);

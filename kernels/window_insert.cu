@@ -20,8 +20,6 @@
 
 namespace dsv41 {
 
-int g_insert_rows_variant = 1;
-
 // grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each).
 template <int D, int ROWS, Quant Q>
 __global__ void __launch_bounds__(kInsertThreads) window_insert_kernel(const Dsv41RowInsertParams p) {
@@ -36,8 +34,6 @@ __global__ void __launch_bounds__(kInsertThreads) window_insert_kernel(const Dsv
 
 // ------------------------------------------------------------------------------------ launcher
 
-extern "C" void dsv41_set_insert_rows_variant(int variant) { dsv41::g_insert_rows_variant = variant; }
-
 extern "C" int dsv41_window_insert(const Dsv41RowInsertParams* p, size_t params_size, void* stream) {
     using namespace dsv41;
     int status = check_insert_params(p, params_size);
@@ -47,7 +43,7 @@ extern "C" int dsv41_window_insert(const Dsv41RowInsertParams* p, size_t params_
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     return with_head_dim(p->head_dim, [&](auto d) -> int {
         constexpr int D = decltype(d)::value;
-        return with_insert_rows<D>([&](auto rows) -> int {
+        return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {
             constexpr int ROWS = decltype(rows)::value;
             const dim3 grid(insert_blocks(p->num_tokens, ROWS));
             if (p->quant == DSV41_QUANT_NONE)

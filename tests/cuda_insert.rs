@@ -609,7 +609,10 @@ fn inserts_of_special_values() -> Result<()> {
     let w_gpu = weight.to_device(&dev)?;
     for kind in 0..3 {
         let d = if kind == 2 { 128 } else { 512 };
-        let rows = special_rows(&mut rng, t, d, true)?;
+        // No inf / NaN into the index keys: an inf makes the norm divide inf / inf, a NaN whose
+        // sign differs by device (x86 gives -NaN, CUDA +NaN), and Q3 maps a NaN to +-6 * s by
+        // that sign, so CPU and GPU legitimately differ there.
+        let rows = special_rows(&mut rng, t, d, kind != 2)?;
         let rows_gpu = rows.to_device(&dev)?;
         let (cache_cpu, cache_gpu) = (poisoned(t, d, &Device::Cpu)?, poisoned(t, d, &dev)?);
         match kind {

@@ -63,12 +63,21 @@ template <Quant Q> static long check_pow2(int kmin, const char* name) {
     for (uint32_t ab = 0; ab < 0x7f81; ++ab) {
         const BlockScale b = QuantTraits<Q>::scale(bf16_bits_to_f32(ab));
         const int k = ceil_log2(b.s);
-        if (k < kmin || k > 128 || b.s != pow2(k)) {
+        const float want = pow2(ceil_log2(div_rn(fmaxf(bf16_bits_to_f32(ab), Q == Quant::Fp8Ue8m0B32 ? 1e-4f : 6.0f * 1.17549435e-38f),
+                                                 QuantTraits<Q>::kElemMax)));
+        if (k < kmin || k > 128 || b.s != pow2(k) || b.s != want) {
             if (bad < 5) printf("%s: amax 0x%04x gives scale %a outside the checked set\n", name, ab, b.s);
             ++bad;
         }
     }
-    for (int k = kmin; k <= 128; ++k, ++n) bad += check_scale<Q>(pow2_scale(k), name);
+    for (int k = kmin; k <= 128; ++k, ++n) {
+        const BlockScale b = pow2_scale(k);
+        if (b.s != pow2(k) || !(b.inv == 1.0f / b.s)) {
+            printf("%s: pow2_scale(%d) = {%a, %a}\n", name, k, b.s, b.inv);
+            ++bad;
+        }
+        bad += check_scale<Q>(b, name);
+    }
     printf("%s: %ld scales x 65536 bf16 values: %ld mismatches\n", name, n, bad);
     return bad;
 }

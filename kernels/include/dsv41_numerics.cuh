@@ -7,7 +7,7 @@
 // into FMAs and never replaced by approximations, whatever -fmad / --use_fast_math say. That is
 // what makes the GPU results equal the CPU ones bit for bit (Rust never contracts a*b+c).
 //
-// The per-element fake-quant path (`fake_quant_element`, `e4m3_code_fast`, `e2m1_code_fast`) is
+// The per-element fake-quant path (`fake_quant_element`, `quant_code`) is
 // the hot loop of the insert kernels, so it avoids divisions: with a power-of-two scale s
 // (Q1, Q3) x / s == x * (1/s) exactly (both are the correct rounding of the same real number,
 // 1/s being exact); with the e4m3 scale of Q2 the quotient is the reciprocal product corrected by
@@ -179,23 +179,30 @@ DSV41_HD float round_e2m1_sat(float y) {
     return u2f((ua >= 0x3f800000u ? big : f2u(small)) | sign);
 }
 
-// e4m3fn byte of a value r = round_e4m3_sat(y) (equal to e4m3_code(clamp(y, +-448))).
-DSV41_HD uint8_t e4m3_code_of_rounded(float r) {
-    const uint32_t ur = f2u(r);
-    const uint32_t sign = (ur >> 24) & 0x80u;
-    const uint32_t ua = ur & 0x7fffffffu;
-    // normal: ((e + 7) << 3) | m3 = (ua >> 20) - (120 << 3); subnormal (and zero): r * 2^9.
-    const uint32_t mag = ua >= 0x3c800000u ? (ua >> 20) - 960u : static_cast<uint32_t>(mul_rn(u2f(ua), 512.0f));
-    return static_cast<uint8_t>(sign | (isnan(r) ? 0x7fu : mag));
+// e4m3fn byte of round_e4m3_sat(y) (= e4m3_code(clamp(y, +-448)), NaN -> 0x7f | sign),
+// straight from y's bits: the RNE carry then the top bits give ((e + 7) << 3) | m3 for
+// |y| >= 2^-6; below, 2^14 + |y| (ulp 2^-9) holds the subnormal code in its low bits.
+DSV41_HD uint8_t e4m3_code_sat(float y) {
+    const uint32_t uy = f2u(y);
+    const uint32_t sign = (uy >> 24) & 0x80u;
+    const float a = fminf(fabsf(y), kE4m3Max);
+    const uint32_t ua = f2u(a);
+    const uint32_t normal = ((ua + 0x7ffffu + ((ua >> 20) & 1u)) >> 20) - 960u;  // 960 = 120 << 3
+    const uint32_t sub = f2u(add_rn(a, 16384.0f)) - 0x46800000u;                 // bits of 2^14
+    const uint32_t mag = ua >= 0x3c800000u ? normal : sub;
+    return static_cast<uint8_t>(sign | (isnan(y) ? 0x7fu : mag));
 }
 
-// e2m1 code of a value r = round_e2m1_sat(y) (equal to e2m1_code(clamp(y, +-6))).
-DSV41_HD uint8_t e2m1_code_of_rounded(float r) {
-    const uint32_t ur = f2u(r);
-    const uint32_t ua = ur & 0x7fffffffu;
-    // 1.0 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7; 0.5 -> 1; 0 -> 0.
-    const uint32_t mag = ua >= 0x3f800000u ? (ua >> 22) - 252u : (ua != 0 ? 1u : 0u);
-    return static_cast<uint8_t>(((ur >> 28) & 0x8u) | mag);
+// e2m1 code of round_e2m1_sat(y) (= e2m1_code(clamp(y, +-6)); NaN -> 7 | sign), from the bits:
+// 1.0 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7 by the RNE carry; below 1, 2^22 + |y|
+// (ulp 0.5) holds 0, 1 or 2 in its low bits.
+DSV41_HD uint8_t e2m1_code_sat(float y) {
+    const uint32_t uy = f2u(y);
+    const float a = fminf(fabsf(y), kE2m1Max);  // NaN -> 6
+    const uint32_t ua = f2u(a);
+    const uint32_t normal = ((ua + 0x1fffffu + ((ua >> 22) & 1u)) >> 22) - 252u;  // 1.0 = 254 << 22
+    const uint32_t sub = f2u(add_rn(a, 4194304.0f)) - 0x4a800000u;               // bits of 2^22
+    return static_cast<uint8_t>(((uy >> 28) & 0x8u) | (ua >= 0x3f800000u ? normal : sub));
 }
 
 // The QAT formats of spec §2.3 (values equal enum Dsv41Quant).
@@ -208,8 +215,20 @@ struct BlockScale {
     float inv;
 };
 
-// The exact reciprocal of 2^k for the k the UE8M0 scales produce (k <= 128; 2^128 = inf -> 0).
-DSV41_HD BlockScale pow2_scale(int k) { return {pow2(k), k > 127 ? 0.0f : pow2(-k)}; }
+// 2^k and its exact reciprocal for the k the UE8M0 scales produce, k in [-126, 128] (2^128 is
+// +inf, whose reciprocal is 0), without branches: both are normal floats except 2^-127.
+DSV41_HD BlockScale pow2_scale(int k) {
+    const float s = u2f(static_cast<uint32_t>(k + 127) << 23);
+    const float inv = k < 127 ? u2f(static_cast<uint32_t>(127 - k) << 23) : (k == 127 ? u2f(0x00400000u) : 0.0f);
+    return {s, inv};
+}
+
+// ceil(log2(v)) for a NORMAL positive v or +inf (128), from the bits (ceil_log2 without the
+// subnormal branch).
+DSV41_HD int ceil_log2_normal(float v) {
+    const uint32_t bits = f2u(v);
+    return static_cast<int>(bits >> 23) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+}
 
 template <Quant Q> struct QuantTraits;
 template <> struct QuantTraits<Quant::Fp8Ue8m0B32> {
@@ -217,11 +236,11 @@ template <> struct QuantTraits<Quant::Fp8Ue8m0B32> {
     static constexpr float kElemMax = kE4m3Max;
     // s = 2^ceil(log2(max(amax, 1e-4) / 448)), k in [-22, 128]
     DSV41_HD static BlockScale scale(float amax) {
-        return pow2_scale(ceil_log2(div_rn(fmaxf(amax, 1e-4f), kE4m3Max)));
+        return pow2_scale(ceil_log2_normal(div_rn(fmaxf(amax, 1e-4f), kE4m3Max)));  // >= 2.2e-7
     }
     DSV41_HD static float quotient(float x, BlockScale b) { return mul_rn(x, b.inv); }
     DSV41_HD static float round(float y) { return round_e4m3_sat(y); }
-    DSV41_HD static uint8_t code(float r) { return e4m3_code_of_rounded(r); }
+    DSV41_HD static uint8_t code(float y) { return e4m3_code_sat(y); }
     DSV41_HD static uint8_t scale_code(float s) { return static_cast<uint8_t>((f2u(s) >> 23) & 0xff); }
 };
 template <> struct QuantTraits<Quant::Fp4E4m3B16> {
@@ -242,7 +261,7 @@ template <> struct QuantTraits<Quant::Fp4E4m3B16> {
         return isfinite(q) ? copysignf(q2, q) : q;
     }
     DSV41_HD static float round(float y) { return round_e2m1_sat(y); }
-    DSV41_HD static uint8_t code(float r) { return e2m1_code_of_rounded(r); }
+    DSV41_HD static uint8_t code(float y) { return e2m1_code_sat(y); }
     DSV41_HD static uint8_t scale_code(float s) { return e4m3_code(s); }
 };
 template <> struct QuantTraits<Quant::Fp4Ue8m0B32> {
@@ -250,11 +269,11 @@ template <> struct QuantTraits<Quant::Fp4Ue8m0B32> {
     static constexpr float kElemMax = kE2m1Max;
     // s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6)), k in [-126, 128]
     DSV41_HD static BlockScale scale(float amax) {
-        return pow2_scale(ceil_log2(div_rn(fmaxf(amax, 6.0f * 1.17549435e-38f), kE2m1Max)));
+        return pow2_scale(ceil_log2_normal(div_rn(fmaxf(amax, 6.0f * 1.17549435e-38f), kE2m1Max)));  // >= 2^-126
     }
     DSV41_HD static float quotient(float x, BlockScale b) { return mul_rn(x, b.inv); }
     DSV41_HD static float round(float y) { return round_e2m1_sat(y); }
-    DSV41_HD static uint8_t code(float r) { return e2m1_code_of_rounded(r); }
+    DSV41_HD static uint8_t code(float y) { return e2m1_code_sat(y); }
     DSV41_HD static uint8_t scale_code(float s) { return static_cast<uint8_t>((f2u(s) >> 23) & 0xff); }
 };
 
@@ -266,7 +285,7 @@ template <Quant Q> DSV41_HD float fake_quant_element(float x, BlockScale b) {
 
 // The element's code (e4m3 byte or e2m1 nibble) in the packed formats.
 template <Quant Q> DSV41_HD uint8_t quant_code(float x, BlockScale b) {
-    return QuantTraits<Q>::code(QuantTraits<Q>::round(QuantTraits<Q>::quotient(x, b)));
+    return QuantTraits<Q>::code(QuantTraits<Q>::quotient(x, b));
 }
 
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).

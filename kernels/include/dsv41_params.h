@@ -140,9 +140,6 @@ int dsv41_compressed_insert(const Dsv41RowInsertParams* p, size_t params_size, v
 int dsv41_index_key_insert(const Dsv41RowInsertParams* p, size_t params_size, void* stream);
 int dsv41_packed_insert(const Dsv41PackedInsertParams* p, size_t params_size, void* stream);
 int dsv41_q_rope(const Dsv41QRopeParams* p, size_t params_size, void* stream);
-// Benchmark-only tuning knob of the insert kernels: rows per warp variant 0, 1 (default) or 2
-// (process-wide, not thread-safe; dsv41_row.cuh insert_rows_per_warp).
-void dsv41_set_insert_rows_variant(int variant);
 // Text of a positive cudaError_t value (NULL-safe: never NULL).
 const char* dsv41_cuda_error_string(int code);
 

@@ -87,9 +87,10 @@ enum class Norm { None, Weightless, Weighted };
 // CPU, then rounded to bf16: squares are staged in `smem` (D floats per warp) so that lane L can
 // accumulate elements L, L+32, L+64, ... sequentially, then the warp combines the 32 partial
 // sums in candle's AVX2 order.
-template <int D, Norm N>
-__device__ __forceinline__ void rms_norm_row(float (&x)[D / 32], int lane, float* smem, const float* weight,
-                                             float eps, float inv_dim) {
+// `weight(k)` returns the weight of this lane's element k (only called for Norm::Weighted).
+template <int D, Norm N, class W>
+__device__ __forceinline__ void rms_norm_row(float (&x)[D / 32], int lane, float* smem, W&& weight, float eps,
+                                             float inv_dim) {
     constexpr int EPL = D / 32;
 #pragma unroll
     for (int k = 0; k < EPL; ++k) smem[lane * EPL + k] = __fmul_rn(x[k], x[k]);
@@ -105,7 +106,7 @@ __device__ __forceinline__ void rms_norm_row(float (&x)[D / 32], int lane, float
 #pragma unroll
     for (int k = 0; k < EPL; ++k) {
         float y = __fdiv_rn(x[k], r);
-        if constexpr (N == Norm::Weighted) y = __fmul_rn(y, weight[lane * EPL + k]);
+        if constexpr (N == Norm::Weighted) y = __fmul_rn(y, weight(k));
         x[k] = round_bf16(y);
     }
 }
@@ -297,33 +298,32 @@ __device__ __forceinline__ void warp_rows(const P& p, float* smem, F&& finish) {
     RowIn<D> in[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) load_row<D>(p, t0 + r, lane, in[r]);
+    float w[N == Norm::Weighted ? D / 32 : 1];  // the lane's norm weights, loaded once per warp
+    if constexpr (N == Norm::Weighted) {
+#pragma unroll
+        for (int k = 0; k < D / 32; ++k) w[k] = ld_nc_f32(p.norm_weight + lane * (D / 32) + k);
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         float x[D / 32];
         unpack_row<D>(in[r], x);
-        if constexpr (N != Norm::None) rms_norm_row<D, N>(x, lane, smem, p.norm_weight, p.norm_eps, p.norm_inv_dim);
+        if constexpr (N != Norm::None)
+            rms_norm_row<D, N>(x, lane, smem, [&](int k) { return w[k]; }, p.norm_eps, p.norm_inv_dim);
         rope_loaded_row<D>(p, in[r], lane, x, rope_buf[warp]);
         finish(in[r], x);
     }
 }
 
-// Rows per warp of the insert kernels for head dim D: ~1-2 KB of row data per warp in flight.
-// `variant` (0..2) is a benchmark-only tuning knob (dsv41_set_insert_rows_variant).
-constexpr int insert_rows_per_warp(int variant, int d) {
-    const int base = d >= 256 ? 1 : (d == 128 ? 2 : 4);
-    const int r = base << variant;
-    return r > 8 ? 8 : r;
-}
-
-// Set by dsv41_set_insert_rows_variant (window_insert.cu); 1 by default.
-extern int g_insert_rows_variant;
-
-// Calls f(std::integral_constant<int, ROWS>) with the rows per warp for head dim D.
-template <int D, typename F> int with_insert_rows(F&& f) {
-    switch (g_insert_rows_variant) {
-        case 0: return f(std::integral_constant<int, insert_rows_per_warp(0, D)>{});
-        case 2: return f(std::integral_constant<int, insert_rows_per_warp(2, D)>{});
-        default: return f(std::integral_constant<int, insert_rows_per_warp(1, D)>{});
+// Rows per warp of the insert kernels, as measured on the H200 (docs/perf.md, issue 4): one
+// 512-wide row per warp keeps the most warps resident, which is what the compute-heavier calls
+// need (the packed formats, grids of a few waves); a second row per warp pays off only for
+// memory-bound bf16 inserts of at least 65536 rows. 128-wide rows: 2 per warp; 64-wide: 4.
+template <int D, typename F> int with_insert_rows(int64_t rows, bool memory_bound, F&& f) {
+    if constexpr (D >= 256) {
+        if (memory_bound && rows >= 65536) return f(std::integral_constant<int, 2>{});
+        return f(std::integral_constant<int, 1>{});
+    } else {
+        return f(std::integral_constant<int, D == 128 ? 2 : 4>{});
     }
 }
 

@@ -146,7 +146,6 @@ extern "C" {
     pub(crate) fn dsv41_compressed_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_index_key_insert(p: *const RowInsertParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_q_rope(p: *const QRopeParams, params_size: usize, stream: *mut c_void) -> i32;
-    pub(crate) fn dsv41_set_insert_rows_variant(variant: i32);
     fn dsv41_cuda_error_string(code: i32) -> *const c_char;
 }
 

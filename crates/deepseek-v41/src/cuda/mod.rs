@@ -40,14 +40,5 @@ pub use slots::keep_last_writer;
 pub use sparse_attention::{sparse_attention_two_source, SPARSE_ATTENTION_HEAD_DIM};
 pub use window_insert::window_insert;
 
-/// Benchmark-only tuning knob: selects the rows-per-warp variant (0, 1 = default, 2) of the
-/// insert kernels for all later launches of this process. Not thread-safe with concurrent
-/// launches; `examples/bench_insert.rs --variants` uses it.
-#[doc(hidden)]
-pub fn bench_set_insert_rows_variant(variant: i32) {
-    // SAFETY: sets a plain host-side int read by the launchers.
-    unsafe { ffi::dsv41_set_insert_rows_variant(variant) }
-}
-
 #[cfg(test)]
 mod cpu_tests;
