@@ -12,8 +12,8 @@
 // Insert kernels (warp_rows): each warp owns ROWS consecutive tokens and issues ALL their loads
 // (row vectors, cos/sin, slot) before the first row's arithmetic, so that ROWS rows per warp are
 // in flight; then it finishes the rows one by one. For R <= 64 the token's R/2 cos and sin
-// values are loaded one per lane (coalesced) and handed to the lanes holding the rotated dims
-// with shuffles; larger R read them from global memory in the arithmetic phase.
+// values are loaded one per lane (coalesced) and the rotated dims go through shared memory so
+// that lane i rotates pair i; larger R read cos/sin from global memory in the arithmetic phase.
 //
 // Numerics mirror the CPU composition the crate uses as reference (see dsv41_numerics.cuh):
 // every intermediate that the CPU rounds to bf16 (norm output, RoPE output) is rounded to bf16
