@@ -2,11 +2,17 @@
 //! DeepSeek-V4.1-Flash shapes (64 heads x 512, rope 64, window 128, index head 128), against
 //! the same computation written with plain Candle ops on the same GPU.
 //!
-//! Timing: CUDA events recorded on candle's stream around `iters` back-to-back calls, after a
-//! warm-up; the median over `reps` repetitions, per call. A call's time includes its host-side
-//! work whenever the host is the bottleneck (small decode batches), as an application sees it.
-//! Bandwidth: the minimum bytes the fused kernel must move (reads of the inputs, cos/sin and
-//! slots, writes of the cache rows) divided by the time, against the H200's 4.17 TB/s.
+//! Timing (examples/support/bench.rs): CUDA events, warm-up, the median over repetitions, per
+//! call, two ways: `loop` = back-to-back calls of the Rust op (host work included: for small
+//! decode batches this is the launch overhead an application pays), `graph` = the same calls
+//! replayed from a CUDA graph (GPU time only). Every op cycles through enough independent
+//! input/cache sets that its working set exceeds 4x the L2 cache, so each call reads and
+//! writes HBM (the candle baseline uses one set).
+//!
+//! Bandwidth: the bytes a call must move (reads of the rows, cos/sin and slots, writes of the
+//! cache rows: read + write counted) over the graph time, against the H200's measured 4.17 TB/s
+//! read ceiling and against a device-to-device copy (`cuMemcpyAsync`, graph-timed, also
+//! L2-defeating) of the same number of bytes measured in the same run ("% copy").
 //!
 //! The Candle baseline computes RoPE with `nn::rope::apply_rope_tail` and the fake quant with
 //! elementwise ops (log/exp/round; timing only, its numerics are approximate), then writes the
@@ -14,10 +20,7 @@
 //!
 //! Run: `cargo run --release --features cuda --example bench_insert` (needs a CUDA GPU).
 
-use std::sync::Arc;
-
 use anyhow::{Context, Result};
-use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaStream};
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
 use deepseek_v41::cuda::{
@@ -27,23 +30,30 @@ use deepseek_v41::nn::rms_norm::RmsNorm;
 use deepseek_v41::nn::rope::{apply_rope_tail, RopeKind, RopeTable};
 use deepseek_v41::quant::QatFormat;
 
-const HBM_GBPS: f64 = 4170.0;
+#[path = "support/bench.rs"]
+mod bench;
+use bench::{gbps, l2_bytes, rotation_sets, CopyRef, Timer, HBM_READ_GBPS};
+
 const HEADS: usize = 64;
 const HEAD_DIM: usize = 512;
 const ROPE_DIM: usize = 64;
 const WINDOW: usize = 128;
 const INDEX_DIM: usize = 128;
+/// Compressed entries per sequence in the decode cases (each sequence's slots wrap inside).
+const ENTRIES_PER_SEQ: usize = 256;
+/// Largest number of rotated input/cache sets per op.
+const MAX_SETS: usize = 8;
 
 #[derive(Parser, Debug)]
 struct Args {
     /// Repetitions (the median is reported).
-    #[arg(long, default_value_t = 11)]
+    #[arg(long, default_value_t = 9)]
     reps: usize,
     /// Warm-up calls before timing.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 5)]
     warmup: usize,
     /// Target time of one repetition in milliseconds (sets the calls per repetition).
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 2.0)]
     rep_ms: f64,
     /// Largest prefill length.
     #[arg(long, default_value_t = 65536)]
@@ -54,55 +64,73 @@ struct Args {
 }
 
 struct Bench {
-    stream: Arc<CudaStream>,
+    timer: Timer,
     args: Args,
+    l2: usize,
+}
+
+/// One op's timings.
+struct Times {
+    loop_ms: f64,
+    graph_ms: Option<f64>,
 }
 
 impl Bench {
-    /// Median milliseconds per call of `f`.
-    fn time(&self, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-        for _ in 0..self.args.warmup.max(1) {
-            f()?;
-        }
-        self.stream.synchronize()?;
-        // Calibrate the number of calls per repetition.
-        let probe = self.span(3, &mut f)?;
-        let iters = ((self.args.rep_ms / probe.max(1e-4)) as usize).clamp(3, 5000);
-        let mut samples: Vec<f64> =
-            (0..self.args.reps.max(1)).map(|_| self.span(iters, &mut f)).collect::<Result<_>>()?;
-        samples.sort_by(|a, b| a.total_cmp(b));
-        Ok(samples[samples.len() / 2])
+    /// Times `fused` (called with a running call counter; it picks its buffer set from it) in a
+    /// loop and from a graph of `sets` calls.
+    fn fused(&self, sets: usize, mut fused: impl FnMut(usize) -> Result<()>) -> Result<Times> {
+        let mut i = 0usize;
+        let loop_ms = self.timer.calls(|| {
+            i += 1;
+            fused(i)
+        })?;
+        let graph_ms = match self.timer.graph(sets, || {
+            i += 1;
+            fused(i)
+        }) {
+            Ok(ms) => Some(ms),
+            Err(e) => {
+                eprintln!("graph timing unavailable: {e:#}");
+                None
+            }
+        };
+        Ok(Times { loop_ms, graph_ms })
     }
 
-    fn span(&self, iters: usize, f: &mut impl FnMut() -> Result<()>) -> Result<f64> {
-        let start = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        for _ in 0..iters {
-            f()?;
-        }
-        let end = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        Ok(start.elapsed_ms(&end)? as f64 / iters as f64)
-    }
-
-    /// Times the fused op and (unless disabled) the baseline, prints one table row.
+    /// Times the fused op (and the baseline, unless disabled) and prints one table row.
     fn row(
         &self,
         op: &str,
         case: &str,
         bytes: f64,
-        fused: impl FnMut() -> Result<()>,
+        sets: usize,
+        fused: impl FnMut(usize) -> Result<()>,
         base: Option<&mut dyn FnMut() -> Result<()>>,
     ) -> Result<()> {
-        let t = self.time(fused)?;
-        let gbps = bytes / (t * 1e-3) / 1e9;
+        let t = self.fused(sets, fused)?;
+        let kernel_ms = t.graph_ms.unwrap_or(t.loop_ms);
+        let bw = gbps(bytes, kernel_ms);
+        let mut copy = CopyRef::new(&self.timer.stream, (bytes / 2.0) as usize)?;
+        let copy_bw = gbps(copy.moved_bytes(), copy.time(&self.timer)?);
         let base = match base {
-            Some(b) if !self.args.no_baseline => match self.time(b) {
-                Ok(tb) => format!("{:>11.2} {:>8.1}x", tb * 1e3, tb / t),
+            Some(b) if !self.args.no_baseline => match self.timer.calls(b) {
+                Ok(tb) => format!("{:>11.2} {:>8.1}x", tb * 1e3, tb / t.loop_ms),
                 Err(e) => format!("  baseline failed: {e}"),
             },
             _ => String::new(),
         };
-        println!("{op:<22} {case:<16} {:>10.2} {:>9.1} {:>7.1}% {base}", t * 1e3, gbps, 100.0 * gbps / HBM_GBPS);
+        let graph = t.graph_ms.map_or("-".to_string(), |g| format!("{:.2}", g * 1e3));
+        println!(
+            "{op:<24} {case:<16} {:>9.2} {graph:>9} {bw:>8.0} {:>6.1}% {copy_bw:>8.0} {:>6.1}% {base}",
+            t.loop_ms * 1e3,
+            100.0 * bw / HBM_READ_GBPS,
+            100.0 * bw / copy_bw,
+        );
         Ok(())
+    }
+
+    fn sets(&self, bytes_per_set: f64) -> usize {
+        rotation_sets(bytes_per_set as usize, self.l2, MAX_SETS)
     }
 }
 
@@ -179,11 +207,43 @@ fn scatter_index(slots: &[i64], rows: usize, d: usize, dev: &Device) -> Result<T
     Ok(Tensor::from_vec(s, (slots.len(), 1), dev)?.broadcast_as((slots.len(), d))?.contiguous()?)
 }
 
+/// The slot layout of a window case: decode = one token per sequence into per-sequence rings;
+/// prefill = one sequence into a full-length (paged-style) cache, every token written.
+fn window_case(n: usize, is_decode: bool) -> (Vec<usize>, Vec<i64>, usize) {
+    if is_decode {
+        let pos: Vec<usize> = (0..n).map(|s| 4096 + 37 * s).collect();
+        let slots = pos.iter().enumerate().map(|(s, &p)| (s * WINDOW + p % WINDOW) as i64).collect();
+        (pos, slots, n * WINDOW)
+    } else {
+        ((0..n).collect(), (0..n as i64).collect(), n)
+    }
+}
+
+/// Compressed / index-key cases (ratio 2): decode = B closing groups of B sequences, sequence s
+/// owning entries [s * 256, (s + 1) * 256) (its entry index wraps inside); prefill = T/2
+/// entries of one sequence.
+fn compressed_case(n: usize, is_decode: bool) -> (Vec<usize>, Vec<i64>, usize) {
+    if is_decode {
+        let pos: Vec<usize> = (0..n).map(|s| 2 * (2048 + 11 * s)).collect();
+        let slots =
+            pos.iter().enumerate().map(|(s, &p)| (s * ENTRIES_PER_SEQ + (p / 2) % ENTRIES_PER_SEQ) as i64).collect();
+        (pos, slots, n * ENTRIES_PER_SEQ)
+    } else {
+        let g = n / 2;
+        ((0..g).map(|j| 2 * j).collect(), (0..g as i64).collect(), g)
+    }
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let dev = Device::new_cuda(0).context("bench_insert needs a CUDA device")?;
-    let stream = dev.as_cuda_device()?.cuda_stream();
-    let bench = Bench { stream, args };
+    let cuda = dev.as_cuda_device()?;
+    // One stream only: no cross-stream event bookkeeping (it cannot be captured into a graph).
+    unsafe { cuda.disable_event_tracking() };
+    let stream = cuda.cuda_stream();
+    let l2 = l2_bytes(&stream)?;
+    let timer = Timer { stream, warmup: args.warmup, reps: args.reps, rep_ms: args.rep_ms };
+    let bench = Bench { timer, args, l2 };
     let plain = RopeTable::new(ROPE_DIM, &RopeKind::Plain { theta: 10000.0 }, &Device::Cpu)?;
     let yarn = RopeTable::new(
         ROPE_DIM,
@@ -199,10 +259,14 @@ fn main() -> Result<()> {
         &Device::Cpu,
     )?;
 
-    println!("V4.1-Flash shapes: H={HEADS} D={HEAD_DIM} R={ROPE_DIM} W={WINDOW} D_I={INDEX_DIM}; HBM ceiling {HBM_GBPS} GB/s");
     println!(
-        "{:<22} {:<16} {:>10} {:>9} {:>8} {:>11} {:>9}",
-        "op", "case", "fused us", "GB/s", "of HBM", "candle us", "speed-up"
+        "V4.1-Flash shapes: H={HEADS} D={HEAD_DIM} R={ROPE_DIM} W={WINDOW} D_I={INDEX_DIM}; L2 {} MiB; \
+         GB/s = (bytes read + bytes written) / graph time; ceiling {HBM_READ_GBPS} GB/s (HBM read)",
+        bench.l2 >> 20
+    );
+    println!(
+        "{:<24} {:<16} {:>9} {:>9} {:>8} {:>7} {:>8} {:>7} {:>11} {:>9}",
+        "op", "case", "loop us", "graph us", "GB/s", "of HBM", "copyGB/s", "of copy", "candle us", "speed-up"
     );
 
     let decode: Vec<usize> = vec![1, 2, 4, 8, 16, 32, 64, 128, 256];
@@ -212,113 +276,98 @@ fn main() -> Result<()> {
         .map(|&b| (format!("decode B={b}"), b, true))
         .chain(prefill.iter().map(|&t| (format!("prefill T={t}"), t, false)))
         .collect();
+    let d = HEAD_DIM;
 
-    // ---- window_insert (Q1): decode = one token per sequence into per-sequence rings;
-    //      prefill = one sequence into a full-length (paged-style) cache, every token written.
+    // ---- window_insert (Q1) and the packed format A.
     for (case, n, is_decode) in &cases {
-        let (n, d) = (*n, HEAD_DIM);
-        let (positions, slots, rows): (Vec<usize>, Vec<i64>, usize) = if *is_decode {
-            let pos: Vec<usize> = (0..n).map(|s| 4096 + 37 * s).collect();
-            let slots = pos.iter().enumerate().map(|(s, &p)| (s * WINDOW + p % WINDOW) as i64).collect();
-            (pos, slots, n * WINDOW)
-        } else {
-            ((0..n).collect(), (0..n as i64).collect(), n)
-        };
-        let cache = Tensor::zeros((rows, d), DType::BF16, &dev)?;
-        let kv = random_bf16(&[n, d], &dev)?;
+        let n = *n;
+        let (positions, slots, rows) = window_case(n, *is_decode);
+        let bytes = (n * (4 * d + 4 * ROPE_DIM + 8)) as f64;
+        let sets = bench.sets(bytes + (rows * 2 * d) as f64);
         let (cos, sin) = cos_sin(&plain, &positions, &dev)?;
         let slots_t = Tensor::from_vec(slots.clone(), n, &dev)?;
+        let caches: Vec<Tensor> = (0..sets).map(|_| Tensor::zeros((rows, d), DType::BF16, &dev)).collect::<Result<_, _>>()?;
+        let kvs: Vec<Tensor> = (0..sets).map(|_| random_bf16(&[n, d], &dev)).collect::<Result<_>>()?;
         let index = scatter_index(&slots, rows, d, &dev)?;
-        let bytes = (n * (4 * d + 4 * ROPE_DIM + 8)) as f64;
-        let mut base = || candle_insert(&cache, &kv, &cos, &sin, &index, QatFormat::Fp8Ue8m0B32, None);
-        bench.row(
-            "window_insert Q1",
-            case,
-            bytes,
-            || Ok(window_insert(&cache, &kv, &cos, &sin, &slots_t, true)?),
-            Some(&mut base),
-        )?;
+        let mut base = || candle_insert(&caches[0], &kvs[0], &cos, &sin, &index, QatFormat::Fp8Ue8m0B32, None);
+        let fused = |i: usize| Ok(window_insert(&caches[i % sets], &kvs[i % sets], &cos, &sin, &slots_t, true)?);
+        bench.row("window_insert Q1", case, bytes, sets, fused, Some(&mut base))?;
         // The same rows into the packed format A (528 B per row, 64-token pages).
         let layout = PackedLayout::new(QatFormat::Fp8Ue8m0B32, d, 64)?;
-        let packed = layout.zeros(rows.div_ceil(64), &dev)?;
+        let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), &dev)).collect::<Result<_, _>>()?;
         let bytes = (n * (2 * d + layout.row_bytes() + 4 * ROPE_DIM + 8)) as f64;
-        bench.row(
-            "window_insert packed A",
-            case,
-            bytes,
-            || Ok(packed_insert(&packed, &layout, &kv, &cos, &sin, &slots_t, None)?),
-            None,
-        )?;
+        let fused = |i: usize| Ok(packed_insert(&packed[i % sets], &layout, &kvs[i % sets], &cos, &sin, &slots_t, None)?);
+        bench.row("window_insert packed A", case, bytes, sets, fused, None)?;
     }
 
-    // ---- q RoPE in place (64 heads x 512): decode B tokens / prefill T tokens.
+    // ---- q RoPE (64 heads x 512): decode B tokens / prefill T tokens.
     for (case, n, _) in &cases {
         let n = *n;
-        let q = random_bf16(&[n, HEADS, HEAD_DIM], &dev)?;
+        let bytes_in_place = (n * (HEADS * ROPE_DIM * 4 + ROPE_DIM * 4)) as f64;
+        let sets = bench.sets(bytes_in_place.max((n * HEADS * HEAD_DIM * 2) as f64));
+        let qs: Vec<Tensor> = (0..sets).map(|_| random_bf16(&[n, HEADS, HEAD_DIM], &dev)).collect::<Result<_>>()?;
         let positions: Vec<usize> = (0..n).map(|i| 4096 + i).collect();
         let (cos, sin) = cos_sin(&plain, &positions, &dev)?;
-        let bytes = (n * (HEADS * ROPE_DIM * 4 + ROPE_DIM * 4)) as f64;
         let mut base = || -> Result<()> {
-            apply_rope_tail(&q, &cos, &sin)?;
+            apply_rope_tail(&qs[0], &cos, &sin)?;
             Ok(())
         };
-        bench.row("q_rope in place", case, bytes, || Ok(q_rope_inplace(&q, &cos, &sin, None)?), Some(&mut base))?;
+        let fused = |i: usize| Ok(q_rope_inplace(&qs[i % sets], &cos, &sin, None)?);
+        bench.row("q_rope in place", case, bytes_in_place, sets, fused, Some(&mut base))?;
         let bytes_oop = (n * (HEADS * HEAD_DIM * 4 + ROPE_DIM * 4)) as f64;
-        bench.row(
-            "q_rope out of place",
-            case,
-            bytes_oop,
-            || {
-                q_rope(&q, &cos, &sin, None)?;
-                Ok(())
-            },
-            None,
-        )?;
+        let fused = |i: usize| -> Result<()> {
+            q_rope(&qs[i % sets], &cos, &sin, None)?;
+            Ok(())
+        };
+        bench.row("q_rope out of place", case, bytes_oop, sets, fused, None)?;
     }
 
-    // ---- compressed_insert (Q2) and index_key_insert (Q3): decode = B closing groups of B
-    //      sequences (ratio 2); prefill = T/2 entries of one ratio-2 sequence.
+    // ---- compressed_insert (Q2) and index_key_insert (Q3).
     let k_norm = RmsNorm::from_weight(Tensor::ones(INDEX_DIM, DType::F32, &dev)?, 1e-20)?;
     let k_weight = Tensor::ones(INDEX_DIM, DType::F32, &dev)?;
     for (case, n, is_decode) in &cases {
-        let g = if *is_decode { *n } else { n / 2 };
-        let (pos, slots, rows): (Vec<usize>, Vec<i64>, usize) = if *is_decode {
-            // Sequence s owns entries [s * 4096, (s + 1) * 4096); its entry index p / 2 can pass
-            // 4096 for large B, so it wraps inside the sequence's region (every slot in range).
-            let pos: Vec<usize> = (0..g).map(|s| 2 * (2048 + 11 * s)).collect();
-            let slots = pos.iter().enumerate().map(|(s, &p)| (s * 4096 + (p / 2) % 4096) as i64).collect();
-            (pos, slots, g * 4096)
-        } else {
-            ((0..g).map(|j| 2 * j).collect(), (0..g as i64).collect(), g)
-        };
+        let (pos, slots, rows) = compressed_case(*n, *is_decode);
+        let g = slots.len();
         let (cos, sin) = cos_sin(&yarn, &pos, &dev)?;
         let slots_t = Tensor::from_vec(slots.clone(), g, &dev)?;
 
-        let cache = Tensor::zeros((rows, HEAD_DIM), DType::BF16, &dev)?;
-        let latent = random_bf16(&[g, HEAD_DIM], &dev)?;
-        let index = scatter_index(&slots, rows, HEAD_DIM, &dev)?;
         let bytes = (g * (4 * HEAD_DIM + 4 * ROPE_DIM + 8)) as f64;
-        let mut base = || candle_insert(&cache, &latent, &cos, &sin, &index, QatFormat::Fp4E4m3B16, None);
-        bench.row(
-            "compressed_insert Q2",
-            case,
-            bytes,
-            || Ok(compressed_insert(&cache, &latent, &cos, &sin, &slots_t, true)?),
-            Some(&mut base),
-        )?;
+        let sets = bench.sets(bytes + (rows * 2 * HEAD_DIM) as f64);
+        let caches: Vec<Tensor> =
+            (0..sets).map(|_| Tensor::zeros((rows, HEAD_DIM), DType::BF16, &dev)).collect::<Result<_, _>>()?;
+        let latents: Vec<Tensor> = (0..sets).map(|_| random_bf16(&[g, HEAD_DIM], &dev)).collect::<Result<_>>()?;
+        let index = scatter_index(&slots, rows, HEAD_DIM, &dev)?;
+        let mut base = || candle_insert(&caches[0], &latents[0], &cos, &sin, &index, QatFormat::Fp4E4m3B16, None);
+        let fused = |i: usize| Ok(compressed_insert(&caches[i % sets], &latents[i % sets], &cos, &sin, &slots_t, true)?);
+        bench.row("compressed_insert Q2", case, bytes, sets, fused, Some(&mut base))?;
+        // The same entries into the packed format B (288 B per row, 64-entry pages).
+        let layout = PackedLayout::new(QatFormat::Fp4E4m3B16, HEAD_DIM, 64)?;
+        let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), &dev)).collect::<Result<_, _>>()?;
+        let pbytes = (g * (2 * HEAD_DIM + layout.row_bytes() + 4 * ROPE_DIM + 8)) as f64;
+        let fused = |i: usize| Ok(packed_insert(&packed[i % sets], &layout, &latents[i % sets], &cos, &sin, &slots_t, None)?);
+        bench.row("compressed packed B", case, pbytes, sets, fused, None)?;
+        drop((caches, packed));
 
-        let kcache = Tensor::zeros((rows, INDEX_DIM), DType::BF16, &dev)?;
-        let k_pre = random_bf16(&[g, INDEX_DIM], &dev)?;
-        let kindex = scatter_index(&slots, rows, INDEX_DIM, &dev)?;
         let bytes = (g * (4 * INDEX_DIM + 4 * ROPE_DIM + 8)) as f64;
-        let mut base = || candle_insert(&kcache, &k_pre, &cos, &sin, &kindex, QatFormat::Fp4Ue8m0B32, Some(&k_norm));
-        bench.row(
-            "index_key_insert Q3",
-            case,
-            bytes,
-            || Ok(index_key_insert(&kcache, &k_pre, &k_weight, 1e-20, &cos, &sin, &slots_t, true)?),
-            Some(&mut base),
-        )?;
+        let sets = bench.sets(bytes + (rows * 2 * INDEX_DIM) as f64);
+        let kcaches: Vec<Tensor> =
+            (0..sets).map(|_| Tensor::zeros((rows, INDEX_DIM), DType::BF16, &dev)).collect::<Result<_, _>>()?;
+        let k_pres: Vec<Tensor> = (0..sets).map(|_| random_bf16(&[g, INDEX_DIM], &dev)).collect::<Result<_>>()?;
+        let kindex = scatter_index(&slots, rows, INDEX_DIM, &dev)?;
+        let mut base =
+            || candle_insert(&kcaches[0], &k_pres[0], &cos, &sin, &kindex, QatFormat::Fp4Ue8m0B32, Some(&k_norm));
+        let fused = |i: usize| {
+            Ok(index_key_insert(&kcaches[i % sets], &k_pres[i % sets], &k_weight, 1e-20, &cos, &sin, &slots_t, true)?)
+        };
+        bench.row("index_key_insert Q3", case, bytes, sets, fused, Some(&mut base))?;
+        // The same keys into the packed format E (68 B per row, 64-key pages).
+        let layout = PackedLayout::new(QatFormat::Fp4Ue8m0B32, INDEX_DIM, 64)?;
+        let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), &dev)).collect::<Result<_, _>>()?;
+        let pbytes = (g * (2 * INDEX_DIM + layout.row_bytes() + 4 * ROPE_DIM + 8)) as f64;
+        let fused = |i: usize| {
+            Ok(packed_insert(&packed[i % sets], &layout, &k_pres[i % sets], &cos, &sin, &slots_t, Some((&k_weight, 1e-20)))?)
+        };
+        bench.row("index_key packed E", case, pbytes, sets, fused, None)?;
     }
     Ok(())
 }

@@ -6,8 +6,8 @@
 // compressor's RMSNorm'ed, pre-RoPE bf16 output [G, D]; the cos/sin rows are those of the
 // group's FIRST position j*r (spec §2.2), prepared on the host side by the crate's RopeTable.
 //
-// Design: identical to window_insert (one warp per entry, registers only, dsv41_row.cuh); only
-// the quantizer differs.
+// Design: identical to window_insert (one warp per entry, ROWS entries per warp with their loads
+// issued first, registers only, dsv41_row.cuh); only the quantizer differs.
 //
 // Numerics (Q2, quant::fake_quant::QatFormat::Fp4E4m3B16): RoPE in f32 rounded to bf16; per
 // block of 16: amax floored to 6*2^-9, s = min(e4m3_rne(amax/6), 448) with an IEEE division,
@@ -17,13 +17,15 @@
 
 namespace dsv41 {
 
-// grid.x = ceil(G / 4), block = 128 threads (4 warps, one entry each).
+// grid.x = ceil(G / (8 * ROWS)), block = 256 threads (8 warps, ROWS entries each).
 // Q = Quant::None stores the RoPE'd rows unquantized (reference numerics with QAT off).
-template <int D, Quant Q>
-__global__ void __launch_bounds__(kThreadsPerBlock) compressed_insert_kernel(const Dsv41RowInsertParams p) {
-    const int t = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
-    if (t >= p.num_tokens) return;
-    insert_row<D, Q, Norm::None>(p, t, threadIdx.x % 32, nullptr);
+template <int D, int ROWS, Quant Q>
+__global__ void __launch_bounds__(kInsertThreads) compressed_insert_kernel(const Dsv41RowInsertParams p) {
+    warp_rows<D, ROWS, Norm::None>(p, nullptr, [&](const RowIn<D>& r, float (&x)[D / 32]) {
+        if constexpr (Q != Quant::None) fake_quant_row<D, Q>(x);
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride;
+        if (r.slot >= 0) store_bf16<D / 32>(dst + (threadIdx.x & 31) * (D / 32), x);
+    });
 }
 
 }  // namespace dsv41
@@ -35,12 +37,17 @@ extern "C" int dsv41_compressed_insert(const Dsv41RowInsertParams* p, size_t par
     int status = check_insert_params(p, params_size);
     if (status != DSV41_OK || p->num_tokens == 0) return status;
     if ((p->quant != DSV41_QUANT_FP4_E4M3_B16 && p->quant != DSV41_QUANT_NONE) || p->apply_norm) return DSV41_ERR_QUANT;
-    const dim3 grid(blocks_for_rows(p->num_tokens));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     return with_head_dim(p->head_dim, [&](auto d) -> int {
         constexpr int D = decltype(d)::value;
-        if (p->quant == DSV41_QUANT_NONE) compressed_insert_kernel<D, Quant::None><<<grid, kThreadsPerBlock, 0, s>>>(*p);
-        else compressed_insert_kernel<D, Quant::Fp4E4m3B16><<<grid, kThreadsPerBlock, 0, s>>>(*p);
-        return static_cast<int>(cudaGetLastError());
+        return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {
+            constexpr int ROWS = decltype(rows)::value;
+            const dim3 grid(insert_blocks(p->num_tokens, ROWS));
+            if (p->quant == DSV41_QUANT_NONE)
+                compressed_insert_kernel<D, ROWS, Quant::None><<<grid, kInsertThreads, 0, s>>>(*p);
+            else
+                compressed_insert_kernel<D, ROWS, Quant::Fp4E4m3B16><<<grid, kInsertThreads, 0, s>>>(*p);
+            return static_cast<int>(cudaGetLastError());
+        });
     });
 }

@@ -8,7 +8,8 @@
 // The stored codes dequantize to exactly the values the bf16 inserts store (code * scale), so a
 // packed cache holds the same numbers in 26% (A), 28% (B) or 27% (E) of the bytes.
 //
-// Design: the warp-per-row pipeline of dsv41_row.cuh up to RoPE; then each lane quantizes its
+// Design: the warp-per-row pipeline of dsv41_row.cuh (ROWS tokens per warp, loads issued
+// first) up to RoPE; then each lane quantizes its
 // D/32 contiguous elements with its block's scale (amax by xor shuffles across the block's
 // lanes), writes its codes with one vector store (D/32 bytes of e4m3, or D/64 bytes of e2m1
 // pairs, even element in the low nibble) and the first lane of each block writes the block's
@@ -40,61 +41,44 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint8_t (&b)[N])
     }
 }
 
-template <Quant Q> __device__ __forceinline__ uint8_t scale_code(float s) {
-    if constexpr (Q == Quant::Fp4E4m3B16) return e4m3_code(s);
-    else return static_cast<uint8_t>((__float_as_uint(s) >> 23) & 0xff);  // s = 2^k, normal: k + 127
-}
-
-// Quantizes the warp's row and stores codes at `data` (the row's data bytes) and scale bytes at
-// `scales` (the row's scale bytes).
+// Quantizes the warp's row and, when `write`, stores codes at `data` (the row's data bytes) and
+// scale bytes at `scales` (the row's scale bytes).
 template <int D, Quant Q>
-__device__ __forceinline__ void pack_row(const float (&x)[D / 32], int lane, uint8_t* data, uint8_t* scales) {
+__device__ __forceinline__ void pack_row(const float (&x)[D / 32], int lane, bool write, uint8_t* data,
+                                         uint8_t* scales) {
     constexpr int EPL = D / 32;
     constexpr int B = QuantTraits<Q>::kBlock;
-    constexpr float m = QuantTraits<Q>::kElemMax;
     constexpr bool kFp4 = Q != Quant::Fp8Ue8m0B32;
-    const float s = block_scale<D, Q>(x);
+    const BlockScale b = block_scale<D, Q>(x);
     uint8_t codes[EPL];
 #pragma unroll
-    for (int k = 0; k < EPL; ++k) {
-        float y = __fdiv_rn(x[k], s);
-        y = y > m ? m : (y < -m ? -m : y);
-        codes[k] = kFp4 ? e2m1_code(y) : e4m3_code(y);
-    }
+    for (int k = 0; k < EPL; ++k) codes[k] = quant_code<Q>(x[k], b);
     if constexpr (kFp4) {
         uint8_t pairs[EPL / 2];
 #pragma unroll
         for (int k = 0; k < EPL / 2; ++k) pairs[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
-        store_bytes<EPL / 2>(data + lane * (EPL / 2), pairs);
+        if (write) store_bytes<EPL / 2>(data + lane * (EPL / 2), pairs);
     } else {
-        store_bytes<EPL>(data + lane * EPL, codes);
+        if (write) store_bytes<EPL>(data + lane * EPL, codes);
     }
-    if ((lane * EPL) % B == 0) scales[lane * EPL / B] = scale_code<Q>(s);
+    if (write && (lane * EPL) % B == 0) scales[lane * EPL / B] = QuantTraits<Q>::scale_code(b.s);
 }
 
-// grid.x = ceil(T / 4), block = 128 threads (4 warps, one token each).
-template <int D, Quant Q, Norm N>
-__global__ void __launch_bounds__(kThreadsPerBlock) packed_insert_kernel(const Dsv41PackedInsertParams p) {
-    __shared__ float squares[N != Norm::None ? kWarpsPerBlock : 1][N != Norm::None ? D : 1];
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int t = blockIdx.x * kWarpsPerBlock + warp;
-    if (t >= p.num_tokens) return;
-    const int64_t slot = p.slots[t];
-    if (slot < 0 || slot >= p.num_slots) return;
-    float x[D / 32];
-    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.src) + t * p.src_row_stride;
-    load_bf16<D / 32>(src + lane * (D / 32), x);
-    if constexpr (N != Norm::None) rms_norm_row<D, N>(x, lane, squares[warp], p.norm_weight, p.norm_eps, p.norm_inv_dim);
-    const int64_t half = p.rope_dim / 2;
-    rope_row<D>(x, lane, p.rope_dim, p.cos + t * half, p.sin + t * half);
-    constexpr int kDataBytes = Q == Quant::Fp8Ue8m0B32 ? D : D / 2;
-    constexpr int kScaleBytes = D / QuantTraits<Q>::kBlock;
-    const int64_t page = slot / p.page_size;
-    const int64_t row = slot % p.page_size;
-    uint8_t* base = p.cache + page * p.page_stride;
-    pack_row<D, Q>(x, lane, base + row * kDataBytes,
-                   base + static_cast<int64_t>(p.page_size) * kDataBytes + row * kScaleBytes);
+// grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each).
+template <int D, int ROWS, Quant Q, Norm N>
+__global__ void __launch_bounds__(kInsertThreads) packed_insert_kernel(const Dsv41PackedInsertParams p) {
+    __shared__ float squares[N != Norm::None ? kInsertWarps : 1][N != Norm::None ? D : 1];
+    float* smem = N != Norm::None ? squares[threadIdx.x / 32] : nullptr;
+    warp_rows<D, ROWS, N>(p, smem, [&](const RowIn<D>& r, float (&x)[D / 32]) {
+        constexpr int kDataBytes = Q == Quant::Fp8Ue8m0B32 ? D : D / 2;
+        constexpr int kScaleBytes = D / QuantTraits<Q>::kBlock;
+        const int64_t slot = r.slot >= 0 ? r.slot : 0;
+        const int64_t page = slot / p.page_size;
+        const int64_t row = slot % p.page_size;
+        uint8_t* base = p.cache + page * p.page_stride;
+        pack_row<D, Q>(x, threadIdx.x & 31, r.slot >= 0, base + row * kDataBytes,
+                       base + static_cast<int64_t>(p.page_size) * kDataBytes + row * kScaleBytes);
+    });
 }
 
 }  // namespace dsv41
@@ -104,11 +88,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock) packed_insert_kernel(const D
 namespace {
 
 template <int D, dsv41::Quant Q>
-int launch_packed(const Dsv41PackedInsertParams* p, dim3 grid, cudaStream_t s) {
+int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     using namespace dsv41;
-    if (p->apply_norm) packed_insert_kernel<D, Q, Norm::Weighted><<<grid, kThreadsPerBlock, 0, s>>>(*p);
-    else packed_insert_kernel<D, Q, Norm::None><<<grid, kThreadsPerBlock, 0, s>>>(*p);
-    return static_cast<int>(cudaGetLastError());
+    return with_insert_rows<D>(p->num_tokens, false, [&](auto rows) -> int {
+        constexpr int ROWS = decltype(rows)::value;
+        const dim3 grid(insert_blocks(p->num_tokens, ROWS));
+        if (p->apply_norm) packed_insert_kernel<D, ROWS, Q, Norm::Weighted><<<grid, kInsertThreads, 0, s>>>(*p);
+        else packed_insert_kernel<D, ROWS, Q, Norm::None><<<grid, kInsertThreads, 0, s>>>(*p);
+        return static_cast<int>(cudaGetLastError());
+    });
 }
 
 }  // namespace
@@ -134,14 +122,13 @@ extern "C" int dsv41_packed_insert(const Dsv41PackedInsertParams* p, size_t para
     const int align = 2 * (d / 32 < 8 ? d / 32 : 8);
     if (p->src_row_stride < d || !aligned_rows(p->src, p->src_row_stride, align)) return DSV41_ERR_ALIGNMENT;
     if (reinterpret_cast<uintptr_t>(p->cache) % 16 != 0 || p->page_stride % 16 != 0) return DSV41_ERR_ALIGNMENT;
-    const dim3 grid(blocks_for_rows(p->num_tokens));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     return with_head_dim(d, [&](auto dd) -> int {
         constexpr int D = decltype(dd)::value;
         switch (p->quant) {
-            case DSV41_QUANT_FP8_UE8M0_B32: return launch_packed<D, Quant::Fp8Ue8m0B32>(p, grid, s);
-            case DSV41_QUANT_FP4_E4M3_B16: return launch_packed<D, Quant::Fp4E4m3B16>(p, grid, s);
-            default: return launch_packed<D, Quant::Fp4Ue8m0B32>(p, grid, s);
+            case DSV41_QUANT_FP8_UE8M0_B32: return launch_packed<D, Quant::Fp8Ue8m0B32>(p, s);
+            case DSV41_QUANT_FP4_E4M3_B16: return launch_packed<D, Quant::Fp4E4m3B16>(p, s);
+            default: return launch_packed<D, Quant::Fp4Ue8m0B32>(p, s);
         }
     });
 }

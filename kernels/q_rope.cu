@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) q_rope_row_kernel(const Dsv4
     const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.q) + t * p.q_token_stride + h * p.q_head_stride;
     load_bf16<D / 32>(src + lane * (D / 32), x);
     if constexpr (NORM)
-        rms_norm_row<D, Norm::Weightless>(x, lane, squares[warp], nullptr, p.norm_eps, p.norm_inv_dim);
+        rms_norm_row<D, Norm::Weightless>(x, lane, squares[warp], [](int) { return 1.0f; }, p.norm_eps,
+                                          p.norm_inv_dim);
     const int64_t half = p.rope_dim / 2;
     rope_row<D>(x, lane, p.rope_dim, p.cos + t * half, p.sin + t * half);
     __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + t * p.out_token_stride + h * p.out_head_stride;

@@ -7,9 +7,10 @@
 // row (the angles of its position p, computed on the host side by the crate's RopeTable, so the
 // kernel needs no position and no trigonometry and reproduces the CPU bit for bit).
 //
-// Design: one warp per token (dsv41_row.cuh). Memory traffic is the minimum: one read of the
-// kv row (2D bytes), the cos/sin row (2R bytes, shared by all layers of a step) and the slot,
-// one write of the cache row (2D bytes); no intermediate leaves registers.
+// Design: one warp per token, ROWS tokens per warp with all their loads issued first
+// (dsv41_row.cuh, warp_rows). Memory traffic is the minimum: one read of the kv row (2D bytes),
+// the cos/sin row (4R bytes) and the slot, one write of the cache row (2D bytes); no
+// intermediate leaves registers. The per-element quant has no division (dsv41_numerics.cuh).
 //
 // Numerics (Q1, spec §2.3, quant::fake_quant::QatFormat::Fp8Ue8m0B32): RoPE in f32 with separate
 // roundings (candle-nn rope_i), rounded to bf16; per block of 32: amax floored to 1e-4,
@@ -19,12 +20,14 @@
 
 namespace dsv41 {
 
-// grid.x = ceil(T / 4), block = 128 threads (4 warps, one token each).
-template <int D, Quant Q>
-__global__ void __launch_bounds__(kThreadsPerBlock) window_insert_kernel(const Dsv41RowInsertParams p) {
-    const int t = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
-    if (t >= p.num_tokens) return;
-    insert_row<D, Q, Norm::None>(p, t, threadIdx.x % 32, nullptr);
+// grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each).
+template <int D, int ROWS, Quant Q>
+__global__ void __launch_bounds__(kInsertThreads) window_insert_kernel(const Dsv41RowInsertParams p) {
+    warp_rows<D, ROWS, Norm::None>(p, nullptr, [&](const RowIn<D>& r, float (&x)[D / 32]) {
+        if constexpr (Q != Quant::None) fake_quant_row<D, Q>(x);
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride;
+        if (r.slot >= 0) store_bf16<D / 32>(dst + (threadIdx.x & 31) * (D / 32), x);
+    });
 }
 
 }  // namespace dsv41
@@ -36,17 +39,18 @@ extern "C" int dsv41_window_insert(const Dsv41RowInsertParams* p, size_t params_
     int status = check_insert_params(p, params_size);
     if (status != DSV41_OK || p->num_tokens == 0) return status;
     if (p->apply_norm) return DSV41_ERR_QUANT;
-    const dim3 grid(blocks_for_rows(p->num_tokens));
+    if (p->quant != DSV41_QUANT_NONE && p->quant != DSV41_QUANT_FP8_UE8M0_B32) return DSV41_ERR_QUANT;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     return with_head_dim(p->head_dim, [&](auto d) -> int {
         constexpr int D = decltype(d)::value;
-        switch (p->quant) {
-            case DSV41_QUANT_NONE: window_insert_kernel<D, Quant::None><<<grid, kThreadsPerBlock, 0, s>>>(*p); break;
-            case DSV41_QUANT_FP8_UE8M0_B32:
-                window_insert_kernel<D, Quant::Fp8Ue8m0B32><<<grid, kThreadsPerBlock, 0, s>>>(*p);
-                break;
-            default: return DSV41_ERR_QUANT;
-        }
-        return static_cast<int>(cudaGetLastError());
+        return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {
+            constexpr int ROWS = decltype(rows)::value;
+            const dim3 grid(insert_blocks(p->num_tokens, ROWS));
+            if (p->quant == DSV41_QUANT_NONE)
+                window_insert_kernel<D, ROWS, Quant::None><<<grid, kInsertThreads, 0, s>>>(*p);
+            else
+                window_insert_kernel<D, ROWS, Quant::Fp8Ue8m0B32><<<grid, kInsertThreads, 0, s>>>(*p);
+            return static_cast<int>(cudaGetLastError());
+        });
     });
 }

@@ -58,14 +58,26 @@ fn bits(t: &Tensor) -> Result<Vec<u16>> {
 
 /// Asserts bit equality of two bf16 tensors, reporting the first mismatches with their index.
 fn assert_same_bits(gpu: &Tensor, cpu: &Tensor, what: &str) -> Result<()> {
+    compare_bits(gpu, cpu, what, false)
+}
+
+/// As [`assert_same_bits`], but any two NaNs are equal (NaN payloads and signs differ between
+/// the CPU and the GPU when a NaN is created, e.g. by inf / inf).
+fn assert_same_bits_nan_eq(gpu: &Tensor, cpu: &Tensor, what: &str) -> Result<()> {
+    compare_bits(gpu, cpu, what, true)
+}
+
+fn compare_bits(gpu: &Tensor, cpu: &Tensor, what: &str, nan_eq: bool) -> Result<()> {
     ensure!(gpu.dims() == cpu.dims(), "{what}: shapes {:?} vs {:?}", gpu.shape(), cpu.shape());
     let (g, c) = (bits(gpu)?, bits(cpu)?);
+    let is_nan = |b: u16| bf16::from_bits(b).is_nan();
+    let differ = |a: u16, b: u16| a != b && !(nan_eq && is_nan(a) && is_nan(b));
     let width = *gpu.dims().last().unwrap_or(&1);
     let bad: Vec<String> = g
         .iter()
         .zip(&c)
         .enumerate()
-        .filter(|(_, (a, b))| a != b)
+        .filter(|(_, (a, b))| differ(**a, **b))
         .take(8)
         .map(|(i, (a, b))| {
             format!(
@@ -79,7 +91,7 @@ fn assert_same_bits(gpu: &Tensor, cpu: &Tensor, what: &str) -> Result<()> {
             )
         })
         .collect();
-    let count = g.iter().zip(&c).filter(|(a, b)| a != b).count();
+    let count = g.iter().zip(&c).filter(|(a, b)| differ(**a, **b)).count();
     ensure!(count == 0, "{what}: {count} of {} elements differ, first: {}", g.len(), bad.join("; "));
     Ok(())
 }
@@ -551,6 +563,93 @@ fn packed_compressed_rows_format_b() -> Result<()> {
 fn packed_index_rows_format_e() -> Result<()> {
     check_packed(53, QatFormat::Fp4Ue8m0B32, 128, 64, 3, 150, true)?; // 68 B rows with k_norm
     check_packed(54, QatFormat::Fp4Ue8m0B32, 128, 4, 2, 7, true)
+}
+
+// --------------------------------------------------------------------- large calls, specials
+
+#[test]
+fn inserts_with_thousands_of_rows() -> Result<()> {
+    // Many blocks of the row kernels (several rows per warp, a partial last warp).
+    check_window(10, 512, 64, 8192, &[(0, 5000), (17, 3)], true)?;
+    check_compressed(23, 512, 2, 2048, &[(0, 4001)])?;
+    check_index_keys(34, 128, 1e-20, 3001, 4096)?;
+    check_packed(55, QatFormat::Fp8Ue8m0B32, 512, 64, 40, 2500, false)?;
+    check_packed(56, QatFormat::Fp4E4m3B16, 512, 64, 40, 2100, false)?;
+    check_packed(57, QatFormat::Fp4Ue8m0B32, 128, 64, 40, 2300, true)
+}
+
+/// `[rows, d]` random rows with special values written into the unrotated dims [0, d - 64):
+/// signed zeros, bf16 subnormals, values at the quant grids' tie points and huge magnitudes;
+/// with `non_finite`, also +-inf and NaN.
+fn special_rows(rng: &mut Rng, rows: usize, d: usize, non_finite: bool) -> Result<Tensor> {
+    let mut v = random_rows(rng, rows, d, &Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut specials = vec![0.0, -0.0, 1e-40, -3e-39, 0.25, -0.75, 2.5, 5.0, 448.0, -464.0, 6.5e4, -1e30, 3.0e38];
+    if non_finite {
+        specials.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    }
+    for r in 0..rows {
+        for _ in 0..6 {
+            v[r * d + rng.below(d - 64)] = specials[rng.below(specials.len())];
+        }
+    }
+    Ok(Tensor::from_vec(v, (rows, d), &Device::Cpu)?.to_dtype(DType::BF16)?)
+}
+
+#[test]
+fn inserts_of_special_values() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(60);
+    let t = 300;
+    let positions: Vec<usize> = (0..t).map(|_| rng.below(1 << 16)).collect();
+    let (cos, sin) = cos_sin(&yarn_table(64)?, &positions)?;
+    let slots: Vec<i64> = (0..t as i64).collect();
+    let slots_cpu = i64_tensor(&slots, &Device::Cpu)?;
+    let (c, s, sl) = (cos.to_device(&dev)?, sin.to_device(&dev)?, slots_cpu.to_device(&dev)?);
+    let weight = Tensor::from_vec((0..128).map(|_| 0.5 + rng.uniform()).collect::<Vec<f32>>(), 128, &Device::Cpu)?;
+    let w_gpu = weight.to_device(&dev)?;
+    for kind in 0..3 {
+        let d = if kind == 2 { 128 } else { 512 };
+        // No inf / NaN into the index keys: an inf makes the norm divide inf / inf, a NaN whose
+        // sign differs by device (x86 gives -NaN, CUDA +NaN), and Q3 maps a NaN to +-6 * s by
+        // that sign, so CPU and GPU legitimately differ there.
+        let rows = special_rows(&mut rng, t, d, kind != 2)?;
+        let rows_gpu = rows.to_device(&dev)?;
+        let (cache_cpu, cache_gpu) = (poisoned(t, d, &Device::Cpu)?, poisoned(t, d, &dev)?);
+        match kind {
+            0 => {
+                window_insert(&cache_cpu, &rows, &cos, &sin, &slots_cpu, true)?;
+                window_insert(&cache_gpu, &rows_gpu, &c, &s, &sl, true)?;
+            }
+            1 => {
+                compressed_insert(&cache_cpu, &rows, &cos, &sin, &slots_cpu, true)?;
+                compressed_insert(&cache_gpu, &rows_gpu, &c, &s, &sl, true)?;
+            }
+            _ => {
+                index_key_insert(&cache_cpu, &rows, &weight, 1e-20, &cos, &sin, &slots_cpu, true)?;
+                index_key_insert(&cache_gpu, &rows_gpu, &w_gpu, 1e-20, &c, &s, &sl, true)?;
+            }
+        }
+        assert_same_bits_nan_eq(&cache_gpu, &cache_cpu, &format!("insert kind {kind} of special values"))?;
+    }
+    // Packed formats: finite specials (a NaN's code carries its sign, which differs by device).
+    for (seed, fmt, d, norm) in
+        [(61, QatFormat::Fp8Ue8m0B32, 512, false), (62, QatFormat::Fp4E4m3B16, 512, false), (63, QatFormat::Fp4Ue8m0B32, 128, true)]
+    {
+        let mut rng = Rng(seed);
+        let layout = PackedLayout::new(fmt, d, 16)?;
+        let rows = special_rows(&mut rng, t, d, false)?;
+        let pages = t.div_ceil(16);
+        let cpu_cache = Tensor::full(0xABu8, (pages, layout.page_bytes()), &Device::Cpu)?;
+        let gpu_cache = cpu_cache.to_device(&dev)?;
+        let w = if d == 128 { Some((&weight, 1e-20)) } else { None };
+        packed_insert(&cpu_cache, &layout, &rows, &cos, &sin, &slots_cpu, w)?;
+        let wg = if d == 128 { Some((&w_gpu, 1e-20)) } else { None };
+        packed_insert(&gpu_cache, &layout, &rows.to_device(&dev)?, &c, &s, &sl, wg)?;
+        let (g, cc) = (gpu_cache.flatten_all()?.to_vec1::<u8>()?, cpu_cache.flatten_all()?.to_vec1::<u8>()?);
+        let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i] != cc[i]).take(8).collect();
+        ensure!(diff.is_empty(), "packed {fmt} special values (norm {norm}): bytes differ at {diff:?}");
+    }
+    Ok(())
 }
 
 // ------------------------------------------------------------------------------------ errors

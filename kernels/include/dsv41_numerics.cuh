@@ -6,54 +6,113 @@
 // intrinsic (__fmul_rn, __fadd_rn, __fsub_rn, __fdiv_rn, __fsqrt_rn): those are never contracted
 // into FMAs and never replaced by approximations, whatever -fmad / --use_fast_math say. That is
 // what makes the GPU results equal the CPU ones bit for bit (Rust never contracts a*b+c).
+//
+// The per-element fake-quant path (`fake_quant_element`, `quant_code`) is
+// the hot loop of the insert kernels, so it avoids divisions: with a power-of-two scale s
+// (Q1, Q3) x / s == x * (1/s) exactly (both are the correct rounding of the same real number,
+// 1/s being exact); with the e4m3 scale of Q2 the quotient is the reciprocal product corrected by
+// one FMA residual step (Markstein), which is the correctly rounded x / s; e4m3 / e2m1 rounding
+// is done on the bits (round-to-nearest-even on the kept mantissa bits) and, below the formats'
+// smallest normal, with one magic-number addition. These functions are `__host__ __device__`
+// (host builds use plain IEEE f32 operations) so that they can be compared exhaustively on the
+// host with the division-based definitions kept below (`round_e4m3`, `round_e2m1`,
+// `e4m3_code`, `e2m1_code`): every bf16 x against every scale each format can produce
+// (kernels/check/quant_exhaustive.cu).
 #pragma once
 #include <cuda_bf16.h>
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#define DSV41_HD __host__ __device__ __forceinline__
 
 namespace dsv41 {
+
+// ----------------------------------------------------------- host/device arithmetic primitives
+
+DSV41_HD uint32_t f2u(float x) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(x);
+#else
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+#endif
+}
+DSV41_HD float u2f(uint32_t u) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+#endif
+}
+#ifdef __CUDA_ARCH__
+DSV41_HD float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+DSV41_HD float add_rn(float a, float b) { return __fadd_rn(a, b); }
+DSV41_HD float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+DSV41_HD float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+DSV41_HD float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+DSV41_HD float rcp_rn(float a) { return __frcp_rn(a); }
+DSV41_HD int clz32(uint32_t v) { return __clz(v); }
+#else
+// Host builds (the exhaustive check) must be compiled without FMA contraction.
+inline float mul_rn(float a, float b) { return a * b; }
+inline float add_rn(float a, float b) { return a + b; }
+inline float sub_rn(float a, float b) { return a - b; }
+inline float div_rn(float a, float b) { return a / b; }
+inline float fma_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float rcp_rn(float a) { return 1.0f / a; }
+inline int clz32(uint32_t v) { return v == 0 ? 32 : __builtin_clz(v); }
+#endif
 
 constexpr float kE4m3Max = 448.0f;
 constexpr float kE2m1Max = 6.0f;
 
 // 2^e as an f32 for e in [-149, 127] (subnormals included), like quant::formats::pow2.
-__device__ __forceinline__ float pow2(int e) {
-    if (e > 127) return __int_as_float(0x7f800000);
-    if (e >= -126) return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
-    if (e >= -149) return __uint_as_float(1u << (e + 149));
+DSV41_HD float pow2(int e) {
+    if (e > 127) return u2f(0x7f800000u);
+    if (e >= -126) return u2f(static_cast<uint32_t>(e + 127) << 23);
+    if (e >= -149) return u2f(1u << (e + 149));
     return 0.0f;
 }
 
-// ceil(log2(v)) of a positive finite f32, exactly from its bits (quant::formats::ceil_log2).
-__device__ __forceinline__ int ceil_log2(float v) {
-    const uint32_t bits = __float_as_uint(v);
+// ceil(log2(v)) of a positive f32, exactly from its bits (quant::formats::ceil_log2); +inf
+// gives 128.
+DSV41_HD int ceil_log2(float v) {
+    const uint32_t bits = f2u(v);
     const int exp = static_cast<int>((bits >> 23) & 0xff);
     const uint32_t man = bits & 0x7fffff;
     if (exp == 0) {  // subnormal: v = man * 2^-149
-        const int bitlen = 32 - __clz(man);
+        const int bitlen = 32 - clz32(man);
         const int fl = bitlen - 1 - 149;
         return (man & (man - 1)) == 0 ? fl : fl + 1;
     }
     return exp - 127 + (man != 0 ? 1 : 0);
 }
 
+// ------------------------------------------------- definitions (division-based, as on the CPU)
+
 // Nearest e4m3fn value, ties to even, saturating at +-448; NaN stays NaN, the sign of zero is
-// kept (quant::formats::round_to_e4m3).
-__device__ __forceinline__ float round_e4m3(float x) {
+// kept (quant::formats::round_to_e4m3). Used for the Q2 block scale (once per block).
+DSV41_HD float round_e4m3(float x) {
     if (isnan(x)) return x;
     const float a = fabsf(x);
     if (a >= kE4m3Max) return copysignf(kE4m3Max, x);
     if (a == 0.0f) return x;
     // Normal e4m3 exponents go down to -6; below that the quantum stays 2^-9 (subnormals).
-    const int e = max(static_cast<int>((__float_as_uint(a) >> 23) & 0xff) - 127, -6);
+    const int eb = static_cast<int>((f2u(a) >> 23) & 0xff) - 127;
+    const int e = eb > -6 ? eb : -6;
     const float quantum = pow2(e - 3);
-    const float q = __fmul_rn(rintf(__fdiv_rn(a, quantum)), quantum);  // rintf: ties to even
+    const float q = mul_rn(rintf(div_rn(a, quantum)), quantum);  // rintf: ties to even
     return copysignf(fminf(q, kE4m3Max), x);
 }
 
 // Nearest e2m1 value with ties to the even code (quant::formats::round_to_e2m1): ties at 0.25,
 // 1.25, 2.5 and 5 go down, 0.75, 1.75 and 3.5 go up; saturates at +-6; NaN gives +-6; the sign
 // is always kept (negative values rounding to zero give -0.0).
-__device__ __forceinline__ float round_e2m1(float x) {
+DSV41_HD float round_e2m1(float x) {
     const float a = fabsf(x);
     float m;
     if (a <= 0.25f) m = 0.0f;
@@ -64,11 +123,11 @@ __device__ __forceinline__ float round_e2m1(float x) {
     else if (a < 3.5f) m = 3.0f;
     else if (a <= 5.0f) m = 4.0f;
     else m = 6.0f;  // also NaN: every comparison above is false
-    return (__float_as_uint(x) >> 31) ? -m : m;
+    return (f2u(x) >> 31) ? -m : m;
 }
 
 // e2m1 code (bit 3 = sign) of round_e2m1(x), as quant::formats::f32_to_e2m1.
-__device__ __forceinline__ uint8_t e2m1_code(float x) {
+DSV41_HD uint8_t e2m1_code(float x) {
     const float a = fabsf(x);
     uint8_t m;
     if (a <= 0.25f) m = 0;
@@ -79,60 +138,154 @@ __device__ __forceinline__ uint8_t e2m1_code(float x) {
     else if (a < 3.5f) m = 5;
     else if (a <= 5.0f) m = 6;
     else m = 7;
-    return static_cast<uint8_t>(((__float_as_uint(x) >> 31) << 3) | m);
+    return static_cast<uint8_t>(((f2u(x) >> 31) << 3) | m);
 }
 
 // e4m3fn byte of round_e4m3(x) (quant::formats::f32_to_e4m3); NaN gives 0x7f | sign.
-__device__ __forceinline__ uint8_t e4m3_code(float x) {
-    const uint8_t sign = (__float_as_uint(x) >> 31) ? 0x80 : 0x00;
+DSV41_HD uint8_t e4m3_code(float x) {
+    const uint8_t sign = (f2u(x) >> 31) ? 0x80 : 0x00;
     if (isnan(x)) return sign | 0x7f;
     const float a = fabsf(round_e4m3(x));
     if (a == 0.0f) return sign;
-    const uint32_t bits = __float_as_uint(a);
+    const uint32_t bits = f2u(a);
     const int e = static_cast<int>(bits >> 23) - 127;
-    if (e < -6) return sign | static_cast<uint8_t>(__fmul_rn(a, 512.0f));  // subnormal m * 2^-9
+    if (e < -6) return sign | static_cast<uint8_t>(mul_rn(a, 512.0f));  // subnormal m * 2^-9
     return sign | static_cast<uint8_t>((e + 7) << 3) | static_cast<uint8_t>((bits >> 20) & 0x7);
+}
+
+// ------------------------------------------------------------- fast element path (hot loop)
+
+// round_e4m3(clamp(y, +-448)) with NaN kept, without divisions: RNE on the bits for
+// |y| >= 2^-6 (3 kept mantissa bits; a carry rolls into the exponent), and for the e4m3
+// subnormal range (quantum 2^-9) the magic addition 2^14 + a, whose ulp is 2^-9.
+DSV41_HD float round_e4m3_sat(float y) {
+    const uint32_t sign = f2u(y) & 0x80000000u;
+    const float a = fminf(fabsf(y), kE4m3Max);  // NaN -> 448, replaced below
+    const uint32_t ua = f2u(a);
+    const uint32_t big = (ua + 0x7ffffu + ((ua >> 20) & 1u)) & 0xfff00000u;
+    const float small = sub_rn(add_rn(a, 16384.0f), 16384.0f);
+    const float r = u2f((ua >= 0x3c800000u ? big : f2u(small)) | sign);
+    return isnan(y) ? y : r;
+}
+
+// round_e2m1(clamp(y, +-6)) (NaN -> +-6 by its sign bit) without comparisons chains: RNE on
+// the bits for |y| >= 1 (1 kept mantissa bit), the magic addition 2^22 + a (ulp 0.5) below.
+DSV41_HD float round_e2m1_sat(float y) {
+    const uint32_t sign = f2u(y) & 0x80000000u;
+    const float a = fminf(fabsf(y), kE2m1Max);  // NaN -> 6
+    const uint32_t ua = f2u(a);
+    const uint32_t big = (ua + 0x1fffffu + ((ua >> 22) & 1u)) & 0xffc00000u;
+    const float small = sub_rn(add_rn(a, 4194304.0f), 4194304.0f);
+    return u2f((ua >= 0x3f800000u ? big : f2u(small)) | sign);
+}
+
+// e4m3fn byte of round_e4m3_sat(y) (= e4m3_code(clamp(y, +-448)), NaN -> 0x7f | sign),
+// straight from y's bits: the RNE carry then the top bits give ((e + 7) << 3) | m3 for
+// |y| >= 2^-6; below, 2^14 + |y| (ulp 2^-9) holds the subnormal code in its low bits.
+DSV41_HD uint8_t e4m3_code_sat(float y) {
+    const uint32_t uy = f2u(y);
+    const uint32_t sign = (uy >> 24) & 0x80u;
+    const float a = fminf(fabsf(y), kE4m3Max);
+    const uint32_t ua = f2u(a);
+    const uint32_t normal = ((ua + 0x7ffffu + ((ua >> 20) & 1u)) >> 20) - 960u;  // 960 = 120 << 3
+    const uint32_t sub = f2u(add_rn(a, 16384.0f)) - 0x46800000u;                 // bits of 2^14
+    const uint32_t mag = ua >= 0x3c800000u ? normal : sub;
+    return static_cast<uint8_t>(sign | (isnan(y) ? 0x7fu : mag));
+}
+
+// e2m1 code of round_e2m1_sat(y) (= e2m1_code(clamp(y, +-6)); NaN -> 7 | sign), from the bits:
+// 1.0 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7 by the RNE carry; below 1, 2^22 + |y|
+// (ulp 0.5) holds 0, 1 or 2 in its low bits.
+DSV41_HD uint8_t e2m1_code_sat(float y) {
+    const uint32_t uy = f2u(y);
+    const float a = fminf(fabsf(y), kE2m1Max);  // NaN -> 6
+    const uint32_t ua = f2u(a);
+    const uint32_t normal = ((ua + 0x1fffffu + ((ua >> 22) & 1u)) >> 22) - 252u;  // 1.0 = 254 << 22
+    const uint32_t sub = f2u(add_rn(a, 4194304.0f)) - 0x4a800000u;               // bits of 2^22
+    return static_cast<uint8_t>(((uy >> 28) & 0x8u) | (ua >= 0x3f800000u ? normal : sub));
 }
 
 // The QAT formats of spec §2.3 (values equal enum Dsv41Quant).
 enum class Quant : int { None = 0, Fp8Ue8m0B32 = 1, Fp4E4m3B16 = 2, Fp4Ue8m0B32 = 3 };
 
+// A block's scale s and the reciprocal the element path multiplies by (exact 1/s for the
+// power-of-two scales, RN(1/s) for Q2).
+struct BlockScale {
+    float s;
+    float inv;
+};
+
+// 2^k and its exact reciprocal for the k the UE8M0 scales produce, k in [-126, 128] (2^128 is
+// +inf, whose reciprocal is 0), without branches: both are normal floats except 2^-127.
+DSV41_HD BlockScale pow2_scale(int k) {
+    const float s = u2f(static_cast<uint32_t>(k + 127) << 23);
+    const float inv = k < 127 ? u2f(static_cast<uint32_t>(127 - k) << 23) : (k == 127 ? u2f(0x00400000u) : 0.0f);
+    return {s, inv};
+}
+
+// ceil(log2(v)) for a NORMAL positive v or +inf (128), from the bits (ceil_log2 without the
+// subnormal branch).
+DSV41_HD int ceil_log2_normal(float v) {
+    const uint32_t bits = f2u(v);
+    return static_cast<int>(bits >> 23) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+}
+
 template <Quant Q> struct QuantTraits;
 template <> struct QuantTraits<Quant::Fp8Ue8m0B32> {
     static constexpr int kBlock = 32;
     static constexpr float kElemMax = kE4m3Max;
-    // s = 2^ceil(log2(max(amax, 1e-4) / 448))
-    __device__ static float scale(float amax) {
-        return pow2(ceil_log2(__fdiv_rn(fmaxf(amax, 1e-4f), kE4m3Max)));
+    // s = 2^ceil(log2(max(amax, 1e-4) / 448)), k in [-22, 128]
+    DSV41_HD static BlockScale scale(float amax) {
+        return pow2_scale(ceil_log2_normal(div_rn(fmaxf(amax, 1e-4f), kE4m3Max)));  // >= 2.2e-7
     }
-    __device__ static float round(float y) { return round_e4m3(y); }
+    DSV41_HD static float quotient(float x, BlockScale b) { return mul_rn(x, b.inv); }
+    DSV41_HD static float round(float y) { return round_e4m3_sat(y); }
+    DSV41_HD static uint8_t code(float y) { return e4m3_code_sat(y); }
+    DSV41_HD static uint8_t scale_code(float s) { return static_cast<uint8_t>((f2u(s) >> 23) & 0xff); }
 };
 template <> struct QuantTraits<Quant::Fp4E4m3B16> {
     static constexpr int kBlock = 16;
     static constexpr float kElemMax = kE2m1Max;
-    // s = min(e4m3(max(amax, 6 * 2^-9) / 6), 448)
-    __device__ static float scale(float amax) {
-        return fminf(round_e4m3(__fdiv_rn(fmaxf(amax, 0.01171875f), kE2m1Max)), kE4m3Max);
+    // s = min(e4m3(max(amax, 6 * 2^-9) / 6), 448): an e4m3 value in [2^-9, 448]
+    DSV41_HD static BlockScale scale(float amax) {
+        const float s = fminf(round_e4m3(div_rn(fmaxf(amax, 0.01171875f), kE2m1Max)), kE4m3Max);
+        return {s, rcp_rn(s)};
     }
-    __device__ static float round(float y) { return round_e2m1(y); }
+    // RN(x / s): the product by RN(1/s) is within an ulp of x / s; one residual step (exact by
+    // FMA) rounds it correctly. A non-finite product is already the quotient's value; the sign
+    // is the product's (the residual step turns x = -0 into +0).
+    DSV41_HD static float quotient(float x, BlockScale b) {
+        const float q = mul_rn(x, b.inv);
+        const float r = fma_rn(-q, b.s, x);
+        const float q2 = fma_rn(r, b.inv, q);
+        return isfinite(q) ? copysignf(q2, q) : q;
+    }
+    DSV41_HD static float round(float y) { return round_e2m1_sat(y); }
+    DSV41_HD static uint8_t code(float y) { return e2m1_code_sat(y); }
+    DSV41_HD static uint8_t scale_code(float s) { return e4m3_code(s); }
 };
 template <> struct QuantTraits<Quant::Fp4Ue8m0B32> {
     static constexpr int kBlock = 32;
     static constexpr float kElemMax = kE2m1Max;
-    // s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6))
-    __device__ static float scale(float amax) {
-        return pow2(ceil_log2(__fdiv_rn(fmaxf(amax, 6.0f * 1.17549435e-38f), kE2m1Max)));
+    // s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6)), k in [-126, 128]
+    DSV41_HD static BlockScale scale(float amax) {
+        return pow2_scale(ceil_log2_normal(div_rn(fmaxf(amax, 6.0f * 1.17549435e-38f), kE2m1Max)));  // >= 2^-126
     }
-    __device__ static float round(float y) { return round_e2m1(y); }
+    DSV41_HD static float quotient(float x, BlockScale b) { return mul_rn(x, b.inv); }
+    DSV41_HD static float round(float y) { return round_e2m1_sat(y); }
+    DSV41_HD static uint8_t code(float y) { return e2m1_code_sat(y); }
+    DSV41_HD static uint8_t scale_code(float s) { return static_cast<uint8_t>((f2u(s) >> 23) & 0xff); }
 };
 
-// One fake-quantized element: round(clamp(x / s, +-max)) * s. The clamp keeps NaN (as Rust's
-// f32::clamp does); the division is IEEE (exact ties stay ties).
-template <Quant Q> __device__ __forceinline__ float fake_quant_element(float x, float s) {
-    constexpr float m = QuantTraits<Q>::kElemMax;
-    float y = __fdiv_rn(x, s);
-    y = y > m ? m : (y < -m ? -m : y);
-    return __fmul_rn(QuantTraits<Q>::round(y), s);
+// One fake-quantized element: round(clamp(x / s, +-max)) * s, exact in bf16 (the definition,
+// with IEEE x / s and a clamp that keeps NaN, is `fake_quant_reference` in the exhaustive check).
+template <Quant Q> DSV41_HD float fake_quant_element(float x, BlockScale b) {
+    return mul_rn(QuantTraits<Q>::round(QuantTraits<Q>::quotient(x, b)), b.s);
+}
+
+// The element's code (e4m3 byte or e2m1 nibble) in the packed formats.
+template <Quant Q> DSV41_HD uint8_t quant_code(float x, BlockScale b) {
+    return QuantTraits<Q>::code(QuantTraits<Q>::quotient(x, b));
 }
 
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).

@@ -1,13 +1,19 @@
 // The per-row pipeline shared by the insert kernels and the query RoPE kernel:
 //
 //   load bf16 row -> [RMSNorm, f32, then bf16] -> GPT-J RoPE of the last R dims (f32, then bf16)
-//   -> [QAT fake quant per block, exact in bf16] -> store bf16 row
+//   -> [QAT fake quant per block, exact in bf16] -> store bf16 row (or packed codes + scales)
 //
 // Thread mapping: one warp per row of D = 64..512 elements; lane L holds the D/32 contiguous
 // elements [L*D/32, (L+1)*D/32) in registers, loaded and stored with one to two 4/8/16-byte
 // vector accesses, so a warp moves the row in fully coalesced transactions. A quant block of 16
 // or 32 elements spans 1..16 consecutive lanes; its amax is a lane-local max followed by xor
 // shuffles within the block. RoPE pairs (2i, 2i+1) never straddle lanes (D/32 and D-R are even).
+//
+// Insert kernels (warp_rows): each warp owns ROWS consecutive tokens and issues ALL their loads
+// (row vectors, cos/sin, slot) before the first row's arithmetic, so that ROWS rows per warp are
+// in flight; then it finishes the rows one by one. For R <= 64 the token's R/2 cos and sin
+// values are loaded one per lane (coalesced) and the rotated dims go through shared memory so
+// that lane i rotates pair i; larger R read cos/sin from global memory in the arithmetic phase.
 //
 // Numerics mirror the CPU composition the crate uses as reference (see dsv41_numerics.cuh):
 // every intermediate that the CPU rounds to bf16 (norm output, RoPE output) is rounded to bf16
@@ -22,8 +28,13 @@
 
 namespace dsv41 {
 
+// The row kernels of q_rope: 4 warps per block, one row per warp.
 constexpr int kWarpsPerBlock = 4;
 constexpr int kThreadsPerBlock = 32 * kWarpsPerBlock;
+// The insert kernels (warp_rows): 8 warps per block, ROWS rows per warp.
+constexpr int kInsertWarps = 8;
+constexpr int kInsertThreads = 32 * kInsertWarps;
+constexpr unsigned kFullMask = 0xffffffffu;
 
 template <int D> struct RowShape {
     static_assert(D == 64 || D == 128 || D == 256 || D == 512, "head_dim must be 64, 128, 256 or 512");
@@ -76,9 +87,10 @@ enum class Norm { None, Weightless, Weighted };
 // CPU, then rounded to bf16: squares are staged in `smem` (D floats per warp) so that lane L can
 // accumulate elements L, L+32, L+64, ... sequentially, then the warp combines the 32 partial
 // sums in candle's AVX2 order.
-template <int D, Norm N>
-__device__ __forceinline__ void rms_norm_row(float (&x)[D / 32], int lane, float* smem, const float* weight,
-                                             float eps, float inv_dim) {
+// `weight(k)` returns the weight of this lane's element k (only called for Norm::Weighted).
+template <int D, Norm N, class W>
+__device__ __forceinline__ void rms_norm_row(float (&x)[D / 32], int lane, float* smem, W&& weight, float eps,
+                                             float inv_dim) {
     constexpr int EPL = D / 32;
 #pragma unroll
     for (int k = 0; k < EPL; ++k) smem[lane * EPL + k] = __fmul_rn(x[k], x[k]);
@@ -94,7 +106,7 @@ __device__ __forceinline__ void rms_norm_row(float (&x)[D / 32], int lane, float
 #pragma unroll
     for (int k = 0; k < EPL; ++k) {
         float y = __fdiv_rn(x[k], r);
-        if constexpr (N == Norm::Weighted) y = __fmul_rn(y, weight[lane * EPL + k]);
+        if constexpr (N == Norm::Weighted) y = __fmul_rn(y, weight(k));
         x[k] = round_bf16(y);
     }
 }
@@ -121,7 +133,7 @@ __device__ __forceinline__ void rope_row(float (&x)[D / 32], int lane, int rope_
 // The scale of the quant block holding this lane's elements (spec §2.3): lane-local amax, then
 // an xor-shuffle max over the block's consecutive lanes, then the format's scale rule.
 template <int D, Quant Q>
-__device__ __forceinline__ float block_scale(const float (&x)[D / 32]) {
+__device__ __forceinline__ BlockScale block_scale(const float (&x)[D / 32]) {
     constexpr int EPL = D / 32;
     constexpr int B = QuantTraits<Q>::kBlock;
     static_assert(B % EPL == 0, "a quant block must cover whole lanes");
@@ -130,7 +142,7 @@ __device__ __forceinline__ float block_scale(const float (&x)[D / 32]) {
 #pragma unroll
     for (int k = 0; k < EPL; ++k) amax = fmaxf(amax, fabsf(x[k]));
 #pragma unroll
-    for (int off = 1; off < LPB; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    for (int off = 1; off < LPB; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
     return QuantTraits<Q>::scale(amax);
 }
 
@@ -138,25 +150,186 @@ __device__ __forceinline__ float block_scale(const float (&x)[D / 32]) {
 // values (exact in bf16).
 template <int D, Quant Q>
 __device__ __forceinline__ void fake_quant_row(float (&x)[D / 32]) {
-    const float s = block_scale<D, Q>(x);
+    const BlockScale b = block_scale<D, Q>(x);
 #pragma unroll
-    for (int k = 0; k < D / 32; ++k) x[k] = fake_quant_element<Q>(x[k], s);
+    for (int k = 0; k < D / 32; ++k) x[k] = fake_quant_element<Q>(x[k], b);
 }
 
-// The insert pipeline for the warp's token `t` (the whole warp calls it; warp-uniform exits).
-template <int D, Quant Q, Norm N>
-__device__ __forceinline__ void insert_row(const Dsv41RowInsertParams& p, int t, int lane, float* smem) {
-    const int64_t slot = p.slots[t];
-    if (slot < 0 || slot >= p.num_slots) return;  // skipped token (padding / outside the cache)
-    float x[D / 32];
-    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.src) + t * p.src_row_stride;
-    load_bf16<D / 32>(src + lane * (D / 32), x);
-    if constexpr (N != Norm::None) rms_norm_row<D, N>(x, lane, smem, p.norm_weight, p.norm_eps, p.norm_inv_dim);
-    const int64_t half = p.rope_dim / 2;
-    rope_row<D>(x, lane, p.rope_dim, p.cos + t * half, p.sin + t * half);
-    if constexpr (Q != Quant::None) fake_quant_row<D, Q>(x);
-    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + slot * p.cache_row_stride;
-    store_bf16<D / 32>(dst + lane * (D / 32), x);
+// --------------------------------------------------------------------- insert row scheduling
+
+// Global loads through the read-only (non-coherent) path: the inputs are never written during a
+// launch (candle refuses a source sharing the cache's storage).
+__device__ __forceinline__ void ld_nc(uint32_t& v, const void* p) {
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+}
+__device__ __forceinline__ void ld_nc(uint2& v, const void* p) {
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+}
+__device__ __forceinline__ void ld_nc(uint4& v, const void* p) {
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+}
+__device__ __forceinline__ float ld_nc_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int64_t ld_nc_s64(const int64_t* p) {
+    int64_t v;
+    asm volatile("ld.global.nc.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
+// One token's inputs in this lane's registers, as loaded (before any arithmetic).
+template <int D> struct RowIn {
+    static constexpr int kEpl = D / 32;
+    static constexpr int kChunk = kEpl < 8 ? kEpl : 8;
+    using V = typename VecOf<kChunk>::T;
+    V raw[kEpl / kChunk];  // the lane's kEpl bf16 elements
+    float cos, sin;        // R <= 64: cos/sin of pair `lane` of the token (0 past R/2)
+    int64_t slot;          // destination row / slot, or -1: nothing to write
+    int64_t t;             // the token (clamped into [0, T) for the loads)
+};
+
+// Issues this lane's loads of token t (t >= T: a clamped, discarded row with slot -1). `P` is
+// Dsv41RowInsertParams or Dsv41PackedInsertParams.
+template <int D, class P>
+__device__ __forceinline__ void load_row(const P& p, int64_t t, int lane, RowIn<D>& r) {
+    constexpr int EPL = D / 32;
+    constexpr int C = RowIn<D>::kChunk;
+    const bool valid = t < p.num_tokens;
+    r.t = valid ? t : p.num_tokens - 1;
+    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.src) + r.t * p.src_row_stride + lane * EPL;
+#pragma unroll
+    for (int c = 0; c < EPL / C; ++c) ld_nc(r.raw[c], src + c * C);
+    const int half = p.rope_dim >> 1;
+    r.cos = 0.0f;
+    r.sin = 0.0f;
+    if (half <= 32 && lane < half) {
+        r.cos = ld_nc_f32(p.cos + r.t * half + lane);
+        r.sin = ld_nc_f32(p.sin + r.t * half + lane);
+    }
+    const int64_t slot = ld_nc_s64(p.slots + r.t);
+    r.slot = valid && slot >= 0 && slot < p.num_slots ? slot : -1;
+}
+
+// The lane's elements of a loaded row as f32.
+template <int D>
+__device__ __forceinline__ void unpack_row(const RowIn<D>& r, float (&x)[D / 32]) {
+    constexpr int C = RowIn<D>::kChunk;
+#pragma unroll
+    for (int c = 0; c < D / 32 / C; ++c) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.raw[c]);
+#pragma unroll
+        for (int k = 0; k < C / 2; ++k) {
+            const float2 f = __bfloat1622float2(h[k]);
+            x[c * C + 2 * k] = f.x;
+            x[c * C + 2 * k + 1] = f.y;
+        }
+    }
+}
+
+// Copies this lane's elements in the rotated dims [first, D) to or from buf[e - first]:
+// vector accesses when the lane lies entirely in them at an aligned offset, else per element.
+template <int D, bool kToBuf>
+__device__ __forceinline__ void stage_rope_dims(float (&x)[D / 32], int lane, int first, float* buf) {
+    constexpr int EPL = D / 32;
+    constexpr int VW = EPL < 4 ? EPL : 4;
+    using FV = typename std::conditional<VW == 4, float4, float2>::type;
+    const int e0 = lane * EPL;
+    if (e0 + EPL <= first) return;
+    if (e0 >= first && (first % VW) == 0) {
+        FV* b = reinterpret_cast<FV*>(buf + (e0 - first));
+#pragma unroll
+        for (int v = 0; v < EPL / VW; ++v) {
+            if constexpr (kToBuf) b[v] = *reinterpret_cast<const FV*>(&x[v * VW]);
+            else *reinterpret_cast<FV*>(&x[v * VW]) = b[v];
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+            if (e0 + k >= first) {
+                if constexpr (kToBuf) buf[e0 + k - first] = x[k];
+                else x[k] = buf[e0 + k - first];
+            }
+        }
+    }
+}
+
+// GPT-J RoPE of dims [D-R, D) of a loaded row (rounded to bf16). R <= 64: the rotated dims go
+// through `buf` (R floats of this warp's shared memory) so that lane i rotates pair i with the
+// cos/sin it loaded (every lane works, instead of the few holding the tail dims); larger R read
+// cos/sin from global memory in the lanes holding the dims.
+template <int D, class P>
+__device__ __forceinline__ void rope_loaded_row(const P& p, const RowIn<D>& r, int lane, float (&x)[D / 32],
+                                                float* buf) {
+    const int half = p.rope_dim >> 1;
+    if (half > 32) {
+        rope_row<D>(x, lane, p.rope_dim, p.cos + r.t * half, p.sin + r.t * half);
+        return;
+    }
+    const int first = D - p.rope_dim;
+    stage_rope_dims<D, true>(x, lane, first, buf);
+    __syncwarp();
+    if (lane < half) {
+        float2 v = reinterpret_cast<float2*>(buf)[lane];
+        rotate_pair(v.x, v.y, r.cos, r.sin);
+        v.x = round_bf16(v.x);
+        v.y = round_bf16(v.y);
+        reinterpret_cast<float2*>(buf)[lane] = v;
+    }
+    __syncwarp();
+    stage_rope_dims<D, false>(x, lane, first, buf);
+    __syncwarp();  // buf is reused by the warp's next row
+}
+
+// The insert kernels' body: the warp's ROWS tokens are loaded first, then `finish(row, x)` runs
+// for each of them, with x = the row after [norm] and RoPE (f32 holding bf16 values); `finish`
+// stores only when row.slot >= 0. Rows without a destination (padding, t >= T) are computed
+// anyway: branching around them lets the compiler sink every row load below the slot test,
+// which serializes the slot load and the row load. `smem`: D floats of this warp (only used
+// when N != Norm::None).
+template <int D, int ROWS, Norm N, class P, class F>
+__device__ __forceinline__ void warp_rows(const P& p, float* smem, F&& finish) {
+    __shared__ __align__(16) float rope_buf[kInsertWarps][64];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x / 32;
+    const int64_t t0 = (static_cast<int64_t>(blockIdx.x) * kInsertWarps + warp) * ROWS;
+    if (t0 >= p.num_tokens) return;
+    RowIn<D> in[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) load_row<D>(p, t0 + r, lane, in[r]);
+    float w[N == Norm::Weighted ? D / 32 : 1];  // the lane's norm weights, loaded once per warp
+    if constexpr (N == Norm::Weighted) {
+#pragma unroll
+        for (int k = 0; k < D / 32; ++k) w[k] = ld_nc_f32(p.norm_weight + lane * (D / 32) + k);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float x[D / 32];
+        unpack_row<D>(in[r], x);
+        if constexpr (N != Norm::None)
+            rms_norm_row<D, N>(x, lane, smem, [&](int k) { return w[k]; }, p.norm_eps, p.norm_inv_dim);
+        rope_loaded_row<D>(p, in[r], lane, x, rope_buf[warp]);
+        finish(in[r], x);
+    }
+}
+
+// Rows per warp of the insert kernels, as measured on the H200 (docs/perf.md, issue 4): one
+// 512-wide row per warp keeps the most warps resident, which is what the compute-heavier calls
+// need (the packed formats, grids of a few waves); a second row per warp pays off only for
+// memory-bound bf16 inserts of at least 65536 rows. 128-wide rows: 2 per warp; 64-wide: 4.
+template <int D, typename F> int with_insert_rows(int64_t rows, bool memory_bound, F&& f) {
+    if constexpr (D >= 256) {
+        if (memory_bound && rows >= 65536) return f(std::integral_constant<int, 2>{});
+        return f(std::integral_constant<int, 1>{});
+    } else {
+        return f(std::integral_constant<int, D == 128 ? 2 : 4>{});
+    }
+}
+
+inline unsigned insert_blocks(int64_t rows, int rows_per_warp) {
+    const int64_t per_block = static_cast<int64_t>(kInsertWarps) * rows_per_warp;
+    return static_cast<unsigned>((rows + per_block - 1) / per_block);
 }
 
 // ---------------------------------------------------------------------------------------------

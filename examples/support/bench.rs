@@ -1,0 +1,152 @@
+//! Shared harness of the CUDA benchmark examples (include it with
+//! `#[path = "support/bench.rs"] mod bench;`; `examples/support/` holds no example of its own).
+//!
+//! * [`Timer::calls`]: CUDA events around `iters` back-to-back calls of a closure on the stream,
+//!   after a warm-up; the median over repetitions, per call. A call's time includes its host-side
+//!   work whenever the host is the bottleneck (small decode batches), as an application sees it.
+//! * [`Timer::graph`]: the same calls captured once into a CUDA graph and the graph replayed:
+//!   GPU time only (the launch overhead of the individual calls is gone; what remains is the
+//!   kernels' own time plus the short gaps between graph nodes).
+//! * [`CopyRef`]: a device-to-device `cuMemcpyAsync` of a given number of bytes, timed the same
+//!   way: the in-run reference of what plain copying achieves on this card.
+//! * [`rotation_sets`]: how many independent buffer sets to cycle through so that a benchmark's
+//!   working set exceeds the L2 cache (a call then reads its inputs from and writes its outputs
+//!   to HBM, as in a real step, instead of hitting data the previous call left in L2).
+//! * Bandwidth: [`gbps`] counts the bytes that a call reads plus the bytes it writes; the tables
+//!   compare them with [`HBM_READ_GBPS`] (the H200's measured read ceiling) and with the copy.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
+
+/// Measured HBM read ceiling of the H200 (GB/s).
+pub const HBM_READ_GBPS: f64 = 4170.0;
+/// Dense bf16 tensor-core ceiling of the H200 (TFLOP/s).
+pub const BF16_TFLOPS: f64 = 790.0;
+
+/// GB/s of `bytes` moved (read + written) in `ms` milliseconds.
+pub fn gbps(bytes: f64, ms: f64) -> f64 {
+    bytes / (ms * 1e-3) / 1e9
+}
+
+/// CUDA-event timing on one stream.
+pub struct Timer {
+    pub stream: Arc<CudaStream>,
+    /// Calls before timing (at least 1).
+    pub warmup: usize,
+    /// Repetitions; the median is reported.
+    pub reps: usize,
+    /// Target duration of one repetition in milliseconds (sets the calls per repetition).
+    pub rep_ms: f64,
+}
+
+impl Timer {
+    /// Median milliseconds per call of back-to-back calls of `f`.
+    pub fn calls(&self, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        for _ in 0..self.warmup.max(1) {
+            f()?;
+        }
+        self.stream.synchronize()?;
+        let probe = self.span(3, &mut f)?;
+        let iters = ((self.rep_ms / probe.max(1e-4)) as usize).clamp(3, 5000);
+        self.median((0..self.reps.max(1)).map(|_| self.span(iters, &mut f)))
+    }
+
+    /// Median milliseconds per call of `f`, replayed from a CUDA graph holding `calls_per_graph`
+    /// consecutive calls (capture mode relaxed; `f` must only enqueue work on the stream: no
+    /// synchronization, no host reads). The graph is replayed enough times per repetition to
+    /// last about `rep_ms`.
+    pub fn graph(&self, calls_per_graph: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        let n = calls_per_graph.max(1);
+        f()?; // first call outside the capture (lazy initialisation, module loading)
+        self.stream.synchronize()?;
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        let captured: Result<()> = (0..n).try_for_each(|_| f());
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        captured.context("a call failed during graph capture")?;
+        let graph = graph?.context("graph capture returned no graph")?;
+        graph.upload()?;
+        let mut replay = || -> Result<()> { Ok(graph.launch()?) };
+        for _ in 0..self.warmup.max(1) {
+            replay()?;
+        }
+        self.stream.synchronize()?;
+        let probe = self.span(2, &mut replay)?;
+        let iters = ((self.rep_ms / probe.max(1e-4)) as usize).clamp(2, 2000);
+        let per_graph = self.median((0..self.reps.max(1)).map(|_| self.span(iters, &mut replay)))?;
+        Ok(per_graph / n as f64)
+    }
+
+    /// Milliseconds per call of `iters` back-to-back calls, from two events.
+    fn span(&self, iters: usize, f: &mut impl FnMut() -> Result<()>) -> Result<f64> {
+        let start = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        for _ in 0..iters {
+            f()?;
+        }
+        let end = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        Ok(start.elapsed_ms(&end)? as f64 / iters as f64)
+    }
+
+    fn median(&self, samples: impl Iterator<Item = Result<f64>>) -> Result<f64> {
+        let mut v: Vec<f64> = samples.collect::<Result<_>>()?;
+        v.sort_by(|a, b| a.total_cmp(b));
+        Ok(v[v.len() / 2])
+    }
+}
+
+/// The device's L2 cache size in bytes.
+pub fn l2_bytes(stream: &CudaStream) -> Result<usize> {
+    Ok(stream.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize)
+}
+
+/// Number of buffer sets of `bytes_per_set` bytes to rotate through so that the sets together
+/// hold at least 4x the L2 cache (at most `max_sets`, at least 1).
+pub fn rotation_sets(bytes_per_set: usize, l2: usize, max_sets: usize) -> usize {
+    (4 * l2).div_ceil(bytes_per_set.max(1)).clamp(1, max_sets.max(1))
+}
+
+/// A device-to-device copy reference: `bytes` copied per call, cycling through enough source /
+/// destination regions to defeat the L2 cache.
+pub struct CopyRef {
+    src: CudaSlice<u8>,
+    dst: CudaSlice<u8>,
+    bytes: usize,
+    sets: usize,
+}
+
+impl CopyRef {
+    /// Buffers for copies of `bytes` bytes (rounded up to 256).
+    pub fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
+        let bytes = bytes.div_ceil(256).max(1) * 256;
+        let sets = rotation_sets(2 * bytes, l2_bytes(stream)?, 64);
+        let src = stream.alloc_zeros::<u8>(bytes * sets)?;
+        let dst = stream.alloc_zeros::<u8>(bytes * sets)?;
+        Ok(Self { src, dst, bytes, sets })
+    }
+
+    /// Bytes moved per copy: read + written.
+    pub fn moved_bytes(&self) -> f64 {
+        2.0 * self.bytes as f64
+    }
+
+    /// Median milliseconds per copy (graph replay of one copy per buffer set).
+    pub fn time(&mut self, timer: &Timer) -> Result<f64> {
+        let stream = timer.stream.clone();
+        let (bytes, sets) = (self.bytes, self.sets);
+        let (src, dst) = (&self.src, &mut self.dst);
+        let mut i = 0usize;
+        timer.graph(sets, || {
+            let k = i % sets;
+            i += 1;
+            let from = src.slice(k * bytes..(k + 1) * bytes);
+            let mut to = dst.slice_mut(k * bytes..(k + 1) * bytes);
+            Ok(stream.memcpy_dtod(&from, &mut to)?)
+        })
+    }
+}
