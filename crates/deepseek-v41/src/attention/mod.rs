@@ -5,7 +5,8 @@
 //!   with its carry across calls.
 //! * [`indexer`]: the lightning indexer (index keys, scores, visibility, candidate blocks, top-k).
 //! * [`sparse_attention`]: attention over gathered rows with a per-head sink.
-//! * [`layer`]: the attention layer wiring all of the above.
+//! * [`layer`]: the attention layer wiring all of the above (with the `cuda` feature, its fused
+//!   device path in `layer_fused.rs`).
 //! * [`cache`]: the caller-owned per-sequence cache through which layers share compressed KV,
 //!   index keys, top-k sets and candidate blocks.
 
@@ -19,5 +20,7 @@ pub mod window;
 
 pub use cache::SequenceCache;
 pub use layer::Attention;
+#[cfg(feature = "cuda")]
+pub use layer::LayerPhase;
 pub use sparse_attention::{sparse_attention, sparse_attention_ref};
 pub use trace::Trace;
