@@ -151,3 +151,55 @@ impl Attention {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+    use crate::nn::RandomWeights;
+    use crate::numerics::Numerics;
+
+    /// Every layer of the tiny config with random weights, run over `calls` (chunk lengths)
+    /// through the reference path or the fused path; returns each layer's outputs.
+    fn run(fused: bool, calls: &[usize], xs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let cfg = crate::test_util::tiny_config();
+        let vb = RandomWeights::new(11).var_builder(DType::BF16, &Device::Cpu);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| Attention::new(&cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn")))
+            .collect::<Result<Vec<_>>>()?;
+        let mut cache = SequenceCache::new(&cfg, DType::BF16, &Device::Cpu)?;
+        let mut outs = vec![Vec::new(); layers.len()];
+        let mut start = 0;
+        for &n in calls {
+            for (l, a) in layers.iter().enumerate() {
+                let x = xs[l].narrow(0, start, n)?;
+                let y = if fused { a.forward_fused(&x, start, &mut cache, &mut |_| {})? } else { a.forward(&x, start, &mut cache)? };
+                outs[l].push(y);
+            }
+            start += n;
+        }
+        outs.iter().map(|o| Tensor::cat(o, 0)).collect()
+    }
+
+    #[test]
+    fn fused_path_equals_the_reference_on_the_cpu() -> Result<()> {
+        let cfg = crate::test_util::tiny_config();
+        let n = 3 * cfg.sliding_window + 5;
+        let xs = (0..cfg.num_hidden_layers)
+            .map(|_| Tensor::randn(0f32, 1.0, (n, cfg.hidden_size), &Device::Cpu)?.to_dtype(DType::BF16))
+            .collect::<Result<Vec<_>>>()?;
+        let mut decode = vec![cfg.sliding_window + 3];
+        decode.resize(decode.len() + n - decode[0], 1);
+        for calls in [vec![n], vec![5, 2 * cfg.sliding_window + 1, n - 6 - 2 * cfg.sliding_window], decode] {
+            let want = run(false, &calls, &xs)?;
+            let got = run(true, &calls, &xs)?;
+            for (l, (g, w)) in got.iter().zip(&want).enumerate() {
+                let (g, w) = (g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                assert!(g.iter().any(|&v| v != 0.0), "layer {l}: all zeros");
+                assert_eq!(g, w, "layer {l}, calls {calls:?}");
+            }
+        }
+        Ok(())
+    }
+}
