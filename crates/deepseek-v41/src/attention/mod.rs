@@ -12,6 +12,7 @@
 
 pub mod cache;
 pub mod compressor;
+mod device_cache;
 pub mod indexer;
 pub mod layer;
 pub mod sparse_attention;

@@ -86,6 +86,14 @@ impl WindowCache {
         Ok(())
     }
 
+    /// Replaces the ring's rows by `ring` (`[window, head_dim]`, slot = position mod W).
+    pub fn restore(&mut self, ring: &Tensor) -> Result<()> {
+        if ring.dims() != self.ring.dims() {
+            candle_core::bail!("WindowCache::restore: ring {:?}, want {:?}", ring.shape(), self.ring.shape())
+        }
+        self.ring.slice_set(&ring.to_dtype(self.ring.dtype())?.to_device(self.ring.device())?.contiguous()?, 0, 0)
+    }
+
     /// Number of rows in the ring (`sliding_window`).
     pub fn window(&self) -> usize {
         self.window
