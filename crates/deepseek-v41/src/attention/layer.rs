@@ -251,7 +251,8 @@ impl Attention {
         let t = o.dim(0)?;
         let g = self.o_groups;
         let dtype = o.dtype();
-        let o = o.reshape((t, g, self.n_heads / g * self.head_dim))?.transpose(0, 1)?.to_dtype(self.wo_a.dtype())?;
+        // Contiguous per group: cuBLAS's batched matmul needs a dense batch stride.
+        let o = o.reshape((t, g, self.n_heads / g * self.head_dim))?.transpose(0, 1)?.to_dtype(self.wo_a.dtype())?.contiguous()?;
         // [G, T, hd'] x [G, hd', o_lora] -> [G, T, o_lora]
         let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
         self.wo_b.forward(&z.flatten_from(1)?)
