@@ -24,10 +24,14 @@ pub struct RowStore {
 }
 
 impl RowStore {
-    /// An empty store of rows `width` wide.
+    /// An empty store of rows `width` wide (with room for [`RowStore::INITIAL_ROWS`] rows, so
+    /// that no zero-sized device allocation is ever made).
     pub fn new(width: usize, dtype: DType, device: &Device) -> Result<Self> {
-        Ok(Self { buf: Tensor::zeros((0, width), dtype, device)?, len: 0 })
+        Ok(Self { buf: Tensor::zeros((Self::INITIAL_ROWS, width), dtype, device)?, len: 0 })
     }
+
+    /// Rows allocated by [`RowStore::new`].
+    pub const INITIAL_ROWS: usize = 16;
 
     /// Number of rows.
     pub fn len(&self) -> usize {
@@ -64,6 +68,38 @@ impl RowStore {
     /// `[len, width]`: all rows.
     pub fn rows(&self) -> Result<Tensor> {
         self.buf.narrow(0, 0, self.len)
+    }
+}
+
+// ---- In-place appends for the device path (issue 6, layer helper) ----------------------------
+
+impl RowStore {
+    /// Grows the buffer (by doubling) to hold `n` more rows.
+    fn reserve(&mut self, n: usize) -> Result<()> {
+        let (cap, width) = self.buf.dims2()?;
+        if self.len + n > cap {
+            let new_cap = (self.len + n).max(2 * cap).max(Self::INITIAL_ROWS);
+            let grown = Tensor::zeros((new_cap, width), self.buf.dtype(), self.buf.device())?;
+            if self.len > 0 {
+                grown.slice_set(&self.buf.narrow(0, 0, self.len)?.contiguous()?, 0, 0)?;
+            }
+            self.buf = grown;
+        }
+        Ok(())
+    }
+
+    /// Appends `n` rows written in place by `write(buffer, first)`: `buffer` is the whole
+    /// `[capacity, width]` storage (capacity ≥ `len + n`) and `write` must fill rows
+    /// `first .. first + n` (`first` = the current `len`), e.g. with a fused insert kernel
+    /// ([`crate::cuda::compressed_insert`]) at slots `first ..`. The rows count as appended only
+    /// if `write` succeeds.
+    pub fn append_in_place(&mut self, n: usize, write: impl FnOnce(&Tensor, usize) -> Result<()>) -> Result<()> {
+        self.reserve(n)?;
+        if n > 0 {
+            write(&self.buf, self.len)?;
+        }
+        self.len += n;
+        Ok(())
     }
 }
 

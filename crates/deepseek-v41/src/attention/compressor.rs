@@ -46,7 +46,8 @@ impl CompressorCarry {
 /// Latents emitted by one call.
 #[derive(Debug, Clone)]
 pub struct Latents {
-    /// `[G, head_dim]` bf16 (activation dtype), RMS-normed, pre-RoPE.
+    /// `[G, head_dim]` bf16 (activation dtype), RMS-normed, pre-RoPE; on `x`'s device, except
+    /// that an empty latent (`G = 0`) lives on the host.
     pub latent: Tensor,
     /// Entry id of row 0; row g is entry `first_entry + g` (covers tokens `[j·r, (j+1)·r)`).
     pub first_entry: usize,
@@ -110,7 +111,9 @@ impl Compressor {
                 carry.score = (open > 0).then(|| score.narrow(0, groups * r, open)).transpose()?;
                 let hd = kv.dim(1)?;
                 let latent = if groups == 0 {
-                    Tensor::zeros((0, hd), x.dtype(), x.device())?
+                    // No group closes: an empty latent, kept on the host (callers only read
+                    // its row count; a zero-sized device allocation is not made).
+                    Tensor::zeros((0, hd), x.dtype(), &Device::Cpu)?
                 } else {
                     let kv = kv.narrow(0, 0, groups * r)?.reshape((groups, r, hd))?;
                     let score = score.narrow(0, 0, groups * r)?.reshape((groups, r, hd))?;

@@ -14,6 +14,12 @@ use crate::nn::{Linear, LinearKind, RmsNorm, RopeKind, RopeTable};
 use crate::numerics::Numerics;
 use crate::quant::fake_quant::{fake_quant, QatFormat};
 
+#[cfg(feature = "cuda")]
+#[path = "layer_fused.rs"]
+mod fused;
+#[cfg(feature = "cuda")]
+pub use fused::LayerPhase;
+
 /// `layers.N.attn`.
 #[derive(Debug, Clone)]
 pub struct Attention {
@@ -107,7 +113,15 @@ impl Attention {
     /// `x`: `[T, hidden]` (bf16), the attn-normed sublayer input. Layers of one call must run in
     /// layer order on the same `cache` (kv sources and index sources publish to later layers).
     /// Returns `[T, hidden]` in `x`'s dtype.
+    ///
+    /// With the `cuda` feature, inputs on a CUDA device run `Attention::forward_fused` (cache
+    /// writes, RoPE and attention in fused kernels, everything on the device); otherwise this is
+    /// the reference path below.
     pub fn forward(&self, x: &Tensor, start: usize, cache: &mut SequenceCache) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return self.forward_fused(x, start, cache, &mut |_| {});
+        }
         let l = self.layer;
         let t = x.dim(0)?;
         let expected = cache.layer(l)?.next_pos;
@@ -237,7 +251,8 @@ impl Attention {
         let t = o.dim(0)?;
         let g = self.o_groups;
         let dtype = o.dtype();
-        let o = o.reshape((t, g, self.n_heads / g * self.head_dim))?.transpose(0, 1)?.to_dtype(self.wo_a.dtype())?;
+        // Contiguous per group: cuBLAS's batched matmul needs a dense batch stride.
+        let o = o.reshape((t, g, self.n_heads / g * self.head_dim))?.transpose(0, 1)?.to_dtype(self.wo_a.dtype())?.contiguous()?;
         // [G, T, hd'] x [G, hd', o_lora] -> [G, T, o_lora]
         let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
         self.wo_b.forward(&z.flatten_from(1)?)

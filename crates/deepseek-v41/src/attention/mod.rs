@@ -5,12 +5,14 @@
 //!   with its carry across calls.
 //! * [`indexer`]: the lightning indexer (index keys, scores, visibility, candidate blocks, top-k).
 //! * [`sparse_attention`]: attention over gathered rows with a per-head sink.
-//! * [`layer`]: the attention layer wiring all of the above.
+//! * [`layer`]: the attention layer wiring all of the above (with the `cuda` feature, its fused
+//!   device path in `layer_fused.rs`).
 //! * [`cache`]: the caller-owned per-sequence cache through which layers share compressed KV,
 //!   index keys, top-k sets and candidate blocks.
 
 pub mod cache;
 pub mod compressor;
+mod device_cache;
 pub mod indexer;
 pub mod layer;
 pub mod sparse_attention;
@@ -19,5 +21,7 @@ pub mod window;
 
 pub use cache::SequenceCache;
 pub use layer::Attention;
+#[cfg(feature = "cuda")]
+pub use layer::LayerPhase;
 pub use sparse_attention::{sparse_attention, sparse_attention_ref};
 pub use trace::Trace;

@@ -65,7 +65,14 @@ impl WindowCache {
                 v
             })
             .collect();
-        // Store the last min(T, W) rows at their slots (at most two contiguous runs).
+        self.store(rows, start)?;
+        Ok(WindowRows { kv, base, indices })
+    }
+
+    /// Stores the last `min(T, W)` of `rows` (`[T, head_dim]`, positions `start ..`) at their
+    /// slots (at most two contiguous runs, in-place copies).
+    fn store(&mut self, rows: &Tensor, start: usize) -> Result<()> {
+        let (t, w) = (rows.dim(0)?, self.window);
         let keep = t.min(w);
         let first = start + t - keep;
         let mut done = 0;
@@ -76,12 +83,89 @@ impl WindowCache {
             self.ring.slice_set(&src.contiguous()?, 0, slot)?;
             done += run;
         }
-        Ok(WindowRows { kv, base, indices })
+        Ok(())
+    }
+
+    /// Replaces the ring's rows by `ring` (`[window, head_dim]`, slot = position mod W).
+    pub fn restore(&mut self, ring: &Tensor) -> Result<()> {
+        if ring.dims() != self.ring.dims() {
+            candle_core::bail!("WindowCache::restore: ring {:?}, want {:?}", ring.shape(), self.ring.shape())
+        }
+        self.ring.slice_set(&ring.to_dtype(self.ring.dtype())?.to_device(self.ring.device())?.contiguous()?, 0, 0)
     }
 
     /// Number of rows in the ring (`sliding_window`).
     pub fn window(&self) -> usize {
         self.window
+    }
+}
+
+/// The window source of one call on the fused (device) path: rows and per-query indices as
+/// device tensors, ready for [`crate::cuda::sparse_attention_two_source`].
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+pub struct WindowSource {
+    /// `[n, head_dim]` bf16: the ring itself (decode) or the call's window rows.
+    pub kv: Tensor,
+    /// `[T, window]` i64 indices into `kv` per query (ascending positions, −1 = none).
+    pub indices: Tensor,
+    /// `[T, head_dim]` bf16: this call's window-KV rows (RoPE'd, Q1-fake-quantized).
+    pub rows: Tensor,
+}
+
+#[cfg(feature = "cuda")]
+impl WindowCache {
+    /// Inserts the window KV of the tokens at `start .. start + T` with the fused window-insert
+    /// kernel ([`crate::cuda::window_insert`]: RoPE at `cos`/`sin`, Q1 when `fake_quant`) and
+    /// returns the rows and indices the queries attend to.
+    ///
+    /// * `kv`: `[T, head_dim]` bf16, the `kv_norm`'ed window KV (pre-RoPE).
+    /// * `cos`, `sin`: `[T, rope_dim/2]` f32 angles of the tokens' positions.
+    ///
+    /// Decode (`T = 1`) writes straight into the ring and attends over it (indices = ring slots);
+    /// a longer call writes its rows after a copy of the ring rows still in the window (one
+    /// buffer of `≤ W − 1 + T` rows), attends over that, then copies its last `min(T, W)` rows
+    /// into the ring. Indices are computed on the device from two `arange`s (no per-token host
+    /// work); the values equal [`WindowCache::extend`]'s.
+    pub fn insert_fused(&mut self, kv: &Tensor, start: usize, cos: &Tensor, sin: &Tensor, fake_quant: bool) -> Result<WindowSource> {
+        let (t, d) = kv.dims2()?;
+        let (w, ring_d) = self.ring.dims2()?;
+        if d != ring_d {
+            candle_core::bail!("WindowCache: row width {d} != cache width {ring_d}")
+        }
+        let dev = self.ring.device().clone();
+        if t == 1 {
+            let slot = Tensor::new(&[(start % w) as i64], &dev)?;
+            crate::cuda::window_insert(&self.ring, kv, cos, sin, &slot, fake_quant)?;
+            // Positions lo ..= start at their slots p mod W, ascending, −1 padded.
+            let lo = start.saturating_sub(w - 1);
+            let mut idx: Vec<i64> = (lo..=start).map(|p| (p % w) as i64).collect();
+            idx.resize(w, -1);
+            let rows = self.ring.narrow(0, start % w, 1)?;
+            return Ok(WindowSource { kv: self.ring.clone(), indices: Tensor::from_vec(idx, (1, w), &dev)?, rows });
+        }
+        let base = start.saturating_sub(w - 1);
+        let n_old = start - base;
+        let buf = Tensor::zeros((n_old + t, d), self.ring.dtype(), &dev)?;
+        // Ring rows of positions base .. start (at most two runs of slots).
+        let mut done = 0;
+        while done < n_old {
+            let slot = (base + done) % w;
+            let run = (w - slot).min(n_old - done);
+            buf.slice_set(&self.ring.narrow(0, slot, run)?, 0, done)?;
+            done += run;
+        }
+        let slots = Tensor::arange(n_old as i64, (n_old + t) as i64, &dev)?;
+        crate::cuda::window_insert(&buf, kv, cos, sin, &slots, fake_quant)?;
+        // Query t (position start + t) sees buffer rows t + k + start − W + 1 − base, k < W;
+        // negative ones are positions before 0 (only when base = 0) and become −1.
+        let tt = Tensor::arange(0i64, t as i64, &dev)?.reshape((t, 1))?;
+        let kk = Tensor::arange(0i64, w as i64, &dev)?.reshape((1, w))?;
+        let shift = start as i64 - w as i64 + 1 - base as i64;
+        let indices = tt.broadcast_add(&kk)?.affine(1.0, shift as f64)?.maximum(-1i64)?;
+        let rows = buf.narrow(0, n_old, t)?;
+        self.store(&rows, start)?;
+        Ok(WindowSource { kv: buf, indices, rows })
     }
 }
 

@@ -11,6 +11,7 @@
 //!   RMSNorm of V4.0 (spec §4.2).
 //! * [`packed_insert`] with a [`PackedLayout`]: the same inserts into the packed, paged cache
 //!   formats of spec §7.2 (528 B window rows, 288 B compressed rows, 68 B index rows).
+//! * [`fake_quant_device`]: blockwise QAT / FP8 activation fake quant of a dense tensor.
 //! * [`sparse_attention_two_source`]: sparse attention with sink over window + extra rows
 //!   (spec §4.7), returning the output and the log-sum-exp.
 //!
@@ -20,6 +21,7 @@
 //! keeps them bit-exact with the CPU. Cache rows are addressed by per-token `slots` (`[T]` i64),
 //! so one call serves many sequences (ring slots, paged slots, ...).
 
+mod act_quant;
 mod compressed_insert;
 mod device;
 mod ffi;
@@ -32,6 +34,7 @@ mod slots;
 mod sparse_attention;
 mod window_insert;
 
+pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
 pub use index_key_insert::index_key_insert;
 pub use packed_insert::{packed_insert, PackedLayout};

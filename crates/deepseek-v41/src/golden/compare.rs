@@ -76,7 +76,9 @@ fn ulp(g: f32, mantissa_bits: i32) -> f32 {
 }
 
 /// Compares `actual` with `golden` (same element count; shapes are reported if they differ).
+/// Both are read on the host (tensors on a device are copied there first).
 pub fn compare(name: &str, actual: &Tensor, golden: &Tensor, tol: Tolerance) -> Result<Outcome> {
+    let (actual, golden) = (&on_host(actual)?, &on_host(golden)?);
     if actual.elem_count() != golden.elem_count() {
         return Ok(Outcome {
             name: name.to_string(),
@@ -124,6 +126,18 @@ pub fn compare(name: &str, actual: &Tensor, golden: &Tensor, tol: Tolerance) -> 
         _ => mism == 0,
     };
     Ok(Outcome { name: name.to_string(), max_abs, max_rel, rel_fro, mismatches: mism, pass, note: String::new() })
+}
+
+/// `t` on the host (empty tensors are rebuilt there rather than copied).
+fn on_host(t: &Tensor) -> Result<Tensor> {
+    let cpu = candle_core::Device::Cpu;
+    if t.device().is_cpu() {
+        Ok(t.clone())
+    } else if t.elem_count() == 0 {
+        Tensor::zeros(t.shape(), t.dtype(), &cpu)
+    } else {
+        t.to_device(&cpu)
+    }
 }
 
 fn compare_id_sets(name: &str, actual: &Tensor, golden: &Tensor) -> Result<Outcome> {

@@ -184,8 +184,19 @@ pub fn fake_quant_slice(fmt: QatFormat, x: &mut [f32]) -> Result<()> {
 
 /// Fake-quantizes `x` (`[..., K]`, K a multiple of `fmt.block()`, any float dtype) per block of
 /// the last dim; returns the dequantized values `[..., K]` in `x`'s dtype and device (exact in
-/// f32 and bf16). Computed on the host in f32.
+/// f32 and bf16). Computed on the host in f32, except for bf16 / f32 tensors on a CUDA device
+/// (with the `cuda` feature), which one kernel computes in place on the device, bit for bit
+/// equal ([`crate::cuda::fake_quant_device`]).
 pub fn fake_quant(x: &Tensor, fmt: QatFormat) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::cuda::fake_quant_device(x, fmt);
+    }
+    fake_quant_host(x, fmt)
+}
+
+/// [`fake_quant()`] computed on the host whatever the device of `x` (the reference).
+pub(crate) fn fake_quant_host(x: &Tensor, fmt: QatFormat) -> Result<Tensor> {
     map_blocks(x, fmt.block(), &format!("fake_quant {fmt}"), |b| fake_quant_block(fmt, b))
 }
 
