@@ -3,16 +3,21 @@
 //!
 //! Random data (never zeros), both outputs' memory poisoned with NaN beforehand (the allocator
 //! hands freed blocks back), −1 holes and padding, duplicates, lengths 0 / 1 / 127 / 128 / 129 /
-//! 512 mixed in one batch, sinks on and off (−inf), H = 4 and 64, i64 and i32 indices.
-//! Tolerance: bf16 outputs within 1 ulp, a small fraction within 2 ulps (the f32 order of the
-//! dot products differs, which can flip a bf16-rounded probability); lse within 1e-5 relative.
+//! 512 per source mixed in one batch, sinks on and off (−inf), H = 4, 20, 64 and 128 (two head
+//! blocks), i64 and i32 indices, forced KV splits 1, 2, 3, 5 and 8 (split boundaries inside
+//! and between the sources, empty splits), the 4096-index limit, and a batch of 264 tokens (the
+//! prefill configuration: one CTA per token).
+//! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot
+//! products and of the tensor-core sums differs, and with splits p is rounded relative to the
+//! split's max, which can flip a bf16-rounded probability; those stay within 2^-7 of the row's
+//! largest magnitude); lse within 1e-5 relative.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_sparse_attention`.
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::cuda::sparse_attention_two_source;
+use deepseek_v41::cuda::{sparse_attention_two_source, sparse_attention_two_source_with, SparseAttentionOptions};
 use half::bf16;
 
 const D: usize = 512;
@@ -79,6 +84,14 @@ struct Case<'a> {
     holes: usize,
     amp_q: f32,
     i32_indices: bool,
+    /// Forced KV splits (None: the launcher's choice).
+    splits: Option<usize>,
+}
+
+impl Default for Case<'_> {
+    fn default() -> Self {
+        Case { seed: 0, h: 64, win_lens: &WIN, extra_lens: &EXTRA, kw: 128, kc: 512, holes: 0, amp_q: 1.0, i32_indices: false, splits: None }
+    }
 }
 
 fn run_case(c: &Case) -> Result<()> {
@@ -105,7 +118,9 @@ fn run_case(c: &Case) -> Result<()> {
     let (out_c, lse_c) = sparse_attention_two_source(&q, &kvw, &iw, &kvc, &ic, &sink, scale)?;
     let g = |x: &Tensor| x.to_device(&dev);
     poison_allocator(&dev, t, c.h)?;
-    let (out_g, lse_g) = sparse_attention_two_source(&g(&q)?, &g(&kvw)?, &g(&iw)?, &g(&kvc)?, &g(&ic)?, &g(&sink)?, scale)?;
+    let opts = SparseAttentionOptions { num_splits: c.splits };
+    let (out_g, lse_g) =
+        sparse_attention_two_source_with(&g(&q)?, &g(&kvw)?, &g(&iw)?, &g(&kvc)?, &g(&ic)?, &g(&sink)?, scale, opts)?;
     ensure!(out_g.dims() == [t, c.h, D] && lse_g.dims() == [t, c.h], "output shapes {:?} {:?}", out_g.shape(), lse_g.shape());
 
     let og = out_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()?;
@@ -134,7 +149,7 @@ fn run_case(c: &Case) -> Result<()> {
         }
     }
     ensure!(two * 200 <= og.len(), "seed {}: {two} of {} outputs beyond 1 ulp", c.seed, og.len());
-    eprintln!("seed {}: {} outputs, {one} at 1 ulp, {two} at >= 2 ulps", c.seed, og.len());
+    eprintln!("seed {} splits {:?}: {} outputs, {one} at 1 ulp, {two} at >= 2 ulps", c.seed, c.splits, og.len());
 
     let lg = lse_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
     let lc = lse_c.flatten_all()?.to_vec1::<f32>()?;
@@ -157,30 +172,77 @@ const EXTRA: [usize; 10] = [0, 0, 1, 129, 512, 127, 128, 512, 300, 0];
 
 #[test]
 fn mixed_lengths_h4_i64() -> Result<()> {
-    run_case(&Case { seed: 1, h: 4, win_lens: &WIN, extra_lens: &EXTRA, kw: 128, kc: 512, holes: 0, amp_q: 1.0, i32_indices: false })
+    run_case(&Case { seed: 1, h: 4, ..Case::default() })
 }
 
 #[test]
 fn mixed_lengths_h64_i32_with_holes() -> Result<()> {
-    run_case(&Case { seed: 2, h: 64, win_lens: &WIN, extra_lens: &EXTRA, kw: 128, kc: 512, holes: 9, amp_q: 1.0, i32_indices: true })
+    run_case(&Case { seed: 2, holes: 9, i32_indices: true, ..Case::default() })
 }
 
 #[test]
 fn sharp_logits_move_the_running_max_h64() -> Result<()> {
     // Larger q: logits spread over tens of units, so block maxima change often.
-    run_case(&Case { seed: 3, h: 64, win_lens: &WIN, extra_lens: &EXTRA, kw: 130, kc: 520, holes: 3, amp_q: 6.0, i32_indices: false })
+    run_case(&Case { seed: 3, kw: 130, kc: 520, holes: 3, amp_q: 6.0, ..Case::default() })?;
+    run_case(&Case { seed: 13, kw: 130, kc: 520, holes: 3, amp_q: 6.0, splits: Some(1), ..Case::default() })
 }
 
 #[test]
 fn odd_heads_and_window_only() -> Result<()> {
-    run_case(&Case { seed: 4, h: 20, win_lens: &[128, 5, 0, 77], extra_lens: &[0, 0, 0, 0], kw: 128, kc: 1, holes: 2, amp_q: 2.0, i32_indices: false })
+    let (win, extra) = (&[128, 5, 0, 77][..], &[0, 0, 0, 0][..]);
+    run_case(&Case { seed: 4, h: 20, win_lens: win, extra_lens: extra, kc: 1, holes: 2, amp_q: 2.0, ..Case::default() })
 }
 
 #[test]
 fn decode_batch_flash_shapes() -> Result<()> {
     let win = [128usize; 33];
     let extra: Vec<usize> = (0..33).map(|i| [512, 511, 129, 1, 0][i % 5]).collect();
-    run_case(&Case { seed: 5, h: 64, win_lens: &win, extra_lens: &extra, kw: 128, kc: 512, holes: 0, amp_q: 1.5, i32_indices: false })
+    run_case(&Case { seed: 5, win_lens: &win, extra_lens: &extra, amp_q: 1.5, ..Case::default() })
+}
+
+#[test]
+fn forced_splits_cover_boundaries() -> Result<()> {
+    // 1 ... 8 splits over the same mixed batch: boundaries at multiples of 64 valid rows fall
+    // inside the window part, at its end and inside the extra part; many splits are empty.
+    for (i, s) in [1usize, 2, 3, 5, 8].into_iter().enumerate() {
+        run_case(&Case { seed: 20 + i as u64, holes: 5, amp_q: 3.0, splits: Some(s), ..Case::default() })?;
+        run_case(&Case { seed: 30 + i as u64, h: 4, holes: 1, splits: Some(s), ..Case::default() })?;
+    }
+    Ok(())
+}
+
+#[test]
+fn per_source_lengths_0_1_127_128_129_512() -> Result<()> {
+    let lens = [0usize, 1, 127, 128, 129, 512];
+    let win: Vec<usize> = (0..36).map(|i| lens[i % 6]).collect();
+    let extra: Vec<usize> = (0..36).map(|i| lens[i / 6]).collect();
+    for splits in [None, Some(1), Some(4)] {
+        run_case(&Case { seed: 40, win_lens: &win, extra_lens: &extra, kw: 512, splits, ..Case::default() })?;
+    }
+    Ok(())
+}
+
+#[test]
+fn two_head_blocks_h128() -> Result<()> {
+    run_case(&Case { seed: 50, h: 128, holes: 4, ..Case::default() })?;
+    run_case(&Case { seed: 51, h: 100, holes: 4, splits: Some(3), ..Case::default() })
+}
+
+#[test]
+fn index_limit_4096_per_token() -> Result<()> {
+    let (win, extra) = (&[2048usize, 1000, 0][..], &[2048usize, 2048, 5][..]);
+    run_case(&Case { seed: 60, h: 4, win_lens: win, extra_lens: extra, kw: 2048, kc: 2048, holes: 30, ..Case::default() })?;
+    run_case(&Case { seed: 61, h: 4, win_lens: win, extra_lens: extra, kw: 2048, kc: 2048, splits: Some(8), ..Case::default() })
+}
+
+#[test]
+fn prefill_batch_one_cta_per_token() -> Result<()> {
+    // 264 tokens (two waves of 132 SMs): the launcher picks one split, the prefill
+    // configuration. Window = the previous 128 positions of a sequence (short at the start),
+    // extra = 512 of the pool (fewer for some tokens). H = 8 keeps the CPU reference quick.
+    let win: Vec<usize> = (0..264).map(|i| (i + 1).min(128)).collect();
+    let extra: Vec<usize> = (0..264).map(|i| if i % 7 == 3 { 200 } else { 512 }).collect();
+    run_case(&Case { seed: 70, h: 8, win_lens: &win, extra_lens: &extra, ..Case::default() })
 }
 
 #[test]
@@ -235,5 +297,11 @@ fn rejects_bad_shapes_and_dtypes() -> Result<()> {
     let kv256 = Tensor::zeros((8, 256), DType::BF16, &dev)?;
     let e = sparse_attention_two_source(&q256, &kv256, &idx, &kv256, &idx, &sink, 1.0).unwrap_err().to_string();
     ensure!(e.contains("head_dim 512"), "{e}");
+    let bad = SparseAttentionOptions { num_splits: Some(9) };
+    let e = sparse_attention_two_source_with(&q, &kv, &idx, &kv, &idx, &sink, 1.0, bad).unwrap_err().to_string();
+    ensure!(e.contains("num_splits"), "{e}");
+    let wide = Tensor::zeros((2, 4094), DType::I64, &dev)?;
+    let e = sparse_attention_two_source(&q, &kv, &wide, &kv, &idx, &sink, 1.0).unwrap_err().to_string();
+    ensure!(e.contains("4096 indices"), "{e}");
     Ok(())
 }
