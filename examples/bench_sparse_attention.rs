@@ -55,6 +55,13 @@ struct Args {
     /// Skip the prefill sizes.
     #[arg(long)]
     no_prefill: bool,
+    /// Print the kernel's phase trace (CTA 0) once per case (DSV41_SPARSE_ATTENTION_TRACE).
+    #[arg(long)]
+    trace: bool,
+    /// Also time each default case without the mma and without the gather
+    /// (DSV41_SPARSE_ATTENTION_DIAG, wrong results, timing only).
+    #[arg(long)]
+    diag: bool,
 }
 
 struct Timer {
@@ -145,6 +152,8 @@ struct Problem {
     iw: Tensor,
     kvc: Tensor,
     ic: Tensor,
+    /// `iw` with −1 replaced by 0 (the baseline's `index_select` takes no holes).
+    iw_base: Tensor,
     /// Valid rows over all tokens.
     rows: usize,
     /// Distinct bytes read + written (q, distinct gathered rows, out).
@@ -171,11 +180,24 @@ fn decode_problem(dev: &Device, pool: &Tensor, b: usize) -> Result<Problem> {
     let ic = Tensor::from_vec(random_indices(b * TOPK, POOL, b as u64 + 7), (b, TOPK), dev)?;
     let rows = b * (WINDOW + TOPK);
     let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + rows * HEAD_DIM * 2) as f64;
-    Ok(Problem { q, kvw, iw, kvc: pool.clone(), ic, rows, bytes })
+    Ok(Problem { q, kvw, iw_base: iw.clone(), iw, kvc: pool.clone(), ic, rows, bytes })
 }
 
-fn prefill_problem(dev: &Device, t: usize) -> Result<Problem> {
-    let pool = (t / 4).max(TOPK);
+/// Decode B = 64 with `win` valid window rows and no extra rows (−1): fixed per-call costs.
+fn short_problem(dev: &Device, b: usize, win: usize) -> Result<Problem> {
+    let q = Tensor::randn(0f32, 1.0, (b, HEADS, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let kvw = Tensor::randn(0f32, 1.0, (b * WINDOW, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let iw: Vec<i64> = (0..b * WINDOW).map(|i| if i % WINDOW < win { i as i64 } else { -1 }).collect();
+    let iw_base = Tensor::from_vec(iw.iter().map(|&i| i.max(0)).collect::<Vec<_>>(), (b, WINDOW), dev)?;
+    let iw = Tensor::from_vec(iw, (b, WINDOW), dev)?;
+    let ic = Tensor::full(-1i64, (b, TOPK), dev)?;
+    let rows = b * win;
+    let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + rows * HEAD_DIM * 2) as f64;
+    Ok(Problem { q, kvc: kvw.clone(), kvw, iw_base, iw, ic, rows, bytes })
+}
+
+fn prefill_problem(dev: &Device, t: usize, pool: Option<usize>) -> Result<Problem> {
+    let pool = pool.unwrap_or((t / 4).max(TOPK));
     let q = Tensor::randn(0f32, 1.0, (t, HEADS, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
     let kvw = Tensor::randn(0f32, 1.0, (t, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
     let kvc = Tensor::randn(0f32, 1.0, (pool, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
@@ -189,10 +211,11 @@ fn prefill_problem(dev: &Device, t: usize) -> Result<Problem> {
         }
     }
     rows += t * TOPK;
+    let iw_base = Tensor::from_vec(iw.iter().map(|&i| i.max(0)).collect::<Vec<_>>(), (t, WINDOW), dev)?;
     let iw = Tensor::from_vec(iw, (t, WINDOW), dev)?;
     let ic = Tensor::from_vec(random_indices(t * TOPK, pool, t as u64), (t, TOPK), dev)?;
-    let bytes = (t * HEADS * HEAD_DIM * 2 * 2 + (t + pool) * HEAD_DIM * 2) as f64;
-    Ok(Problem { q, kvw, iw, kvc, ic, rows, bytes })
+    let bytes = (t * HEADS * HEAD_DIM * 2 * 2 + (t + pool.min(t * TOPK)) * HEAD_DIM * 2) as f64;
+    Ok(Problem { q, kvw, iw_base, iw, kvc, ic, rows, bytes })
 }
 
 fn report(
@@ -216,13 +239,32 @@ fn report(
         "           -        -".to_string()
     } else {
         match timer.time(args, || {
-            baseline(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, scale)?;
+            baseline(&pb.q, &pb.kvw, &pb.iw_base, &pb.kvc, &pb.ic, scale)?;
             Ok(())
         }) {
             Ok((tb, _)) => format!("{:>12.2} {:>7.1}x", tb * 1e3, tb / t),
             Err(e) => format!("  baseline failed: {e}"),
         }
     };
+    if args.diag && splits.is_none() {
+        for (what, v) in [("no mma", "2"), ("no gather", "4")] {
+            std::env::set_var("DSV41_SPARSE_ATTENTION_DIAG", v);
+            let r = timer.time(args, || {
+                sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
+                Ok(())
+            });
+            std::env::remove_var("DSV41_SPARSE_ATTENTION_DIAG");
+            println!("  diag {label} ({what}): {:.2} us", r?.0 * 1e3);
+        }
+    }
+    if args.trace {
+        // One call with the launcher's phase trace of CTA 0 (printed on stderr).
+        eprint!("{label}: ");
+        std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
+        let r = sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts);
+        std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
+        r?;
+    }
     println!(
         "{label:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}% {base}",
         t * 1e3,
@@ -281,12 +323,19 @@ fn main() -> Result<()> {
         let diff = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
         println!("check: default vs explicit options max |diff| = {diff}");
     }
+    // Fixed costs: no valid row, one tile of 64 rows.
+    for win in [0usize, 64] {
+        let pb = short_problem(&dev, 64, win)?;
+        report(&timer, &args, &format!("decode B=64 rows={win}"), &pb, &sink, None, false)?;
+    }
     drop(pool);
     if !args.no_prefill {
         for t in [4096usize, 16384, 65536] {
-            let pb = prefill_problem(&dev, t)?;
+            let pb = prefill_problem(&dev, t, None)?;
             report(&timer, &args, &format!("prefill T={t}"), &pb, &sink, None, t <= 4096)?;
         }
+        let pb = prefill_problem(&dev, 4096, Some(POOL))?;
+        report(&timer, &args, "prefill T=4096 pool128K", &pb, &sink, None, false)?;
     }
     Ok(())
 }

@@ -46,6 +46,8 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "include/dsv41_sparse_attention.h"
 
@@ -60,6 +62,7 @@ constexpr int THREADS = 256;    // 8 warps
 constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
 constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
 constexpr int MAX_SPLITS = 8;   // portable cluster size
+constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
 // Shared memory map (bytes).
@@ -76,6 +79,12 @@ constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of
 constexpr int SM_ENT = SM_TOTAL + 16;                // u32 [range]: (source << 31) | row
 constexpr int SM_O = 0;                              // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
 
+// Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
+// (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
+// (j < 16), [18] stats merged, [19] partial tiles written, [20] end.
+constexpr int TRACE_SLOTS = 24;
+__device__ long long g_trace[TRACE_SLOTS];
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -83,6 +92,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+// Pulls `bytes` (multiple of 16) at a 16-byte aligned global address into L2, no completion.
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+// Cluster-wide barrier with release / acquire semantics (shared::cluster writes visible after).
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -125,7 +142,7 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
 }
 
-__global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p) {
+__global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
     float* mx_s = reinterpret_cast<float*>(smem + SM_MX);
@@ -143,6 +160,14 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     const int split = blockIdx.y, nsplit = gridDim.y;
     const int h0 = blockIdx.z * HB;
     const int nh = min(HB, p.num_heads - h0);
+    // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
+    // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
+    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
+    const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+    auto stamp = [&](int slot) {
+        if (tracer) g_trace[slot] = clock64();
+    };
+    stamp(0);
 
     // 1a. q -> shared (cp.async; heads past nh zero-filled).
     {
@@ -167,20 +192,29 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     const int rounds = (ktot + THREADS - 1) / THREADS;
     uint32_t code[MAX_ROUNDS];
     unsigned bal[MAX_ROUNDS];
+    // All loads first (one memory round trip), then the validity ballots.
+    int64_t raw[MAX_ROUNDS];
+#pragma unroll
+    for (int r = 0; r < MAX_ROUNDS; ++r) {
+        raw[r] = -1;
+        const int i = r * THREADS + tid;
+        if (r < rounds && i < ktot) {
+            const bool win = i < p.kw;
+            const void* base = win ? p.idx_window : p.idx_extra;
+            const int64_t k = win ? static_cast<int64_t>(t) * p.kw + i : static_cast<int64_t>(t) * p.kc + (i - p.kw);
+            raw[r] = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(base) + k)
+                                        : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(base) + k));
+        }
+    }
 #pragma unroll
     for (int r = 0; r < MAX_ROUNDS; ++r) {
         code[r] = 0xffffffffu;
         if (r < rounds) {
             const int i = r * THREADS + tid;
+            const int64_t s = raw[r];
             if (i < p.kw) {
-                const int64_t k = static_cast<int64_t>(t) * p.kw + i;
-                const int64_t s = p.index_bytes == 8 ? static_cast<const int64_t*>(p.idx_window)[k]
-                                                     : static_cast<int64_t>(static_cast<const int32_t*>(p.idx_window)[k]);
                 if (s >= 0 && s < p.num_window_rows) code[r] = static_cast<uint32_t>(s);
             } else if (i < ktot) {
-                const int64_t k = static_cast<int64_t>(t) * p.kc + (i - p.kw);
-                const int64_t s = p.index_bytes == 8 ? static_cast<const int64_t*>(p.idx_extra)[k]
-                                                     : static_cast<int64_t>(static_cast<const int32_t*>(p.idx_extra)[k]);
                 if (s >= 0 && s < p.num_extra_rows) code[r] = 0x80000000u | static_cast<uint32_t>(s);
             }
             bal[r] = __ballot_sync(0xffffffffu, code[r] != 0xffffffffu);
@@ -239,11 +273,19 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             const int r = (tid >> 6) + 4 * i;
             const bool ok = r < nb;
             const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
-            cp_async16(dst + sw1k(r, col), src, ok);
+            if (!skip_gather) cp_async16(dst + sw1k(r, col), src, ok);
         }
         cp_async_commit();
     };
+    // L2 prefetch of the rows PF_TILES tiles ahead of the cp.async stream (one bulk prefetch per
+    // row): keeps HBM busy beyond the two shared-memory stages.
+    auto prefetch_rows = [&](int r0, int r1) {
+        if (!skip_gather)
+            for (int r = r0 + tid; r < min(r1, nrows); r += THREADS) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
+    };
     if (ntiles > 0) issue_tile(0);
+    prefetch_rows(BLK, (1 + PF_TILES) * BLK);
+    stamp(1);
 
     // Warp roles.
     const int qk_hg = warp & 3, qk_rh = warp >> 2;  // Q.K^T: heads 16 qk_hg.., rows 32 qk_rh..
@@ -263,35 +305,44 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         cp_async_wait_all();
         __syncthreads();
         if (j + 1 < ntiles) issue_tile(j + 1);
+        prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK);
         const int nb = min(BLK, nrows - j * BLK);
         const uint32_t kt = sbase + SM_K + (j & 1) * (BLK * D * 2);
         const float* m_old_s = m_s + (j & 1) * HB;
         float* m_new_s = m_s + ((j + 1) & 1) * HB;
 
         // Q.K^T for 16 heads x 32 rows.
-        float s[4][4];
+        // Two accumulator sets (even / odd k-steps) halve the mma dependency chains.
+        float s[4][4], s2[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
+            for (int c = 0; c < 4; ++c) s[a][c] = s2[a][c] = 0.f;
         const bool qk_rows = qk_active && qk_rh * 32 < nb;
-        if (qk_rows) {
+        if (qk_rows && !skip_mma) {
             const int qrow = qk_hg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
             const int qc = lane >> 4;
             const int krow = qk_rh * 32 + (lane & 7) + (lane >> 4) * 8;
             const int kc = (lane >> 3) & 1;
-#pragma unroll 8
-            for (int kk = 0; kk < 32; ++kk) {
-                uint32_t a0, a1, a2, a3;
-                ldsm_x4(sbase + SM_Q + sw1k(qrow, 2 * kk + qc), a0, a1, a2, a3);
+#pragma unroll 4
+            for (int kk = 0; kk < 32; kk += 2) {
 #pragma unroll
-                for (int np = 0; np < 2; ++np) {
-                    uint32_t b0, b1, b2, b3;
-                    ldsm_x4(kt + sw1k(krow + 16 * np, 2 * kk + kc), b0, b1, b2, b3);
-                    mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
-                    mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                for (int u = 0; u < 2; ++u) {
+                    uint32_t a0, a1, a2, a3;
+                    ldsm_x4(sbase + SM_Q + sw1k(qrow, 2 * (kk + u) + qc), a0, a1, a2, a3);
+#pragma unroll
+                    for (int np = 0; np < 2; ++np) {
+                        uint32_t b0, b1, b2, b3;
+                        ldsm_x4(kt + sw1k(krow + 16 * np, 2 * (kk + u) + kc), b0, b1, b2, b3);
+                        mma_bf16(u ? s2[2 * np] : s[2 * np], a0, a1, a2, a3, b0, b1);
+                        mma_bf16(u ? s2[2 * np + 1] : s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                    }
                 }
             }
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[a][c] += s2[a][c];
         }
         // Scale, mask, per-head max of this warp's rows.
         float mlo = -INFINITY, mhi = -INFINITY;
@@ -360,7 +411,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
                     acc[mt][n][3] *= ah;
                 }
             }
-            const int ksteps = (nb + 15) >> 4;
+            const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
             const int prow = pv_hp * 32 + (lane & 7) + ((lane >> 3) & 1) * 8;
             const int pc = lane >> 4;
             const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -383,11 +434,15 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
                 }
             }
         }
+        if (j < 16) stamp(2 + j);
     }
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
     cp_async_wait_all();  // the q copy is still in flight when the range is empty
-    cg::cluster_group cluster = cg::this_cluster();
+    // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
+    auto split_smem = [&](float* ptr, int r) -> float* {
+        return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
+    };
     if (tq == 0) {
         den_s[qk_rh * HB + qk_hg * 16 + g] = den_lo;
         den_s[qk_rh * HB + qk_hg * 16 + g + 8] = den_hi;
@@ -397,7 +452,14 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         stat_s[tid] = m_s[(ntiles & 1) * HB + tid];
         stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
     }
-    cluster.sync();  // stats visible cluster-wide; every warp is done with the q and row tiles
+    // Cluster barriers only with S > 1 (a plain CTA barrier otherwise).
+    auto all_sync = [&]() {
+        if (nsplit > 1)
+            cluster_sync_all();
+        else
+            __syncthreads();
+    };
+    all_sync();  // stats visible cluster-wide; every warp is done with the q and row tiles
     if (pv_active) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -405,10 +467,10 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             for (int hi = 0; hi < 2; ++hi) {
                 const int h = pv_hp * 32 + 16 * mt + g + 8 * hi;
                 float big = M_FLOOR;
-                for (int r = 0; r < nsplit; ++r) big = fmaxf(big, cluster.map_shared_rank(stat_s, r)[h]);
+                for (int r = 0; r < nsplit; ++r) big = fmaxf(big, split_smem(stat_s, r)[h]);
                 float wsum = 0.f;
                 for (int r = 0; r < nsplit; ++r) {
-                    const float* st = cluster.map_shared_rank(stat_s, r);
+                    const float* st = split_smem(stat_s, r);
                     wsum = __fadd_rn(wsum, __fmul_rn(expf(st[h] - big), st[HB + h]));
                 }
                 const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
@@ -426,7 +488,9 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             }
         }
     }
-    cluster.sync();  // partial O tiles visible cluster-wide
+    stamp(18);
+    all_sync();  // partial O tiles visible cluster-wide
+    stamp(19);
     {
         // CTA `split` writes heads [split * hs, ...); a thread per 8 dims.
         const int hs = (nh + nsplit - 1) / nsplit;
@@ -435,7 +499,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             const int h = hb + c / 64, col = c % 64;
             float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int r = 0; r < nsplit; ++r) {
-                const unsigned char* base = reinterpret_cast<const unsigned char*>(cluster.map_shared_rank(reinterpret_cast<float*>(smem + SM_O), r));
+                const unsigned char* base = reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
                 const float4 x = *reinterpret_cast<const float4*>(base + sw2k(h, 2 * col));
                 const float4 y = *reinterpret_cast<const float4*>(base + sw2k(h, 2 * col + 1));
                 o[0] += x.x; o[1] += x.y; o[2] += x.z; o[3] += x.w;
@@ -450,7 +514,8 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             *reinterpret_cast<uint4*>(dst) = v;
         }
     }
-    cluster.sync();  // keep this CTA's shared memory alive until the cluster has read it
+    if (nsplit > 1) cluster_sync_all();  // keep this CTA's shared memory alive until the cluster has read it
+    stamp(20);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -471,6 +536,25 @@ int choose_splits(int tokens_x_hblocks, int tiles, int sms) {
         }
     }
     return best;
+}
+
+// Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
+void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
+    long long h[TRACE_SLOTS] = {};
+    int khz = 0;
+    if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, g_trace, sizeof(h)) != cudaSuccess ||
+        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
+        return;
+    const double us = 1e3 / khz;
+    fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): compaction %.2f us", splits, tiles, khz / 1000,
+            (h[1] - h[0]) * us);
+    long long prev = h[1];
+    for (int j = 0; j < 16 && h[2 + j] > prev; ++j) {
+        fprintf(stderr, " | tile%d %.2f", j, (h[2 + j] - prev) * us);
+        prev = h[2 + j];
+    }
+    fprintf(stderr, " | merge %.2f | partials %.2f | store %.2f | total %.2f us\n", (h[18] - prev) * us, (h[19] - h[18]) * us,
+            (h[20] - h[19]) * us, (h[20] - h[0]) * us);
 }
 
 }  // namespace dsv41_sa
@@ -524,8 +608,20 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     attr[0].val.clusterDim.y = splits;
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p);
+    cfg.numAttrs = splits > 1 ? 1 : 0;  // one split: a plain launch
+    // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
+    // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only).
+    const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
+    const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
+    const int trace = tr && tr[0] == '1';
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    if (trace) {
+        void* buf = nullptr;
+        if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
+    }
+    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode);
     if (e != cudaSuccess) return static_cast<int>(e);
-    return static_cast<int>(cudaGetLastError());
+    e = cudaGetLastError();
+    if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);
+    return static_cast<int>(e);
 }

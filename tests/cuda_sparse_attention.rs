@@ -8,9 +8,11 @@
 //! and between the sources, empty splits), the 4096-index limit, and a batch of 264 tokens (the
 //! prefill configuration: one CTA per token).
 //! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot
-//! products and of the tensor-core sums differs, and with splits p is rounded relative to the
-//! split's max, which can flip a bf16-rounded probability; those stay within 2^-7 of the row's
-//! largest magnitude); lse within 1e-5 relative.
+//! products and of the tensor-core sums differs, which can flip a bf16-rounded probability;
+//! those stay within 2^-7 of the row's largest magnitude) of the crate reference for one split,
+//! and of an independent model of the split-KV numerics (`split_model`) for several, where p is
+//! rounded relative to each split's own max; the split runs also stay within 2^-6 of the row's
+//! largest magnitude of the crate reference. lse within 1e-5 relative.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_sparse_attention`.
@@ -94,50 +96,79 @@ impl Default for Case<'_> {
     }
 }
 
-fn run_case(c: &Case) -> Result<()> {
-    let dev = gpu();
-    let mut rng = Rng(c.seed);
-    let t = c.win_lens.len();
-    let (nw, nc) = (257usize, 1031usize);
-    let q = random_bf16(&mut rng, &[t, c.h, D], c.amp_q)?;
-    let kvw = random_bf16(&mut rng, &[nw, D], 1.0)?;
-    let kvc = random_bf16(&mut rng, &[nc, D], 1.0)?;
-    let iw = index_rows(&mut rng, c.win_lens, c.kw, nw, c.holes);
-    let ic = index_rows(&mut rng, c.extra_lens, c.kc, nc, c.holes);
-    let mut iw = Tensor::from_vec(iw, (t, c.kw), &Device::Cpu)?;
-    let mut ic = Tensor::from_vec(ic, (t, c.kc), &Device::Cpu)?;
-    if c.i32_indices {
-        iw = iw.to_dtype(DType::I32)?;
-        ic = ic.to_dtype(DType::I32)?;
+/// Independent model of the kernel's split-KV numerics (its header comment): the valid rows
+/// (window then extra, holes removed) are cut into `splits` ranges of whole 64-row blocks; each
+/// range runs the reference's blocked online softmax from the −1e30 floor (p rounded to bf16
+/// relative to the range's running max, f32 denominators of unrounded p); the ranges are merged
+/// with weights e^{m_r − M} / (Σ_r e^{m_r − M} den_r + e^{sink − M}). Output rounded to bf16.
+/// With one split this is exactly the crate's `sparse_attention_ref`.
+fn split_model(q: &[f32], rows: &[Vec<&[f32]>], h: usize, sink: &[f32], scale: f32, splits: usize) -> Vec<bf16> {
+    const BLOCK: usize = 64;
+    let mut out = vec![bf16::ZERO; rows.len() * h * D];
+    for (ti, tr) in rows.iter().enumerate() {
+        let count = tr.len();
+        let per = count.div_ceil(BLOCK).div_ceil(splits) * BLOCK;
+        for hi in 0..h {
+            let qr = &q[(ti * h + hi) * D..][..D];
+            let mut parts = Vec::new(); // (m, den, acc) per split
+            for r in 0..splits {
+                let lo = (r * per).min(count);
+                let hi_ = (lo + per).min(count);
+                let (mut m, mut den, mut acc) = (-1e30f32, 0f32, vec![0f32; D]);
+                for blk in tr[lo..hi_].chunks(BLOCK) {
+                    let l: Vec<f32> = blk.iter().map(|k| scale * qr.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>()).collect();
+                    let m_new = l.iter().fold(m, |a, &b| a.max(b));
+                    let alpha = (m - m_new).exp();
+                    den *= alpha;
+                    acc.iter_mut().for_each(|o| *o *= alpha);
+                    for (&li, k) in l.iter().zip(blk) {
+                        let p = (li - m_new).exp();
+                        den += p;
+                        let pb = bf16::from_f32(p).to_f32();
+                        acc.iter_mut().zip(*k).for_each(|(o, &v)| *o += pb * v);
+                    }
+                    m = m_new;
+                }
+                parts.push((m, den, acc));
+            }
+            let big = parts.iter().fold(-1e30f32, |a, p| a.max(p.0));
+            let wsum: f32 = parts.iter().map(|p| (p.0 - big).exp() * p.1).sum();
+            let den = wsum + (sink[hi] - big).exp();
+            let ok = den > 0.0 && den.is_finite();
+            let o = &mut out[(ti * h + hi) * D..][..D];
+            for (d, od) in o.iter_mut().enumerate() {
+                let v: f32 = parts.iter().map(|p| if ok { (p.0 - big).exp() / den * p.2[d] } else { 0.0 }).sum();
+                *od = bf16::from_f32(v);
+            }
+        }
     }
-    // Heads alternate: sink on (values around the logits' range), off (−inf).
-    let sink: Vec<f32> = (0..c.h).map(|i| if i % 3 == 1 { f32::NEG_INFINITY } else { 2.0 * rng.normal() }).collect();
-    let sink = Tensor::new(sink.as_slice(), &Device::Cpu)?;
-    let scale = (D as f32).powf(-0.5);
+    out
+}
 
-    let (out_c, lse_c) = sparse_attention_two_source(&q, &kvw, &iw, &kvc, &ic, &sink, scale)?;
-    let g = |x: &Tensor| x.to_device(&dev);
-    poison_allocator(&dev, t, c.h)?;
-    let opts = SparseAttentionOptions { num_splits: c.splits };
-    let (out_g, lse_g) =
-        sparse_attention_two_source_with(&g(&q)?, &g(&kvw)?, &g(&iw)?, &g(&kvc)?, &g(&ic)?, &g(&sink)?, scale, opts)?;
-    ensure!(out_g.dims() == [t, c.h, D] && lse_g.dims() == [t, c.h], "output shapes {:?} {:?}", out_g.shape(), lse_g.shape());
+/// Per-token valid rows (window then extra) as f32 slices of the host sources.
+fn valid_rows<'a>(iw: &[i64], kw: usize, kvw: &'a [f32], ic: &[i64], kc: usize, kvc: &'a [f32], t: usize) -> Vec<Vec<&'a [f32]>> {
+    (0..t)
+        .map(|ti| {
+            let w = iw[ti * kw..][..kw].iter().filter(|&&i| i >= 0).map(|&i| &kvw[i as usize * D..][..D]);
+            let c = ic[ti * kc..][..kc].iter().filter(|&&i| i >= 0).map(|&i| &kvc[i as usize * D..][..D]);
+            w.chain(c).collect()
+        })
+        .collect()
+}
 
-    let og = out_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()?;
-    let oc = out_c.flatten_all()?.to_vec1::<bf16>()?;
+/// Compares bf16 outputs: all within 1 ulp except at most 0.5 %, those within 2^-7 of the row's
+/// largest magnitude (cancellation in P·V). Returns (at 1 ulp, beyond).
+fn compare(what: &str, c: &Case, og: &[bf16], oc: &[bf16]) -> Result<(usize, usize)> {
     let (mut one, mut two) = (0usize, 0usize);
-    for (i, (&a, &b)) in og.iter().zip(&oc).enumerate() {
+    for (i, (&a, &b)) in og.iter().zip(oc).enumerate() {
         ensure!(a.is_finite(), "seed {}: out[{i}] = {a} (unwritten or overflow)", c.seed);
         let u = ulps(a, b);
-        if u == 2 {
-            two += 1;
-        } else if u > 2 {
-            // Cancellation in P·V: allow an absolute error of a few bf16 ulps of the row scale.
+        if u >= 2 {
             let row = &oc[i / D * D..][..D];
             let amax = row.iter().map(|x| x.to_f32().abs()).fold(0f32, f32::max);
             ensure!(
                 (a.to_f32() - b.to_f32()).abs() <= amax * 2f32.powi(-7),
-                "seed {}: out[t{} h{} d{}] gpu {a} cpu {b} ({u} ulps, row amax {amax})",
+                "seed {} vs {what}: out[t{} h{} d{}] gpu {a} want {b} ({u} ulps, row amax {amax})",
                 c.seed,
                 i / D / c.h,
                 i / D % c.h,
@@ -148,8 +179,79 @@ fn run_case(c: &Case) -> Result<()> {
             one += 1;
         }
     }
-    ensure!(two * 200 <= og.len(), "seed {}: {two} of {} outputs beyond 1 ulp", c.seed, og.len());
-    eprintln!("seed {} splits {:?}: {} outputs, {one} at 1 ulp, {two} at >= 2 ulps", c.seed, c.splits, og.len());
+    ensure!(two * 200 <= og.len(), "seed {} vs {what}: {two} of {} outputs beyond 1 ulp", c.seed, og.len());
+    Ok((one, two))
+}
+
+fn run_case(c: &Case) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(c.seed);
+    let t = c.win_lens.len();
+    let (nw, nc) = (257usize, 1031usize);
+    let q = random_bf16(&mut rng, &[t, c.h, D], c.amp_q)?;
+    let kvw = random_bf16(&mut rng, &[nw, D], 1.0)?;
+    let kvc = random_bf16(&mut rng, &[nc, D], 1.0)?;
+    let iw_v = index_rows(&mut rng, c.win_lens, c.kw, nw, c.holes);
+    let ic_v = index_rows(&mut rng, c.extra_lens, c.kc, nc, c.holes);
+    let mut iw = Tensor::from_vec(iw_v.clone(), (t, c.kw), &Device::Cpu)?;
+    let mut ic = Tensor::from_vec(ic_v.clone(), (t, c.kc), &Device::Cpu)?;
+    if c.i32_indices {
+        iw = iw.to_dtype(DType::I32)?;
+        ic = ic.to_dtype(DType::I32)?;
+    }
+    // Heads alternate: sink on (values around the logits' range), off (−inf).
+    let sink_v: Vec<f32> = (0..c.h).map(|i| if i % 3 == 1 { f32::NEG_INFINITY } else { 2.0 * rng.normal() }).collect();
+    let sink = Tensor::new(sink_v.as_slice(), &Device::Cpu)?;
+    let scale = (D as f32).powf(-0.5);
+
+    let (out_c, lse_c) = sparse_attention_two_source(&q, &kvw, &iw, &kvc, &ic, &sink, scale)?;
+    let g = |x: &Tensor| x.to_device(&dev);
+    let (qg, kvwg, iwg, kvcg, icg, sg) = (g(&q)?, g(&kvw)?, g(&iw)?, g(&kvc)?, g(&ic)?, g(&sink)?);
+    poison_allocator(&dev, t, c.h)?;
+    let run = |splits: Option<usize>| {
+        sparse_attention_two_source_with(&qg, &kvwg, &iwg, &kvcg, &icg, &sg, scale, SparseAttentionOptions { num_splits: splits })
+    };
+    let (out_g, lse_g) = run(c.splits)?;
+    ensure!(out_g.dims() == [t, c.h, D] && lse_g.dims() == [t, c.h], "output shapes {:?} {:?}", out_g.shape(), lse_g.shape());
+    let og = out_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()?;
+
+    // The split count in effect: forced, or the launcher's choice (bit-identical to one forced run).
+    let splits = match c.splits {
+        Some(s) => s,
+        None => {
+            let mut found = None;
+            for s in 1..=8 {
+                if run(Some(s))?.0.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()? == og {
+                    found = Some(s);
+                    break;
+                }
+            }
+            found.ok_or_else(|| anyhow::anyhow!("seed {}: the default run matches no forced split count", c.seed))?
+        }
+    };
+
+    // Strict: against the crate reference for one split, against the split model otherwise.
+    let oc = out_c.flatten_all()?.to_vec1::<bf16>()?;
+    let (one, two) = if splits == 1 {
+        compare("reference", c, &og, &oc)?
+    } else {
+        let f = |x: &Tensor| -> Result<Vec<f32>> { Ok(x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+        let (qv, kvwv, kvcv) = (f(&q)?, f(&kvw)?, f(&kvc)?);
+        let rows = valid_rows(&iw_v, c.kw, &kvwv, &ic_v, c.kc, &kvcv, t);
+        let model = split_model(&qv, &rows, c.h, &sink_v, scale, splits);
+        // Loose: the crate reference within bf16 rounding of the probabilities.
+        for (i, (&a, &b)) in og.iter().zip(&oc).enumerate() {
+            let row = &oc[i / D * D..][..D];
+            let amax = row.iter().map(|x| x.to_f32().abs()).fold(0f32, f32::max);
+            ensure!(
+                (a.to_f32() - b.to_f32()).abs() <= amax * 2f32.powi(-6),
+                "seed {} splits {splits}: out[{i}] gpu {a} reference {b} (row amax {amax})",
+                c.seed
+            );
+        }
+        compare("split model", c, &og, &model)?
+    };
+    eprintln!("seed {} splits {splits} ({:?}): {} outputs, {one} at 1 ulp, {two} at >= 2 ulps", c.seed, c.splits, og.len());
 
     let lg = lse_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
     let lc = lse_c.flatten_all()?.to_vec1::<f32>()?;
