@@ -21,26 +21,38 @@
 // from the floor (so p is rounded relative to the split's max) and the splits are merged as
 // out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r.
 //
-// Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1), 256 threads (8 warps), 1 CTA per
-// SM (~220 KB shared memory). CTA (t, r, z) handles heads [64 z, 64 z + 64) of token t over the
-// r-th of S equal ranges (multiples of 64) of the token's compacted valid rows.
+// Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1) when S > 1 (a plain launch for one
+// split), 256 threads (8 warps), 1 CTA per SM (~220 KB shared memory). CTA (t, r, z) handles
+// heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row tiles) of the
+// token's compacted valid rows. The launcher picks S from the token count and the SM count
+// (a wave model, `choose_splits`) unless the caller forces it.
 //   1. q (64 heads x 512 bf16) is fetched with cp.async; all threads load the token's indices
 //      at once, a ballot + warp scan compacts the valid ones and the CTA keeps the entries of
 //      its range (source bit + row) in shared memory.
 //   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring (tile j+1 loads
-//      while tile j is computed). Per tile:
+//      while tile j is computed); the rows PF_TILES tiles further ahead get an L2 bulk prefetch
+//      (one instruction per 1 KB row) so that HBM stays busy beyond the two stages. Per tile:
 //      Q.K^T: warp w computes S for heads 16 (w%4) .. +16 and tile rows 32 (w/4) .. +32 (full
-//        512-dim dot products, ldmatrix from the swizzled q and row tiles), masks rows past the
-//        tile's end, publishes its per-head max; after a barrier it forms m_new, writes bf16 p
-//        into a [64 heads][64 rows] tile and keeps its half of the f32 denominator in registers.
+//        512-dim dot products, ldmatrix from the swizzled q and row tiles, two accumulator sets
+//        to halve the mma dependency chains), masks rows past the tile's end, publishes its
+//        per-head max; after a barrier it forms m_new, writes bf16 p into a [64 heads][64 rows]
+//        tile and keeps its half of the f32 denominator in registers.
 //      P.V: warp w accumulates O for heads 32 (w%2) .. +32 and dims 128 (w/2) .. +128 (2 x 16
 //        m16n8 tiles = 128 f32 registers per thread), B = the row tile via ldmatrix.trans.
 //      Shared tiles are XOR-swizzled per 16-byte chunk (chunk ^ (row & 7)): conflict-free
-//      ldmatrix.
-//   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier each CTA reads
-//      all splits' (m, den) through distributed shared memory, scales its O by its merge weight
-//      into f32 shared memory; after a second cluster barrier CTA r sums the S partial tiles for
-//      its share of the heads and writes bf16 out (16-byte stores) and lse.
+//      ldmatrix and cp.async.
+//   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
+//      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
+//      into this split's factor and the lse; every PV warp scales its O by the factor into f32
+//      shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
+//      share of the heads and writes bf16 out (16-byte stores).
+// Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
+// prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
+// DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
+// results, for timing the other parts).
+// Measured on the H200 (docs/perf.md): a 64-row tile takes ~5 us (mma.sync + ldmatrix latency
+// with 2 warps per scheduler, not HBM: the gather alone is faster), a CTA's fixed cost
+// (compaction, first loads, epilogue) ~5-10 us. wgmma (sm_90a) is the next step.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -100,6 +112,9 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 // Cluster-wide barrier with release / acquire semantics (shared::cluster writes visible after).
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed_wait() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -460,31 +475,49 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             __syncthreads();
     };
     all_sync();  // stats visible cluster-wide; every warp is done with the q and row tiles
+    float* fac_s = alpha_s;  // [64 heads]: this split's merge factor e^{m_r - M} / den
+    if (tid < HB) {
+        // Merge the S splits' (m, den) of head `tid`; all remote loads issued at once.
+        const int h = tid;
+        float mr[MAX_SPLITS], dr[MAX_SPLITS];
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r) {
+            mr[r] = M_FLOOR;
+            dr[r] = 0.f;
+            if (r < nsplit) {
+                const float* st = split_smem(stat_s, r);
+                mr[r] = st[h];
+                dr[r] = st[HB + h];
+            }
+        }
+        float big = M_FLOOR;
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r) big = fmaxf(big, mr[r]);
+        float wsum = 0.f;
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r)
+            if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
+        const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
+        const float den = __fadd_rn(wsum, expf(sink - big));
+        const bool ok = den > 0.f && isfinite(den);
+        fac_s[h] = ok ? __fdiv_rn(expf(stat_s[h] - big), den) : 0.f;
+        if (split == 0 && h < nh)
+            p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
+    }
+    __syncthreads();
     if (pv_active) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
             for (int hi = 0; hi < 2; ++hi) {
                 const int h = pv_hp * 32 + 16 * mt + g + 8 * hi;
-                float big = M_FLOOR;
-                for (int r = 0; r < nsplit; ++r) big = fmaxf(big, split_smem(stat_s, r)[h]);
-                float wsum = 0.f;
-                for (int r = 0; r < nsplit; ++r) {
-                    const float* st = split_smem(stat_s, r);
-                    wsum = __fadd_rn(wsum, __fmul_rn(expf(st[h] - big), st[HB + h]));
-                }
-                const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
-                const float den = __fadd_rn(wsum, expf(sink - big));
-                const bool ok = den > 0.f && isfinite(den);
-                const float f = ok ? __fdiv_rn(expf(stat_s[h] - big), den) : 0.f;
+                const float f = fac_s[h];
 #pragma unroll
                 for (int n = 0; n < 16; ++n) {
                     const int d0 = pv_dq * 128 + 8 * n + 2 * tq;
                     float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
                     *dst = make_float2(acc[mt][n][2 * hi] * f, acc[mt][n][2 * hi + 1] * f);
                 }
-                if (split == 0 && tq == 0 && pv_dq == 0 && h < nh)
-                    p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
             }
         }
     }
@@ -492,18 +525,31 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     all_sync();  // partial O tiles visible cluster-wide
     stamp(19);
     {
-        // CTA `split` writes heads [split * hs, ...); a thread per 8 dims.
+        // CTA `split` writes heads [split * hs, ...); a thread per 8 dims, the S partial tiles
+        // loaded at once and summed in split order.
         const int hs = (nh + nsplit - 1) / nsplit;
         const int hb = split * hs, he = min(nh, hb + hs);
+        const unsigned char* bases[MAX_SPLITS];
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r)
+            bases[r] = reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r < nsplit ? r : 0));
         for (int c = tid; c < (he - hb) * 64; c += THREADS) {
             const int h = hb + c / 64, col = c % 64;
+            float4 x[MAX_SPLITS], y[MAX_SPLITS];
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r) {
+                if (r < nsplit) {
+                    x[r] = *reinterpret_cast<const float4*>(bases[r] + sw2k(h, 2 * col));
+                    y[r] = *reinterpret_cast<const float4*>(bases[r] + sw2k(h, 2 * col + 1));
+                }
+            }
             float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int r = 0; r < nsplit; ++r) {
-                const unsigned char* base = reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
-                const float4 x = *reinterpret_cast<const float4*>(base + sw2k(h, 2 * col));
-                const float4 y = *reinterpret_cast<const float4*>(base + sw2k(h, 2 * col + 1));
-                o[0] += x.x; o[1] += x.y; o[2] += x.z; o[3] += x.w;
-                o[4] += y.x; o[5] += y.y; o[6] += y.z; o[7] += y.w;
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r) {
+                if (r < nsplit) {
+                    o[0] += x[r].x; o[1] += x[r].y; o[2] += x[r].z; o[3] += x[r].w;
+                    o[4] += y[r].x; o[5] += y[r].y; o[6] += y[r].z; o[7] += y[r].w;
+                }
             }
             uint4 v;
             v.x = pack_bf16(o[0], o[1]);
@@ -514,7 +560,9 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             *reinterpret_cast<uint4*>(dst) = v;
         }
     }
-    if (nsplit > 1) cluster_sync_all();  // keep this CTA's shared memory alive until the cluster has read it
+    // Keep this CTA's shared memory alive until the cluster has read it (the reads completed
+    // before each CTA arrives: their values were consumed; no ordering of other memory needed).
+    if (nsplit > 1) cluster_arrive_relaxed_wait();
     stamp(20);
 }
 
@@ -522,15 +570,18 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 constexpr size_t SMEM_FIXED = SM_ENT;
 
-// Splits per token: the fewest that minimise waves x tiles per CTA (one CTA per SM).
-int choose_splits(int tokens_x_hblocks, int tiles, int sms) {
+// Splits per token: the fewest that minimise the estimated time, in units of one 64-row tile:
+// per CTA its tiles + a fixed cost (index compaction, first loads, epilogue; ~2 tiles) + the
+// cluster merge (~1 tile); waves of one CTA per SM, fractional when many CTAs stream through.
+int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
     int best = 1;
-    long best_cost = -1;
+    double best_cost = -1.0;
     for (int s = 1; s <= MAX_SPLITS; ++s) {
         if (s > 1 && s > tiles) break;
-        const long waves = (static_cast<long>(tokens_x_hblocks) * s + sms - 1) / sms;
-        const long cost = waves * ((tiles + s - 1) / s) + (s > 1 ? 1 : 0);  // merge cost ~ a fraction of a tile
-        if (best_cost < 0 || cost < best_cost) {
+        const long ctas = tokens_x_hblocks * s;
+        const double waves = ctas < 4L * sms ? static_cast<double>((ctas + sms - 1) / sms) : static_cast<double>(ctas) / sms;
+        const double cost = waves * ((tiles + s - 1) / s + 2.0 + (s > 1 ? 1.0 : 0.0));
+        if (best_cost < 0.0 || cost < best_cost - 1e-9) {
             best_cost = cost;
             best = s;
         }
@@ -595,7 +646,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     }
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
-    const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(p->num_tokens * hblocks, tiles, sms);
+    const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p->num_tokens, splits, hblocks);
