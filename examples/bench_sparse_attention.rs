@@ -1,24 +1,37 @@
-//! Benchmark of `deepseek_v41::cuda::sparse_attention_two_source` (decode, bf16 rows) with
-//! DeepSeek-V4.1-Flash shapes: 64 heads x 512, per token 128 window rows (its own ring of 128)
-//! and 512 extra rows drawn at random from a pool of 128K compressed positions, B = 1, 64, 256
-//! decode tokens (one per sequence).
+//! Benchmark of `deepseek_v41::cuda::sparse_attention_two_source` (bf16 rows) with
+//! DeepSeek-V4.1-Flash shapes: 64 heads x 512, per query token 128 window rows and 512 extra
+//! rows.
 //!
-//! Timing: CUDA events on candle's stream around back-to-back calls after a warm-up, median of
-//! `reps` repetitions, per call. GB/s: unique bytes (q + the gathered rows + out) over the time,
-//! against the H200's 4.17 TB/s. Baseline: the same attention with plain Candle ops on the same
-//! GPU (`index_select` gather, bf16 `matmul`, f32 softmax, `matmul`; no sink, timing only).
+//! * Decode, B = 1, 64, 256 sequences, one query token each: the window = the sequence's own
+//!   ring of 128 rows, extra = 512 rows drawn at random from a pool of 128K compressed positions
+//!   (128 MB, mostly not in L2). Also B = 64 with forced split counts.
+//! * Prefill, T = 4096, 16384, 65536 query tokens of one sequence: token i's window = positions
+//!   i-127 ..= i (−1 before the start), extra = 512 random entries of a compressed pool of T/4
+//!   rows (compression ratio 4).
+//!
+//! Timing: CUDA events on candle's stream, median of `reps` repetitions of back-to-back calls
+//! after a warm-up. Each repetition first queues a "blocker" (bf16 matmuls long enough for the
+//! host to enqueue all the repetition's calls behind it), then the start event, the calls and
+//! the end event: the figure is the GPU time per call (kernel + launch gaps), not the host's
+//! enqueue rate. The host-bound rate (plain back-to-back without the blocker) is printed too.
+//! GB/s: unique bytes (q + gathered rows + out) over the time vs 4.17 TB/s; TFLOP/s: 2·2·H·D
+//! per valid row and token (Q·Kᵀ and P·V) vs ~790 TFLOP/s bf16. Baseline: the same attention with
+//! plain Candle ops on the same GPU (`index_select` gather, bf16 `matmul`, f32 softmax, `matmul`;
+//! no sink), for the decode sizes and prefill T = 4096 (larger T does not fit its gathers).
 //!
 //! Run: `cargo run --release --features cuda --example bench_sparse_attention` (needs a GPU).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaStream};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use deepseek_v41::cuda::sparse_attention_two_source;
+use deepseek_v41::cuda::{sparse_attention_two_source, sparse_attention_two_source_with, SparseAttentionOptions};
 
 const HBM_GBPS: f64 = 4170.0;
+const PEAK_TFLOPS: f64 = 790.0;
 const HEADS: usize = 64;
 const HEAD_DIM: usize = 512;
 const WINDOW: usize = 128;
@@ -31,45 +44,237 @@ struct Args {
     #[arg(long, default_value_t = 11)]
     reps: usize,
     /// Warm-up calls before timing.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 5)]
     warmup: usize,
-    /// Target time of one repetition in milliseconds.
-    #[arg(long, default_value_t = 4.0)]
+    /// Target GPU time of one repetition in milliseconds.
+    #[arg(long, default_value_t = 3.0)]
     rep_ms: f64,
     /// Skip the plain-Candle baseline.
     #[arg(long)]
     no_baseline: bool,
+    /// Skip the prefill sizes.
+    #[arg(long)]
+    no_prefill: bool,
+    /// Print the kernel's phase trace (CTA 0) once per case (DSV41_SPARSE_ATTENTION_TRACE).
+    #[arg(long)]
+    trace: bool,
+    /// Also time each default case without the mma and without the gather
+    /// (DSV41_SPARSE_ATTENTION_DIAG, wrong results, timing only).
+    #[arg(long)]
+    diag: bool,
 }
 
-fn time(stream: &Arc<CudaStream>, args: &Args, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..args.warmup.max(1) {
-        f()?;
+struct Timer {
+    stream: Arc<CudaStream>,
+    blocker: Tensor,
+    blocker_ms: f64,
+}
+
+impl Timer {
+    fn new(dev: &Device, stream: Arc<CudaStream>) -> Result<Self> {
+        let blocker = Tensor::randn(0f32, 1.0, (4096, 4096), dev)?.to_dtype(DType::BF16)?;
+        let mut t = Timer { stream, blocker, blocker_ms: 0.0 };
+        for _ in 0..3 {
+            t.block(1)?;
+        }
+        let start = t.event()?;
+        t.block(5)?;
+        let end = t.event()?;
+        t.blocker_ms = start.elapsed_ms(&end)? as f64 / 5.0;
+        Ok(t)
     }
-    stream.synchronize()?;
-    let mut span = |iters: usize| -> Result<f64> {
-        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        for _ in 0..iters {
+    fn event(&self) -> Result<candle_core::cuda_backend::cudarc::driver::CudaEvent> {
+        Ok(self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
+    fn block(&self, n: usize) -> Result<()> {
+        for _ in 0..n {
+            self.blocker.matmul(&self.blocker)?;
+        }
+        Ok(())
+    }
+    /// (GPU ms per call behind a blocker, host-bound ms per call), medians.
+    fn time(&self, args: &Args, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+        for _ in 0..args.warmup.max(1) {
             f()?;
         }
-        let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        Ok(start.elapsed_ms(&end)? as f64 / iters as f64)
-    };
-    let probe = span(3)?;
-    let iters = ((args.rep_ms / probe.max(1e-4)) as usize).clamp(3, 5000);
-    let mut s: Vec<f64> = (0..args.reps.max(1)).map(|_| span(iters)).collect::<Result<_>>()?;
-    s.sort_by(|a, b| a.total_cmp(b));
-    Ok(s[s.len() / 2])
+        self.stream.synchronize()?;
+        // Calibrate: GPU time per call and host enqueue time per call.
+        let wall = Instant::now();
+        let start = self.event()?;
+        for _ in 0..3 {
+            f()?;
+        }
+        let end = self.event()?;
+        let host_ms = wall.elapsed().as_secs_f64() * 1e3 / 3.0;
+        let probe = start.elapsed_ms(&end)? as f64 / 3.0;
+        let iters = ((args.rep_ms / probe.max(1e-4)) as usize).clamp(3, 2000);
+        let blocks = ((1.5 * host_ms * iters as f64 / self.blocker_ms.max(1e-3)).ceil() as usize).clamp(1, 400);
+        let mut gpu = Vec::new();
+        let mut plain = Vec::new();
+        for _ in 0..args.reps.max(1) {
+            self.block(blocks)?;
+            let start = self.event()?;
+            for _ in 0..iters {
+                f()?;
+            }
+            let end = self.event()?;
+            gpu.push(start.elapsed_ms(&end)? as f64 / iters as f64);
+            self.stream.synchronize()?;
+            let start = self.event()?;
+            for _ in 0..iters {
+                f()?;
+            }
+            let end = self.event()?;
+            plain.push(start.elapsed_ms(&end)? as f64 / iters as f64);
+        }
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        Ok((median(gpu), median(plain)))
+    }
 }
 
 /// Plain Candle ops: gather, scores, softmax, P·V (no sink).
 fn baseline(q: &Tensor, kvw: &Tensor, iw: &Tensor, kvc: &Tensor, ic: &Tensor, scale: f64) -> Result<Tensor> {
     let (b, h, d) = q.dims3()?;
-    let kw = kvw.index_select(&iw.flatten_all()?, 0)?.reshape((b, WINDOW, d))?;
-    let kc = kvc.index_select(&ic.flatten_all()?, 0)?.reshape((b, TOPK, d))?;
+    let kw = kvw.index_select(&iw.flatten_all()?, 0)?.reshape((b, iw.dim(1)?, d))?;
+    let kc = kvc.index_select(&ic.flatten_all()?, 0)?.reshape((b, ic.dim(1)?, d))?;
     let k = Tensor::cat(&[kw, kc], 1)?;
     let s = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?;
     let p = candle_nn::ops::softmax_last_dim(&s)?.to_dtype(DType::BF16)?;
     Ok(p.matmul(&k)?.reshape((b, h, d))?)
+}
+
+struct Problem {
+    q: Tensor,
+    kvw: Tensor,
+    iw: Tensor,
+    kvc: Tensor,
+    ic: Tensor,
+    /// `iw` with −1 replaced by 0 (the baseline's `index_select` takes no holes).
+    iw_base: Tensor,
+    /// Valid rows over all tokens.
+    rows: usize,
+    /// Distinct bytes read + written (q, distinct gathered rows, out).
+    bytes: f64,
+}
+
+fn random_indices(n: usize, below: usize, seed: u64) -> Vec<i64> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % below as u64) as i64
+        })
+        .collect()
+}
+
+fn decode_problem(dev: &Device, pool: &Tensor, b: usize) -> Result<Problem> {
+    let q = Tensor::randn(0f32, 1.0, (b, HEADS, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let kvw = Tensor::randn(0f32, 1.0, (b * WINDOW, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let iw: Vec<i64> = (0..b * WINDOW).map(|i| i as i64).collect();
+    let iw = Tensor::from_vec(iw, (b, WINDOW), dev)?;
+    let ic = Tensor::from_vec(random_indices(b * TOPK, POOL, b as u64 + 7), (b, TOPK), dev)?;
+    let rows = b * (WINDOW + TOPK);
+    let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + rows * HEAD_DIM * 2) as f64;
+    Ok(Problem { q, kvw, iw_base: iw.clone(), iw, kvc: pool.clone(), ic, rows, bytes })
+}
+
+/// Decode B = 64 with `win` valid window rows and no extra rows (−1): fixed per-call costs.
+fn short_problem(dev: &Device, b: usize, win: usize) -> Result<Problem> {
+    let q = Tensor::randn(0f32, 1.0, (b, HEADS, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let kvw = Tensor::randn(0f32, 1.0, (b * WINDOW, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let iw: Vec<i64> = (0..b * WINDOW).map(|i| if i % WINDOW < win { i as i64 } else { -1 }).collect();
+    let iw_base = Tensor::from_vec(iw.iter().map(|&i| i.max(0)).collect::<Vec<_>>(), (b, WINDOW), dev)?;
+    let iw = Tensor::from_vec(iw, (b, WINDOW), dev)?;
+    let ic = Tensor::full(-1i64, (b, TOPK), dev)?;
+    let rows = b * win;
+    let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + rows * HEAD_DIM * 2) as f64;
+    Ok(Problem { q, kvc: kvw.clone(), kvw, iw_base, iw, ic, rows, bytes })
+}
+
+fn prefill_problem(dev: &Device, t: usize, pool: Option<usize>) -> Result<Problem> {
+    let pool = pool.unwrap_or((t / 4).max(TOPK));
+    let q = Tensor::randn(0f32, 1.0, (t, HEADS, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let kvw = Tensor::randn(0f32, 1.0, (t, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let kvc = Tensor::randn(0f32, 1.0, (pool, HEAD_DIM), dev)?.to_dtype(DType::BF16)?;
+    let mut iw = Vec::with_capacity(t * WINDOW);
+    let mut rows = 0;
+    for i in 0..t {
+        for j in 0..WINDOW {
+            let pos = i as i64 - (WINDOW - 1 - j) as i64;
+            rows += usize::from(pos >= 0);
+            iw.push(if pos >= 0 { pos } else { -1 });
+        }
+    }
+    rows += t * TOPK;
+    let iw_base = Tensor::from_vec(iw.iter().map(|&i| i.max(0)).collect::<Vec<_>>(), (t, WINDOW), dev)?;
+    let iw = Tensor::from_vec(iw, (t, WINDOW), dev)?;
+    let ic = Tensor::from_vec(random_indices(t * TOPK, pool, t as u64), (t, TOPK), dev)?;
+    let bytes = (t * HEADS * HEAD_DIM * 2 * 2 + (t + pool.min(t * TOPK)) * HEAD_DIM * 2) as f64;
+    Ok(Problem { q, kvw, iw_base, iw, kvc, ic, rows, bytes })
+}
+
+fn report(
+    timer: &Timer,
+    args: &Args,
+    label: &str,
+    pb: &Problem,
+    sink: &Tensor,
+    splits: Option<usize>,
+    with_baseline: bool,
+) -> Result<()> {
+    let scale = (HEAD_DIM as f64).powf(-0.5);
+    let opts = SparseAttentionOptions { num_splits: splits };
+    let (t, host) = timer.time(args, || {
+        sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
+        Ok(())
+    })?;
+    let gbps = pb.bytes / (t * 1e-3) / 1e9;
+    let tflops = (4 * HEADS * HEAD_DIM * pb.rows) as f64 / (t * 1e-3) / 1e12;
+    let base = if !with_baseline || args.no_baseline {
+        "           -        -".to_string()
+    } else {
+        match timer.time(args, || {
+            baseline(&pb.q, &pb.kvw, &pb.iw_base, &pb.kvc, &pb.ic, scale)?;
+            Ok(())
+        }) {
+            Ok((tb, _)) => format!("{:>12.2} {:>7.1}x", tb * 1e3, tb / t),
+            Err(e) => format!("  baseline failed: {e}"),
+        }
+    };
+    if args.diag && splits.is_none() {
+        for (what, v) in [("no mma", "2"), ("no gather", "4")] {
+            std::env::set_var("DSV41_SPARSE_ATTENTION_DIAG", v);
+            let r = timer.time(args, || {
+                sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
+                Ok(())
+            });
+            std::env::remove_var("DSV41_SPARSE_ATTENTION_DIAG");
+            println!("  diag {label} ({what}): {:.2} us", r?.0 * 1e3);
+        }
+    }
+    if args.trace {
+        // One call with the launcher's phase trace of CTA 0 (printed on stderr).
+        eprint!("{label}: ");
+        std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
+        let r = sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts);
+        std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
+        r?;
+    }
+    println!(
+        "{label:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}% {base}",
+        t * 1e3,
+        host * 1e3,
+        gbps,
+        100.0 * gbps / HBM_GBPS,
+        tflops,
+        100.0 * tflops / PEAK_TFLOPS
+    );
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -79,40 +284,58 @@ fn main() -> Result<()> {
         Device::Cuda(c) => c.cuda_stream(),
         _ => unreachable!(),
     };
-    let scale = (HEAD_DIM as f64).powf(-0.5);
-    let pool = Tensor::randn(0f32, 1.0, (POOL, HEAD_DIM), &dev)?.to_dtype(DType::BF16)?;
+    let timer = Timer::new(&dev, stream)?;
     let sink = Tensor::randn(0f32, 1.0, HEADS, &dev)?;
     println!(
-        "sparse attention decode, H={HEADS} D={HEAD_DIM}, {WINDOW} window + {TOPK} extra rows per token, pool {POOL} rows"
+        "sparse attention, H={HEADS} D={HEAD_DIM}, {WINDOW} window + {TOPK} extra rows per query token, bf16 rows; \
+         blocker {:.3} ms",
+        timer.blocker_ms
     );
     println!(
-        "{:<8} {:>10} {:>9} {:>8} {:>12} {:>9}",
-        "B", "fused_us", "GB/s", "of_HBM", "candle_us", "speedup"
+        "{:<22} {:>10} {:>10} {:>8} {:>7} {:>8} {:>7} {:>12} {:>8}",
+        "case", "gpu_us", "host_us", "GB/s", "HBM", "TFLOP/s", "peak", "candle_us", "speedup"
     );
+    let pool = Tensor::randn(0f32, 1.0, (POOL, HEAD_DIM), &dev)?.to_dtype(DType::BF16)?;
     for b in [1usize, 64, 256] {
-        let q = Tensor::randn(0f32, 1.0, (b, HEADS, HEAD_DIM), &dev)?.to_dtype(DType::BF16)?;
-        let kvw = Tensor::randn(0f32, 1.0, (b * WINDOW, HEAD_DIM), &dev)?.to_dtype(DType::BF16)?;
-        let iw: Vec<i64> = (0..b * WINDOW).map(|i| i as i64).collect();
-        let iw = Tensor::from_vec(iw, (b, WINDOW), &dev)?;
-        let ic = Tensor::rand(0f32, POOL as f32, (b, TOPK), &dev)?.floor()?.clamp(0f32, (POOL - 1) as f32)?.to_dtype(DType::I64)?;
-        let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + b * (WINDOW + TOPK) * HEAD_DIM * 2) as f64;
-        let t = time(&stream, &args, || {
-            sparse_attention_two_source(&q, &kvw, &iw, &pool, &ic, &sink, scale as f32)?;
-            Ok(())
-        })?;
-        let gbps = bytes / (t * 1e-3) / 1e9;
-        let base = if args.no_baseline {
-            String::new()
-        } else {
-            match time(&stream, &args, || {
-                baseline(&q, &kvw, &iw, &pool, &ic, scale)?;
-                Ok(())
-            }) {
-                Ok(tb) => format!("{:>12.2} {:>8.1}x", tb * 1e3, tb / t),
-                Err(e) => format!("  baseline failed: {e}"),
+        let pb = decode_problem(&dev, &pool, b)?;
+        report(&timer, &args, &format!("decode B={b}"), &pb, &sink, None, true)?;
+        if b == 64 {
+            for s in [1usize, 2, 3, 4] {
+                report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, Some(s), false)?;
             }
-        };
-        println!("{b:<8} {:>10.2} {:>9.1} {:>7.1}% {base}", t * 1e3, gbps, 100.0 * gbps / HBM_GBPS);
+        }
+    }
+    // Sanity: the default entry point agrees with the explicit one (same launcher choice).
+    {
+        let pb = decode_problem(&dev, &pool, 4)?;
+        let scale = (HEAD_DIM as f32).powf(-0.5);
+        let (a, _) = sparse_attention_two_source(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, &sink, scale)?;
+        let (b, _) = sparse_attention_two_source_with(
+            &pb.q,
+            &pb.kvw,
+            &pb.iw,
+            &pb.kvc,
+            &pb.ic,
+            &sink,
+            scale,
+            SparseAttentionOptions::default(),
+        )?;
+        let diff = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        println!("check: default vs explicit options max |diff| = {diff}");
+    }
+    // Fixed costs: no valid row, one tile of 64 rows.
+    for win in [0usize, 64] {
+        let pb = short_problem(&dev, 64, win)?;
+        report(&timer, &args, &format!("decode B=64 rows={win}"), &pb, &sink, None, false)?;
+    }
+    drop(pool);
+    if !args.no_prefill {
+        for t in [4096usize, 16384, 65536] {
+            let pb = prefill_problem(&dev, t, None)?;
+            report(&timer, &args, &format!("prefill T={t}"), &pb, &sink, None, t <= 4096)?;
+        }
+        let pb = prefill_problem(&dev, 4096, Some(POOL))?;
+        report(&timer, &args, "prefill T=4096 pool128K", &pb, &sink, None, false)?;
     }
     Ok(())
 }

@@ -1,5 +1,7 @@
 // sparse_attention: sparse attention with a per-head sink over two gathered KV sources (spec
-// §4.6-§4.7, §0.1b.6), decode design, bf16 rows.
+// §4.6-§4.7, §0.1b.6), bf16 rows, tensor cores (mma.sync m16n8k16 bf16 -> f32), split-KV over a
+// thread-block cluster. One kernel serves decode (few tokens: several splits per token) and
+// prefill (many tokens: one CTA per token).
 //
 // For token t, head h and the valid rows s of [kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]
 // (in that order, duplicates kept):
@@ -8,254 +10,603 @@
 //   out = sum_s e^{l_s - m} kv[s] / (sum_s e^{l_s - m} + e^{sink[h] - m})      -> bf16
 //   lse = m + ln sum_s e^{l_s - m}                        (sink excluded; -inf for an empty row)
 //
-// Numerics follow the crate's reference `attention::sparse_attention_ref` exactly in structure:
-// the valid indices are first compacted (holes removed), then processed in blocks of 64 valid
-// rows; per block the running max starts at the -1e30 floor and is updated with the block's
-// max, the accumulators and the f32 denominator are rescaled by e^{m_old - m_new}, the
-// probabilities p = e^{l - m_new} are summed in f32 into the denominator and rounded to bf16
-// for P.V, rows accumulated in index order. Output = acc / (den + e^{sink - m}), zero when that
-// is 0 or not finite (empty row), rounded to bf16. Differences to the CPU: the order of the
-// 512-term dot products and of the per-block denominator sums (f32 rounding only), and expf.
+// Numerics (crate reference `attention::sparse_attention_ref`): the valid indices are compacted
+// (holes removed) and processed in blocks of 64 valid rows; per block the running max starts at
+// the -1e30 floor and takes the block's max, the accumulators and the f32 denominator are
+// rescaled by e^{m_old - m_new}, p = e^{l - m_new} is summed unrounded (f32) into the
+// denominator and rounded to bf16 for P.V (the bf16 A operand of the tensor-core product), out
+// = acc / (den + e^{sink - m}), zero when that is 0 or not finite. Differences to the CPU, all
+// at rounding level: the f32 order of the 512-term dot products, of the P.V sums (tensor-core
+// accumulation) and of the denominators; with S > 1 splits, each split runs its own running max
+// from the floor (so p is rounded relative to the split's max) and the splits are merged as
+// out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r.
 //
-// Design (decode, memory bound): one CTA per (token, group of 16 heads), 256 threads. Every
-// gathered row is loaded once per CTA with 16-byte loads into shared memory and serves all 16
-// heads of the group (the 4 CTAs of a 64-head token run side by side and share the rows in L2).
-//   1. warp 0 compacts the valid indices of both sources into row pointers (ballot + popc);
-//      the other warps stage q (f32) in shared memory.
-//   2. per block of 64 rows: cooperative 16-byte gather of the rows into shared memory;
-//      logits: a warp per row, each lane 16 dims x 16 heads, a transposing butterfly reduction
-//      (16 shuffles per row for 16 heads); softmax bookkeeping: a warp per 2 heads;
-//      P.V: a thread per (8 dims, 4 heads), 32 f32 accumulators in registers.
+// Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1) when S > 1 (a plain launch for one
+// split), 256 threads (8 warps), 1 CTA per SM (~220 KB shared memory). CTA (t, r, z) handles
+// heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row tiles) of the
+// token's compacted valid rows. The launcher picks S from the token count and the SM count
+// (a wave model, `choose_splits`) unless the caller forces it.
+//   1. q (64 heads x 512 bf16) is fetched with cp.async; all threads load the token's indices
+//      at once, a ballot + warp scan compacts the valid ones and the CTA keeps the entries of
+//      its range (source bit + row) in shared memory.
+//   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring (tile j+1 loads
+//      while tile j is computed); the rows PF_TILES tiles further ahead get an L2 bulk prefetch
+//      (one instruction per 1 KB row) so that HBM stays busy beyond the two stages. Per tile:
+//      Q.K^T: warp w computes S for heads 16 (w%4) .. +16 and tile rows 32 (w/4) .. +32 (full
+//        512-dim dot products, ldmatrix from the swizzled q and row tiles, two accumulator sets
+//        to halve the mma dependency chains), masks rows past the tile's end, publishes its
+//        per-head max; after a barrier it forms m_new, writes bf16 p into a [64 heads][64 rows]
+//        tile and keeps its half of the f32 denominator in registers.
+//      P.V: warp w accumulates O for heads 32 (w%2) .. +32 and dims 128 (w/2) .. +128 (2 x 16
+//        m16n8 tiles = 128 f32 registers per thread), B = the row tile via ldmatrix.trans.
+//      Shared tiles are XOR-swizzled per 16-byte chunk (chunk ^ (row & 7)): conflict-free
+//      ldmatrix and cp.async.
+//   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
+//      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
+//      into this split's factor and the lse; every PV warp scales its O by the factor into f32
+//      shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
+//      share of the heads and writes bf16 out (16-byte stores).
+// Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
+// prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
+// DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
+// results, for timing the other parts).
+// Measured on the H200 (docs/perf.md): a 64-row tile takes ~5 us (mma.sync + ldmatrix latency
+// with 2 warps per scheduler, not HBM: the gather alone is faster), a CTA's fixed cost
+// (compaction, first loads, epilogue) ~5-10 us. wgmma (sm_90a) is the next step.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "include/dsv41_sparse_attention.h"
 
+namespace cg = cooperative_groups;
+
 namespace dsv41_sa {
 
-constexpr int D = 512;        // head dim (row width)
-constexpr int BLK = 64;       // softmax block (reference SOFTMAX_BLOCK)
-constexpr int HG = 16;        // heads per CTA
-constexpr int THREADS = 256;  // 8 warps
-constexpr int WARPS = THREADS / 32;
-constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+constexpr int D = 512;          // head dim (row width)
+constexpr int BLK = 64;         // rows per tile = softmax block of the reference
+constexpr int HB = 64;          // heads per CTA
+constexpr int THREADS = 256;    // 8 warps
+constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
+constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
+constexpr int MAX_SPLITS = 8;   // portable cluster size
+constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
-// Shared memory: q f32 [HG][D] | rows bf16 [BLK][D] | logits/p f32 [BLK][HG] | alpha, m, den
-// f32 [HG] | row pointers [Kw + Kc].
-constexpr size_t SMEM_Q = sizeof(float) * HG * D;
-constexpr size_t SMEM_KV = sizeof(__nv_bfloat16) * BLK * D;
-constexpr size_t SMEM_P = sizeof(float) * BLK * HG;
-constexpr size_t SMEM_STATS = sizeof(float) * 4 * HG;
-constexpr size_t SMEM_FIXED = SMEM_Q + SMEM_KV + 2 * SMEM_P + SMEM_STATS + 16;
+// Shared memory map (bytes).
+constexpr int SM_Q = 0;                              // bf16 [64 heads][512], swizzled
+constexpr int SM_K = SM_Q + HB * D * 2;              // bf16 [2 stages][64 rows][512], swizzled
+constexpr int SM_P = SM_K + 2 * BLK * D * 2;         // bf16 [64 heads][64 rows], swizzled
+constexpr int SM_MX = SM_P + HB * BLK * 2;           // f32 [2 row halves][64 heads]: tile max
+constexpr int SM_M = SM_MX + 2 * HB * 4;             // f32 [2 ping-pong][64 heads]: running max
+constexpr int SM_ALPHA = SM_M + 2 * HB * 4;          // f32 [64 heads]: e^{m_old - m_new}
+constexpr int SM_DEN = SM_ALPHA + HB * 4;            // f32 [2 row halves][64 heads]: denominators
+constexpr int SM_STAT = SM_DEN + 2 * HB * 4;         // f32 [2][64 heads]: (m, den) published to the cluster
+constexpr int SM_CNT = SM_STAT + 2 * HB * 4;         // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
+constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
+constexpr int SM_ENT = SM_TOTAL + 16;                // u32 [range]: (source << 31) | row
+constexpr int SM_O = 0;                              // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
 
-__device__ __forceinline__ int64_t load_index(const void* base, int64_t i, int bytes) {
-    return bytes == 8 ? static_cast<const int64_t*>(base)[i] : static_cast<int64_t>(static_cast<const int32_t*>(base)[i]);
+// Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
+// (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
+// (j < 16), [18] stats merged, [19] partial tiles written, [20] end.
+constexpr int TRACE_SLOTS = 24;
+__device__ long long g_trace[TRACE_SLOTS];
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void bf16x8_to_f32(const uint4 v, float* f) {
-    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 x = __bfloat1622float2(b[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+// Pulls `bytes` (multiple of 16) at a 16-byte aligned global address into L2, no completion.
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+// Cluster-wide barrier with release / acquire semantics (shared::cluster writes visible after).
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed_wait() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
 }
 
-// grid = (ceil(H / HG), T), block = THREADS, dynamic smem = SMEM_FIXED + 8 * (Kw + Kc).
-__global__ void __launch_bounds__(THREADS) sparse_attention_decode_kernel(const Dsv41SparseAttentionParams p) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    float* q_s = reinterpret_cast<float*>(smem);
-    __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(smem + SMEM_Q);
-    float* l_s = reinterpret_cast<float*>(smem + SMEM_Q + SMEM_KV);       // logits [BLK][HG]
-    float* p_s = l_s + BLK * HG;                                          // bf16-rounded p [BLK][HG]
-    float* alpha_s = p_s + BLK * HG;                                      // [HG]
-    float* m_s = alpha_s + HG;                                            // [HG]
-    float* den_s = m_s + HG;                                              // [HG]
-    int* count_s = reinterpret_cast<int*>(den_s + HG);                    // [1]
-    const uint4** rows_s = reinterpret_cast<const uint4**>(smem + SMEM_FIXED);
+// d += a (16x16 row-major bf16) * b (16x8 col-major bf16), f32 accumulators.
+__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of 1024-byte rows.
+__device__ __forceinline__ uint32_t sw1k(int r, int c) { return static_cast<uint32_t>(r * 1024 + ((c ^ (r & 7)) << 4)); }
+// Same for the P tile (128-byte rows, 8 chunks).
+__device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
+// Same for the f32 O tile (2048-byte rows, 128 chunks).
+__device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ (r & 7)) << 4)); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttentionParams& p, uint32_t e) {
+    const int64_t row = e & 0x7fffffffu;
+    return (e >> 31) ? static_cast<const __nv_bfloat16*>(p.kv_extra) + row * p.extra_row_stride
+                     : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
+}
+
+__global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sbase = smem_addr(smem);
+    float* mx_s = reinterpret_cast<float*>(smem + SM_MX);
+    float* m_s = reinterpret_cast<float*>(smem + SM_M);
+    float* alpha_s = reinterpret_cast<float*>(smem + SM_ALPHA);
+    float* den_s = reinterpret_cast<float*>(smem + SM_DEN);
+    float* stat_s = reinterpret_cast<float*>(smem + SM_STAT);
+    int* cnt_s = reinterpret_cast<int*>(smem + SM_CNT);
+    int* total_s = reinterpret_cast<int*>(smem + SM_TOTAL);
+    uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int t = blockIdx.y;
-    const int h0 = blockIdx.x * HG;
-    const int nh = min(HG, p.num_heads - h0);
+    const int g = lane >> 2, tq = lane & 3;  // mma fragment coordinates
+    const int t = blockIdx.x;
+    const int split = blockIdx.y, nsplit = gridDim.y;
+    const int h0 = blockIdx.z * HB;
+    const int nh = min(HB, p.num_heads - h0);
+    // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
+    // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
+    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
+    const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+    auto stamp = [&](int slot) {
+        if (tracer) g_trace[slot] = clock64();
+    };
+    stamp(0);
 
-    // 1. Compaction of the valid indices (warp 0) and q staging (all threads).
-    if (warp == 0) {
-        const int ktot = p.kw + p.kc;
-        int count = 0;
-        for (int base = 0; base < ktot; base += 32) {
-            const int i = base + lane;
-            const uint4* ptr = nullptr;
-            if (i < p.kw) {
-                const int64_t s = load_index(p.idx_window, static_cast<int64_t>(t) * p.kw + i, p.index_bytes);
-                if (s >= 0 && s < p.num_window_rows)
-                    ptr = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.kv_window) + s * p.window_row_stride);
-            } else if (i < ktot) {
-                const int j = i - p.kw;
-                const int64_t s = load_index(p.idx_extra, static_cast<int64_t>(t) * p.kc + j, p.index_bytes);
-                if (s >= 0 && s < p.num_extra_rows)
-                    ptr = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.kv_extra) + s * p.extra_row_stride);
-            }
-            const unsigned ballot = __ballot_sync(0xffffffffu, ptr != nullptr);
-            if (ptr) rows_s[count + __popc(ballot & ((1u << lane) - 1u))] = ptr;
-            count += __popc(ballot);
+    // 1a. q -> shared (cp.async; heads past nh zero-filled).
+    {
+        const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
+        const int col = tid & 63;
+#pragma unroll 4
+        for (int i = 0; i < HB * 64 / THREADS; ++i) {
+            const int h = (tid >> 6) + 4 * i;
+            const bool ok = h < nh;
+            const __nv_bfloat16* src = qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + col * 8 : 0);
+            cp_async16(sbase + SM_Q + sw1k(h, col), src, ok);
         }
-        if (lane == 0) *count_s = count;
+        cp_async_commit();
     }
-    for (int c = tid; c < HG * CHUNKS; c += THREADS) {
-        const int h = c / CHUNKS, col = c % CHUNKS;
-        float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (h < nh) {
-            const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + t * p.q_token_stride +
-                                                            (h0 + h) * p.q_head_stride + col * 8);
-            bf16x8_to_f32(v, f);
-        }
-        float4* dst = reinterpret_cast<float4*>(q_s + h * D + col * 8);
-        dst[0] = make_float4(f[0], f[1], f[2], f[3]);
-        dst[1] = make_float4(f[4], f[5], f[6], f[7]);
-    }
-    if (tid < HG) {
+    if (tid < HB) {
         m_s[tid] = M_FLOOR;
-        den_s[tid] = 0.f;
+        m_s[HB + tid] = M_FLOOR;
+    }
+
+    // 1b. Compaction of the valid indices in order (window then extra).
+    const int ktot = p.kw + p.kc;
+    const int rounds = (ktot + THREADS - 1) / THREADS;
+    uint32_t code[MAX_ROUNDS];
+    unsigned bal[MAX_ROUNDS];
+    // All loads first (one memory round trip), then the validity ballots.
+    int64_t raw[MAX_ROUNDS];
+#pragma unroll
+    for (int r = 0; r < MAX_ROUNDS; ++r) {
+        raw[r] = -1;
+        const int i = r * THREADS + tid;
+        if (r < rounds && i < ktot) {
+            const bool win = i < p.kw;
+            const void* base = win ? p.idx_window : p.idx_extra;
+            const int64_t k = win ? static_cast<int64_t>(t) * p.kw + i : static_cast<int64_t>(t) * p.kc + (i - p.kw);
+            raw[r] = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(base) + k)
+                                        : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(base) + k));
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MAX_ROUNDS; ++r) {
+        code[r] = 0xffffffffu;
+        if (r < rounds) {
+            const int i = r * THREADS + tid;
+            const int64_t s = raw[r];
+            if (i < p.kw) {
+                if (s >= 0 && s < p.num_window_rows) code[r] = static_cast<uint32_t>(s);
+            } else if (i < ktot) {
+                if (s >= 0 && s < p.num_extra_rows) code[r] = 0x80000000u | static_cast<uint32_t>(s);
+            }
+            bal[r] = __ballot_sync(0xffffffffu, code[r] != 0xffffffffu);
+            if (lane == 0) cnt_s[r * 8 + warp] = __popc(bal[r]);
+        }
     }
     __syncthreads();
-    const int count = *count_s;
+    if (warp == 0) {
+        // Exclusive scan over rounds * 8 warp counts (<= 128): 4 consecutive per lane.
+        const int n = rounds * 8;
+        int v[4], s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = 4 * lane + i < n ? cnt_s[4 * lane + i] : 0;
+            s += v[i];
+        }
+        int incl = s;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int x = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += x;
+        }
+        int run = incl - s;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (4 * lane + i < n) cnt_s[4 * lane + i] = run;
+            run += v[i];
+        }
+        if (lane == 31) *total_s = incl;
+    }
+    __syncthreads();
+    const int count = *total_s;
+    // This split's range of valid rows: equal shares in whole tiles.
+    const int tiles_all = (count + BLK - 1) / BLK;
+    const int per = (tiles_all + nsplit - 1) / nsplit * BLK;
+    const int lo = min(count, split * per), hi = min(count, lo + per);
+    const unsigned lt = (1u << lane) - 1u;
+#pragma unroll
+    for (int r = 0; r < MAX_ROUNDS; ++r) {
+        if (r < rounds && code[r] != 0xffffffffu) {
+            const int rank = cnt_s[r * 8 + warp] + __popc(bal[r] & lt);
+            if (rank >= lo && rank < hi) ent_s[rank - lo] = code[r];
+        }
+    }
+    __syncthreads();
 
-    // P.V mapping: 8 dims (one 16-byte chunk) x 4 heads per thread.
-    const int pv_col = tid % CHUNKS;
-    const int pv_h = (tid / CHUNKS) * 4;
-    float acc[4][8];
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 8; ++b) acc[a][b] = 0.f;
+    const int nrows = hi - lo;
+    const int ntiles = (nrows + BLK - 1) / BLK;
+    auto issue_tile = [&](int j) {
+        const int base = j * BLK;
+        const int nb = min(BLK, nrows - base);
+        const uint32_t dst = sbase + SM_K + (j & 1) * (BLK * D * 2);
+        const int col = tid & 63;
+#pragma unroll 4
+        for (int i = 0; i < BLK * 64 / THREADS; ++i) {
+            const int r = (tid >> 6) + 4 * i;
+            const bool ok = r < nb;
+            const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
+            if (!skip_gather) cp_async16(dst + sw1k(r, col), src, ok);
+        }
+        cp_async_commit();
+    };
+    // L2 prefetch of the rows PF_TILES tiles ahead of the cp.async stream (one bulk prefetch per
+    // row): keeps HBM busy beyond the two shared-memory stages.
+    auto prefetch_rows = [&](int r0, int r1) {
+        if (!skip_gather)
+            for (int r = r0 + tid; r < min(r1, nrows); r += THREADS) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
+    };
+    if (ntiles > 0) issue_tile(0);
+    prefetch_rows(BLK, (1 + PF_TILES) * BLK);
+    stamp(1);
 
-    for (int b0 = 0; b0 < count; b0 += BLK) {
-        const int nb = min(BLK, count - b0);
-        // 2a. Gather the block's rows (16-byte loads, 4096 chunks over 256 threads).
-        for (int c = tid; c < nb * CHUNKS; c += THREADS) {
-            const int r = c / CHUNKS, col = c % CHUNKS;
-            reinterpret_cast<uint4*>(kv_s + r * D)[col] = __ldg(rows_s[b0 + r] + col);
-        }
+    // Warp roles.
+    const int qk_hg = warp & 3, qk_rh = warp >> 2;  // Q.K^T: heads 16 qk_hg.., rows 32 qk_rh..
+    const int pv_hp = warp & 1, pv_dq = warp >> 1;  // P.V: heads 32 pv_hp.., dims 128 pv_dq..
+    const bool qk_active = qk_hg * 16 < nh;
+    const bool pv_active = pv_hp * 32 < nh;
+    float acc[2][16][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 16; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+    float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
+
+    for (int j = 0; j < ntiles; ++j) {
+        cp_async_wait_all();
         __syncthreads();
-        // 2b. Logits: warp per row; lane holds dims [8 lane, 8 lane + 8) and [256 + 8 lane, ...).
-        for (int r = warp; r < nb; r += WARPS) {
-            float k[16];
-            bf16x8_to_f32(reinterpret_cast<const uint4*>(kv_s + r * D)[lane], k);
-            bf16x8_to_f32(reinterpret_cast<const uint4*>(kv_s + r * D)[lane + 32], k + 8);
-            float v[HG];
+        if (j + 1 < ntiles) issue_tile(j + 1);
+        prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK);
+        const int nb = min(BLK, nrows - j * BLK);
+        const uint32_t kt = sbase + SM_K + (j & 1) * (BLK * D * 2);
+        const float* m_old_s = m_s + (j & 1) * HB;
+        float* m_new_s = m_s + ((j + 1) & 1) * HB;
+
+        // Q.K^T for 16 heads x 32 rows.
+        // Two accumulator sets (even / odd k-steps) halve the mma dependency chains.
+        float s[4][4], s2[4][4];
 #pragma unroll
-            for (int h = 0; h < HG; ++h) {
-                const float4* qa = reinterpret_cast<const float4*>(q_s + h * D + lane * 8);
-                const float4* qb = reinterpret_cast<const float4*>(q_s + h * D + 256 + lane * 8);
-                const float4 x0 = qa[0], x1 = qa[1], y0 = qb[0], y1 = qb[1];
-                float s = 0.f;
-                s = fmaf(x0.x, k[0], s); s = fmaf(x0.y, k[1], s); s = fmaf(x0.z, k[2], s); s = fmaf(x0.w, k[3], s);
-                s = fmaf(x1.x, k[4], s); s = fmaf(x1.y, k[5], s); s = fmaf(x1.z, k[6], s); s = fmaf(x1.w, k[7], s);
-                s = fmaf(y0.x, k[8], s); s = fmaf(y0.y, k[9], s); s = fmaf(y0.z, k[10], s); s = fmaf(y0.w, k[11], s);
-                s = fmaf(y1.x, k[12], s); s = fmaf(y1.y, k[13], s); s = fmaf(y1.z, k[14], s); s = fmaf(y1.w, k[15], s);
-                v[h] = s;
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[a][c] = s2[a][c] = 0.f;
+        const bool qk_rows = qk_active && qk_rh * 32 < nb;
+        if (qk_rows && !skip_mma) {
+            const int qrow = qk_hg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            const int qc = lane >> 4;
+            const int krow = qk_rh * 32 + (lane & 7) + (lane >> 4) * 8;
+            const int kc = (lane >> 3) & 1;
+#pragma unroll 4
+            for (int kk = 0; kk < 32; kk += 2) {
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    uint32_t a0, a1, a2, a3;
+                    ldsm_x4(sbase + SM_Q + sw1k(qrow, 2 * (kk + u) + qc), a0, a1, a2, a3);
+#pragma unroll
+                    for (int np = 0; np < 2; ++np) {
+                        uint32_t b0, b1, b2, b3;
+                        ldsm_x4(kt + sw1k(krow + 16 * np, 2 * (kk + u) + kc), b0, b1, b2, b3);
+                        mma_bf16(u ? s2[2 * np] : s[2 * np], a0, a1, a2, a3, b0, b1);
+                        mma_bf16(u ? s2[2 * np + 1] : s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+                    }
+                }
             }
-            // Transposing butterfly: after step j, lane keeps half of its heads (chosen by a
-            // lane bit) summed with its partner's; at the end lanes 2h and 2h+1 hold head h.
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const bool hi = lane & 16;
-                const float send = hi ? v[i] : v[i + 8], keep = hi ? v[i + 8] : v[i];
-                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const bool hi = lane & 8;
-                const float send = hi ? v[i] : v[i + 4], keep = hi ? v[i + 4] : v[i];
-                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const bool hi = lane & 4;
-                const float send = hi ? v[i] : v[i + 2], keep = hi ? v[i + 2] : v[i];
-                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-            }
-            {
-                const bool hi = lane & 2;
-                const float send = hi ? v[0] : v[1], keep = hi ? v[1] : v[0];
-                v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-            }
-            v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
-            if ((lane & 1) == 0) l_s[r * HG + (lane >> 1)] = __fmul_rn(p.scale, v[0]);
-        }
-        __syncthreads();
-        // 2c. Online softmax bookkeeping: warp per 2 heads, lane per 2 rows.
-#pragma unroll
-        for (int j = 0; j < HG / WARPS; ++j) {
-            const int h = warp * (HG / WARPS) + j;
-            const float l0 = lane < nb ? l_s[lane * HG + h] : -INFINITY;
-            const float l1 = lane + 32 < nb ? l_s[(lane + 32) * HG + h] : -INFINITY;
-            float mx = fmaxf(l0, l1);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_old = m_s[h];
-            const float m_new = fmaxf(m_old, mx);
-            const float e0 = lane < nb ? expf(l0 - m_new) : 0.f;
-            const float e1 = lane + 32 < nb ? expf(l1 - m_new) : 0.f;
-            p_s[lane * HG + h] = __bfloat162float(__float2bfloat16_rn(e0));
-            p_s[(lane + 32) * HG + h] = __bfloat162float(__float2bfloat16_rn(e1));
-            float sum = e0 + e1;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            __syncwarp();
-            if (lane == 0) {
-                const float alpha = expf(m_old - m_new);
-                alpha_s[h] = alpha;
-                den_s[h] = __fadd_rn(__fmul_rn(den_s[h], alpha), sum);
-                m_s[h] = m_new;
-            }
-        }
-        __syncthreads();
-        // 2d. P.V: acc = acc * alpha + sum_r p[r] * row[r] (rows in index order).
-        {
-            const float4 al = *reinterpret_cast<const float4*>(alpha_s + pv_h);
-            const float alv[4] = {al.x, al.y, al.z, al.w};
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
-                for (int b = 0; b < 8; ++b) acc[a][b] = __fmul_rn(acc[a][b], alv[a]);
-            for (int r = 0; r < nb; ++r) {
-                float k[8];
-                bf16x8_to_f32(reinterpret_cast<const uint4*>(kv_s + r * D)[pv_col], k);
-                const float4 pr = *reinterpret_cast<const float4*>(p_s + r * HG + pv_h);
-                const float pv[4] = {pr.x, pr.y, pr.z, pr.w};
+                for (int c = 0; c < 4; ++c) s[a][c] += s2[a][c];
+        }
+        // Scale, mask, per-head max of this warp's rows.
+        float mlo = -INFINITY, mhi = -INFINITY;
 #pragma unroll
-                for (int a = 0; a < 4; ++a)
+        for (int a = 0; a < 4; ++a) {
+            const int r0 = qk_rh * 32 + 8 * a + 2 * tq;
 #pragma unroll
-                    for (int b = 0; b < 8; ++b) acc[a][b] = __fadd_rn(acc[a][b], __fmul_rn(pv[a], k[b]));
+            for (int c = 0; c < 4; ++c) {
+                const bool ok = qk_rows && r0 + (c & 1) < nb;
+                s[a][c] = ok ? __fmul_rn(p.scale, s[a][c]) : -INFINITY;
+            }
+            mlo = fmaxf(mlo, fmaxf(s[a][0], s[a][1]));
+            mhi = fmaxf(mhi, fmaxf(s[a][2], s[a][3]));
+        }
+        mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 1));
+        mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 2));
+        mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 1));
+        mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 2));
+        const int hlo = qk_hg * 16 + g, hhi = hlo + 8;
+        if (tq == 0) {
+            mx_s[qk_rh * HB + hlo] = mlo;
+            mx_s[qk_rh * HB + hhi] = mhi;
+        }
+        __syncthreads();
+        // m_new, bf16 p -> P tile, this half's denominator.
+        {
+            const float olo = m_old_s[hlo], ohi = m_old_s[hhi];
+            const float nlo = fmaxf(olo, fmaxf(mx_s[hlo], mx_s[HB + hlo]));
+            const float nhi = fmaxf(ohi, fmaxf(mx_s[hhi], mx_s[HB + hhi]));
+            const float alo = expf(olo - nlo), ahi = expf(ohi - nhi);
+            float slo = 0.f, shi = 0.f;
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float e0 = expf(s[a][0] - nlo), e1 = expf(s[a][1] - nlo);
+                const float e2 = expf(s[a][2] - nhi), e3 = expf(s[a][3] - nhi);
+                slo += e0 + e1;
+                shi += e2 + e3;
+                const int r0 = qk_rh * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
+                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e0, e1);
+                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e2, e3);
+            }
+            slo += __shfl_xor_sync(0xffffffffu, slo, 1);
+            slo += __shfl_xor_sync(0xffffffffu, slo, 2);
+            shi += __shfl_xor_sync(0xffffffffu, shi, 1);
+            shi += __shfl_xor_sync(0xffffffffu, shi, 2);
+            den_lo = __fadd_rn(__fmul_rn(den_lo, alo), slo);
+            den_hi = __fadd_rn(__fmul_rn(den_hi, ahi), shi);
+            if (qk_rh == 0 && tq == 0) {
+                m_new_s[hlo] = nlo;
+                m_new_s[hhi] = nhi;
+                alpha_s[hlo] = alo;
+                alpha_s[hhi] = ahi;
             }
         }
         __syncthreads();
+        // P.V for 32 heads x 128 dims.
+        if (pv_active) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const float al = alpha_s[pv_hp * 32 + 16 * mt + g], ah = alpha_s[pv_hp * 32 + 16 * mt + g + 8];
+#pragma unroll
+                for (int n = 0; n < 16; ++n) {
+                    acc[mt][n][0] *= al;
+                    acc[mt][n][1] *= al;
+                    acc[mt][n][2] *= ah;
+                    acc[mt][n][3] *= ah;
+                }
+            }
+            const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
+            const int prow = pv_hp * 32 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            const int pc = lane >> 4;
+            const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8;
+            const int vc = pv_dq * 16 + (lane >> 4);
+#pragma unroll 1
+            for (int kk = 0; kk < ksteps; ++kk) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+                    ldsm_x4(sbase + SM_P + sw128(prow + 16 * mt, 2 * kk + pc), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+                for (int np = 0; np < 8; ++np) {
+                    uint32_t b0, b1, b2, b3;
+                    ldsm_x4_t(kt + sw1k(16 * kk + vrow, vc + 2 * np), b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        mma_bf16(acc[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+                        mma_bf16(acc[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+                    }
+                }
+            }
+        }
+        if (j < 16) stamp(2 + j);
     }
 
-    // 3. Normalise, store bf16 output and lse.
-#pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int h = pv_h + a;
-        if (h >= nh) continue;
-        const float m = m_s[h];
-        const float den = __fadd_rn(den_s[h], expf(p.sink[h0 + h] - m));
-        const bool ok = den > 0.f && isfinite(den);
-        __align__(16) __nv_bfloat16 o[8];
-#pragma unroll
-        for (int b = 0; b < 8; ++b) o[b] = __float2bfloat16_rn(ok ? __fdiv_rn(acc[a][b], den) : 0.f);
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + pv_col * 8;
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(o);
+    // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
+    cp_async_wait_all();  // the q copy is still in flight when the range is empty
+    // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
+    auto split_smem = [&](float* ptr, int r) -> float* {
+        return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
+    };
+    if (tq == 0) {
+        den_s[qk_rh * HB + qk_hg * 16 + g] = den_lo;
+        den_s[qk_rh * HB + qk_hg * 16 + g + 8] = den_hi;
     }
-    if (tid < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + tid] = count > 0 ? m_s[tid] + logf(den_s[tid]) : -INFINITY;
+    __syncthreads();
+    if (tid < HB) {
+        stat_s[tid] = m_s[(ntiles & 1) * HB + tid];
+        stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
+    }
+    // Cluster barriers only with S > 1 (a plain CTA barrier otherwise).
+    auto all_sync = [&]() {
+        if (nsplit > 1)
+            cluster_sync_all();
+        else
+            __syncthreads();
+    };
+    all_sync();  // stats visible cluster-wide; every warp is done with the q and row tiles
+    float* fac_s = alpha_s;  // [64 heads]: this split's merge factor e^{m_r - M} / den
+    if (tid < HB) {
+        // Merge the S splits' (m, den) of head `tid`; all remote loads issued at once.
+        const int h = tid;
+        float mr[MAX_SPLITS], dr[MAX_SPLITS];
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r) {
+            mr[r] = M_FLOOR;
+            dr[r] = 0.f;
+            if (r < nsplit) {
+                const float* st = split_smem(stat_s, r);
+                mr[r] = st[h];
+                dr[r] = st[HB + h];
+            }
+        }
+        float big = M_FLOOR;
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r) big = fmaxf(big, mr[r]);
+        float wsum = 0.f;
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r)
+            if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
+        const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
+        const float den = __fadd_rn(wsum, expf(sink - big));
+        const bool ok = den > 0.f && isfinite(den);
+        fac_s[h] = ok ? __fdiv_rn(expf(stat_s[h] - big), den) : 0.f;
+        if (split == 0 && h < nh)
+            p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
+    }
+    __syncthreads();
+    if (pv_active) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                const int h = pv_hp * 32 + 16 * mt + g + 8 * hi;
+                const float f = fac_s[h];
+#pragma unroll
+                for (int n = 0; n < 16; ++n) {
+                    const int d0 = pv_dq * 128 + 8 * n + 2 * tq;
+                    float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
+                    *dst = make_float2(acc[mt][n][2 * hi] * f, acc[mt][n][2 * hi + 1] * f);
+                }
+            }
+        }
+    }
+    stamp(18);
+    all_sync();  // partial O tiles visible cluster-wide
+    stamp(19);
+    {
+        // CTA `split` writes heads [split * hs, ...); a thread per 8 dims, the S partial tiles
+        // loaded at once and summed in split order.
+        const int hs = (nh + nsplit - 1) / nsplit;
+        const int hb = split * hs, he = min(nh, hb + hs);
+        const unsigned char* bases[MAX_SPLITS];
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r)
+            bases[r] = reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r < nsplit ? r : 0));
+        for (int c = tid; c < (he - hb) * 64; c += THREADS) {
+            const int h = hb + c / 64, col = c % 64;
+            float4 x[MAX_SPLITS], y[MAX_SPLITS];
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r) {
+                if (r < nsplit) {
+                    x[r] = *reinterpret_cast<const float4*>(bases[r] + sw2k(h, 2 * col));
+                    y[r] = *reinterpret_cast<const float4*>(bases[r] + sw2k(h, 2 * col + 1));
+                }
+            }
+            float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r) {
+                if (r < nsplit) {
+                    o[0] += x[r].x; o[1] += x[r].y; o[2] += x[r].z; o[3] += x[r].w;
+                    o[4] += y[r].x; o[5] += y[r].y; o[6] += y[r].z; o[7] += y[r].w;
+                }
+            }
+            uint4 v;
+            v.x = pack_bf16(o[0], o[1]);
+            v.y = pack_bf16(o[2], o[3]);
+            v.z = pack_bf16(o[4], o[5]);
+            v.w = pack_bf16(o[6], o[7]);
+            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 8;
+            *reinterpret_cast<uint4*>(dst) = v;
+        }
+    }
+    // Keep this CTA's shared memory alive until the cluster has read it (the reads completed
+    // before each CTA arrives: their values were consumed; no ordering of other memory needed).
+    if (nsplit > 1) cluster_arrive_relaxed_wait();
+    stamp(20);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+constexpr size_t SMEM_FIXED = SM_ENT;
+
+// Splits per token: the fewest that minimise the estimated time, in units of one 64-row tile:
+// per CTA its tiles + a fixed cost (index compaction, first loads, epilogue; ~2 tiles) + the
+// cluster merge (~1 tile); waves of one CTA per SM, fractional when many CTAs stream through.
+int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
+    int best = 1;
+    double best_cost = -1.0;
+    for (int s = 1; s <= MAX_SPLITS; ++s) {
+        if (s > 1 && s > tiles) break;
+        const long ctas = tokens_x_hblocks * s;
+        const double waves = ctas < 4L * sms ? static_cast<double>((ctas + sms - 1) / sms) : static_cast<double>(ctas) / sms;
+        const double cost = waves * ((tiles + s - 1) / s + 2.0 + (s > 1 ? 1.0 : 0.0));
+        if (best_cost < 0.0 || cost < best_cost - 1e-9) {
+            best_cost = cost;
+            best = s;
+        }
+    }
+    return best;
+}
+
+// Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
+void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
+    long long h[TRACE_SLOTS] = {};
+    int khz = 0;
+    if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, g_trace, sizeof(h)) != cudaSuccess ||
+        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
+        return;
+    const double us = 1e3 / khz;
+    fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): compaction %.2f us", splits, tiles, khz / 1000,
+            (h[1] - h[0]) * us);
+    long long prev = h[1];
+    for (int j = 0; j < 16 && h[2 + j] > prev; ++j) {
+        fprintf(stderr, " | tile%d %.2f", j, (h[2 + j] - prev) * us);
+        prev = h[2 + j];
+    }
+    fprintf(stderr, " | merge %.2f | partials %.2f | store %.2f | total %.2f us\n", (h[18] - prev) * us, (h[19] - h[18]) * us,
+            (h[20] - h[19]) * us, (h[20] - h[0]) * us);
+}
 
 }  // namespace dsv41_sa
 
@@ -263,8 +614,10 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     using namespace dsv41_sa;
     if (params_size != sizeof(Dsv41SparseAttentionParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->head_dim != D) return DSV41_ERR_HEAD_DIM;
-    if (p->num_tokens < 0 || p->num_heads < 0 || p->kw < 0 || p->kc < 0 || p->num_tokens > 65535 ||
-        (p->index_bytes != 4 && p->index_bytes != 8) || p->num_window_rows < 0 || p->num_extra_rows < 0)
+    if (p->num_tokens < 0 || p->num_heads < 0 || p->kw < 0 || p->kc < 0 || p->kw + p->kc > MAX_INDICES ||
+        p->num_heads > 65535 * HB || (p->index_bytes != 4 && p->index_bytes != 8) || p->num_window_rows < 0 ||
+        p->num_extra_rows < 0 || p->num_window_rows > 0x7fffffff || p->num_extra_rows > 0x7fffffff ||
+        p->num_splits < 0 || p->num_splits > MAX_SPLITS)
         return DSV41_ERR_SHAPE;
     if (p->num_tokens == 0 || p->num_heads == 0) return DSV41_OK;
     if (!p->q || !p->sink || !p->out || !p->lse || (p->kw > 0 && (!p->kv_window || !p->idx_window)) ||
@@ -275,15 +628,51 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         (p->kw > 0 && (!aligned16(p->kv_window) || p->window_row_stride % 8)) ||
         (p->kc > 0 && (!aligned16(p->kv_extra) || p->extra_row_stride % 8)))
         return DSV41_ERR_ALIGNMENT;
-    const size_t smem = SMEM_FIXED + sizeof(void*) * (static_cast<size_t>(p->kw) + p->kc);
-    int dev = 0, max_smem = 0;
+    const int ktot = p->kw + p->kc;
+    const size_t smem = SMEM_FIXED + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
+    int dev = 0, max_smem = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (e != cudaSuccess) return static_cast<int>(e);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
-    e = cudaFuncSetAttribute(sparse_attention_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    // Raise the dynamic limit to the maximum once (thread-safe static initialisation); per-device
+    // attributes are re-applied if a later call runs on another device.
+    static thread_local int configured_dev = -1;
+    if (configured_dev != dev) {
+        e = cudaFuncSetAttribute(sparse_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        if (e != cudaSuccess) return static_cast<int>(e);
+        configured_dev = dev;
+    }
+    const int hblocks = (p->num_heads + HB - 1) / HB;
+    const int tiles = (ktot + BLK - 1) / BLK;
+    const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
+
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(p->num_tokens, splits, hblocks);
+    cfg.blockDim = dim3(THREADS, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = static_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = splits;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = splits > 1 ? 1 : 0;  // one split: a plain launch
+    // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
+    // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only).
+    const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
+    const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
+    const int trace = tr && tr[0] == '1';
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    if (trace) {
+        void* buf = nullptr;
+        if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
+    }
+    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode);
     if (e != cudaSuccess) return static_cast<int>(e);
-    const dim3 grid((p->num_heads + HG - 1) / HG, p->num_tokens);
-    sparse_attention_decode_kernel<<<grid, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(*p);
-    return static_cast<int>(cudaGetLastError());
+    e = cudaGetLastError();
+    if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);
+    return static_cast<int>(e);
 }

@@ -12,6 +12,7 @@ extern "C" {
 // [kv_window[idx_window[t, :]] ; kv_extra[idx_extra[t, :]]] in that order (no dedupe). An
 // index is valid iff 0 <= i < num_rows of its source (-1 = hole / padding; other values are
 // skipped too: the kernel never reads outside a source). K = V = the gathered row.
+// Limits: D = 512, Kw + Kc <= 4096, Nw and Nc < 2^31.
 typedef struct {
     const void* q;           // bf16 [T, H, D]; (t, h, d) at q + t * q_token_stride + h * q_head_stride + d
     const void* kv_window;   // bf16 [Nw, D]; row s at kv_window + s * window_row_stride (may be NULL iff Kw == 0)
@@ -27,14 +28,14 @@ typedef struct {
     int64_t extra_row_stride;   // elements
     int64_t num_window_rows;    // Nw
     int64_t num_extra_rows;     // Nc
-    int32_t num_tokens;      // T
+    int32_t num_tokens;      // T (no limit besides int32)
     int32_t num_heads;       // H
     int32_t head_dim;        // D (512 only)
     int32_t kw;              // index columns of the window source
     int32_t kc;              // index columns of the extra source
     int32_t index_bytes;     // 4 (i32) or 8 (i64), both index tensors
     float scale;             // softmax scale applied to q.k (not to the sink)
-    int32_t _pad;
+    int32_t num_splits;      // KV splits per token (1..8, one thread-block cluster), 0 = chosen by the launcher
 } Dsv41SparseAttentionParams;
 
 int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_t params_size, void* stream);

@@ -132,7 +132,8 @@ pub(crate) struct SparseAttentionParams {
     pub kc: i32,
     pub index_bytes: i32,
     pub scale: f32,
-    pub _pad: i32,
+    /// KV splits per token (1..=8, one thread-block cluster); 0 = chosen by the launcher.
+    pub num_splits: i32,
 }
 
 extern "C" {

@@ -40,7 +40,10 @@ pub use index_key_insert::index_key_insert;
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;
-pub use sparse_attention::{sparse_attention_two_source, SPARSE_ATTENTION_HEAD_DIM};
+pub use sparse_attention::{
+    sparse_attention_two_source, sparse_attention_two_source_with, SparseAttentionOptions, SPARSE_ATTENTION_HEAD_DIM,
+    SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,
+};
 pub use window_insert::window_insert;
 
 #[cfg(test)]

@@ -6,9 +6,12 @@
 //! sink in the denominator only, bf16-rounded probabilities per block of 64 valid indices, empty
 //! row → zeros, bf16 output), plus the log-sum-exp of the valid logits (sink excluded).
 //!
-//! On CUDA one kernel (`kernels/sparse_attention.cu`, decode design: one CTA per token and group
-//! of 16 heads, each gathered row read once per CTA with 16-byte loads); on the CPU the crate's
-//! reference. They agree to about one bf16 ulp (the order of f32 sums differs).
+//! On CUDA one kernel (`kernels/sparse_attention.cu`): tensor-core (mma.sync) Q·Kᵀ and P·V over
+//! 64-row tiles gathered with 16-byte `cp.async`, all 64 heads of a token per CTA, and split-KV
+//! over a thread-block cluster (merged through distributed shared memory) when there are too
+//! few tokens to fill the GPU. On the CPU the crate's reference. They agree within bf16
+//! rounding (the f32 summation orders differ; with splits each split rounds its probabilities
+//! relative to its own running max).
 //!
 //! The CUDA path read-locks the inputs' storages for the launch; `kv_window` and `kv_extra` may
 //! be views of one storage (two plain read locks on one thread, see `row_inputs`).
@@ -23,6 +26,21 @@ use crate::attention::sparse_attention::sparse_attention_ref;
 
 /// Row width the CUDA kernel supports (V4's head dim).
 pub const SPARSE_ATTENTION_HEAD_DIM: usize = 512;
+
+/// Most index columns (`Kw + Kc`) per token the CUDA kernel takes.
+pub const SPARSE_ATTENTION_MAX_INDICES: usize = 4096;
+
+/// Most KV splits per token (the portable thread-block cluster size).
+pub const SPARSE_ATTENTION_MAX_SPLITS: usize = 8;
+
+/// Tuning knobs of [`sparse_attention_two_source_with`]; they change the CUDA work split (and
+/// so the f32 rounding), never the semantics. The CPU path ignores them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SparseAttentionOptions {
+    /// KV splits per token (`1..=SPARSE_ATTENTION_MAX_SPLITS`); `None` lets the launcher pick
+    /// from the token count and the number of SMs.
+    pub num_splits: Option<usize>,
+}
 
 /// Sparse attention over `[kv_window rows ; kv_extra rows]`; returns `(out, lse)`.
 ///
@@ -45,9 +63,32 @@ pub fn sparse_attention_two_source(
     sink: &Tensor,
     scale: f32,
 ) -> Result<(Tensor, Tensor)> {
+    sparse_attention_two_source_with(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale, SparseAttentionOptions::default())
+}
+
+/// [`sparse_attention_two_source`] with explicit [`SparseAttentionOptions`]; same tensors,
+/// shapes, dtypes and results (up to f32 rounding for another split count).
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_two_source_with(
+    q: &Tensor,
+    kv_window: &Tensor,
+    idx_window: &Tensor,
+    kv_extra: &Tensor,
+    idx_extra: &Tensor,
+    sink: &Tensor,
+    scale: f32,
+    options: SparseAttentionOptions,
+) -> Result<(Tensor, Tensor)> {
     check(q, kv_window, idx_window, kv_extra, idx_extra, sink)?;
+    if let Some(s) = options.num_splits {
+        if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
+            candle_core::bail!(
+                "sparse_attention_two_source: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}"
+            )
+        }
+    }
     if q.device().is_cuda() {
-        cuda_forward(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale)
+        cuda_forward(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale, options)
     } else {
         cpu_forward(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale)
     }
@@ -97,8 +138,15 @@ fn check(q: &Tensor, kvw: &Tensor, iw: &Tensor, kvc: &Tensor, ic: &Tensor, sink:
         if d != SPARSE_ATTENTION_HEAD_DIM {
             candle_core::bail!("{OP}: the CUDA kernel supports head_dim {SPARSE_ATTENTION_HEAD_DIM}, got q {:?}", q.shape())
         }
-        if t > 65535 || iw.dim(1)? + ic.dim(1)? > 16384 {
-            candle_core::bail!("{OP}: the CUDA kernel takes at most 65535 tokens and 16384 indices per token: {}", shapes())
+        if t > i32::MAX as usize || iw.dim(1)? + ic.dim(1)? > SPARSE_ATTENTION_MAX_INDICES {
+            candle_core::bail!(
+                "{OP}: the CUDA kernel takes at most {} tokens and {SPARSE_ATTENTION_MAX_INDICES} indices per token: {}",
+                i32::MAX,
+                shapes()
+            )
+        }
+        if kvw.dim(0)? > i32::MAX as usize || kvc.dim(0)? > i32::MAX as usize {
+            candle_core::bail!("{OP}: the CUDA kernel takes sources of fewer than 2^31 rows: {}", shapes())
         }
     }
     Ok(())
@@ -186,6 +234,7 @@ fn rows_aligned(x: &Tensor) -> Result<Tensor> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn cuda_forward(
     q: &Tensor,
     kvw: &Tensor,
@@ -194,6 +243,7 @@ fn cuda_forward(
     ic: &Tensor,
     sink: &Tensor,
     scale: f32,
+    options: SparseAttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "sparse_attention_two_source";
     let (t, h, d) = q.dims3()?;
@@ -256,7 +306,7 @@ fn cuda_forward(
             kc: icl.dims()[1] as i32,
             index_bytes,
             scale,
-            _pad: 0,
+            num_splits: options.num_splits.unwrap_or(0) as i32,
         };
         // SAFETY: every pointer comes from a storage read-locked (outputs: owned) for this call;
         // `check`, `rows_aligned` and the launcher validate shapes, strides and alignment; the
