@@ -1,0 +1,303 @@
+// indexer_scores: lightning-indexer scores (spec §6.3, §0.1b.1) of T queries against an
+// index-key cache of bf16 rows or packed MXFP4 68 B rows (§7.2 E), with the visibility rule and
+// an optional allowed-block mask (candidate consumers, §6.4); plus the kernel that turns kept
+// candidate blocks into that mask.
+//
+//   S[t, j] = bf16( sum_h bf16( relu(bf16(q[t,h] . K[j])) * w[t,h] ) )     (h ascending, f32 sum)
+//
+// Numerics: the reference's bf16 steps exactly (`attention::indexer::index_scores`): the 128-term
+// dot product accumulates in f32 on the tensor cores, is rounded to bf16, ReLU'd, multiplied by
+// the f32 (bf16-valued) head weight, rounded to bf16; the head sum runs in f32 from +0 in head
+// order (the CPU's order) and is rounded to bf16. The only possible difference to the CPU is the
+// f32 order inside the dot product; with fake-quantized q and K (Q3: e2m1 x 2^e, spec §2.3) every
+// product and the partial sums of a 32-block are exact, so the scores match bit for bit except
+// when two blocks' scales differ by more than ~2^10.
+//
+// Packed keys are dequantized in registers: each e2m1 byte pair goes through a 256-entry bf16x2
+// table in shared memory and one bf16x2 multiply by the block's 2^(e-127) (exact: the products
+// are bf16 numbers; a scale with e = 0 relies on bf16 subnormal arithmetic, which k_norm'd keys
+// never reach).
+//
+// Design: mma.sync m16n8k16 bf16 (plain sm_80+ tensor-core path). A warp owns one token: its
+// 32 (H <= 32, rows >= H zero) x 128 query block lives in registers as A fragments (64 regs),
+// loaded once. Per iteration the warp scores 32 keys (4 n8 tiles): each lane (group g, column
+// c) loads 32 contiguous dims [32c, 32c+32) of key g of every tile (bf16: 4 x 16 B; packed: 16 B
+// plus one scale byte - exactly its 32-block), so the dot product's k-dimension is PERMUTED
+// consistently for A and B (k-slot 2c+e of step s <-> dim 32c+4s+e, slot 2c+8+e <-> dim
+// 32c+4s+2+e): every load is a contiguous vector load, no shared-memory staging. The per-head
+// products go through a per-warp shared buffer [32 heads][32 keys] so that lane i sums key i's
+// heads in order. CTA = 4 warps; TQ = 1 (decode, or per-token keys): the 4 warps split the
+// CTA's 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
+// Entries j >= L_t are written as -inf without any key read.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "include/dsv41_indexer.h"
+
+namespace dsv41_ix {
+
+constexpr int D = 128;
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr int KT = 32;              // keys per warp iteration (4 n8 tiles)
+constexpr int ITERS_PER_WARP = 16;  // iterations per warp per CTA
+constexpr int RED = 33;             // floats per head row of the reduction buffer
+constexpr uint16_t BF16_NEG_INF = 0xFF80;
+
+__device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// bf16 bits of the e2m1 code (sign bit 3; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6).
+__host__ __device__ constexpr uint16_t e2m1_bf16_bits(uint32_t code) {
+    return static_cast<uint16_t>(((code & 8u) ? 0x8000u : 0u) |
+                                 ((code & 7u) == 0   ? 0x0000u
+                                  : (code & 7u) == 1 ? 0x3F00u
+                                  : (code & 7u) == 2 ? 0x3F80u
+                                  : (code & 7u) == 3 ? 0x3FC0u
+                                  : (code & 7u) == 4 ? 0x4000u
+                                  : (code & 7u) == 5 ? 0x4040u
+                                  : (code & 7u) == 6 ? 0x4080u
+                                                     : 0x40C0u));
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+    __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a);
+    __nv_bfloat162 y = *reinterpret_cast<__nv_bfloat162*>(&b);
+    __nv_bfloat162 z = __hmul2(x, y);
+    return *reinterpret_cast<uint32_t*>(&z);
+}
+
+// 2^(e-127) as bf16 bits (e = 0: the subnormal 2^-127; e = 255: NaN, as ue8m0 says).
+__device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t e) {
+    const uint32_t b = e == 0 ? 0x0040u : (e == 255 ? 0x7FC0u : (e << 7));
+    return b | (b << 16);
+}
+
+template <int KF>
+struct KeyLoader;
+
+// bf16 rows: lane (g, c) loads dims [32c, 32c+32) of its key: 4 x 16 B.
+template <>
+struct KeyLoader<DSV41_INDEX_KEYS_BF16> {
+    __device__ __forceinline__ static void load(const Dsv41IndexerScoresParams& p, const uint32_t*, int64_t row, int c,
+                                                uint32_t (&k)[16]) {
+        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.keys) +
+                                                          row * p.key_row_stride + 32 * c);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint4 v = __ldg(src + i);
+            k[4 * i + 0] = v.x;
+            k[4 * i + 1] = v.y;
+            k[4 * i + 2] = v.z;
+            k[4 * i + 3] = v.w;
+        }
+    }
+};
+
+// Packed rows: lane (g, c) loads the 16 data bytes of its key's block c and the block's scale.
+template <>
+struct KeyLoader<DSV41_INDEX_KEYS_MXFP4> {
+    __device__ __forceinline__ static void load(const Dsv41IndexerScoresParams& p, const uint32_t* lut, int64_t row,
+                                                int c, uint32_t (&k)[16]) {
+        const int64_t page = row / p.page_size, r = row % p.page_size;
+        const uint8_t* base = static_cast<const uint8_t*>(p.keys) + page * p.key_row_stride;
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(base + r * 64 + 16 * c));
+        const uint32_t s = ue8m0_bf16x2(__ldg(base + static_cast<int64_t>(p.page_size) * 64 + r * 4 + c));
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[(w[i / 4] >> (8 * (i % 4))) & 0xFF], s);
+    }
+};
+
+template <int KF, int TQ>
+__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p) {
+    __shared__ float red[WARPS][32 * RED];
+    __shared__ uint32_t lut[KF == DSV41_INDEX_KEYS_MXFP4 ? 256 : 1];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = lane % 4;
+    if constexpr (KF == DSV41_INDEX_KEYS_MXFP4) {
+        for (int b = threadIdx.x; b < 256; b += THREADS)
+            lut[b] = static_cast<uint32_t>(e2m1_bf16_bits(b & 15)) | (static_cast<uint32_t>(e2m1_bf16_bits(b >> 4)) << 16);
+        __syncthreads();
+    }
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
+    if (t >= p.num_tokens) return;
+    constexpr int CHUNK = KT * ITERS_PER_WARP * (WARPS / TQ);
+    const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * CHUNK;
+    const int64_t n = p.num_cols;
+    int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
+    L = L < n ? L : n;
+    const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.scores) + t * p.score_row_stride;
+    const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
+    const int H = p.num_heads;
+
+    // A fragments: qa[hh][i] = dims (32c + 2i, +1) of head g + 8 hh (zero for heads >= H).
+    uint32_t qa[4][16];
+    float wv[4];
+    bool loaded = false;
+    float* rbuf = red[warp];
+
+    for (int it = (TQ == 1 ? warp : 0); it < ITERS_PER_WARP * (WARPS / TQ); it += (TQ == 1 ? WARPS : 1)) {
+        const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
+        if (key0 >= n) break;
+        if (key0 >= L) {
+            if (key0 + lane < n) reinterpret_cast<uint16_t*>(out)[key0 + lane] = BF16_NEG_INF;
+            continue;
+        }
+        if (!loaded) {
+            loaded = true;
+#pragma unroll
+            for (int hh = 0; hh < 4; ++hh) {
+                const int h = g + 8 * hh;
+                wv[hh] = h < H ? p.w[t * H + h] : 0.f;
+                if (h < H) {
+                    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) +
+                                                                      (t * H + h) * D + 32 * c);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const uint4 v = __ldg(src + i);
+                        qa[hh][4 * i] = v.x;
+                        qa[hh][4 * i + 1] = v.y;
+                        qa[hh][4 * i + 2] = v.z;
+                        qa[hh][4 * i + 3] = v.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+                }
+            }
+        }
+        // Keys of the 4 tiles (zero rows past L or past the cache).
+        uint32_t kb[4][16];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const int64_t j = key0 + nt * 8 + g;
+            const int64_t row = kbase + j;
+            if (j < L && row < p.num_key_rows) {
+                KeyLoader<KF>::load(p, lut, row, c, kb[nt]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 16; ++i) kb[nt][i] = 0u;
+            }
+        }
+        float acc[4][2][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[nt][2 * s],
+                         kb[nt][2 * s + 1]);
+                if (H > 16)
+                    mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[nt][2 * s],
+                             kb[nt][2 * s + 1]);
+            }
+        }
+        // Per-head products into the warp's buffer: rbuf[h * RED + key].
+        __syncwarp();
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int hh = 2 * mt + (r >> 1);
+                    const int h = g + 8 * hh;
+                    const int kk = nt * 8 + 2 * c + (r & 1);
+                    const float s = fmaxf(bf16r(acc[nt][mt][r]), 0.f);
+                    if (h < H) rbuf[h * RED + kk] = bf16r(__fmul_rn(s, wv[hh]));
+                }
+        __syncwarp();
+        const int64_t j = key0 + lane;
+        if (j < n) {
+            float sum = 0.f;
+            for (int h = 0; h < H; ++h) sum = __fadd_rn(sum, rbuf[h * RED + lane]);
+            bool ok = j < L && kbase + j < p.num_key_rows;
+            if (ok && allowed) {
+                const int64_t b = j / p.allowed_block;
+                ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+            }
+            out[j] = ok ? __float2bfloat16_rn(sum) : __ushort_as_bfloat16(BF16_NEG_INF);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMaskParams p) {
+    extern __shared__ uint32_t bits[];
+    const int64_t t = blockIdx.x;
+    for (int i = threadIdx.x; i < p.words; i += blockDim.x) bits[i] = 0u;
+    __syncthreads();
+    const int64_t* row = p.blocks + t * p.n_blocks;
+    for (int i = threadIdx.x; i < p.n_blocks; i += blockDim.x) {
+        const int64_t b = row[i];
+        if (b >= 0 && b < 32LL * p.words) atomicOr(&bits[b / 32], 1u << (b % 32));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < p.words; i += blockDim.x) p.allowed[t * p.words + i] = bits[i];
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <int KF, int TQ>
+int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    constexpr int CHUNK = KT * ITERS_PER_WARP * (WARPS / TQ);
+    const dim3 grid((p.num_tokens + TQ - 1) / TQ, (p.num_cols + CHUNK - 1) / CHUNK);
+    if (grid.y > 65535u) return DSV41_ERR_SHAPE;
+    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace dsv41_ix
+
+extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t params_size, void* stream) {
+    using namespace dsv41_ix;
+    if (params_size != sizeof(Dsv41IndexerScoresParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->head_dim != D) return DSV41_ERR_HEAD_DIM;
+    if (p->num_tokens < 0 || p->num_cols < 0 || p->num_heads < 1 || p->num_heads > 32 || p->num_key_rows < 0 ||
+        p->score_row_stride < p->num_cols || p->score_row_stride % 8 || p->start < 0 ||
+        (!p->visible && p->ratio < 1) || (p->allowed && (p->allowed_words < 0 || p->allowed_block < 1)))
+        return DSV41_ERR_SHAPE;
+    if (p->num_tokens == 0 || p->num_cols == 0) return DSV41_OK;
+    if (!p->q || !p->w || !p->keys || !p->scores) return DSV41_ERR_NULL;
+    if (!aligned16(p->q) || !aligned16(p->keys) || !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    // Prefill over shared keys: 4 tokens per CTA share the key loads; otherwise one token.
+    const bool shared = p->key_base == nullptr && p->num_tokens >= 4 * 132;
+    if (p->key_format == DSV41_INDEX_KEYS_BF16) {
+        if (p->key_row_stride % 8) return DSV41_ERR_ALIGNMENT;
+        return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
+    }
+    if (p->key_format == DSV41_INDEX_KEYS_MXFP4) {
+        if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
+            p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
+            return DSV41_ERR_ALIGNMENT;
+        return shared ? launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
+    }
+    return DSV41_ERR_QUANT;
+}
+
+extern "C" int dsv41_indexer_allowed_mask(const Dsv41IndexerMaskParams* p, size_t params_size, void* stream) {
+    using namespace dsv41_ix;
+    if (params_size != sizeof(Dsv41IndexerMaskParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->num_tokens < 0 || p->n_blocks < 0 || p->words < 1 || p->words > 12288) return DSV41_ERR_SHAPE;
+    if (p->num_tokens == 0) return DSV41_OK;
+    if (!p->allowed || (p->n_blocks > 0 && !p->blocks)) return DSV41_ERR_NULL;
+    allowed_mask_kernel<<<p->num_tokens, 256, sizeof(uint32_t) * p->words, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
