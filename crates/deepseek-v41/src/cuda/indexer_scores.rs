@@ -10,7 +10,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtrMut, SyncOnDrop};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
@@ -244,21 +244,9 @@ pub(crate) fn with_score_params<R>(
     let vis_sl = vis.as_ref().map(|v| v.storage_and_layout());
     let mask_sl = mask.map(|(m, _)| m.storage_and_layout());
     let mut guards = Vec::new();
-    let mut ptr_u32 = |sl: &Option<(std::sync::RwLockReadGuard<'_, Storage>, &candle_core::Layout)>, what: &str| -> Result<*const u32> {
-        match sl {
-            Some((s, l)) => {
-                let c = as_cuda(s, what)?;
-                let slice = c.as_cuda_slice::<u32>()?;
-                let (p, g) = slice.device_ptr(&stream);
-                guards.push(g);
-                Ok((p as usize + l.start_offset() * 4) as *const u32)
-            }
-            None => Ok(std::ptr::null()),
-        }
-    };
-    let base_p = ptr_u32(&base_sl, "key base")?;
-    let vis_p = ptr_u32(&vis_sl, "visible counts")?;
-    let mask_p = ptr_u32(&mask_sl, "allowed mask")?;
+    let base_p = ptr_u32(base_sl.as_ref().map(|(s, l)| (&**s, *l)), "key base", &stream, &mut guards)?;
+    let vis_p = ptr_u32(vis_sl.as_ref().map(|(s, l)| (&**s, *l)), "visible counts", &stream, &mut guards)?;
+    let mask_p = ptr_u32(mask_sl.as_ref().map(|(s, l)| (&**s, *l)), "allowed mask", &stream, &mut guards)?;
     let (start, ratio) = match src.visibility {
         Visibility::Causal { start, ratio } => (start as i64, ratio as i32),
         Visibility::Counts(_) => (0, 1),
@@ -289,6 +277,23 @@ pub(crate) fn with_score_params<R>(
     let r = f(&params, &stream, &qc.device);
     drop(guards);
     r
+}
+
+/// Read pointer of an optional u32 tensor (null when absent); its guard goes to `guards`.
+fn ptr_u32<'a>(
+    sl: Option<(&'a Storage, &candle_core::Layout)>,
+    what: &str,
+    stream: &'a CudaStream,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> Result<*const u32> {
+    match sl {
+        Some((s, l)) => {
+            let (p, g) = read_ptr::<u32>(as_cuda(s, what)?, l, stream)?;
+            guards.push(g);
+            Ok(p)
+        }
+        None => Ok(std::ptr::null()),
+    }
 }
 
 /// The parameter block of tokens `t0 .. t0 + tc` of `p` (pointers advanced, causal start moved).

@@ -45,6 +45,20 @@ pub fn index_select(
     consume: Option<&Candidates>,
     publish: Option<CandidateShape>,
 ) -> Result<Selection> {
+    index_select_with_scratch(q, w, src, k, consume, publish, SCORE_SCRATCH_BYTES)
+}
+
+/// [`index_select`] with a score scratch of at most `scratch_bytes` (at least one query row):
+/// smaller budgets process the queries in more chunks, with identical results.
+pub fn index_select_with_scratch(
+    q: &Tensor,
+    w: &Tensor,
+    src: &KeySource,
+    k: usize,
+    consume: Option<&Candidates>,
+    publish: Option<CandidateShape>,
+    scratch_bytes: usize,
+) -> Result<Selection> {
     const OP: &str = "index_select";
     let (t, _, _) = check_queries(OP, q, w)?;
     src.check(OP, t, q.device())?;
@@ -68,7 +82,7 @@ pub fn index_select(
     let mask = consume.map(|c| allowed_mask(c, src.entries).map(|m| (m, c.block))).transpose()?;
     let n = src.entries;
     let stride = n.div_ceil(8).max(1) * 8;
-    let chunk = (SCORE_SCRATCH_BYTES / (2 * stride)).clamp(1, t);
+    let chunk = (scratch_bytes / (2 * stride)).clamp(1, t);
     let n_keep = publish.map_or(0, |s| s.n_keep);
     let (topk, kept) = with_score_params(q, w, src, mask.as_ref().map(|(m, b)| (m, *b)), |base, stream, dev| {
         // SAFETY: every chunk's scores are written by the scores kernel before the selection
