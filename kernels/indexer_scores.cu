@@ -41,9 +41,8 @@ namespace dsv41_ix {
 constexpr int D = 128;
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr int KT = 32;              // keys per warp iteration (4 n8 tiles)
-constexpr int ITERS_PER_WARP = 16;  // iterations per warp per CTA
-constexpr int RED = 33;             // floats per head row of the reduction buffer
+constexpr int KT = 32;           // keys per warp iteration (4 n8 tiles)
+constexpr int PROD_STRIDE = 40;  // bf16 per key row of the product buffer (80 B: conflict-free)
 constexpr uint16_t BF16_NEG_INF = 0xFF80;
 
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -83,45 +82,72 @@ __device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t e) {
     return b | (b << 16);
 }
 
+// Raw bytes of one key slice of a lane (fetched ahead of use) and their expansion into the 16
+// bf16x2 B-fragment registers (dims [32c, 32c+32) of the lane's key).
 template <int KF>
-struct KeyLoader;
+struct KeySlice;
 
-// bf16 rows: lane (g, c) loads dims [32c, 32c+32) of its key: 4 x 16 B.
+// bf16 rows: 4 x 16 B.
 template <>
-struct KeyLoader<DSV41_INDEX_KEYS_BF16> {
-    __device__ __forceinline__ static void load(const Dsv41IndexerScoresParams& p, const uint32_t*, int64_t row, int c,
-                                                uint32_t (&k)[16]) {
+struct KeySlice<DSV41_INDEX_KEYS_BF16> {
+    uint4 v[4];
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
         const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.keys) +
                                                           row * p.key_row_stride + 32 * c);
 #pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = __ldg(src + i);
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ void expand(const uint32_t*, int, uint32_t (&k)[16]) const {
+#pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const uint4 v = __ldg(src + i);
-            k[4 * i + 0] = v.x;
-            k[4 * i + 1] = v.y;
-            k[4 * i + 2] = v.z;
-            k[4 * i + 3] = v.w;
+            k[4 * i + 0] = v[i].x;
+            k[4 * i + 1] = v[i].y;
+            k[4 * i + 2] = v[i].z;
+            k[4 * i + 3] = v[i].w;
         }
     }
 };
 
-// Packed rows: lane (g, c) loads the 16 data bytes of its key's block c and the block's scale.
+// Packed rows: the 16 data bytes of block c and the row's 4 scale bytes (one aligned word).
 template <>
-struct KeyLoader<DSV41_INDEX_KEYS_MXFP4> {
-    __device__ __forceinline__ static void load(const Dsv41IndexerScoresParams& p, const uint32_t* lut, int64_t row,
-                                                int c, uint32_t (&k)[16]) {
+struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
+    uint4 d;
+    uint32_t s4;
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
         const int64_t page = row / p.page_size, r = row % p.page_size;
         const uint8_t* base = static_cast<const uint8_t*>(p.keys) + page * p.key_row_stride;
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(base + r * 64 + 16 * c));
-        const uint32_t s = ue8m0_bf16x2(__ldg(base + static_cast<int64_t>(p.page_size) * 64 + r * 4 + c));
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        d = __ldg(reinterpret_cast<const uint4*>(base + r * 64 + 16 * c));
+        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + r * 4));
+    }
+    __device__ __forceinline__ void zero() {
+        d = make_uint4(0u, 0u, 0u, 0u);
+        s4 = 0x7f7f7f7fu;
+    }
+    __device__ __forceinline__ void expand(const uint32_t* lut, int c, uint32_t (&k)[16]) const {
+        const uint32_t s = ue8m0_bf16x2((s4 >> (8 * c)) & 0xFF);
+        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
-        for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[(w[i / 4] >> (8 * (i % 4))) & 0xFF], s);
+        for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[__byte_perm(w[i / 4], 0, 0x4440 + (i % 4))], s);
     }
 };
 
+// Products bf16(relu(bf16(acc)) * w) of two keys (one C-fragment pair) as bf16x2.
+__device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w2) {
+    __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
+    s = __hmax2(s, __float2bfloat162_rn(0.f));
+    uint32_t r = *reinterpret_cast<uint32_t*>(&s);
+    return bf16x2_mul(r, w2);
+}
+
 template <int KF, int TQ>
-__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p) {
-    __shared__ float red[WARPS][32 * RED];
+__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+    // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
+    // heads with 16-byte loads.
+    __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
     __shared__ uint32_t lut[KF == DSV41_INDEX_KEYS_MXFP4 ? 256 : 1];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
@@ -132,109 +158,139 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     }
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
     if (t >= p.num_tokens) return;
-    constexpr int CHUNK = KT * ITERS_PER_WARP * (WARPS / TQ);
-    const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * CHUNK;
+    const int n_it = iters * (WARPS / TQ);  // iterations of the CTA's key chunk
+    const int step = TQ == 1 ? WARPS : 1;
+    const int first = TQ == 1 ? warp : 0;
+    const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * KT * n_it;
     const int64_t n = p.num_cols;
     int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
     L = L < n ? L : n;
     const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.scores) + t * p.score_row_stride;
+    uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
+    uint16_t* pw = prod[warp];
 
-    // A fragments: qa[hh][i] = dims (32c + 2i, +1) of head g + 8 hh (zero for heads >= H).
-    uint32_t qa[4][16];
-    float wv[4];
-    bool loaded = false;
-    float* rbuf = red[warp];
-
-    for (int it = (TQ == 1 ? warp : 0); it < ITERS_PER_WARP * (WARPS / TQ); it += (TQ == 1 ? WARPS : 1)) {
+    // Entries past L: -inf without reading keys.
+    for (int it = first; it < n_it; it += step) {
         const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
         if (key0 >= n) break;
-        if (key0 >= L) {
-            if (key0 + lane < n) reinterpret_cast<uint16_t*>(out)[key0 + lane] = BF16_NEG_INF;
-            continue;
-        }
-        if (!loaded) {
-            loaded = true;
+        if (key0 >= L && key0 + lane < n) out[key0 + lane] = BF16_NEG_INF;
+    }
+    auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
+    int it = first;
+    if (!valid(it)) return;
+
+    // A fragments: qa[hh][i] = dims (32c + 2i, +1) of head g + 8 hh (zero for heads >= H);
+    // w2[hh] = the head's weight as bf16x2.
+    uint32_t qa[4][16], w2[4];
 #pragma unroll
-            for (int hh = 0; hh < 4; ++hh) {
-                const int h = g + 8 * hh;
-                wv[hh] = h < H ? p.w[t * H + h] : 0.f;
-                if (h < H) {
-                    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) +
-                                                                      (t * H + h) * D + 32 * c);
+    for (int hh = 0; hh < 4; ++hh) {
+        const int h = g + 8 * hh;
+        const uint32_t wb = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
+        w2[hh] = wb | (wb << 16);
+        if (h < H) {
+            const uint4* src =
+                reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const uint4 v = __ldg(src + i);
-                        qa[hh][4 * i] = v.x;
-                        qa[hh][4 * i + 1] = v.y;
-                        qa[hh][4 * i + 2] = v.z;
-                        qa[hh][4 * i + 3] = v.w;
-                    }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
-                }
+            for (int i = 0; i < 4; ++i) {
+                const uint4 v = __ldg(src + i);
+                qa[hh][4 * i] = v.x;
+                qa[hh][4 * i + 1] = v.y;
+                qa[hh][4 * i + 2] = v.z;
+                qa[hh][4 * i + 3] = v.w;
             }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
         }
-        // Keys of the 4 tiles (zero rows past L or past the cache).
-        uint32_t kb[4][16];
+    }
+    // Packed slices are small: the next iteration's are fetched while this one computes.
+    constexpr bool kAhead = KF == DSV41_INDEX_KEYS_MXFP4;
+    KeySlice<KF> ahead[kAhead ? 4 : 1];
+    auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
+        const int64_t j = key0 + nt * 8 + g;
+        const int64_t row = kbase + j;
+        if (j < L && row < p.num_key_rows) ks.fetch(p, row, c);
+        else ks.zero();
+    };
+    if constexpr (kAhead) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const int64_t j = key0 + nt * 8 + g;
-            const int64_t row = kbase + j;
-            if (j < L && row < p.num_key_rows) {
-                KeyLoader<KF>::load(p, lut, row, c, kb[nt]);
-            } else {
+        for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(it) * KT, nt);
+    }
+    while (valid(it)) {
+        const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
+        const int next = it + step;
+        KeySlice<KF> cur[4];
+        if constexpr (kAhead) {
 #pragma unroll
-                for (int i = 0; i < 16; ++i) kb[nt][i] = 0u;
+            for (int nt = 0; nt < 4; ++nt) cur[nt] = ahead[nt];
+            if (valid(next)) {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(next) * KT, nt);
             }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
         }
         float acc[4][2][4];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < 4; ++nt) {
+            uint32_t kb[16];
+            cur[nt].expand(lut, c, kb);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[nt][2 * s],
-                         kb[nt][2 * s + 1]);
+            for (int s = 0; s < 8; ++s) {
+                mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s], kb[2 * s + 1]);
                 if (H > 16)
-                    mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[nt][2 * s],
-                             kb[nt][2 * s + 1]);
+                    mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
+                             kb[2 * s + 1]);
             }
         }
-        // Per-head products into the warp's buffer: rbuf[h * RED + key].
+        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h].
         __syncwarp();
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int hh = 2 * mt + (r >> 1);
+                for (int hi = 0; hi < 2; ++hi) {
+                    const int hh = 2 * mt + hi;
                     const int h = g + 8 * hh;
-                    const int kk = nt * 8 + 2 * c + (r & 1);
-                    const float s = fmaxf(bf16r(acc[nt][mt][r]), 0.f);
-                    if (h < H) rbuf[h * RED + kk] = bf16r(__fmul_rn(s, wv[hh]));
+                    const uint32_t pr = head_products(acc[nt][mt][2 * hi], acc[nt][mt][2 * hi + 1], w2[hh]);
+                    const int kk = nt * 8 + 2 * c;
+                    pw[kk * PROD_STRIDE + h] = static_cast<uint16_t>(pr & 0xFFFF);
+                    pw[(kk + 1) * PROD_STRIDE + h] = static_cast<uint16_t>(pr >> 16);
                 }
         __syncwarp();
         const int64_t j = key0 + lane;
         if (j < n) {
+            // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
+            // but are not added).
+            const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
             float sum = 0.f;
-            for (int h = 0; h < H; ++h) sum = __fadd_rn(sum, rbuf[h * RED + lane]);
+#pragma unroll
+            for (int q8 = 0; q8 < 4; ++q8) {
+                const uint4 v = row[q8];
+                const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int h = 8 * q8 + i;
+                    const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                    if (h < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                }
+            }
             bool ok = j < L && kbase + j < p.num_key_rows;
             if (ok && allowed) {
                 const int64_t b = j / p.allowed_block;
                 ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
             }
-            out[j] = ok ? __float2bfloat16_rn(sum) : __ushort_as_bfloat16(BF16_NEG_INF);
+            out[j] = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
         }
+        it = next;
     }
 }
 
@@ -256,10 +312,17 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 template <int KF, int TQ>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    constexpr int CHUNK = KT * ITERS_PER_WARP * (WARPS / TQ);
-    const dim3 grid((p.num_tokens + TQ - 1) / TQ, (p.num_cols + CHUNK - 1) / CHUNK);
-    if (grid.y > 65535u) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p);
+    // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
+    // (decode of few queries): aim at >= 1024 CTAs.
+    const int64_t groups = (p.num_tokens + TQ - 1) / TQ;
+    const int64_t warp_iters = (p.num_cols + KT - 1) / KT / (WARPS / TQ) + 1;
+    const int64_t want_chunks = (1024 + groups - 1) / groups;
+    int64_t iters = (warp_iters + want_chunks - 1) / want_chunks;
+    iters = iters < 2 ? 2 : (iters > 16 ? 16 : iters);
+    const int64_t chunk = KT * iters * (WARPS / TQ);
+    const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
+    if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
+    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -53,7 +53,7 @@ fn select_rows(scores: &Tensor, visibility: &Visibility, k: usize, mode: SelectM
     if !scores.device().is_cuda() {
         return cpu_select(scores, visibility, k, mode);
     }
-    let scores = aligned_rows(scores)?;
+    let scores = padded_rows(scores)?;
     let (ss, sl) = scores.storage_and_layout();
     let sc = as_cuda(&ss, "scores")?;
     let stream = stream_for(sc)?;
@@ -74,7 +74,7 @@ fn select_rows(scores: &Tensor, visibility: &Visibility, k: usize, mode: SelectM
             None => (std::ptr::null(), None),
         };
         let (o_p, _g2) = out.device_ptr_mut(&stream);
-        let row_stride = if t <= 1 { n.div_ceil(8) * 8 } else { sl.stride()[0] };
+        let row_stride = if t <= 1 { n.div_ceil(8).max(1) * 8 } else { sl.stride()[0] };
         let (start, ratio) = match visibility {
             Visibility::Causal { start, ratio } => (*start as i64, *ratio as i32),
             Visibility::Counts(_) => (0, 1),
@@ -97,6 +97,19 @@ fn select_rows(scores: &Tensor, visibility: &Visibility, k: usize, mode: SelectM
     }
     let s = CudaStorage::wrap_cuda_slice(out, sc.device.clone());
     Ok(Tensor::from_storage(Storage::Cuda(s), (t, k), BackpropOp::none(), false))
+}
+
+/// `scores` itself when its rows start 16-byte aligned, else a copy padded to a multiple of 8
+/// columns (the padding is never read) viewed back to `[T, N]`.
+fn padded_rows(scores: &Tensor) -> Result<Tensor> {
+    let (t, n) = scores.dims2()?;
+    let aligned = aligned_rows(scores)?;
+    if t <= 1 || aligned.stride()[0].is_multiple_of(8) {
+        return Ok(aligned);
+    }
+    let pad = n.div_ceil(8) * 8 - n;
+    let fill = Tensor::full(f32::NEG_INFINITY, (t, pad), scores.device())?.to_dtype(DType::BF16)?;
+    Tensor::cat(&[scores, &fill], 1)?.narrow(1, 0, n)
 }
 
 /// Launches the selection kernel on a parameter block whose mode fields are set from `mode`.
