@@ -339,4 +339,22 @@ mod tests {
         }
         Ok(())
     }
+
+    #[test]
+    fn reference_selection_publishes_and_consumes_device_tensors() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        // Two tokens, 6 entries; token 0 sees 5 entries, token 1 sees 6.
+        let scores = vec![vec![0.5, 3.0, 1.0, 2.0, -1.0, 9.0], vec![4.0, 0.0, 1.0, 1.0, 2.0, 5.0]];
+        let shape = CandidateShape { block: 2, n_keep: 2 };
+        let sel = reference_selection(scores.clone(), &[5, 6], 2, None, Some(shape), &dev)?;
+        assert_eq!(sel.topk.to_vec2::<i64>()?, vec![vec![1, 3], vec![0, 5]]);
+        let c = sel.candidates.expect("a candidate source publishes");
+        // Token 0: block 2 (entry 4, newest visible) pinned, then block 0 (max 3.0) over 1 (2.0).
+        assert_eq!(c.kept.to_vec2::<i64>()?, vec![vec![0, 2], vec![0, 2]]);
+        // A consumer restricted to those blocks: token 0 may use entries 0, 1, 4; token 1 0, 1, 4, 5.
+        let cons = reference_selection(scores, &[5, 6], 3, Some(&c), None, &dev)?;
+        assert_eq!(cons.topk.to_vec2::<i64>()?, vec![vec![0, 1, 4], vec![0, 4, 5]]);
+        assert!(cons.candidates.is_none());
+        Ok(())
+    }
 }
