@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kFqThreads) fake_quant_kernel(const T* __restr
 #pragma unroll
     for (int off = B / 2; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     if (!live) return;
-    const float s = QuantTraits<Q>::scale(amax);
+    const BlockScale s = QuantTraits<Q>::scale(amax);
     store_elem<T>(out, i, fake_quant_element<Q>(v, s));
 }
 

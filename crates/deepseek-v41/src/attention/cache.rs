@@ -130,8 +130,8 @@ pub struct LayerState {
 pub struct PublishedTopk {
     /// Start position of the call the top-k belongs to.
     pub start: usize,
-    /// Per token, `index_topk` entry ids (−1 padded).
-    pub topk: Vec<Vec<i64>>,
+    /// `[T, index_topk]` i64 on the activations' device: entry ids ascending, −1 padded.
+    pub topk: Tensor,
 }
 
 /// Caller-owned cache of one sequence for every layer of the model.
@@ -195,26 +195,31 @@ impl SequenceCache {
             .ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} is not a kv source")))
     }
 
-    /// Publishes the top-k of index source `layer` for the call starting at `start`.
-    pub(crate) fn publish_topk(&mut self, layer: usize, start: usize, topk: Vec<Vec<i64>>) {
+    /// Publishes the top-k `[T, index_topk]` i64 (device tensor) of index source `layer` for the
+    /// call starting at `start`.
+    pub(crate) fn publish_topk(&mut self, layer: usize, start: usize, topk: Tensor) {
         self.topk.insert(layer, PublishedTopk { start, topk });
     }
 
-    /// The top-k that index source `layer` published for the call starting at `start`.
-    pub fn published_topk(&self, layer: usize, start: usize, tokens: usize) -> Result<&[Vec<i64>]> {
+    /// The top-k `[T, index_topk]` i64 (on the activations' device) that index source `layer`
+    /// published for the call starting at `start` with `tokens` tokens.
+    pub fn published_topk(&self, layer: usize, start: usize, tokens: usize) -> Result<&Tensor> {
         match self.topk.get(&layer) {
-            Some(p) if p.start == start && p.topk.len() == tokens => Ok(&p.topk),
+            Some(p) if p.start == start && p.topk.dims().first() == Some(&tokens) => Ok(&p.topk),
             _ => candle_core::bail!(
                 "no top-k published by index source {layer} for the call at position {start} ({tokens} tokens): run the layers in order"
             ),
         }
     }
 
+    /// Publishes the candidate blocks (kept blocks `[T, n_keep]` i64 on the activations'
+    /// device) of the candidate source for the call starting at `start`.
     pub(crate) fn publish_candidates(&mut self, start: usize, c: Candidates) {
         self.candidates = Some((start, c));
     }
 
-    /// The candidate blocks published for the call starting at `start`.
+    /// The candidate blocks published for the call starting at `start` (kept blocks
+    /// `[T, n_keep]` i64, −1 padded, on the activations' device).
     pub fn published_candidates(&self, start: usize) -> Option<&Candidates> {
         self.candidates.as_ref().filter(|(s, _)| *s == start).map(|(_, c)| c)
     }

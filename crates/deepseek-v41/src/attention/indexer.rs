@@ -33,10 +33,21 @@ impl IndexKeyProjection {
         })
     }
 
+    /// The pre-norm keys `latent·wkᵀ` `[G, d_I]` of latents `[G, head_dim]`, in the latents' dtype
+    /// (the input of a fused norm + RoPE + quant insert such as `cuda::index_key_insert`).
+    pub fn project(&self, latent: &Tensor) -> Result<Tensor> {
+        self.wk.forward(latent)
+    }
+
+    /// The `k_norm` applied after [`Self::project`].
+    pub fn k_norm(&self) -> &RmsNorm {
+        &self.k_norm
+    }
+
     /// Index keys of latents `[G, head_dim]` (pre-RoPE) whose row g is entry `first_entry + g`:
     /// `fq_Q3(RoPE(j·r)(k_norm(latent·wkᵀ)))`, `[G, d_I]` in the latents' dtype.
     pub fn keys(&self, latent: &Tensor, first_entry: usize, ratio: usize, rope: &RopeTable) -> Result<Tensor> {
-        let k = self.k_norm.forward(&self.wk.forward(latent)?)?;
+        let k = self.k_norm.forward(&self.project(latent)?)?;
         let positions: Vec<usize> = (0..latent.dim(0)?).map(|g| (first_entry + g) * ratio).collect();
         let k = rope.apply(&k, &positions, false)?;
         if self.numerics.cache_fake_quant {
@@ -47,29 +58,98 @@ impl IndexKeyProjection {
     }
 }
 
-/// Candidate blocks published by the candidate source for the tokens of one call.
-#[derive(Debug, Clone, PartialEq)]
+/// Candidate blocks published by the candidate source for the tokens of one call (spec §6.4).
+#[derive(Debug, Clone)]
 pub struct Candidates {
     /// Entries per block.
     pub block: usize,
-    /// Per token, the kept block ids (ascending).
-    pub kept: Vec<Vec<usize>>,
+    /// `[T, n_keep]` i64 on the activations' device: per token the kept block ids ascending,
+    /// −1 padded.
+    pub kept: Tensor,
 }
 
 impl Candidates {
-    /// Whether entry `j` is in a kept block of token `t`.
-    pub fn allows(&self, t: usize, j: usize) -> bool {
-        self.kept[t].binary_search(&(j / self.block)).is_ok()
+    /// Host copy of the kept block ids per token (ascending, padding dropped).
+    pub fn kept_rows(&self) -> Result<Vec<Vec<usize>>> {
+        Ok(self
+            .kept
+            .to_device(&candle_core::Device::Cpu)?
+            .to_dtype(DType::I64)?
+            .to_vec2::<i64>()?
+            .into_iter()
+            .map(|r| r.into_iter().filter(|&b| b >= 0).map(|b| b as usize).collect())
+            .collect())
     }
 }
 
-/// The output of an index source for one call.
+/// Shape of the candidate blocks a candidate source publishes: `block` entries per block,
+/// `n_keep` blocks kept per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CandidateShape {
+    /// Entries per block (`candidate_block_size`).
+    pub block: usize,
+    /// Blocks kept per token (`candidate_topk_blocks`).
+    pub n_keep: usize,
+}
+
+/// The output of an index source for one call, on the activations' device.
 #[derive(Debug, Clone)]
 pub struct Selection {
-    /// Per token, `index_topk` entry ids ascending, `-1` padded.
-    pub topk: Vec<Vec<i64>>,
+    /// `[T, index_topk]` i64: per token the selected entry ids ascending, `-1` padded.
+    pub topk: Tensor,
     /// Published candidate blocks (candidate source only).
     pub candidates: Option<Candidates>,
+}
+
+/// The CPU reference of a selection: from unmasked score rows `[T][N]` (of [`index_scores`])
+/// and the visible entries per token, the top `k` ([`top_k`]) after masking invisible entries
+/// and, for consumers, entries outside `consume`'s blocks; for a candidate source (`publish`)
+/// also its [`candidate_blocks`] (from the scores before any consumer mask). The tensors are
+/// created on `device`.
+pub fn reference_selection(
+    scores: Vec<Vec<f32>>,
+    visible: &[usize],
+    k: usize,
+    consume: Option<&Candidates>,
+    publish: Option<CandidateShape>,
+    device: &candle_core::Device,
+) -> Result<Selection> {
+    if scores.len() != visible.len() {
+        candle_core::bail!("reference_selection: {} score rows but {} visible counts", scores.len(), visible.len())
+    }
+    let allowed = consume.map(|c| c.kept_rows().map(|rows| (c.block, rows))).transpose()?;
+    if let Some((_, rows)) = &allowed {
+        if rows.len() != scores.len() {
+            candle_core::bail!("reference_selection: candidates for {} tokens, scores for {}", rows.len(), scores.len())
+        }
+    }
+    let (mut topk, mut kept) = (Vec::with_capacity(scores.len()), Vec::new());
+    for (t, (row, &vis)) in scores.into_iter().zip(visible).enumerate() {
+        let mut s = mask_invisible(row, vis);
+        if let Some(shape) = publish {
+            let mut b: Vec<i64> =
+                candidate_blocks(&s, vis, shape.block, shape.n_keep).into_iter().map(|b| b as i64).collect();
+            b.resize(shape.n_keep.max(b.len()), -1);
+            kept.push(b);
+        }
+        if let Some((block, rows)) = &allowed {
+            for (j, v) in s.iter_mut().enumerate() {
+                if rows[t].binary_search(&(j / block)).is_err() {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+        topk.push(top_k(&s, k, vis));
+    }
+    let t = topk.len();
+    let topk = Tensor::from_vec(topk.concat(), (t, k), device)?;
+    let candidates = match publish {
+        Some(shape) => {
+            Some(Candidates { block: shape.block, kept: Tensor::from_vec(kept.concat(), (t, shape.n_keep), device)? })
+        }
+        None => None,
+    };
+    Ok(Selection { topk, candidates })
 }
 
 /// `attn.indexer` query side of an index source.
@@ -129,7 +209,8 @@ impl Indexer {
         (self.weights_proj.forward(x)?.to_dtype(DType::F32)? * scale)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)
     }
 
-    /// Selects the top-k of the call's tokens.
+    /// Selects the top-k of the call's tokens, on `x`'s device (CUDA: the indexer kernels of
+    /// [`crate::cuda::index_select`]; CPU: [`reference_selection`]).
     ///
     /// `x`: `[T, hidden]` attn-normed input; `qr`: `[T, q_lora]` q-LoRA activation; positions of
     /// the tokens; `keys`: `[N, d_I]` the key owner's cache (entries written this call included);
@@ -145,33 +226,20 @@ impl Indexer {
     ) -> Result<Selection> {
         let q = self.queries(qr, positions, rope)?;
         let w = self.head_weights(x)?;
-        let scores = index_scores(&q, &w, keys)?;
-        let mut topk = Vec::with_capacity(positions.len());
-        let mut kept = Vec::new();
-        for (t, (&p, row)) in positions.iter().zip(scores).enumerate() {
-            let visible = (p + 1) / self.ratio;
-            let mut s = mask_invisible(row, visible);
-            match self.candidates {
-                CandidateRole::Publish => {
-                    kept.push(candidate_blocks(&s, visible, self.cand_block_size, self.cand_blocks));
-                }
-                CandidateRole::Consume { source } => {
-                    let c = published.ok_or_else(|| {
-                        candle_core::Error::Msg(format!("indexer: candidates of layer {source} were not published"))
-                    })?;
-                    for (j, v) in s.iter_mut().enumerate() {
-                        if !c.allows(t, j) {
-                            *v = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-                CandidateRole::None => {}
-            }
-            topk.push(top_k(&s, self.topk, visible));
+        let consume = match self.candidates {
+            CandidateRole::Consume { source } => Some(published.ok_or_else(|| {
+                candle_core::Error::Msg(format!("indexer: candidates of layer {source} were not published"))
+            })?),
+            _ => None,
+        };
+        let publish = (self.candidates == CandidateRole::Publish)
+            .then_some(CandidateShape { block: self.cand_block_size, n_keep: self.cand_blocks });
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::cuda::select_on_device(&q, &w, keys, positions, self.ratio, self.topk, consume, publish);
         }
-        let candidates = (self.candidates == CandidateRole::Publish)
-            .then_some(Candidates { block: self.cand_block_size, kept });
-        Ok(Selection { topk, candidates })
+        let visible: Vec<usize> = positions.iter().map(|&p| (p + 1) / self.ratio).collect();
+        reference_selection(index_scores(&q, &w, keys)?, &visible, self.topk, consume, publish, x.device())
     }
 }
 
@@ -280,6 +348,24 @@ mod tests {
                 assert_eq!(got[t][j], want, "t{t} j{j}");
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn reference_selection_publishes_and_consumes_device_tensors() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        // Two tokens, 6 entries; token 0 sees 5 entries, token 1 sees 6.
+        let scores = vec![vec![0.5, 3.0, 1.0, 2.0, -1.0, 9.0], vec![4.0, 0.0, 1.0, 1.0, 2.0, 5.0]];
+        let shape = CandidateShape { block: 2, n_keep: 2 };
+        let sel = reference_selection(scores.clone(), &[5, 6], 2, None, Some(shape), &dev)?;
+        assert_eq!(sel.topk.to_vec2::<i64>()?, vec![vec![1, 3], vec![0, 5]]);
+        let c = sel.candidates.expect("a candidate source publishes");
+        // Token 0: block 2 (entry 4, newest visible) pinned, then block 0 (max 3.0) over 1 (2.0).
+        assert_eq!(c.kept.to_vec2::<i64>()?, vec![vec![0, 2], vec![0, 2]]);
+        // A consumer restricted to those blocks: token 0 may use entries 0, 1, 4; token 1 0, 1, 4, 5.
+        let cons = reference_selection(scores, &[5, 6], 3, Some(&c), None, &dev)?;
+        assert_eq!(cons.topk.to_vec2::<i64>()?, vec![vec![0, 1, 4], vec![0, 4, 5]]);
+        assert!(cons.candidates.is_none());
         Ok(())
     }
 }

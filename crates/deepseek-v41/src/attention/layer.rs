@@ -8,7 +8,7 @@ use super::cache::SequenceCache;
 use super::compressor::Compressor;
 use super::indexer::{IndexKeyProjection, Indexer};
 use super::sparse_attention::sparse_attention;
-use crate::config::{AttentionRole, CandidateRole, Config, TopkRole};
+use crate::config::{AttentionRole, Config, TopkRole};
 use crate::nn::linear::compute_dtype;
 use crate::nn::{Linear, LinearKind, RmsNorm, RopeKind, RopeTable};
 use crate::numerics::Numerics;
@@ -151,10 +151,10 @@ impl Attention {
                 if let (Some(c), Some(kp)) = (&self.compressor, &self.key_projection) {
                     self.compress(x, start, ratio, c, kp, cache)?;
                 }
-                let selected = self.select(x, &qr, &positions, topk, cache)?;
-                if cache.is_tracing() {
-                    cache.record(|| format!("L{l}.topk"), &Tensor::new(selected.clone(), x.device())?);
-                }
+                let selected =
+                    super::selection::select(l, topk, self.indexer.as_ref(), x, &qr, &positions, &self.rope, cache)?;
+                cache.record(|| format!("L{l}.topk"), &selected);
+                let selected = selected.to_vec2::<i64>()?;
                 let compressed = cache.source(kv_source)?.compressed.rows()?;
                 let offset = window.kv.dim(0)? as i64;
                 let indices = window
@@ -209,43 +209,6 @@ impl Attention {
         Ok(())
     }
 
-    /// The top-k of this call: computed by index sources (and published), reused otherwise.
-    fn select(
-        &self,
-        x: &Tensor,
-        qr: &Tensor,
-        positions: &[usize],
-        topk: TopkRole,
-        cache: &mut SequenceCache,
-    ) -> Result<Vec<Vec<i64>>> {
-        let l = self.layer;
-        let start = positions[0];
-        match (topk, &self.indexer) {
-            (TopkRole::Reuse { index_source }, _) => Ok(cache.published_topk(index_source, start, positions.len())?.to_vec()),
-            (TopkRole::Full { candidates } | TopkRole::Reindex { candidates, .. }, Some(indexer)) => {
-                let owner = match topk {
-                    TopkRole::Reindex { key_owner, .. } => key_owner,
-                    _ => l,
-                };
-                let keys = cache.source(owner)?.index_keys.rows()?;
-                let published = match candidates {
-                    CandidateRole::Consume { .. } => cache.published_candidates(start),
-                    _ => None,
-                };
-                let sel = indexer.select(x, qr, positions, &keys, &self.rope, published)?;
-                if let Some(c) = sel.candidates {
-                    if cache.is_tracing() {
-                        record_candidate_blocks(cache, l, &c, indexer.candidate_topk_blocks(), x.device())?;
-                    }
-                    cache.publish_candidates(start, c);
-                }
-                cache.publish_topk(l, start, sel.topk.clone());
-                Ok(sel.topk)
-            }
-            (_, None) => candle_core::bail!("layer {l}: index source without an indexer"),
-        }
-    }
-
     /// Grouped `wo_a` then `wo_b`: `o` `[T, H, head_dim]` → `[T, hidden]`.
     fn output(&self, o: &Tensor) -> Result<Tensor> {
         let t = o.dim(0)?;
@@ -257,26 +220,4 @@ impl Attention {
         let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
         self.wo_b.forward(&z.flatten_from(1)?)
     }
-}
-
-/// Records the kept candidate blocks `[T, candidate_topk_blocks]` (−1 padded) under
-/// `L{l}.cand_blocks` (tracing only).
-fn record_candidate_blocks(
-    cache: &mut SequenceCache,
-    l: usize,
-    c: &super::indexer::Candidates,
-    width: usize,
-    device: &candle_core::Device,
-) -> Result<()> {
-    let blocks: Vec<Vec<i64>> = c
-        .kept
-        .iter()
-        .map(|k| {
-            let mut v: Vec<i64> = k.iter().map(|&b| b as i64).collect();
-            v.resize(width.max(v.len()), -1);
-            v
-        })
-        .collect();
-    cache.record(|| format!("L{l}.cand_blocks"), &Tensor::new(blocks, device)?);
-    Ok(())
 }

@@ -8,9 +8,9 @@
 //! | `q_norm`, `kv_norm`, compressor | Candle ops |
 //! | window KV | [`crate::cuda::window_insert`] (RoPE + Q1) into the ring / the call's window rows |
 //! | compressed KV | [`crate::cuda::compressed_insert`] (RoPE at j·r + Q2) in place into the cache |
-//! | index keys | the key projection's Candle ops, Q3 by the fake-quant kernel, appended in place |
+//! | index keys | `indexer.wk` (Candle matmul), then [`crate::cuda::index_key_insert`] (k_norm + RoPE at j·r + Q3) in place |
 //! | q RoPE, inverse RoPE | [`crate::cuda::q_rope_inplace`] |
-//! | selection | `Attention::select` (the indexer; its own device path is separate work) |
+//! | selection | [`crate::attention::selection::select`]: index scores, top-k and candidate blocks on the device ([`crate::cuda::index_select`]) |
 //! | attention | [`crate::attention::sparse_attention::sparse_attention_sources`] over window + compressed rows |
 //! | grouped `wo_a` | one batched Candle matmul |
 //!
@@ -68,7 +68,6 @@ impl Attention {
         if t == 0 {
             candle_core::bail!("layer {l}: empty call (no token) at position {start}")
         }
-        let dev = x.device().clone();
         let positions: Vec<usize> = (start..start + t).collect();
         let (cos, sin) = self.rope.cos_sin(&positions)?;
 
@@ -93,8 +92,8 @@ impl Attention {
         let selected = match self.role {
             AttentionRole::WindowOnly => None,
             AttentionRole::Compressed { kv_source, topk, .. } => {
-                let selected = self.select(x, &qr, &positions, topk, cache)?;
-                let selected = Tensor::new(selected, &dev)?;
+                let selected =
+                    crate::attention::selection::select(l, topk, self.indexer.as_ref(), x, &qr, &positions, &self.rope, cache)?;
                 if cache.is_tracing() {
                     cache.record(|| format!("L{l}.topk"), &selected);
                 }
@@ -139,7 +138,7 @@ impl Attention {
         if source.compressed.len() != lat.first_entry {
             candle_core::bail!("layer {l}: compressed cache holds {} entries, call emits entry {}", source.compressed.len(), lat.first_entry)
         }
-        let index_k = keys.keys(&lat.latent, lat.first_entry, ratio, &self.rope)?;
+        let k_pre = keys.project(&lat.latent)?;
         let positions: Vec<usize> = (0..g).map(|i| (lat.first_entry + i) * ratio).collect();
         let (cos, sin) = self.rope.cos_sin(&positions)?;
         let fq = self.numerics.cache_fake_quant;
@@ -147,7 +146,11 @@ impl Attention {
             let slots = Tensor::arange(first as i64, (first + g) as i64, buf.device())?;
             crate::cuda::compressed_insert(buf, &lat.latent, &cos, &sin, &slots, fq)
         })?;
-        source.index_keys.append(&index_k)?;
+        source.index_keys.append_in_place(g, |buf, first| {
+            let slots = Tensor::arange(first as i64, (first + g) as i64, buf.device())?;
+            let norm = keys.k_norm();
+            crate::cuda::index_key_insert(buf, &k_pre, norm.weight(), norm.eps(), &cos, &sin, &slots, fq)
+        })?;
         Ok(())
     }
 }

@@ -5,6 +5,8 @@
 //!   with its carry across calls.
 //! * [`indexer`]: the lightning indexer (index keys, scores, visibility, candidate blocks, top-k).
 //! * [`sparse_attention`]: attention over gathered rows with a per-head sink.
+//! * [`selection`]: the top-k step of a compressed layer (index sources compute and publish,
+//!   reuse layers read), on the activations' device.
 //! * [`layer`]: the attention layer wiring all of the above (with the `cuda` feature, its fused
 //!   device path in `layer_fused.rs`).
 //! * [`cache`]: the caller-owned per-sequence cache through which layers share compressed KV,
@@ -15,6 +17,7 @@ pub mod compressor;
 mod device_cache;
 pub mod indexer;
 pub mod layer;
+pub mod selection;
 pub mod sparse_attention;
 pub mod trace;
 pub mod window;

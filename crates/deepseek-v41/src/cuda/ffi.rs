@@ -170,3 +170,85 @@ pub(crate) fn check_status(op: &str, code: i32) -> candle_core::Result<()> {
     };
     candle_core::bail!("{op}: kernel launch failed: {why}")
 }
+
+/// `Dsv41IndexerScoresParams` (`kernels/include/dsv41_indexer.h`): index scores of T queries.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IndexerScoresParams {
+    /// bf16 `[T, H, 128]`, contiguous.
+    pub q: *const c_void,
+    /// f32 `[T, H]`, contiguous.
+    pub w: *const f32,
+    /// bf16 rows `[R, 128]` (row stride `key_row_stride` elements) or u8 packed pages.
+    pub keys: *const c_void,
+    /// u32 `[T]` first key row / slot per token, or null (0).
+    pub key_base: *const u32,
+    /// u32 `[T]` visible entries per token, or null (causal rule).
+    pub visible: *const u32,
+    /// u32 `[T, allowed_words]` allowed-block bitmask, or null.
+    pub allowed: *const u32,
+    /// bf16 `[T, N]`, row stride `score_row_stride` elements.
+    pub scores: *mut c_void,
+    pub key_row_stride: i64,
+    pub num_key_rows: i64,
+    pub score_row_stride: i64,
+    pub start: i64,
+    pub num_tokens: i32,
+    pub num_heads: i32,
+    pub head_dim: i32,
+    pub num_cols: i32,
+    pub key_format: i32,
+    pub page_size: i32,
+    pub ratio: i32,
+    pub allowed_words: i32,
+    pub allowed_block: i32,
+    pub _pad: i32,
+}
+
+/// `Dsv41IndexerMaskParams`: kept candidate blocks → allowed-block bitmask.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IndexerMaskParams {
+    /// i64 `[T, n_blocks]`, contiguous, −1 = none.
+    pub blocks: *const i64,
+    /// u32 `[T, words]`, contiguous.
+    pub allowed: *mut u32,
+    pub num_tokens: i32,
+    pub n_blocks: i32,
+    pub words: i32,
+    pub _pad: i32,
+}
+
+/// `Dsv41IndexerSelectParams`: top-k / candidate blocks of score rows.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IndexerSelectParams {
+    /// bf16 `[T, N]`, row stride `score_row_stride` elements.
+    pub scores: *const c_void,
+    /// u32 `[T]` visible entries per token, or null (causal rule).
+    pub visible: *const u32,
+    /// i64 `[T, k]`, row stride `out_row_stride` elements.
+    pub out: *mut i64,
+    pub score_row_stride: i64,
+    pub out_row_stride: i64,
+    pub start: i64,
+    pub num_tokens: i32,
+    pub num_cols: i32,
+    pub k: i32,
+    pub mode: i32,
+    pub block: i32,
+    pub ratio: i32,
+}
+
+/// `DSV41_INDEX_KEYS_BF16` / `DSV41_INDEX_KEYS_MXFP4`.
+pub(crate) const INDEX_KEYS_BF16: i32 = 0;
+pub(crate) const INDEX_KEYS_MXFP4: i32 = 1;
+/// `DSV41_SELECT_TOPK` / `DSV41_SELECT_BLOCKS`.
+pub(crate) const SELECT_TOPK: i32 = 0;
+pub(crate) const SELECT_BLOCKS: i32 = 1;
+
+extern "C" {
+    pub(crate) fn dsv41_indexer_scores(p: *const IndexerScoresParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_indexer_allowed_mask(p: *const IndexerMaskParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_indexer_select(p: *const IndexerSelectParams, params_size: usize, stream: *mut c_void) -> i32;
+}

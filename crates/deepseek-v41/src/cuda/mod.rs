@@ -14,6 +14,9 @@
 //! * [`fake_quant_device`]: blockwise QAT / FP8 activation fake quant of a dense tensor.
 //! * [`sparse_attention_two_source`]: sparse attention with sink over window + extra rows
 //!   (spec §4.7), returning the output and the log-sum-exp.
+//! * [`index_select`]: the lightning indexer (spec §6.3–§6.4): index scores over bf16 or packed
+//!   MXFP4 key rows ([`masked_index_scores`]), top-k ([`index_topk`]) and candidate blocks
+//!   ([`candidate_blocks`]) in one chunked, memory-bounded call.
 //!
 //! All of them take the per-token `cos`/`sin` rows (`[T, R/2]` f32) of
 //! [`crate::nn::RopeTable::cos_sin`] rather than positions: a step computes them once for q,
@@ -26,6 +29,10 @@ mod compressed_insert;
 mod device;
 mod ffi;
 mod index_key_insert;
+mod indexer_inputs;
+mod indexer_scores;
+mod indexer_select;
+mod indexer_topk;
 mod insert_op;
 mod packed_insert;
 mod q_rope;
@@ -37,6 +44,11 @@ mod window_insert;
 pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
 pub use index_key_insert::index_key_insert;
+pub use indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
+pub use indexer_scores::masked_index_scores;
+pub use indexer_select::{index_select, index_select_with_scratch, SCORE_SCRATCH_BYTES};
+pub(crate) use indexer_select::select_on_device;
+pub use indexer_topk::{candidate_blocks, index_topk};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;

@@ -23,6 +23,16 @@ impl RmsNorm {
     pub fn from_weight(weight: Tensor, eps: f64) -> Result<Self> {
         Ok(Self { weight: weight.to_dtype(DType::F32)?, eps })
     }
+
+    /// The learned weight `[dim]`, f32 (for fused kernels that apply the norm themselves).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
 }
 
 /// Weightless RMS normalisation factor-free helper: `x / sqrt(mean(x²) + eps)` in f32 (f32 out).

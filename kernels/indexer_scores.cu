@@ -1,0 +1,366 @@
+// indexer_scores: lightning-indexer scores (spec §6.3, §0.1b.1) of T queries against an
+// index-key cache of bf16 rows or packed MXFP4 68 B rows (§7.2 E), with the visibility rule and
+// an optional allowed-block mask (candidate consumers, §6.4); plus the kernel that turns kept
+// candidate blocks into that mask.
+//
+//   S[t, j] = bf16( sum_h bf16( relu(bf16(q[t,h] . K[j])) * w[t,h] ) )     (h ascending, f32 sum)
+//
+// Numerics: the reference's bf16 steps exactly (`attention::indexer::index_scores`): the 128-term
+// dot product accumulates in f32 on the tensor cores, is rounded to bf16, ReLU'd, multiplied by
+// the f32 (bf16-valued) head weight, rounded to bf16; the head sum runs in f32 from +0 in head
+// order (the CPU's order) and is rounded to bf16. The only possible difference to the CPU is the
+// f32 order inside the dot product; with fake-quantized q and K (Q3: e2m1 x 2^e, spec §2.3) every
+// product and the partial sums of a 32-block are exact, so the scores match bit for bit except
+// when two blocks' scales differ by more than ~2^10.
+//
+// Packed keys are dequantized in registers: each e2m1 byte pair goes through a 256-entry bf16x2
+// table in shared memory and one bf16x2 multiply by the block's 2^(e-127) (exact: the products
+// are bf16 numbers; a scale with e = 0 relies on bf16 subnormal arithmetic, which k_norm'd keys
+// never reach).
+//
+// Design: mma.sync m16n8k16 bf16 (plain sm_80+ tensor-core path). A warp owns one token: its
+// 32 (H <= 32, rows >= H zero) x 128 query block lives in registers as A fragments (64 regs),
+// loaded once. Per iteration the warp scores 32 keys (4 n8 tiles): each lane (group g, column
+// c) loads 32 contiguous dims [32c, 32c+32) of key g of every tile (bf16: 4 x 16 B; packed: 16 B
+// plus one scale byte - exactly its 32-block), so the dot product's k-dimension is PERMUTED
+// consistently for A and B (k-slot 2c+e of step s <-> dim 32c+4s+e, slot 2c+8+e <-> dim
+// 32c+4s+2+e): every load is a contiguous vector load, no shared-memory staging. The per-head
+// products go through a per-warp shared buffer [32 heads][32 keys] so that lane i sums key i's
+// heads in order. CTA = 4 warps; TQ = 1 (decode, or per-token keys): the 4 warps split the
+// CTA's 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
+// Entries j >= L_t are written as -inf without any key read.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "include/dsv41_indexer.h"
+
+namespace dsv41_ix {
+
+constexpr int D = 128;
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr int KT = 32;           // keys per warp iteration (4 n8 tiles)
+constexpr int PROD_STRIDE = 40;  // bf16 per key row of the product buffer (80 B: conflict-free)
+constexpr uint16_t BF16_NEG_INF = 0xFF80;
+
+__device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// bf16 bits of the e2m1 code (sign bit 3; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6).
+__host__ __device__ constexpr uint16_t e2m1_bf16_bits(uint32_t code) {
+    return static_cast<uint16_t>(((code & 8u) ? 0x8000u : 0u) |
+                                 ((code & 7u) == 0   ? 0x0000u
+                                  : (code & 7u) == 1 ? 0x3F00u
+                                  : (code & 7u) == 2 ? 0x3F80u
+                                  : (code & 7u) == 3 ? 0x3FC0u
+                                  : (code & 7u) == 4 ? 0x4000u
+                                  : (code & 7u) == 5 ? 0x4040u
+                                  : (code & 7u) == 6 ? 0x4080u
+                                                     : 0x40C0u));
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+    __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a);
+    __nv_bfloat162 y = *reinterpret_cast<__nv_bfloat162*>(&b);
+    __nv_bfloat162 z = __hmul2(x, y);
+    return *reinterpret_cast<uint32_t*>(&z);
+}
+
+// 2^(e-127) as bf16 bits (e = 0: the subnormal 2^-127; e = 255: NaN, as ue8m0 says).
+__device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t e) {
+    const uint32_t b = e == 0 ? 0x0040u : (e == 255 ? 0x7FC0u : (e << 7));
+    return b | (b << 16);
+}
+
+// Raw bytes of one key slice of a lane (fetched ahead of use) and their expansion into the 16
+// bf16x2 B-fragment registers (dims [32c, 32c+32) of the lane's key).
+template <int KF>
+struct KeySlice;
+
+// bf16 rows: 4 x 16 B.
+template <>
+struct KeySlice<DSV41_INDEX_KEYS_BF16> {
+    uint4 v[4];
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
+        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.keys) +
+                                                          row * p.key_row_stride + 32 * c);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = __ldg(src + i);
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __device__ __forceinline__ void expand(const uint32_t*, int, uint32_t (&k)[16]) const {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            k[4 * i + 0] = v[i].x;
+            k[4 * i + 1] = v[i].y;
+            k[4 * i + 2] = v[i].z;
+            k[4 * i + 3] = v[i].w;
+        }
+    }
+};
+
+// Packed rows: the 16 data bytes of block c and the row's 4 scale bytes (one aligned word).
+template <>
+struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
+    uint4 d;
+    uint32_t s4;
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
+        const int64_t page = row / p.page_size, r = row % p.page_size;
+        const uint8_t* base = static_cast<const uint8_t*>(p.keys) + page * p.key_row_stride;
+        d = __ldg(reinterpret_cast<const uint4*>(base + r * 64 + 16 * c));
+        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + r * 4));
+    }
+    __device__ __forceinline__ void zero() {
+        d = make_uint4(0u, 0u, 0u, 0u);
+        s4 = 0x7f7f7f7fu;
+    }
+    __device__ __forceinline__ void expand(const uint32_t* lut, int c, uint32_t (&k)[16]) const {
+        const uint32_t s = ue8m0_bf16x2((s4 >> (8 * c)) & 0xFF);
+        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[__byte_perm(w[i / 4], 0, 0x4440 + (i % 4))], s);
+    }
+};
+
+// Products bf16(relu(bf16(acc)) * w) of two keys (one C-fragment pair) as bf16x2.
+__device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w2) {
+    __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
+    s = __hmax2(s, __float2bfloat162_rn(0.f));
+    uint32_t r = *reinterpret_cast<uint32_t*>(&s);
+    return bf16x2_mul(r, w2);
+}
+
+template <int KF, int TQ>
+__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+    // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
+    // heads with 16-byte loads.
+    __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
+    __shared__ uint32_t lut[KF == DSV41_INDEX_KEYS_MXFP4 ? 256 : 1];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = lane % 4;
+    if constexpr (KF == DSV41_INDEX_KEYS_MXFP4) {
+        for (int b = threadIdx.x; b < 256; b += THREADS)
+            lut[b] = static_cast<uint32_t>(e2m1_bf16_bits(b & 15)) | (static_cast<uint32_t>(e2m1_bf16_bits(b >> 4)) << 16);
+        __syncthreads();
+    }
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
+    if (t >= p.num_tokens) return;
+    const int n_it = iters * (WARPS / TQ);  // iterations of the CTA's key chunk
+    const int step = TQ == 1 ? WARPS : 1;
+    const int first = TQ == 1 ? warp : 0;
+    const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * KT * n_it;
+    const int64_t n = p.num_cols;
+    int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
+    L = L < n ? L : n;
+    const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
+    uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
+    const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
+    const int H = p.num_heads;
+    uint16_t* pw = prod[warp];
+
+    // Entries past L: -inf without reading keys.
+    for (int it = first; it < n_it; it += step) {
+        const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
+        if (key0 >= n) break;
+        if (key0 >= L && key0 + lane < n) out[key0 + lane] = BF16_NEG_INF;
+    }
+    auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
+    int it = first;
+    if (!valid(it)) return;
+
+    // A fragments: qa[hh][i] = dims (32c + 2i, +1) of head g + 8 hh (zero for heads >= H);
+    // w2[hh] = the head's weight as bf16x2.
+    uint32_t qa[4][16], w2[4];
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+        const int h = g + 8 * hh;
+        const uint32_t wb = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
+        w2[hh] = wb | (wb << 16);
+        if (h < H) {
+            const uint4* src =
+                reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 v = __ldg(src + i);
+                qa[hh][4 * i] = v.x;
+                qa[hh][4 * i + 1] = v.y;
+                qa[hh][4 * i + 2] = v.z;
+                qa[hh][4 * i + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+        }
+    }
+    // Packed slices are small: the next iteration's are fetched while this one computes.
+    constexpr bool kAhead = KF == DSV41_INDEX_KEYS_MXFP4;
+    KeySlice<KF> ahead[kAhead ? 4 : 1];
+    auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
+        const int64_t j = key0 + nt * 8 + g;
+        const int64_t row = kbase + j;
+        if (j < L && row < p.num_key_rows) ks.fetch(p, row, c);
+        else ks.zero();
+    };
+    if constexpr (kAhead) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(it) * KT, nt);
+    }
+    while (valid(it)) {
+        const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
+        const int next = it + step;
+        KeySlice<KF> cur[4];
+        if constexpr (kAhead) {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) cur[nt] = ahead[nt];
+            if (valid(next)) {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(next) * KT, nt);
+            }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
+        }
+        float acc[4][2][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            uint32_t kb[16];
+            cur[nt].expand(lut, c, kb);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s], kb[2 * s + 1]);
+                if (H > 16)
+                    mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
+                             kb[2 * s + 1]);
+            }
+        }
+        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h].
+        __syncwarp();
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int hi = 0; hi < 2; ++hi) {
+                    const int hh = 2 * mt + hi;
+                    const int h = g + 8 * hh;
+                    const uint32_t pr = head_products(acc[nt][mt][2 * hi], acc[nt][mt][2 * hi + 1], w2[hh]);
+                    const int kk = nt * 8 + 2 * c;
+                    pw[kk * PROD_STRIDE + h] = static_cast<uint16_t>(pr & 0xFFFF);
+                    pw[(kk + 1) * PROD_STRIDE + h] = static_cast<uint16_t>(pr >> 16);
+                }
+        __syncwarp();
+        const int64_t j = key0 + lane;
+        if (j < n) {
+            // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
+            // but are not added).
+            const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
+            float sum = 0.f;
+#pragma unroll
+            for (int q8 = 0; q8 < 4; ++q8) {
+                const uint4 v = row[q8];
+                const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int h = 8 * q8 + i;
+                    const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                    if (h < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                }
+            }
+            bool ok = j < L && kbase + j < p.num_key_rows;
+            if (ok && allowed) {
+                const int64_t b = j / p.allowed_block;
+                ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+            }
+            out[j] = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+        }
+        it = next;
+    }
+}
+
+__global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMaskParams p) {
+    extern __shared__ uint32_t bits[];
+    const int64_t t = blockIdx.x;
+    for (int i = threadIdx.x; i < p.words; i += blockDim.x) bits[i] = 0u;
+    __syncthreads();
+    const int64_t* row = p.blocks + t * p.n_blocks;
+    for (int i = threadIdx.x; i < p.n_blocks; i += blockDim.x) {
+        const int64_t b = row[i];
+        if (b >= 0 && b < 32LL * p.words) atomicOr(&bits[b / 32], 1u << (b % 32));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < p.words; i += blockDim.x) p.allowed[t * p.words + i] = bits[i];
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <int KF, int TQ>
+int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
+    // (decode of few queries): aim at >= 1024 CTAs.
+    const int64_t groups = (p.num_tokens + TQ - 1) / TQ;
+    const int64_t warp_iters = (p.num_cols + KT - 1) / KT / (WARPS / TQ) + 1;
+    const int64_t want_chunks = (1024 + groups - 1) / groups;
+    int64_t iters = (warp_iters + want_chunks - 1) / want_chunks;
+    iters = iters < 2 ? 2 : (iters > 16 ? 16 : iters);
+    const int64_t chunk = KT * iters * (WARPS / TQ);
+    const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
+    if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
+    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace dsv41_ix
+
+extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t params_size, void* stream) {
+    using namespace dsv41_ix;
+    if (params_size != sizeof(Dsv41IndexerScoresParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->head_dim != D) return DSV41_ERR_HEAD_DIM;
+    if (p->num_tokens < 0 || p->num_cols < 0 || p->num_heads < 1 || p->num_heads > 32 || p->num_key_rows < 0 ||
+        p->score_row_stride < p->num_cols || p->score_row_stride % 8 || p->start < 0 ||
+        (!p->visible && p->ratio < 1) || (p->allowed && (p->allowed_words < 0 || p->allowed_block < 1)))
+        return DSV41_ERR_SHAPE;
+    if (p->num_tokens == 0 || p->num_cols == 0) return DSV41_OK;
+    if (!p->q || !p->w || !p->keys || !p->scores) return DSV41_ERR_NULL;
+    if (!aligned16(p->q) || !aligned16(p->keys) || !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    // Prefill over shared keys: 4 tokens per CTA share the key loads; otherwise one token.
+    const bool shared = p->key_base == nullptr && p->num_tokens >= 4 * 132;
+    if (p->key_format == DSV41_INDEX_KEYS_BF16) {
+        if (p->key_row_stride % 8) return DSV41_ERR_ALIGNMENT;
+        return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
+    }
+    if (p->key_format == DSV41_INDEX_KEYS_MXFP4) {
+        if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
+            p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
+            return DSV41_ERR_ALIGNMENT;
+        return shared ? launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
+    }
+    return DSV41_ERR_QUANT;
+}
+
+extern "C" int dsv41_indexer_allowed_mask(const Dsv41IndexerMaskParams* p, size_t params_size, void* stream) {
+    using namespace dsv41_ix;
+    if (params_size != sizeof(Dsv41IndexerMaskParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->num_tokens < 0 || p->n_blocks < 0 || p->words < 1 || p->words > 12288) return DSV41_ERR_SHAPE;
+    if (p->num_tokens == 0) return DSV41_OK;
+    if (!p->allowed || (p->n_blocks > 0 && !p->blocks)) return DSV41_ERR_NULL;
+    allowed_mask_kernel<<<p->num_tokens, 256, sizeof(uint32_t) * p->words, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}

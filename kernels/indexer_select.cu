@@ -1,0 +1,274 @@
+// indexer_select: the top-k of a row of index scores, or its candidate blocks (spec §6.3 step 7,
+// §6.4, §0.1b.2), with the CPU reference's rules (`attention::indexer::{top_k,
+// candidate_blocks}`): descending score, ties towards the lower id, -inf entries eligible for the
+// top-k (visibility alone decides -1), candidate blocks = block max with the newest visible
+// entry's block pinned to +inf and only blocks > -inf kept; outputs ascending, -1 padded.
+//
+// Design: exact radix selection on the 16-bit order keys of the bf16 scores (u = bits | 0x8000
+// for positive, ~bits for negative: larger u = larger score, total order as f32::total_cmp),
+// one CTA of 512 threads per token, no sorting:
+//   1. histogram of the high byte of every element's key (shared atomics), a warp scan finds
+//      the byte b1 of the k-th largest key;
+//   2. histogram of the low byte among keys with high byte b1 gives the k-th largest key u*,
+//      the count above it and `need` = how many elements equal to u* are taken (the lowest ids);
+//   3. each warp counts (> u*, == u*) over its contiguous segment, a scan over the warps gives
+//      every warp its first output position and its first rank among the ties; each warp then
+//      walks its segment in id order (8 elements per lane per step, warp scans) and writes the
+//      selected ids, so the output is ascending without a sort; the tail is filled with -1.
+// When the row has <= k elements, step 1-2 are skipped (all are taken). Element keys are
+// recomputed from the scores in every pass (the rows of one decode batch stay in L2).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "include/dsv41_indexer.h"
+
+namespace dsv41_sel {
+
+constexpr int THREADS = 512;
+constexpr int WARPS = THREADS / 32;
+constexpr uint32_t NEG_INF_KEY = 0x007F;  // key of bf16 -inf (0xFF80)
+constexpr uint32_t PINNED_KEY = 0xFFFF;   // above every real key (+inf is 0xFF80; 0xFFFF is a NaN)
+constexpr uint32_t ABSENT = 0xFFFFFFFFu; // element past the row
+
+__device__ __forceinline__ uint32_t order_key(uint16_t bits) {
+    return (bits & 0x8000u) ? (~static_cast<uint32_t>(bits) & 0xFFFFu) : (static_cast<uint32_t>(bits) | 0x8000u);
+}
+
+struct Row {
+    const uint16_t* s;  // the token's scores
+    int64_t L;          // visible entries
+    int64_t n;          // elements (entries or blocks)
+    int64_t pinned;     // pinned block (blocks mode), else -1
+    int block;
+    bool blocks;
+};
+
+// Keys of the 8 elements e0 .. e0+7 (e0 a multiple of 8); elements >= n get ABSENT.
+__device__ __forceinline__ void load8(const Row& r, int64_t e0, uint32_t (&k)[8]) {
+    if (!r.blocks) {
+        if (e0 + 8 <= r.n) {
+            const uint4 v = *reinterpret_cast<const uint4*>(r.s + e0);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                k[2 * i] = order_key(static_cast<uint16_t>(w[i] & 0xFFFF));
+                k[2 * i + 1] = order_key(static_cast<uint16_t>(w[i] >> 16));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) k[i] = e0 + i < r.n ? order_key(r.s[e0 + i]) : ABSENT;
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int64_t b = e0 + i;
+        if (b >= r.n) {
+            k[i] = ABSENT;
+        } else if (b == r.pinned) {
+            k[i] = PINNED_KEY;
+        } else {
+            const int64_t j0 = b * r.block;
+            const int64_t j1 = j0 + r.block < r.L ? j0 + r.block : r.L;
+            uint32_t m = 0;
+            for (int64_t j = j0; j < j1; ++j) {
+                const uint32_t u = order_key(r.s[j]);
+                m = u > m ? u : m;
+            }
+            k[i] = m;
+        }
+    }
+}
+
+// Exclusive prefix sum over the warp's lanes; returns the exclusive value, `total` = the sum.
+__device__ __forceinline__ uint32_t warp_exclusive(uint32_t v, int lane, uint32_t& total) {
+    uint32_t x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+        if (lane >= o) x += y;
+    }
+    total = __shfl_sync(0xFFFFFFFFu, x, 31);
+    return x - v;
+}
+
+// Finds, in a 256-bin histogram (warp 0), the bin b holding the `want`-th largest element:
+// count(bins > b) < want <= count(bins >= b). Writes b and count(bins > b).
+__device__ __forceinline__ void find_bin(const uint32_t* hist, uint32_t want, int lane, uint32_t* bin, uint32_t* above) {
+    // Lane l owns bins 255 - 8l - i (i = 0..7), i.e. lanes in descending bin order.
+    uint32_t cnt[8], local = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        cnt[i] = hist[255 - 8 * lane - i];
+        local += cnt[i];
+    }
+    uint32_t total;
+    uint32_t before = warp_exclusive(local, lane, total);
+    if (before < want && before + local >= want) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (before < want && before + cnt[i] >= want) {
+                *bin = 255 - 8 * lane - i;
+                *above = before;
+            }
+            before += cnt[i];
+        }
+    }
+}
+
+__global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS];
+    __shared__ uint32_t s_bin, s_above, s_total;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t t = blockIdx.x;
+    const int64_t N = p.num_cols;
+    int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
+    L = L < N ? L : N;
+    Row r;
+    r.s = reinterpret_cast<const uint16_t*>(p.scores) + t * p.score_row_stride;
+    r.L = L;
+    r.blocks = p.mode == DSV41_SELECT_BLOCKS;
+    r.block = p.block;
+    r.n = r.blocks ? (L + p.block - 1) / p.block : L;
+    r.pinned = r.blocks && L >= 1 ? (L - 1) / p.block : -1;
+    const uint32_t k = static_cast<uint32_t>(p.k);
+    int64_t* out = p.out + t * p.out_row_stride;
+
+    // Threshold: select key > thr, and the first `need` (in id order) of key == thr.
+    uint32_t thr = 0, need = 0xFFFFFFFFu;
+    if (r.n > static_cast<int64_t>(k)) {
+        // Pass 1: high byte.
+        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
+        __syncthreads();
+        for (int64_t e0 = 8LL * threadIdx.x; e0 < r.n; e0 += 8LL * THREADS) {
+            uint32_t kk[8];
+            load8(r, e0, kk);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (kk[i] != ABSENT) atomicAdd(&hist[kk[i] >> 8], 1u);
+        }
+        __syncthreads();
+        if (warp == 0) find_bin(hist, k, lane, &s_bin, &s_above);
+        __syncthreads();
+        const uint32_t b1 = s_bin, above1 = s_above;
+        __syncthreads();
+        // Pass 2: low byte within bin b1.
+        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
+        __syncthreads();
+        for (int64_t e0 = 8LL * threadIdx.x; e0 < r.n; e0 += 8LL * THREADS) {
+            uint32_t kk[8];
+            load8(r, e0, kk);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (kk[i] != ABSENT && (kk[i] >> 8) == b1) atomicAdd(&hist[kk[i] & 0xFF], 1u);
+            }
+        }
+        __syncthreads();
+        if (warp == 0) find_bin(hist, k - above1, lane, &s_bin, &s_above);
+        __syncthreads();
+        thr = (b1 << 8) | s_bin;
+        need = k - above1 - s_above;
+    }
+    if (r.blocks && thr <= NEG_INF_KEY) {
+        thr = NEG_INF_KEY;  // keep only blocks > -inf
+        need = 0;
+    }
+
+    // Pass 3a: per-warp counts over contiguous segments (multiples of 256 elements).
+    const int64_t seg = ((r.n + WARPS - 1) / WARPS + 255) / 256 * 256;
+    const int64_t w0 = warp * seg, w1 = (w0 + seg < r.n ? w0 + seg : r.n);
+    uint32_t gt = 0, eq = 0;
+    for (int64_t e0 = w0 + 8 * lane; e0 < w1; e0 += 256) {
+        uint32_t kk[8];
+        load8(r, e0, kk);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (kk[i] == ABSENT) continue;
+            gt += kk[i] > thr;
+            eq += kk[i] == thr;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
+        eq += __shfl_xor_sync(0xFFFFFFFFu, eq, o);
+    }
+    if (lane == 0) {
+        warp_gt[warp] = gt;
+        warp_eq[warp] = eq;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t pos = 0, rank = 0;
+        for (int w = 0; w < WARPS; ++w) {
+            warp_out[w] = pos;
+            warp_rank[w] = rank;
+            const uint32_t take_eq = need > rank ? (need - rank < warp_eq[w] ? need - rank : warp_eq[w]) : 0;
+            pos += warp_gt[w] + take_eq;
+            rank += warp_eq[w];
+        }
+        s_total = pos;
+    }
+    __syncthreads();
+
+    // Pass 3b: ordered compaction of the warp's segment.
+    uint32_t pos = warp_out[warp], rank = warp_rank[warp];
+    for (int64_t base = w0; base < w1; base += 256) {
+        const int64_t e0 = base + 8 * lane;
+        uint32_t kk[8];
+        if (e0 < w1) {
+            load8(r, e0, kk);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) kk[i] = ABSENT;
+        }
+        uint32_t eqm = 0, gtm = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (kk[i] == ABSENT) continue;
+            gtm |= static_cast<uint32_t>(kk[i] > thr) << i;
+            eqm |= static_cast<uint32_t>(kk[i] == thr) << i;
+        }
+        uint32_t eq_total;
+        const uint32_t eq_before = rank + warp_exclusive(__popc(eqm), lane, eq_total);
+        // Selected: all of gtm, and the eq elements whose rank among ties is < need.
+        uint32_t selm = gtm, er = eq_before;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if ((eqm >> i) & 1u) {
+                if (er < need) selm |= 1u << i;
+                ++er;
+            }
+        }
+        uint32_t sel_total;
+        uint32_t at = pos + warp_exclusive(__popc(selm), lane, sel_total);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if ((selm >> i) & 1u) out[at++] = e0 + i;
+        pos += sel_total;
+        rank += eq_total;
+    }
+    __syncthreads();
+    for (int64_t i = s_total + threadIdx.x; i < p.k; i += THREADS) out[i] = -1;
+}
+
+bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
+
+}  // namespace dsv41_sel
+
+extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t params_size, void* stream) {
+    using namespace dsv41_sel;
+    if (params_size != sizeof(Dsv41IndexerSelectParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->num_tokens < 0 || p->num_cols < 0 || p->k < 1 || p->score_row_stride < p->num_cols ||
+        p->score_row_stride % 8 || p->out_row_stride < p->k || p->start < 0 || (!p->visible && p->ratio < 1) ||
+        (p->mode != DSV41_SELECT_TOPK && p->mode != DSV41_SELECT_BLOCKS) ||
+        (p->mode == DSV41_SELECT_BLOCKS && p->block < 1))
+        return DSV41_ERR_SHAPE;
+    if (p->num_tokens == 0) return DSV41_OK;
+    if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
+    if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
+    indexer_select_kernel<<<p->num_tokens, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}

@@ -1,0 +1,386 @@
+//! GPU tests of the lightning-indexer kernels (`kernels/indexer_scores.cu`,
+//! `kernels/indexer_select.cu`) through `deepseek_v41::cuda::{masked_index_scores, index_topk,
+//! candidate_blocks, index_select}` against their CPU paths (the crate's reference
+//! `attention::indexer::{index_scores, top_k, candidate_blocks}`).
+//!
+//! Data: fresh random values (never zeros), queries and keys fake-quantized with Q3 like the
+//! model's (spec §2.3) unless stated; outputs' memory poisoned beforehand (NaN scores, i64
+//! 0x5a5a.. ids) so an unwritten element shows. Scores of fake-quantized data must match the
+//! CPU bit for bit (at most 1 in 1000 may differ by one bf16 ulp: the f32 order of the dot
+//! product); plain bf16 data within 1% of the row's largest |score|. Top-k and candidate blocks
+//! must be identical, including TIES: bf16 rows of 70K random values hold many equal scores, and
+//! rows drawn from a handful of values or all equal are tested on purpose; both sides use
+//! "descending score, ties → lower id", so the sets must agree exactly.
+//!
+//! These tests need a CUDA device and FAIL without one.
+//! Build: `cargo test --release --features cuda --test cuda_indexer`.
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use deepseek_v41::attention::indexer::{CandidateShape, Candidates};
+use deepseek_v41::cuda::{
+    candidate_blocks, index_select, index_select_with_scratch, index_topk, masked_index_scores, IndexKeys, KeySource,
+    PackedLayout, Visibility,
+};
+use deepseek_v41::quant::fake_quant::{fake_quant, QatFormat};
+use deepseek_v41::quant::packed::pack_row;
+use half::bf16;
+
+const D: usize = 128;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("tests/cuda_indexer.rs needs a CUDA device (none found)")
+}
+
+#[path = "support/rng.rs"]
+#[allow(dead_code)]
+mod rng;
+use rng::Rng;
+
+fn normal(rng: &mut Rng, shape: &[usize], amp: f32) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| amp * rng.normal()).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+/// Q3 fake-quantized random values `shape` (last dim 128), bf16 on the CPU.
+fn fq(rng: &mut Rng, shape: &[usize]) -> Result<Tensor> {
+    Ok(fake_quant(&normal(rng, shape, 1.0)?, QatFormat::Fp4Ue8m0B32)?.to_dtype(DType::BF16)?)
+}
+
+/// Head weights `[T, H]` f32 with bf16 values, both signs.
+fn weights(rng: &mut Rng, t: usize, h: usize) -> Result<Tensor> {
+    Ok(normal(rng, &[t, h], 0.05)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?)
+}
+
+/// A packed MXFP4 cache holding `keys` `[N, 128]` at slots 0..N (pages of `page_size`).
+fn pack(keys: &Tensor, page_size: usize, dev: &Device) -> Result<(Tensor, PackedLayout)> {
+    let layout = PackedLayout::new(QatFormat::Fp4Ue8m0B32, D, page_size)?;
+    let rows = keys.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let pages = rows.len().div_ceil(page_size).max(1);
+    let mut bytes = vec![0u8; pages * layout.page_bytes()];
+    for (s, row) in rows.iter().enumerate() {
+        let (data, scales) = pack_row(QatFormat::Fp4Ue8m0B32, row)?;
+        let base = (s / page_size) * layout.page_bytes();
+        let r = s % page_size;
+        bytes[base + r * 64..][..64].copy_from_slice(&data);
+        bytes[base + page_size * 64 + r * 4..][..4].copy_from_slice(&scales);
+    }
+    Ok((Tensor::from_vec(bytes, (pages, layout.page_bytes()), &Device::Cpu)?.to_device(dev)?, layout))
+}
+
+/// Allocates and frees poisoned buffers so fresh outputs likely reuse them.
+fn poison(dev: &Device, elems: usize) -> Result<()> {
+    let a = Tensor::full(f32::NAN, elems, dev)?.to_dtype(DType::BF16)?;
+    let b = Tensor::full(0x5a5a_5a5a_5a5a_5a5ai64, elems, dev)?;
+    let c = Tensor::full(f32::NAN, elems, dev)?;
+    dev.synchronize()?;
+    drop((a, b, c));
+    Ok(())
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u16>> {
+    Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()?.iter().map(|x| x.to_bits()).collect())
+}
+
+fn ulps(a: u16, b: u16) -> u32 {
+    let key = |x: u16| if x & 0x8000 != 0 { 0x8000 - (x & 0x7fff) as i32 } else { 0x8000 + x as i32 };
+    (key(a) - key(b)).unsigned_abs()
+}
+
+/// GPU scores equal to the CPU's: bit-exact except ≤ 1/1000 one-ulp differences.
+fn assert_scores_exact(what: &str, gpu: &Tensor, cpu: &Tensor) -> Result<()> {
+    ensure!(gpu.dims() == cpu.dims(), "{what}: shapes {:?} vs {:?}", gpu.shape(), cpu.shape());
+    let (g, c) = (bits(gpu)?, bits(cpu)?);
+    let mut off = 0usize;
+    for (i, (&a, &b)) in g.iter().zip(&c).enumerate() {
+        if a != b {
+            ensure!(ulps(a, b) <= 1, "{what}: element {i}: gpu {:#06x} cpu {:#06x}", a, b);
+            off += 1;
+        }
+    }
+    ensure!(off * 1000 <= g.len(), "{what}: {off} of {} scores differ by one ulp", g.len());
+    println!("{what}: {} scores, {off} one-ulp differences", g.len());
+    Ok(())
+}
+
+fn ids(t: &Tensor) -> Result<Vec<Vec<i64>>> {
+    Ok(t.to_device(&Device::Cpu)?.to_vec2::<i64>()?)
+}
+
+fn assert_ids_equal(what: &str, gpu: &Tensor, cpu: &Tensor) -> Result<()> {
+    ensure!(gpu.dims() == cpu.dims(), "{what}: shapes {:?} vs {:?}", gpu.shape(), cpu.shape());
+    for (t, (g, c)) in ids(gpu)?.iter().zip(ids(cpu)?).enumerate() {
+        ensure!(*g == c, "{what}: token {t}: gpu {:?}.. vs cpu {:?}..", &g[..g.len().min(16)], &c[..c.len().min(16)]);
+    }
+    Ok(())
+}
+
+#[test]
+fn scores_match_the_cpu_on_bf16_rows_with_visibility_edges() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(11);
+    for &(h, n) in &[(32usize, 1000usize), (2, 37), (20, 8), (17, 300)] {
+        let counts = [0u32, 1, n as u32, n as u32 + 9, (n / 2) as u32, 5];
+        let t = counts.len();
+        let (q, w, keys) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?, fq(&mut rng, &[n, D])?);
+        let vis_cpu = Tensor::new(&counts[..], &Device::Cpu)?;
+        let vis_gpu = vis_cpu.to_device(&dev)?;
+        let cpu_src = KeySource { keys: IndexKeys::Rows(&keys), base: None, entries: n, visibility: Visibility::Counts(&vis_cpu) };
+        let want = masked_index_scores(&q, &w, &cpu_src, None)?;
+        let (qg, wg, kg) = (q.to_device(&dev)?, w.to_device(&dev)?, keys.to_device(&dev)?);
+        poison(&dev, t * n)?;
+        let gsrc = KeySource { keys: IndexKeys::Rows(&kg), base: None, entries: n, visibility: Visibility::Counts(&vis_gpu) };
+        let got = masked_index_scores(&qg, &wg, &gsrc, None)?;
+        assert_scores_exact(&format!("H{h} N{n} counts"), &got, &want)?;
+        // Visible 0 → all −inf; visible N → no −inf.
+        let g = bits(&got)?;
+        ensure!(g[..n].iter().all(|&b| b == 0xff80), "visible 0 must give -inf");
+        ensure!(g[2 * n..3 * n].iter().all(|&b| b != 0xff80), "visible N must give finite scores");
+        // The causal rule (one sequence at start 7, ratio 2) against the CPU.
+        let causal = Visibility::Causal { start: 2 * n - 4, ratio: 2 };
+        let want = masked_index_scores(&q, &w, &KeySource { visibility: causal, ..cpu_src }, None)?;
+        let got = masked_index_scores(&qg, &wg, &KeySource { visibility: causal, ..gsrc }, None)?;
+        assert_scores_exact(&format!("H{h} N{n} causal"), &got, &want)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn scores_of_plain_bf16_data_are_close() -> Result<()> {
+    // Not fake-quantized: the dot products' f32 order differs, a few bf16 roundings flip.
+    let dev = gpu();
+    let mut rng = Rng(12);
+    let (t, h, n) = (4, 32, 777);
+    let q = normal(&mut rng, &[t, h, D], 1.0)?.to_dtype(DType::BF16)?;
+    let keys = normal(&mut rng, &[n, D], 1.0)?.to_dtype(DType::BF16)?;
+    let w = weights(&mut rng, t, h)?;
+    let want = masked_index_scores(&q, &w, &KeySource::sequence(IndexKeys::Rows(&keys), 10_000, 1)?, None)?;
+    let kg = keys.to_device(&dev)?;
+    let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &KeySource::sequence(IndexKeys::Rows(&kg), 10_000, 1)?, None)?;
+    let (g, c) = (got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2::<f32>()?, want.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+    let (mut exact, mut total) = (0, 0);
+    for (gr, cr) in g.iter().zip(&c) {
+        let scale = cr.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (a, b) in gr.iter().zip(cr) {
+            ensure!((a - b).abs() <= 0.01 * scale, "plain scores: gpu {a} cpu {b} (row max {scale})");
+            exact += (a == b) as usize;
+            total += 1;
+        }
+    }
+    ensure!(exact * 10 >= total * 9, "plain scores: only {exact} of {total} exact");
+    Ok(())
+}
+
+#[test]
+fn packed_keys_score_like_bf16_rows_with_per_query_bases() -> Result<()> {
+    // Batched decode: each query has its own keys in one shared packed cache (slots base[t]..).
+    let dev = gpu();
+    let mut rng = Rng(13);
+    let (h, n, page) = (32, 300, 64);
+    let bases = [0u32, 300, 600, 905, 1210];
+    let counts = [300u32, 299, 1, 0, 290];
+    let t = bases.len();
+    let rows = 1210 + 300 - 10; // the last query's rows end 10 short of N: those are invisible
+    let (q, w, keys) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?, fq(&mut rng, &[rows, D])?);
+    let (cache, layout) = pack(&keys, page, &dev)?;
+    let (base_c, vis_c) = (Tensor::new(&bases[..], &Device::Cpu)?, Tensor::new(&counts[..], &Device::Cpu)?);
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let cpu_src = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: n, visibility: Visibility::Counts(&vis_c) };
+    let want = masked_index_scores(&q, &w, &cpu_src, None)?;
+    let (qg, wg, kg) = (q.to_device(&dev)?, w.to_device(&dev)?, keys.to_device(&dev)?);
+    poison(&dev, t * n)?;
+    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+    let got_packed = masked_index_scores(&qg, &wg, &packed, None)?;
+    assert_scores_exact("packed keys", &got_packed, &want)?;
+    let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
+    let got_rows = masked_index_scores(&qg, &wg, &rows_src, None)?;
+    ensure!(bits(&got_rows)? == bits(&got_packed)?, "packed and bf16 keys must score identically on the GPU");
+    // The CPU path reads packed keys through the layout's unpack: same reference.
+    let cache_cpu = cache.to_device(&Device::Cpu)?;
+    let cpu_packed = KeySource { keys: IndexKeys::Packed { cache: &cache_cpu, layout }, ..cpu_src };
+    ensure!(bits(&masked_index_scores(&q, &w, &cpu_packed, None)?)? == bits(&want)?, "CPU packed path");
+    Ok(())
+}
+
+#[test]
+fn candidate_masks_restrict_consumer_scores() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(14);
+    let (t, h, n, block, n_keep) = (6, 32, 203, 8, 7);
+    let (q, w, keys) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?, fq(&mut rng, &[n, D])?);
+    let n_blocks = n.div_ceil(block);
+    let mut kept = Vec::new();
+    for ti in 0..t {
+        let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(n_blocks) as i64).collect();
+        row.sort_unstable();
+        row.dedup();
+        if ti == 0 {
+            row.clear(); // nothing allowed
+        }
+        row.resize(n_keep, -1);
+        kept.extend(row);
+    }
+    let kept = Tensor::from_vec(kept, (t, n_keep), &Device::Cpu)?;
+    let c_cpu = Candidates { block, kept: kept.clone() };
+    let c_gpu = Candidates { block, kept: kept.to_device(&dev)? };
+    let want = masked_index_scores(&q, &w, &KeySource::sequence(IndexKeys::Rows(&keys), 2 * n - 3, 2)?, Some(&c_cpu))?;
+    let kg = keys.to_device(&dev)?;
+    poison(&dev, t * n)?;
+    let gsrc = KeySource::sequence(IndexKeys::Rows(&kg), 2 * n - 3, 2)?;
+    let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, Some(&c_gpu))?;
+    assert_scores_exact("candidate mask", &got, &want)?;
+    ensure!(bits(&got)?[..n].iter().all(|&b| b == 0xff80), "no kept block: all -inf");
+    Ok(())
+}
+
+/// Score rows `[T, N]` bf16 with many ties: random bf16 normals, a handful of values, all equal,
+/// −inf stretches.
+fn tie_rows(rng: &mut Rng, t: usize, n: usize) -> Result<Tensor> {
+    let mut v = Vec::with_capacity(t * n);
+    for ti in 0..t {
+        for j in 0..n {
+            let x = match ti % 4 {
+                0 => rng.normal(),
+                1 => [0.0, 0.5, -1.0, 2.0][rng.below(4)],
+                2 => 1.0,
+                _ => {
+                    if (j / 100) % 3 == 0 {
+                        f32::NEG_INFINITY
+                    } else {
+                        (rng.below(50) as f32 - 25.0) * 0.125
+                    }
+                }
+            };
+            v.push(bf16::from_f32(x));
+        }
+    }
+    Ok(Tensor::from_vec(v, (t, n), &Device::Cpu)?)
+}
+
+#[test]
+fn topk_matches_the_reference_with_ties_padding_and_short_rows() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(15);
+    for &(n, k) in &[(70_000usize, 512usize), (513, 512), (512, 512), (100, 512), (37, 4), (1, 4), (4000, 1)] {
+        let t = 8;
+        let scores = tie_rows(&mut rng, t, n)?;
+        let counts: Vec<u32> = (0..t as u32).map(|i| match i {
+            0 => n as u32,
+            1 => 0,
+            2 => 1,
+            3 => n as u32 + 5,
+            _ => rng.below(n + 1) as u32,
+        }).collect();
+        let vis_c = Tensor::new(counts.as_slice(), &Device::Cpu)?;
+        let want = index_topk(&scores, &Visibility::Counts(&vis_c), k)?;
+        let sg = scores.to_device(&dev)?;
+        let vis_g = vis_c.to_device(&dev)?;
+        poison(&dev, t * k)?;
+        let got = index_topk(&sg, &Visibility::Counts(&vis_g), k)?;
+        assert_ids_equal(&format!("top-k N{n} k{k}"), &got, &want)?;
+        // Causal rule too.
+        let causal = Visibility::Causal { start: n / 2, ratio: 1 };
+        assert_ids_equal(&format!("top-k N{n} k{k} causal"), &index_topk(&sg, &causal, k)?, &index_topk(&scores, &causal, k)?)?;
+        // Negative control: the top-k of the visible-0 row is all −1, of the visible-1 row [0, -1..].
+        let g = ids(&got)?;
+        ensure!(g[1].iter().all(|&i| i == -1), "visible 0: {:?}", &g[1][..4.min(k)]);
+        ensure!(g[2][0] == 0 && g[2][1..].iter().all(|&i| i == -1), "visible 1");
+    }
+    Ok(())
+}
+
+#[test]
+fn candidate_blocks_match_the_reference() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(16);
+    for &(n, block, n_keep) in &[(65_531usize, 8usize, 2048usize), (203, 8, 2048), (40, 2, 3), (4001, 8, 100), (9, 8, 1)] {
+        let t = 8;
+        let scores = tie_rows(&mut rng, t, n)?;
+        let counts: Vec<u32> = (0..t as u32).map(|i| match i {
+            0 => n as u32,
+            1 => 0,
+            2 => 1,
+            3 => n as u32 - 1, // newest block partial
+            _ => rng.below(n + 1) as u32,
+        }).collect();
+        let vis_c = Tensor::new(counts.as_slice(), &Device::Cpu)?;
+        let want = candidate_blocks(&scores, &Visibility::Counts(&vis_c), block, n_keep)?;
+        let sg = scores.to_device(&dev)?;
+        let vis_g = vis_c.to_device(&dev)?;
+        poison(&dev, t * n_keep)?;
+        let got = candidate_blocks(&sg, &Visibility::Counts(&vis_g), block, n_keep)?;
+        assert_ids_equal(&format!("blocks N{n} B{block} keep{n_keep}"), &got, &want)?;
+        let g = ids(&got)?;
+        ensure!(g[1].iter().all(|&b| b == -1), "visible 0 keeps nothing");
+        ensure!(g[2][0] == 0, "visible 1 pins block 0");
+        let pinned = ((counts[3] - 1) as usize / block) as i64;
+        ensure!(g[3].contains(&pinned), "the newest partial block {pinned} is pinned");
+    }
+    Ok(())
+}
+
+#[test]
+fn index_select_matches_the_reference_end_to_end() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(17);
+    // Prefill chunk of one sequence (Flash shapes, small N), candidate source then consumer,
+    // with a scratch small enough to force several query chunks.
+    let (t, h, n, k) = (40, 32, 3001, 512);
+    let start = 2 * n - t + 1;
+    let (q, w, keys) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?, fq(&mut rng, &[n, D])?);
+    let shape = CandidateShape { block: 8, n_keep: 64 };
+    let cpu_src = KeySource::sequence(IndexKeys::Rows(&keys), start, 2)?;
+    let want = index_select(&q, &w, &cpu_src, k, None, Some(shape))?;
+    let (qg, wg, kg) = (q.to_device(&dev)?, w.to_device(&dev)?, keys.to_device(&dev)?);
+    let gsrc = KeySource::sequence(IndexKeys::Rows(&kg), start, 2)?;
+    for scratch in [1usize << 28, 2 * 3008 * 7] {
+        poison(&dev, t * k)?;
+        let got = index_select_with_scratch(&qg, &wg, &gsrc, k, None, Some(shape), scratch)?;
+        assert_ids_equal(&format!("select topk (scratch {scratch})"), &got.topk, &want.topk)?;
+        let (gc, wc) = (got.candidates.as_ref().unwrap(), want.candidates.as_ref().unwrap());
+        assert_ids_equal("select candidate blocks", &gc.kept, &wc.kept)?;
+    }
+    // A consumer of those candidates (another layer's queries, same keys).
+    let (q2, w2) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?);
+    let wc = want.candidates.unwrap();
+    let want2 = index_select(&q2, &w2, &cpu_src, k, Some(&wc), None)?;
+    let gc = Candidates { block: wc.block, kept: wc.kept.to_device(&dev)? };
+    let got2 = index_select_with_scratch(&q2.to_device(&dev)?, &w2.to_device(&dev)?, &gsrc, k, Some(&gc), None, 2 * 3008 * 3)?;
+    assert_ids_equal("consumer topk", &got2.topk, &want2.topk)?;
+    ensure!(got2.candidates.is_none(), "a consumer publishes nothing");
+    // Batched decode over packed keys: each query its own keys.
+    let (b, nk) = (6, 700);
+    let keys = fq(&mut rng, &[b * nk, D])?;
+    let (cache, layout) = pack(&keys, 64, &dev)?;
+    let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
+    let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
+    let counts: Vec<u32> = vec![700, 513, 512, 100, 1, 0];
+    let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let want = index_select(&q, &w, &cpu, k, None, None)?;
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    poison(&dev, b * k)?;
+    let got = index_select(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, k, None, None)?;
+    assert_ids_equal("batched decode over packed keys", &got.topk, &want.topk)?;
+    let g = ids(&got.topk)?;
+    ensure!(g[3][..100] == (0..100).collect::<Vec<i64>>()[..] && g[3][100] == -1, "short context: every visible entry");
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_refused_with_clear_errors() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(18);
+    let (q, w) = (fq(&mut rng, &[2, 33, D])?.to_device(&dev)?, weights(&mut rng, 2, 33)?.to_device(&dev)?);
+    let keys = fq(&mut rng, &[10, D])?.to_device(&dev)?;
+    let err = index_select(&q, &w, &KeySource::sequence(IndexKeys::Rows(&keys), 0, 1)?, 4, None, None).unwrap_err();
+    ensure!(err.to_string().contains("index heads"), "{err}");
+    let q = q.narrow(1, 0, 32)?;
+    let w = w.narrow(1, 0, 32)?;
+    let src = KeySource { keys: IndexKeys::Rows(&keys), base: None, entries: 11, visibility: Visibility::Causal { start: 0, ratio: 1 } };
+    let err = index_select(&q, &w, &src, 4, None, None).unwrap_err();
+    ensure!(err.to_string().contains("11 entries"), "{err}");
+    Ok(())
+}
