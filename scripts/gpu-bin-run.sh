@@ -5,6 +5,7 @@
 #
 #   bash gpu-bin/run.sh            # tests, compute-sanitizer memcheck of the tests, benchmark
 #   SKIP_MEMCHECK=1 TEST_FILTER=name BENCH_ARGS="--quick" bash gpu-bin/run.sh
+#   ARGS_golden="tests/fixtures/v41-tiny --device cuda" bash gpu-bin/run.sh   # per-binary arguments
 #
 # Exit status: 0 when the tests (and memcheck, when it ran) passed; the bench never fails it.
 set -u
@@ -85,7 +86,9 @@ fi
 
 # 3. Benchmarks: $OUT/bench-<name>.log.
 for b in "${BENCHES[@]}"; do
-    with_timeout 240 "$WORK/$b" "${BENCH_ARGS_ARR[@]}" > "$OUT/bench-$b.log" 2>&1
+    args_var="ARGS_$b"                      # per-binary arguments, e.g. ARGS_golden="tests/fixtures/v41-tiny --device cuda"
+    if [[ -n "${!args_var-}" ]]; then read -r -a args <<< "${!args_var}"; else args=("${BENCH_ARGS_ARR[@]}"); fi
+    with_timeout 240 "$WORK/$b" "${args[@]}" > "$OUT/bench-$b.log" 2>&1
     say "bench $b: exit $?"
     cat "$OUT/bench-$b.log"
 done
