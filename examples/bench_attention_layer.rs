@@ -213,7 +213,7 @@ fn main() -> Result<()> {
     // ---- prefill
     println!("\n## prefill, one call from position 0");
     println!("| layer | tokens | ms | tokens/s | breakdown (ms): proj / inserts / selection / attention / output |\n|---|---|---|---|---|");
-    for (a, lens, name) in [(&wlayer, &args.prefill, "window-only"), (&layer, &args.prefill_compressed, "ratio-2 (host selection)")] {
+    for (a, lens, name) in [(&wlayer, &args.prefill, "window-only"), (&layer, &args.prefill_compressed, "ratio-2 (device selection)")] {
         for &tl in lens.iter() {
             let x = randn((tl, d), &dev)?;
             let mut best = f64::INFINITY;
