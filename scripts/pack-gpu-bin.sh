@@ -63,13 +63,13 @@ chmod +x "$DIR"/run.sh
 # compute-sanitizer for memcheck (the GPU image may not have one; the H200 image has
 # /usr/local/cuda-13.0/bin/compute-sanitizer, so PACK_SANITIZER=0 saves 14 MB of upload).
 WHEEL_REQ="nvidia-cuda-sanitizer-api==13.0.85"
+rm -f "$DIR"/nvidia_cuda_sanitizer_api-*.whl
 if [[ "${PACK_SANITIZER:-1}" == 1 ]]; then
 mkdir -p .cuda/wheels
 if ! ls .cuda/wheels/nvidia_cuda_sanitizer_api-13.0.85-*.whl >/dev/null 2>&1; then
     python3 -m pip download --no-deps --quiet --disable-pip-version-check -d .cuda/wheels "$WHEEL_REQ" \
         || echo "pack-gpu-bin: could not download $WHEEL_REQ; run.sh will look for a system compute-sanitizer"
 fi
-rm -f "$DIR"/nvidia_cuda_sanitizer_api-*.whl
 cp .cuda/wheels/nvidia_cuda_sanitizer_api-13.0.85-*.whl "$DIR"/ 2>/dev/null || true
 fi
 (cd "$DIR" && sha256sum ./*.xz ./*.whl 2>/dev/null) > "$DIR"/SHA256SUMS.packed || true
