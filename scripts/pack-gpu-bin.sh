@@ -7,7 +7,7 @@
 #
 #   scripts/pack-gpu-bin.sh          # then copy "$DIR"/ to the GPU machine: bash "$DIR"/run.sh
 #
-# Environment: PACK_TESTS / PACK_BENCHES (space-separated target names, default: all CUDA tests /
+# Environment: PACK_TESTS / PACK_BENCHES (space-separated target names, "" = none; unset: the CUDA tests /
 # benches below), PACK_DIR (output folder, default gpu-bin). The chosen names are written to
 # $PACK_DIR/TARGETS so run.sh runs exactly what was packed; run.sh's BENCH_ARGS / TEST_FILTER
 # pass arguments through.
@@ -20,8 +20,8 @@ NICE="nice -n 19"
 
 # Build and collect the executables' paths from cargo's JSON messages.
 msgs="$(mktemp)"
-read -r -a TESTS <<< "${PACK_TESTS:-cuda_insert cuda_sparse_attention}"
-read -r -a BENCHES <<< "${PACK_BENCHES:-bench_insert bench_sparse_attention}"
+read -r -a TESTS <<< "${PACK_TESTS-cuda_insert cuda_sparse_attention}"
+read -r -a BENCHES <<< "${PACK_BENCHES-bench_insert bench_sparse_attention}"
 DIR="${PACK_DIR:-gpu-bin}"
 : > "$msgs"
 ((${#TESTS[@]} == 0)) || $NICE cargo test --release --features cuda "${TESTS[@]/#/--test=}" --no-run --message-format=json >> "$msgs"
