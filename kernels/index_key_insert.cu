@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kInsertThreads) index_key_insert_kernel(const 
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set).
 template <Quant Q>
-__global__ void __launch_bounds__(kInsertThreads) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     row128_loop<Norm::Weighted>(p, [&](const Row128In& r, float (&x)[16], int, int j) {
         if constexpr (Q != Quant::None) {
             BlockScale b[4];

@@ -129,7 +129,7 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
 // [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
 // stores the row's 4 scale bytes as one word.
 template <Norm N>
-__global__ void __launch_bounds__(kInsertThreads) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
     uint16_t(*buf)[32] = staged[threadIdx.x / 32];
     row128_loop<N>(p, [&](const Row128In& r, float (&x)[16], int g, int j) {

@@ -33,6 +33,9 @@
 namespace dsv41 {
 
 constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) rotated)
+// Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
+// caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
+constexpr int kRow128BlocksPerSm = 4;
 
 // One row's inputs in a lane's registers (chunks as loaded).
 struct Row128In {
@@ -61,9 +64,9 @@ __device__ __forceinline__ void load_row128(const P& p, int64_t t, int j, Row128
 }
 
 // x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE (f32 holding bf16
-// values). `w`: the lane's norm weights in the same order (Norm::Weighted only).
+// values). `w`: the norm weights [128] in shared memory (Norm::Weighted only).
 template <Norm N>
-__device__ __forceinline__ void compute_row128(const Row128In& r, const float (&w)[16], float eps, float inv_dim,
+__device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim,
                                                float (&x)[16]) {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -92,11 +95,18 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float (&
         const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), 0.0f);
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(ms, 1.0f), eps));
         norm_divide(x, rr);
+        const int j = threadIdx.x & 7;
 #pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            float y = x[k];
-            if constexpr (N == Norm::Weighted) y = __fmul_rn(y, w[k]);
-            x[k] = round_bf16(y);
+        for (int m = 0; m < 4; ++m) {
+            float4 wv = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+            if constexpr (N == Norm::Weighted) wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
+            const float wm[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float y = x[4 * m + c];
+                if constexpr (N == Norm::Weighted) y = __fmul_rn(y, wm[c]);
+                x[4 * m + c] = round_bf16(y);
+            }
         }
     }
 #pragma unroll
@@ -132,14 +142,15 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kInsertWarps;
     int64_t set = static_cast<int64_t>(blockIdx.x) * kInsertWarps + threadIdx.x / 32;
+    // The norm weights, once per block, in shared memory (registers are the scarce resource).
+    __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
+    if constexpr (N == Norm::Weighted) {
+        if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+        __syncthreads();
+    }
     if (set >= sets) return;
     Row128In cur;
     load_row128(p, 4 * set + g, j, cur);
-    float w[16];
-    if constexpr (N == Norm::Weighted) {
-#pragma unroll
-        for (int k = 0; k < 16; ++k) w[k] = ld_nc_f32(p.norm_weight + 32 * (k / 4) + 4 * j + k % 4);
-    }
     for (;;) {
         const int64_t next = set + stride;
         Row128In nxt;
