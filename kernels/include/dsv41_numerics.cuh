@@ -195,15 +195,15 @@ DSV41_HD uint8_t e4m3_code_sat(float y) {
 
 // e2m1 code of round_e2m1_sat(y) (= e2m1_code(clamp(y, +-6)); NaN -> 7 | sign), from the bits:
 // 1.0 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7 by the RNE carry; below 1, 2^22 + |y|
-// (ulp 0.5) holds 0, 1 or 2 in its low bits.
-DSV41_HD uint8_t e2m1_code_sat(float y) {
-    const uint32_t uy = f2u(y);
+// (ulp 0.5) holds 0, 1 or 2 in its low bits. The sign bit is taken from `sign_of`.
+DSV41_HD uint8_t e2m1_code_sat_signed(float y, float sign_of) {
     const float a = fminf(fabsf(y), kE2m1Max);  // NaN -> 6
     const uint32_t ua = f2u(a);
     const uint32_t normal = ((ua + 0x1fffffu + ((ua >> 22) & 1u)) >> 22) - 252u;  // 1.0 = 254 << 22
     const uint32_t sub = f2u(add_rn(a, 4194304.0f)) - 0x4a800000u;               // bits of 2^22
-    return static_cast<uint8_t>(((uy >> 28) & 0x8u) | (ua >= 0x3f800000u ? normal : sub));
+    return static_cast<uint8_t>(((f2u(sign_of) >> 28) & 0x8u) | (ua >= 0x3f800000u ? normal : sub));
 }
+DSV41_HD uint8_t e2m1_code_sat(float y) { return e2m1_code_sat_signed(y, y); }
 
 // The QAT formats of spec §2.3 (values equal enum Dsv41Quant).
 enum class Quant : int { None = 0, Fp8Ue8m0B32 = 1, Fp4E4m3B16 = 2, Fp4Ue8m0B32 = 3 };
@@ -320,6 +320,13 @@ template <> struct QuantTraits<Quant::Fp4E4m3B16> {
     DSV41_HD static float round(float y) { return round_e2m1_sat(y); }
     DSV41_HD static uint8_t code(float y) { return e2m1_code_sat(y); }
     DSV41_HD static uint8_t scale_code(float s) { return e4m3_code_sat(s); }  // s: an e4m3 value
+    // The code of x / s without quotient()'s sign and non-finite fix-ups: s > 0, so the code's
+    // sign is x's; a non-finite product x * (1/s) makes the residual step NaN, whose magnitude
+    // code (7) is that of the saturated +-inf quotient.
+    DSV41_HD static uint8_t code_of(float x, BlockScale b) {
+        const float q = mul_rn(x, b.inv);
+        return e2m1_code_sat_signed(fma_rn(fma_rn(-q, b.s, x), b.inv, q), x);
+    }
 };
 template <> struct QuantTraits<Quant::Fp4Ue8m0B32> {
     static constexpr int kBlock = 32;
@@ -350,7 +357,8 @@ template <Quant Q> DSV41_HD float fake_quant_element(float x, float s) {
 
 // The element's code (e4m3 byte or e2m1 nibble) in the packed formats.
 template <Quant Q> DSV41_HD uint8_t quant_code(float x, BlockScale b) {
-    return QuantTraits<Q>::code(QuantTraits<Q>::quotient(x, b));
+    if constexpr (Q == Quant::Fp4E4m3B16) return QuantTraits<Q>::code_of(x, b);
+    else return QuantTraits<Q>::code(QuantTraits<Q>::quotient(x, b));
 }
 
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).

@@ -135,32 +135,39 @@ __device__ __forceinline__ void q3_scales_row128(const float (&x)[16], BlockScal
 // The loop of a row-128 kernel: `finish(row, x, g, j)` runs for every row of the warp's sets
 // (rows past T included, with row.slot = -1: finish stores only when slot >= 0). All lanes of
 // the warp call finish together (it may use warp shuffles / __syncwarp).
+//
+// Block b handles the rounds of 8 consecutive sets starting at set 8 (b + k * gridDim.x), warp w
+// set 8 (...) + w of each; every branch of the loop depends on the block and the parameters
+// only (a warp past the last set computes a clamped set with slot -1 instead of leaving), so
+// the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
+// (with a per-warp exit it wraps each one in a convergence check).
 template <Norm N, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
+    const int warp = threadIdx.x / 32;
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kInsertWarps;
-    int64_t set = static_cast<int64_t>(blockIdx.x) * kInsertWarps + threadIdx.x / 32;
+    const int64_t round_sets = static_cast<int64_t>(gridDim.x) * kInsertWarps;
+    int64_t base = static_cast<int64_t>(blockIdx.x) * kInsertWarps;
     // The norm weights, once per block, in shared memory (registers are the scarce resource).
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
     if constexpr (N == Norm::Weighted) {
         if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
         __syncthreads();
     }
-    if (set >= sets) return;
+    if (base >= sets) return;
     Row128In cur;
-    load_row128(p, 4 * set + g, j, cur);
+    load_row128(p, 4 * (base + warp) + g, j, cur);
     for (;;) {
-        const int64_t next = set + stride;
+        const int64_t next = base + round_sets;
         Row128In nxt;
-        if (next < sets) load_row128(p, 4 * next + g, j, nxt);  // warp-uniform
+        if (next < sets) load_row128(p, 4 * (next + warp) + g, j, nxt);
         float x[16];
         compute_row128<N>(cur, w, p.norm_eps, p.norm_inv_dim, x);
         finish(cur, x, g, j);
         if (next >= sets) break;
         cur = nxt;
-        set = next;
+        base = next;
     }
 }
 
