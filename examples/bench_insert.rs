@@ -348,26 +348,52 @@ fn main() -> Result<()> {
         bench.row("compressed packed B", case, pbytes, sets, fused, None)?;
         drop((caches, packed));
 
-        let bytes = (g * (4 * INDEX_DIM + 4 * ROPE_DIM + 8)) as f64;
-        let sets = bench.sets(bytes + (rows * 2 * INDEX_DIM) as f64);
-        let kcaches: Vec<Tensor> =
-            (0..sets).map(|_| Tensor::zeros((rows, INDEX_DIM), DType::BF16, &dev)).collect::<Result<_, _>>()?;
-        let k_pres: Vec<Tensor> = (0..sets).map(|_| random_bf16(&[g, INDEX_DIM], &dev)).collect::<Result<_>>()?;
-        let kindex = scatter_index(&slots, rows, INDEX_DIM, &dev)?;
-        let mut base =
-            || candle_insert(&kcaches[0], &k_pres[0], &cos, &sin, &kindex, QatFormat::Fp4Ue8m0B32, Some(&k_norm));
-        let fused = |i: usize| {
-            Ok(index_key_insert(&kcaches[i % sets], &k_pres[i % sets], &k_weight, 1e-20, &cos, &sin, &slots_t, true)?)
-        };
-        bench.row("index_key_insert Q3", case, bytes, sets, fused, Some(&mut base))?;
-        // The same keys into the packed format E (68 B per row, 64-key pages).
-        let layout = PackedLayout::new(QatFormat::Fp4Ue8m0B32, INDEX_DIM, 64)?;
-        let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), &dev)).collect::<Result<_, _>>()?;
-        let pbytes = (g * (2 * INDEX_DIM + layout.row_bytes() + 4 * ROPE_DIM + 8)) as f64;
-        let fused = |i: usize| {
-            Ok(packed_insert(&packed[i % sets], &layout, &k_pres[i % sets], &cos, &sin, &slots_t, Some((&k_weight, 1e-20)))?)
-        };
-        bench.row("index_key packed E", case, pbytes, sets, fused, None)?;
+        index_key_rows(&bench, case, &cos, &sin, &slots, rows, &k_norm, &k_weight, &dev)?;
     }
+    // A ratio-1 source's keys: a 64K-token prefill writes G = 65536 keys.
+    if bench.args.max_prefill >= 65536 {
+        let g = 65536;
+        let (cos, sin) = cos_sin(&yarn, &(0..g).collect::<Vec<_>>(), &dev)?;
+        let slots: Vec<i64> = (0..g as i64).collect();
+        index_key_rows(&bench, "ratio 1 G=65536", &cos, &sin, &slots, g, &k_norm, &k_weight, &dev)?;
+    }
+    Ok(())
+}
+
+/// index_key_insert (Q3 bf16 rows) and the packed format E for keys `slots` of a cache of `rows`.
+#[allow(clippy::too_many_arguments)]
+fn index_key_rows(
+    bench: &Bench,
+    case: &str,
+    cos: &Tensor,
+    sin: &Tensor,
+    slots: &[i64],
+    rows: usize,
+    k_norm: &RmsNorm,
+    k_weight: &Tensor,
+    dev: &Device,
+) -> Result<()> {
+    let g = slots.len();
+    let slots_t = Tensor::from_vec(slots.to_vec(), g, dev)?;
+    let bytes = (g * (4 * INDEX_DIM + 4 * ROPE_DIM + 8)) as f64;
+    let sets = bench.sets(bytes + (rows * 2 * INDEX_DIM) as f64);
+    let kcaches: Vec<Tensor> =
+        (0..sets).map(|_| Tensor::zeros((rows, INDEX_DIM), DType::BF16, dev)).collect::<Result<_, _>>()?;
+    let k_pres: Vec<Tensor> = (0..sets).map(|_| random_bf16(&[g, INDEX_DIM], dev)).collect::<Result<_>>()?;
+    let kindex = scatter_index(slots, rows, INDEX_DIM, dev)?;
+    let mut base =
+        || candle_insert(&kcaches[0], &k_pres[0], cos, sin, &kindex, QatFormat::Fp4Ue8m0B32, Some(k_norm));
+    let fused = |i: usize| {
+        Ok(index_key_insert(&kcaches[i % sets], &k_pres[i % sets], k_weight, 1e-20, cos, sin, &slots_t, true)?)
+    };
+    bench.row("index_key_insert Q3", case, bytes, sets, fused, Some(&mut base))?;
+    // The same keys into the packed format E (68 B per row, 64-key pages).
+    let layout = PackedLayout::new(QatFormat::Fp4Ue8m0B32, INDEX_DIM, 64)?;
+    let packed: Vec<Tensor> = (0..sets).map(|_| layout.zeros(rows.div_ceil(64), dev)).collect::<Result<_, _>>()?;
+    let pbytes = (g * (2 * INDEX_DIM + layout.row_bytes() + 4 * ROPE_DIM + 8)) as f64;
+    let fused = |i: usize| {
+        Ok(packed_insert(&packed[i % sets], &layout, &k_pres[i % sets], cos, sin, &slots_t, Some((k_weight, 1e-20)))?)
+    };
+    bench.row("index_key packed E", case, pbytes, sets, fused, None)?;
     Ok(())
 }

@@ -6,15 +6,17 @@
 // k_norm is the RMSNorm with its learned weight (eps 1e-20 in V4.1) and RoPE rotates the last R
 // dims (64..127 in V4.1) with the angles of the group's first position j*r.
 //
-// Design: one warp per key, ROWS keys per warp with their loads issued first (dsv41_row.cuh);
+// Design: for the V4.1 shape (D = 128, R = 64) a quarter warp per key, a persistent grid whose
+// warps prefetch their next 4 keys while computing the current ones (dsv41_row128.cuh). Other
+// shapes: one warp per key, ROWS keys per warp with their loads issued first (dsv41_row.cuh);
 // the norm's sum of squares is staged through D floats of shared memory per warp so that the
-// reduction order equals candle's CPU order.
+// reduction order equals candle's CPU order. Both compute the same operations in the same order.
 //
 // Numerics: norm in f32 exactly as the crate's nn::RmsNorm on the CPU (x / sqrt(mean(x^2) + eps)
 // * w, candle's AVX2 summation order), rounded to bf16; RoPE in f32, rounded to bf16; Q3
 // (quant::fake_quant::QatFormat::Fp4Ue8m0B32) per block of 32: amax floored to 6*2^-126,
 // s = 2^ceil(log2(amax/6)), q = e2m1 (ties to even code) of clamp(x/s, +-6), value q*s.
-#include "include/dsv41_row.cuh"
+#include "include/dsv41_row128.cuh"
 
 namespace dsv41 {
 
@@ -31,6 +33,38 @@ __global__ void __launch_bounds__(kInsertThreads) index_key_insert_kernel(const 
     });
 }
 
+// The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
+// and row set).
+template <Quant Q>
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
+    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, float (&x)[16], int, int j) {
+        if constexpr (Q != Quant::None) {
+            BlockScale b[4];
+            q3_scales_row128(x, b);
+#pragma unroll
+            for (int k = 0; k < 16; ++k) x[k] = fake_quant_element<Q>(x[k], b[k / 4]);
+        }
+        if (r.slot >= 0) {
+            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                uint2 v;
+                __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+                h[0] = __floats2bfloat162_rn(x[4 * m], x[4 * m + 1]);
+                h[1] = __floats2bfloat162_rn(x[4 * m + 2], x[4 * m + 3]);
+                *reinterpret_cast<uint2*>(dst + 32 * m) = v;
+            }
+        }
+    });
+}
+
+template <Quant Q>
+int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
+}
+
 }  // namespace dsv41
 
 // ------------------------------------------------------------------------------------ launcher
@@ -41,6 +75,8 @@ extern "C" int dsv41_index_key_insert(const Dsv41RowInsertParams* p, size_t para
     if (status != DSV41_OK || p->num_tokens == 0) return status;
     if ((p->quant != DSV41_QUANT_FP4_UE8M0_B32 && p->quant != DSV41_QUANT_NONE) || !p->apply_norm) return DSV41_ERR_QUANT;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (row128_applies(*p))
+        return p->quant == DSV41_QUANT_NONE ? launch_row128<Quant::None>(*p, s) : launch_row128<Quant::Fp4Ue8m0B32>(*p, s);
     return with_head_dim(p->head_dim, [&](auto d) -> int {
         constexpr int D = decltype(d)::value;
         return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {

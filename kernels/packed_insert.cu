@@ -13,13 +13,19 @@
 // D/32 contiguous elements with its block's scale (amax by xor shuffles across the block's
 // lanes), writes its codes with one vector store (D/32 bytes of e4m3, or D/64 bytes of e2m1
 // pairs, even element in the low nibble) and the first lane of each block writes the block's
-// scale byte (ue8m0 = exponent + 127, or the e4m3 code of the Q2 scale).
+// scale byte (ue8m0 = exponent + 127, or the e4m3 code of the Q2 scale). Format A's e4m3 codes
+// come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
+// lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
+// quarter-warp-per-row path of dsv41_row128.cuh with codes staged in shared memory and written
+// as 8-byte vectors (64 contiguous bytes per row) and the 4 scale bytes as one word.
 //
 // Numerics: identical to quant::packed::pack_row applied to the CPU reference rows (IEEE x/s,
-// clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code).
+// clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code). The host
+// check kernels/check/quant_exhaustive.cu compares the e4m3 bit path with CUDA's emulation of
+// the hardware conversion for every bf16 value at every Q1 scale.
 #include <string.h>
 
-#include "include/dsv41_row.cuh"
+#include "include/dsv41_row128.cuh"
 
 namespace dsv41 {
 
@@ -28,6 +34,14 @@ template <> struct ByteVec<2> { using T = uint16_t; };
 template <> struct ByteVec<4> { using T = uint32_t; };
 template <> struct ByteVec<8> { using T = uint2; };
 template <> struct ByteVec<16> { using T = uint4; };
+
+// The e4m3 bytes of lo (low byte) and hi: cvt.rn.satfinite.e4m3x2.f32 (sm_89+), round to
+// nearest even, magnitudes above 448 (and inf) saturated to 448.
+__device__ __forceinline__ uint32_t e4m3x2_rn_sat(float lo, float hi) {
+    uint16_t v;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(v) : "f"(hi), "f"(lo));
+    return v;
+}
 
 // Stores N bytes at an N-byte aligned address with one access.
 template <int N>
@@ -50,18 +64,98 @@ __device__ __forceinline__ void pack_row(const float (&x)[D / 32], int lane, boo
     constexpr int B = QuantTraits<Q>::kBlock;
     constexpr bool kFp4 = Q != Quant::Fp8Ue8m0B32;
     const BlockScale b = block_scale<D, Q>(x);
-    uint8_t codes[EPL];
+    if constexpr (Q == Quant::Fp8Ue8m0B32 && EPL >= 4) {
+        // e4m3 codes by the hardware conversion (RNE, saturating to 448: e4m3_code_sat for
+        // every non-NaN quotient), two per instruction, assembled into words; a lane holding a
+        // NaN quotient (seen in the sum) takes the bit path, which keeps the NaN's sign.
+        float y[EPL];
+        float acc = 0.0f;
 #pragma unroll
-    for (int k = 0; k < EPL; ++k) codes[k] = quant_code<Q>(x[k], b);
-    if constexpr (kFp4) {
-        uint8_t pairs[EPL / 2];
+        for (int k = 0; k < EPL; ++k) {
+            y[k] = QuantTraits<Q>::quotient(x[k], b);
+            acc = __fadd_rn(acc, y[k]);
+        }
+        uint32_t words[EPL / 4];
+        if (acc == acc) {
 #pragma unroll
-        for (int k = 0; k < EPL / 2; ++k) pairs[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
-        if (write) store_bytes<EPL / 2>(data + lane * (EPL / 2), pairs);
+            for (int q = 0; q < EPL / 4; ++q)
+                words[q] = e4m3x2_rn_sat(y[4 * q], y[4 * q + 1]) | (e4m3x2_rn_sat(y[4 * q + 2], y[4 * q + 3]) << 16);
+        } else {
+#pragma unroll
+            for (int q = 0; q < EPL / 4; ++q) {
+                words[q] = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) words[q] |= static_cast<uint32_t>(QuantTraits<Q>::code(y[4 * q + k])) << (8 * k);
+            }
+        }
+        if (write) {
+            typename ByteVec<EPL>::T v;
+            memcpy(&v, words, EPL);
+            *reinterpret_cast<typename ByteVec<EPL>::T*>(data + lane * EPL) = v;
+            if ((lane * EPL) % B == 0) scales[lane * EPL / B] = QuantTraits<Q>::scale_code(b.s);
+        }
     } else {
-        if (write) store_bytes<EPL>(data + lane * EPL, codes);
+        uint8_t codes[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) codes[k] = quant_code<Q>(x[k], b);
+        if constexpr (kFp4) {
+            uint8_t pairs[EPL / 2];
+#pragma unroll
+            for (int k = 0; k < EPL / 2; ++k) pairs[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
+            if (write) store_bytes<EPL / 2>(data + lane * (EPL / 2), pairs);
+        } else {
+            if (write) store_bytes<EPL>(data + lane * EPL, codes);
+        }
+        if (write && (lane * EPL) % B == 0) scales[lane * EPL / B] = QuantTraits<Q>::scale_code(b.s);
     }
-    if (write && (lane * EPL) % B == 0) scales[lane * EPL / B] = QuantTraits<Q>::scale_code(b.s);
+}
+
+// Page and row of a slot (32-bit division when the slot fits, which it does in practice).
+__device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_t& page, int64_t& row) {
+    if (slot <= 0x7fffffff) {
+        const uint32_t s = static_cast<uint32_t>(slot), ps = static_cast<uint32_t>(page_size);
+        const uint32_t q = s / ps;
+        page = q;
+        row = s - q * ps;
+    } else {
+        page = slot / page_size;
+        row = slot % page_size;
+    }
+}
+
+// Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
+// block = 256 threads. Lane j's codes of chunk m are bytes 16 m + 2 j and 16 m + 2 j + 1 of the
+// row; they are staged in shared memory (64 bytes per row) so that lane j then stores bytes
+// [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
+// stores the row's 4 scale bytes as one word.
+template <Norm N>
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
+    __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
+    uint16_t(*buf)[32] = staged[threadIdx.x / 32];
+    row128_loop<N>(p, [&](const Row128In& r, float (&x)[16], int g, int j) {
+        constexpr Quant Q = Quant::Fp4Ue8m0B32;
+        BlockScale b[4];
+        q3_scales_row128(x, b);
+        uint32_t scales = 0;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            uint32_t c[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) c[k] = quant_code<Q>(x[4 * m + k], b[m]);
+            buf[g][8 * m + j] = static_cast<uint16_t>(c[0] | (c[1] << 4) | (c[2] << 8) | (c[3] << 12));
+            scales |= static_cast<uint32_t>(QuantTraits<Q>::scale_code(b[m].s)) << (8 * m);
+        }
+        __syncwarp();
+        const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
+        if (r.slot >= 0) {
+            int64_t page, row;
+            page_and_row(r.slot, p.page_size, page, row);
+            uint8_t* base = p.cache + page * p.page_stride;
+            *reinterpret_cast<uint2*>(base + row * 64 + 8 * j) = v;
+            if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
+        }
+        __syncwarp();  // buf is reused by the next row set
+    });
 }
 
 // grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each).
@@ -128,7 +222,21 @@ extern "C" int dsv41_packed_insert(const Dsv41PackedInsertParams* p, size_t para
         switch (p->quant) {
             case DSV41_QUANT_FP8_UE8M0_B32: return launch_packed<D, Quant::Fp8Ue8m0B32>(p, s);
             case DSV41_QUANT_FP4_E4M3_B16: return launch_packed<D, Quant::Fp4E4m3B16>(p, s);
-            default: return launch_packed<D, Quant::Fp4Ue8m0B32>(p, s);
+            default:
+                if constexpr (D == 128) {
+                    if (row128_applies(*p)) {
+                        const int64_t sets = (static_cast<int64_t>(p->num_tokens) + 3) / 4;
+                        if (p->apply_norm) {
+                            packed_e_row128_kernel<Norm::Weighted>
+                                <<<row128_grid<packed_e_row128_kernel<Norm::Weighted>>(sets), kInsertThreads, 0, s>>>(*p);
+                        } else {
+                            packed_e_row128_kernel<Norm::None>
+                                <<<row128_grid<packed_e_row128_kernel<Norm::None>>(sets), kInsertThreads, 0, s>>>(*p);
+                        }
+                        return static_cast<int>(cudaGetLastError());
+                    }
+                }
+                return launch_packed<D, Quant::Fp4Ue8m0B32>(p, s);
         }
     });
 }

@@ -359,6 +359,21 @@ fn compressed_insert_ratio_1_and_tiny() -> Result<()> {
 // ---------------------------------------------------------------------------- index key insert
 
 fn check_index_keys(seed: u64, d: usize, eps: f64, g: usize, slots_n: usize) -> Result<()> {
+    check_index_keys_with(seed, d, 64, eps, g, slots_n, false)
+}
+
+/// `rope`: the rotated dims; `misaligned_cos`: the GPU cos/sin start 4 bytes past an 8-byte
+/// boundary (views into a larger buffer), which the D = 128 quarter-warp path cannot load as
+/// float2 (the launcher takes the one-warp path then).
+fn check_index_keys_with(
+    seed: u64,
+    d: usize,
+    rope: usize,
+    eps: f64,
+    g: usize,
+    slots_n: usize,
+    misaligned_cos: bool,
+) -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(seed);
     let k_pre = random_rows(&mut rng, g, d, &Device::Cpu)?;
@@ -371,9 +386,17 @@ fn check_index_keys(seed: u64, d: usize, eps: f64, g: usize, slots_n: usize) -> 
     }
     let slots: Vec<i64> = order[..g].iter().map(|&j| j as i64).collect();
     let pos: Vec<usize> = order[..g].iter().map(|&j| j * ratio).collect();
-    let (cos, sin) = cos_sin(&yarn_table(64)?, &pos)?;
+    let (cos, sin) = cos_sin(&yarn_table(rope)?, &pos)?;
     let slots_cpu = i64_tensor(&slots, &Device::Cpu)?;
-    let what = format!("index_key_insert d={d} eps={eps} G={g}");
+    let what = format!("index_key_insert d={d} R={rope} eps={eps} G={g} misaligned_cos={misaligned_cos}");
+    let on_gpu = |t: &Tensor| -> Result<Tensor> {
+        if !misaligned_cos {
+            return Ok(t.to_device(&dev)?);
+        }
+        let flat = Tensor::cat(&[&Tensor::zeros(1, DType::F32, &Device::Cpu)?, &t.flatten_all()?], 0)?.to_device(&dev)?;
+        Ok(flat.narrow(0, 1, t.elem_count())?.reshape(t.shape())?)
+    };
+    let (cos_gpu, sin_gpu) = (on_gpu(&cos)?, on_gpu(&sin)?);
     for fq in [true, false] {
         let cache_cpu = poisoned(slots_n, d, &Device::Cpu)?;
         index_key_insert(&cache_cpu, &k_pre, &weight, eps, &cos, &sin, &slots_cpu, fq)?;
@@ -383,8 +406,8 @@ fn check_index_keys(seed: u64, d: usize, eps: f64, g: usize, slots_n: usize) -> 
             &k_pre.to_device(&dev)?,
             &weight.to_device(&dev)?,
             eps,
-            &cos.to_device(&dev)?,
-            &sin.to_device(&dev)?,
+            &cos_gpu,
+            &sin_gpu,
             &slots_cpu.to_device(&dev)?,
             fq,
         )?;
@@ -532,7 +555,10 @@ fn check_packed(seed: u64, fmt: QatFormat, d: usize, page: usize, pages: usize, 
     let written = slots.iter().filter(|&&s| s >= 0).count();
     ensure!(poisoned_bytes >= (n - written) * layout.row_bytes(), "{what}: bytes of unwritten slots were changed");
 
-    // The packed rows are the bf16 inserts' rows (format E is always used with k_norm here).
+    // The packed rows are the bf16 inserts' rows (format E: the index-key insert, with k_norm).
+    if fmt == QatFormat::Fp4Ue8m0B32 && !norm {
+        return Ok(());
+    }
     let used: Vec<usize> = slots.iter().filter(|&&s| s >= 0).map(|&s| s as usize).collect();
     let unpacked = layout.unpack(&cache_gpu, &used)?;
     let bf16_cache = poisoned(n, d, &dev)?;
@@ -563,6 +589,52 @@ fn packed_compressed_rows_format_b() -> Result<()> {
 fn packed_index_rows_format_e() -> Result<()> {
     check_packed(53, QatFormat::Fp4Ue8m0B32, 128, 64, 3, 150, true)?; // 68 B rows with k_norm
     check_packed(54, QatFormat::Fp4Ue8m0B32, 128, 4, 2, 7, true)
+}
+
+#[test]
+fn index_key_and_format_e_paths() -> Result<()> {
+    // The one-warp-per-key path for shapes the quarter-warp path does not take.
+    check_index_keys_with(35, 128, 32, 1e-20, 100, 128, false)?; // R = 32
+    check_index_keys_with(36, 128, 64, 1e-20, 100, 128, true)?; // cos/sin not 8-byte aligned
+    // Prefill sizes: more row sets than the persistent grid has warps (each warp walks several).
+    check_index_keys(37, 128, 1e-20, 40000, 40960)?;
+    check_packed(58, QatFormat::Fp4Ue8m0B32, 128, 64, 700, 40000, true)?;
+    // Format E without the norm.
+    check_packed(59, QatFormat::Fp4Ue8m0B32, 128, 16, 8, 100, false)
+}
+
+/// Format A rows with NaN elements: lanes holding a NaN quotient take the bit path instead of
+/// the hardware conversion. Bytes must match the CPU except the sign bit of NaN codes (the
+/// NaN's sign differs by device). (No inf: an infinite block amax has no UE8M0 scale byte, and
+/// the CPU packer rejects it.)
+#[test]
+fn packed_format_a_with_nan_values() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(64);
+    let t = 300;
+    let positions: Vec<usize> = (0..t).map(|_| rng.below(1 << 16)).collect();
+    let (cos, sin) = cos_sin(&yarn_table(64)?, &positions)?;
+    let slots_cpu = i64_tensor(&(0..t as i64).collect::<Vec<_>>(), &Device::Cpu)?;
+    let layout = PackedLayout::new(QatFormat::Fp8Ue8m0B32, 512, 16)?;
+    let mut v = random_rows(&mut rng, t, 512, &Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    for r in 0..t {
+        for _ in 0..2 {
+            v[r * 512 + rng.below(512 - 64)] = f32::NAN;
+        }
+    }
+    let rows = Tensor::from_vec(v, (t, 512), &Device::Cpu)?.to_dtype(DType::BF16)?;
+    let cpu_cache = Tensor::full(0xABu8, (t.div_ceil(16), layout.page_bytes()), &Device::Cpu)?;
+    let gpu_cache = cpu_cache.to_device(&dev)?;
+    packed_insert(&cpu_cache, &layout, &rows, &cos, &sin, &slots_cpu, None)?;
+    let (c, s, sl) = (cos.to_device(&dev)?, sin.to_device(&dev)?, slots_cpu.to_device(&dev)?);
+    packed_insert(&gpu_cache, &layout, &rows.to_device(&dev)?, &c, &s, &sl, None)?;
+    let (g, cc) = (gpu_cache.flatten_all()?.to_vec1::<u8>()?, cpu_cache.flatten_all()?.to_vec1::<u8>()?);
+    let nan_code = |b: u8| b & 0x7f == 0x7f;
+    let diff: Vec<usize> =
+        (0..g.len()).filter(|&i| if nan_code(cc[i]) { !nan_code(g[i]) } else { g[i] != cc[i] }).take(8).collect();
+    ensure!(diff.is_empty(), "packed A with NaN: bytes differ at {diff:?}");
+    ensure!(cc.iter().filter(|&&b| b & 0x7f == 0x7f).count() >= t, "packed A with NaN: too few NaN codes");
+    Ok(())
 }
 
 // --------------------------------------------------------------------- large calls, specials

@@ -11,11 +11,21 @@
 // scales for every bf16 amax. The kernels' element inputs are always bf16 values (loaded rows,
 // or RoPE / norm outputs rounded to bf16), so this covers every case the kernels meet.
 //
-// Not part of the build (build.rs compiles kernels/*.cu only). Run on any host with nvcc:
+// It also checks the division-free block-scale functions against their division-based
+// definitions for every non-negative non-NaN f32 amax, the norm quotient x * RN(1/r) + one FMA
+// residual step against IEEE x / r (every bf16 x in a binade against every f32 r in a binade,
+// the base case of the scaling argument in dsv41_numerics.cuh, plus the ends of its range), and
+// the Q1 codes against CUDA's host emulation of the hardware e4m3 conversion the packed kernel
+// uses.
 //
-//   nvcc -std=c++17 -O2 -Xcompiler -ffp-contract=off -I kernels/include \
+// Not part of the build (build.rs compiles kernels/*.cu only). Run on any host with nvcc (a few
+// minutes; -mfma makes the host fmaf a single instruction, drop it on CPUs without FMA):
+//
+//   nvcc -std=c++17 -O2 -Xcompiler -ffp-contract=off -Xcompiler -mfma -I kernels/include \
 //        kernels/check/quant_exhaustive.cu -o /tmp/quant_exhaustive && /tmp/quant_exhaustive
 #include <stdio.h>
+
+#include <cuda_fp8.h>
 
 #include "dsv41_numerics.cuh"
 
@@ -47,7 +57,14 @@ template <Quant Q> static long check_scale(BlockScale b, const char* name) {
         const float want = round_def<Q>(y) * b.s;
         const float got = fake_quant_element<Q>(x, b);
         const uint8_t want_code = code_def<Q>(y), got_code = quant_code<Q>(x, b);
-        if (!same(want, got) || want_code != got_code) {
+        // Q1 codes: the kernels use the hardware e4m3 conversion (cvt.rn.satfinite.e4m3x2.f32)
+        // for non-NaN quotients; compare with CUDA's host emulation of that conversion.
+        bool hw_ok = true;
+        if constexpr (Q == Quant::Fp8Ue8m0B32) {
+            const float yq = QuantTraits<Q>::quotient(x, b);
+            if (!isnan(yq)) hw_ok = __nv_cvt_float_to_fp8(yq, __NV_SATFINITE, __NV_E4M3) == got_code;
+        }
+        if (!same(want, got) || want_code != got_code || !hw_ok) {
             if (bad < 5)
                 printf("%s: x=%a (0x%04x) s=%a: value %a vs %a, code %02x vs %02x\n", name, x, xb, b.s, got, want,
                        got_code, want_code);
@@ -104,8 +121,68 @@ static long check_q2() {
     return bad;
 }
 
+// The division-free scale functions against their division-based definitions (`scale_def`)
+// for EVERY non-negative, non-NaN f32 amax bit pattern (zero, subnormals, normals, +inf): equal
+// scale and reciprocal, and for Q2 equal scale code. (A block's amax is never NaN on the device:
+// it is an fmaxf fold from 0, and the device fmaxf drops NaN operands.)
+template <Quant Q> static long check_scale_fn(const char* name) {
+    long bad = 0;
+    for (uint32_t ab = 0; ab <= 0x7f800000u; ++ab) {
+        const float a = u2f(ab);
+        const BlockScale got = QuantTraits<Q>::scale(a), want = QuantTraits<Q>::scale_def(a);
+        bool ok = f2u(got.s) == f2u(want.s) && f2u(got.inv) == f2u(want.inv);
+        if constexpr (Q == Quant::Fp4E4m3B16) ok = ok && QuantTraits<Q>::scale_code(got.s) == e4m3_code(want.s);
+        if (!ok) {
+            if (bad < 5) printf("%s scale: amax %a (0x%08x): %a vs %a\n", name, a, ab, got.s, want.s);
+            ++bad;
+        }
+    }
+    printf("%s: scale function on all 0x7f800001 non-negative non-NaN amax patterns: %ld mismatches\n", name, bad);
+    return bad;
+}
+
+// The norm quotient div_by_rcp(x, r, RN(1/r)) against IEEE x / r: every bf16 x of magnitude in
+// [2^i, 2^(i+1)) against every f32 r in [2^j, 2^(j+1)). (0, 0) is the base case the scaling
+// argument of dsv41_numerics.cuh extends; the others are spot checks at the ends of the fast
+// path's range (|x| >= 2^-64, r in [2^-60, 2^60)).
+static long check_norm_div(int i, int j, bool both_signs) {
+    long bad = 0, n = 0;
+    const float sx = pow2(i), sr = pow2(j);
+    for (uint32_t rb = 0x3f800000u; rb < 0x40000000u; ++rb) {
+        const float r = mul_rn(u2f(rb), sr);
+        if (!norm_div_row_ok(r)) {
+            printf("norm div: r = %a fails the row test\n", r);
+            return 1;
+        }
+        const float y = rcp_rn(r);
+        for (uint32_t xb = 0x3f80; xb < 0x4000; ++xb) {
+            for (int sign = 0; sign < (both_signs ? 2 : 1); ++sign) {
+                const float x = mul_rn(bf16_bits_to_f32(xb | (sign ? 0x8000u : 0u)), sx);
+                if (!norm_div_x_ok(fabsf(x))) {
+                    printf("norm div: x = %a fails the lane test\n", x);
+                    return 1;
+                }
+                const float got = div_by_rcp(x, r, y), want = div_rn(x, r);
+                ++n;
+                if (f2u(got) != f2u(want)) {
+                    if (bad < 5) printf("norm div: x=%a r=%a: %a vs %a\n", x, r, got, want);
+                    ++bad;
+                }
+            }
+        }
+    }
+    printf("norm div x in [2^%d, 2^%d), r in [2^%d, 2^%d): %ld cases, %ld mismatches\n", i, i + 1, j, j + 1, n, bad);
+    return bad;
+}
+
 int main() {
-    long bad = check_pow2<Quant::Fp8Ue8m0B32>(-22, "Q1 fp8 ue8m0 b32");
+    long bad = check_scale_fn<Quant::Fp8Ue8m0B32>("Q1");
+    bad += check_scale_fn<Quant::Fp4E4m3B16>("Q2");
+    bad += check_scale_fn<Quant::Fp4Ue8m0B32>("Q3");
+    bad += check_norm_div(0, 0, true);
+    const int ends[][2] = {{-64, 59}, {-64, -60}, {63, -60}, {63, 59}, {-20, 33}};
+    for (const auto& e : ends) bad += check_norm_div(e[0], e[1], false);
+    bad += check_pow2<Quant::Fp8Ue8m0B32>(-22, "Q1 fp8 ue8m0 b32");
     bad += check_q2();
     bad += check_pow2<Quant::Fp4Ue8m0B32>(-126, "Q3 fp4 ue8m0 b32");
     printf("%s\n", bad == 0 ? "all equal" : "MISMATCHES");

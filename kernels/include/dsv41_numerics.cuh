@@ -195,15 +195,15 @@ DSV41_HD uint8_t e4m3_code_sat(float y) {
 
 // e2m1 code of round_e2m1_sat(y) (= e2m1_code(clamp(y, +-6)); NaN -> 7 | sign), from the bits:
 // 1.0 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7 by the RNE carry; below 1, 2^22 + |y|
-// (ulp 0.5) holds 0, 1 or 2 in its low bits.
-DSV41_HD uint8_t e2m1_code_sat(float y) {
-    const uint32_t uy = f2u(y);
+// (ulp 0.5) holds 0, 1 or 2 in its low bits. The sign bit is taken from `sign_of`.
+DSV41_HD uint8_t e2m1_code_sat_signed(float y, float sign_of) {
     const float a = fminf(fabsf(y), kE2m1Max);  // NaN -> 6
     const uint32_t ua = f2u(a);
     const uint32_t normal = ((ua + 0x1fffffu + ((ua >> 22) & 1u)) >> 22) - 252u;  // 1.0 = 254 << 22
     const uint32_t sub = f2u(add_rn(a, 4194304.0f)) - 0x4a800000u;               // bits of 2^22
-    return static_cast<uint8_t>(((uy >> 28) & 0x8u) | (ua >= 0x3f800000u ? normal : sub));
+    return static_cast<uint8_t>(((f2u(sign_of) >> 28) & 0x8u) | (ua >= 0x3f800000u ? normal : sub));
 }
+DSV41_HD uint8_t e2m1_code_sat(float y) { return e2m1_code_sat_signed(y, y); }
 
 // The QAT formats of spec §2.3 (values equal enum Dsv41Quant).
 enum class Quant : int { None = 0, Fp8Ue8m0B32 = 1, Fp4E4m3B16 = 2, Fp4Ue8m0B32 = 3 };
@@ -213,6 +213,8 @@ enum class Quant : int { None = 0, Fp8Ue8m0B32 = 1, Fp4E4m3B16 = 2, Fp4Ue8m0B32 
 struct BlockScale {
     float s;
     float inv;
+    // Callers that keep only the scale value (kernels/act_quant.cu) read it through this.
+    DSV41_HD operator float() const { return s; }
 };
 
 // 2^k and its exact reciprocal for the k the UE8M0 scales produce, k in [-126, 128] (2^128 is
@@ -230,14 +232,65 @@ DSV41_HD int ceil_log2_normal(float v) {
     return static_cast<int>(bits >> 23) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
 }
 
+// ------------------------------------------------- division-free block scales and norm quotient
+//
+// The block scales divide the block's amax by the format's maximum; these forms give the same
+// results without a division (checked against the `scale_def` definitions for every
+// non-negative f32 amax, NaN patterns included, by kernels/check/quant_exhaustive.cu).
+
+// Q1: k = ceil(log2(RN(a / 448))) for a = max(amax, 1e-4) = M * 2^E (M in [1, 2)). With
+// 448 = 1.75 * 2^8: a / 448 <= 2^k  <=>  a <= 1.75 * 2^(k+8), so k = E - 8 + (M > 1.75); the
+// rounding never lands on 2^k from above (the nearest f32 above 1.75 * 2^e is more than half an
+// ulp of the quotient away). +inf gives 128 (the 2^128 = inf scale of the definition).
+DSV41_HD int q1_scale_exp(float amax) {
+    const uint32_t b = f2u(fmaxf(amax, 1e-4f));  // NaN -> 1e-4 like the definition's fmaxf
+    const int k = static_cast<int>(b >> 23) - 135 + ((b & 0x7fffffu) > 0x600000u ? 1 : 0);
+    return b >= 0x7f800000u ? 128 : k;
+}
+
+// Q3: the same with 6 = 1.5 * 2^2 and a = max(amax, 6 * 2^-126): k = E - 2 + (M > 1.5).
+DSV41_HD int q3_scale_exp(float amax) {
+    const uint32_t b = f2u(fmaxf(amax, 6.0f * 1.17549435e-38f));
+    const int k = static_cast<int>(b >> 23) - 129 + ((b & 0x7fffffu) > 0x400000u ? 1 : 0);
+    return b >= 0x7f800000u ? 128 : k;
+}
+
+// Q2: min(e4m3(RN(max(amax, 6 * 2^-9) / 6)), 448). The quotient is the product by RN(1/6)
+// corrected by one FMA residual step (correctly rounded for these normal operands), then
+// rounded to e4m3 on the bits (round_e4m3_sat saturates at 448).
+DSV41_HD float q2_scale_value(float amax) {
+    constexpr float kInv6 = 1.0f / 6.0f;  // RN(1/6)
+    const float a = fmaxf(amax, 0.01171875f);
+    const float q0 = mul_rn(a, kInv6);
+    const float q = fma_rn(fma_rn(-q0, 6.0f, a), kInv6, q0);
+    return round_e4m3_sat(a != u2f(0x7f800000u) ? q : a);  // +inf -> 448
+}
+
+// The RMSNorm quotient x / r without a division per element: y = RN(1/r) once per row, then
+// q = RN(x * y) and one FMA residual step, which is the correctly rounded x / r whenever every
+// intermediate is a normal float. That holds when r is in [2^-60, 2^60) (`norm_div_row_ok`,
+// one test per row) and |x| >= 2^-64 (`norm_div_x_ok` on the smallest |x| of a lane): then
+// |x / r| >= 2^-124, the residual x - q*r is exact (|x| >= 2^-102 suffices) and |x| < 2^64
+// (x^2 finite, else r = inf fails the row test) bounds |x / r| below 2^124. Scaling x and r by
+// powers of two scales every step exactly under those conditions, so the exhaustive check of
+// every bf16 x in [1, 2) against every f32 r in [1, 2) (plus scaled spot checks at the range
+// ends, kernels/check/quant_exhaustive.cu) covers all cases; anything else takes __fdiv_rn.
+DSV41_HD float div_by_rcp(float x, float r, float y) {
+    const float q = mul_rn(x, y);
+    return fma_rn(fma_rn(-q, r, x), y, q);
+}
+DSV41_HD bool norm_div_row_ok(float r) { return f2u(r) - 0x21800000u < 0x5d800000u - 0x21800000u; }
+DSV41_HD bool norm_div_x_ok(float min_abs_x) { return f2u(min_abs_x) >= 0x1f800000u && min_abs_x == min_abs_x; }
+
 template <Quant Q> struct QuantTraits;
 template <> struct QuantTraits<Quant::Fp8Ue8m0B32> {
     static constexpr int kBlock = 32;
     static constexpr float kElemMax = kE4m3Max;
     // s = 2^ceil(log2(max(amax, 1e-4) / 448)), k in [-22, 128]
-    DSV41_HD static BlockScale scale(float amax) {
+    DSV41_HD static BlockScale scale_def(float amax) {
         return pow2_scale(ceil_log2_normal(div_rn(fmaxf(amax, 1e-4f), kE4m3Max)));  // >= 2.2e-7
     }
+    DSV41_HD static BlockScale scale(float amax) { return pow2_scale(q1_scale_exp(amax)); }
     DSV41_HD static float quotient(float x, BlockScale b) { return mul_rn(x, b.inv); }
     DSV41_HD static float round(float y) { return round_e4m3_sat(y); }
     DSV41_HD static uint8_t code(float y) { return e4m3_code_sat(y); }
@@ -247,8 +300,12 @@ template <> struct QuantTraits<Quant::Fp4E4m3B16> {
     static constexpr int kBlock = 16;
     static constexpr float kElemMax = kE2m1Max;
     // s = min(e4m3(max(amax, 6 * 2^-9) / 6), 448): an e4m3 value in [2^-9, 448]
-    DSV41_HD static BlockScale scale(float amax) {
+    DSV41_HD static BlockScale scale_def(float amax) {
         const float s = fminf(round_e4m3(div_rn(fmaxf(amax, 0.01171875f), kE2m1Max)), kE4m3Max);
+        return {s, rcp_rn(s)};
+    }
+    DSV41_HD static BlockScale scale(float amax) {
+        const float s = q2_scale_value(amax);
         return {s, rcp_rn(s)};
     }
     // RN(x / s): the product by RN(1/s) is within an ulp of x / s; one residual step (exact by
@@ -262,15 +319,23 @@ template <> struct QuantTraits<Quant::Fp4E4m3B16> {
     }
     DSV41_HD static float round(float y) { return round_e2m1_sat(y); }
     DSV41_HD static uint8_t code(float y) { return e2m1_code_sat(y); }
-    DSV41_HD static uint8_t scale_code(float s) { return e4m3_code(s); }
+    DSV41_HD static uint8_t scale_code(float s) { return e4m3_code_sat(s); }  // s: an e4m3 value
+    // The code of x / s without quotient()'s sign and non-finite fix-ups: s > 0, so the code's
+    // sign is x's; a non-finite product x * (1/s) makes the residual step NaN, whose magnitude
+    // code (7) is that of the saturated +-inf quotient.
+    DSV41_HD static uint8_t code_of(float x, BlockScale b) {
+        const float q = mul_rn(x, b.inv);
+        return e2m1_code_sat_signed(fma_rn(fma_rn(-q, b.s, x), b.inv, q), x);
+    }
 };
 template <> struct QuantTraits<Quant::Fp4Ue8m0B32> {
     static constexpr int kBlock = 32;
     static constexpr float kElemMax = kE2m1Max;
     // s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6)), k in [-126, 128]
-    DSV41_HD static BlockScale scale(float amax) {
+    DSV41_HD static BlockScale scale_def(float amax) {
         return pow2_scale(ceil_log2_normal(div_rn(fmaxf(amax, 6.0f * 1.17549435e-38f), kE2m1Max)));  // >= 2^-126
     }
+    DSV41_HD static BlockScale scale(float amax) { return pow2_scale(q3_scale_exp(amax)); }
     DSV41_HD static float quotient(float x, BlockScale b) { return mul_rn(x, b.inv); }
     DSV41_HD static float round(float y) { return round_e2m1_sat(y); }
     DSV41_HD static uint8_t code(float y) { return e2m1_code_sat(y); }
@@ -283,9 +348,17 @@ template <Quant Q> DSV41_HD float fake_quant_element(float x, BlockScale b) {
     return mul_rn(QuantTraits<Q>::round(QuantTraits<Q>::quotient(x, b)), b.s);
 }
 
+// The same from the scale value alone (kernels/act_quant.cu): RN(1/s) is the exact reciprocal
+// for the power-of-two scales (2^-127 and 0 for 2^127 and inf included) and the reciprocal the
+// Q2 path expects, so this equals the BlockScale form for every scale the formats produce.
+template <Quant Q> DSV41_HD float fake_quant_element(float x, float s) {
+    return fake_quant_element<Q>(x, BlockScale{s, rcp_rn(s)});
+}
+
 // The element's code (e4m3 byte or e2m1 nibble) in the packed formats.
 template <Quant Q> DSV41_HD uint8_t quant_code(float x, BlockScale b) {
-    return QuantTraits<Q>::code(QuantTraits<Q>::quotient(x, b));
+    if constexpr (Q == Quant::Fp4E4m3B16) return QuantTraits<Q>::code_of(x, b);
+    else return QuantTraits<Q>::code(QuantTraits<Q>::quotient(x, b));
 }
 
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).

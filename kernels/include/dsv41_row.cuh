@@ -83,6 +83,24 @@ __device__ __forceinline__ void store_bf16(__nv_bfloat16* row, const float (&x)[
 
 enum class Norm { None, Weightless, Weighted };
 
+// x[k] = RN(x[k] / r) (IEEE division) for a lane's elements and its row's norm divisor r: with
+// one reciprocal per row and three operations per element when r and the lane's smallest |x|
+// are in the range where that is exact (dsv41_numerics.cuh, `div_by_rcp`), else __fdiv_rn.
+template <int N>
+__device__ __forceinline__ void norm_divide(float (&x)[N], float r) {
+    float mn = fabsf(x[0]);
+#pragma unroll
+    for (int k = 1; k < N; ++k) mn = fminf(mn, fabsf(x[k]));
+    if (norm_div_row_ok(r) && norm_div_x_ok(mn)) {
+        const float y = __frcp_rn(r);
+#pragma unroll
+        for (int k = 0; k < N; ++k) x[k] = div_by_rcp(x[k], r, y);
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) x[k] = __fdiv_rn(x[k], r);
+    }
+}
+
 // RMSNorm of the warp's row as candle computes `x / sqrt(mean(x^2) + eps) [* w]` in f32 on the
 // CPU, then rounded to bf16: squares are staged in `smem` (D floats per warp) so that lane L can
 // accumulate elements L, L+32, L+64, ... sequentially, then the warp combines the 32 partial
@@ -103,9 +121,10 @@ __device__ __forceinline__ void rms_norm_row(float (&x)[D / 32], int lane, float
     // mean_keepdim = affine(sum, 1/D, 0); `+ eps` = affine(ms, 1, eps); then sqrt.
     const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), 0.0f);
     const float r = __fsqrt_rn(__fadd_rn(__fmul_rn(ms, 1.0f), eps));
+    norm_divide(x, r);
 #pragma unroll
     for (int k = 0; k < EPL; ++k) {
-        float y = __fdiv_rn(x[k], r);
+        float y = x[k];
         if constexpr (N == Norm::Weighted) y = __fmul_rn(y, weight(k));
         x[k] = round_bf16(y);
     }
@@ -171,6 +190,11 @@ __device__ __forceinline__ void ld_nc(uint4& v, const void* p) {
 __device__ __forceinline__ float ld_nc_f32(const float* p) {
     float v;
     asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float2 ld_nc_f32x2(const float* p) {
+    float2 v;
+    asm volatile("ld.global.nc.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
     return v;
 }
 __device__ __forceinline__ int64_t ld_nc_s64(const int64_t* p) {

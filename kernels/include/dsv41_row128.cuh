@@ -1,0 +1,201 @@
+// The insert pipeline of dsv41_row.cuh for 128-wide rows with a 64-dim RoPE (the V4.1 index
+// keys, spec §6.2), with a quarter warp per row:
+//
+//   load bf16 row -> [RMSNorm, f32, then bf16] -> GPT-J RoPE of dims [64, 128) -> Q3 fake quant
+//   -> store bf16 row, or e2m1 codes + UE8M0 scale bytes (packed format E)
+//
+// Why: with one warp per 128-wide row (4 elements per lane) every per-row step (the norm's
+// reduction, the quant blocks' amax, RoPE staging, the divisor's reciprocal) costs a full warp
+// instruction for 4 elements per lane, and those steps dominated the instruction count. Here 8
+// lanes own a row (16 elements per lane), so each warp instruction advances 4 rows.
+//
+// Mapping: lane = 8 g + j; group g (0..3) owns row 4 s + g of row set s, lane j holds the four
+// 4-element chunks m = 0..3 at elements 32 m + 4 j + c (c = 0..3): one 8-byte load per chunk,
+// coalesced into 64 contiguous bytes per chunk and row. That layout makes
+//   * the norm's sum of squares lane-local first: candle's AVX2 order needs, for every L in
+//     [0, 32), p[L] = ((v[L] + v[32+L]) + v[64+L]) + v[96+L] (v = squares), and lane j holds
+//     exactly L = 4 j + c; the warp_sum_candle_avx_order butterfly over L (xor 8, 16, 4, 1, 2)
+//     becomes xor 2, 4, 1 over j (shuffles inside the group) then c ^ 1, c ^ 2 in the lane;
+//   * quant block m (32 elements) = chunk m of the group's 8 lanes: amax by xor 1, 2, 4;
+//   * the RoPE pairs of dims [64, 128) lane-local: chunks 2 and 3, pairs 16 (m-2) + 2 j + {0, 1},
+//     whose cos/sin are one float2 load each.
+//
+// Scheduling: a persistent grid (as many blocks as are resident at once); each warp walks its
+// row sets with a stride and issues the loads of its next set before computing the current
+// one, so every warp has a set in flight while it computes.
+//
+// Numerics: every operation and its order is that of dsv41_row.cuh (rms_norm_row, rope_row /
+// rope_loaded_row, fake_quant_row / the packed codes), so the results are bit-identical to the
+// one-warp-per-row kernels and to the CPU reference.
+#pragma once
+#include "dsv41_row.cuh"
+
+namespace dsv41 {
+
+constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) rotated)
+// Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
+// caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
+constexpr int kRow128BlocksPerSm = 4;
+
+// One row's inputs in a lane's registers (chunks as loaded).
+struct Row128In {
+    uint2 raw[4];           // chunk m: bf16 elements 32 m + 4 j .. + 4
+    float2 cos[2], sin[2];  // chunk 2 + h: cos/sin of pairs 16 h + 2 j and 16 h + 2 j + 1
+    int64_t slot;           // destination, or -1 (padding, out of range, t >= T)
+};
+
+// Issues the lane's loads of token t (t >= T: clamped to T-1, slot -1).
+template <class P>
+__device__ __forceinline__ void load_row128(const P& p, int64_t t, int j, Row128In& r) {
+    const bool valid = t < p.num_tokens;
+    const int64_t tc = valid ? t : p.num_tokens - 1;
+    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.src) + tc * p.src_row_stride + 4 * j;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 32 * m);
+    const float* c = p.cos + tc * (kRow128Rope / 2) + 2 * j;
+    const float* s = p.sin + tc * (kRow128Rope / 2) + 2 * j;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        r.cos[h] = ld_nc_f32x2(c + 16 * h);
+        r.sin[h] = ld_nc_f32x2(s + 16 * h);
+    }
+    const int64_t slot = ld_nc_s64(p.slots + tc);
+    r.slot = valid && slot >= 0 && slot < p.num_slots ? slot : -1;
+}
+
+// x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE (f32 holding bf16
+// values). `w`: the norm weights [128] in shared memory (Norm::Weighted only).
+template <Norm N>
+__device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim,
+                                               float (&x)[16]) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.raw[m]);
+        const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+        x[4 * m] = a.x;
+        x[4 * m + 1] = a.y;
+        x[4 * m + 2] = b.x;
+        x[4 * m + 3] = b.y;
+    }
+    if constexpr (N != Norm::None) {
+        float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            p[c] = __fmul_rn(x[c], x[c]);
+#pragma unroll
+            for (int m = 1; m < 4; ++m) p[c] = __fadd_rn(p[c], __fmul_rn(x[4 * m + c], x[4 * m + c]));
+        }
+        constexpr int kOffsets[3] = {2, 4, 1};  // j ^ 2 = L ^ 8, then L ^ 16, then L ^ 4
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) p[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], kOffsets[i]));
+        }
+        const float sum = __fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3]));  // L ^ 1, then L ^ 2
+        const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), 0.0f);
+        const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(ms, 1.0f), eps));
+        norm_divide(x, rr);
+        const int j = threadIdx.x & 7;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            float4 wv = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+            if constexpr (N == Norm::Weighted) wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
+            const float wm[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float y = x[4 * m + c];
+                if constexpr (N == Norm::Weighted) y = __fmul_rn(y, wm[c]);
+                x[4 * m + c] = round_bf16(y);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float* v = &x[4 * (2 + h)];
+        rotate_pair(v[0], v[1], r.cos[h].x, r.sin[h].x);
+        rotate_pair(v[2], v[3], r.cos[h].y, r.sin[h].y);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[c] = round_bf16(v[c]);
+    }
+}
+
+// The Q3 scales of the row's four blocks (block m = chunk m of the group's 8 lanes).
+__device__ __forceinline__ void q3_scales_row128(const float (&x)[16], BlockScale (&b)[4]) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) amax = fmaxf(amax, fabsf(x[4 * m + c]));
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+        b[m] = QuantTraits<Quant::Fp4Ue8m0B32>::scale(amax);
+    }
+}
+
+// The loop of a row-128 kernel: `finish(row, x, g, j)` runs for every row of the warp's sets
+// (rows past T included, with row.slot = -1: finish stores only when slot >= 0). All lanes of
+// the warp call finish together (it may use warp shuffles / __syncwarp).
+//
+// Block b handles the rounds of 8 consecutive sets starting at set 8 (b + k * gridDim.x), warp w
+// set 8 (...) + w of each; every branch of the loop depends on the block and the parameters
+// only (a warp past the last set computes a clamped set with slot -1 instead of leaving), so
+// the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
+// (with a per-warp exit it wraps each one in a convergence check).
+template <Norm N, class P, class F>
+__device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 3, j = lane & 7;
+    const int warp = threadIdx.x / 32;
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    const int64_t round_sets = static_cast<int64_t>(gridDim.x) * kInsertWarps;
+    int64_t base = static_cast<int64_t>(blockIdx.x) * kInsertWarps;
+    // The norm weights, once per block, in shared memory (registers are the scarce resource).
+    __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
+    if constexpr (N == Norm::Weighted) {
+        if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+        __syncthreads();
+    }
+    if (base >= sets) return;
+    Row128In cur;
+    load_row128(p, 4 * (base + warp) + g, j, cur);
+    for (;;) {
+        const int64_t next = base + round_sets;
+        Row128In nxt;
+        if (next < sets) load_row128(p, 4 * (next + warp) + g, j, nxt);
+        float x[16];
+        compute_row128<N>(cur, w, p.norm_eps, p.norm_inv_dim, x);
+        finish(cur, x, g, j);
+        if (next >= sets) break;
+        cur = nxt;
+        base = next;
+    }
+}
+
+// Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
+// blocks of `Kernel` resident on the device at once (queried once per kernel; if the query
+// fails, the plain count — the loop is correct for any grid).
+template <auto Kernel>
+unsigned row128_grid(int64_t sets) {
+    static const int64_t resident = [] {
+        int dev = 0, sms = 0, per_sm = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kInsertThreads, 0) != cudaSuccess) {
+            (void)cudaGetLastError();  // not this launch's error
+            return int64_t{0};
+        }
+        return static_cast<int64_t>(sms) * per_sm;
+    }();
+    const int64_t needed = (sets + kInsertWarps - 1) / kInsertWarps;
+    return static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed);
+}
+
+// Whether a call can take the row-128 path: D = 128, R = 64 and 8-byte aligned cos/sin rows
+// (the src/cache checks of the callers already require 8-byte aligned rows for D = 128).
+template <class P>
+inline bool row128_applies(const P& p) {
+    return p.head_dim == 128 && p.rope_dim == kRow128Rope && reinterpret_cast<uintptr_t>(p.cos) % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(p.sin) % 8 == 0;
+}
+
+}  // namespace dsv41
