@@ -213,8 +213,6 @@ enum class Quant : int { None = 0, Fp8Ue8m0B32 = 1, Fp4E4m3B16 = 2, Fp4Ue8m0B32 
 struct BlockScale {
     float s;
     float inv;
-    // Callers that keep only the scale value (kernels/act_quant.cu) read it through this.
-    DSV41_HD operator float() const { return s; }
 };
 
 // 2^k and its exact reciprocal for the k the UE8M0 scales produce, k in [-126, 128] (2^128 is
@@ -346,13 +344,6 @@ template <> struct QuantTraits<Quant::Fp4Ue8m0B32> {
 // with IEEE x / s and a clamp that keeps NaN, is `fake_quant_reference` in the exhaustive check).
 template <Quant Q> DSV41_HD float fake_quant_element(float x, BlockScale b) {
     return mul_rn(QuantTraits<Q>::round(QuantTraits<Q>::quotient(x, b)), b.s);
-}
-
-// The same from the scale value alone (kernels/act_quant.cu): RN(1/s) is the exact reciprocal
-// for the power-of-two scales (2^-127 and 0 for 2^127 and inf included) and the reciprocal the
-// Q2 path expects, so this equals the BlockScale form for every scale the formats produce.
-template <Quant Q> DSV41_HD float fake_quant_element(float x, float s) {
-    return fake_quant_element<Q>(x, BlockScale{s, rcp_rn(s)});
 }
 
 // The element's code (e4m3 byte or e2m1 nibble) in the packed formats.
