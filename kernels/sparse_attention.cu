@@ -78,9 +78,11 @@ constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
 // Shared memory map (bytes).
-constexpr int SM_Q = 0;                              // bf16 [64 heads][512], swizzled
-constexpr int SM_K = SM_Q + HB * D * 2;              // bf16 [2 stages][64 rows][512], swizzled
-constexpr int SM_P = SM_K + 2 * BLK * D * 2;         // bf16 [64 heads][64 rows], swizzled
+constexpr int ROWB = D * 2 + 16;                    // padded row pitch of the q and row tiles (bytes)
+constexpr int TILEB = BLK * ROWB;                    // one 64-row tile (also the q tile: 64 heads)
+constexpr int SM_Q = 0;                              // bf16 [64 heads][512], row pitch ROWB
+constexpr int SM_K = SM_Q + TILEB;                   // bf16 [2 stages][64 rows][512], row pitch ROWB
+constexpr int SM_P = SM_K + 2 * TILEB;               // bf16 [64 heads][64 rows], swizzled
 constexpr int SM_MX = SM_P + HB * BLK * 2;           // f32 [2 row halves][64 heads]: tile max
 constexpr int SM_M = SM_MX + 2 * HB * 4;             // f32 [2 ping-pong][64 heads]: running max
 constexpr int SM_ALPHA = SM_M + 2 * HB * 4;          // f32 [64 heads]: e^{m_old - m_new}
@@ -88,23 +90,21 @@ constexpr int SM_DEN = SM_ALPHA + HB * 4;            // f32 [2 row halves][64 he
 constexpr int SM_STAT = SM_DEN + 2 * HB * 4;         // f32 [2][64 heads]: (m, den) published to the cluster
 constexpr int SM_CNT = SM_STAT + 2 * HB * 4;         // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_ENT = SM_TOTAL + 16;                // u32 [range]: (source << 31) | row
+constexpr int SM_BAR = SM_TOTAL + 16;                // u64 [3] mbarriers: q, stage 0, stage 1
+constexpr int SM_ENT = SM_BAR + 32;                  // u32 [range]: (source << 31) | row
 constexpr int SM_O = 0;                              // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
 // (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
-// (j < 16), [18] stats merged, [19] partial tiles written, [20] end.
-constexpr int TRACE_SLOTS = 24;
+// (j < 16), [18] stats merged, [19] partial tiles written, [20] end, [24 + j] tile j's rows
+// arrived (j < 16).
+constexpr int TRACE_SLOTS = 40;
 __device__ long long g_trace[TRACE_SLOTS];
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
 // Pulls `bytes` (multiple of 16) at a 16-byte aligned global address into L2, no completion.
 __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
@@ -116,8 +116,33 @@ __device__ __forceinline__ void cluster_sync_all() {
 __device__ __forceinline__ void cluster_arrive_relaxed_wait() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// mbarrier + bulk copy engine (plain sm_90): one instruction per 1 KB row, completion counted in
+// bytes on the stage's mbarrier.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// Arrives once (the barrier's only arrival) and announces `bytes` of bulk copies to complete.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "WAIT_LOOP:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@!P1 bra WAIT_LOOP;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned).
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src),
+                 "r"(bytes), "r"(bar)
+                 : "memory");
+}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -139,8 +164,9 @@ __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uin
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of 1024-byte rows.
-__device__ __forceinline__ uint32_t sw1k(int r, int c) { return static_cast<uint32_t>(r * 1024 + ((c ^ (r & 7)) << 4)); }
+// Byte offset of 16-byte chunk `c` of row `r` in a q / row tile (padded pitch: the 8 rows of an
+// ldmatrix 8x8 matrix fall into 8 different 16-byte bank groups).
+__device__ __forceinline__ uint32_t pad1k(int r, int c) { return static_cast<uint32_t>(r * ROWB + (c << 4)); }
 // Same for the P tile (128-byte rows, 8 chunks).
 __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
 // Same for the f32 O tile (2048-byte rows, 128 chunks).
@@ -184,18 +210,23 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     };
     stamp(0);
 
-    // 1a. q -> shared (cp.async; heads past nh zero-filled).
-    {
+    // 1a. mbarriers (q, row stage 0, row stage 1; one arrival each + the bulk-copy bytes); q ->
+    // shared by the bulk copy engine, one 1 KB copy per head (heads past nh zero-filled).
+    const uint32_t bar_q = sbase + SM_BAR, bar_k = bar_q + 8;  // stage s: bar_k + 8 s
+    if (tid == 0) {
+        mbar_init(bar_q, 1);
+        mbar_init(bar_k, 1);
+        mbar_init(bar_k + 8, 1);
+        mbar_init_fence();
+    }
+    for (int i = tid; i < (HB - nh) * 64; i += THREADS)
+        *reinterpret_cast<uint4*>(smem + SM_Q + pad1k(nh + i / 64, i % 64)) = make_uint4(0u, 0u, 0u, 0u);
+    if (warp == 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive_expect_tx(bar_q, static_cast<uint32_t>(nh * D * 2));
+        __syncwarp();
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
-        const int col = tid & 63;
-#pragma unroll 4
-        for (int i = 0; i < HB * 64 / THREADS; ++i) {
-            const int h = (tid >> 6) + 4 * i;
-            const bool ok = h < nh;
-            const __nv_bfloat16* src = qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + col * 8 : 0);
-            cp_async16(sbase + SM_Q + sw1k(h, col), src, ok);
-        }
-        cp_async_commit();
+        for (int h = lane; h < nh; h += 32) bulk_g2s(sbase + SM_Q + pad1k(h, 0), qt + static_cast<int64_t>(h0 + h) * p.q_head_stride, D * 2, bar_q);
     }
     if (tid < HB) {
         m_s[tid] = M_FLOOR;
@@ -278,19 +309,22 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 
     const int nrows = hi - lo;
     const int ntiles = (nrows + BLK - 1) / BLK;
+    // Tile j -> stage j & 1: warp 0 issues one bulk copy per row (completion on the stage's
+    // mbarrier). Rows nb .. the next multiple of 16 are read by P.V (with p = 0): zeroed, so that
+    // stale shared memory (NaN patterns) never reaches the products.
     auto issue_tile = [&](int j) {
+        if (warp != 0) return;
         const int base = j * BLK;
         const int nb = min(BLK, nrows - base);
-        const uint32_t dst = sbase + SM_K + (j & 1) * (BLK * D * 2);
-        const int col = tid & 63;
-#pragma unroll 4
-        for (int i = 0; i < BLK * 64 / THREADS; ++i) {
-            const int r = (tid >> 6) + 4 * i;
-            const bool ok = r < nb;
-            const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
-            if (!skip_gather) cp_async16(dst + sw1k(r, col), src, ok);
-        }
-        cp_async_commit();
+        const int stage_off = SM_K + (j & 1) * TILEB;
+        const uint32_t bar = bar_k + (j & 1) * 8;
+        const int nz = ((nb + 15) & ~15) - nb;
+        for (int i = lane; i < nz * 64; i += 32)
+            *reinterpret_cast<uint4*>(smem + stage_off + pad1k(nb + i / 64, i % 64)) = make_uint4(0u, 0u, 0u, 0u);
+        if (lane == 0) mbar_arrive_expect_tx(bar, skip_gather ? 0u : static_cast<uint32_t>(nb * D * 2));
+        __syncwarp();
+        if (!skip_gather)
+            for (int r = lane; r < nb; r += 32) bulk_g2s(sbase + stage_off + pad1k(r, 0), row_ptr(p, ent_s[base + r]), D * 2, bar);
     };
     // L2 prefetch of the rows PF_TILES tiles ahead of the cp.async stream (one bulk prefetch per
     // row): keeps HBM busy beyond the two shared-memory stages.
@@ -316,13 +350,15 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
     float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
 
+    mbar_wait(bar_q, 0);
     for (int j = 0; j < ntiles; ++j) {
-        cp_async_wait_all();
+        mbar_wait(bar_k + (j & 1) * 8, (j >> 1) & 1);
         __syncthreads();
+        if (j < 16) stamp(24 + j);
         if (j + 1 < ntiles) issue_tile(j + 1);
         prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK);
         const int nb = min(BLK, nrows - j * BLK);
-        const uint32_t kt = sbase + SM_K + (j & 1) * (BLK * D * 2);
+        const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
         const float* m_old_s = m_s + (j & 1) * HB;
         float* m_new_s = m_s + ((j + 1) & 1) * HB;
 
@@ -344,11 +380,11 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
                     uint32_t a0, a1, a2, a3;
-                    ldsm_x4(sbase + SM_Q + sw1k(qrow, 2 * (kk + u) + qc), a0, a1, a2, a3);
+                    ldsm_x4(sbase + SM_Q + pad1k(qrow, 2 * (kk + u) + qc), a0, a1, a2, a3);
 #pragma unroll
                     for (int np = 0; np < 2; ++np) {
                         uint32_t b0, b1, b2, b3;
-                        ldsm_x4(kt + sw1k(krow + 16 * np, 2 * (kk + u) + kc), b0, b1, b2, b3);
+                        ldsm_x4(kt + pad1k(krow + 16 * np, 2 * (kk + u) + kc), b0, b1, b2, b3);
                         mma_bf16(u ? s2[2 * np] : s[2 * np], a0, a1, a2, a3, b0, b1);
                         mma_bf16(u ? s2[2 * np + 1] : s[2 * np + 1], a0, a1, a2, a3, b2, b3);
                     }
@@ -440,7 +476,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 #pragma unroll
                 for (int np = 0; np < 8; ++np) {
                     uint32_t b0, b1, b2, b3;
-                    ldsm_x4_t(kt + sw1k(16 * kk + vrow, vc + 2 * np), b0, b1, b2, b3);
+                    ldsm_x4_t(kt + pad1k(16 * kk + vrow, vc + 2 * np), b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
                         mma_bf16(acc[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
@@ -453,7 +489,6 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     }
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
-    cp_async_wait_all();  // the q copy is still in flight when the range is empty
     // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
     auto split_smem = [&](float* ptr, int r) -> float* {
         return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
@@ -601,7 +636,7 @@ void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
             (h[1] - h[0]) * us);
     long long prev = h[1];
     for (int j = 0; j < 16 && h[2 + j] > prev; ++j) {
-        fprintf(stderr, " | tile%d %.2f", j, (h[2 + j] - prev) * us);
+        fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[2 + j] - prev) * us, (h[24 + j] - prev) * us);
         prev = h[2 + j];
     }
     fprintf(stderr, " | merge %.2f | partials %.2f | store %.2f | total %.2f us\n", (h[18] - prev) * us, (h[19] - h[18]) * us,
