@@ -77,22 +77,31 @@ constexpr int MAX_SPLITS = 8;   // portable cluster size
 constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
-// Shared memory map (bytes).
-constexpr int ROWB = D * 2 + 16;                    // padded row pitch of the q and row tiles (bytes)
-constexpr int TILEB = BLK * ROWB;                    // one 64-row tile (also the q tile: 64 heads)
-constexpr int SM_Q = 0;                              // bf16 [64 heads][512], row pitch ROWB
-constexpr int SM_K = SM_Q + TILEB;                   // bf16 [2 stages][64 rows][512], row pitch ROWB
-constexpr int SM_P = SM_K + 2 * TILEB;               // bf16 [64 heads][64 rows], swizzled
-constexpr int SM_MX = SM_P + HB * BLK * 2;           // f32 [2 row halves][64 heads]: tile max
-constexpr int SM_M = SM_MX + 2 * HB * 4;             // f32 [2 ping-pong][64 heads]: running max
-constexpr int SM_ALPHA = SM_M + 2 * HB * 4;          // f32 [64 heads]: e^{m_old - m_new}
-constexpr int SM_DEN = SM_ALPHA + HB * 4;            // f32 [2 row halves][64 heads]: denominators
-constexpr int SM_STAT = SM_DEN + 2 * HB * 4;         // f32 [2][64 heads]: (m, den) published to the cluster
-constexpr int SM_CNT = SM_STAT + 2 * HB * 4;         // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
-constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_BAR = SM_TOTAL + 16;                // u64 [3] mbarriers: q, stage 0, stage 1
-constexpr int SM_ENT = SM_BAR + 32;                  // u32 [range]: (source << 31) | row
-constexpr int SM_O = 0;                              // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
+// Shared memory map (bytes). Two tile layouts for the q tile (64 heads) and the row tiles:
+//   MMA  (mma.sync path): rows of 1024 bytes at a padded pitch of ROWB = 1040 (bulk copies, one
+//        per row; the 8 rows of an ldmatrix 8x8 matrix fall into 8 different bank groups);
+//   WG   (wgmma path): the wgmma 128-byte-swizzle canonical layout, 8 planes of 64 dims:
+//        [dims / 64][row][128 bytes, 16-byte chunk c at c ^ (row & 7)] (8 KB per plane), K-major
+//        for Q.K^T (A = q, B = rows) and MN-major for P.V (B = rows), filled by cp.async.
+constexpr int ROWB = D * 2 + 16;
+template <bool WG>
+struct Smem {
+    static constexpr int TILEB = WG ? BLK * D * 2 : BLK * ROWB;  // one 64-row tile (also the q tile)
+    static constexpr int Q = 0;                                  // bf16 [64 heads][512]
+    static constexpr int K = Q + TILEB;                          // bf16 [2 stages][64 rows][512]
+    static constexpr int P = K + 2 * TILEB;                      // bf16 [64 heads][64 rows], sw128 (1024-aligned)
+    static constexpr int MX = P + HB * BLK * 2;                  // f32 [2 row halves][64 heads]: tile max
+    static constexpr int M = MX + 2 * HB * 4;                    // f32 [2 ping-pong][64 heads]: running max
+    static constexpr int ALPHA = M + 2 * HB * 4;                 // f32 [64 heads]: e^{m_old - m_new}
+    static constexpr int DEN = ALPHA + HB * 4;                   // f32 [2 row halves][64 heads]: denominators
+    static constexpr int STAT = DEN + 2 * HB * 4;                // f32 [2][64 heads]: (m, den) published to the cluster
+    static constexpr int CNT = STAT + 2 * HB * 4;                // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
+    static constexpr int TOTAL = CNT + MAX_ROUNDS * 8 * 4;       // i32 [1]: valid rows of the token
+    static constexpr int BAR = TOTAL + 16;                       // u64 [3] mbarriers (MMA): q, stage 0, stage 1
+    static constexpr int ENT = BAR + 32;                         // u32 [range]: (source << 31) | row
+    static constexpr int O = 0;                                  // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
+};
+static_assert(Smem<true>::P % 1024 == 0, "wgmma operand tiles must start on 1024-byte boundaries");
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
 // (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
@@ -172,6 +181,86 @@ __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uin
 // Same for the f32 O tile (2048-byte rows, 128 chunks).
 __device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ (r & 7)) << 4)); }
 
+// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a WG-layout tile.
+__device__ __forceinline__ uint32_t wgsw(int r, int c) {
+    return static_cast<uint32_t>((c >> 3) * (BLK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
+// after this fence and a barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// wgmma (sm_90a): shared-memory matrix descriptors and the kernel's two warpgroup products
+// (PTX ISA, asynchronous warpgroup level matrix shared memory layout).
+// Descriptor of a 128-byte-swizzled operand at shared address `addr` (the pattern repeats on
+// 1024-byte boundaries, base offset 0): lbo / sbo in bytes (K-major: lbo unused, sbo = 8-row
+// group stride; MN-major: lbo = stride of 64-element MN blocks, sbo = 8-row K group stride).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFFu) >> 4) << 16) |
+           (static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins accumulator registers in program order around the asynchronous products.
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[0..15] += A (64 x 16, smem descriptor a) * B (16 x 32, smem descriptor b, K-major),
+// bf16 -> f32; accumulator layout: d[4i + c] at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
+__device__ __forceinline__ void wg_m64n32k16_kk(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(1));
+}
+
+// d[0..127] += A (64 x 16, smem descriptor a) * B (16 x 256, smem descriptor b, MN-major),
+// bf16 -> f32; accumulator layout: d[4i + c] at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
+__device__ __forceinline__ void wg_m64n256k16_kmn(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(a), "l"(b), "r"(1));
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
@@ -183,9 +272,17 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
 }
 
+// WG = false: mma.sync + ldmatrix, rows by the bulk copy engine (MMA layout); WG = true: wgmma
+// (sm_90a), rows by cp.async (WG layout).
+template <bool WG>
 __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
+    using L = Smem<WG>;
+    constexpr int SM_Q = L::Q, SM_K = L::K, SM_P = L::P, SM_MX = L::MX, SM_M = L::M, SM_ALPHA = L::ALPHA, SM_DEN = L::DEN,
+                  SM_STAT = L::STAT, SM_CNT = L::CNT, SM_TOTAL = L::TOTAL, SM_BAR = L::BAR, SM_ENT = L::ENT, SM_O = L::O;
+    constexpr int TILEB = L::TILEB;
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
+    if (WG && (sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
     float* mx_s = reinterpret_cast<float*>(smem + SM_MX);
     float* m_s = reinterpret_cast<float*>(smem + SM_M);
     float* alpha_s = reinterpret_cast<float*>(smem + SM_ALPHA);
@@ -204,6 +301,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
+    const bool swap_v = mode & 8;  // experiment: exchanged lbo / sbo of the wgmma V descriptor
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -212,21 +310,35 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 
     // 1a. mbarriers (q, row stage 0, row stage 1; one arrival each + the bulk-copy bytes); q ->
     // shared by the bulk copy engine, one 1 KB copy per head (heads past nh zero-filled).
+    // WG: q by cp.async (16 bytes per thread and step, zero-fill past nh).
     const uint32_t bar_q = sbase + SM_BAR, bar_k = bar_q + 8;  // stage s: bar_k + 8 s
-    if (tid == 0) {
-        mbar_init(bar_q, 1);
-        mbar_init(bar_k, 1);
-        mbar_init(bar_k + 8, 1);
-        mbar_init_fence();
-    }
-    for (int i = tid; i < (HB - nh) * 64; i += THREADS)
-        *reinterpret_cast<uint4*>(smem + SM_Q + pad1k(nh + i / 64, i % 64)) = make_uint4(0u, 0u, 0u, 0u);
-    if (warp == 0) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive_expect_tx(bar_q, static_cast<uint32_t>(nh * D * 2));
-        __syncwarp();
-        const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
-        for (int h = lane; h < nh; h += 32) bulk_g2s(sbase + SM_Q + pad1k(h, 0), qt + static_cast<int64_t>(h0 + h) * p.q_head_stride, D * 2, bar_q);
+    const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
+    if constexpr (WG) {
+        const int col = tid & 63;
+#pragma unroll 4
+        for (int i = 0; i < HB * 64 / THREADS; ++i) {
+            const int h = (tid >> 6) + 4 * i;
+            const bool ok = h < nh;
+            const __nv_bfloat16* src = qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + col * 8 : 0);
+            cp_async16(sbase + SM_Q + wgsw(h, col), src, ok);
+        }
+        cp_async_commit();
+    } else {
+        if (tid == 0) {
+            mbar_init(bar_q, 1);
+            mbar_init(bar_k, 1);
+            mbar_init(bar_k + 8, 1);
+            mbar_init_fence();
+        }
+        for (int i = tid; i < (HB - nh) * 64; i += THREADS)
+            *reinterpret_cast<uint4*>(smem + SM_Q + pad1k(nh + i / 64, i % 64)) = make_uint4(0u, 0u, 0u, 0u);
+        if (warp == 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive_expect_tx(bar_q, static_cast<uint32_t>(nh * D * 2));
+            __syncwarp();
+            for (int h = lane; h < nh; h += 32)
+                bulk_g2s(sbase + SM_Q + pad1k(h, 0), qt + static_cast<int64_t>(h0 + h) * p.q_head_stride, D * 2, bar_q);
+        }
     }
     if (tid < HB) {
         m_s[tid] = M_FLOOR;
@@ -313,6 +425,22 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     // mbarrier). Rows nb .. the next multiple of 16 are read by P.V (with p = 0): zeroed, so that
     // stale shared memory (NaN patterns) never reaches the products.
     auto issue_tile = [&](int j) {
+        if constexpr (WG) {
+            // cp.async, 16 bytes per thread and step; rows past nb zero-filled.
+            const int base = j * BLK;
+            const int nb = min(BLK, nrows - base);
+            const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
+            const int col = tid & 63;
+#pragma unroll 4
+            for (int i = 0; i < BLK * 64 / THREADS; ++i) {
+                const int r = (tid >> 6) + 4 * i;
+                const bool ok = r < nb;
+                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
+                if (!skip_gather) cp_async16(dst + wgsw(r, col), src, ok);
+            }
+            cp_async_commit();
+            return;
+        }
         if (warp != 0) return;
         const int base = j * BLK;
         const int nb = min(BLK, nrows - base);
@@ -341,18 +469,22 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     const int pv_hp = warp & 1, pv_dq = warp >> 1;  // P.V: heads 32 pv_hp.., dims 128 pv_dq..
     const bool qk_active = qk_hg * 16 < nh;
     const bool pv_active = pv_hp * 32 < nh;
-    float acc[2][16][4];
+    // O accumulators, 128 per thread. MMA: warp (pv_hp, pv_dq) holds heads 32 pv_hp .. +32 x dims
+    // 128 pv_dq .. +128 as acc[(16 mt + n) * 4 + c] (m16n8 fragments); WG: warpgroup wg = warp / 4
+    // holds all 64 heads x dims 256 wg .. +256 as the m64n256 accumulator (warp % 4: heads 16 (warp % 4) ..).
+    float acc[128];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int b = 0; b < 16; ++b)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
 
-    mbar_wait(bar_q, 0);
+    if (!WG) mbar_wait(bar_q, 0);
     for (int j = 0; j < ntiles; ++j) {
-        mbar_wait(bar_k + (j & 1) * 8, (j >> 1) & 1);
+        if constexpr (WG) {
+            cp_async_wait_all();
+            fence_proxy_async();  // the cp.async data (q, rows) is read by wgmma
+        } else {
+            mbar_wait(bar_k + (j & 1) * 8, (j >> 1) & 1);
+        }
         __syncthreads();
         if (j < 16) stamp(24 + j);
         if (j + 1 < ntiles) issue_tile(j + 1);
@@ -370,7 +502,29 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[a][c] = s2[a][c] = 0.f;
         const bool qk_rows = qk_active && qk_rh * 32 < nb;
-        if (qk_rows && !skip_mma) {
+        if constexpr (WG) {
+            // Warpgroup qk_rh: all 64 heads x rows 32 qk_rh .. +32 (m64n32k16, 32 k-steps); warp
+            // qk_hg of it gets heads 16 qk_hg .. +16 in the m16n8 fragment order of s[a][c].
+            if (qk_rh * 32 < nb && !skip_mma) {
+                float d[16];
+#pragma unroll
+                for (int i = 0; i < 16; ++i) d[i] = 0.f;
+                wg_fence_regs<16>(d);
+                wg_fence();
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks) {
+                    const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
+                    wg_m64n32k16_kk(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + qk_rh * 32 * 128, 16, 1024));
+                }
+                wg_commit();
+                wg_wait_all();
+                wg_fence_regs<16>(d);
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) s[a][c] = d[4 * a + c];
+            }
+        } else if (qk_rows && !skip_mma) {
             const int qrow = qk_hg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
             const int qc = lane >> 4;
             const int krow = qk_rh * 32 + (lane & 7) + (lane >> 4) * 8;
@@ -448,18 +602,42 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
                 alpha_s[hhi] = ahi;
             }
         }
+        if (WG) fence_proxy_async();  // the P tile is read by wgmma
         __syncthreads();
-        // P.V for 32 heads x 128 dims.
-        if (pv_active) {
+        if constexpr (WG) {
+            // P.V: warpgroup wg = qk_rh, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows;
+            // A = the P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
+            const float al = alpha_s[qk_hg * 16 + g], ah = alpha_s[qk_hg * 16 + g + 8];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                acc[4 * i] *= al;
+                acc[4 * i + 1] *= al;
+                acc[4 * i + 2] *= ah;
+                acc[4 * i + 3] *= ah;
+            }
+            const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
+            if (ksteps > 0) {
+                wg_fence_regs<128>(acc);
+                wg_fence();
+#pragma unroll 1
+                for (int kk = 0; kk < ksteps; ++kk)
+                    wg_m64n256k16_kmn(acc, wg_desc(sbase + SM_P + kk * 32, 16, 1024),
+                                      wg_desc(kt + qk_rh * 4 * (BLK * 128) + kk * 16 * 128, swap_v ? 1024 : BLK * 128, swap_v ? BLK * 128 : 1024));
+                wg_commit();
+                wg_wait_all();
+                wg_fence_regs<128>(acc);
+            }
+        } else if (pv_active) {
+            // P.V for 32 heads x 128 dims.
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 const float al = alpha_s[pv_hp * 32 + 16 * mt + g], ah = alpha_s[pv_hp * 32 + 16 * mt + g + 8];
 #pragma unroll
                 for (int n = 0; n < 16; ++n) {
-                    acc[mt][n][0] *= al;
-                    acc[mt][n][1] *= al;
-                    acc[mt][n][2] *= ah;
-                    acc[mt][n][3] *= ah;
+                    acc[(16 * mt + n) * 4] *= al;
+                    acc[(16 * mt + n) * 4 + 1] *= al;
+                    acc[(16 * mt + n) * 4 + 2] *= ah;
+                    acc[(16 * mt + n) * 4 + 3] *= ah;
                 }
             }
             const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
@@ -479,8 +657,8 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
                     ldsm_x4_t(kt + pad1k(16 * kk + vrow, vc + 2 * np), b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        mma_bf16(acc[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
-                        mma_bf16(acc[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+                        mma_bf16(&acc[(16 * mt + 2 * np) * 4], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+                        mma_bf16(&acc[(16 * mt + 2 * np + 1) * 4], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
                     }
                 }
             }
@@ -489,6 +667,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     }
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
+    if (WG) cp_async_wait_all();  // the q copy is still in flight when the range is empty
     // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
     auto split_smem = [&](float* ptr, int r) -> float* {
         return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
@@ -540,7 +719,19 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
     __syncthreads();
-    if (pv_active) {
+    if constexpr (WG) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int h = qk_hg * 16 + g + 8 * hi;
+            const float f = fac_s[h];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int d0 = qk_rh * 256 + 8 * i + 2 * tq;
+                float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
+                *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
+            }
+        }
+    } else if (pv_active) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -551,7 +742,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
                 for (int n = 0; n < 16; ++n) {
                     const int d0 = pv_dq * 128 + 8 * n + 2 * tq;
                     float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
-                    *dst = make_float2(acc[mt][n][2 * hi] * f, acc[mt][n][2 * hi + 1] * f);
+                    *dst = make_float2(acc[(16 * mt + n) * 4 + 2 * hi] * f, acc[(16 * mt + n) * 4 + 2 * hi + 1] * f);
                 }
             }
         }
@@ -603,7 +794,6 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-constexpr size_t SMEM_FIXED = SM_ENT;
 
 // Splits per token: the fewest that minimise the estimated time, in units of one 64-row tile:
 // per CTA its tiles + a fixed cost (index compaction, first loads, epilogue; ~2 tiles) + the
@@ -664,7 +854,10 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         (p->kc > 0 && (!aligned16(p->kv_extra) || p->extra_row_stride % 8)))
         return DSV41_ERR_ALIGNMENT;
     const int ktot = p->kw + p->kc;
-    const size_t smem = SMEM_FIXED + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
+    // Path: mma.sync (default) or wgmma (DSV41_SPARSE_ATTENTION_WGMMA=1, experimental).
+    const char* wgv = getenv("DSV41_SPARSE_ATTENTION_WGMMA");
+    const bool wg = wgv && wgv[0] == '1';
+    const size_t smem = (wg ? Smem<true>::ENT : Smem<false>::ENT) + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     int dev = 0, max_smem = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
@@ -675,7 +868,8 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // attributes are re-applied if a later call runs on another device.
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
-        e = cudaFuncSetAttribute(sparse_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        e = cudaFuncSetAttribute(sparse_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(sparse_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
         if (e != cudaSuccess) return static_cast<int>(e);
         configured_dev = dev;
     }
@@ -700,12 +894,13 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 14) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
     }
-    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode);
+    e = wg ? cudaLaunchKernelEx(&cfg, sparse_attention_kernel<true>, *p, mode)
+           : cudaLaunchKernelEx(&cfg, sparse_attention_kernel<false>, *p, mode);
     if (e != cudaSuccess) return static_cast<int>(e);
     e = cudaGetLastError();
     if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);
