@@ -1,7 +1,7 @@
 // sparse_attention: sparse attention with a per-head sink over two gathered KV sources (spec
-// §4.6-§4.7, §0.1b.6), bf16 rows, tensor cores (mma.sync m16n8k16 bf16 -> f32), split-KV over a
-// thread-block cluster. One kernel serves decode (few tokens: several splits per token) and
-// prefill (many tokens: one CTA per token).
+// §4.6-§4.7, §0.1b.6), bf16 rows, Hopper tensor cores (wgmma m64nNk16 bf16 -> f32, sm_90a),
+// split-KV over a thread-block cluster. One kernel serves decode (few tokens: several splits per
+// token) and prefill (many tokens: one CTA per token).
 //
 // For token t, head h and the valid rows s of [kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]
 // (in that order, duplicates kept):
@@ -22,37 +22,38 @@
 // out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r.
 //
 // Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1) when S > 1 (a plain launch for one
-// split), 256 threads (8 warps), 1 CTA per SM (~220 KB shared memory). CTA (t, r, z) handles
-// heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row tiles) of the
-// token's compacted valid rows. The launcher picks S from the token count and the SM count
-// (a wave model, `choose_splits`) unless the caller forces it.
-//   1. q (64 heads x 512 bf16) is fetched with cp.async; all threads load the token's indices
-//      at once, a ballot + warp scan compacts the valid ones and the CTA keeps the entries of
-//      its range (source bit + row) in shared memory.
-//   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring (tile j+1 loads
-//      while tile j is computed); the rows PF_TILES tiles further ahead get an L2 bulk prefetch
-//      (one instruction per 1 KB row) so that HBM stays busy beyond the two stages. Per tile:
-//      Q.K^T: warp w computes S for heads 16 (w%4) .. +16 and tile rows 32 (w/4) .. +32 (full
-//        512-dim dot products, ldmatrix from the swizzled q and row tiles, two accumulator sets
-//        to halve the mma dependency chains), masks rows past the tile's end, publishes its
-//        per-head max; after a barrier it forms m_new, writes bf16 p into a [64 heads][64 rows]
-//        tile and keeps its half of the f32 denominator in registers.
-//      P.V: warp w accumulates O for heads 32 (w%2) .. +32 and dims 128 (w/2) .. +128 (2 x 16
-//        m16n8 tiles = 128 f32 registers per thread), B = the row tile via ldmatrix.trans.
-//      Shared tiles are XOR-swizzled per 16-byte chunk (chunk ^ (row & 7)): conflict-free
-//      ldmatrix and cp.async.
+// split), 1 CTA per SM (~220 KB shared memory): 8 compute warps (two warpgroups) plus, by
+// default, one producer warp (288 threads). CTA (t, r, z) handles heads [64 z, 64 z + 64) of
+// token t over the r-th of S equal ranges (whole 64-row tiles) of the token's compacted valid
+// rows. The launcher picks S from the token count and the SM count (a wave model,
+// `choose_splits`) unless the caller forces it.
+//   1. q (64 heads x 512 bf16) is fetched with cp.async; the compute threads load the token's
+//      indices at once, a ballot + warp scan compacts the valid ones and the CTA keeps the
+//      entries of its range (source bit + row) in shared memory.
+//   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring; the rows
+//      PF_TILES tiles further ahead get an L2 bulk prefetch (one instruction per 1 KB row) so
+//      that HBM stays busy beyond the two stages. The producer warp issues the copies and the
+//      prefetches (they stall the issuing warp for ~2 us per tile under memory back-pressure,
+//      measured), waits for its copies, and hands the stage over through a "full" mbarrier; the
+//      compute warps hand it back through an "empty" mbarrier after their P.V. Per tile:
+//      Q.K^T: warpgroup w computes S for all 64 heads x tile rows 32 w .. +32 (32 wgmma
+//        m64n32k16, A = q and B = the row tile, both K-major from shared memory); warp w % 4
+//        holds heads 16 (w % 4) .. +16. Rows past the tile's end are masked, the per-head max
+//        is published; after a barrier each warp forms m_new, writes bf16 p into a [64 heads]
+//        [64 rows] tile and keeps its half of the f32 denominator in registers.
+//      P.V: warpgroup w accumulates O for all 64 heads x dims 256 w .. +256 (wgmma m64n256k16
+//        per 16 rows, A = the p tile, B = the row tile MN-major; 128 f32 registers per thread).
+//      Shared layouts: the wgmma 128-byte-swizzle canonical layout (Smem below).
 //   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
 //      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
-//      into this split's factor and the lse; every PV warp scales its O by the factor into f32
-//      shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
+//      into this split's factor and the lse; every compute warp scales its O by the factor into
+//      f32 shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
 //      share of the heads and writes bf16 out (16-byte stores).
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
-// results, for timing the other parts).
-// Measured on the H200 (docs/perf.md): a 64-row tile takes ~5 us (mma.sync + ldmatrix latency
-// with 2 warps per scheduler, not HBM: the gather alone is faster), a CTA's fixed cost
-// (compaction, first loads, epilogue) ~5-10 us. wgmma (sm_90a) is the next step.
+// results, for timing the other parts); DSV41_SPARSE_ATTENTION_NO_PRODUCER=1 issues the gather
+// from the compute warps (no producer warp; comparison).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -70,38 +71,31 @@ namespace dsv41_sa {
 constexpr int D = 512;          // head dim (row width)
 constexpr int BLK = 64;         // rows per tile = softmax block of the reference
 constexpr int HB = 64;          // heads per CTA
-constexpr int THREADS = 256;    // 8 warps
+constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups
 constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
 constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
 constexpr int MAX_SPLITS = 8;   // portable cluster size
 constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
-// Shared memory map (bytes). Two tile layouts for the q tile (64 heads) and the row tiles:
-//   MMA  (mma.sync path): rows of 1024 bytes at a padded pitch of ROWB = 1040 (bulk copies, one
-//        per row; the 8 rows of an ldmatrix 8x8 matrix fall into 8 different bank groups);
-//   WG   (wgmma path): the wgmma 128-byte-swizzle canonical layout, 8 planes of 64 dims:
-//        [dims / 64][row][128 bytes, 16-byte chunk c at c ^ (row & 7)] (8 KB per plane), K-major
-//        for Q.K^T (A = q, B = rows) and MN-major for P.V (B = rows), filled by cp.async.
-constexpr int ROWB = D * 2 + 16;
-template <bool WG>
-struct Smem {
-    static constexpr int TILEB = WG ? BLK * D * 2 : BLK * ROWB;  // one 64-row tile (also the q tile)
-    static constexpr int Q = 0;                                  // bf16 [64 heads][512]
-    static constexpr int K = Q + TILEB;                          // bf16 [2 stages][64 rows][512]
-    static constexpr int P = K + 2 * TILEB;                      // bf16 [64 heads][64 rows], sw128 (1024-aligned)
-    static constexpr int MX = P + HB * BLK * 2;                  // f32 [2 row halves][64 heads]: tile max
-    static constexpr int M = MX + 2 * HB * 4;                    // f32 [2 ping-pong][64 heads]: running max
-    static constexpr int ALPHA = M + 2 * HB * 4;                 // f32 [64 heads]: e^{m_old - m_new}
-    static constexpr int DEN = ALPHA + HB * 4;                   // f32 [2 row halves][64 heads]: denominators
-    static constexpr int STAT = DEN + 2 * HB * 4;                // f32 [2][64 heads]: (m, den) published to the cluster
-    static constexpr int CNT = STAT + 2 * HB * 4;                // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
-    static constexpr int TOTAL = CNT + MAX_ROUNDS * 8 * 4;       // i32 [1]: valid rows of the token
-    static constexpr int BAR = TOTAL + 16;                       // u64 [3] mbarriers (MMA): q, stage 0, stage 1
-    static constexpr int ENT = BAR + 32;                         // u32 [range]: (source << 31) | row
-    static constexpr int O = 0;                                  // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
-};
-static_assert(Smem<true>::P % 1024 == 0, "wgmma operand tiles must start on 1024-byte boundaries");
+// Shared memory map (bytes). q and row tiles in the wgmma 128-byte-swizzle canonical layout:
+// 8 planes of 64 dims, [dims / 64][row][128 bytes, 16-byte chunk c at c ^ (row & 7)] (8 KB per
+// plane); K-major for Q.K^T (A = q, B = rows), MN-major for P.V (B = rows).
+constexpr int TILEB = BLK * D * 2;              // one 64-row tile (also the q tile: 64 heads)
+constexpr int SM_Q = 0;                         // bf16 [64 heads][512]
+constexpr int SM_K = SM_Q + TILEB;              // bf16 [2 stages][64 rows][512]
+constexpr int SM_P = SM_K + 2 * TILEB;          // bf16 [64 heads][64 rows], 128-byte swizzle
+constexpr int SM_MX = SM_P + HB * BLK * 2;      // f32 [2 row halves][64 heads]: tile max
+constexpr int SM_M = SM_MX + 2 * HB * 4;        // f32 [2 ping-pong][64 heads]: running max
+constexpr int SM_ALPHA = SM_M + 2 * HB * 4;     // f32 [64 heads]: e^{m_old - m_new}
+constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]: denominators
+constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
+constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
+constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
+constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [4] mbarriers: full[2], empty[2]
+constexpr int SM_ENT = SM_BAR + 32;             // u32 [range]: (source << 31) | row
+constexpr int SM_O = 0;                         // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
+static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
 // (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
@@ -114,10 +108,19 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // Pulls `bytes` (multiple of 16) at a 16-byte aligned global address into L2, no completion.
 __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
+// Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
+// after this fence and a barrier / mbarrier hand-over.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Cluster-wide barrier with release / acquire semantics (shared::cluster writes visible after).
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -125,15 +128,16 @@ __device__ __forceinline__ void cluster_sync_all() {
 __device__ __forceinline__ void cluster_arrive_relaxed_wait() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
-// mbarrier + bulk copy engine (plain sm_90): one instruction per 1 KB row, completion counted in
-// bytes on the stage's mbarrier.
+// Barrier of the 256 compute threads only (named barrier 1; the producer warp never joins).
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// mbarriers (stage hand-over between the producer warp and the compute warps).
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-// Arrives once (the barrier's only arrival) and announces `bytes` of bulk copies to complete.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(
@@ -146,54 +150,15 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         "r"(parity)
         : "memory");
 }
-// Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned).
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"(src),
-                 "r"(bytes), "r"(bar)
-                 : "memory");
-}
 
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
+// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile.
+__device__ __forceinline__ uint32_t wgsw(int r, int c) {
+    return static_cast<uint32_t>((c >> 3) * (BLK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-// d += a (16x16 row-major bf16) * b (16x8 col-major bf16), f32 accumulators.
-__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Byte offset of 16-byte chunk `c` of row `r` in a q / row tile (padded pitch: the 8 rows of an
-// ldmatrix 8x8 matrix fall into 8 different 16-byte bank groups).
-__device__ __forceinline__ uint32_t pad1k(int r, int c) { return static_cast<uint32_t>(r * ROWB + (c << 4)); }
 // Same for the P tile (128-byte rows, 8 chunks).
 __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
 // Same for the f32 O tile (2048-byte rows, 128 chunks).
 __device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ (r & 7)) << 4)); }
-
-// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a WG-layout tile.
-__device__ __forceinline__ uint32_t wgsw(int r, int c) {
-    return static_cast<uint32_t>((c >> 3) * (BLK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
-// after this fence and a barrier.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // wgmma (sm_90a): shared-memory matrix descriptors and the kernel's two warpgroup products
 // (PTX ISA, asynchronous warpgroup level matrix shared memory layout).
@@ -272,17 +237,14 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
 }
 
-// WG = false: mma.sync + ldmatrix, rows by the bulk copy engine (MMA layout); WG = true: wgmma
-// (sm_90a), rows by cp.async (WG layout).
-template <bool WG>
-__global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
-    using L = Smem<WG>;
-    constexpr int SM_Q = L::Q, SM_K = L::K, SM_P = L::P, SM_MX = L::MX, SM_M = L::M, SM_ALPHA = L::ALPHA, SM_DEN = L::DEN,
-                  SM_STAT = L::STAT, SM_CNT = L::CNT, SM_TOTAL = L::TOTAL, SM_BAR = L::BAR, SM_ENT = L::ENT, SM_O = L::O;
-    constexpr int TILEB = L::TILEB;
+// PROD = true: 288 threads, warp 8 is the producer (gather + L2 prefetch, mbarrier hand-over);
+// PROD = false: 256 threads, the compute warps issue the gather themselves (cp.async group per
+// tile, CTA barriers).
+template <bool PROD>
+__global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
-    if (WG && (sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
+    if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
     float* mx_s = reinterpret_cast<float*>(smem + SM_MX);
     float* m_s = reinterpret_cast<float*>(smem + SM_M);
     float* alpha_s = reinterpret_cast<float*>(smem + SM_ALPHA);
@@ -293,7 +255,8 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, tq = lane & 3;  // mma fragment coordinates
+    const bool compute = tid < THREADS;  // false: the producer warp
+    const int g = lane >> 2, tq = lane & 3;  // fragment coordinates
     const int t = blockIdx.x;
     const int split = blockIdx.y, nsplit = gridDim.y;
     const int h0 = blockIdx.z * HB;
@@ -301,19 +264,25 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
-    const bool swap_v = mode & 8;  // experiment: exchanged lbo / sbo of the wgmma V descriptor
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
     };
     stamp(0);
+    // Barrier of the threads that compute (all threads without a producer warp).
+    auto csync = [&]() {
+        if constexpr (PROD)
+            compute_sync();
+        else
+            __syncthreads();
+    };
 
-    // 1a. mbarriers (q, row stage 0, row stage 1; one arrival each + the bulk-copy bytes); q ->
-    // shared by the bulk copy engine, one 1 KB copy per head (heads past nh zero-filled).
-    // WG: q by cp.async (16 bytes per thread and step, zero-fill past nh).
-    const uint32_t bar_q = sbase + SM_BAR, bar_k = bar_q + 8;  // stage s: bar_k + 8 s
-    const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
-    if constexpr (WG) {
+    // 1a. q -> shared by cp.async (compute threads, 16 bytes per thread and step; heads past nh
+    // zero-filled); mbarriers of the producer hand-over: full[s] (32 producer arrivals),
+    // empty[s] (256 compute arrivals).
+    const uint32_t bar_full = sbase + SM_BAR, bar_empty = bar_full + 16;  // stage s: + 8 s
+    if (compute) {
+        const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
         const int col = tid & 63;
 #pragma unroll 4
         for (int i = 0; i < HB * 64 / THREADS; ++i) {
@@ -323,29 +292,20 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             cp_async16(sbase + SM_Q + wgsw(h, col), src, ok);
         }
         cp_async_commit();
-    } else {
-        if (tid == 0) {
-            mbar_init(bar_q, 1);
-            mbar_init(bar_k, 1);
-            mbar_init(bar_k + 8, 1);
-            mbar_init_fence();
-        }
-        for (int i = tid; i < (HB - nh) * 64; i += THREADS)
-            *reinterpret_cast<uint4*>(smem + SM_Q + pad1k(nh + i / 64, i % 64)) = make_uint4(0u, 0u, 0u, 0u);
-        if (warp == 0) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive_expect_tx(bar_q, static_cast<uint32_t>(nh * D * 2));
-            __syncwarp();
-            for (int h = lane; h < nh; h += 32)
-                bulk_g2s(sbase + SM_Q + pad1k(h, 0), qt + static_cast<int64_t>(h0 + h) * p.q_head_stride, D * 2, bar_q);
-        }
+    }
+    if (PROD && tid == 0) {
+        mbar_init(bar_full, 32);
+        mbar_init(bar_full + 8, 32);
+        mbar_init(bar_empty, THREADS);
+        mbar_init(bar_empty + 8, THREADS);
+        mbar_init_fence();
     }
     if (tid < HB) {
         m_s[tid] = M_FLOOR;
         m_s[HB + tid] = M_FLOOR;
     }
 
-    // 1b. Compaction of the valid indices in order (window then extra).
+    // 1b. Compaction of the valid indices in order (window then extra), compute threads.
     const int ktot = p.kw + p.kc;
     const int rounds = (ktot + THREADS - 1) / THREADS;
     uint32_t code[MAX_ROUNDS];
@@ -356,7 +316,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     for (int r = 0; r < MAX_ROUNDS; ++r) {
         raw[r] = -1;
         const int i = r * THREADS + tid;
-        if (r < rounds && i < ktot) {
+        if (compute && r < rounds && i < ktot) {
             const bool win = i < p.kw;
             const void* base = win ? p.idx_window : p.idx_extra;
             const int64_t k = win ? static_cast<int64_t>(t) * p.kw + i : static_cast<int64_t>(t) * p.kc + (i - p.kw);
@@ -367,7 +327,8 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 #pragma unroll
     for (int r = 0; r < MAX_ROUNDS; ++r) {
         code[r] = 0xffffffffu;
-        if (r < rounds) {
+        bal[r] = 0u;
+        if (compute && r < rounds) {
             const int i = r * THREADS + tid;
             const int64_t s = raw[r];
             if (i < p.kw) {
@@ -412,7 +373,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     const unsigned lt = (1u << lane) - 1u;
 #pragma unroll
     for (int r = 0; r < MAX_ROUNDS; ++r) {
-        if (r < rounds && code[r] != 0xffffffffu) {
+        if (compute && r < rounds && code[r] != 0xffffffffu) {
             const int rank = cnt_s[r * 8 + warp] + __popc(bal[r] & lt);
             if (rank >= lo && rank < hi) ent_s[rank - lo] = code[r];
         }
@@ -421,139 +382,125 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 
     const int nrows = hi - lo;
     const int ntiles = (nrows + BLK - 1) / BLK;
-    // Tile j -> stage j & 1: warp 0 issues one bulk copy per row (completion on the stage's
-    // mbarrier). Rows nb .. the next multiple of 16 are read by P.V (with p = 0): zeroed, so that
-    // stale shared memory (NaN patterns) never reaches the products.
-    auto issue_tile = [&](int j) {
-        if constexpr (WG) {
-            // cp.async, 16 bytes per thread and step; rows past nb zero-filled.
+    // L2 prefetch of rows [r0, r1) (one bulk prefetch per row, `n` threads from thread `i`):
+    // keeps HBM busy beyond the two shared-memory stages.
+    auto prefetch_rows = [&](int r0, int r1, int i, int n) {
+        if (!skip_gather)
+            for (int r = r0 + i; r < min(r1, nrows); r += n) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
+    };
+
+    if (PROD && !compute) {
+        // 2p. Producer warp: tile j -> stage j & 1 once the compute warps released it (tile
+        // j - 2 consumed), 2 x 64 cp.async per lane (each a 512-byte run of one row; rows past
+        // the tile's end zero-filled), the rows PF_TILES tiles ahead prefetched into L2; then it
+        // waits for its copies and hands the stage over (proxy fence: wgmma reads it).
+        prefetch_rows(BLK, (1 + PF_TILES) * BLK, lane, 32);
+        for (int j = 0; j < ntiles; ++j) {
+            const int st = j & 1;
+            if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
             const int base = j * BLK;
             const int nb = min(BLK, nrows - base);
-            const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
-            const int col = tid & 63;
+            const uint32_t dst = sbase + SM_K + st * TILEB;
 #pragma unroll 4
-            for (int i = 0; i < BLK * 64 / THREADS; ++i) {
-                const int r = (tid >> 6) + 4 * i;
+            for (int r = 0; r < BLK; ++r) {
                 const bool ok = r < nb;
-                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
-                if (!skip_gather) cp_async16(dst + wgsw(r, col), src, ok);
+                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) : static_cast<const __nv_bfloat16*>(p.q);
+                if (!skip_gather) {
+                    cp_async16(dst + wgsw(r, lane), src + (ok ? lane * 8 : 0), ok);
+                    cp_async16(dst + wgsw(r, lane + 32), src + (ok ? (lane + 32) * 8 : 0), ok);
+                }
             }
             cp_async_commit();
-            return;
+            prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, lane, 32);
+            cp_async_wait_all();
+            fence_proxy_async();
+            mbar_arrive(bar_full + 8 * st);
         }
-        if (warp != 0) return;
+    }
+
+    // Tile j -> stage j & 1 without a producer: cp.async by all compute threads (16 bytes per
+    // thread and step; rows past nb zero-filled).
+    auto issue_tile = [&](int j) {
         const int base = j * BLK;
         const int nb = min(BLK, nrows - base);
-        const int stage_off = SM_K + (j & 1) * TILEB;
-        const uint32_t bar = bar_k + (j & 1) * 8;
-        const int nz = ((nb + 15) & ~15) - nb;
-        for (int i = lane; i < nz * 64; i += 32)
-            *reinterpret_cast<uint4*>(smem + stage_off + pad1k(nb + i / 64, i % 64)) = make_uint4(0u, 0u, 0u, 0u);
-        if (lane == 0) mbar_arrive_expect_tx(bar, skip_gather ? 0u : static_cast<uint32_t>(nb * D * 2));
-        __syncwarp();
-        if (!skip_gather)
-            for (int r = lane; r < nb; r += 32) bulk_g2s(sbase + stage_off + pad1k(r, 0), row_ptr(p, ent_s[base + r]), D * 2, bar);
+        const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
+        const int col = tid & 63;
+#pragma unroll 4
+        for (int i = 0; i < BLK * 64 / THREADS; ++i) {
+            const int r = (tid >> 6) + 4 * i;
+            const bool ok = r < nb;
+            const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
+            if (!skip_gather) cp_async16(dst + wgsw(r, col), src, ok);
+        }
+        cp_async_commit();
     };
-    // L2 prefetch of the rows PF_TILES tiles ahead of the cp.async stream (one bulk prefetch per
-    // row): keeps HBM busy beyond the two shared-memory stages.
-    auto prefetch_rows = [&](int r0, int r1) {
-        if (!skip_gather)
-            for (int r = r0 + tid; r < min(r1, nrows); r += THREADS) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
-    };
-    if (ntiles > 0) issue_tile(0);
-    prefetch_rows(BLK, (1 + PF_TILES) * BLK);
+    if (!PROD) {
+        if (ntiles > 0) issue_tile(0);
+        prefetch_rows(BLK, (1 + PF_TILES) * BLK, tid, THREADS);
+    }
     stamp(1);
 
-    // Warp roles.
-    const int qk_hg = warp & 3, qk_rh = warp >> 2;  // Q.K^T: heads 16 qk_hg.., rows 32 qk_rh..
-    const int pv_hp = warp & 1, pv_dq = warp >> 1;  // P.V: heads 32 pv_hp.., dims 128 pv_dq..
-    const bool qk_active = qk_hg * 16 < nh;
-    const bool pv_active = pv_hp * 32 < nh;
-    // O accumulators, 128 per thread. MMA: warp (pv_hp, pv_dq) holds heads 32 pv_hp .. +32 x dims
-    // 128 pv_dq .. +128 as acc[(16 mt + n) * 4 + c] (m16n8 fragments); WG: warpgroup wg = warp / 4
-    // holds all 64 heads x dims 256 wg .. +256 as the m64n256 accumulator (warp % 4: heads 16 (warp % 4) ..).
+    // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
+    // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
+    const int hg = warp & 3, wg = (warp >> 2) & 1;
+    const bool qk_active = hg * 16 < nh;
+    // O accumulators (m64n256 fragment of warpgroup wg): acc[4i + c] = head 16 hg + g + 8 (c / 2),
+    // dim 256 wg + 8 i + 2 tq + c % 2.
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
 
-    if (!WG) mbar_wait(bar_q, 0);
-    for (int j = 0; j < ntiles; ++j) {
-        if constexpr (WG) {
-            cp_async_wait_all();
-            fence_proxy_async();  // the cp.async data (q, rows) is read by wgmma
-        } else {
-            mbar_wait(bar_k + (j & 1) * 8, (j >> 1) & 1);
-        }
-        __syncthreads();
+    for (int j = 0; compute && j < ntiles; ++j) {
+        if (PROD) mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
+        cp_async_wait_all();  // this thread's copies: q (and the row tile without a producer)
+        fence_proxy_async();  // q and the row tile are read by wgmma
+        csync();
         if (j < 16) stamp(24 + j);
-        if (j + 1 < ntiles) issue_tile(j + 1);
-        prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK);
+        if (!PROD) {
+            if (j + 1 < ntiles) issue_tile(j + 1);
+            prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, tid, THREADS);
+        }
         const int nb = min(BLK, nrows - j * BLK);
         const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
         const float* m_old_s = m_s + (j & 1) * HB;
         float* m_new_s = m_s + ((j + 1) & 1) * HB;
 
-        // Q.K^T for 16 heads x 32 rows.
-        // Two accumulator sets (even / odd k-steps) halve the mma dependency chains.
-        float s[4][4], s2[4][4];
+        // Q.K^T: warpgroup wg, all 64 heads x rows 32 wg .. +32 (m64n32k16, 32 k-steps); this
+        // warp gets heads 16 hg .. +16: s[a][c] = row 32 wg + 8 a + 2 tq + c % 2, head + 8 (c / 2).
+        float s[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) s[a][c] = s2[a][c] = 0.f;
-        const bool qk_rows = qk_active && qk_rh * 32 < nb;
-        if constexpr (WG) {
-            // Warpgroup qk_rh: all 64 heads x rows 32 qk_rh .. +32 (m64n32k16, 32 k-steps); warp
-            // qk_hg of it gets heads 16 qk_hg .. +16 in the m16n8 fragment order of s[a][c].
-            if (qk_rh * 32 < nb && !skip_mma) {
-                float d[16];
+            for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
+        const bool qk_rows = qk_active && wg * 32 < nb;
+        if (wg * 32 < nb && !skip_mma) {
+            float d[16];
 #pragma unroll
-                for (int i = 0; i < 16; ++i) d[i] = 0.f;
-                wg_fence_regs<16>(d);
-                wg_fence();
+            for (int i = 0; i < 16; ++i) d[i] = 0.f;
+            // Descriptors advance by adding the byte offset / 16 to the start-address field
+            // (shared addresses < 256 KB: no carry out of the 14-bit field).
+            const uint64_t dq = wg_desc(sbase + SM_Q, 16, 1024), dk = wg_desc(kt + wg * 32 * 128, 16, 1024);
+            wg_fence_regs<16>(d);
+            wg_fence();
 #pragma unroll
-                for (int ks = 0; ks < D / 16; ++ks) {
-                    const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
-                    wg_m64n32k16_kk(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + qk_rh * 32 * 128, 16, 1024));
-                }
-                wg_commit();
-                wg_wait_all();
-                wg_fence_regs<16>(d);
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) s[a][c] = d[4 * a + c];
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const uint32_t off16 = ((ks >> 2) * (BLK * 128) + (ks & 3) * 32) >> 4;
+                wg_m64n32k16_kk(d, dq + off16, dk + off16);
             }
-        } else if (qk_rows && !skip_mma) {
-            const int qrow = qk_hg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            const int qc = lane >> 4;
-            const int krow = qk_rh * 32 + (lane & 7) + (lane >> 4) * 8;
-            const int kc = (lane >> 3) & 1;
-#pragma unroll 4
-            for (int kk = 0; kk < 32; kk += 2) {
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    uint32_t a0, a1, a2, a3;
-                    ldsm_x4(sbase + SM_Q + pad1k(qrow, 2 * (kk + u) + qc), a0, a1, a2, a3);
-#pragma unroll
-                    for (int np = 0; np < 2; ++np) {
-                        uint32_t b0, b1, b2, b3;
-                        ldsm_x4(kt + pad1k(krow + 16 * np, 2 * (kk + u) + kc), b0, b1, b2, b3);
-                        mma_bf16(u ? s2[2 * np] : s[2 * np], a0, a1, a2, a3, b0, b1);
-                        mma_bf16(u ? s2[2 * np + 1] : s[2 * np + 1], a0, a1, a2, a3, b2, b3);
-                    }
-                }
-            }
+            wg_commit();
+            wg_wait_all();
+            wg_fence_regs<16>(d);
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) s[a][c] += s2[a][c];
+                for (int c = 0; c < 4; ++c) s[a][c] = d[4 * a + c];
         }
         // Scale, mask, per-head max of this warp's rows.
         float mlo = -INFINITY, mhi = -INFINITY;
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
-            const int r0 = qk_rh * 32 + 8 * a + 2 * tq;
+            const int r0 = wg * 32 + 8 * a + 2 * tq;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const bool ok = qk_rows && r0 + (c & 1) < nb;
@@ -566,12 +513,12 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 2));
         mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 1));
         mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 2));
-        const int hlo = qk_hg * 16 + g, hhi = hlo + 8;
+        const int hlo = hg * 16 + g, hhi = hlo + 8;
         if (tq == 0) {
-            mx_s[qk_rh * HB + hlo] = mlo;
-            mx_s[qk_rh * HB + hhi] = mhi;
+            mx_s[wg * HB + hlo] = mlo;
+            mx_s[wg * HB + hhi] = mhi;
         }
-        __syncthreads();
+        csync();
         // m_new, bf16 p -> P tile, this half's denominator.
         {
             const float olo = m_old_s[hlo], ohi = m_old_s[hhi];
@@ -585,7 +532,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
                 const float e2 = expf(s[a][2] - nhi), e3 = expf(s[a][3] - nhi);
                 slo += e0 + e1;
                 shi += e2 + e3;
-                const int r0 = qk_rh * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
+                const int r0 = wg * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
                 *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e0, e1);
                 *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e2, e3);
             }
@@ -595,86 +542,49 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             shi += __shfl_xor_sync(0xffffffffu, shi, 2);
             den_lo = __fadd_rn(__fmul_rn(den_lo, alo), slo);
             den_hi = __fadd_rn(__fmul_rn(den_hi, ahi), shi);
-            if (qk_rh == 0 && tq == 0) {
+            if (wg == 0 && tq == 0) {
                 m_new_s[hlo] = nlo;
                 m_new_s[hhi] = nhi;
                 alpha_s[hlo] = alo;
                 alpha_s[hhi] = ahi;
             }
         }
-        if (WG) fence_proxy_async();  // the P tile is read by wgmma
-        __syncthreads();
-        if constexpr (WG) {
-            // P.V: warpgroup wg = qk_rh, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows;
-            // A = the P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
-            const float al = alpha_s[qk_hg * 16 + g], ah = alpha_s[qk_hg * 16 + g + 8];
+        fence_proxy_async();  // the P tile is read by wgmma
+        csync();
+        // P.V: warpgroup wg, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows; A = the
+        // P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
+        const float al = alpha_s[hlo], ah = alpha_s[hhi];
 #pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                acc[4 * i] *= al;
-                acc[4 * i + 1] *= al;
-                acc[4 * i + 2] *= ah;
-                acc[4 * i + 3] *= ah;
-            }
-            const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
-            if (ksteps > 0) {
-                wg_fence_regs<128>(acc);
-                wg_fence();
-#pragma unroll 1
-                for (int kk = 0; kk < ksteps; ++kk)
-                    wg_m64n256k16_kmn(acc, wg_desc(sbase + SM_P + kk * 32, 16, 1024),
-                                      wg_desc(kt + qk_rh * 4 * (BLK * 128) + kk * 16 * 128, swap_v ? 1024 : BLK * 128, swap_v ? BLK * 128 : 1024));
-                wg_commit();
-                wg_wait_all();
-                wg_fence_regs<128>(acc);
-            }
-        } else if (pv_active) {
-            // P.V for 32 heads x 128 dims.
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const float al = alpha_s[pv_hp * 32 + 16 * mt + g], ah = alpha_s[pv_hp * 32 + 16 * mt + g + 8];
-#pragma unroll
-                for (int n = 0; n < 16; ++n) {
-                    acc[(16 * mt + n) * 4] *= al;
-                    acc[(16 * mt + n) * 4 + 1] *= al;
-                    acc[(16 * mt + n) * 4 + 2] *= ah;
-                    acc[(16 * mt + n) * 4 + 3] *= ah;
-                }
-            }
-            const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
-            const int prow = pv_hp * 32 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            const int pc = lane >> 4;
-            const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8;
-            const int vc = pv_dq * 16 + (lane >> 4);
-#pragma unroll 1
-            for (int kk = 0; kk < ksteps; ++kk) {
-                uint32_t a[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-                    ldsm_x4(sbase + SM_P + sw128(prow + 16 * mt, 2 * kk + pc), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
-#pragma unroll
-                for (int np = 0; np < 8; ++np) {
-                    uint32_t b0, b1, b2, b3;
-                    ldsm_x4_t(kt + pad1k(16 * kk + vrow, vc + 2 * np), b0, b1, b2, b3);
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        mma_bf16(&acc[(16 * mt + 2 * np) * 4], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
-                        mma_bf16(&acc[(16 * mt + 2 * np + 1) * 4], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
-                    }
-                }
-            }
+        for (int i = 0; i < 32; ++i) {
+            acc[4 * i] *= al;
+            acc[4 * i + 1] *= al;
+            acc[4 * i + 2] *= ah;
+            acc[4 * i + 3] *= ah;
         }
+        const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
+        if (ksteps > 0) {
+            wg_fence_regs<128>(acc);
+            wg_fence();
+            const uint64_t dp = wg_desc(sbase + SM_P, 16, 1024), dv = wg_desc(kt + wg * 4 * (BLK * 128), BLK * 128, 1024);
+#pragma unroll 1
+            for (int kk = 0; kk < ksteps; ++kk) wg_m64n256k16_kmn(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+            wg_commit();
+            wg_wait_all();
+            wg_fence_regs<128>(acc);
+        }
+        if (PROD) mbar_arrive(bar_empty + 8 * (j & 1));  // this thread is done with the stage
         if (j < 16) stamp(2 + j);
     }
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
-    if (WG) cp_async_wait_all();  // the q copy is still in flight when the range is empty
+    cp_async_wait_all();  // the q copy is still in flight when the range is empty
     // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
     auto split_smem = [&](float* ptr, int r) -> float* {
         return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
     };
-    if (tq == 0) {
-        den_s[qk_rh * HB + qk_hg * 16 + g] = den_lo;
-        den_s[qk_rh * HB + qk_hg * 16 + g + 8] = den_hi;
+    if (compute && tq == 0) {
+        den_s[wg * HB + hg * 16 + g] = den_lo;
+        den_s[wg * HB + hg * 16 + g + 8] = den_hi;
     }
     __syncthreads();
     if (tid < HB) {
@@ -719,38 +629,23 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
     __syncthreads();
-    if constexpr (WG) {
+    if (compute) {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
-            const int h = qk_hg * 16 + g + 8 * hi;
+            const int h = hg * 16 + g + 8 * hi;
             const float f = fac_s[h];
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
-                const int d0 = qk_rh * 256 + 8 * i + 2 * tq;
+                const int d0 = wg * 256 + 8 * i + 2 * tq;
                 float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
                 *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
-            }
-        }
-    } else if (pv_active) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const int h = pv_hp * 32 + 16 * mt + g + 8 * hi;
-                const float f = fac_s[h];
-#pragma unroll
-                for (int n = 0; n < 16; ++n) {
-                    const int d0 = pv_dq * 128 + 8 * n + 2 * tq;
-                    float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
-                    *dst = make_float2(acc[(16 * mt + n) * 4 + 2 * hi] * f, acc[(16 * mt + n) * 4 + 2 * hi + 1] * f);
-                }
             }
         }
     }
     stamp(18);
     all_sync();  // partial O tiles visible cluster-wide
     stamp(19);
-    {
+    if (compute) {
         // CTA `split` writes heads [split * hs, ...); a thread per 8 dims, the S partial tiles
         // loaded at once and summed in split order.
         const int hs = (nh + nsplit - 1) / nsplit;
@@ -854,10 +749,10 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         (p->kc > 0 && (!aligned16(p->kv_extra) || p->extra_row_stride % 8)))
         return DSV41_ERR_ALIGNMENT;
     const int ktot = p->kw + p->kc;
-    // Path: mma.sync (default) or wgmma (DSV41_SPARSE_ATTENTION_WGMMA=1, experimental).
-    const char* wgv = getenv("DSV41_SPARSE_ATTENTION_WGMMA");
-    const bool wg = wgv && wgv[0] == '1';
-    const size_t smem = (wg ? Smem<true>::ENT : Smem<false>::ENT) + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
+    // Producer warp unless DSV41_SPARSE_ATTENTION_NO_PRODUCER=1 (comparison).
+    const char* np = getenv("DSV41_SPARSE_ATTENTION_NO_PRODUCER");
+    const bool prod = !(np && np[0] == '1');
+    const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     int dev = 0, max_smem = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
@@ -879,7 +774,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p->num_tokens, splits, hblocks);
-    cfg.blockDim = dim3(THREADS, 1, 1);
+    cfg.blockDim = dim3(prod ? THREADS + 32 : THREADS, 1, 1);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attr[1];
@@ -894,12 +789,12 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 14) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
     }
-    e = wg ? cudaLaunchKernelEx(&cfg, sparse_attention_kernel<true>, *p, mode)
+    e = prod ? cudaLaunchKernelEx(&cfg, sparse_attention_kernel<true>, *p, mode)
            : cudaLaunchKernelEx(&cfg, sparse_attention_kernel<false>, *p, mode);
     if (e != cudaSuccess) return static_cast<int>(e);
     e = cudaGetLastError();
