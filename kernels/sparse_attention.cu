@@ -22,20 +22,16 @@
 // out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r.
 //
 // Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1) when S > 1 (a plain launch for one
-// split), 1 CTA per SM (~220 KB shared memory): 8 compute warps (two warpgroups) plus, by
-// default, one producer warp (288 threads). CTA (t, r, z) handles heads [64 z, 64 z + 64) of
-// token t over the r-th of S equal ranges (whole 64-row tiles) of the token's compacted valid
-// rows. The launcher picks S from the token count and the SM count (a wave model,
-// `choose_splits`) unless the caller forces it.
-//   1. q (64 heads x 512 bf16) is fetched with cp.async; the compute threads load the token's
-//      indices at once, a ballot + warp scan compacts the valid ones and the CTA keeps the
-//      entries of its range (source bit + row) in shared memory.
-//   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring; the rows
-//      PF_TILES tiles further ahead get an L2 bulk prefetch (one instruction per 1 KB row) so
-//      that HBM stays busy beyond the two stages. The producer warp issues the copies and the
-//      prefetches (they stall the issuing warp for ~2 us per tile under memory back-pressure,
-//      measured), waits for its copies, and hands the stage over through a "full" mbarrier; the
-//      compute warps hand it back through an "empty" mbarrier after their P.V. Per tile:
+// split), 256 threads (8 warps = two warpgroups), 1 CTA per SM (~220 KB shared memory). CTA
+// (t, r, z) handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole
+// 64-row tiles) of the token's compacted valid rows. The launcher picks S from the token count
+// and the SM count (a wave model, `choose_splits`) unless the caller forces it.
+//   1. q (64 heads x 512 bf16) is fetched with cp.async; all threads load the token's indices
+//      at once, a ballot + warp scan compacts the valid ones and the CTA keeps the entries of
+//      its range (source bit + row) in shared memory.
+//   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring (tile j+1 loads
+//      while tile j is computed); the rows PF_TILES tiles further ahead get an L2 bulk prefetch
+//      (one instruction per 1 KB row) so that HBM stays busy beyond the two stages. Per tile:
 //      Q.K^T: warpgroup w computes S for all 64 heads x tile rows 32 w .. +32 (32 wgmma
 //        m64n32k16, A = q and B = the row tile, both K-major from shared memory); warp w % 4
 //        holds heads 16 (w % 4) .. +16. Rows past the tile's end are masked, the per-head max
@@ -52,8 +48,11 @@
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
-// results, for timing the other parts); DSV41_SPARSE_ATTENTION_NO_PRODUCER=1 issues the gather
-// from the compute warps (no producer warp; comparison).
+// results, for timing the other parts).
+// Measured on the H200 (docs/perf.md, "Round 2"): a 64-row tile costs ~2.3 us of tensor-core
+// work and softmax, plus ~1.6 us while the same warps issue the next tile's 4096 cp.async and
+// ~0.5 us for the L2 prefetches (memory back-pressure stalls the issuing warps); a single
+// producer warp issuing them instead was slower (it cannot keep up: 2.5-4 us waits per tile).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -71,7 +70,7 @@ namespace dsv41_sa {
 constexpr int D = 512;          // head dim (row width)
 constexpr int BLK = 64;         // rows per tile = softmax block of the reference
 constexpr int HB = 64;          // heads per CTA
-constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups
+constexpr int THREADS = 256;    // 8 warps = 2 warpgroups
 constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
 constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
 constexpr int MAX_SPLITS = 8;   // portable cluster size
@@ -92,8 +91,7 @@ constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]:
 constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
 constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [4] mbarriers: full[2], empty[2]
-constexpr int SM_ENT = SM_BAR + 32;             // u32 [range]: (source << 31) | row
+constexpr int SM_ENT = SM_TOTAL + 16;           // u32 [range]: (source << 31) | row
 constexpr int SM_O = 0;                         // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
 static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 
@@ -119,7 +117,7 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 // Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
-// after this fence and a barrier / mbarrier hand-over.
+// after this fence and a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Cluster-wide barrier with release / acquire semantics (shared::cluster writes visible after).
 __device__ __forceinline__ void cluster_sync_all() {
@@ -128,28 +126,7 @@ __device__ __forceinline__ void cluster_sync_all() {
 __device__ __forceinline__ void cluster_arrive_relaxed_wait() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
-// Barrier of the 256 compute threads only (named barrier 1; the producer warp never joins).
-__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
-// mbarriers (stage hand-over between the producer warp and the compute warps).
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred P1;\n"
-        "WAIT_LOOP:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@!P1 bra WAIT_LOOP;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
 
 // Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile.
 __device__ __forceinline__ uint32_t wgsw(int r, int c) {
@@ -237,11 +214,7 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
 }
 
-// PROD = true: 288 threads, warp 8 is the producer (gather + L2 prefetch, mbarrier hand-over);
-// PROD = false: 256 threads, the compute warps issue the gather themselves (cp.async group per
-// tile, CTA barriers).
-template <bool PROD>
-__global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
+__global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
     if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
@@ -255,7 +228,6 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
     uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const bool compute = tid < THREADS;  // false: the producer warp
     const int g = lane >> 2, tq = lane & 3;  // fragment coordinates
     const int t = blockIdx.x;
     const int split = blockIdx.y, nsplit = gridDim.y;
@@ -269,19 +241,9 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
         if (tracer) g_trace[slot] = clock64();
     };
     stamp(0);
-    // Barrier of the threads that compute (all threads without a producer warp).
-    auto csync = [&]() {
-        if constexpr (PROD)
-            compute_sync();
-        else
-            __syncthreads();
-    };
 
-    // 1a. q -> shared by cp.async (compute threads, 16 bytes per thread and step; heads past nh
-    // zero-filled); mbarriers of the producer hand-over: full[s] (32 producer arrivals),
-    // empty[s] (256 compute arrivals).
-    const uint32_t bar_full = sbase + SM_BAR, bar_empty = bar_full + 16;  // stage s: + 8 s
-    if (compute) {
+    // 1a. q -> shared by cp.async (16 bytes per thread and step; heads past nh zero-filled).
+    {
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
         const int col = tid & 63;
 #pragma unroll 4
@@ -293,19 +255,12 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
         }
         cp_async_commit();
     }
-    if (PROD && tid == 0) {
-        mbar_init(bar_full, 32);
-        mbar_init(bar_full + 8, 32);
-        mbar_init(bar_empty, THREADS);
-        mbar_init(bar_empty + 8, THREADS);
-        mbar_init_fence();
-    }
     if (tid < HB) {
         m_s[tid] = M_FLOOR;
         m_s[HB + tid] = M_FLOOR;
     }
 
-    // 1b. Compaction of the valid indices in order (window then extra), compute threads.
+    // 1b. Compaction of the valid indices in order (window then extra).
     const int ktot = p.kw + p.kc;
     const int rounds = (ktot + THREADS - 1) / THREADS;
     uint32_t code[MAX_ROUNDS];
@@ -316,7 +271,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
     for (int r = 0; r < MAX_ROUNDS; ++r) {
         raw[r] = -1;
         const int i = r * THREADS + tid;
-        if (compute && r < rounds && i < ktot) {
+        if (r < rounds && i < ktot) {
             const bool win = i < p.kw;
             const void* base = win ? p.idx_window : p.idx_extra;
             const int64_t k = win ? static_cast<int64_t>(t) * p.kw + i : static_cast<int64_t>(t) * p.kc + (i - p.kw);
@@ -327,8 +282,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
 #pragma unroll
     for (int r = 0; r < MAX_ROUNDS; ++r) {
         code[r] = 0xffffffffu;
-        bal[r] = 0u;
-        if (compute && r < rounds) {
+        if (r < rounds) {
             const int i = r * THREADS + tid;
             const int64_t s = raw[r];
             if (i < p.kw) {
@@ -373,7 +327,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
     const unsigned lt = (1u << lane) - 1u;
 #pragma unroll
     for (int r = 0; r < MAX_ROUNDS; ++r) {
-        if (compute && r < rounds && code[r] != 0xffffffffu) {
+        if (r < rounds && code[r] != 0xffffffffu) {
             const int rank = cnt_s[r * 8 + warp] + __popc(bal[r] & lt);
             if (rank >= lo && rank < hi) ent_s[rank - lo] = code[r];
         }
@@ -382,44 +336,14 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
 
     const int nrows = hi - lo;
     const int ntiles = (nrows + BLK - 1) / BLK;
-    // L2 prefetch of rows [r0, r1) (one bulk prefetch per row, `n` threads from thread `i`):
-    // keeps HBM busy beyond the two shared-memory stages.
-    auto prefetch_rows = [&](int r0, int r1, int i, int n) {
+    // L2 prefetch of rows [r0, r1) (one bulk prefetch per row): keeps HBM busy beyond the two
+    // shared-memory stages.
+    auto prefetch_rows = [&](int r0, int r1) {
         if (!skip_gather)
-            for (int r = r0 + i; r < min(r1, nrows); r += n) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
+            for (int r = r0 + tid; r < min(r1, nrows); r += THREADS) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
     };
 
-    if (PROD && !compute) {
-        // 2p. Producer warp: tile j -> stage j & 1 once the compute warps released it (tile
-        // j - 2 consumed), 2 x 64 cp.async per lane (each a 512-byte run of one row; rows past
-        // the tile's end zero-filled), the rows PF_TILES tiles ahead prefetched into L2; then it
-        // waits for its copies and hands the stage over (proxy fence: wgmma reads it).
-        prefetch_rows(BLK, (1 + PF_TILES) * BLK, lane, 32);
-        for (int j = 0; j < ntiles; ++j) {
-            const int st = j & 1;
-            if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
-            const int base = j * BLK;
-            const int nb = min(BLK, nrows - base);
-            const uint32_t dst = sbase + SM_K + st * TILEB;
-#pragma unroll 4
-            for (int r = 0; r < BLK; ++r) {
-                const bool ok = r < nb;
-                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) : static_cast<const __nv_bfloat16*>(p.q);
-                if (!skip_gather) {
-                    cp_async16(dst + wgsw(r, lane), src + (ok ? lane * 8 : 0), ok);
-                    cp_async16(dst + wgsw(r, lane + 32), src + (ok ? (lane + 32) * 8 : 0), ok);
-                }
-            }
-            cp_async_commit();
-            prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, lane, 32);
-            cp_async_wait_all();
-            fence_proxy_async();
-            mbar_arrive(bar_full + 8 * st);
-        }
-    }
-
-    // Tile j -> stage j & 1 without a producer: cp.async by all compute threads (16 bytes per
-    // thread and step; rows past nb zero-filled).
+    // Tile j -> stage j & 1: cp.async, 16 bytes per thread and step; rows past nb zero-filled.
     auto issue_tile = [&](int j) {
         const int base = j * BLK;
         const int nb = min(BLK, nrows - base);
@@ -434,15 +358,13 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
         }
         cp_async_commit();
     };
-    if (!PROD) {
-        if (ntiles > 0) issue_tile(0);
-        prefetch_rows(BLK, (1 + PF_TILES) * BLK, tid, THREADS);
-    }
+    if (ntiles > 0) issue_tile(0);
+    prefetch_rows(BLK, (1 + PF_TILES) * BLK);
     stamp(1);
 
     // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
     // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
-    const int hg = warp & 3, wg = (warp >> 2) & 1;
+    const int hg = warp & 3, wg = warp >> 2;
     const bool qk_active = hg * 16 < nh;
     // O accumulators (m64n256 fragment of warpgroup wg): acc[4i + c] = head 16 hg + g + 8 (c / 2),
     // dim 256 wg + 8 i + 2 tq + c % 2.
@@ -451,16 +373,13 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
 
-    for (int j = 0; compute && j < ntiles; ++j) {
-        if (PROD) mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
-        cp_async_wait_all();  // this thread's copies: q (and the row tile without a producer)
+    for (int j = 0; j < ntiles; ++j) {
+        cp_async_wait_all();
         fence_proxy_async();  // q and the row tile are read by wgmma
-        csync();
+        __syncthreads();
         if (j < 16) stamp(24 + j);
-        if (!PROD) {
-            if (j + 1 < ntiles) issue_tile(j + 1);
-            prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, tid, THREADS);
-        }
+        if (j + 1 < ntiles) issue_tile(j + 1);
+        prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK);
         const int nb = min(BLK, nrows - j * BLK);
         const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
         const float* m_old_s = m_s + (j & 1) * HB;
@@ -478,15 +397,12 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
             float d[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) d[i] = 0.f;
-            // Descriptors advance by adding the byte offset / 16 to the start-address field
-            // (shared addresses < 256 KB: no carry out of the 14-bit field).
-            const uint64_t dq = wg_desc(sbase + SM_Q, 16, 1024), dk = wg_desc(kt + wg * 32 * 128, 16, 1024);
             wg_fence_regs<16>(d);
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
-                const uint32_t off16 = ((ks >> 2) * (BLK * 128) + (ks & 3) * 32) >> 4;
-                wg_m64n32k16_kk(d, dq + off16, dk + off16);
+                const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
+                wg_m64n32k16_kk(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + wg * 32 * 128, 16, 1024));
             }
             wg_commit();
             wg_wait_all();
@@ -518,7 +434,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
             mx_s[wg * HB + hlo] = mlo;
             mx_s[wg * HB + hhi] = mhi;
         }
-        csync();
+        __syncthreads();
         // m_new, bf16 p -> P tile, this half's denominator.
         {
             const float olo = m_old_s[hlo], ohi = m_old_s[hhi];
@@ -550,7 +466,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
             }
         }
         fence_proxy_async();  // the P tile is read by wgmma
-        csync();
+        __syncthreads();
         // P.V: warpgroup wg, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows; A = the
         // P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
         const float al = alpha_s[hlo], ah = alpha_s[hhi];
@@ -565,14 +481,14 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
         if (ksteps > 0) {
             wg_fence_regs<128>(acc);
             wg_fence();
-            const uint64_t dp = wg_desc(sbase + SM_P, 16, 1024), dv = wg_desc(kt + wg * 4 * (BLK * 128), BLK * 128, 1024);
 #pragma unroll 1
-            for (int kk = 0; kk < ksteps; ++kk) wg_m64n256k16_kmn(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+            for (int kk = 0; kk < ksteps; ++kk)
+                wg_m64n256k16_kmn(acc, wg_desc(sbase + SM_P + kk * 32, 16, 1024),
+                                  wg_desc(kt + wg * 4 * (BLK * 128) + kk * 16 * 128, BLK * 128, 1024));
             wg_commit();
             wg_wait_all();
             wg_fence_regs<128>(acc);
         }
-        if (PROD) mbar_arrive(bar_empty + 8 * (j & 1));  // this thread is done with the stage
         if (j < 16) stamp(2 + j);
     }
 
@@ -582,7 +498,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
     auto split_smem = [&](float* ptr, int r) -> float* {
         return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
     };
-    if (compute && tq == 0) {
+    if (tq == 0) {
         den_s[wg * HB + hg * 16 + g] = den_lo;
         den_s[wg * HB + hg * 16 + g + 8] = den_hi;
     }
@@ -629,7 +545,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
             p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
     __syncthreads();
-    if (compute) {
+    {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
             const int h = hg * 16 + g + 8 * hi;
@@ -645,7 +561,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + 32 : THREADS, 1) sparse_atten
     stamp(18);
     all_sync();  // partial O tiles visible cluster-wide
     stamp(19);
-    if (compute) {
+    {
         // CTA `split` writes heads [split * hs, ...); a thread per 8 dims, the S partial tiles
         // loaded at once and summed in split order.
         const int hs = (nh + nsplit - 1) / nsplit;
@@ -749,9 +665,6 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         (p->kc > 0 && (!aligned16(p->kv_extra) || p->extra_row_stride % 8)))
         return DSV41_ERR_ALIGNMENT;
     const int ktot = p->kw + p->kc;
-    // Producer warp unless DSV41_SPARSE_ATTENTION_NO_PRODUCER=1 (comparison).
-    const char* np = getenv("DSV41_SPARSE_ATTENTION_NO_PRODUCER");
-    const bool prod = !(np && np[0] == '1');
     const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     int dev = 0, max_smem = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
@@ -763,8 +676,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // attributes are re-applied if a later call runs on another device.
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
-        e = cudaFuncSetAttribute(sparse_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-        if (e == cudaSuccess) e = cudaFuncSetAttribute(sparse_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        e = cudaFuncSetAttribute(sparse_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
         if (e != cudaSuccess) return static_cast<int>(e);
         configured_dev = dev;
     }
@@ -774,7 +686,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p->num_tokens, splits, hblocks);
-    cfg.blockDim = dim3(prod ? THREADS + 32 : THREADS, 1, 1);
+    cfg.blockDim = dim3(THREADS, 1, 1);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attr[1];
@@ -794,8 +706,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
     }
-    e = prod ? cudaLaunchKernelEx(&cfg, sparse_attention_kernel<true>, *p, mode)
-           : cudaLaunchKernelEx(&cfg, sparse_attention_kernel<false>, *p, mode);
+    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode);
     if (e != cudaSuccess) return static_cast<int>(e);
     e = cudaGetLastError();
     if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);
