@@ -39,10 +39,10 @@
 //        [64 rows] tile and keeps its half of the f32 denominator in registers.
 //      P.V: warpgroup w accumulates O for all 64 heads x dims 256 w .. +256 (wgmma m64n256k16
 //        per 16 rows, A = the p tile, B = the row tile MN-major; 128 f32 registers per thread).
-//      Shared layouts: the wgmma 128-byte-swizzle canonical layout (Smem below).
+//      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
 //      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
-//      into this split's factor and the lse; every compute warp scales its O by the factor into
+//      into this split's factor and the lse; every warp scales its O by the factor into
 //      f32 shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
 //      share of the heads and writes bf16 out (16-byte stores).
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
