@@ -1,7 +1,7 @@
 // sparse_attention: sparse attention with a per-head sink over two gathered KV sources (spec
-// §4.6-§4.7, §0.1b.6), bf16 rows, tensor cores (mma.sync m16n8k16 bf16 -> f32), split-KV over a
-// thread-block cluster. One kernel serves decode (few tokens: several splits per token) and
-// prefill (many tokens: one CTA per token).
+// §4.6-§4.7, §0.1b.6), bf16 rows, Hopper tensor cores (wgmma m64nNk16 bf16 -> f32, sm_90a),
+// split-KV over a thread-block cluster. One kernel serves decode (few tokens: several splits per
+// token) and prefill (many tokens: one CTA per token).
 //
 // For token t, head h and the valid rows s of [kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]
 // (in that order, duplicates kept):
@@ -22,37 +22,37 @@
 // out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r.
 //
 // Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1) when S > 1 (a plain launch for one
-// split), 256 threads (8 warps), 1 CTA per SM (~220 KB shared memory). CTA (t, r, z) handles
-// heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row tiles) of the
-// token's compacted valid rows. The launcher picks S from the token count and the SM count
-// (a wave model, `choose_splits`) unless the caller forces it.
+// split), 256 threads (8 warps = two warpgroups), 1 CTA per SM (~220 KB shared memory). CTA
+// (t, r, z) handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole
+// 64-row tiles) of the token's compacted valid rows. The launcher picks S from the token count
+// and the SM count (a wave model, `choose_splits`) unless the caller forces it.
 //   1. q (64 heads x 512 bf16) is fetched with cp.async; all threads load the token's indices
 //      at once, a ballot + warp scan compacts the valid ones and the CTA keeps the entries of
 //      its range (source bit + row) in shared memory.
 //   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring (tile j+1 loads
 //      while tile j is computed); the rows PF_TILES tiles further ahead get an L2 bulk prefetch
 //      (one instruction per 1 KB row) so that HBM stays busy beyond the two stages. Per tile:
-//      Q.K^T: warp w computes S for heads 16 (w%4) .. +16 and tile rows 32 (w/4) .. +32 (full
-//        512-dim dot products, ldmatrix from the swizzled q and row tiles, two accumulator sets
-//        to halve the mma dependency chains), masks rows past the tile's end, publishes its
-//        per-head max; after a barrier it forms m_new, writes bf16 p into a [64 heads][64 rows]
-//        tile and keeps its half of the f32 denominator in registers.
-//      P.V: warp w accumulates O for heads 32 (w%2) .. +32 and dims 128 (w/2) .. +128 (2 x 16
-//        m16n8 tiles = 128 f32 registers per thread), B = the row tile via ldmatrix.trans.
-//      Shared tiles are XOR-swizzled per 16-byte chunk (chunk ^ (row & 7)): conflict-free
-//      ldmatrix and cp.async.
+//      Q.K^T: warpgroup w computes S for all 64 heads x tile rows 32 w .. +32 (32 wgmma
+//        m64n32k16, A = q and B = the row tile, both K-major from shared memory); warp w % 4
+//        holds heads 16 (w % 4) .. +16. Rows past the tile's end are masked, the per-head max
+//        is published; after a barrier each warp forms m_new, writes bf16 p into a [64 heads]
+//        [64 rows] tile and keeps its half of the f32 denominator in registers.
+//      P.V: warpgroup w accumulates O for all 64 heads x dims 256 w .. +256 (wgmma m64n256k16
+//        per 16 rows, A = the p tile, B = the row tile MN-major; 128 f32 registers per thread).
+//      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
 //      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
-//      into this split's factor and the lse; every PV warp scales its O by the factor into f32
-//      shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
+//      into this split's factor and the lse; every warp scales its O by the factor into
+//      f32 shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
 //      share of the heads and writes bf16 out (16-byte stores).
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts).
-// Measured on the H200 (docs/perf.md): a 64-row tile takes ~5 us (mma.sync + ldmatrix latency
-// with 2 warps per scheduler, not HBM: the gather alone is faster), a CTA's fixed cost
-// (compaction, first loads, epilogue) ~5-10 us. wgmma (sm_90a) is the next step.
+// Measured on the H200 (docs/perf.md, "Round 2"): a 64-row tile costs ~2.3 us of tensor-core
+// work and softmax, plus ~1.6 us while the same warps issue the next tile's 4096 cp.async and
+// ~0.5 us for the L2 prefetches (memory back-pressure stalls the issuing warps); a single
+// producer warp issuing them instead was slower (it cannot keep up: 2.5-4 us waits per tile).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -70,31 +70,36 @@ namespace dsv41_sa {
 constexpr int D = 512;          // head dim (row width)
 constexpr int BLK = 64;         // rows per tile = softmax block of the reference
 constexpr int HB = 64;          // heads per CTA
-constexpr int THREADS = 256;    // 8 warps
+constexpr int THREADS = 256;    // 8 warps = 2 warpgroups
 constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
 constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
 constexpr int MAX_SPLITS = 8;   // portable cluster size
 constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
-// Shared memory map (bytes).
-constexpr int SM_Q = 0;                              // bf16 [64 heads][512], swizzled
-constexpr int SM_K = SM_Q + HB * D * 2;              // bf16 [2 stages][64 rows][512], swizzled
-constexpr int SM_P = SM_K + 2 * BLK * D * 2;         // bf16 [64 heads][64 rows], swizzled
-constexpr int SM_MX = SM_P + HB * BLK * 2;           // f32 [2 row halves][64 heads]: tile max
-constexpr int SM_M = SM_MX + 2 * HB * 4;             // f32 [2 ping-pong][64 heads]: running max
-constexpr int SM_ALPHA = SM_M + 2 * HB * 4;          // f32 [64 heads]: e^{m_old - m_new}
-constexpr int SM_DEN = SM_ALPHA + HB * 4;            // f32 [2 row halves][64 heads]: denominators
-constexpr int SM_STAT = SM_DEN + 2 * HB * 4;         // f32 [2][64 heads]: (m, den) published to the cluster
-constexpr int SM_CNT = SM_STAT + 2 * HB * 4;         // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
+// Shared memory map (bytes). q and row tiles in the wgmma 128-byte-swizzle canonical layout:
+// 8 planes of 64 dims, [dims / 64][row][128 bytes, 16-byte chunk c at c ^ (row & 7)] (8 KB per
+// plane); K-major for Q.K^T (A = q, B = rows), MN-major for P.V (B = rows).
+constexpr int TILEB = BLK * D * 2;              // one 64-row tile (also the q tile: 64 heads)
+constexpr int SM_Q = 0;                         // bf16 [64 heads][512]
+constexpr int SM_K = SM_Q + TILEB;              // bf16 [2 stages][64 rows][512]
+constexpr int SM_P = SM_K + 2 * TILEB;          // bf16 [64 heads][64 rows], 128-byte swizzle
+constexpr int SM_MX = SM_P + HB * BLK * 2;      // f32 [2 row halves][64 heads]: tile max
+constexpr int SM_M = SM_MX + 2 * HB * 4;        // f32 [2 ping-pong][64 heads]: running max
+constexpr int SM_ALPHA = SM_M + 2 * HB * 4;     // f32 [64 heads]: e^{m_old - m_new}
+constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]: denominators
+constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
+constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_ENT = SM_TOTAL + 16;                // u32 [range]: (source << 31) | row
-constexpr int SM_O = 0;                              // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
+constexpr int SM_ENT = SM_TOTAL + 16;           // u32 [range]: (source << 31) | row
+constexpr int SM_O = 0;                         // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
+static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
 // (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
-// (j < 16), [18] stats merged, [19] partial tiles written, [20] end.
-constexpr int TRACE_SLOTS = 24;
+// (j < 16), [18] stats merged, [19] partial tiles written, [20] end, [24 + j] tile j's rows
+// arrived (j < 16).
+constexpr int TRACE_SLOTS = 40;
 __device__ long long g_trace[TRACE_SLOTS];
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -105,10 +110,15 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
     const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // Pulls `bytes` (multiple of 16) at a 16-byte aligned global address into L2, no completion.
 __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
+// Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
+// after this fence and a barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Cluster-wide barrier with release / acquire semantics (shared::cluster writes visible after).
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -116,35 +126,82 @@ __device__ __forceinline__ void cluster_sync_all() {
 __device__ __forceinline__ void cluster_arrive_relaxed_wait() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
 
-// d += a (16x16 row-major bf16) * b (16x8 col-major bf16), f32 accumulators.
-__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile.
+__device__ __forceinline__ uint32_t wgsw(int r, int c) {
+    return static_cast<uint32_t>((c >> 3) * (BLK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
-
-// Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of 1024-byte rows.
-__device__ __forceinline__ uint32_t sw1k(int r, int c) { return static_cast<uint32_t>(r * 1024 + ((c ^ (r & 7)) << 4)); }
 // Same for the P tile (128-byte rows, 8 chunks).
 __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
 // Same for the f32 O tile (2048-byte rows, 128 chunks).
 __device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ (r & 7)) << 4)); }
+
+// wgmma (sm_90a): shared-memory matrix descriptors and the kernel's two warpgroup products
+// (PTX ISA, asynchronous warpgroup level matrix shared memory layout).
+// Descriptor of a 128-byte-swizzled operand at shared address `addr` (the pattern repeats on
+// 1024-byte boundaries, base offset 0): lbo / sbo in bytes (K-major: lbo unused, sbo = 8-row
+// group stride; MN-major: lbo = stride of 64-element MN blocks, sbo = 8-row K group stride).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFFu) >> 4) << 16) |
+           (static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins accumulator registers in program order around the asynchronous products.
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[0..15] += A (64 x 16, smem descriptor a) * B (16 x 32, smem descriptor b, K-major),
+// bf16 -> f32; accumulator layout: d[4i + c] at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
+__device__ __forceinline__ void wg_m64n32k16_kk(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(1));
+}
+
+// d[0..127] += A (64 x 16, smem descriptor a) * B (16 x 256, smem descriptor b, MN-major),
+// bf16 -> f32; accumulator layout: d[4i + c] at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
+__device__ __forceinline__ void wg_m64n256k16_kmn(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(a), "l"(b), "r"(1));
+}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -160,6 +217,7 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
 __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
+    if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
     float* mx_s = reinterpret_cast<float*>(smem + SM_MX);
     float* m_s = reinterpret_cast<float*>(smem + SM_M);
     float* alpha_s = reinterpret_cast<float*>(smem + SM_ALPHA);
@@ -170,7 +228,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, tq = lane & 3;  // mma fragment coordinates
+    const int g = lane >> 2, tq = lane & 3;  // fragment coordinates
     const int t = blockIdx.x;
     const int split = blockIdx.y, nsplit = gridDim.y;
     const int h0 = blockIdx.z * HB;
@@ -184,7 +242,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     };
     stamp(0);
 
-    // 1a. q -> shared (cp.async; heads past nh zero-filled).
+    // 1a. q -> shared by cp.async (16 bytes per thread and step; heads past nh zero-filled).
     {
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
         const int col = tid & 63;
@@ -193,7 +251,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             const int h = (tid >> 6) + 4 * i;
             const bool ok = h < nh;
             const __nv_bfloat16* src = qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + col * 8 : 0);
-            cp_async16(sbase + SM_Q + sw1k(h, col), src, ok);
+            cp_async16(sbase + SM_Q + wgsw(h, col), src, ok);
         }
         cp_async_commit();
     }
@@ -278,92 +336,87 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 
     const int nrows = hi - lo;
     const int ntiles = (nrows + BLK - 1) / BLK;
+    // L2 prefetch of rows [r0, r1) (one bulk prefetch per row): keeps HBM busy beyond the two
+    // shared-memory stages.
+    auto prefetch_rows = [&](int r0, int r1) {
+        if (!skip_gather)
+            for (int r = r0 + tid; r < min(r1, nrows); r += THREADS) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
+    };
+
+    // Tile j -> stage j & 1: cp.async, 16 bytes per thread and step; rows past nb zero-filled.
     auto issue_tile = [&](int j) {
         const int base = j * BLK;
         const int nb = min(BLK, nrows - base);
-        const uint32_t dst = sbase + SM_K + (j & 1) * (BLK * D * 2);
+        const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
         const int col = tid & 63;
 #pragma unroll 4
         for (int i = 0; i < BLK * 64 / THREADS; ++i) {
             const int r = (tid >> 6) + 4 * i;
             const bool ok = r < nb;
             const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
-            if (!skip_gather) cp_async16(dst + sw1k(r, col), src, ok);
+            if (!skip_gather) cp_async16(dst + wgsw(r, col), src, ok);
         }
         cp_async_commit();
-    };
-    // L2 prefetch of the rows PF_TILES tiles ahead of the cp.async stream (one bulk prefetch per
-    // row): keeps HBM busy beyond the two shared-memory stages.
-    auto prefetch_rows = [&](int r0, int r1) {
-        if (!skip_gather)
-            for (int r = r0 + tid; r < min(r1, nrows); r += THREADS) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
     };
     if (ntiles > 0) issue_tile(0);
     prefetch_rows(BLK, (1 + PF_TILES) * BLK);
     stamp(1);
 
-    // Warp roles.
-    const int qk_hg = warp & 3, qk_rh = warp >> 2;  // Q.K^T: heads 16 qk_hg.., rows 32 qk_rh..
-    const int pv_hp = warp & 1, pv_dq = warp >> 1;  // P.V: heads 32 pv_hp.., dims 128 pv_dq..
-    const bool qk_active = qk_hg * 16 < nh;
-    const bool pv_active = pv_hp * 32 < nh;
-    float acc[2][16][4];
+    // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
+    // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
+    const int hg = warp & 3, wg = warp >> 2;
+    const bool qk_active = hg * 16 < nh;
+    // O accumulators (m64n256 fragment of warpgroup wg): acc[4i + c] = head 16 hg + g + 8 (c / 2),
+    // dim 256 wg + 8 i + 2 tq + c % 2.
+    float acc[128];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int b = 0; b < 16; ++b)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
 
     for (int j = 0; j < ntiles; ++j) {
         cp_async_wait_all();
+        fence_proxy_async();  // q and the row tile are read by wgmma
         __syncthreads();
+        if (j < 16) stamp(24 + j);
         if (j + 1 < ntiles) issue_tile(j + 1);
         prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK);
         const int nb = min(BLK, nrows - j * BLK);
-        const uint32_t kt = sbase + SM_K + (j & 1) * (BLK * D * 2);
+        const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
         const float* m_old_s = m_s + (j & 1) * HB;
         float* m_new_s = m_s + ((j + 1) & 1) * HB;
 
-        // Q.K^T for 16 heads x 32 rows.
-        // Two accumulator sets (even / odd k-steps) halve the mma dependency chains.
-        float s[4][4], s2[4][4];
+        // Q.K^T: warpgroup wg, all 64 heads x rows 32 wg .. +32 (m64n32k16, 32 k-steps); this
+        // warp gets heads 16 hg .. +16: s[a][c] = row 32 wg + 8 a + 2 tq + c % 2, head + 8 (c / 2).
+        float s[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) s[a][c] = s2[a][c] = 0.f;
-        const bool qk_rows = qk_active && qk_rh * 32 < nb;
-        if (qk_rows && !skip_mma) {
-            const int qrow = qk_hg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            const int qc = lane >> 4;
-            const int krow = qk_rh * 32 + (lane & 7) + (lane >> 4) * 8;
-            const int kc = (lane >> 3) & 1;
-#pragma unroll 4
-            for (int kk = 0; kk < 32; kk += 2) {
+            for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
+        const bool qk_rows = qk_active && wg * 32 < nb;
+        if (wg * 32 < nb && !skip_mma) {
+            float d[16];
 #pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    uint32_t a0, a1, a2, a3;
-                    ldsm_x4(sbase + SM_Q + sw1k(qrow, 2 * (kk + u) + qc), a0, a1, a2, a3);
+            for (int i = 0; i < 16; ++i) d[i] = 0.f;
+            wg_fence_regs<16>(d);
+            wg_fence();
 #pragma unroll
-                    for (int np = 0; np < 2; ++np) {
-                        uint32_t b0, b1, b2, b3;
-                        ldsm_x4(kt + sw1k(krow + 16 * np, 2 * (kk + u) + kc), b0, b1, b2, b3);
-                        mma_bf16(u ? s2[2 * np] : s[2 * np], a0, a1, a2, a3, b0, b1);
-                        mma_bf16(u ? s2[2 * np + 1] : s[2 * np + 1], a0, a1, a2, a3, b2, b3);
-                    }
-                }
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
+                wg_m64n32k16_kk(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + wg * 32 * 128, 16, 1024));
             }
+            wg_commit();
+            wg_wait_all();
+            wg_fence_regs<16>(d);
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) s[a][c] += s2[a][c];
+                for (int c = 0; c < 4; ++c) s[a][c] = d[4 * a + c];
         }
         // Scale, mask, per-head max of this warp's rows.
         float mlo = -INFINITY, mhi = -INFINITY;
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
-            const int r0 = qk_rh * 32 + 8 * a + 2 * tq;
+            const int r0 = wg * 32 + 8 * a + 2 * tq;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const bool ok = qk_rows && r0 + (c & 1) < nb;
@@ -376,10 +429,10 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 2));
         mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 1));
         mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 2));
-        const int hlo = qk_hg * 16 + g, hhi = hlo + 8;
+        const int hlo = hg * 16 + g, hhi = hlo + 8;
         if (tq == 0) {
-            mx_s[qk_rh * HB + hlo] = mlo;
-            mx_s[qk_rh * HB + hhi] = mhi;
+            mx_s[wg * HB + hlo] = mlo;
+            mx_s[wg * HB + hhi] = mhi;
         }
         __syncthreads();
         // m_new, bf16 p -> P tile, this half's denominator.
@@ -395,7 +448,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
                 const float e2 = expf(s[a][2] - nhi), e3 = expf(s[a][3] - nhi);
                 slo += e0 + e1;
                 shi += e2 + e3;
-                const int r0 = qk_rh * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
+                const int r0 = wg * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
                 *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e0, e1);
                 *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e2, e3);
             }
@@ -405,49 +458,36 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             shi += __shfl_xor_sync(0xffffffffu, shi, 2);
             den_lo = __fadd_rn(__fmul_rn(den_lo, alo), slo);
             den_hi = __fadd_rn(__fmul_rn(den_hi, ahi), shi);
-            if (qk_rh == 0 && tq == 0) {
+            if (wg == 0 && tq == 0) {
                 m_new_s[hlo] = nlo;
                 m_new_s[hhi] = nhi;
                 alpha_s[hlo] = alo;
                 alpha_s[hhi] = ahi;
             }
         }
+        fence_proxy_async();  // the P tile is read by wgmma
         __syncthreads();
-        // P.V for 32 heads x 128 dims.
-        if (pv_active) {
+        // P.V: warpgroup wg, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows; A = the
+        // P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
+        const float al = alpha_s[hlo], ah = alpha_s[hhi];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const float al = alpha_s[pv_hp * 32 + 16 * mt + g], ah = alpha_s[pv_hp * 32 + 16 * mt + g + 8];
-#pragma unroll
-                for (int n = 0; n < 16; ++n) {
-                    acc[mt][n][0] *= al;
-                    acc[mt][n][1] *= al;
-                    acc[mt][n][2] *= ah;
-                    acc[mt][n][3] *= ah;
-                }
-            }
-            const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
-            const int prow = pv_hp * 32 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            const int pc = lane >> 4;
-            const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8;
-            const int vc = pv_dq * 16 + (lane >> 4);
+        for (int i = 0; i < 32; ++i) {
+            acc[4 * i] *= al;
+            acc[4 * i + 1] *= al;
+            acc[4 * i + 2] *= ah;
+            acc[4 * i + 3] *= ah;
+        }
+        const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
+        if (ksteps > 0) {
+            wg_fence_regs<128>(acc);
+            wg_fence();
 #pragma unroll 1
-            for (int kk = 0; kk < ksteps; ++kk) {
-                uint32_t a[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-                    ldsm_x4(sbase + SM_P + sw128(prow + 16 * mt, 2 * kk + pc), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
-#pragma unroll
-                for (int np = 0; np < 8; ++np) {
-                    uint32_t b0, b1, b2, b3;
-                    ldsm_x4_t(kt + sw1k(16 * kk + vrow, vc + 2 * np), b0, b1, b2, b3);
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        mma_bf16(acc[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
-                        mma_bf16(acc[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
-                    }
-                }
-            }
+            for (int kk = 0; kk < ksteps; ++kk)
+                wg_m64n256k16_kmn(acc, wg_desc(sbase + SM_P + kk * 32, 16, 1024),
+                                  wg_desc(kt + wg * 4 * (BLK * 128) + kk * 16 * 128, BLK * 128, 1024));
+            wg_commit();
+            wg_wait_all();
+            wg_fence_regs<128>(acc);
         }
         if (j < 16) stamp(2 + j);
     }
@@ -459,8 +499,8 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
     };
     if (tq == 0) {
-        den_s[qk_rh * HB + qk_hg * 16 + g] = den_lo;
-        den_s[qk_rh * HB + qk_hg * 16 + g + 8] = den_hi;
+        den_s[wg * HB + hg * 16 + g] = den_lo;
+        den_s[wg * HB + hg * 16 + g + 8] = den_hi;
     }
     __syncthreads();
     if (tid < HB) {
@@ -505,19 +545,16 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
     __syncthreads();
-    if (pv_active) {
+    {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int hi = 0; hi < 2; ++hi) {
+            const int h = hg * 16 + g + 8 * hi;
+            const float f = fac_s[h];
 #pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const int h = pv_hp * 32 + 16 * mt + g + 8 * hi;
-                const float f = fac_s[h];
-#pragma unroll
-                for (int n = 0; n < 16; ++n) {
-                    const int d0 = pv_dq * 128 + 8 * n + 2 * tq;
-                    float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
-                    *dst = make_float2(acc[mt][n][2 * hi] * f, acc[mt][n][2 * hi + 1] * f);
-                }
+            for (int i = 0; i < 32; ++i) {
+                const int d0 = wg * 256 + 8 * i + 2 * tq;
+                float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
+                *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
             }
         }
     }
@@ -568,7 +605,6 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-constexpr size_t SMEM_FIXED = SM_ENT;
 
 // Splits per token: the fewest that minimise the estimated time, in units of one 64-row tile:
 // per CTA its tiles + a fixed cost (index compaction, first loads, epilogue; ~2 tiles) + the
@@ -601,7 +637,7 @@ void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
             (h[1] - h[0]) * us);
     long long prev = h[1];
     for (int j = 0; j < 16 && h[2 + j] > prev; ++j) {
-        fprintf(stderr, " | tile%d %.2f", j, (h[2 + j] - prev) * us);
+        fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[2 + j] - prev) * us, (h[24 + j] - prev) * us);
         prev = h[2 + j];
     }
     fprintf(stderr, " | merge %.2f | partials %.2f | store %.2f | total %.2f us\n", (h[18] - prev) * us, (h[19] - h[18]) * us,
@@ -629,7 +665,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         (p->kc > 0 && (!aligned16(p->kv_extra) || p->extra_row_stride % 8)))
         return DSV41_ERR_ALIGNMENT;
     const int ktot = p->kw + p->kc;
-    const size_t smem = SMEM_FIXED + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
+    const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     int dev = 0, max_smem = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
