@@ -5,6 +5,7 @@
 #
 #   bash gpu-bin/run.sh            # tests, compute-sanitizer memcheck of the tests, benchmark
 #   SKIP_MEMCHECK=1 TEST_FILTER=name BENCH_ARGS="--quick" bash gpu-bin/run.sh
+#   MEMCHECK_TESTS="cuda_layer" bash gpu-bin/run.sh                          # memcheck a subset
 #   ARGS_golden="tests/fixtures/v41-tiny --device cuda" bash gpu-bin/run.sh   # per-binary arguments
 #
 # Exit status: 0 when the tests (and memcheck, when it ran) passed; the bench never fails it.
@@ -33,6 +34,7 @@ BENCHES=(bench_insert bench_sparse_attention)
 read -r -a TEST_FILTER_ARR <<< "${TEST_FILTER:-}"
 read -r -a BENCH_ARGS_ARR <<< "${BENCH_ARGS:-}"
 SKIP_MEMCHECK="${SKIP_MEMCHECK:-0}"
+read -r -a MEMCHECK_ARR <<< "${MEMCHECK_TESTS:-${TESTS[*]}}"   # which test binaries run under memcheck
 for b in "${TESTS[@]}" "${BENCHES[@]}"; do
     unxz_to "$HERE/$b.xz" "$WORK/$b" || { say "cannot unpack $b.xz"; exit 2; }
     chmod +x "$WORK/$b"
@@ -72,7 +74,7 @@ if [[ "$SKIP_MEMCHECK" == 1 ]]; then
     say "memcheck skipped (SKIP_MEMCHECK=1)"
 elif [[ -n "$SAN" ]]; then
     say "memcheck with $SAN"
-    for b in "${TESTS[@]}"; do
+    for b in "${MEMCHECK_ARR[@]}"; do
         with_timeout 300 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 50 \
             "$WORK/$b" --test-threads=1 > "$OUT/memcheck-$b.log" 2>&1
         rc=$?
