@@ -5,7 +5,7 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::cache::SequenceCache;
-use super::compressor::Compressor;
+use super::compressor::{Compressor, Latents};
 use super::indexer::{IndexKeyProjection, Indexer};
 use super::sparse_attention::sparse_attention;
 use crate::config::{AttentionRole, Config, TopkRole};
@@ -178,6 +178,21 @@ impl Attention {
         self.output(&o)
     }
 
+    /// The compressor step of this kv source: the latents of the groups closing in this call,
+    /// `None` when none closes; checked against the entries the source's cache already holds.
+    pub(super) fn closed_groups(&self, x: &Tensor, start: usize, compressor: &Compressor, cache: &mut SequenceCache) -> Result<Option<Latents>> {
+        let l = self.layer;
+        let source = cache.source_mut(l)?;
+        let lat = compressor.forward(x, start, &mut source.carry)?;
+        if lat.latent.dim(0)? == 0 {
+            return Ok(None);
+        }
+        if source.compressed.len() != lat.first_entry {
+            candle_core::bail!("layer {l}: compressed cache holds {} entries, call emits entry {}", source.compressed.len(), lat.first_entry)
+        }
+        Ok(Some(lat))
+    }
+
     /// Runs the compressor of this kv source and appends index keys and compressed entries.
     fn compress(
         &self,
@@ -188,22 +203,14 @@ impl Attention {
         keys: &IndexKeyProjection,
         cache: &mut SequenceCache,
     ) -> Result<()> {
-        let l = self.layer;
-        let source = cache.source_mut(l)?;
-        let lat = compressor.forward(x, start, &mut source.carry)?;
-        let g = lat.latent.dim(0)?;
-        if g == 0 {
-            return Ok(());
-        }
+        let Some(lat) = self.closed_groups(x, start, compressor, cache)? else { return Ok(()) };
         let index_k = keys.keys(&lat.latent, lat.first_entry, ratio, &self.rope)?;
-        let positions: Vec<usize> = (0..g).map(|i| (lat.first_entry + i) * ratio).collect();
+        let positions: Vec<usize> = (0..lat.latent.dim(0)?).map(|i| (lat.first_entry + i) * ratio).collect();
         let mut entries = self.rope.apply(&lat.latent, &positions, false)?;
         if self.numerics.cache_fake_quant {
             entries = fake_quant(&entries, QatFormat::Fp4E4m3B16)?;
         }
-        if source.compressed.len() != lat.first_entry {
-            candle_core::bail!("layer {l}: compressed cache holds {} entries, call emits entry {}", source.compressed.len(), lat.first_entry)
-        }
+        let source = cache.source_mut(self.layer)?;
         source.compressed.append(&entries)?;
         source.index_keys.append(&index_k)?;
         Ok(())

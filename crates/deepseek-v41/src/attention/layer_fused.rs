@@ -128,16 +128,9 @@ impl Attention {
         keys: &IndexKeyProjection,
         cache: &mut SequenceCache,
     ) -> Result<()> {
-        let l = self.layer;
-        let source = cache.source_mut(l)?;
-        let lat = compressor.forward(x, start, &mut source.carry)?;
+        let Some(lat) = self.closed_groups(x, start, compressor, cache)? else { return Ok(()) };
         let g = lat.latent.dim(0)?;
-        if g == 0 {
-            return Ok(());
-        }
-        if source.compressed.len() != lat.first_entry {
-            candle_core::bail!("layer {l}: compressed cache holds {} entries, call emits entry {}", source.compressed.len(), lat.first_entry)
-        }
+        let source = cache.source_mut(self.layer)?;
         let k_pre = keys.project(&lat.latent)?;
         let positions: Vec<usize> = (0..g).map(|i| (lat.first_entry + i) * ratio).collect();
         let (cos, sin) = self.rope.cos_sin(&positions)?;

@@ -56,3 +56,23 @@ pub(crate) fn write_ptr<'a, T: CudaDType + 'a>(
 pub(crate) fn raw_stream(stream: &CudaStream) -> *mut c_void {
     stream.cu_stream() as *mut c_void
 }
+
+/// `x` itself when its rows (last dim contiguous) start on 16-byte boundaries (bf16: every 8
+/// elements), else a contiguous copy whose rows do — what the kernels' 16-byte loads need.
+pub(crate) fn aligned_rows(x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    let ok = |x: &candle_core::Tensor| {
+        let s = x.stride();
+        s[s.len() - 1] == 1
+            && x.layout().start_offset().is_multiple_of(8)
+            && s[..s.len() - 1].iter().zip(x.dims()).all(|(&st, &n)| n <= 1 || st.is_multiple_of(8))
+    };
+    if ok(x) {
+        return Ok(x.clone());
+    }
+    let c = x.contiguous()?;
+    if ok(&c) {
+        Ok(c)
+    } else {
+        c.copy()
+    }
+}

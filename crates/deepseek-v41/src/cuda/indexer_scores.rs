@@ -16,7 +16,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
 use half::bf16;
 
-use super::device::{as_cuda, raw_stream, read_ptr, stream_for};
+use super::device::{aligned_rows, as_cuda, raw_stream, read_ptr, stream_for};
 use super::ffi;
 use super::indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
 use crate::attention::indexer::{index_scores as reference_scores, mask_invisible, Candidates};
@@ -175,24 +175,6 @@ pub(crate) fn allowed_mask(c: &Candidates, entries: usize) -> Result<Tensor> {
     Ok(Tensor::from_storage(Storage::Cuda(s), (t, words), BackpropOp::none(), false))
 }
 
-/// A copy of `x` whose rows start 16-byte aligned (bf16: 8 elements), if needed.
-pub(crate) fn aligned_rows(x: &Tensor) -> Result<Tensor> {
-    let ok = |x: &Tensor| {
-        let s = x.stride();
-        s[s.len() - 1] == 1
-            && x.layout().start_offset().is_multiple_of(8)
-            && s[..s.len() - 1].iter().zip(x.dims()).all(|(&st, &n)| n <= 1 || st.is_multiple_of(8))
-    };
-    if ok(x) {
-        return Ok(x.clone());
-    }
-    let c = x.contiguous()?;
-    if ok(&c) {
-        Ok(c)
-    } else {
-        c.copy()
-    }
-}
 
 /// Locks the scoring inputs, builds the parameter block for all T tokens (no `scores` pointer
 /// yet) and runs `f` with it, the stream and the device; the inputs stay locked during `f`.

@@ -14,7 +14,7 @@ use half::bf16;
 use super::device::{as_cuda, raw_stream, read_ptr, stream_for};
 use super::ffi;
 use super::indexer_inputs::Visibility;
-use super::indexer_scores::aligned_rows;
+use super::device::aligned_rows;
 use crate::attention::indexer::{candidate_blocks as reference_blocks, top_k as reference_top_k};
 
 /// What to select from a score row.

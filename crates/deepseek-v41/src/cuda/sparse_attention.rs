@@ -21,7 +21,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
 use half::bf16;
 
-use super::device::{as_cuda, raw_stream, read_ptr, stream_for, write_ptr};
+use super::device::{aligned_rows, as_cuda, raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
 use crate::attention::sparse_attention::sparse_attention_ref;
 
@@ -216,24 +216,6 @@ fn log_sum_exp(q: &Tensor, kv: &Tensor, idx: &[Vec<i64>], scale: f32) -> Result<
     Tensor::from_vec(lse, (t, h), &Device::Cpu)?.to_device(q.device())
 }
 
-/// A tensor whose rows (last dim contiguous) start on 16-byte boundaries, copied if needed.
-fn rows_aligned(x: &Tensor) -> Result<Tensor> {
-    let ok = |x: &Tensor| {
-        let s = x.stride();
-        s[s.len() - 1] == 1
-            && x.layout().start_offset().is_multiple_of(8)
-            && s[..s.len() - 1].iter().zip(x.dims()).all(|(&st, &n)| n <= 1 || st.is_multiple_of(8))
-    };
-    if ok(x) {
-        return Ok(x.clone());
-    }
-    let c = x.contiguous()?;
-    if ok(&c) {
-        Ok(c)
-    } else {
-        c.copy()
-    }
-}
 
 #[allow(clippy::too_many_arguments)]
 fn cuda_forward(
@@ -248,7 +230,7 @@ fn cuda_forward(
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "sparse_attention_two_source";
     let (t, h, d) = q.dims3()?;
-    let (q, kvw, kvc) = (rows_aligned(q)?, rows_aligned(kvw)?, rows_aligned(kvc)?);
+    let (q, kvw, kvc) = (aligned_rows(q)?, aligned_rows(kvw)?, aligned_rows(kvc)?);
     let (iw, ic, sink) = (iw.contiguous()?, ic.contiguous()?, sink.contiguous()?);
     let index_bytes = iw.dtype().size_in_bytes() as i32;
     let (qs, ql) = q.storage_and_layout();
