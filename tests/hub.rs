@@ -13,7 +13,6 @@ use deepseek_v41::hub::{fetch, Hub, HubCheckpoint, HubError, HubOptions, HubWeig
 use deepseek_v41::loader::ReleaseCheckpoint;
 use safetensors::Dtype;
 
-#[allow(dead_code)]
 #[path = "support/release_writer.rs"]
 mod release_writer;
 use release_writer::{f32_bytes, raw, write_sharded, TempDir};
