@@ -66,6 +66,22 @@ fn options(endpoint: &str, cache: &Path) -> HubOptions {
         .with_retries(0)
 }
 
+/// The tiny checkpoint served by a local hub on 127.0.0.1, an empty cache, and [`options`] for them.
+struct Served {
+    ckpt: Checkpoint,
+    cache: TempDir,
+    server: HubServer,
+    opts: HubOptions,
+}
+
+fn served() -> Result<Served> {
+    let ckpt = checkpoint()?;
+    let cache = TempDir::new("hub-cache")?;
+    let server = HubServer::start(site(&ckpt))?;
+    let opts = options(server.base(), &cache.0);
+    Ok(Served { ckpt, cache, server, opts })
+}
+
 fn spec(revision: &str) -> HubCheckpoint {
     HubCheckpoint::new(REPO, revision, HubWeights::Index(INDEX.to_string())).with_extra_files(["config.json"])
 }
@@ -88,10 +104,8 @@ fn assert_same_bytes(path: &Path, want: &[u8]) -> Result<()> {
 
 #[test]
 fn sharded_download_then_offline_from_cache() -> Result<()> {
-    let ckpt = checkpoint()?;
-    let cache = TempDir::new("hub-cache")?;
-    let server = HubServer::start(site(&ckpt))?;
-    let opts = options(server.base(), &cache.0).with_token(Some("hf_test_token".to_string()));
+    let Served { ckpt, cache, server, opts } = served()?;
+    let opts = opts.with_token(Some("hf_test_token".to_string()));
 
     let got = fetch(&spec(COMMIT), &opts)?;
     let snap = snapshot(&cache.0, COMMIT);
@@ -150,10 +164,7 @@ fn sharded_download_then_offline_from_cache() -> Result<()> {
 
 #[test]
 fn branch_revision_is_recorded_and_found_offline() -> Result<()> {
-    let ckpt = checkpoint()?;
-    let cache = TempDir::new("hub-cache")?;
-    let server = HubServer::start(site(&ckpt))?;
-    let opts = options(server.base(), &cache.0);
+    let Served { ckpt, cache, server, opts } = served()?;
     let hub = Hub::new(opts.clone())?;
     let path = hub.file(REPO, "main", "config.json")?;
     assert_eq!(path, snapshot(&cache.0, COMMIT).join("config.json"));
@@ -293,10 +304,7 @@ fn not_found_names_repo_revision_and_file() -> Result<()> {
 /// `Range: bytes={size}-`, which the hub answers with 416; deleting the `.part` file recovers.
 #[test]
 fn complete_part_file_needs_deleting() -> Result<()> {
-    let ckpt = checkpoint()?;
-    let cache = TempDir::new("hub-cache")?;
-    let server = HubServer::start(site(&ckpt))?;
-    let opts = options(server.base(), &cache.0);
+    let Served { ckpt, cache: _cache, server, opts } = served()?;
     let shard = &ckpt.shards[0];
     let files = HubCheckpoint::new(REPO, COMMIT, HubWeights::Files(vec![shard.clone()]));
     let path = fetch(&files, &opts)?.weights.remove(0);
