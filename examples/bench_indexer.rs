@@ -8,25 +8,24 @@
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
 //!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k).
 //!
-//! Timing: CUDA events on candle's stream around back-to-back calls after a warm-up, median of
-//! `reps` repetitions. GB/s: key bytes read (+ q, w, scores written and read back by the top-k)
+//! Timing: `Timer::calls` of examples/support/bench.rs: CUDA events on candle's stream around
+//! back-to-back calls after a warm-up, median of `reps` repetitions. GB/s: key bytes read (+ q, w, scores written and read back by the top-k)
 //! over the time, against the H200's 4.17 TB/s; TFLOP/s: 2·H·D per (query, visible key) against
 //! ~790 TFLOP/s dense bf16. Baseline: the same decode scoring with plain Candle ops on the same
 //! GPU (batched bf16 matmul, relu, weighted head sum in f32, top-k via `arg_sort_last_dim`).
 //!
 //! Run: `cargo run --release --features cuda --example bench_indexer` (needs a GPU).
 
-use std::sync::Arc;
-
-use anyhow::{Context, Result};
-use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaStream};
+use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use clap::Parser;
 use deepseek_v41::cuda::{index_select, index_topk, masked_index_scores, IndexKeys, KeySource, PackedLayout, Visibility};
 use deepseek_v41::quant::fake_quant::QatFormat;
 
-const HBM_GBPS: f64 = 4170.0;
-const PEAK_TFLOPS: f64 = 790.0;
+#[path = "support/bench.rs"]
+mod bench;
+use bench::{cuda_device, gbps, parse_args, tflops, Timer, TimingArgs, BF16_TFLOPS, HBM_READ_GBPS};
+
 const HEADS: usize = 32;
 const DIM: usize = 128;
 const TOPK: usize = 512;
@@ -36,41 +35,14 @@ const PAGE: usize = 64;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Repetitions (the median is reported).
-    #[arg(long, default_value_t = 9)]
-    reps: usize,
-    /// Warm-up calls before timing.
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
-    /// Target time of one repetition in milliseconds.
-    #[arg(long, default_value_t = 3.0)]
-    rep_ms: f64,
+    #[command(flatten)]
+    timing: TimingArgs,
     /// Skip the plain-Candle baseline.
     #[arg(long)]
     no_baseline: bool,
     /// Prefill chunk sizes (tokens).
     #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768")]
     prefill: Vec<usize>,
-}
-
-fn time(stream: &Arc<CudaStream>, args: &Args, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..args.warmup.max(1) {
-        f()?;
-    }
-    stream.synchronize()?;
-    let mut span = |iters: usize| -> Result<f64> {
-        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        for _ in 0..iters {
-            f()?;
-        }
-        let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        Ok(start.elapsed_ms(&end)? as f64 / iters as f64)
-    };
-    let probe = span(1)?;
-    let iters = ((args.rep_ms / probe.max(1e-4)) as usize).clamp(1, 2000);
-    let mut s: Vec<f64> = (0..args.reps.max(1)).map(|_| span(iters)).collect::<Result<_>>()?;
-    s.sort_by(|a, b| a.total_cmp(b));
-    Ok(s[s.len() / 2])
 }
 
 /// Random bf16 key rows `[rows, 128]` and the same count of packed rows (random e2m1 codes,
@@ -99,14 +71,11 @@ fn baseline_topk(scores: &Tensor) -> Result<Tensor> {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
-    let dev = Device::new_cuda(0).context("bench_indexer needs a CUDA device")?;
-    let stream = match &dev {
-        Device::Cuda(c) => c.cuda_stream(),
-        _ => unreachable!(),
-    };
+    let args: Args = parse_args(&[("reps", "9"), ("warmup", "5"), ("rep_ms", "3.0")]);
+    let (dev, stream) = cuda_device("bench_indexer")?;
+    let timer = args.timing.timer(stream.clone());
     println!(
-        "lightning indexer, H={HEADS} D={DIM} top-k {TOPK}, ratio-2 source at {CONTEXT} context ({KEYS} keys/sequence), H200 ceilings {HBM_GBPS} GB/s, {PEAK_TFLOPS} TFLOP/s"
+        "lightning indexer, H={HEADS} D={DIM} top-k {TOPK}, ratio-2 source at {CONTEXT} context ({KEYS} keys/sequence), H200 ceilings {HBM_READ_GBPS} GB/s, {BF16_TFLOPS} TFLOP/s"
     );
     println!("\n## decode (each sequence its own keys)");
     println!(
@@ -126,26 +95,26 @@ fn main() -> Result<()> {
             ("mxfp4", IndexKeys::Packed { cache: &packed, layout }, 68),
         ] {
             let src = KeySource { keys, base: Some(&base), entries: KEYS, visibility: Visibility::Counts(&counts) };
-            let ts = time(&stream, &args, || {
+            let ts = timer.calls(|| {
                 masked_index_scores(&q, &w, &src, None)?;
                 Ok(())
             })?;
             let scores = masked_index_scores(&q, &w, &src, None)?;
-            let tk = time(&stream, &args, || {
+            let tk = timer.calls(|| {
                 index_topk(&scores, &Visibility::Counts(&counts), TOPK)?;
                 Ok(())
             })?;
-            let tsel = time(&stream, &args, || {
+            let tsel = timer.calls(|| {
                 index_select(&q, &w, &src, TOPK, None, None)?;
                 Ok(())
             })?;
             let bytes = (b * KEYS * row_bytes + b * KEYS * 2) as f64;
-            let gbps = bytes / (ts * 1e-3) / 1e9;
-            let tflops = flops / (ts * 1e-3) / 1e12;
+            let gbps = gbps(bytes, ts);
+            let tflops = tflops(flops, ts);
             let base_col = if args.no_baseline || name != "bf16" {
                 String::new()
             } else {
-                match time(&stream, &args, || {
+                match timer.calls(|| {
                     baseline_scores(&q, &w, &bf)?;
                     Ok(())
                 }) {
@@ -160,8 +129,8 @@ fn main() -> Result<()> {
                 tflops,
                 tk * 1e3,
                 tsel * 1e3,
-                100.0 * gbps / HBM_GBPS,
-                100.0 * tflops / PEAK_TFLOPS
+                100.0 * gbps / HBM_READ_GBPS,
+                100.0 * tflops / BF16_TFLOPS
             );
         }
     }
@@ -169,9 +138,8 @@ fn main() -> Result<()> {
     println!("\n## prefill chunk at the end of a {CONTEXT} context (one sequence, causal ratio 2)");
     println!("{:<7} {:<7} {:>11} {:>9} {:>7} {:>12}", "T", "keys", "select_ms", "TFLOP/s", "%peak", "Mtok/s");
     let (bf, packed, layout) = caches(KEYS, &dev)?;
-    let args_no_baseline = args.no_baseline;
-    let slow = Args { warmup: 1, reps: 3, rep_ms: 1.0, ..args };
-    for &t in &slow.prefill {
+    let slow = Timer { stream, warmup: 1, reps: 3, rep_ms: 1.0 };
+    for &t in &args.prefill {
         let start = CONTEXT - t;
         let q = Tensor::randn(0f32, 1.0, (t, HEADS, DIM), &dev)?.to_dtype(DType::BF16)?;
         let w = (Tensor::randn(0f32, 0.05, (t, HEADS), &dev)?.to_dtype(DType::BF16)?.to_dtype(DType::F32))?;
@@ -179,24 +147,24 @@ fn main() -> Result<()> {
         let flops = visible * (HEADS * DIM * 2) as f64;
         for (name, keys) in [("bf16", IndexKeys::Rows(&bf)), ("mxfp4", IndexKeys::Packed { cache: &packed, layout })] {
             let src = KeySource { keys, base: None, entries: KEYS, visibility: Visibility::Causal { start, ratio: 2 } };
-            let ts = time(&stream, &slow, || {
+            let ts = slow.calls(|| {
                 index_select(&q, &w, &src, TOPK, None, None)?;
                 Ok(())
             })?;
-            let tflops = flops / (ts * 1e-3) / 1e12;
+            let tflops = tflops(flops, ts);
             println!(
                 "{t:<7} {name:<7} {:>11.2} {:>9.1} {:>6.1}% {:>12.3}",
                 ts,
                 tflops,
-                100.0 * tflops / PEAK_TFLOPS,
+                100.0 * tflops / BF16_TFLOPS,
                 t as f64 / (ts * 1e-3) / 1e6
             );
         }
     }
     // Last (a failing launch must not spoil the rest): candle's sort-based top-k of 64K columns.
-    if !args_no_baseline {
+    if !args.no_baseline {
         let scores = Tensor::randn(0f32, 1.0, (64, KEYS), &dev)?;
-        match time(&stream, &slow, || {
+        match slow.calls(|| {
             baseline_topk(&scores)?;
             Ok(())
         }) {

@@ -32,7 +32,7 @@ use deepseek_v41::quant::QatFormat;
 
 #[path = "support/bench.rs"]
 mod bench;
-use bench::{gbps, l2_bytes, rotation_sets, CopyRef, Timer, HBM_READ_GBPS};
+use bench::{gbps, l2_bytes, parse_args, rotation_sets, CopyRef, Timer, TimingArgs, HBM_READ_GBPS};
 
 const HEADS: usize = 64;
 const HEAD_DIM: usize = 512;
@@ -46,15 +46,8 @@ const MAX_SETS: usize = 8;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Repetitions (the median is reported).
-    #[arg(long, default_value_t = 9)]
-    reps: usize,
-    /// Warm-up calls before timing.
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
-    /// Target time of one repetition in milliseconds (sets the calls per repetition).
-    #[arg(long, default_value_t = 2.0)]
-    rep_ms: f64,
+    #[command(flatten)]
+    timing: TimingArgs,
     /// Largest prefill length.
     #[arg(long, default_value_t = 65536)]
     max_prefill: usize,
@@ -235,14 +228,14 @@ fn compressed_case(n: usize, is_decode: bool) -> (Vec<usize>, Vec<i64>, usize) {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let args: Args = parse_args(&[("rep_ms", "2.0")]);
     let dev = Device::new_cuda(0).context("bench_insert needs a CUDA device")?;
     let cuda = dev.as_cuda_device()?;
     // One stream only: no cross-stream event bookkeeping (it cannot be captured into a graph).
     unsafe { cuda.disable_event_tracking() };
     let stream = cuda.cuda_stream();
     let l2 = l2_bytes(&stream)?;
-    let timer = Timer { stream, warmup: args.warmup, reps: args.reps, rep_ms: args.rep_ms };
+    let timer = args.timing.timer(stream);
     let bench = Bench { timer, args, l2 };
     let plain = RopeTable::new(ROPE_DIM, &RopeKind::Plain { theta: 10000.0 }, &Device::Cpu)?;
     let yarn = RopeTable::new(

@@ -10,7 +10,8 @@
 //!   rows (compression ratio 4).
 //!
 //! Timing: CUDA events on candle's stream, median of `reps` repetitions of back-to-back calls
-//! after a warm-up. Each repetition first queues a "blocker" (bf16 matmuls long enough for the
+//! after a warm-up (options, median, GB/s and TFLOP/s from examples/support/bench.rs; the
+//! blocker method below is this bench's own). Each repetition first queues a "blocker" (bf16 matmuls long enough for the
 //! host to enqueue all the repetition's calls behind it), then the start event, the calls and
 //! the end event: the figure is the GPU time per call (kernel + launch gaps), not the host's
 //! enqueue rate. The host-bound rate (plain back-to-back without the blocker) is printed too.
@@ -21,17 +22,18 @@
 //!
 //! Run: `cargo run --release --features cuda --example bench_sparse_attention` (needs a GPU).
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
-use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaStream};
+use anyhow::Result;
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use deepseek_v41::cuda::{sparse_attention_two_source, sparse_attention_two_source_with, SparseAttentionOptions};
 
-const HBM_GBPS: f64 = 4170.0;
-const PEAK_TFLOPS: f64 = 790.0;
+#[path = "support/bench.rs"]
+mod bench;
+use bench::{cuda_device, gbps, median, parse_args, tflops, TimingArgs, BF16_TFLOPS, HBM_READ_GBPS};
+
 const HEADS: usize = 64;
 const HEAD_DIM: usize = 512;
 const WINDOW: usize = 128;
@@ -40,15 +42,8 @@ const POOL: usize = 128 * 1024;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Repetitions (the median is reported).
-    #[arg(long, default_value_t = 11)]
-    reps: usize,
-    /// Warm-up calls before timing.
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
-    /// Target GPU time of one repetition in milliseconds.
-    #[arg(long, default_value_t = 3.0)]
-    rep_ms: f64,
+    #[command(flatten)]
+    timing: TimingArgs,
     /// Skip the plain-Candle baseline.
     #[arg(long)]
     no_baseline: bool,
@@ -64,16 +59,18 @@ struct Args {
     diag: bool,
 }
 
+/// Timing behind a blocker (see the module doc), with the shared options' stream, warm-up,
+/// repetitions and repetition length.
 struct Timer {
-    stream: Arc<CudaStream>,
+    opts: bench::Timer,
     blocker: Tensor,
     blocker_ms: f64,
 }
 
 impl Timer {
-    fn new(dev: &Device, stream: Arc<CudaStream>) -> Result<Self> {
+    fn new(dev: &Device, opts: bench::Timer) -> Result<Self> {
         let blocker = Tensor::randn(0f32, 1.0, (4096, 4096), dev)?.to_dtype(DType::BF16)?;
-        let mut t = Timer { stream, blocker, blocker_ms: 0.0 };
+        let mut t = Timer { opts, blocker, blocker_ms: 0.0 };
         for _ in 0..3 {
             t.block(1)?;
         }
@@ -84,7 +81,7 @@ impl Timer {
         Ok(t)
     }
     fn event(&self) -> Result<candle_core::cuda_backend::cudarc::driver::CudaEvent> {
-        Ok(self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
+        Ok(self.opts.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
     }
     fn block(&self, n: usize) -> Result<()> {
         for _ in 0..n {
@@ -93,11 +90,11 @@ impl Timer {
         Ok(())
     }
     /// (GPU ms per call behind a blocker, host-bound ms per call), medians.
-    fn time(&self, args: &Args, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
-        for _ in 0..args.warmup.max(1) {
+    fn time(&self, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+        for _ in 0..self.opts.warmup.max(1) {
             f()?;
         }
-        self.stream.synchronize()?;
+        self.opts.stream.synchronize()?;
         // Calibrate: GPU time per call and host enqueue time per call.
         let wall = Instant::now();
         let start = self.event()?;
@@ -107,11 +104,11 @@ impl Timer {
         let end = self.event()?;
         let host_ms = wall.elapsed().as_secs_f64() * 1e3 / 3.0;
         let probe = start.elapsed_ms(&end)? as f64 / 3.0;
-        let iters = ((args.rep_ms / probe.max(1e-4)) as usize).clamp(3, 2000);
+        let iters = ((self.opts.rep_ms / probe.max(1e-4)) as usize).clamp(3, 2000);
         let blocks = ((1.5 * host_ms * iters as f64 / self.blocker_ms.max(1e-3)).ceil() as usize).clamp(1, 400);
         let mut gpu = Vec::new();
         let mut plain = Vec::new();
-        for _ in 0..args.reps.max(1) {
+        for _ in 0..self.opts.reps.max(1) {
             self.block(blocks)?;
             let start = self.event()?;
             for _ in 0..iters {
@@ -119,7 +116,7 @@ impl Timer {
             }
             let end = self.event()?;
             gpu.push(start.elapsed_ms(&end)? as f64 / iters as f64);
-            self.stream.synchronize()?;
+            self.opts.stream.synchronize()?;
             let start = self.event()?;
             for _ in 0..iters {
                 f()?;
@@ -127,10 +124,6 @@ impl Timer {
             let end = self.event()?;
             plain.push(start.elapsed_ms(&end)? as f64 / iters as f64);
         }
-        let median = |mut v: Vec<f64>| {
-            v.sort_by(|a, b| a.total_cmp(b));
-            v[v.len() / 2]
-        };
         Ok((median(gpu), median(plain)))
     }
 }
@@ -229,16 +222,16 @@ fn report(
 ) -> Result<()> {
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let opts = SparseAttentionOptions { num_splits: splits };
-    let (t, host) = timer.time(args, || {
+    let (t, host) = timer.time(|| {
         sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
         Ok(())
     })?;
-    let gbps = pb.bytes / (t * 1e-3) / 1e9;
-    let tflops = (4 * HEADS * HEAD_DIM * pb.rows) as f64 / (t * 1e-3) / 1e12;
+    let gbps = gbps(pb.bytes, t);
+    let tflops = tflops((4 * HEADS * HEAD_DIM * pb.rows) as f64, t);
     let base = if !with_baseline || args.no_baseline {
         "           -        -".to_string()
     } else {
-        match timer.time(args, || {
+        match timer.time(|| {
             baseline(&pb.q, &pb.kvw, &pb.iw_base, &pb.kvc, &pb.ic, scale)?;
             Ok(())
         }) {
@@ -249,7 +242,7 @@ fn report(
     if args.diag && splits.is_none() {
         for (what, v) in [("no mma", "2"), ("no gather", "4")] {
             std::env::set_var("DSV41_SPARSE_ATTENTION_DIAG", v);
-            let r = timer.time(args, || {
+            let r = timer.time(|| {
                 sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
                 Ok(())
             });
@@ -270,21 +263,17 @@ fn report(
         t * 1e3,
         host * 1e3,
         gbps,
-        100.0 * gbps / HBM_GBPS,
+        100.0 * gbps / HBM_READ_GBPS,
         tflops,
-        100.0 * tflops / PEAK_TFLOPS
+        100.0 * tflops / BF16_TFLOPS
     );
     Ok(())
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
-    let dev = Device::new_cuda(0).context("bench_sparse_attention needs a CUDA device")?;
-    let stream = match &dev {
-        Device::Cuda(c) => c.cuda_stream(),
-        _ => unreachable!(),
-    };
-    let timer = Timer::new(&dev, stream)?;
+    let args: Args = parse_args(&[("reps", "11"), ("warmup", "5"), ("rep_ms", "3.0")]);
+    let (dev, stream) = cuda_device("bench_sparse_attention")?;
+    let timer = Timer::new(&dev, args.timing.timer(stream))?;
     let sink = Tensor::randn(0f32, 1.0, HEADS, &dev)?;
     println!(
         "sparse attention, H={HEADS} D={HEAD_DIM}, {WINDOW} window + {TOPK} extra rows per query token, bf16 rows; \

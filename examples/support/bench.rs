@@ -13,7 +13,11 @@
 //!   working set exceeds the L2 cache (a call then reads its inputs from and writes its outputs
 //!   to HBM, as in a real step, instead of hitting data the previous call left in L2).
 //! * Bandwidth: [`gbps`] counts the bytes that a call reads plus the bytes it writes; the tables
-//!   compare them with [`HBM_READ_GBPS`] (the H200's measured read ceiling) and with the copy.
+//!   compare them with [`HBM_READ_GBPS`] (the H200's measured read ceiling) and with the copy;
+//!   [`tflops`] against [`BF16_TFLOPS`].
+//! * [`TimingArgs`]: the `--reps`, `--warmup`, `--rep-ms` options (flatten them into a bench's
+//!   clap arguments; [`parse_args`] sets the bench's own defaults), [`TimingArgs::timer`].
+//! * [`cuda_device`]: CUDA device 0 and candle's stream on it.
 
 #![allow(dead_code)]
 
@@ -24,6 +28,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
+use candle_core::Device;
 
 /// Measured HBM read ceiling of the H200 (GB/s).
 pub const HBM_READ_GBPS: f64 = 4170.0;
@@ -33,6 +38,61 @@ pub const BF16_TFLOPS: f64 = 790.0;
 /// GB/s of `bytes` moved (read + written) in `ms` milliseconds.
 pub fn gbps(bytes: f64, ms: f64) -> f64 {
     bytes / (ms * 1e-3) / 1e9
+}
+
+/// TFLOP/s of `flops` floating-point operations in `ms` milliseconds.
+pub fn tflops(flops: f64, ms: f64) -> f64 {
+    flops / (ms * 1e-3) / 1e12
+}
+
+/// The median of `v` (the upper one of an even count; `v` must not be empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// CUDA device 0 and candle's stream on it (`bench` names the benchmark in the error).
+pub fn cuda_device(bench: &str) -> Result<(Device, Arc<CudaStream>)> {
+    let dev = Device::new_cuda(0).with_context(|| format!("{bench} needs a CUDA device"))?;
+    let stream = match &dev {
+        Device::Cuda(c) => c.cuda_stream(),
+        _ => anyhow::bail!("{bench}: Device::new_cuda returned a non-CUDA device"),
+    };
+    Ok((dev, stream))
+}
+
+/// The timing options shared by the benchmarks (`#[command(flatten)]` them into a bench's
+/// arguments; the defaults below are overridden per bench by [`parse_args`]).
+#[derive(clap::Args, Debug, Clone)]
+pub struct TimingArgs {
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 9)]
+    pub reps: usize,
+    /// Warm-up calls before timing.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Target time of one repetition in milliseconds (sets the calls per repetition).
+    #[arg(long, default_value_t = 3.0)]
+    pub rep_ms: f64,
+}
+
+impl TimingArgs {
+    /// A [`Timer`] on `stream` with these options.
+    pub fn timer(&self, stream: Arc<CudaStream>) -> Timer {
+        Timer { stream, warmup: self.warmup, reps: self.reps, rep_ms: self.rep_ms }
+    }
+}
+
+/// Parses the command line into `A`, with the bench's own defaults of the flattened
+/// [`TimingArgs`]: `defaults` pairs an argument id (`"reps"`, `"warmup"`, `"rep_ms"`) with its
+/// default value.
+pub fn parse_args<A: clap::Parser>(defaults: &[(&'static str, &'static str)]) -> A {
+    let mut cmd = A::command();
+    for &(id, value) in defaults {
+        cmd = cmd.mut_arg(id, |a| a.default_value(value));
+    }
+    let matches = cmd.get_matches();
+    A::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 
 /// CUDA-event timing on one stream.
@@ -94,9 +154,7 @@ impl Timer {
     }
 
     fn median(&self, samples: impl Iterator<Item = Result<f64>>) -> Result<f64> {
-        let mut v: Vec<f64> = samples.collect::<Result<_>>()?;
-        v.sort_by(|a, b| a.total_cmp(b));
-        Ok(v[v.len() / 2])
+        Ok(median(samples.collect::<Result<_>>()?))
     }
 }
 
