@@ -13,22 +13,9 @@
 // block of 16: amax floored to 6*2^-9, s = min(e4m3_rne(amax/6), 448) with an IEEE division,
 // q = e2m1 (ties to the even code) of clamp(x/s, +-6), value q*s, exact in bf16; negative values
 // rounding to zero give -0.0.
-#include "include/dsv41_row.cuh"
+#include "include/dsv41_row_insert.cuh"
 
-namespace dsv41 {
-
-// grid.x = ceil(G / (8 * ROWS)), block = 256 threads (8 warps, ROWS entries each).
-// Q = Quant::None stores the RoPE'd rows unquantized (reference numerics with QAT off).
-template <int D, int ROWS, Quant Q>
-__global__ void __launch_bounds__(kInsertThreads) compressed_insert_kernel(const Dsv41RowInsertParams p) {
-    warp_rows<D, ROWS, Norm::None>(p, nullptr, [&](const RowIn<D>& r, float (&x)[D / 32]) {
-        if constexpr (Q != Quant::None) fake_quant_row<D, Q>(x);
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride;
-        if (r.slot >= 0) store_bf16<D / 32>(dst + (threadIdx.x & 31) * (D / 32), x);
-    });
-}
-
-}  // namespace dsv41
+// The kernel: rope_insert_kernel<D, ROWS, Norm::None, Q> (dsv41_row_insert.cuh).
 
 // ------------------------------------------------------------------------------------ launcher
 
@@ -38,16 +25,5 @@ extern "C" int dsv41_compressed_insert(const Dsv41RowInsertParams* p, size_t par
     if (status != DSV41_OK || p->num_tokens == 0) return status;
     if ((p->quant != DSV41_QUANT_FP4_E4M3_B16 && p->quant != DSV41_QUANT_NONE) || p->apply_norm) return DSV41_ERR_QUANT;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    return with_head_dim(p->head_dim, [&](auto d) -> int {
-        constexpr int D = decltype(d)::value;
-        return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {
-            constexpr int ROWS = decltype(rows)::value;
-            const dim3 grid(insert_blocks(p->num_tokens, ROWS));
-            if (p->quant == DSV41_QUANT_NONE)
-                compressed_insert_kernel<D, ROWS, Quant::None><<<grid, kInsertThreads, 0, s>>>(*p);
-            else
-                compressed_insert_kernel<D, ROWS, Quant::Fp4E4m3B16><<<grid, kInsertThreads, 0, s>>>(*p);
-            return static_cast<int>(cudaGetLastError());
-        });
-    });
+    return launch_rope_insert<Norm::None, Quant::Fp4E4m3B16>(*p, s);
 }

@@ -17,21 +17,11 @@
 // (quant::fake_quant::QatFormat::Fp4Ue8m0B32) per block of 32: amax floored to 6*2^-126,
 // s = 2^ceil(log2(amax/6)), q = e2m1 (ties to even code) of clamp(x/s, +-6), value q*s.
 #include "include/dsv41_row128.cuh"
+#include "include/dsv41_row_insert.cuh"
+
+// The generic path: rope_insert_kernel<D, ROWS, Norm::Weighted, Q> (dsv41_row_insert.cuh).
 
 namespace dsv41 {
-
-// grid.x = ceil(G / (8 * ROWS)), block = 256 threads (8 warps, ROWS keys each), 8*D*4 bytes of
-// shared memory. Q = Quant::None stores the normed, RoPE'd keys unquantized (reference numerics
-// with QAT off).
-template <int D, int ROWS, Quant Q>
-__global__ void __launch_bounds__(kInsertThreads) index_key_insert_kernel(const Dsv41RowInsertParams p) {
-    __shared__ float squares[kInsertWarps][D];
-    warp_rows<D, ROWS, Norm::Weighted>(p, squares[threadIdx.x / 32], [&](const RowIn<D>& r, float (&x)[D / 32]) {
-        if constexpr (Q != Quant::None) fake_quant_row<D, Q>(x);
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride;
-        if (r.slot >= 0) store_bf16<D / 32>(dst + (threadIdx.x & 31) * (D / 32), x);
-    });
-}
 
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set).
@@ -77,16 +67,5 @@ extern "C" int dsv41_index_key_insert(const Dsv41RowInsertParams* p, size_t para
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     if (row128_applies(*p))
         return p->quant == DSV41_QUANT_NONE ? launch_row128<Quant::None>(*p, s) : launch_row128<Quant::Fp4Ue8m0B32>(*p, s);
-    return with_head_dim(p->head_dim, [&](auto d) -> int {
-        constexpr int D = decltype(d)::value;
-        return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {
-            constexpr int ROWS = decltype(rows)::value;
-            const dim3 grid(insert_blocks(p->num_tokens, ROWS));
-            if (p->quant == DSV41_QUANT_NONE)
-                index_key_insert_kernel<D, ROWS, Quant::None><<<grid, kInsertThreads, 0, s>>>(*p);
-            else
-                index_key_insert_kernel<D, ROWS, Quant::Fp4Ue8m0B32><<<grid, kInsertThreads, 0, s>>>(*p);
-            return static_cast<int>(cudaGetLastError());
-        });
-    });
+    return launch_rope_insert<Norm::Weighted, Quant::Fp4Ue8m0B32>(*p, s);
 }

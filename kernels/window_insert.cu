@@ -16,21 +16,9 @@
 // roundings (candle-nn rope_i), rounded to bf16; per block of 32: amax floored to 1e-4,
 // s = 2^ceil(log2(amax/448)) from the f32 bits, q = e4m3_rne(clamp(x/s, +-448)) with an IEEE
 // division, value q*s (exact in bf16, the sign of zero kept).
-#include "include/dsv41_row.cuh"
+#include "include/dsv41_row_insert.cuh"
 
-namespace dsv41 {
-
-// grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each).
-template <int D, int ROWS, Quant Q>
-__global__ void __launch_bounds__(kInsertThreads) window_insert_kernel(const Dsv41RowInsertParams p) {
-    warp_rows<D, ROWS, Norm::None>(p, nullptr, [&](const RowIn<D>& r, float (&x)[D / 32]) {
-        if constexpr (Q != Quant::None) fake_quant_row<D, Q>(x);
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride;
-        if (r.slot >= 0) store_bf16<D / 32>(dst + (threadIdx.x & 31) * (D / 32), x);
-    });
-}
-
-}  // namespace dsv41
+// The kernel: rope_insert_kernel<D, ROWS, Norm::None, Q> (dsv41_row_insert.cuh).
 
 // ------------------------------------------------------------------------------------ launcher
 
@@ -41,16 +29,5 @@ extern "C" int dsv41_window_insert(const Dsv41RowInsertParams* p, size_t params_
     if (p->apply_norm) return DSV41_ERR_QUANT;
     if (p->quant != DSV41_QUANT_NONE && p->quant != DSV41_QUANT_FP8_UE8M0_B32) return DSV41_ERR_QUANT;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    return with_head_dim(p->head_dim, [&](auto d) -> int {
-        constexpr int D = decltype(d)::value;
-        return with_insert_rows<D>(p->num_tokens, true, [&](auto rows) -> int {
-            constexpr int ROWS = decltype(rows)::value;
-            const dim3 grid(insert_blocks(p->num_tokens, ROWS));
-            if (p->quant == DSV41_QUANT_NONE)
-                window_insert_kernel<D, ROWS, Quant::None><<<grid, kInsertThreads, 0, s>>>(*p);
-            else
-                window_insert_kernel<D, ROWS, Quant::Fp8Ue8m0B32><<<grid, kInsertThreads, 0, s>>>(*p);
-            return static_cast<int>(cudaGetLastError());
-        });
-    });
+    return launch_rope_insert<Norm::None, Quant::Fp8Ue8m0B32>(*p, s);
 }
