@@ -52,6 +52,28 @@ fn poisoned(slots: usize, width: usize, device: &Device) -> Result<Tensor> {
     Ok(Tensor::full(f32::NAN, (slots, width), &Device::Cpu)?.to_dtype(DType::BF16)?.to_device(device)?)
 }
 
+/// Runs `op(cache, inputs)` twice: on the CPU with a cache from `poison(&Device::Cpu)` and the
+/// `cpu` inputs, then on the GPU `dev` with a cache from `poison(dev)` and the `gpu` inputs (the
+/// same tensors moved there, possibly as views); returns (GPU cache, CPU cache).
+fn run_on_both(
+    dev: &Device,
+    poison: impl Fn(&Device) -> Result<Tensor>,
+    cpu: &[&Tensor],
+    gpu: &[Tensor],
+    op: impl Fn(&Tensor, &[&Tensor]) -> candle_core::Result<()>,
+) -> Result<(Tensor, Tensor)> {
+    let cache_cpu = poison(&Device::Cpu)?;
+    op(&cache_cpu, cpu)?;
+    let cache_gpu = poison(dev)?;
+    op(&cache_gpu, &gpu.iter().collect::<Vec<_>>())?;
+    Ok((cache_gpu, cache_cpu))
+}
+
+/// Copies of `tensors` on `dev`.
+fn to_dev(tensors: &[&Tensor], dev: &Device) -> Result<Vec<Tensor>> {
+    tensors.iter().map(|t| Ok(t.to_device(dev)?)).collect()
+}
+
 fn bits(t: &Tensor) -> Result<Vec<u16>> {
     Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()?.iter().map(|x| x.to_bits()).collect())
 }
@@ -173,17 +195,11 @@ fn check_window(seed: u64, d: usize, rope_dim: usize, window: usize, seqs: &[(us
     let (cos, sin) = cos_sin(&table, &b.positions)?;
     let slots_cpu = i64_tensor(&slots, &Device::Cpu)?;
 
-    let cache_cpu = poisoned(slots_n, d, &Device::Cpu)?;
-    window_insert(&cache_cpu, &kv, &cos, &sin, &slots_cpu, fq)?;
-    let cache_gpu = poisoned(slots_n, d, &dev)?;
-    window_insert(
-        &cache_gpu,
-        &kv.to_device(&dev)?,
-        &cos.to_device(&dev)?,
-        &sin.to_device(&dev)?,
-        &slots_cpu.to_device(&dev)?,
-        fq,
-    )?;
+    let inputs = [&kv, &cos, &sin, &slots_cpu];
+    let (cache_gpu, cache_cpu) =
+        run_on_both(&dev, |dv| poisoned(slots_n, d, dv), &inputs, &to_dev(&inputs, &dev)?, |c, x| {
+            window_insert(c, x[0], x[1], x[2], x[3], fq)
+        })?;
 
     let what = format!("window_insert d={d} r={rope_dim} W={window} seqs={seqs:?} fq={fq}");
     assert_same_bits(&cache_gpu, &cache_cpu, &what)?;
@@ -247,17 +263,10 @@ fn window_insert_skips_padding_and_out_of_range_slots() -> Result<()> {
     let (cos, sin) = cos_sin(&plain_table(64)?, &[3, 4, 5, 6, 7, 8])?;
     let slots = [2i64, -1, 7, 8, i64::MAX, 0];
     let slots_cpu = i64_tensor(&slots, &Device::Cpu)?;
-    let cache_cpu = poisoned(s, d, &Device::Cpu)?;
-    window_insert(&cache_cpu, &kv, &cos, &sin, &slots_cpu, true)?;
-    let cache_gpu = poisoned(s, d, &dev)?;
-    window_insert(
-        &cache_gpu,
-        &kv.to_device(&dev)?,
-        &cos.to_device(&dev)?,
-        &sin.to_device(&dev)?,
-        &slots_cpu.to_device(&dev)?,
-        true,
-    )?;
+    let inputs = [&kv, &cos, &sin, &slots_cpu];
+    let (cache_gpu, cache_cpu) = run_on_both(&dev, |dv| poisoned(s, d, dv), &inputs, &to_dev(&inputs, &dev)?, |c, x| {
+        window_insert(c, x[0], x[1], x[2], x[3], true)
+    })?;
     assert_same_bits(&cache_gpu, &cache_cpu, "window_insert with skipped slots")?;
     let (all_nan, none_nan) = nan_rows(&cache_gpu)?;
     ensure!(none_nan == vec![0, 2, 7], "written rows {none_nan:?}");
@@ -279,18 +288,12 @@ fn window_insert_strided_source_and_cache_view() -> Result<()> {
     let slots: Vec<i64> = positions.iter().map(|&p| (p % 64) as i64).collect();
     let slots_cpu = i64_tensor(&slots, &Device::Cpu)?;
 
-    let big_cpu = poisoned(128, d, &Device::Cpu)?;
-    window_insert(&big_cpu.narrow(0, 64, 64)?, &kv, &cos, &sin, &slots_cpu, true)?;
-    let big_gpu = poisoned(128, d, &dev)?;
-    let fused_gpu = fused.to_device(&dev)?;
-    window_insert(
-        &big_gpu.narrow(0, 64, 64)?,
-        &fused_gpu.narrow(1, 1280, d)?,
-        &cos.to_device(&dev)?,
-        &sin.to_device(&dev)?,
-        &slots_cpu.to_device(&dev)?,
-        true,
-    )?;
+    let mut gpu_inputs = vec![fused.to_device(&dev)?.narrow(1, 1280, d)?];
+    gpu_inputs.extend(to_dev(&[&cos, &sin, &slots_cpu], &dev)?);
+    let (big_gpu, big_cpu) =
+        run_on_both(&dev, |dv| poisoned(128, d, dv), &[&kv, &cos, &sin, &slots_cpu], &gpu_inputs, |c, x| {
+            window_insert(&c.narrow(0, 64, 64)?, x[0], x[1], x[2], x[3], true)
+        })?;
     assert_same_bits(&big_gpu, &big_cpu, "window_insert into a cache view")?;
     let (all_nan, _) = nan_rows(&big_gpu)?;
     ensure!((0..64).all(|r| all_nan.contains(&r)), "rows of the other half were written");
@@ -322,17 +325,11 @@ fn check_compressed(seed: u64, d: usize, ratio: usize, entries_per_seq: usize, s
     let n = seqs.len() * entries_per_seq;
     let what = format!("compressed_insert d={d} r={ratio} seqs={seqs:?}");
     for fq in [true, false] {
-        let cache_cpu = poisoned(n, d, &Device::Cpu)?;
-        compressed_insert(&cache_cpu, &latent, &cos, &sin, &slots_cpu, fq)?;
-        let cache_gpu = poisoned(n, d, &dev)?;
-        compressed_insert(
-            &cache_gpu,
-            &latent.to_device(&dev)?,
-            &cos.to_device(&dev)?,
-            &sin.to_device(&dev)?,
-            &slots_cpu.to_device(&dev)?,
-            fq,
-        )?;
+        let inputs = [&latent, &cos, &sin, &slots_cpu];
+        let (cache_gpu, cache_cpu) =
+            run_on_both(&dev, |dv| poisoned(n, d, dv), &inputs, &to_dev(&inputs, &dev)?, |c, x| {
+                compressed_insert(c, x[0], x[1], x[2], x[3], fq)
+            })?;
         assert_same_bits(&cache_gpu, &cache_cpu, &format!("{what} fq={fq}"))?;
         let (all_nan, none_nan) = nan_rows(&cache_gpu)?;
         ensure!(none_nan.len() == g && all_nan.len() == n - g, "{what}: written rows {none_nan:?}");
@@ -398,18 +395,14 @@ fn check_index_keys_with(
     };
     let (cos_gpu, sin_gpu) = (on_gpu(&cos)?, on_gpu(&sin)?);
     for fq in [true, false] {
-        let cache_cpu = poisoned(slots_n, d, &Device::Cpu)?;
-        index_key_insert(&cache_cpu, &k_pre, &weight, eps, &cos, &sin, &slots_cpu, fq)?;
-        let cache_gpu = poisoned(slots_n, d, &dev)?;
-        index_key_insert(
-            &cache_gpu,
-            &k_pre.to_device(&dev)?,
-            &weight.to_device(&dev)?,
-            eps,
-            &cos_gpu,
-            &sin_gpu,
-            &slots_cpu.to_device(&dev)?,
-            fq,
+        let gpu_inputs =
+            [k_pre.to_device(&dev)?, weight.to_device(&dev)?, cos_gpu.clone(), sin_gpu.clone(), slots_cpu.to_device(&dev)?];
+        let (cache_gpu, cache_cpu) = run_on_both(
+            &dev,
+            |dv| poisoned(slots_n, d, dv),
+            &[&k_pre, &weight, &cos, &sin, &slots_cpu],
+            &gpu_inputs,
+            |c, x| index_key_insert(c, x[0], x[1], eps, x[2], x[3], x[4], fq),
         )?;
         assert_same_bits(&cache_gpu, &cache_cpu, &format!("{what} fq={fq}"))?;
         let (all_nan, none_nan) = nan_rows(&cache_gpu)?;
@@ -534,20 +527,11 @@ fn check_packed(seed: u64, fmt: QatFormat, d: usize, page: usize, pages: usize, 
     let poison = |device: &Device| -> Result<Tensor> {
         Ok(Tensor::full(0xABu8, (pages, layout.page_bytes()), &Device::Cpu)?.to_device(device)?)
     };
-    let norm_cpu = norm.then_some((&weight, 1e-20));
-    let cache_cpu = poison(&Device::Cpu)?;
-    packed_insert(&cache_cpu, &layout, &rows, &cos, &sin, &slots_cpu, norm_cpu)?;
-    let cache_gpu = poison(&dev)?;
-    let weight_gpu = weight.to_device(&dev)?;
-    packed_insert(
-        &cache_gpu,
-        &layout,
-        &rows.to_device(&dev)?,
-        &cos.to_device(&dev)?,
-        &sin.to_device(&dev)?,
-        &slots_cpu.to_device(&dev)?,
-        norm.then_some((&weight_gpu, 1e-20)),
-    )?;
+    let inputs = [&rows, &cos, &sin, &slots_cpu, &weight];
+    let gpu_inputs = to_dev(&inputs, &dev)?;
+    let (cache_gpu, cache_cpu) = run_on_both(&dev, poison, &inputs, &gpu_inputs, |c, x| {
+        packed_insert(c, &layout, x[0], x[1], x[2], x[3], norm.then_some((x[4], 1e-20)))
+    })?;
     let (g, c) = (cache_gpu.flatten_all()?.to_vec1::<u8>()?, cache_cpu.flatten_all()?.to_vec1::<u8>()?);
     let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i] != c[i]).take(8).collect();
     ensure!(diff.is_empty(), "{what}: bytes differ at {diff:?}");
@@ -562,11 +546,11 @@ fn check_packed(seed: u64, fmt: QatFormat, d: usize, page: usize, pages: usize, 
     let used: Vec<usize> = slots.iter().filter(|&&s| s >= 0).map(|&s| s as usize).collect();
     let unpacked = layout.unpack(&cache_gpu, &used)?;
     let bf16_cache = poisoned(n, d, &dev)?;
-    let (r, c, s, sl) = (rows.to_device(&dev)?, cos.to_device(&dev)?, sin.to_device(&dev)?, slots_cpu.to_device(&dev)?);
+    let [r, c, s, sl, weight_gpu] = &gpu_inputs[..] else { unreachable!("five inputs") };
     match fmt {
-        QatFormat::Fp8Ue8m0B32 => window_insert(&bf16_cache, &r, &c, &s, &sl, true)?,
-        QatFormat::Fp4E4m3B16 => compressed_insert(&bf16_cache, &r, &c, &s, &sl, true)?,
-        QatFormat::Fp4Ue8m0B32 => index_key_insert(&bf16_cache, &r, &weight_gpu, 1e-20, &c, &s, &sl, true)?,
+        QatFormat::Fp8Ue8m0B32 => window_insert(&bf16_cache, r, c, s, sl, true)?,
+        QatFormat::Fp4E4m3B16 => compressed_insert(&bf16_cache, r, c, s, sl, true)?,
+        QatFormat::Fp4Ue8m0B32 => index_key_insert(&bf16_cache, r, weight_gpu, 1e-20, c, s, sl, true)?,
     }
     let idx = Tensor::from_vec(used.iter().map(|&u| u as u32).collect::<Vec<_>>(), used.len(), &dev)?;
     let want = bf16_cache.index_select(&idx, 0)?;
