@@ -24,7 +24,7 @@ use deepseek_v41::quant::fake_quant::QatFormat;
 
 #[path = "support/bench.rs"]
 mod bench;
-use bench::{cuda_device, gbps, parse_args, tflops, Timer, TimingArgs, BF16_TFLOPS, HBM_READ_GBPS};
+use bench::{cuda_device, gbps, parse_args, tflops, Timer, BenchArgs, BF16_TFLOPS, HBM_READ_GBPS};
 
 const HEADS: usize = 32;
 const DIM: usize = 128;
@@ -36,10 +36,7 @@ const PAGE: usize = 64;
 #[derive(Parser, Debug)]
 struct Args {
     #[command(flatten)]
-    timing: TimingArgs,
-    /// Skip the plain-Candle baseline.
-    #[arg(long)]
-    no_baseline: bool,
+    common: BenchArgs,
     /// Prefill chunk sizes (tokens).
     #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768")]
     prefill: Vec<usize>,
@@ -73,7 +70,7 @@ fn baseline_topk(scores: &Tensor) -> Result<Tensor> {
 fn main() -> Result<()> {
     let args: Args = parse_args(&[("reps", "9"), ("warmup", "5"), ("rep_ms", "3.0")]);
     let (dev, stream) = cuda_device("bench_indexer")?;
-    let timer = args.timing.timer(stream.clone());
+    let timer = args.common.timer(stream.clone());
     println!(
         "lightning indexer, H={HEADS} D={DIM} top-k {TOPK}, ratio-2 source at {CONTEXT} context ({KEYS} keys/sequence), H200 ceilings {HBM_READ_GBPS} GB/s, {BF16_TFLOPS} TFLOP/s"
     );
@@ -111,7 +108,7 @@ fn main() -> Result<()> {
             let bytes = (b * KEYS * row_bytes + b * KEYS * 2) as f64;
             let gbps = gbps(bytes, ts);
             let tflops = tflops(flops, ts);
-            let base_col = if args.no_baseline || name != "bf16" {
+            let base_col = if args.common.no_baseline || name != "bf16" {
                 String::new()
             } else {
                 match timer.calls(|| {
@@ -162,7 +159,7 @@ fn main() -> Result<()> {
         }
     }
     // Last (a failing launch must not spoil the rest): candle's sort-based top-k of 64K columns.
-    if !args.no_baseline {
+    if !args.common.no_baseline {
         let scores = Tensor::randn(0f32, 1.0, (64, KEYS), &dev)?;
         match slow.calls(|| {
             baseline_topk(&scores)?;

@@ -32,7 +32,7 @@ use deepseek_v41::quant::QatFormat;
 
 #[path = "support/bench.rs"]
 mod bench;
-use bench::{gbps, l2_bytes, parse_args, rotation_sets, CopyRef, Timer, TimingArgs, HBM_READ_GBPS};
+use bench::{gbps, l2_bytes, parse_args, rotation_sets, CopyRef, Timer, BenchArgs, HBM_READ_GBPS};
 
 const HEADS: usize = 64;
 const HEAD_DIM: usize = 512;
@@ -47,13 +47,10 @@ const MAX_SETS: usize = 8;
 #[derive(Parser, Debug)]
 struct Args {
     #[command(flatten)]
-    timing: TimingArgs,
+    common: BenchArgs,
     /// Largest prefill length.
     #[arg(long, default_value_t = 65536)]
     max_prefill: usize,
-    /// Skip the plain-Candle baseline.
-    #[arg(long)]
-    no_baseline: bool,
 }
 
 struct Bench {
@@ -106,7 +103,7 @@ impl Bench {
         let mut copy = CopyRef::new(&self.timer.stream, (bytes / 2.0) as usize)?;
         let copy_bw = gbps(copy.moved_bytes(), copy.time(&self.timer)?);
         let base = match base {
-            Some(b) if !self.args.no_baseline => match self.timer.calls(b) {
+            Some(b) if !self.args.common.no_baseline => match self.timer.calls(b) {
                 Ok(tb) => format!("{:>11.2} {:>8.1}x", tb * 1e3, tb / t.loop_ms),
                 Err(e) => format!("  baseline failed: {e}"),
             },
@@ -235,7 +232,7 @@ fn main() -> Result<()> {
     unsafe { cuda.disable_event_tracking() };
     let stream = cuda.cuda_stream();
     let l2 = l2_bytes(&stream)?;
-    let timer = args.timing.timer(stream);
+    let timer = args.common.timer(stream);
     let bench = Bench { timer, args, l2 };
     let plain = RopeTable::new(ROPE_DIM, &RopeKind::Plain { theta: 10000.0 }, &Device::Cpu)?;
     let yarn = RopeTable::new(

@@ -32,7 +32,7 @@ use deepseek_v41::cuda::{sparse_attention_two_source, sparse_attention_two_sourc
 
 #[path = "support/bench.rs"]
 mod bench;
-use bench::{cuda_device, gbps, median, parse_args, tflops, TimingArgs, BF16_TFLOPS, HBM_READ_GBPS};
+use bench::{cuda_device, gbps, median, parse_args, tflops, BenchArgs, BF16_TFLOPS, HBM_READ_GBPS};
 
 const HEADS: usize = 64;
 const HEAD_DIM: usize = 512;
@@ -43,10 +43,7 @@ const POOL: usize = 128 * 1024;
 #[derive(Parser, Debug)]
 struct Args {
     #[command(flatten)]
-    timing: TimingArgs,
-    /// Skip the plain-Candle baseline.
-    #[arg(long)]
-    no_baseline: bool,
+    common: BenchArgs,
     /// Skip the prefill sizes.
     #[arg(long)]
     no_prefill: bool,
@@ -228,7 +225,7 @@ fn report(
     })?;
     let gbps = gbps(pb.bytes, t);
     let tflops = tflops((4 * HEADS * HEAD_DIM * pb.rows) as f64, t);
-    let base = if !with_baseline || args.no_baseline {
+    let base = if !with_baseline || args.common.no_baseline {
         "           -        -".to_string()
     } else {
         match timer.time(|| {
@@ -273,7 +270,7 @@ fn report(
 fn main() -> Result<()> {
     let args: Args = parse_args(&[("reps", "11"), ("warmup", "5"), ("rep_ms", "3.0")]);
     let (dev, stream) = cuda_device("bench_sparse_attention")?;
-    let timer = Timer::new(&dev, args.timing.timer(stream))?;
+    let timer = Timer::new(&dev, args.common.timer(stream))?;
     let sink = Tensor::randn(0f32, 1.0, HEADS, &dev)?;
     println!(
         "sparse attention, H={HEADS} D={HEAD_DIM}, {WINDOW} window + {TOPK} extra rows per query token, bf16 rows; \

@@ -15,8 +15,8 @@
 //! * Bandwidth: [`gbps`] counts the bytes that a call reads plus the bytes it writes; the tables
 //!   compare them with [`HBM_READ_GBPS`] (the H200's measured read ceiling) and with the copy;
 //!   [`tflops`] against [`BF16_TFLOPS`].
-//! * [`TimingArgs`]: the `--reps`, `--warmup`, `--rep-ms` options (flatten them into a bench's
-//!   clap arguments; [`parse_args`] sets the bench's own defaults), [`TimingArgs::timer`].
+//! * [`BenchArgs`]: the `--reps`, `--warmup`, `--rep-ms`, `--no-baseline` options (flatten them
+//!   into a bench's clap arguments; [`parse_args`] sets the bench's own defaults), [`BenchArgs::timer`].
 //! * [`cuda_device`]: CUDA device 0 and candle's stream on it.
 
 #![allow(dead_code)]
@@ -61,10 +61,10 @@ pub fn cuda_device(bench: &str) -> Result<(Device, Arc<CudaStream>)> {
     Ok((dev, stream))
 }
 
-/// The timing options shared by the benchmarks (`#[command(flatten)]` them into a bench's
-/// arguments; the defaults below are overridden per bench by [`parse_args`]).
+/// The options shared by the benchmarks (`#[command(flatten)]` them into a bench's arguments;
+/// the timing defaults below are overridden per bench by [`parse_args`]).
 #[derive(clap::Args, Debug, Clone)]
-pub struct TimingArgs {
+pub struct BenchArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 9)]
     pub reps: usize,
@@ -74,9 +74,12 @@ pub struct TimingArgs {
     /// Target time of one repetition in milliseconds (sets the calls per repetition).
     #[arg(long, default_value_t = 3.0)]
     pub rep_ms: f64,
+    /// Skip the plain-Candle baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
 }
 
-impl TimingArgs {
+impl BenchArgs {
     /// A [`Timer`] on `stream` with these options.
     pub fn timer(&self, stream: Arc<CudaStream>) -> Timer {
         Timer { stream, warmup: self.warmup, reps: self.reps, rep_ms: self.rep_ms }
@@ -84,7 +87,7 @@ impl TimingArgs {
 }
 
 /// Parses the command line into `A`, with the bench's own defaults of the flattened
-/// [`TimingArgs`]: `defaults` pairs an argument id (`"reps"`, `"warmup"`, `"rep_ms"`) with its
+/// [`BenchArgs`]: `defaults` pairs an argument id (`"reps"`, `"warmup"`, `"rep_ms"`) with its
 /// default value.
 pub fn parse_args<A: clap::Parser>(defaults: &[(&'static str, &'static str)]) -> A {
     let mut cmd = A::command();
