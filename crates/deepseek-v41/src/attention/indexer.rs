@@ -133,11 +133,7 @@ pub fn reference_selection(
             kept.push(b);
         }
         if let Some((block, rows)) = &allowed {
-            for (j, v) in s.iter_mut().enumerate() {
-                if rows[t].binary_search(&(j / block)).is_err() {
-                    *v = f32::NEG_INFINITY;
-                }
-            }
+            mask_outside_blocks(&mut s, *block, &rows[t]);
         }
         topk.push(top_k(&s, k, vis));
     }
@@ -271,6 +267,16 @@ pub fn index_scores(q: &Tensor, w: &Tensor, keys: &Tensor) -> Result<Vec<Vec<f32
 pub fn mask_invisible(mut row: Vec<f32>, visible: usize) -> Vec<f32> {
     row.iter_mut().skip(visible).for_each(|v| *v = f32::NEG_INFINITY);
     row
+}
+
+/// Sets to −inf the scores of entries whose block (`j / block`) is not in `kept` (ascending
+/// block ids): a candidate consumer's mask (spec §6.4).
+pub fn mask_outside_blocks(row: &mut [f32], block: usize, kept: &[usize]) {
+    for (j, v) in row.iter_mut().enumerate() {
+        if kept.binary_search(&(j / block)).is_err() {
+            *v = f32::NEG_INFINITY;
+        }
+    }
 }
 
 /// Descending score order, ties towards the lower index.

@@ -19,7 +19,7 @@ use half::bf16;
 use super::device::{aligned_rows, as_cuda, raw_stream, read_ptr, stream_for};
 use super::ffi;
 use super::indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
-use crate::attention::indexer::{index_scores as reference_scores, mask_invisible, Candidates};
+use crate::attention::indexer::{index_scores as reference_scores, mask_invisible, mask_outside_blocks, Candidates};
 
 /// Masked index scores `[T, N]` bf16 on `q`'s device:
 /// `S[t, j] = bf16(Σ_h bf16(ReLU(bf16(q[t,h]·K[j])) · w[t,h]))` for visible entries in allowed
@@ -104,11 +104,7 @@ fn cpu_masked_scores(q: &Tensor, w: &Tensor, src: &KeySource, allowed: Option<&C
     for (ti, row) in rows.into_iter().enumerate() {
         let mut s = mask_invisible(row, visible[ti]);
         if let Some((block, kept)) = &kept {
-            for (j, v) in s.iter_mut().enumerate() {
-                if kept[ti].binary_search(&(j / block)).is_err() {
-                    *v = f32::NEG_INFINITY;
-                }
-            }
+            mask_outside_blocks(&mut s, *block, &kept[ti]);
         }
         out.extend(s);
     }
