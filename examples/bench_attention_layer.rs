@@ -6,13 +6,17 @@
 //! cargo build --release --features cuda --example bench_attention_layer
 //! bench_attention_layer [--config tests/fixtures/deepseek-v41-flash/config.json] [--context 131072]
 //!     [--steps 20] [--prefill 4096,8192,16384,32768] [--prefill-compressed 4096]
+//!     [--plain-steps 5] [--plain-prefill 4096]
 //! ```
 //!
 //! Weights are random ([`RandomWeights`], bf16). The decode layer is layer 2 of V4.1-Flash (ratio
 //! 2, kv source and index source, top-k 512); its cache is filled with a synthetic context of
 //! `--context` tokens (random compressed entries and index keys) through
 //! `SequenceCache::restore_layer`. Phases are timed by synchronizing the device after each
-//! (host clock, median over the steps); the un-instrumented step is timed separately. Only
+//! (host clock, median over the steps); the un-instrumented step is timed separately. The
+//! plain-Candle baseline is the same layer with the fused kernels switched off
+//! ([`with_plain_candle`]: the reference path's Candle ops on the GPU). Peak memory is the
+//! high-water mark of candle's CUDA memory pool ([`PoolPeak`]). Only
 //! B = 1: the layer API takes one sequence's cache (see docs/perf.md for the batched design).
 
 use std::time::Instant;
@@ -23,10 +27,14 @@ use clap::Parser;
 use deepseek_v41::attention::sparse_attention::sparse_attention_candle;
 use deepseek_v41::attention::{Attention, LayerPhase, SequenceCache};
 use deepseek_v41::config::{AttentionRole, Config};
-use deepseek_v41::cuda::sparse_attention_two_source;
+use deepseek_v41::cuda::{sparse_attention_two_source, with_plain_candle};
 use deepseek_v41::nn::RandomWeights;
 use deepseek_v41::quant::fp8_activation_quant;
 use deepseek_v41::Numerics;
+
+#[path = "support/bench.rs"]
+mod bench;
+use bench::{gib, PoolPeak};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -44,6 +52,12 @@ struct Args {
     /// Prefill lengths of the compressed layer (its selection still runs through the host).
     #[arg(long, value_delimiter = ',', default_value = "4096")]
     prefill_compressed: Vec<usize>,
+    /// Prefill lengths at which the whole layer is also run in plain Candle ops.
+    #[arg(long, value_delimiter = ',', default_value = "4096")]
+    plain_prefill: Vec<usize>,
+    /// Decode steps of the whole layer in plain Candle ops (0 = skip).
+    #[arg(long, default_value_t = 5)]
+    plain_steps: usize,
 }
 
 const PHASES: [LayerPhase; 5] =
@@ -55,22 +69,6 @@ fn median(v: &mut [f64]) -> f64 {
         f64::NAN
     } else {
         v[v.len() / 2]
-    }
-}
-
-/// Device memory in use (total − free), bytes: includes the CUDA context and the allocator's
-/// cached pool, so its maximum over the run bounds the peak from above.
-fn mem_used() -> f64 {
-    match candle_core::cuda_backend::cudarc::driver::result::mem_get_info() {
-        Ok((free, total)) => (total - free) as f64,
-        Err(_) => f64::NAN,
-    }
-}
-
-struct Peak(f64);
-impl Peak {
-    fn sample(&mut self) {
-        self.0 = self.0.max(mem_used());
     }
 }
 
@@ -118,15 +116,15 @@ fn main() -> Result<()> {
         "config: hidden {d}, {} heads x {hd}, q_lora {}, o_groups {} x o_lora {}, window {}, index {} heads x {}, top-k {}",
         cfg.num_attention_heads, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.sliding_window, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     );
-    let mut peak = Peak(mem_used());
-    let base_mem = peak.0;
+    let pool = PoolPeak::new(&dev.as_cuda_device()?.cuda_stream())?;
+    let base_mem = pool.used()?;
     let vb = RandomWeights::new(1).var_builder(DType::BF16, &dev);
     let t = Instant::now();
     let layer = Attention::new(&cfg, decode_layer, Numerics::REFERENCE, vb.pp("layers").pp(decode_layer).pp("attn"))?;
     let wlayer = Attention::new(&cfg, window_layer, Numerics::REFERENCE, vb.pp("layers").pp(window_layer).pp("attn"))?;
     dev.synchronize()?;
-    peak.sample();
-    println!("weights: layers {decode_layer} (ratio {ratio}) and {window_layer} (window only) built in {:.1} s, {:.2} GiB on the device", t.elapsed().as_secs_f64(), (peak.0 - base_mem) / (1u64 << 30) as f64);
+    let weights_mem = pool.used()?;
+    println!("weights: layers {decode_layer} (ratio {ratio}) and {window_layer} (window only) built in {:.1} s, {:.2} GiB on the device", t.elapsed().as_secs_f64(), gib(weights_mem - base_mem));
 
     // ---- decode at --context
     let ctx = args.context - args.context % ratio;
@@ -137,6 +135,9 @@ fn main() -> Result<()> {
     cache.restore_layer(decode_layer, ctx, &randn((cfg.sliding_window, hd), &dev)?, Some((&compressed, &keys)))?;
     drop((compressed, keys));
     let x = randn((1, d), &dev)?;
+    dev.synchronize()?;
+    let cache_mem = pool.used()?;
+    pool.reset()?;
     let mut pos = ctx;
     for _ in 0..3 {
         timed_call(&layer, &x, pos, &mut cache, &dev, None)?;
@@ -151,7 +152,8 @@ fn main() -> Result<()> {
         pos += 1;
         totals.push(plain);
     }
-    peak.sample();
+    dev.synchronize()?;
+    let step_peak = pool.peak()?;
     println!("\n## decode, B = 1, context {ctx} (layer {decode_layer}), median of {} steps", args.steps);
     println!("| phase | ms |\n|---|---|");
     let mut sum = 0.0;
@@ -162,6 +164,26 @@ fn main() -> Result<()> {
     }
     println!("| sum of phases (synchronized) | {sum:.3} |");
     println!("| whole step, no sync inside | {:.3} |", median(&mut totals));
+    if args.plain_steps > 0 {
+        // The same layer, cache and GPU with the fused kernels switched off: the reference path's
+        // plain Candle ops (host round trips where Candle has no op: fake quant, top-k).
+        let mut plain = Vec::new();
+        for i in 0..args.plain_steps + 1 {
+            let ms = with_plain_candle(|| timed_call(&layer, &x, pos, &mut cache, &dev, None))?;
+            pos += 1;
+            if i > 0 {
+                plain.push(ms);
+            }
+        }
+        println!("| whole step, plain Candle ops (`cuda::with_plain_candle`, median of {}) | {:.3} |", args.plain_steps, median(&mut plain));
+    }
+    println!(
+        "\ndevice memory (candle's pool, high-water mark): weights {:.2} GiB, cache of {ctx} tokens {:.3} GiB, peak during the steps {:.3} GiB (transient {:.1} MiB per step)",
+        gib(weights_mem - base_mem),
+        gib(cache_mem - weights_mem),
+        gib(step_peak - base_mem),
+        (step_peak - cache_mem) as f64 / (1u64 << 20) as f64
+    );
     let w_bytes = 2.0
         * (d * cfg.q_lora_rank + cfg.q_lora_rank * cfg.num_attention_heads * hd + d * hd
             + cfg.o_groups * cfg.o_lora_rank * (cfg.num_attention_heads / cfg.o_groups * hd)
@@ -208,30 +230,41 @@ fn main() -> Result<()> {
     let plain = time(&mut || Ok(fp8_activation_quant(&xa.to_device(&Device::Cpu)?)?.to_device(&dev).map(|_| ())?))?;
     println!("| fp8 activation quant [1, {}] (plain = host round trip, the previous path) | {fused:.3} | {plain:.3} |", cfg.o_groups * cfg.o_lora_rank);
     drop((kvc, ic));
-    peak.sample();
 
     // ---- prefill
     println!("\n## prefill, one call from position 0");
-    println!("| layer | tokens | ms | tokens/s | breakdown (ms): proj / inserts / selection / attention / output |\n|---|---|---|---|---|");
+    println!("| layer | tokens | ms | tokens/s | breakdown (ms): proj / inserts / selection / attention / output | peak GiB of the call (its cache + transients; pool high-water mark minus what was held before) | plain Candle ms |\n|---|---|---|---|---|---|---|");
     for (a, lens, name) in [(&wlayer, &args.prefill, "window-only"), (&layer, &args.prefill_compressed, "ratio-2 (device selection)")] {
         for &tl in lens.iter() {
             let x = randn((tl, d), &dev)?;
+            dev.synchronize()?;
+            let held = pool.used()?;
+            pool.reset()?;
             let mut best = f64::INFINITY;
             let mut ph_best = vec![];
             for _ in 0..2 {
                 let mut c = SequenceCache::new(&cfg, DType::BF16, &dev)?;
                 let mut ph = vec![Vec::new(); PHASES.len()];
                 let ms = timed_call(a, &x, 0, &mut c, &dev, Some(&mut ph))?;
-                peak.sample();
                 if ms < best {
                     best = ms;
                     ph_best = ph.iter().map(|v| v[0]).collect();
                 }
             }
             let b: Vec<String> = ph_best.iter().map(|v| format!("{v:.1}")).collect();
-            println!("| {name} | {tl} | {best:.1} | {:.0} | {} |", tl as f64 / best * 1e3, b.join(" / "));
+            dev.synchronize()?;
+            let peak = gib(pool.peak()?.saturating_sub(held));
+            let plain = if args.plain_prefill.contains(&tl) {
+                let mut c = SequenceCache::new(&cfg, DType::BF16, &dev)?;
+                match with_plain_candle(|| timed_call(a, &x, 0, &mut c, &dev, None)) {
+                    Ok(ms) => format!("{ms:.1}"),
+                    Err(e) => format!("error: {e}"),
+                }
+            } else {
+                "—".into()
+            };
+            println!("| {name} | {tl} | {best:.1} | {:.0} | {} | {peak:.2} | {plain} |", tl as f64 / best * 1e3, b.join(" / "));
         }
     }
-    println!("\npeak device memory in use (context + pool, sampled): {:.2} GiB (at start {:.2} GiB)", peak.0 / (1u64 << 30) as f64, base_mem / (1u64 << 30) as f64);
     Ok(())
 }

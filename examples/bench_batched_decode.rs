@@ -63,7 +63,7 @@ use deepseek_v41::Numerics;
 
 #[path = "support/bench.rs"]
 mod bench;
-use bench::{Timer, HBM_READ_GBPS};
+use bench::{gib, PoolPeak, Timer, HBM_READ_GBPS};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -448,6 +448,9 @@ struct Row {
     graph: Option<f64>,
     phase_graph: [Option<f64>; 5],
     roofline: f64,
+    /// Device memory (candle's pool): held by pools + step inputs, and the high-water mark of
+    /// the timed steps (both formats of this B), bytes.
+    mem: Option<(u64, u64)>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -547,7 +550,7 @@ fn run_format(step: &Step, timer: &Timer, args: &Args, w_bytes: f64) -> Result<R
     let s = step.s;
     let per_seq = ((step.w.window + step.w.topk) * step.w.hd * 2) as f64 + s.e as f64 * step.fmt.row_bytes();
     let roofline = (w_bytes + s.b as f64 * per_seq) / (HBM_READ_GBPS * 1e9) * 1e3;
-    Ok(Row { b: s.b, fmt: step.fmt, events, step: step_ms, graph, phase_graph, roofline })
+    Ok(Row { b: s.b, fmt: step.fmt, events, step: step_ms, graph, phase_graph, roofline, mem: None })
 }
 
 fn mem_used_gib(dev: &Device) -> f64 {
@@ -573,6 +576,7 @@ fn run_batch(
 ) -> Result<()> {
     let ctx = args.context;
     let e = ctx / w.ratio;
+    let pool = timer.map(|t| PoolPeak::new(&t.stream)).transpose()?;
     let t0 = std::time::Instant::now();
     let pools = Pools {
         win: random_rows(b * w.window, w.hd, dev)?,
@@ -582,6 +586,12 @@ fn run_batch(
     };
     let s = inputs(w, cfg, b, ctx, args.closing == "all", dev)?;
     dev.synchronize()?;
+    let held = pool.as_ref().map(|p| -> Result<u64> {
+        let held = p.used()?;
+        p.reset()?;
+        Ok(held)
+    }).transpose()?;
+    let first_row = rows.len();
     println!(
         "B = {b}: pools filled in {:.1} s (compressed {:.2} GiB, window {:.1} MiB, {} closing); device memory in use {:.1} GiB",
         t0.elapsed().as_secs_f64(),
@@ -612,6 +622,12 @@ fn run_batch(
             }
             Err(e) => println!("  B = {b}, keys {}: error: {e:#}", fmt.name()),
         }
+    }
+    if let (Some(p), Some(held)) = (&pool, held) {
+        dev.synchronize()?;
+        let peak = p.peak()?;
+        println!("  device memory (pool high-water mark): {:.2} GiB held by pools, weights and inputs, {:.2} GiB peak during the steps", gib(held), gib(peak));
+        rows[first_row..].iter_mut().for_each(|r| r.mem = Some((held, peak)));
     }
     Ok(())
 }
@@ -726,5 +742,15 @@ fn main() -> Result<()> {
         HBM_READ_GBPS / 1e3
     );
     println!("tokens/s: B tokens per step of this one layer.");
+    println!("\nDevice memory (high-water mark of candle's CUDA memory pool; weights of this one layer included, CUDA context and cuBLAS workspace not):\n");
+    println!("| B | held before the steps (weights, pools, inputs) GiB | peak during the steps GiB | step transient MiB |");
+    println!("|---|---|---|---|");
+    let mut seen = Vec::new();
+    for r in &rows {
+        if let (Some((held, peak)), false) = (r.mem, seen.contains(&r.b)) {
+            seen.push(r.b);
+            println!("| {} | {:.2} | {:.2} | {:.1} |", r.b, gib(held), gib(peak), peak.saturating_sub(held) as f64 / (1u64 << 20) as f64);
+        }
+    }
     Ok(())
 }

@@ -148,6 +148,8 @@ fn run_layers(cfg: &Config, dev: &Device, xs: &[Tensor], calls: &[usize]) -> Res
     Ok(outs.iter().map(|o| Tensor::cat(o, 0)).collect::<candle_core::Result<Vec<_>>>()?)
 }
 
+/// The fused path and the plain-Candle path (`cuda::with_plain_candle`: the reference layer's
+/// Candle ops on the device, the benchmarks' baseline) both match the CPU reference on the GPU.
 #[test]
 fn head_dim_512_layers_on_the_gpu_match_the_cpu() -> Result<()> {
     let dev = gpu();
@@ -165,17 +167,23 @@ fn head_dim_512_layers_on_the_gpu_match_the_cpu() -> Result<()> {
     let full = vec![n];
     let chunked = vec![7, 2 * cfg.sliding_window, n - 7 - 2 * cfg.sliding_window];
     let want = run_layers(&cfg, &Device::Cpu, &xs, &full)?;
-    for calls in [full.clone(), chunked, decode] {
-        let got = run_layers(&cfg, &dev, &xs, &calls)?;
-        for l in 0..cfg.num_hidden_layers {
-            ensure!(got[l].device().is_cuda());
-            // bf16 activations; top-k near-ties may resolve differently (different matmul order).
-            let o = compare(&format!("L{l}"), &got[l], &want[l], Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
-            ensure!(o.pass, "calls {:?}: {o}", calls.len());
+    for plain in [false, true] {
+        for calls in [full.clone(), chunked.clone(), decode.clone()] {
+            let got = if plain {
+                deepseek_v41::cuda::with_plain_candle(|| run_layers(&cfg, &dev, &xs, &calls))?
+            } else {
+                run_layers(&cfg, &dev, &xs, &calls)?
+            };
+            for l in 0..cfg.num_hidden_layers {
+                ensure!(got[l].device().is_cuda());
+                // bf16 activations; top-k near-ties may resolve differently (different matmul order).
+                let o = compare(&format!("L{l}"), &got[l], &want[l], Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
+                ensure!(o.pass, "plain {plain}, calls {:?}: {o}", calls.len());
+            }
+            // Negative control: another layer's output does not pass.
+            let o = compare("L1 vs L2", &got[1], &want[2], Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
+            ensure!(!o.pass, "negative control passed: {o}");
         }
-        // Negative control: another layer's output does not pass.
-        let o = compare("L1 vs L2", &got[1], &want[2], Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
-        ensure!(!o.pass, "negative control passed: {o}");
     }
     Ok(())
 }

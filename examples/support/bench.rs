@@ -18,6 +18,8 @@
 //! * [`BenchArgs`]: the `--reps`, `--warmup`, `--rep-ms`, `--no-baseline` options (flatten them
 //!   into a bench's clap arguments; [`parse_args`] sets the bench's own defaults), [`BenchArgs::timer`].
 //! * [`cuda_device`]: CUDA device 0 and candle's stream on it.
+//! * [`PoolPeak`]: the high-water mark of the device memory pool candle allocates from (a peak
+//!   that includes transient buffers inside a call, unlike sampling `total − free` between calls).
 
 #![allow(dead_code)]
 
@@ -25,7 +27,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::{
-    CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+    self as cu, CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUmemPool_attribute, CUstreamCaptureMode,
 };
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
 use candle_core::Device;
@@ -210,4 +212,62 @@ impl CopyRef {
             Ok(stream.memcpy_dtod(&from, &mut to)?)
         })
     }
+}
+
+/// The high-water mark of CUDA device 0's current memory pool.
+///
+/// Candle's CUDA backend (cudarc) allocates every tensor with `cuMemAllocAsync` from the device's
+/// current memory pool when the device supports pools (the H200 does; [`PoolPeak::new`] fails
+/// otherwise), so the pool's `USED_MEM_HIGH` attribute is the peak of the bytes held by tensors —
+/// transient buffers freed inside a call included — without the CUDA context or cuBLAS
+/// workspaces (allocated outside the pool). [`PoolPeak::reset`] restarts the mark at the bytes in
+/// use now.
+pub struct PoolPeak {
+    pool: cu::CUmemoryPool,
+}
+
+impl PoolPeak {
+    /// The current pool of device 0 (`stream` proves the context is current and pools work).
+    pub fn new(stream: &CudaStream) -> Result<Self> {
+        let ctx = stream.context();
+        ctx.bind_to_thread()?;
+        if ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? == 0 {
+            anyhow::bail!("PoolPeak: device {} has no memory pools (candle then allocates outside any pool)", ctx.ordinal())
+        }
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer; `cu_device` is the context's device handle.
+        unsafe { cu::cuDeviceGetMemPool(&mut pool, ctx.cu_device()) }.result()?;
+        Ok(Self { pool })
+    }
+
+    fn attribute(&self, attr: CUmemPool_attribute) -> Result<u64> {
+        let mut v = 0u64;
+        // SAFETY: the USED_MEM_* attributes are cuuint64_t values; `v` outlives the call.
+        unsafe { cu::cuMemPoolGetAttribute(self.pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void) }.result()?;
+        Ok(v)
+    }
+
+    /// Bytes held by allocations from the pool now.
+    pub fn used(&self) -> Result<u64> {
+        self.attribute(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    }
+
+    /// The most bytes held at once since the last [`PoolPeak::reset`] (or since the pool was
+    /// created). Synchronize the stream first so that every enqueued allocation has happened.
+    pub fn peak(&self) -> Result<u64> {
+        self.attribute(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+    }
+
+    /// Restarts the high-water mark at the bytes in use now.
+    pub fn reset(&self) -> Result<()> {
+        let mut zero = 0u64;
+        // SAFETY: setting USED_MEM_HIGH to 0 resets it to the current use (CUDA driver API).
+        unsafe { cu::cuMemPoolSetAttribute(self.pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut zero as *mut u64 as *mut std::ffi::c_void) }.result()?;
+        Ok(())
+    }
+}
+
+/// `bytes` in GiB.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }

@@ -231,7 +231,7 @@ impl Indexer {
         let publish = (self.candidates == CandidateRole::Publish)
             .then_some(CandidateShape { block: self.cand_block_size, n_keep: self.cand_blocks });
         #[cfg(feature = "cuda")]
-        if x.device().is_cuda() {
+        if crate::cuda::fused_kernels(x.device()) {
             return crate::cuda::select_on_device(&q, &w, keys, positions, self.ratio, self.topk, consume, publish);
         }
         let visible: Vec<usize> = positions.iter().map(|&p| (p + 1) / self.ratio).collect();

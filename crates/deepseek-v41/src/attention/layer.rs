@@ -115,11 +115,12 @@ impl Attention {
     /// Returns `[T, hidden]` in `x`'s dtype.
     ///
     /// With the `cuda` feature, inputs on a CUDA device run `Attention::forward_fused` (cache
-    /// writes, RoPE and attention in fused kernels, everything on the device); otherwise this is
-    /// the reference path below.
+    /// writes, RoPE and attention in fused kernels, everything on the device); otherwise — on
+    /// the CPU, or on a CUDA device inside `cuda::with_plain_candle` — this is the reference
+    /// path below, in plain Candle ops.
     pub fn forward(&self, x: &Tensor, start: usize, cache: &mut SequenceCache) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if x.device().is_cuda() {
+        if crate::cuda::fused_kernels(x.device()) {
             return self.forward_fused(x, start, cache, &mut |_| {});
         }
         let l = self.layer;

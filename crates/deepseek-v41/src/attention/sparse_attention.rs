@@ -39,6 +39,9 @@ pub fn sparse_attention(q: &Tensor, kv: &Tensor, indices: &Tensor, sink: &Tensor
     }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
+        if !crate::cuda::fused_kernels(q.device()) {
+            return sparse_attention_candle(q, &[(kv, indices)], sink, scale);
+        }
         // On the device: no index validation on the host (out-of-range indices are skipped).
         return sparse_attention_sources(q, kv, indices, kv, &indices.narrow(1, 0, 0)?, sink, scale);
     }

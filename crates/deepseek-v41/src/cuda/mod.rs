@@ -17,6 +17,8 @@
 //! * [`index_select`]: the lightning indexer (spec §6.3–§6.4): index scores over bf16 or packed
 //!   MXFP4 key rows ([`masked_index_scores`]), top-k ([`index_topk`]) and candidate blocks
 //!   ([`candidate_blocks`]) in one chunked, memory-bounded call.
+//! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
+//!   ops on the device, the benchmarks' baseline); [`fused_kernels`] is the dispatch test.
 //!
 //! All of them take the per-token `cos`/`sin` rows (`[T, R/2]` f32) of
 //! [`crate::nn::RopeTable::cos_sin`] rather than positions: a step computes them once for q,
@@ -35,6 +37,7 @@ mod indexer_select;
 mod indexer_topk;
 mod insert_op;
 mod packed_insert;
+mod policy;
 mod q_rope;
 mod row_inputs;
 mod slots;
@@ -50,6 +53,7 @@ pub use indexer_select::{index_select, index_select_with_scratch, SCORE_SCRATCH_
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use packed_insert::{packed_insert, PackedLayout};
+pub use policy::{fused_kernels, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;
 pub use sparse_attention::{

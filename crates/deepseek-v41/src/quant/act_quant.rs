@@ -25,7 +25,7 @@ pub fn fp8_act_quant_block(block: &mut [f32]) {
 /// the device, bit for bit equal ([`crate::cuda::fake_quant_device`]).
 pub fn fp8_activation_quant(x: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if crate::cuda::fused_kernels(x.device()) {
         return crate::cuda::fake_quant_device(x, QatFormat::Fp8Ue8m0B32);
     }
     map_blocks(x, ACT_BLOCK, "fp8_activation_quant", fp8_act_quant_block)

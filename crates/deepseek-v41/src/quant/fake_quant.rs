@@ -189,7 +189,7 @@ pub fn fake_quant_slice(fmt: QatFormat, x: &mut [f32]) -> Result<()> {
 /// equal ([`crate::cuda::fake_quant_device`]).
 pub fn fake_quant(x: &Tensor, fmt: QatFormat) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if crate::cuda::fused_kernels(x.device()) {
         return crate::cuda::fake_quant_device(x, fmt);
     }
     fake_quant_host(x, fmt)
