@@ -225,7 +225,10 @@ fn report(
     let opts = SparseAttentionOptions { num_splits: splits };
     let variants: Vec<&str> = args.variants.split(',').map(str::trim).filter(|v| !v.is_empty()).collect();
     for v in &variants {
-        std::env::set_var("DSV41_SPARSE_ATTENTION_VARIANT", v);
+        // "variant" or "variant:knobs" (DSV41_SPARSE_ATTENTION_KNOBS).
+        let (var, knobs) = v.split_once(':').unwrap_or((v, "0"));
+        std::env::set_var("DSV41_SPARSE_ATTENTION_VARIANT", var);
+        std::env::set_var("DSV41_SPARSE_ATTENTION_KNOBS", knobs);
         let r = timer.time(|| {
             sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
             Ok(())
@@ -238,6 +241,7 @@ fn report(
             r?;
         }
         std::env::remove_var("DSV41_SPARSE_ATTENTION_VARIANT");
+        std::env::remove_var("DSV41_SPARSE_ATTENTION_KNOBS");
         let (tv, _) = r?;
         println!(
             "  variant {v} {label:<22} {:>10.2} us {:>8.1} TFLOP/s",

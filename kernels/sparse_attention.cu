@@ -98,6 +98,8 @@ constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [4] mbarriers (producer v
 constexpr int SM_ENT = SM_BAR + 32;             // u32 [range]: (source << 31) | row
 constexpr int SM_O = 0;                         // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
 static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
+// The pushed partial tiles (S slots of ceil(64 / S) f32 head rows, at most 7 x 10) stay below SM_P.
+static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
 // (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
@@ -113,6 +115,11 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+// Same with an L2 prefetch of the surrounding 256 bytes (fewer, larger DRAM requests).
+__device__ __forceinline__ void cp_async16_l2pf(uint32_t dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -277,6 +284,11 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
     // Bit 3 (PROD = false): issue tile j + 1's copies while tile j's Q.K^T runs on the tensor
     // cores and the L2 prefetches while its P.V runs (else before the Q.K^T).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4, late_issue = mode & 8;
+    // Experiment knobs: bit 4 no L2 bulk prefetch, bit 5 cp.async with the L2::256B hint, bit 6
+    // (PROD) producer mapping of 8 threads per 128-byte row segment (4 rows per warp).
+    // Bit 7: with S > 1 each CTA writes its scaled partial O of the heads CTA r stores straight
+    // into CTA r's shared memory (slot per split), so the final sum reads local memory only.
+    const bool no_pf = mode & 16, l2hint = mode & 32, grouped = mode & 64, push = (mode & 128) && gridDim.y > 1;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -392,7 +404,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
     // L2 prefetch of rows [r0, r1) (one bulk prefetch per row, `n` threads from thread `i`):
     // keeps HBM busy beyond the two shared-memory stages.
     auto prefetch_rows = [&](int r0, int r1, int i, int n) {
-        if (!skip_gather)
+        if (!skip_gather && !no_pf)
             for (int r = r0 + i; r < min(r1, nrows); r += n) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
     };
     // Copies of tile j -> stage j & 1 by `n` threads from thread `i` (16 bytes per thread and
@@ -401,13 +413,38 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
         const int base = j * BLK;
         const int nb = min(BLK, nrows - base);
         const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
+        if (PROD && grouped) {
+            // 16 groups of 8 threads; group gr takes rows gr, gr + 16, gr + 32, gr + 48, thread
+            // q of it chunk q of every 128-byte plane segment.
+            const int gr = i >> 3, q = i & 7;
+#pragma unroll
+            for (int lr = 0; lr < 4; ++lr) {
+                const int r = lr * 16 + gr;
+                const bool ok = r < nb;
+                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
+#pragma unroll
+                for (int pl = 0; pl < 8; ++pl) {
+                    if (skip_gather) continue;
+                    if (l2hint)
+                        cp_async16_l2pf(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
+                    else
+                        cp_async16(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
+                }
+            }
+            return;
+        }
         const int col = i & 63;
 #pragma unroll 4
         for (int k = 0; k < BLK * 64 / n; ++k) {
             const int r = (i >> 6) + (n >> 6) * k;
             const bool ok = r < nb;
             const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
-            if (!skip_gather) cp_async16(dst + wgsw(r, col), src, ok);
+            if (!skip_gather) {
+                if (l2hint)
+                    cp_async16_l2pf(dst + wgsw(r, col), src, ok);
+                else
+                    cp_async16(dst + wgsw(r, col), src, ok);
+            }
         }
     };
 
@@ -429,7 +466,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
         if (nsplit > 1) {
             cluster_sync_all();
             cluster_sync_all();
-            cluster_arrive_relaxed_wait();
+            if (!push) cluster_arrive_relaxed_wait();
         }
     } else {
         if (PROD) setmaxnreg_inc<MMA_REGS>();
@@ -651,7 +688,26 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
                 p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
         }
         csync();
-        {
+        // Heads per storing CTA: CTA r stores heads [r hs, min(nh, r hs + hs)).
+        const int hs = (nh + nsplit - 1) / nsplit;
+        if (push) {
+            // Partial O of head h -> slot row split * hs + (h - r hs) of its storer r = h / hs.
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                const int h = hg * 16 + g + 8 * hi;
+                if (h < nh) {
+                    const float f = fac_s[h];
+                    const int r = h / hs, row = split * hs + h - r * hs;
+                    unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        const int d0 = wg * 256 + 8 * i + 2 * tq;
+                        float2* dst = reinterpret_cast<float2*>(base + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
+                        *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
+                    }
+                }
+            }
+        } else {
 #pragma unroll
             for (int hi = 0; hi < 2; ++hi) {
                 const int h = hg * 16 + g + 8 * hi;
@@ -672,7 +728,6 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
             // items per thread and pass: per split r (in order) all 16 loads of the pass are
             // issued before they are summed, so the distributed shared memory latency is paid
             // once per split and pass.
-            const int hs = (nh + nsplit - 1) / nsplit;
             const int hb = split * hs, he = min(nh, hb + hs);
             const int items = (he - hb) * 64;
             constexpr int PER = 8;
@@ -684,15 +739,17 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
                     for (int e = 0; e < 8; ++e) o[k][e] = 0.f;
 #pragma unroll 1
                 for (int r = 0; r < nsplit; ++r) {
-                    const unsigned char* base = reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
+                    // Pushed: slot r of this CTA's own memory; else split r's tile (heads as rows).
+                    const unsigned char* base = push ? smem + SM_O : reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
+                    const int row0 = push ? r * hs : hb;
                     float4 x[PER], y[PER];
 #pragma unroll
                     for (int k = 0; k < PER; ++k) {
                         const int c = c0 + k * THREADS + tid;
                         if (c < items) {
-                            const int h = hb + c / 64, col = c % 64;
-                            x[k] = *reinterpret_cast<const float4*>(base + sw2k(h, 2 * col));
-                            y[k] = *reinterpret_cast<const float4*>(base + sw2k(h, 2 * col + 1));
+                            const int row = row0 + c / 64, col = c % 64;
+                            x[k] = *reinterpret_cast<const float4*>(base + sw2k(row, 2 * col));
+                            y[k] = *reinterpret_cast<const float4*>(base + sw2k(row, 2 * col + 1));
                         }
                     }
 #pragma unroll
@@ -722,7 +779,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
         }
         // Keep this CTA's shared memory alive until the cluster has read it (the reads completed
         // before each CTA arrives: their values were consumed; no ordering of other memory needed).
-        if (nsplit > 1) cluster_arrive_relaxed_wait();
+        if (nsplit > 1 && !push) cluster_arrive_relaxed_wait();
         stamp(20);
     }
 }
@@ -831,7 +888,8 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (variant == 1 ? 8 : 0);
+    const char* kn = getenv("DSV41_SPARSE_ATTENTION_KNOBS");
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (variant == 1 ? 8 : 0) | (kn ? (atoi(kn) & 240) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
