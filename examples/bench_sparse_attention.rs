@@ -54,10 +54,6 @@ struct Args {
     /// (DSV41_SPARSE_ATTENTION_DIAG, wrong results, timing only).
     #[arg(long)]
     diag: bool,
-    /// Comma-separated kernel schedule variants to time each case with
-    /// (DSV41_SPARSE_ATTENTION_VARIANT; empty: the default only).
-    #[arg(long, default_value = "")]
-    variants: String,
 }
 
 /// Timing behind a blocker (see the module doc), with the shared options' stream, warm-up,
@@ -223,32 +219,6 @@ fn report(
 ) -> Result<()> {
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let opts = SparseAttentionOptions { num_splits: splits };
-    let variants: Vec<&str> = args.variants.split(',').map(str::trim).filter(|v| !v.is_empty()).collect();
-    for v in &variants {
-        // "variant" or "variant:knobs" (DSV41_SPARSE_ATTENTION_KNOBS).
-        let (var, knobs) = v.split_once(':').unwrap_or((v, "0"));
-        std::env::set_var("DSV41_SPARSE_ATTENTION_VARIANT", var);
-        std::env::set_var("DSV41_SPARSE_ATTENTION_KNOBS", knobs);
-        let r = timer.time(|| {
-            sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
-            Ok(())
-        });
-        if args.trace {
-            eprint!("{label} variant {v}: ");
-            std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
-            let r = sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts);
-            std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
-            r?;
-        }
-        std::env::remove_var("DSV41_SPARSE_ATTENTION_VARIANT");
-        std::env::remove_var("DSV41_SPARSE_ATTENTION_KNOBS");
-        let (tv, _) = r?;
-        println!(
-            "  variant {v} {label:<22} {:>10.2} us {:>8.1} TFLOP/s",
-            tv * 1e3,
-            tflops((4 * HEADS * HEAD_DIM * pb.rows) as f64, tv)
-        );
-    }
     let (t, host) = timer.time(|| {
         sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
         Ok(())

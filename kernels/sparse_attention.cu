@@ -19,19 +19,27 @@
 // at rounding level: the f32 order of the 512-term dot products, of the P.V sums (tensor-core
 // accumulation) and of the denominators; with S > 1 splits, each split runs its own running max
 // from the floor (so p is rounded relative to the split's max) and the splits are merged as
-// out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r.
+// out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r
+// (each term rounded to f32, summed in split order).
 //
 // Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1) when S > 1 (a plain launch for one
-// split), 256 threads (8 warps = two warpgroups), 1 CTA per SM (~220 KB shared memory). CTA
-// (t, r, z) handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole
-// 64-row tiles) of the token's compacted valid rows. The launcher picks S from the token count
-// and the SM count (a wave model, `choose_splits`) unless the caller forces it.
-//   1. q (64 heads x 512 bf16) is fetched with cp.async; all threads load the token's indices
-//      at once, a ballot + warp scan compacts the valid ones and the CTA keeps the entries of
-//      its range (source bit + row) in shared memory.
-//   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring (tile j+1 loads
-//      while tile j is computed); the rows PF_TILES tiles further ahead get an L2 bulk prefetch
-//      (one instruction per 1 KB row) so that HBM stays busy beyond the two stages. Per tile:
+// split), 384 threads = 3 warpgroups, 1 CTA per SM (~220 KB shared memory). CTA (t, r, z)
+// handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row
+// tiles) of the token's compacted valid rows. The launcher picks S from the token count and the
+// SM count (a wave model, `choose_splits`) unless the caller forces it.
+//   1. q (64 heads x 512 bf16) is fetched with cp.async by the compute warpgroups; the token's
+//      indices are loaded at once, a ballot + warp scan compacts the valid ones and the CTA
+//      keeps the entries of its range (source bit + row) in shared memory.
+//   2. Warpgroup 2 is the producer (setmaxnreg down to 40 registers, the two compute
+//      warpgroups up to 232): it gathers tile j (64 rows) into stage j & 1 once the compute
+//      warps released the stage (an "empty" mbarrier, one arrival per compute warp), with
+//      16-byte cp.async carrying the .L2::256B prefetch hint; 16 groups of 8 threads, group g
+//      takes rows g, g + 16, g + 32, g + 48, thread q of it chunk q of each 128-byte plane
+//      segment, so one warp instruction reads four rows' 128-byte segments (measured: 2x the
+//      gather rate of a warp reading 512 contiguous bytes of one row). Each producer thread then
+//      arms an asynchronous arrival on the stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc)
+//      and moves on; the compute warps wait on it and publish the rows to the tensor cores with
+//      fence.proxy.async. Per tile (compute warpgroups, named barrier 1):
 //      Q.K^T: warpgroup w computes S for all 64 heads x tile rows 32 w .. +32 (32 wgmma
 //        m64n32k16, A = q and B = the row tile, both K-major from shared memory); warp w % 4
 //        holds heads 16 (w % 4) .. +16. Rows past the tile's end are masked, the per-head max
@@ -42,17 +50,18 @@
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
 //      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
-//      into this split's factor and the lse; every warp scales its O by the factor into
-//      f32 shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
-//      share of the heads and writes bf16 out (16-byte stores).
+//      into this split's factor and the lse; every warp scales its O by the factor and stores it
+//      straight into the shared memory of the CTA that writes those heads (CTA r writes heads
+//      [r hs, r hs + hs), hs = ceil(64 / S); slot `split` of S f32 slots there); after a second
+//      cluster barrier each CTA sums its S slots in split order (local reads) and writes bf16
+//      out with 16-byte stores.
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts).
-// Measured on the H200 (docs/perf.md, "Round 2"): a 64-row tile costs ~2.3 us of tensor-core
-// work and softmax, plus ~1.6 us while the same warps issue the next tile's 4096 cp.async and
-// ~0.5 us for the L2 prefetches (memory back-pressure stalls the issuing warps); a single
-// producer warp issuing them instead was slower (it cannot keep up: 2.5-4 us waits per tile).
+// Measured on the H200 (docs/perf.md, "Round 3"): a 64-row tile costs ~2.3 us (tensor cores +
+// softmax; the gather now keeps up, waits ~0.13 us); the round-2 layout (compute warps issuing
+// the next tile, one 512-byte row run per warp instruction) needed ~4.4 us per tile.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -70,14 +79,13 @@ namespace dsv41_sa {
 constexpr int D = 512;          // head dim (row width)
 constexpr int BLK = 64;         // rows per tile = softmax block of the reference
 constexpr int HB = 64;          // heads per CTA
-constexpr int THREADS = 256;    // 8 warps = 2 warpgroups (the compute threads)
-constexpr int PROD_THREADS = 128;  // producer warpgroup of the producer variant
+constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups
+constexpr int PROD_THREADS = 128;  // the producer warpgroup (threads 256..383)
 constexpr int PROD_REGS = 40;      // its registers after setmaxnreg (2 x 232 + 40 = 3 x 168)
-constexpr int MMA_REGS = 232;      // compute warpgroups' registers in the producer variant
+constexpr int MMA_REGS = 232;      // the compute warpgroups' registers after setmaxnreg
 constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
 constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
 constexpr int MAX_SPLITS = 8;   // portable cluster size
-constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
 // Shared memory map (bytes). q and row tiles in the wgmma 128-byte-swizzle canonical layout:
@@ -94,9 +102,9 @@ constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]:
 constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
 constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [4] mbarriers (producer variant): full[2], empty[2]
+constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [4] mbarriers: full[2], empty[2] (stage hand-over)
 constexpr int SM_ENT = SM_BAR + 32;             // u32 [range]: (source << 31) | row
-constexpr int SM_O = 0;                         // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
+constexpr int SM_O = 0;                         // f32 [S slots][ceil(64 / S) heads][512] (epilogue, over q + stage 0), swizzled
 static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 // The pushed partial tiles (S slots of ceil(64 / S) f32 head rows, at most 7 x 10) stay below SM_P.
 static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
@@ -117,16 +125,12 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 // Same with an L2 prefetch of the surrounding 256 bytes (fewer, larger DRAM requests).
-__device__ __forceinline__ void cp_async16_l2pf(uint32_t dst, const void* src, bool valid) {
+__device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// Pulls `bytes` (multiple of 16) at a 16-byte aligned global address into L2, no completion.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 // Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
 // after this fence and a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -134,8 +138,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// mbarriers of the producer variant (stage hand-over between the producer warpgroup and the
-// compute warpgroups).
+// mbarriers (stage hand-over between the producer warpgroup and the compute warpgroups).
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -161,9 +164,6 @@ template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
-__device__ __forceinline__ void cluster_arrive_relaxed_wait() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
 
 
 // Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile.
@@ -252,12 +252,8 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
 }
 
-// PROD = false: 256 threads, the compute warps also issue the gather (tile j + 1 while tile j is
-// computed); PROD = true: 384 threads, warpgroup 2 is a producer (gather + L2 prefetch, stage
-// hand-over through full / empty mbarriers, registers lowered to PROD_REGS by setmaxnreg) and
-// the two compute warpgroups run at MMA_REGS registers.
-template <bool PROD>
-__global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
+// Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
+__global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -273,7 +269,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
     const uint32_t bar_full = sbase + SM_BAR, bar_empty = sbase + SM_BAR + 16;  // [2] each, 8 bytes apart
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const bool compute = tid < THREADS;  // false: the producer warpgroup (PROD only)
+    const bool compute = tid < THREADS;  // false: the producer warpgroup
     const int g = lane >> 2, tq = lane & 3;  // fragment coordinates
     const int t = blockIdx.x;
     const int split = blockIdx.y, nsplit = gridDim.y;
@@ -281,14 +277,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
     const int nh = min(HB, p.num_heads - h0);
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
-    // Bit 3 (PROD = false): issue tile j + 1's copies while tile j's Q.K^T runs on the tensor
-    // cores and the L2 prefetches while its P.V runs (else before the Q.K^T).
-    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4, late_issue = mode & 8;
-    // Experiment knobs: bit 4 no L2 bulk prefetch, bit 5 cp.async with the L2::256B hint, bit 6
-    // (PROD) producer mapping of 8 threads per 128-byte row segment (4 rows per warp).
-    // Bit 7: with S > 1 each CTA writes its scaled partial O of the heads CTA r stores straight
-    // into CTA r's shared memory (slot per split), so the final sum reads local memory only.
-    const bool no_pf = mode & 16, l2hint = mode & 32, grouped = mode & 64, push = (mode & 128) && gridDim.y > 1;
+    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -312,7 +301,7 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
         m_s[tid] = M_FLOOR;
         m_s[HB + tid] = M_FLOOR;
     }
-    if (PROD && tid == 0) {
+    if (tid == 0) {
         mbar_init(bar_full, PROD_THREADS);  // one asynchronous arrival per producer thread
         mbar_init(bar_full + 8, PROD_THREADS);
         mbar_init(bar_empty, THREADS / 32);  // one arrival per compute warp
@@ -401,387 +390,290 @@ __global__ void __launch_bounds__(PROD ? THREADS + PROD_THREADS : THREADS, 1)
 
     const int nrows = hi - lo;
     const int ntiles = (nrows + BLK - 1) / BLK;
-    // L2 prefetch of rows [r0, r1) (one bulk prefetch per row, `n` threads from thread `i`):
-    // keeps HBM busy beyond the two shared-memory stages.
-    auto prefetch_rows = [&](int r0, int r1, int i, int n) {
-        if (!skip_gather && !no_pf)
-            for (int r = r0 + i; r < min(r1, nrows); r += n) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
-    };
-    // Copies of tile j -> stage j & 1 by `n` threads from thread `i` (16 bytes per thread and
-    // step, a warp covers 512 contiguous bytes of a row; rows past the tile's end zero-filled).
-    auto copy_tile = [&](int j, int i, int n) {
-        const int base = j * BLK;
-        const int nb = min(BLK, nrows - base);
-        const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
-        if (PROD && grouped) {
-            // 16 groups of 8 threads; group gr takes rows gr, gr + 16, gr + 32, gr + 48, thread
-            // q of it chunk q of every 128-byte plane segment.
-            const int gr = i >> 3, q = i & 7;
+    // Heads per storing CTA of the epilogue: CTA r writes heads [r hs, min(nh, r hs + hs)).
+    const int hs = (nh + nsplit - 1) / nsplit;
+
+    if (!compute) {
+        // 2p. Producer warpgroup: tile j -> stage j & 1 once the compute warps released it (tile
+        // j - 2 consumed); this thread's arrival on the stage's full barrier fires when its
+        // copies have landed (no waiting here). Rows past the tile's end are zero-filled.
+        setmaxnreg_dec<PROD_REGS>();
+        const int gr = (tid - THREADS) >> 3, q = tid & 7;
+        for (int j = 0; j < ntiles; ++j) {
+            const int st = j & 1;
+            if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
+            const int base = j * BLK;
+            const int nb = min(BLK, nrows - base);
+            const uint32_t dst = sbase + SM_K + st * TILEB;
 #pragma unroll
             for (int lr = 0; lr < 4; ++lr) {
                 const int r = lr * 16 + gr;
                 const bool ok = r < nb;
                 const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
 #pragma unroll
-                for (int pl = 0; pl < 8; ++pl) {
-                    if (skip_gather) continue;
-                    if (l2hint)
-                        cp_async16_l2pf(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
-                    else
-                        cp_async16(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
-                }
+                for (int pl = 0; pl < D / 64; ++pl)
+                    if (!skip_gather) cp_async16_l2(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
             }
-            return;
-        }
-        const int col = i & 63;
-#pragma unroll 4
-        for (int k = 0; k < BLK * 64 / n; ++k) {
-            const int r = (i >> 6) + (n >> 6) * k;
-            const bool ok = r < nb;
-            const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
-            if (!skip_gather) {
-                if (l2hint)
-                    cp_async16_l2pf(dst + wgsw(r, col), src, ok);
-                else
-                    cp_async16(dst + wgsw(r, col), src, ok);
-            }
-        }
-    };
-
-    if (PROD && !compute) {
-        // 2p. Producer warpgroup: tile j -> stage j & 1 once the compute warps released it (tile
-        // j - 2 consumed), then the stage's full barrier gets this thread's arrival when its
-        // copies have landed (no waiting here); the rows PF_TILES tiles ahead go to L2.
-        setmaxnreg_dec<PROD_REGS>();
-        const int pt = tid - THREADS;
-        prefetch_rows(BLK, (1 + PF_TILES) * BLK, pt, PROD_THREADS);
-        for (int j = 0; j < ntiles; ++j) {
-            const int st = j & 1;
-            if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
-            copy_tile(j, pt, PROD_THREADS);
             cp_async_mbar_arrive(bar_full + 8 * st);
-            prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, pt, PROD_THREADS);
         }
         // The epilogue's cluster barriers count every thread of the cluster.
         if (nsplit > 1) {
             cluster_sync_all();
             cluster_sync_all();
-            if (!push) cluster_arrive_relaxed_wait();
         }
-    } else {
-        if (PROD) setmaxnreg_inc<MMA_REGS>();
-        // Barrier of the compute threads.
-        auto csync = [&]() {
-            if (PROD)
-                compute_sync();
-            else
-                __syncthreads();
-        };
-        // Tile j -> stage j & 1 without a producer: cp.async by all compute threads.
-        auto issue_tile = [&](int j) {
-            copy_tile(j, tid, THREADS);
-            cp_async_commit();
-        };
-        if (!PROD) {
-            if (ntiles > 0) issue_tile(0);
-            prefetch_rows(BLK, (1 + PF_TILES) * BLK, tid, THREADS);
-        }
-        stamp(1);
+        return;
+    }
 
-        // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
-        // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
-        const int hg = warp & 3, wg = warp >> 2;
-        const bool qk_active = hg * 16 < nh;
-        // O accumulators (m64n256 fragment of warpgroup wg): acc[4i + c] = head 16 hg + g + 8 (c / 2),
-        // dim 256 wg + 8 i + 2 tq + c % 2.
-        float acc[128];
+    // 2c. Compute warpgroups.
+    setmaxnreg_inc<MMA_REGS>();
+    stamp(1);
+    // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
+    // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
+    const int hg = warp & 3, wg = warp >> 2;
+    const bool qk_active = hg * 16 < nh;
+    // O accumulators (m64n256 fragment of warpgroup wg): acc[4i + c] = head 16 hg + g + 8 (c / 2),
+    // dim 256 wg + 8 i + 2 tq + c % 2.
+    float acc[128];
 #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-        float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
 
-        for (int j = 0; j < ntiles; ++j) {
-            if (PROD) mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
-            if (!PROD || j == 0) cp_async_wait_all();  // this thread's copies: q (and the row tile without a producer)
-            fence_proxy_async();  // q and the row tile are read by wgmma
-            csync();
-            if (j < 16) stamp(24 + j);
-            if (!PROD && !late_issue) {
-                if (j + 1 < ntiles) issue_tile(j + 1);
-                prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, tid, THREADS);
+    for (int j = 0; j < ntiles; ++j) {
+        mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
+        if (j == 0) cp_async_wait_all();  // this thread's q copies
+        fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
+        compute_sync();
+        if (j < 16) stamp(24 + j);
+        const int nb = min(BLK, nrows - j * BLK);
+        const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
+        const float* m_old_s = m_s + (j & 1) * HB;
+        float* m_new_s = m_s + ((j + 1) & 1) * HB;
+
+        // Q.K^T: warpgroup wg, all 64 heads x rows 32 wg .. +32 (m64n32k16, 32 k-steps); this
+        // warp gets heads 16 hg .. +16: s[a][c] = row 32 wg + 8 a + 2 tq + c % 2, head + 8 (c / 2).
+        float s[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
+        const bool qk_rows = qk_active && wg * 32 < nb;
+        if (wg * 32 < nb && !skip_mma) {
+            float d[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) d[i] = 0.f;
+            wg_fence_regs<16>(d);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
+                wg_m64n32k16_kk(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + wg * 32 * 128, 16, 1024));
             }
-            const int nb = min(BLK, nrows - j * BLK);
-            const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
-            const float* m_old_s = m_s + (j & 1) * HB;
-            float* m_new_s = m_s + ((j + 1) & 1) * HB;
-
-            // Q.K^T: warpgroup wg, all 64 heads x rows 32 wg .. +32 (m64n32k16, 32 k-steps); this
-            // warp gets heads 16 hg .. +16: s[a][c] = row 32 wg + 8 a + 2 tq + c % 2, head + 8 (c / 2).
-            float s[4][4];
+            wg_commit();
+            wg_wait_all();
+            wg_fence_regs<16>(d);
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
-            const bool qk_rows = qk_active && wg * 32 < nb;
-            const bool do_qk = wg * 32 < nb && !skip_mma;
-            // The late variant issues the next tile's copies while the tensor cores work (the
-            // wgmma issue, commit and wait stay in one branch: ptxas serialises them otherwise).
-            const bool late_copy = !PROD && late_issue && j + 1 < ntiles;
-            if (do_qk) {
-                float d[16];
+                for (int c = 0; c < 4; ++c) s[a][c] = d[4 * a + c];
+        }
+        // Scale, mask, per-head max of this warp's rows.
+        float mlo = -INFINITY, mhi = -INFINITY;
 #pragma unroll
-                for (int i = 0; i < 16; ++i) d[i] = 0.f;
-                wg_fence_regs<16>(d);
-                wg_fence();
+        for (int a = 0; a < 4; ++a) {
+            const int r0 = wg * 32 + 8 * a + 2 * tq;
 #pragma unroll
-                for (int ks = 0; ks < D / 16; ++ks) {
-                    const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
-                    wg_m64n32k16_kk(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + wg * 32 * 128, 16, 1024));
-                }
-                wg_commit();
-                if (late_copy) issue_tile(j + 1);
-                wg_wait_all();
-                wg_fence_regs<16>(d);
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) s[a][c] = d[4 * a + c];
-            } else if (late_copy) {
-                issue_tile(j + 1);
+            for (int c = 0; c < 4; ++c) {
+                const bool ok = qk_rows && r0 + (c & 1) < nb;
+                s[a][c] = ok ? __fmul_rn(p.scale, s[a][c]) : -INFINITY;
             }
-            // Scale, mask, per-head max of this warp's rows.
-            float mlo = -INFINITY, mhi = -INFINITY;
+            mlo = fmaxf(mlo, fmaxf(s[a][0], s[a][1]));
+            mhi = fmaxf(mhi, fmaxf(s[a][2], s[a][3]));
+        }
+        mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 1));
+        mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 2));
+        mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 1));
+        mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 2));
+        const int hlo = hg * 16 + g, hhi = hlo + 8;
+        if (tq == 0) {
+            mx_s[wg * HB + hlo] = mlo;
+            mx_s[wg * HB + hhi] = mhi;
+        }
+        compute_sync();
+        // m_new, bf16 p -> P tile, this half's denominator.
+        {
+            const float olo = m_old_s[hlo], ohi = m_old_s[hhi];
+            const float nlo = fmaxf(olo, fmaxf(mx_s[hlo], mx_s[HB + hlo]));
+            const float nhi = fmaxf(ohi, fmaxf(mx_s[hhi], mx_s[HB + hhi]));
+            const float alo = expf(olo - nlo), ahi = expf(ohi - nhi);
+            float slo = 0.f, shi = 0.f;
 #pragma unroll
             for (int a = 0; a < 4; ++a) {
-                const int r0 = wg * 32 + 8 * a + 2 * tq;
+                const float e0 = expf(s[a][0] - nlo), e1 = expf(s[a][1] - nlo);
+                const float e2 = expf(s[a][2] - nhi), e3 = expf(s[a][3] - nhi);
+                slo += e0 + e1;
+                shi += e2 + e3;
+                const int r0 = wg * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
+                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e0, e1);
+                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e2, e3);
+            }
+            slo += __shfl_xor_sync(0xffffffffu, slo, 1);
+            slo += __shfl_xor_sync(0xffffffffu, slo, 2);
+            shi += __shfl_xor_sync(0xffffffffu, shi, 1);
+            shi += __shfl_xor_sync(0xffffffffu, shi, 2);
+            den_lo = __fadd_rn(__fmul_rn(den_lo, alo), slo);
+            den_hi = __fadd_rn(__fmul_rn(den_hi, ahi), shi);
+            if (wg == 0 && tq == 0) {
+                m_new_s[hlo] = nlo;
+                m_new_s[hhi] = nhi;
+                alpha_s[hlo] = alo;
+                alpha_s[hhi] = ahi;
+            }
+        }
+        fence_proxy_async();  // the P tile is read by wgmma
+        compute_sync();
+        // P.V: warpgroup wg, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows; A = the
+        // P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
+        const float al = alpha_s[hlo], ah = alpha_s[hhi];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const bool ok = qk_rows && r0 + (c & 1) < nb;
-                    s[a][c] = ok ? __fmul_rn(p.scale, s[a][c]) : -INFINITY;
-                }
-                mlo = fmaxf(mlo, fmaxf(s[a][0], s[a][1]));
-                mhi = fmaxf(mhi, fmaxf(s[a][2], s[a][3]));
-            }
-            mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 1));
-            mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 2));
-            mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 1));
-            mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 2));
-            const int hlo = hg * 16 + g, hhi = hlo + 8;
-            if (tq == 0) {
-                mx_s[wg * HB + hlo] = mlo;
-                mx_s[wg * HB + hhi] = mhi;
-            }
-            csync();
-            // m_new, bf16 p -> P tile, this half's denominator.
-            {
-                const float olo = m_old_s[hlo], ohi = m_old_s[hhi];
-                const float nlo = fmaxf(olo, fmaxf(mx_s[hlo], mx_s[HB + hlo]));
-                const float nhi = fmaxf(ohi, fmaxf(mx_s[hhi], mx_s[HB + hhi]));
-                const float alo = expf(olo - nlo), ahi = expf(ohi - nhi);
-                float slo = 0.f, shi = 0.f;
+        for (int i = 0; i < 32; ++i) {
+            acc[4 * i] *= al;
+            acc[4 * i + 1] *= al;
+            acc[4 * i + 2] *= ah;
+            acc[4 * i + 3] *= ah;
+        }
+        const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
+        if (ksteps > 0) {
+            wg_fence_regs<128>(acc);
+            wg_fence();
+#pragma unroll 1
+            for (int kk = 0; kk < ksteps; ++kk)
+                wg_m64n256k16_kmn(acc, wg_desc(sbase + SM_P + kk * 32, 16, 1024),
+                                  wg_desc(kt + wg * 4 * (BLK * 128) + kk * 16 * 128, BLK * 128, 1024));
+            wg_commit();
+            wg_wait_all();
+            wg_fence_regs<128>(acc);
+        }
+        // This warp is done with the stage (its wgmma reads completed): hand it back.
+        if (lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
+        if (j < 16) stamp(2 + j);
+    }
+
+    // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
+    cp_async_wait_all();  // the q copy is still in flight when the range is empty
+    // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
+    auto split_smem = [&](float* ptr, int r) -> float* {
+        return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
+    };
+    if (tq == 0) {
+        den_s[wg * HB + hg * 16 + g] = den_lo;
+        den_s[wg * HB + hg * 16 + g + 8] = den_hi;
+    }
+    compute_sync();
+    if (tid < HB) {
+        stat_s[tid] = m_s[(ntiles & 1) * HB + tid];
+        stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
+    }
+    // Cluster barriers only with S > 1 (a barrier of the compute threads otherwise).
+    auto all_sync = [&]() {
+        if (nsplit > 1)
+            cluster_sync_all();
+        else
+            compute_sync();
+    };
+    all_sync();  // stats visible cluster-wide; every CTA is done with its q and row tiles
+    float* fac_s = alpha_s;  // [64 heads]: this split's merge factor e^{m_r - M} / den
+    if (tid < HB) {
+        // Merge the S splits' (m, den) of head `tid`; all remote loads issued at once.
+        const int h = tid;
+        float mr[MAX_SPLITS], dr[MAX_SPLITS];
 #pragma unroll
-                for (int a = 0; a < 4; ++a) {
-                    const float e0 = expf(s[a][0] - nlo), e1 = expf(s[a][1] - nlo);
-                    const float e2 = expf(s[a][2] - nhi), e3 = expf(s[a][3] - nhi);
-                    slo += e0 + e1;
-                    shi += e2 + e3;
-                    const int r0 = wg * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
-                    *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e0, e1);
-                    *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e2, e3);
-                }
-                slo += __shfl_xor_sync(0xffffffffu, slo, 1);
-                slo += __shfl_xor_sync(0xffffffffu, slo, 2);
-                shi += __shfl_xor_sync(0xffffffffu, shi, 1);
-                shi += __shfl_xor_sync(0xffffffffu, shi, 2);
-                den_lo = __fadd_rn(__fmul_rn(den_lo, alo), slo);
-                den_hi = __fadd_rn(__fmul_rn(den_hi, ahi), shi);
-                if (wg == 0 && tq == 0) {
-                    m_new_s[hlo] = nlo;
-                    m_new_s[hhi] = nhi;
-                    alpha_s[hlo] = alo;
-                    alpha_s[hhi] = ahi;
-                }
+        for (int r = 0; r < MAX_SPLITS; ++r) {
+            mr[r] = M_FLOOR;
+            dr[r] = 0.f;
+            if (r < nsplit) {
+                const float* st = split_smem(stat_s, r);
+                mr[r] = st[h];
+                dr[r] = st[HB + h];
             }
-            fence_proxy_async();  // the P tile is read by wgmma
-            csync();
-            // P.V: warpgroup wg, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows; A = the
-            // P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
-            const float al = alpha_s[hlo], ah = alpha_s[hhi];
+        }
+        float big = M_FLOOR;
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r) big = fmaxf(big, mr[r]);
+        float wsum = 0.f;
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r)
+            if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
+        const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
+        const float den = __fadd_rn(wsum, expf(sink - big));
+        const bool ok = den > 0.f && isfinite(den);
+        fac_s[h] = ok ? __fdiv_rn(expf(stat_s[h] - big), den) : 0.f;
+        if (split == 0 && h < nh)
+            p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
+    }
+    compute_sync();
+    // Scaled partial O of head h -> slot row split * hs + (h - r hs) of its storing CTA r = h / hs
+    // (f32 rows of 2 KB, 16-byte chunks swizzled; over q and stage 0, free after the barrier).
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+        const int h = hg * 16 + g + 8 * hi;
+        if (h < nh) {
+            const float f = fac_s[h];
+            const int r = h / hs, row = split * hs + h - r * hs;
+            unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
-                acc[4 * i] *= al;
-                acc[4 * i + 1] *= al;
-                acc[4 * i + 2] *= ah;
-                acc[4 * i + 3] *= ah;
+                const int d0 = wg * 256 + 8 * i + 2 * tq;
+                float2* dst = reinterpret_cast<float2*>(base + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
+                *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
             }
-            const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
-            // The late variant: the L2 prefetches go out while the tensor cores work.
-            const bool late_pf = !PROD && late_issue;
-            if (ksteps > 0) {
-                wg_fence_regs<128>(acc);
-                wg_fence();
+        }
+    }
+    stamp(18);
+    all_sync();  // every split's partial tiles have arrived
+    stamp(19);
+    {
+        // This CTA's heads [split hs, ...): a thread per 8 dims of a head, 8 such items per
+        // thread and pass, the S slots summed in split order (local shared memory).
+        const int hb = split * hs, he = min(nh, hb + hs);
+        const int items = (he - hb) * 64;
+        constexpr int PER = 8;
+        for (int c0 = 0; c0 < items; c0 += PER * THREADS) {
+            float o[PER][8];
+#pragma unroll
+            for (int k = 0; k < PER; ++k)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[k][e] = 0.f;
 #pragma unroll 1
-                for (int kk = 0; kk < ksteps; ++kk)
-                    wg_m64n256k16_kmn(acc, wg_desc(sbase + SM_P + kk * 32, 16, 1024),
-                                      wg_desc(kt + wg * 4 * (BLK * 128) + kk * 16 * 128, BLK * 128, 1024));
-                wg_commit();
-                if (late_pf) prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, tid, THREADS);
-                wg_wait_all();
-                wg_fence_regs<128>(acc);
-            } else if (late_pf) {
-                prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK, tid, THREADS);
-            }
-            // This warp is done with the stage (its wgmma reads completed): hand it back.
-            if (PROD && lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
-            if (j < 16) stamp(2 + j);
-        }
-
-        // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
-        cp_async_wait_all();  // the q copy is still in flight when the range is empty
-        // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
-        auto split_smem = [&](float* ptr, int r) -> float* {
-            return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
-        };
-        if (tq == 0) {
-            den_s[wg * HB + hg * 16 + g] = den_lo;
-            den_s[wg * HB + hg * 16 + g + 8] = den_hi;
-        }
-        csync();
-        if (tid < HB) {
-            stat_s[tid] = m_s[(ntiles & 1) * HB + tid];
-            stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
-        }
-        // Cluster barriers only with S > 1 (a barrier of the compute threads otherwise).
-        auto all_sync = [&]() {
-            if (nsplit > 1)
-                cluster_sync_all();
-            else
-                csync();
-        };
-        all_sync();  // stats visible cluster-wide; every warp is done with the q and row tiles
-        float* fac_s = alpha_s;  // [64 heads]: this split's merge factor e^{m_r - M} / den
-        if (tid < HB) {
-            // Merge the S splits' (m, den) of head `tid`; all remote loads issued at once.
-            const int h = tid;
-            float mr[MAX_SPLITS], dr[MAX_SPLITS];
-#pragma unroll
-            for (int r = 0; r < MAX_SPLITS; ++r) {
-                mr[r] = M_FLOOR;
-                dr[r] = 0.f;
-                if (r < nsplit) {
-                    const float* st = split_smem(stat_s, r);
-                    mr[r] = st[h];
-                    dr[r] = st[HB + h];
-                }
-            }
-            float big = M_FLOOR;
-#pragma unroll
-            for (int r = 0; r < MAX_SPLITS; ++r) big = fmaxf(big, mr[r]);
-            float wsum = 0.f;
-#pragma unroll
-            for (int r = 0; r < MAX_SPLITS; ++r)
-                if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
-            const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
-            const float den = __fadd_rn(wsum, expf(sink - big));
-            const bool ok = den > 0.f && isfinite(den);
-            fac_s[h] = ok ? __fdiv_rn(expf(stat_s[h] - big), den) : 0.f;
-            if (split == 0 && h < nh)
-                p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
-        }
-        csync();
-        // Heads per storing CTA: CTA r stores heads [r hs, min(nh, r hs + hs)).
-        const int hs = (nh + nsplit - 1) / nsplit;
-        if (push) {
-            // Partial O of head h -> slot row split * hs + (h - r hs) of its storer r = h / hs.
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const int h = hg * 16 + g + 8 * hi;
-                if (h < nh) {
-                    const float f = fac_s[h];
-                    const int r = h / hs, row = split * hs + h - r * hs;
-                    unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) {
-                        const int d0 = wg * 256 + 8 * i + 2 * tq;
-                        float2* dst = reinterpret_cast<float2*>(base + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
-                        *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
-                    }
-                }
-            }
-        } else {
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const int h = hg * 16 + g + 8 * hi;
-                const float f = fac_s[h];
-#pragma unroll
-                for (int i = 0; i < 32; ++i) {
-                    const int d0 = wg * 256 + 8 * i + 2 * tq;
-                    float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
-                    *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
-                }
-            }
-        }
-        stamp(18);
-        all_sync();  // partial O tiles visible cluster-wide
-        stamp(19);
-        {
-            // CTA `split` writes heads [split * hs, ...); a thread per 8 dims of a head, 8 such
-            // items per thread and pass: per split r (in order) all 16 loads of the pass are
-            // issued before they are summed, so the distributed shared memory latency is paid
-            // once per split and pass.
-            const int hb = split * hs, he = min(nh, hb + hs);
-            const int items = (he - hb) * 64;
-            constexpr int PER = 8;
-            for (int c0 = 0; c0 < items; c0 += PER * THREADS) {
-                float o[PER][8];
-#pragma unroll
-                for (int k = 0; k < PER; ++k)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) o[k][e] = 0.f;
-#pragma unroll 1
-                for (int r = 0; r < nsplit; ++r) {
-                    // Pushed: slot r of this CTA's own memory; else split r's tile (heads as rows).
-                    const unsigned char* base = push ? smem + SM_O : reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
-                    const int row0 = push ? r * hs : hb;
-                    float4 x[PER], y[PER];
-#pragma unroll
-                    for (int k = 0; k < PER; ++k) {
-                        const int c = c0 + k * THREADS + tid;
-                        if (c < items) {
-                            const int row = row0 + c / 64, col = c % 64;
-                            x[k] = *reinterpret_cast<const float4*>(base + sw2k(row, 2 * col));
-                            y[k] = *reinterpret_cast<const float4*>(base + sw2k(row, 2 * col + 1));
-                        }
-                    }
-#pragma unroll
-                    for (int k = 0; k < PER; ++k) {
-                        const int c = c0 + k * THREADS + tid;
-                        if (c < items) {
-                            o[k][0] += x[k].x; o[k][1] += x[k].y; o[k][2] += x[k].z; o[k][3] += x[k].w;
-                            o[k][4] += y[k].x; o[k][5] += y[k].y; o[k][6] += y[k].z; o[k][7] += y[k].w;
-                        }
-                    }
-                }
+            for (int r = 0; r < nsplit; ++r) {
 #pragma unroll
                 for (int k = 0; k < PER; ++k) {
                     const int c = c0 + k * THREADS + tid;
                     if (c < items) {
-                        const int h = hb + c / 64, col = c % 64;
-                        uint4 v;
-                        v.x = pack_bf16(o[k][0], o[k][1]);
-                        v.y = pack_bf16(o[k][2], o[k][3]);
-                        v.z = pack_bf16(o[k][4], o[k][5]);
-                        v.w = pack_bf16(o[k][6], o[k][7]);
-                        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 8;
-                        *reinterpret_cast<uint4*>(dst) = v;
+                        const int row = r * hs + c / 64, col = c % 64;
+                        const float4 x = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, 2 * col));
+                        const float4 y = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, 2 * col + 1));
+                        o[k][0] += x.x; o[k][1] += x.y; o[k][2] += x.z; o[k][3] += x.w;
+                        o[k][4] += y.x; o[k][5] += y.y; o[k][6] += y.z; o[k][7] += y.w;
                     }
                 }
             }
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int c = c0 + k * THREADS + tid;
+                if (c < items) {
+                    const int h = hb + c / 64, col = c % 64;
+                    uint4 v;
+                    v.x = pack_bf16(o[k][0], o[k][1]);
+                    v.y = pack_bf16(o[k][2], o[k][3]);
+                    v.z = pack_bf16(o[k][4], o[k][5]);
+                    v.w = pack_bf16(o[k][6], o[k][7]);
+                    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 8;
+                    *reinterpret_cast<uint4*>(dst) = v;
+                }
+            }
         }
-        // Keep this CTA's shared memory alive until the cluster has read it (the reads completed
-        // before each CTA arrives: their values were consumed; no ordering of other memory needed).
-        if (nsplit > 1 && !push) cluster_arrive_relaxed_wait();
-        stamp(20);
     }
+    stamp(20);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -857,23 +749,17 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // attributes are re-applied if a later call runs on another device.
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
-        e = cudaFuncSetAttribute(sparse_attention_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-        if (e == cudaSuccess)
-            e = cudaFuncSetAttribute(sparse_attention_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        e = cudaFuncSetAttribute(sparse_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
         if (e != cudaSuccess) return static_cast<int>(e);
         configured_dev = dev;
     }
-    // Schedule variant (experiment): DSV41_SPARSE_ATTENTION_VARIANT=0 the compute warps issue
-    // tile j + 1 before tile j's products, 1 during them, 2 a producer warpgroup.
-    const char* vr = getenv("DSV41_SPARSE_ATTENTION_VARIANT");
-    const int variant = vr ? atoi(vr) : 0;
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p->num_tokens, splits, hblocks);
-    cfg.blockDim = dim3(variant == 2 ? THREADS + PROD_THREADS : THREADS, 1, 1);
+    cfg.blockDim = dim3(THREADS + PROD_THREADS, 1, 1);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attr[1];
@@ -888,14 +774,12 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const char* kn = getenv("DSV41_SPARSE_ATTENTION_KNOBS");
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (variant == 1 ? 8 : 0) | (kn ? (atoi(kn) & 240) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
     }
-    e = variant == 2 ? cudaLaunchKernelEx(&cfg, sparse_attention_kernel<true>, *p, mode)
-                     : cudaLaunchKernelEx(&cfg, sparse_attention_kernel<false>, *p, mode);
+    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode);
     if (e != cudaSuccess) return static_cast<int>(e);
     e = cudaGetLastError();
     if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);
