@@ -19,19 +19,27 @@
 // at rounding level: the f32 order of the 512-term dot products, of the P.V sums (tensor-core
 // accumulation) and of the denominators; with S > 1 splits, each split runs its own running max
 // from the floor (so p is rounded relative to the split's max) and the splits are merged as
-// out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r.
+// out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r
+// (each term rounded to f32, summed in split order).
 //
 // Design. grid = (T, S, ceil(H / 64)), cluster = (1, S, 1) when S > 1 (a plain launch for one
-// split), 256 threads (8 warps = two warpgroups), 1 CTA per SM (~220 KB shared memory). CTA
-// (t, r, z) handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole
-// 64-row tiles) of the token's compacted valid rows. The launcher picks S from the token count
-// and the SM count (a wave model, `choose_splits`) unless the caller forces it.
-//   1. q (64 heads x 512 bf16) is fetched with cp.async; all threads load the token's indices
-//      at once, a ballot + warp scan compacts the valid ones and the CTA keeps the entries of
-//      its range (source bit + row) in shared memory.
-//   2. rows are gathered 64 at a time with 16-byte cp.async into a 2-stage ring (tile j+1 loads
-//      while tile j is computed); the rows PF_TILES tiles further ahead get an L2 bulk prefetch
-//      (one instruction per 1 KB row) so that HBM stays busy beyond the two stages. Per tile:
+// split), 384 threads = 3 warpgroups, 1 CTA per SM (~220 KB shared memory). CTA (t, r, z)
+// handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row
+// tiles) of the token's compacted valid rows. The launcher picks S from the token count and the
+// SM count (a wave model, `choose_splits`) unless the caller forces it.
+//   1. q (64 heads x 512 bf16) is fetched with cp.async by the compute warpgroups; the token's
+//      indices are loaded at once, a ballot + warp scan compacts the valid ones and the CTA
+//      keeps the entries of its range (source bit + row) in shared memory.
+//   2. Warpgroup 2 is the producer (setmaxnreg down to 40 registers, the two compute
+//      warpgroups up to 232): it gathers tile j (64 rows) into stage j & 1 once the compute
+//      warps released the stage (an "empty" mbarrier, one arrival per compute warp), with
+//      16-byte cp.async carrying the .L2::256B prefetch hint; 16 groups of 8 threads, group g
+//      takes rows g, g + 16, g + 32, g + 48, thread q of it chunk q of each 128-byte plane
+//      segment, so one warp instruction reads four rows' 128-byte segments (measured: 2x the
+//      gather rate of a warp reading 512 contiguous bytes of one row). Each producer thread then
+//      arms an asynchronous arrival on the stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc)
+//      and moves on; the compute warps wait on it and publish the rows to the tensor cores with
+//      fence.proxy.async. Per tile (compute warpgroups, named barrier 1):
 //      Q.K^T: warpgroup w computes S for all 64 heads x tile rows 32 w .. +32 (32 wgmma
 //        m64n32k16, A = q and B = the row tile, both K-major from shared memory); warp w % 4
 //        holds heads 16 (w % 4) .. +16. Rows past the tile's end are masked, the per-head max
@@ -42,17 +50,18 @@
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
 //      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
-//      into this split's factor and the lse; every warp scales its O by the factor into
-//      f32 shared memory; after a second cluster barrier CTA r sums the S partial tiles for its
-//      share of the heads and writes bf16 out (16-byte stores).
+//      into this split's factor and the lse; every warp scales its O by the factor and stores it
+//      straight into the shared memory of the CTA that writes those heads (CTA r writes heads
+//      [r hs, r hs + hs), hs = ceil(64 / S); slot `split` of S f32 slots there); after a second
+//      cluster barrier each CTA sums its S slots in split order (local reads) and writes bf16
+//      out with 16-byte stores.
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts).
-// Measured on the H200 (docs/perf.md, "Round 2"): a 64-row tile costs ~2.3 us of tensor-core
-// work and softmax, plus ~1.6 us while the same warps issue the next tile's 4096 cp.async and
-// ~0.5 us for the L2 prefetches (memory back-pressure stalls the issuing warps); a single
-// producer warp issuing them instead was slower (it cannot keep up: 2.5-4 us waits per tile).
+// Measured on the H200 (docs/perf.md, "Round 3"): a 64-row tile costs ~2.3 us (tensor cores +
+// softmax; the gather now keeps up, waits ~0.13 us); the round-2 layout (compute warps issuing
+// the next tile, one 512-byte row run per warp instruction) needed ~4.4 us per tile.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -70,11 +79,13 @@ namespace dsv41_sa {
 constexpr int D = 512;          // head dim (row width)
 constexpr int BLK = 64;         // rows per tile = softmax block of the reference
 constexpr int HB = 64;          // heads per CTA
-constexpr int THREADS = 256;    // 8 warps = 2 warpgroups
+constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups
+constexpr int PROD_THREADS = 128;  // the producer warpgroup (threads 256..383)
+constexpr int PROD_REGS = 40;      // its registers after setmaxnreg (2 x 232 + 40 = 3 x 168)
+constexpr int MMA_REGS = 232;      // the compute warpgroups' registers after setmaxnreg
 constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
 constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
 constexpr int MAX_SPLITS = 8;   // portable cluster size
-constexpr int PF_TILES = 3;     // L2 prefetch distance beyond the next tile
 constexpr float M_FLOOR = -1e30f;
 
 // Shared memory map (bytes). q and row tiles in the wgmma 128-byte-swizzle canonical layout:
@@ -91,9 +102,12 @@ constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]:
 constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
 constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_ENT = SM_TOTAL + 16;           // u32 [range]: (source << 31) | row
-constexpr int SM_O = 0;                         // f32 [64 heads][512] (epilogue, over q + stage 0), swizzled
+constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [4] mbarriers: full[2], empty[2] (stage hand-over)
+constexpr int SM_ENT = SM_BAR + 32;             // u32 [range]: (source << 31) | row
+constexpr int SM_O = 0;                         // f32 [S slots][ceil(64 / S) heads][512] (epilogue, over q + stage 0), swizzled
 static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
+// The pushed partial tiles (S slots of ceil(64 / S) f32 head rows, at most 7 x 10) stay below SM_P.
+static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
 // (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
@@ -110,12 +124,13 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
     const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
+// Same with an L2 prefetch of the surrounding 256 bytes (fewer, larger DRAM requests).
+__device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// Pulls `bytes` (multiple of 16) at a 16-byte aligned global address into L2, no completion.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 // Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
 // after this fence and a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -123,9 +138,32 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void cluster_arrive_relaxed_wait() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+// mbarriers (stage hand-over between the producer warpgroup and the compute warpgroups).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// One arrival on `bar` once all cp.async issued so far by this thread have landed (the
+// barrier's expected count includes it: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@!P1 bra WAIT_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// Barrier of the 256 compute threads only (named barrier 1; the producer warpgroup never joins).
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
 
 
 // Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile.
@@ -214,7 +252,9 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
 }
 
-__global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
+// Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
+__global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
+    sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
     if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
@@ -226,8 +266,10 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     int* cnt_s = reinterpret_cast<int*>(smem + SM_CNT);
     int* total_s = reinterpret_cast<int*>(smem + SM_TOTAL);
     uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
+    const uint32_t bar_full = sbase + SM_BAR, bar_empty = sbase + SM_BAR + 16;  // [2] each, 8 bytes apart
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool compute = tid < THREADS;  // false: the producer warpgroup
     const int g = lane >> 2, tq = lane & 3;  // fragment coordinates
     const int t = blockIdx.x;
     const int split = blockIdx.y, nsplit = gridDim.y;
@@ -243,7 +285,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     stamp(0);
 
     // 1a. q -> shared by cp.async (16 bytes per thread and step; heads past nh zero-filled).
-    {
+    if (compute) {
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
         const int col = tid & 63;
 #pragma unroll 4
@@ -259,39 +301,51 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         m_s[tid] = M_FLOOR;
         m_s[HB + tid] = M_FLOOR;
     }
+    if (tid == 0) {
+        mbar_init(bar_full, PROD_THREADS);  // one asynchronous arrival per producer thread
+        mbar_init(bar_full + 8, PROD_THREADS);
+        mbar_init(bar_empty, THREADS / 32);  // one arrival per compute warp
+        mbar_init(bar_empty + 8, THREADS / 32);
+    }
 
-    // 1b. Compaction of the valid indices in order (window then extra).
+    // 1b. Compaction of the valid indices in order (window then extra), by the compute threads.
     const int ktot = p.kw + p.kc;
     const int rounds = (ktot + THREADS - 1) / THREADS;
     uint32_t code[MAX_ROUNDS];
     unsigned bal[MAX_ROUNDS];
-    // All loads first (one memory round trip), then the validity ballots.
-    int64_t raw[MAX_ROUNDS];
-#pragma unroll
-    for (int r = 0; r < MAX_ROUNDS; ++r) {
-        raw[r] = -1;
-        const int i = r * THREADS + tid;
-        if (r < rounds && i < ktot) {
-            const bool win = i < p.kw;
-            const void* base = win ? p.idx_window : p.idx_extra;
-            const int64_t k = win ? static_cast<int64_t>(t) * p.kw + i : static_cast<int64_t>(t) * p.kc + (i - p.kw);
-            raw[r] = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(base) + k)
-                                        : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(base) + k));
-        }
-    }
 #pragma unroll
     for (int r = 0; r < MAX_ROUNDS; ++r) {
         code[r] = 0xffffffffu;
-        if (r < rounds) {
+        bal[r] = 0u;
+    }
+    if (compute) {
+        // All loads first (one memory round trip), then the validity ballots.
+        int64_t raw[MAX_ROUNDS];
+#pragma unroll
+        for (int r = 0; r < MAX_ROUNDS; ++r) {
+            raw[r] = -1;
             const int i = r * THREADS + tid;
-            const int64_t s = raw[r];
-            if (i < p.kw) {
-                if (s >= 0 && s < p.num_window_rows) code[r] = static_cast<uint32_t>(s);
-            } else if (i < ktot) {
-                if (s >= 0 && s < p.num_extra_rows) code[r] = 0x80000000u | static_cast<uint32_t>(s);
+            if (r < rounds && i < ktot) {
+                const bool win = i < p.kw;
+                const void* base = win ? p.idx_window : p.idx_extra;
+                const int64_t k = win ? static_cast<int64_t>(t) * p.kw + i : static_cast<int64_t>(t) * p.kc + (i - p.kw);
+                raw[r] = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(base) + k)
+                                            : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(base) + k));
             }
-            bal[r] = __ballot_sync(0xffffffffu, code[r] != 0xffffffffu);
-            if (lane == 0) cnt_s[r * 8 + warp] = __popc(bal[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < MAX_ROUNDS; ++r) {
+            if (r < rounds) {
+                const int i = r * THREADS + tid;
+                const int64_t s = raw[r];
+                if (i < p.kw) {
+                    if (s >= 0 && s < p.num_window_rows) code[r] = static_cast<uint32_t>(s);
+                } else if (i < ktot) {
+                    if (s >= 0 && s < p.num_extra_rows) code[r] = 0x80000000u | static_cast<uint32_t>(s);
+                }
+                bal[r] = __ballot_sync(0xffffffffu, code[r] != 0xffffffffu);
+                if (lane == 0) cnt_s[r * 8 + warp] = __popc(bal[r]);
+            }
         }
     }
     __syncthreads();
@@ -336,32 +390,43 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
 
     const int nrows = hi - lo;
     const int ntiles = (nrows + BLK - 1) / BLK;
-    // L2 prefetch of rows [r0, r1) (one bulk prefetch per row): keeps HBM busy beyond the two
-    // shared-memory stages.
-    auto prefetch_rows = [&](int r0, int r1) {
-        if (!skip_gather)
-            for (int r = r0 + tid; r < min(r1, nrows); r += THREADS) prefetch_l2(row_ptr(p, ent_s[r]), D * 2);
-    };
+    // Heads per storing CTA of the epilogue: CTA r writes heads [r hs, min(nh, r hs + hs)).
+    const int hs = (nh + nsplit - 1) / nsplit;
 
-    // Tile j -> stage j & 1: cp.async, 16 bytes per thread and step; rows past nb zero-filled.
-    auto issue_tile = [&](int j) {
-        const int base = j * BLK;
-        const int nb = min(BLK, nrows - base);
-        const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
-        const int col = tid & 63;
-#pragma unroll 4
-        for (int i = 0; i < BLK * 64 / THREADS; ++i) {
-            const int r = (tid >> 6) + 4 * i;
-            const bool ok = r < nb;
-            const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + col * 8 : static_cast<const __nv_bfloat16*>(p.q);
-            if (!skip_gather) cp_async16(dst + wgsw(r, col), src, ok);
+    if (!compute) {
+        // 2p. Producer warpgroup: tile j -> stage j & 1 once the compute warps released it (tile
+        // j - 2 consumed); this thread's arrival on the stage's full barrier fires when its
+        // copies have landed (no waiting here). Rows past the tile's end are zero-filled.
+        setmaxnreg_dec<PROD_REGS>();
+        const int gr = (tid - THREADS) >> 3, q = tid & 7;
+        for (int j = 0; j < ntiles; ++j) {
+            const int st = j & 1;
+            if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
+            const int base = j * BLK;
+            const int nb = min(BLK, nrows - base);
+            const uint32_t dst = sbase + SM_K + st * TILEB;
+#pragma unroll
+            for (int lr = 0; lr < 4; ++lr) {
+                const int r = lr * 16 + gr;
+                const bool ok = r < nb;
+                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
+#pragma unroll
+                for (int pl = 0; pl < D / 64; ++pl)
+                    if (!skip_gather) cp_async16_l2(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
+            }
+            cp_async_mbar_arrive(bar_full + 8 * st);
         }
-        cp_async_commit();
-    };
-    if (ntiles > 0) issue_tile(0);
-    prefetch_rows(BLK, (1 + PF_TILES) * BLK);
-    stamp(1);
+        // The epilogue's cluster barriers count every thread of the cluster.
+        if (nsplit > 1) {
+            cluster_sync_all();
+            cluster_sync_all();
+        }
+        return;
+    }
 
+    // 2c. Compute warpgroups.
+    setmaxnreg_inc<MMA_REGS>();
+    stamp(1);
     // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
     // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
     const int hg = warp & 3, wg = warp >> 2;
@@ -374,12 +439,11 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
     float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
 
     for (int j = 0; j < ntiles; ++j) {
-        cp_async_wait_all();
-        fence_proxy_async();  // q and the row tile are read by wgmma
-        __syncthreads();
+        mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
+        if (j == 0) cp_async_wait_all();  // this thread's q copies
+        fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
+        compute_sync();
         if (j < 16) stamp(24 + j);
-        if (j + 1 < ntiles) issue_tile(j + 1);
-        prefetch_rows((j + 1 + PF_TILES) * BLK, (j + 2 + PF_TILES) * BLK);
         const int nb = min(BLK, nrows - j * BLK);
         const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
         const float* m_old_s = m_s + (j & 1) * HB;
@@ -434,7 +498,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             mx_s[wg * HB + hlo] = mlo;
             mx_s[wg * HB + hhi] = mhi;
         }
-        __syncthreads();
+        compute_sync();
         // m_new, bf16 p -> P tile, this half's denominator.
         {
             const float olo = m_old_s[hlo], ohi = m_old_s[hhi];
@@ -466,7 +530,7 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             }
         }
         fence_proxy_async();  // the P tile is read by wgmma
-        __syncthreads();
+        compute_sync();
         // P.V: warpgroup wg, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows; A = the
         // P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
         const float al = alpha_s[hlo], ah = alpha_s[hhi];
@@ -489,6 +553,8 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
             wg_wait_all();
             wg_fence_regs<128>(acc);
         }
+        // This warp is done with the stage (its wgmma reads completed): hand it back.
+        if (lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
         if (j < 16) stamp(2 + j);
     }
 
@@ -502,19 +568,19 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         den_s[wg * HB + hg * 16 + g] = den_lo;
         den_s[wg * HB + hg * 16 + g + 8] = den_hi;
     }
-    __syncthreads();
+    compute_sync();
     if (tid < HB) {
         stat_s[tid] = m_s[(ntiles & 1) * HB + tid];
         stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
     }
-    // Cluster barriers only with S > 1 (a plain CTA barrier otherwise).
+    // Cluster barriers only with S > 1 (a barrier of the compute threads otherwise).
     auto all_sync = [&]() {
         if (nsplit > 1)
             cluster_sync_all();
         else
-            __syncthreads();
+            compute_sync();
     };
-    all_sync();  // stats visible cluster-wide; every warp is done with the q and row tiles
+    all_sync();  // stats visible cluster-wide; every CTA is done with its q and row tiles
     float* fac_s = alpha_s;  // [64 heads]: this split's merge factor e^{m_r - M} / den
     if (tid < HB) {
         // Merge the S splits' (m, den) of head `tid`; all remote loads issued at once.
@@ -544,62 +610,69 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_attention_kernel(const Dsv4
         if (split == 0 && h < nh)
             p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
-    __syncthreads();
-    {
+    compute_sync();
+    // Scaled partial O of head h -> slot row split * hs + (h - r hs) of its storing CTA r = h / hs
+    // (f32 rows of 2 KB, 16-byte chunks swizzled; over q and stage 0, free after the barrier).
 #pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-            const int h = hg * 16 + g + 8 * hi;
+    for (int hi = 0; hi < 2; ++hi) {
+        const int h = hg * 16 + g + 8 * hi;
+        if (h < nh) {
             const float f = fac_s[h];
+            const int r = h / hs, row = split * hs + h - r * hs;
+            unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
                 const int d0 = wg * 256 + 8 * i + 2 * tq;
-                float2* dst = reinterpret_cast<float2*>(smem + SM_O + sw2k(h, d0 >> 2) + (d0 & 3) * 4);
+                float2* dst = reinterpret_cast<float2*>(base + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
                 *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
             }
         }
     }
     stamp(18);
-    all_sync();  // partial O tiles visible cluster-wide
+    all_sync();  // every split's partial tiles have arrived
     stamp(19);
     {
-        // CTA `split` writes heads [split * hs, ...); a thread per 8 dims, the S partial tiles
-        // loaded at once and summed in split order.
-        const int hs = (nh + nsplit - 1) / nsplit;
+        // This CTA's heads [split hs, ...): a thread per 8 dims of a head, 8 such items per
+        // thread and pass, the S slots summed in split order (local shared memory).
         const int hb = split * hs, he = min(nh, hb + hs);
-        const unsigned char* bases[MAX_SPLITS];
+        const int items = (he - hb) * 64;
+        constexpr int PER = 8;
+        for (int c0 = 0; c0 < items; c0 += PER * THREADS) {
+            float o[PER][8];
 #pragma unroll
-        for (int r = 0; r < MAX_SPLITS; ++r)
-            bases[r] = reinterpret_cast<const unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r < nsplit ? r : 0));
-        for (int c = tid; c < (he - hb) * 64; c += THREADS) {
-            const int h = hb + c / 64, col = c % 64;
-            float4 x[MAX_SPLITS], y[MAX_SPLITS];
+            for (int k = 0; k < PER; ++k)
 #pragma unroll
-            for (int r = 0; r < MAX_SPLITS; ++r) {
-                if (r < nsplit) {
-                    x[r] = *reinterpret_cast<const float4*>(bases[r] + sw2k(h, 2 * col));
-                    y[r] = *reinterpret_cast<const float4*>(bases[r] + sw2k(h, 2 * col + 1));
+                for (int e = 0; e < 8; ++e) o[k][e] = 0.f;
+#pragma unroll 1
+            for (int r = 0; r < nsplit; ++r) {
+#pragma unroll
+                for (int k = 0; k < PER; ++k) {
+                    const int c = c0 + k * THREADS + tid;
+                    if (c < items) {
+                        const int row = r * hs + c / 64, col = c % 64;
+                        const float4 x = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, 2 * col));
+                        const float4 y = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, 2 * col + 1));
+                        o[k][0] += x.x; o[k][1] += x.y; o[k][2] += x.z; o[k][3] += x.w;
+                        o[k][4] += y.x; o[k][5] += y.y; o[k][6] += y.z; o[k][7] += y.w;
+                    }
                 }
             }
-            float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int r = 0; r < MAX_SPLITS; ++r) {
-                if (r < nsplit) {
-                    o[0] += x[r].x; o[1] += x[r].y; o[2] += x[r].z; o[3] += x[r].w;
-                    o[4] += y[r].x; o[5] += y[r].y; o[6] += y[r].z; o[7] += y[r].w;
+            for (int k = 0; k < PER; ++k) {
+                const int c = c0 + k * THREADS + tid;
+                if (c < items) {
+                    const int h = hb + c / 64, col = c % 64;
+                    uint4 v;
+                    v.x = pack_bf16(o[k][0], o[k][1]);
+                    v.y = pack_bf16(o[k][2], o[k][3]);
+                    v.z = pack_bf16(o[k][4], o[k][5]);
+                    v.w = pack_bf16(o[k][6], o[k][7]);
+                    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 8;
+                    *reinterpret_cast<uint4*>(dst) = v;
                 }
             }
-            uint4 v;
-            v.x = pack_bf16(o[0], o[1]);
-            v.y = pack_bf16(o[2], o[3]);
-            v.z = pack_bf16(o[4], o[5]);
-            v.w = pack_bf16(o[6], o[7]);
-            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 8;
-            *reinterpret_cast<uint4*>(dst) = v;
         }
     }
-    // Keep this CTA's shared memory alive until the cluster has read it (the reads completed
-    // before each CTA arrives: their values were consumed; no ordering of other memory needed).
-    if (nsplit > 1) cluster_arrive_relaxed_wait();
     stamp(20);
 }
 
@@ -686,7 +759,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p->num_tokens, splits, hblocks);
-    cfg.blockDim = dim3(THREADS, 1, 1);
+    cfg.blockDim = dim3(THREADS + PROD_THREADS, 1, 1);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attr[1];
