@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 
@@ -82,6 +83,21 @@ __device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t e) {
     return b | (b << 16);
 }
 
+// n / d for 32-bit n and a run-time divisor d >= 2 (the page size) by multiply-high
+// (round-up method): m = floor(2^32 (2^l - d) / d) + 1 with l = ceil(log2 d).
+struct PageDiv {
+    uint32_t m;
+    int l;
+    __device__ explicit PageDiv(uint32_t d) {
+        l = 32 - __clz(d - 1);
+        m = static_cast<uint32_t>(((1ull << 32) * ((1ull << l) - d)) / d + 1);
+    }
+    __device__ __forceinline__ uint32_t div(uint32_t n) const {
+        const uint32_t t = __umulhi(m, n);
+        return (t + ((n - t) >> 1)) >> (l - 1);
+    }
+};
+
 // Raw bytes of one key slice of a lane (fetched ahead of use) and their expansion into the 16
 // bf16x2 B-fragment registers (dims [32c, 32c+32) of the lane's key).
 template <int KF>
@@ -91,7 +107,7 @@ struct KeySlice;
 template <>
 struct KeySlice<DSV41_INDEX_KEYS_BF16> {
     uint4 v[4];
-    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, const PageDiv&, int64_t row, int c) {
         const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.keys) +
                                                           row * p.key_row_stride + 32 * c);
 #pragma unroll
@@ -101,7 +117,7 @@ struct KeySlice<DSV41_INDEX_KEYS_BF16> {
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = make_uint4(0u, 0u, 0u, 0u);
     }
-    __device__ __forceinline__ void expand(const uint32_t*, int, uint32_t (&k)[16]) const {
+    __device__ __forceinline__ void expand(const uint32_t*, int, uint32_t (&k)[16], bool) const {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             k[4 * i + 0] = v[i].x;
@@ -117,25 +133,50 @@ template <>
 struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     uint4 d;
     uint32_t s4;
-    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
-        const int64_t page = row / p.page_size, r = row % p.page_size;
-        const uint8_t* base = static_cast<const uint8_t*>(p.keys) + page * p.key_row_stride;
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, const PageDiv& pd, int64_t row, int c) {
+        const uint32_t page = pd.div(static_cast<uint32_t>(row));
+        const uint32_t r = static_cast<uint32_t>(row) - page * static_cast<uint32_t>(p.page_size);
+        const uint8_t* base = static_cast<const uint8_t*>(p.keys) + static_cast<int64_t>(page) * p.key_row_stride;
         d = __ldg(reinterpret_cast<const uint4*>(base + r * 64 + 16 * c));
-        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + r * 4));
+        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + static_cast<uint32_t>(p.page_size) * 64u + r * 4));
     }
     __device__ __forceinline__ void zero() {
         d = make_uint4(0u, 0u, 0u, 0u);
         s4 = 0x7f7f7f7fu;
     }
-    __device__ __forceinline__ void expand(const uint32_t* lut, int c, uint32_t (&k)[16]) const {
-        const uint32_t s = ue8m0_bf16x2((s4 >> (8 * c)) & 0xFF);
+    __device__ __forceinline__ void expand(const uint32_t* lut, int c, uint32_t (&k)[16], bool ix_deq_lut) const {
+        const uint32_t e = (s4 >> (8 * c)) & 0xFF;
         const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+        if (ix_deq_lut) {
+            const uint32_t s = ue8m0_bf16x2(e);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[__byte_perm(w[i / 4], 0, 0x4440 + (i % 4))], s);
+            for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[__byte_perm(w[i / 4], 0, 0x4440 + (i % 4))], s);
+            return;
+        }
+        // Register 4i + p = dims (8i + p, 8i + p + 4) of the slice (nibbles p and p + 4 of word
+        // i) as bf16 bits code * 2^-126 (magnitude bits to 6..8 / 22..24, sign to 15 / 31; code
+        // 0.5 is the subnormal 2^-127), times 2^(e-1): one exact multiply for e <= 128, else
+        // (x * 2^126) * 2^(e-127).
+        const bool one = e <= 128u;
+        const uint32_t sb = one ? (e + 126u) << 7 : 0x7E80u;  // 2^(e-1) or 2^126
+        const uint32_t s = sb | (sb << 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t x = w[i];
+            k[4 * i + 0] = bf16x2_mul(((x << 6) & 0x01C001C0u) | ((x << 12) & 0x80008000u), s);
+            k[4 * i + 1] = bf16x2_mul(((x << 2) & 0x01C001C0u) | ((x << 8) & 0x80008000u), s);
+            k[4 * i + 2] = bf16x2_mul(((x >> 2) & 0x01C001C0u) | ((x << 4) & 0x80008000u), s);
+            k[4 * i + 3] = bf16x2_mul(((x >> 6) & 0x01C001C0u) | (x & 0x80008000u), s);
+        }
+        if (!one) {
+            const uint32_t s2 = ue8m0_bf16x2(e);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(k[i], s2);
+        }
     }
 };
 
-// Products bf16(relu(bf16(acc)) * w) of two keys (one C-fragment pair) as bf16x2.
+// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2.
 __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w2) {
     __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
     s = __hmax2(s, __float2bfloat162_rn(0.f));
@@ -144,7 +185,8 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
 }
 
 template <int KF, int TQ>
-__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters,
+                                                                  const bool use_lut) {
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
@@ -181,24 +223,42 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     int it = first;
     if (!valid(it)) return;
 
-    // A fragments: qa[hh][i] = dims (32c + 2i, +1) of head g + 8 hh (zero for heads >= H);
-    // w2[hh] = the head's weight as bf16x2.
-    uint32_t qa[4][16], w2[4];
+    // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
+    // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
+    // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
+    // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
+    uint32_t qa[4][16], w2[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        uint32_t wb[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int h = 4 * g + 2 * m + e;
+            wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
+        }
+        w2[m] = wb[0] | (wb[1] << 16);
+    }
 #pragma unroll
     for (int hh = 0; hh < 4; ++hh) {
-        const int h = g + 8 * hh;
-        const uint32_t wb = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
-        w2[hh] = wb | (wb << 16);
+        const int h = 4 * g + hh;
         if (h < H) {
             const uint4* src =
                 reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const uint4 v = __ldg(src + i);
-                qa[hh][4 * i] = v.x;
-                qa[hh][4 * i + 1] = v.y;
-                qa[hh][4 * i + 2] = v.z;
-                qa[hh][4 * i + 3] = v.w;
+                if (KF == DSV41_INDEX_KEYS_MXFP4 && !use_lut) {
+                    // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
+                    qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
+                    qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
+                    qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
+                    qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
+                } else {
+                    qa[hh][4 * i] = v.x;
+                    qa[hh][4 * i + 1] = v.y;
+                    qa[hh][4 * i + 2] = v.z;
+                    qa[hh][4 * i + 3] = v.w;
+                }
             }
         } else {
 #pragma unroll
@@ -208,10 +268,11 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     // Packed slices are small: the next iteration's are fetched while this one computes.
     constexpr bool kAhead = KF == DSV41_INDEX_KEYS_MXFP4;
     KeySlice<KF> ahead[kAhead ? 4 : 1];
+    const PageDiv pd(KF == DSV41_INDEX_KEYS_MXFP4 ? static_cast<uint32_t>(p.page_size) : 2u);
     auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
         const int64_t j = key0 + nt * 8 + g;
         const int64_t row = kbase + j;
-        if (j < L && row < p.num_key_rows) ks.fetch(p, row, c);
+        if (j < L && row < p.num_key_rows) ks.fetch(p, pd, row, c);
         else ks.zero();
     };
     if constexpr (kAhead) {
@@ -237,7 +298,7 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
             uint32_t kb[16];
-            cur[nt].expand(lut, c, kb);
+            cur[nt].expand(lut, c, kb, use_lut);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -245,26 +306,24 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
 #pragma unroll
             for (int s = 0; s < 8; ++s) {
                 mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s], kb[2 * s + 1]);
-                if (H > 16)
+                if (H > 2)
                     mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
                              kb[2 * s + 1]);
             }
         }
-        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h].
+        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
+        // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
         __syncwarp();
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int hi = 0; hi < 2; ++hi) {
-                    const int hh = 2 * mt + hi;
-                    const int h = g + 8 * hh;
-                    const uint32_t pr = head_products(acc[nt][mt][2 * hi], acc[nt][mt][2 * hi + 1], w2[hh]);
-                    const int kk = nt * 8 + 2 * c;
-                    pw[kk * PROD_STRIDE + h] = static_cast<uint16_t>(pr & 0xFFFF);
-                    pw[(kk + 1) * PROD_STRIDE + h] = static_cast<uint16_t>(pr >> 16);
-                }
+            for (int e = 0; e < 2; ++e) {
+                uint2 pr;
+                pr.x = head_products(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                pr.y = head_products(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                const int kk = nt * 8 + 2 * c + e;
+                *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+            }
         __syncwarp();
         const int64_t j = key0 + lane;
         if (j < n) {
@@ -318,11 +377,15 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t warp_iters = (p.num_cols + KT - 1) / KT / (WARPS / TQ) + 1;
     const int64_t want_chunks = (1024 + groups - 1) / groups;
     int64_t iters = (warp_iters + want_chunks - 1) / want_chunks;
-    iters = iters < 2 ? 2 : (iters > 16 ? 16 : iters);
+    const char* ev = getenv("DSV41_IX_ITERS");
+    const int64_t max_iters = ev ? atoi(ev) : 16;
+    const char* ed = getenv("DSV41_IX_DEQ");
+    const bool use_lut = ed && ed[0] == 'l';
+    iters = iters < 2 ? 2 : (iters > max_iters ? max_iters : iters);
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters), use_lut);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -347,6 +410,7 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
     }
     if (p->key_format == DSV41_INDEX_KEYS_MXFP4) {
+        if (p->num_key_rows > 0xFFFFFFFFll) return DSV41_ERR_SHAPE;
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
