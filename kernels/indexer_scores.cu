@@ -35,6 +35,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <type_traits>
+
 #include "include/dsv41_indexer.h"
 
 namespace dsv41_ix {
@@ -55,19 +57,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// bf16 bits of the e2m1 code (sign bit 3; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6).
-__host__ __device__ constexpr uint16_t e2m1_bf16_bits(uint32_t code) {
-    return static_cast<uint16_t>(((code & 8u) ? 0x8000u : 0u) |
-                                 ((code & 7u) == 0   ? 0x0000u
-                                  : (code & 7u) == 1 ? 0x3F00u
-                                  : (code & 7u) == 2 ? 0x3F80u
-                                  : (code & 7u) == 3 ? 0x3FC0u
-                                  : (code & 7u) == 4 ? 0x4000u
-                                  : (code & 7u) == 5 ? 0x4040u
-                                  : (code & 7u) == 6 ? 0x4080u
-                                                     : 0x40C0u));
 }
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
@@ -117,7 +106,7 @@ struct KeySlice<DSV41_INDEX_KEYS_BF16> {
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = make_uint4(0u, 0u, 0u, 0u);
     }
-    __device__ __forceinline__ void expand(const uint32_t*, int, uint32_t (&k)[16], bool) const {
+    __device__ __forceinline__ void expand(int, uint32_t (&k)[16]) const {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             k[4 * i + 0] = v[i].x;
@@ -133,40 +122,40 @@ template <>
 struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     uint4 d;
     uint32_t s4;
+    // row < 2^32 (the launcher checks num_key_rows), page bytes < 2^32.
     __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, const PageDiv& pd, int64_t row, int c) {
-        const uint32_t page = pd.div(static_cast<uint32_t>(row));
-        const uint32_t r = static_cast<uint32_t>(row) - page * static_cast<uint32_t>(p.page_size);
-        const uint8_t* base = static_cast<const uint8_t*>(p.keys) + static_cast<int64_t>(page) * p.key_row_stride;
-        d = __ldg(reinterpret_cast<const uint4*>(base + r * 64 + 16 * c));
-        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + static_cast<uint32_t>(p.page_size) * 64u + r * 4));
+        const uint32_t row32 = static_cast<uint32_t>(row);
+        const uint32_t page = pd.div(row32);
+        const uint32_t r = row32 - page * static_cast<uint32_t>(p.page_size);
+        const uint8_t* base = static_cast<const uint8_t*>(p.keys) +
+                              static_cast<uint64_t>(page) * static_cast<uint32_t>(p.key_row_stride);
+        d = __ldg(reinterpret_cast<const uint4*>(base + (r * 64 + 16 * c)));
+        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + (static_cast<uint32_t>(p.page_size) * 64u + r * 4)));
     }
     __device__ __forceinline__ void zero() {
         d = make_uint4(0u, 0u, 0u, 0u);
         s4 = 0x7f7f7f7fu;
     }
-    __device__ __forceinline__ void expand(const uint32_t* lut, int c, uint32_t (&k)[16], bool ix_deq_lut) const {
+    // Register 4i + p = dims (8i + p, 8i + p + 4) of the slice (nibbles p and p + 4 of word i)
+    // as bf16 bits code * 2^-126: the two nibbles (alone in x) are copied by one multiply to
+    // bits a..a+3 and a+6..a+9 (low half; +16 for the high one) with a = 6 - 4p (nibbles 2, 3:
+    // from w >> 8, a = 14 - 4p), and the mask keeps the magnitude at 6..8 and the sign at 15
+    // (code 0.5 = the subnormal 2^-127). Then times 2^(e-1): one exact multiply for e <= 128,
+    // else (x * 2^126) * 2^(e-127).
+    __device__ __forceinline__ void expand(int c, uint32_t (&k)[16]) const {
         const uint32_t e = (s4 >> (8 * c)) & 0xFF;
-        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
-        if (ix_deq_lut) {
-            const uint32_t s = ue8m0_bf16x2(e);
-#pragma unroll
-            for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[__byte_perm(w[i / 4], 0, 0x4440 + (i % 4))], s);
-            return;
-        }
-        // Register 4i + p = dims (8i + p, 8i + p + 4) of the slice (nibbles p and p + 4 of word
-        // i) as bf16 bits code * 2^-126 (magnitude bits to 6..8 / 22..24, sign to 15 / 31; code
-        // 0.5 is the subnormal 2^-127), times 2^(e-1): one exact multiply for e <= 128, else
-        // (x * 2^126) * 2^(e-127).
         const bool one = e <= 128u;
         const uint32_t sb = one ? (e + 126u) << 7 : 0x7E80u;  // 2^(e-1) or 2^126
         const uint32_t s = sb | (sb << 16);
+        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+        constexpr uint32_t M = 0x81C081C0u;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const uint32_t x = w[i];
-            k[4 * i + 0] = bf16x2_mul(((x << 6) & 0x01C001C0u) | ((x << 12) & 0x80008000u), s);
-            k[4 * i + 1] = bf16x2_mul(((x << 2) & 0x01C001C0u) | ((x << 8) & 0x80008000u), s);
-            k[4 * i + 2] = bf16x2_mul(((x >> 2) & 0x01C001C0u) | ((x << 4) & 0x80008000u), s);
-            k[4 * i + 3] = bf16x2_mul(((x >> 6) & 0x01C001C0u) | (x & 0x80008000u), s);
+            const uint32_t x = w[i], x8 = w[i] >> 8;
+            k[4 * i + 0] = bf16x2_mul(((x & 0x000F000Fu) * 0x1040u) & M, s);
+            k[4 * i + 1] = bf16x2_mul(((x & 0x00F000F0u) * 0x0104u) & M, s);
+            k[4 * i + 2] = bf16x2_mul(((x8 & 0x000F000Fu) * 0x1040u) & M, s);
+            k[4 * i + 3] = bf16x2_mul(((x8 & 0x00F000F0u) * 0x0104u) & M, s);
         }
         if (!one) {
             const uint32_t s2 = ue8m0_bf16x2(e);
@@ -184,20 +173,13 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
-template <int KF, int TQ>
-__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters,
-                                                                  const bool use_lut) {
+template <int KF, int TQ, int MINB>
+__global__ void __launch_bounds__(THREADS, MINB) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
-    __shared__ uint32_t lut[KF == DSV41_INDEX_KEYS_MXFP4 ? 256 : 1];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
-    if constexpr (KF == DSV41_INDEX_KEYS_MXFP4) {
-        for (int b = threadIdx.x; b < 256; b += THREADS)
-            lut[b] = static_cast<uint32_t>(e2m1_bf16_bits(b & 15)) | (static_cast<uint32_t>(e2m1_bf16_bits(b >> 4)) << 16);
-        __syncthreads();
-    }
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
     if (t >= p.num_tokens) return;
     const int n_it = iters * (WARPS / TQ);  // iterations of the CTA's key chunk
@@ -208,6 +190,8 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
     L = L < n ? L : n;
     const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
+    // Entries j < Lr are visible and have a key row (kbase + j < num_key_rows).
+    const int64_t Lr = L < p.num_key_rows - kbase ? L : p.num_key_rows - kbase;
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
@@ -247,7 +231,7 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const uint4 v = __ldg(src + i);
-                if (KF == DSV41_INDEX_KEYS_MXFP4 && !use_lut) {
+                if (KF == DSV41_INDEX_KEYS_MXFP4) {
                     // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
                     qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
                     qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
@@ -271,8 +255,7 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     const PageDiv pd(KF == DSV41_INDEX_KEYS_MXFP4 ? static_cast<uint32_t>(p.page_size) : 2u);
     auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
         const int64_t j = key0 + nt * 8 + g;
-        const int64_t row = kbase + j;
-        if (j < L && row < p.num_key_rows) ks.fetch(p, pd, row, c);
+        if (j < Lr) ks.fetch(p, pd, kbase + j, c);
         else ks.zero();
     };
     if constexpr (kAhead) {
@@ -298,7 +281,7 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
             uint32_t kb[16];
-            cur[nt].expand(lut, c, kb, use_lut);
+            cur[nt].expand(c, kb);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -331,18 +314,21 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
             // but are not added).
             const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
             float sum = 0.f;
+            auto add_heads = [&](auto all) {
 #pragma unroll
-            for (int q8 = 0; q8 < 4; ++q8) {
-                const uint4 v = row[q8];
-                const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+                for (int q8 = 0; q8 < 4; ++q8) {
+                    const uint4 v = row[q8];
+                    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const int h = 8 * q8 + i;
-                    const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
-                    if (h < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                    for (int i = 0; i < 8; ++i) {
+                        const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                        if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                    }
                 }
-            }
-            bool ok = j < L && kbase + j < p.num_key_rows;
+            };
+            if (H == 32) add_heads(std::true_type{});
+            else add_heads(std::false_type{});
+            bool ok = j < Lr;
             if (ok && allowed) {
                 const int64_t b = j / p.allowed_block;
                 ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
@@ -379,13 +365,16 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     int64_t iters = (warp_iters + want_chunks - 1) / want_chunks;
     const char* ev = getenv("DSV41_IX_ITERS");
     const int64_t max_iters = ev ? atoi(ev) : 16;
-    const char* ed = getenv("DSV41_IX_DEQ");
-    const bool use_lut = ed && ed[0] == 'l';
     iters = iters < 2 ? 2 : (iters > max_iters ? max_iters : iters);
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters), use_lut);
+    const char* em = getenv("DSV41_IX_MINB");
+    if (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1 && em && em[0] == '4')
+        indexer_scores_kernel<KF, TQ, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3><<<grid, THREADS, 0, stream>>>(
+            p, static_cast<int>(iters));
+    else
+        indexer_scores_kernel<KF, TQ, 3><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -410,7 +399,7 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
     }
     if (p->key_format == DSV41_INDEX_KEYS_MXFP4) {
-        if (p->num_key_rows > 0xFFFFFFFFll) return DSV41_ERR_SHAPE;
+        if (p->num_key_rows > 0xFFFFFFFFll || p->key_row_stride > 0xFFFFFFFFll) return DSV41_ERR_SHAPE;
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
