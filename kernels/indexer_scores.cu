@@ -13,27 +13,36 @@
 // product and the partial sums of a 32-block are exact, so the scores match bit for bit except
 // when two blocks' scales differ by more than ~2^10.
 //
-// Packed keys are dequantized in registers: each e2m1 byte pair goes through a 256-entry bf16x2
-// table in shared memory and one bf16x2 multiply by the block's 2^(e-127) (exact: the products
-// are bf16 numbers; a scale with e = 0 relies on bf16 subnormal arithmetic, which k_norm'd keys
-// never reach).
+// Packed keys are dequantized in registers without tables (no shared-memory lookups, whose bank
+// conflicts and MIO traffic limited the first version): the two e2m1 codes of a bf16x2 are
+// copied by one integer multiply into the bit positions of code * 2^-126 (magnitude at bits
+// 6..8, sign at 15; code 0.5 is the bf16 subnormal 2^-127), then one bf16x2 multiply by
+// 2^(e-1) gives code * 2^(e-127) exactly; scale bytes e > 128 (values >= 2^2, not reached by
+// k_norm'd keys) take a second multiply, in a separate copy of the tile loop chosen per warp
+// and iteration so that the common path is straight-line code. e = 0 relies on bf16 subnormal
+// arithmetic. ~17 instructions per 8 dims.
 //
 // Design: mma.sync m16n8k16 bf16 (plain sm_80+ tensor-core path). A warp owns one token: its
 // 32 (H <= 32, rows >= H zero) x 128 query block lives in registers as A fragments (64 regs),
-// loaded once. Per iteration the warp scores 32 keys (4 n8 tiles): each lane (group g, column
-// c) loads 32 contiguous dims [32c, 32c+32) of key g of every tile (bf16: 4 x 16 B; packed: 16 B
-// plus one scale byte - exactly its 32-block), so the dot product's k-dimension is PERMUTED
-// consistently for A and B (k-slot 2c+e of step s <-> dim 32c+4s+e, slot 2c+8+e <-> dim
-// 32c+4s+2+e): every load is a contiguous vector load, no shared-memory staging. The per-head
-// products go through a per-warp shared buffer [32 heads][32 keys] so that lane i sums key i's
-// heads in order. CTA = 4 warps; TQ = 1 (decode, or per-token keys): the 4 warps split the
-// CTA's 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
-// Entries j >= L_t are written as -inf without any key read.
+// loaded once; row slot hh of lane group g is head 4g + hh, so that a lane's accumulators hold
+// heads 4g..4g+3 of each of its keys (one 8-byte shared store per key). Per iteration the warp
+// scores 32 keys (4 n8 tiles): each lane (group g, column c) loads 32 contiguous dims
+// [32c, 32c+32) of key g of every tile (bf16: 4 x 16 B; packed: 16 B plus the row's 4 scale
+// bytes - exactly its 32-block), so the dot product's k-dimension is PERMUTED consistently for
+// A and B (bf16 keys: register i = dims (2i, 2i+1) of the slice; packed keys: register 4i + p =
+// dims (8i + p, 8i + p + 4), the order the nibbles unpack in; q is permuted the same way when
+// loaded): every load is a contiguous vector load, no shared-memory staging. Packed slices of
+// the next iteration are fetched while the current one computes (branch-free: entries past
+// L_t read row key_base[t] and are zeroed; the page of a slot by a multiply-high division).
+// The per-head products go through a per-warp shared buffer [32 keys][32 heads] so that lane i
+// sums key i's heads in order. CTA = 4 warps, <= 170 registers (3 CTAs per SM); TQ = 1
+// (decode, or per-token keys): the 4 warps split the CTA's 2048-key chunk; TQ = 4 (prefill
+// sharing keys): 4 tokens, the same 512 keys (L1 reuse). Entries j >= L_t (and those whose
+// key row lies past the cache) are written as -inf without any key read.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include <type_traits>
 
@@ -106,6 +115,8 @@ struct KeySlice<DSV41_INDEX_KEYS_BF16> {
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = make_uint4(0u, 0u, 0u, 0u);
     }
+    __device__ __forceinline__ bool wide_scale(int) const { return false; }
+    template <bool WIDE>
     __device__ __forceinline__ void expand(int, uint32_t (&k)[16]) const {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -141,10 +152,13 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     // bits a..a+3 and a+6..a+9 (low half; +16 for the high one) with a = 6 - 4p (nibbles 2, 3:
     // from w >> 8, a = 14 - 4p), and the mask keeps the magnitude at 6..8 and the sign at 15
     // (code 0.5 = the subnormal 2^-127). Then times 2^(e-1): one exact multiply for e <= 128,
-    // else (x * 2^126) * 2^(e-127).
+    // else (x * 2^126) * 2^(e-127); WIDE = false promises e <= 128 (the warp checked, so that
+    // the common case has no branch).
+    __device__ __forceinline__ bool wide_scale(int c) const { return ((s4 >> (8 * c)) & 0xFF) > 128u; }
+    template <bool WIDE>
     __device__ __forceinline__ void expand(int c, uint32_t (&k)[16]) const {
         const uint32_t e = (s4 >> (8 * c)) & 0xFF;
-        const bool one = e <= 128u;
+        const bool one = !WIDE || e <= 128u;
         const uint32_t sb = one ? (e + 126u) << 7 : 0x7E80u;  // 2^(e-1) or 2^126
         const uint32_t s = sb | (sb << 16);
         const uint32_t w[4] = {d.x, d.y, d.z, d.w};
@@ -157,7 +171,7 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
             k[4 * i + 2] = bf16x2_mul(((x8 & 0x000F000Fu) * 0x1040u) & M, s);
             k[4 * i + 3] = bf16x2_mul(((x8 & 0x00F000F0u) * 0x0104u) & M, s);
         }
-        if (!one) {
+        if (WIDE && !one) {
             const uint32_t s2 = ue8m0_bf16x2(e);
 #pragma unroll
             for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(k[i], s2);
@@ -173,8 +187,9 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
-template <int KF, int TQ, int MINB>
-__global__ void __launch_bounds__(THREADS, MINB) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+// 3 CTAs per SM: <= 170 registers (the A fragments alone take 64).
+template <int KF, int TQ>
+__global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
@@ -190,8 +205,10 @@ __global__ void __launch_bounds__(THREADS, MINB) indexer_scores_kernel(const Dsv
     int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
     L = L < n ? L : n;
     const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
-    // Entries j < Lr are visible and have a key row (kbase + j < num_key_rows).
-    const int64_t Lr = L < p.num_key_rows - kbase ? L : p.num_key_rows - kbase;
+    // Entries past the cache's rows count as invisible: afterwards every j < L has a key row
+    // (kbase + j < num_key_rows), and row kbase exists whenever L >= 1.
+    const int64_t rows_left = p.num_key_rows - kbase;
+    L = L < rows_left ? L : (rows_left > 0 ? rows_left : 0);
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
@@ -253,10 +270,14 @@ __global__ void __launch_bounds__(THREADS, MINB) indexer_scores_kernel(const Dsv
     constexpr bool kAhead = KF == DSV41_INDEX_KEYS_MXFP4;
     KeySlice<KF> ahead[kAhead ? 4 : 1];
     const PageDiv pd(KF == DSV41_INDEX_KEYS_MXFP4 ? static_cast<uint32_t>(p.page_size) : 2u);
+    // Branch-free: an entry past L reads row kbase (it exists: the tile's key0 < L) and is
+    // zeroed.
+    // (32-bit entry ids: key0 < L <= N < 2^31.)
     auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
-        const int64_t j = key0 + nt * 8 + g;
-        if (j < Lr) ks.fetch(p, pd, kbase + j, c);
-        else ks.zero();
+        const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
+        const bool ok = j < static_cast<uint32_t>(L);
+        ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
+        if (!ok) ks.zero();
     };
     if constexpr (kAhead) {
 #pragma unroll
@@ -278,22 +299,31 @@ __global__ void __launch_bounds__(THREADS, MINB) indexer_scores_kernel(const Dsv
             for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
         }
         float acc[4][2][4];
+        // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
+        auto scores = [&](auto wide) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            uint32_t kb[16];
-            cur[nt].expand(c, kb);
+            for (int nt = 0; nt < 4; ++nt) {
+                uint32_t kb[16];
+                cur[nt].template expand<decltype(wide)::value>(c, kb);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+                for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+                    for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
 #pragma unroll
-            for (int s = 0; s < 8; ++s) {
-                mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s], kb[2 * s + 1]);
-                if (H > 2)
-                    mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
+                for (int s = 0; s < 8; ++s) {
+                    mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s],
                              kb[2 * s + 1]);
+                    if (H > 2)
+                        mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
+                                 kb[2 * s + 1]);
+                }
             }
-        }
+        };
+        bool wide = false;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
+        if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
+        else scores(std::false_type{});
         // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
         // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
         __syncwarp();
@@ -328,7 +358,7 @@ __global__ void __launch_bounds__(THREADS, MINB) indexer_scores_kernel(const Dsv
             };
             if (H == 32) add_heads(std::true_type{});
             else add_heads(std::false_type{});
-            bool ok = j < Lr;
+            bool ok = j < L;
             if (ok && allowed) {
                 const int64_t b = j / p.allowed_block;
                 ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
@@ -363,18 +393,11 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t warp_iters = (p.num_cols + KT - 1) / KT / (WARPS / TQ) + 1;
     const int64_t want_chunks = (1024 + groups - 1) / groups;
     int64_t iters = (warp_iters + want_chunks - 1) / want_chunks;
-    const char* ev = getenv("DSV41_IX_ITERS");
-    const int64_t max_iters = ev ? atoi(ev) : 16;
-    iters = iters < 2 ? 2 : (iters > max_iters ? max_iters : iters);
+    iters = iters < 2 ? 2 : (iters > 16 ? 16 : iters);
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    const char* em = getenv("DSV41_IX_MINB");
-    if (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1 && em && em[0] == '4')
-        indexer_scores_kernel<KF, TQ, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3><<<grid, THREADS, 0, stream>>>(
-            p, static_cast<int>(iters));
-    else
-        indexer_scores_kernel<KF, TQ, 3><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 

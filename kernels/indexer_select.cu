@@ -20,7 +20,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 
@@ -82,16 +81,6 @@ __device__ __forceinline__ void load8(const Row& r, int64_t e0, uint32_t (&k)[8]
     }
 }
 
-// load8, or all ABSENT when e0 is past the row.
-__device__ __forceinline__ void load8_or_absent(const Row& r, int64_t e0, uint32_t (&k)[8]) {
-    if (e0 < r.n) {
-        load8(r, e0, k);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) k[i] = ABSENT;
-    }
-}
-
 // Exclusive prefix sum over the warp's lanes; returns the exclusive value, `total` = the sum.
 __device__ __forceinline__ uint32_t warp_exclusive(uint32_t v, int lane, uint32_t& total) {
     uint32_t x = v;
@@ -128,22 +117,6 @@ __device__ __forceinline__ void find_bin(const uint32_t* hist, uint32_t want, in
     }
 }
 
-constexpr uint32_t NO_BIN = 0xFFFFFFFFu;
-
-// Adds one element to bin `bin` (NO_BIN: none). AGG: the whole warp calls it together; lanes with
-// the same bin are counted by one atomic (score rows crowd a few high-byte bins, where one
-// atomic per element serializes).
-template <bool AGG>
-__device__ __forceinline__ void hist_add(uint32_t* hist, uint32_t bin, int lane) {
-    if constexpr (AGG) {
-        const uint32_t peers = __match_any_sync(0xFFFFFFFFu, bin);
-        if (bin != NO_BIN && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<uint32_t>(__popc(peers)));
-    } else {
-        if (bin != NO_BIN) atomicAdd(&hist[bin], 1u);
-    }
-}
-
-template <bool AGG>
 __global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ uint32_t hist[256];
     __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS];
@@ -169,13 +142,12 @@ __global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41Inde
         // Pass 1: high byte.
         for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
         __syncthreads();
-        // (Every thread runs the same iterations: the warp-wide aggregation needs all lanes.)
-        for (int64_t it0 = 0; it0 < r.n; it0 += 8LL * THREADS) {
-            const int64_t e0 = it0 + 8LL * threadIdx.x;
+        for (int64_t e0 = 8LL * threadIdx.x; e0 < r.n; e0 += 8LL * THREADS) {
             uint32_t kk[8];
-            load8_or_absent(r, e0, kk);
+            load8(r, e0, kk);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) hist_add<AGG>(hist, kk[i] != ABSENT ? kk[i] >> 8 : NO_BIN, lane);
+            for (int i = 0; i < 8; ++i)
+                if (kk[i] != ABSENT) atomicAdd(&hist[kk[i] >> 8], 1u);
         }
         __syncthreads();
         if (warp == 0) find_bin(hist, k, lane, &s_bin, &s_above);
@@ -185,13 +157,13 @@ __global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41Inde
         // Pass 2: low byte within bin b1.
         for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
         __syncthreads();
-        for (int64_t it0 = 0; it0 < r.n; it0 += 8LL * THREADS) {
-            const int64_t e0 = it0 + 8LL * threadIdx.x;
+        for (int64_t e0 = 8LL * threadIdx.x; e0 < r.n; e0 += 8LL * THREADS) {
             uint32_t kk[8];
-            load8_or_absent(r, e0, kk);
+            load8(r, e0, kk);
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-                hist_add<AGG>(hist, kk[i] != ABSENT && (kk[i] >> 8) == b1 ? kk[i] & 0xFF : NO_BIN, lane);
+            for (int i = 0; i < 8; ++i) {
+                if (kk[i] != ABSENT && (kk[i] >> 8) == b1) atomicAdd(&hist[kk[i] & 0xFF], 1u);
+            }
         }
         __syncthreads();
         if (warp == 0) find_bin(hist, k - above1, lane, &s_bin, &s_above);
@@ -297,10 +269,6 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (p->num_tokens == 0) return DSV41_OK;
     if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
-    const char* ev = getenv("DSV41_SEL_AGG");
-    if (ev && ev[0] == '1')
-        indexer_select_kernel<true><<<p->num_tokens, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
-    else
-        indexer_select_kernel<false><<<p->num_tokens, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    indexer_select_kernel<<<p->num_tokens, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }
