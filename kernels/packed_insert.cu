@@ -197,17 +197,17 @@ int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     return static_cast<int>(cudaGetLastError());
 }
 
-// grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each).
-template <int D, int ROWS, Quant Q, Norm N>
-__global__ void __launch_bounds__(kInsertThreads) packed_insert_kernel(const Dsv41PackedInsertParams p) {
+// grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each); MIN_BLOCKS:
+// the resident blocks per SM the registers are capped for (__launch_bounds__).
+template <int D, int ROWS, Quant Q, Norm N, int MIN_BLOCKS = 1>
+__global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kernel(const Dsv41PackedInsertParams p) {
     __shared__ float squares[N != Norm::None ? kInsertWarps : 1][N != Norm::None ? D : 1];
     float* smem = N != Norm::None ? squares[threadIdx.x / 32] : nullptr;
     warp_rows<D, ROWS, N>(p, smem, [&](const RowIn<D>& r, float (&x)[D / 32]) {
         constexpr int kDataBytes = Q == Quant::Fp8Ue8m0B32 ? D : D / 2;
         constexpr int kScaleBytes = D / QuantTraits<Q>::kBlock;
-        const int64_t slot = r.slot >= 0 ? r.slot : 0;
-        const int64_t page = slot / p.page_size;
-        const int64_t row = slot % p.page_size;
+        int64_t page, row;
+        page_and_row(r.slot >= 0 ? r.slot : 0, p.page_size, page, row);
         uint8_t* base = p.cache + page * p.page_stride;
         pack_row<D, Q>(x, threadIdx.x & 31, r.slot >= 0, base + row * kDataBytes,
                        base + static_cast<int64_t>(p.page_size) * kDataBytes + row * kScaleBytes);
@@ -229,6 +229,15 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     return with_insert_rows<D>(two ? 65536 : p->num_tokens, two, [&](auto rows) -> int {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
+        // DSV41_PACKED_OCC8=1 (A/B measurement): one-row 512-wide kernels capped at 32 registers
+        // for 8 resident blocks per SM.
+        const char* o8 = getenv("DSV41_PACKED_OCC8");
+        if constexpr (ROWS == 1 && D == 512) {
+            if (o8 != nullptr && o8[0] == '1' && !p->apply_norm) {
+                packed_insert_kernel<D, ROWS, Q, Norm::None, 8><<<grid, kInsertThreads, 0, s>>>(*p);
+                return static_cast<int>(cudaGetLastError());
+            }
+        }
         if (p->apply_norm) packed_insert_kernel<D, ROWS, Q, Norm::Weighted><<<grid, kInsertThreads, 0, s>>>(*p);
         else packed_insert_kernel<D, ROWS, Q, Norm::None><<<grid, kInsertThreads, 0, s>>>(*p);
         return static_cast<int>(cudaGetLastError());

@@ -28,6 +28,8 @@
 // rope_loaded_row, fake_quant_row / the packed codes), so the results are bit-identical to the
 // one-warp-per-row kernels and to the CPU reference.
 #pragma once
+#include <stdlib.h>
+
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -286,6 +288,12 @@ unsigned row128_grid(int64_t sets) {
         return static_cast<int64_t>(sms) * per_sm;
     }();
     const int64_t needed = (sets + kInsertWarps - 1) / kInsertWarps;
+    // DSV41_ROW128_FULLGRID=1 (A/B measurement): one row set per warp, no persistent loop.
+    static const bool full = [] {
+        const char* v = getenv("DSV41_ROW128_FULLGRID");
+        return v != nullptr && v[0] == '1';
+    }();
+    if (full) return static_cast<unsigned>(needed);
     return static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed);
 }
 
