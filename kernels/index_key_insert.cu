@@ -7,7 +7,9 @@
 // dims (64..127 in V4.1) with the angles of the group's first position j*r.
 //
 // Design: for the V4.1 shape (D = 128, R = 64) a quarter warp per key, a persistent grid whose
-// warps prefetch their next 4 keys while computing the current ones (dsv41_row128.cuh). Other
+// warps prefetch their next 4 keys while computing the current ones (dsv41_row128.cuh), the
+// RoPE'd key kept as bf16 pairs and fake-quantized two values per instruction (q3_fake_quant_pair
+// of dsv41_numerics.cuh, 7 instructions per pair instead of ~11 per element). Other
 // shapes: one warp per key, ROWS keys per warp with their loads issued first (dsv41_row.cuh);
 // the norm's sum of squares is staged through D floats of shared memory per warp so that the
 // reduction order equals candle's CPU order. Both compute the same operations in the same order.
@@ -16,8 +18,6 @@
 // * w, candle's AVX2 summation order), rounded to bf16; RoPE in f32, rounded to bf16; Q3
 // (quant::fake_quant::QatFormat::Fp4Ue8m0B32) per block of 32: amax floored to 6*2^-126,
 // s = 2^ceil(log2(amax/6)), q = e2m1 (ties to even code) of clamp(x/s, +-6), value q*s.
-#include <stdlib.h>
-
 #include "include/dsv41_row128.cuh"
 #include "include/dsv41_row_insert.cuh"
 
@@ -26,40 +26,28 @@
 namespace dsv41 {
 
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
-// and row set). kPairs: Q3 on bf16 pairs (q3_fake_quant_pair) instead of the f32 element path.
-template <Quant Q, bool kPairs>
+// and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
+// 2^119 takes the f32 element path for that row.
+template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j) {
         uint32_t h[8];
-        if constexpr (kPairs) {
-            float amax[4];
-            compute_row128_pairs<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
-            if constexpr (Q != Quant::None) {
-                int e[4];
-                q3_block_exps_row128(amax, e);
-                if (q3_pairs_ok(e)) {
+        float amax[4];
+        compute_row128_pairs<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
+        if constexpr (Q != Quant::None) {
+            int e[4];
+            q3_block_exps_row128(amax, e);
+            if (q3_pairs_ok(e)) {
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) h[i] = q3_fake_quant_pair(h[i], q3_pair_biased(e[i / 2]));
-                } else {  // a scale above 2^119: the f32 element path
+                for (int i = 0; i < 8; ++i) h[i] = q3_fake_quant_pair(h[i], q3_pair_biased(e[i / 2]));
+            } else {
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const BlockScale b = pow2_scale(q3_block_k(amax[i / 2]));
-                        h[i] = pack_bf16x2_rn(fake_quant_element<Q>(bf16x2_lo(h[i]), b),
-                                              fake_quant_element<Q>(bf16x2_hi(h[i]), b));
-                    }
+                for (int i = 0; i < 8; ++i) {
+                    const BlockScale b = pow2_scale(q3_block_k(amax[i / 2]));
+                    h[i] = pack_bf16x2_rn(fake_quant_element<Q>(bf16x2_lo(h[i]), b),
+                                          fake_quant_element<Q>(bf16x2_hi(h[i]), b));
                 }
             }
-        } else {
-            float x[16];
-            compute_row128<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, x);
-            if constexpr (Q != Quant::None) {
-                BlockScale b[4];
-                q3_scales_row128(x, b);
-#pragma unroll
-                for (int k = 0; k < 16; ++k) x[k] = fake_quant_element<Q>(x[k], b[k / 4]);
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) h[i] = pack_bf16x2_rn(x[2 * i], x[2 * i + 1]);
         }
         if (r.slot >= 0) {
             __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
@@ -69,26 +57,11 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
     });
 }
 
-// DSV41_ROW128_F32=1 in the environment selects the f32 element path (A/B measurement).
-inline bool row128_f32_requested() {
-    static const bool f32 = [] {
-        const char* v = getenv("DSV41_ROW128_F32");
-        return v != nullptr && v[0] == '1';
-    }();
-    return f32;
-}
-
-template <Quant Q, bool kPairs>
-int launch_row128_as(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    const unsigned grid =
-        row128_grid<index_key_insert_row128_kernel<Q, kPairs>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
-    index_key_insert_row128_kernel<Q, kPairs><<<grid, kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
-
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    return row128_f32_requested() ? launch_row128_as<Q, false>(p, s) : launch_row128_as<Q, true>(p, s);
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace dsv41

@@ -23,7 +23,6 @@
 // clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code). The host
 // check kernels/check/quant_exhaustive.cu compares the e4m3 bit path with CUDA's emulation of
 // the hardware conversion for every bf16 value at every Q1 scale.
-#include <stdlib.h>
 #include <string.h>
 
 #include "include/dsv41_row128.cuh"
@@ -111,9 +110,13 @@ __device__ __forceinline__ void pack_row(const float (&x)[D / 32], int lane, boo
     }
 }
 
-// Page and row of a slot (32-bit division when the slot fits, which it does in practice).
+// Page and row of a slot >= 0: shift and mask for a power-of-two page size, else a 32-bit
+// division when the slot fits (which it does in practice).
 __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_t& page, int64_t& row) {
-    if (slot <= 0x7fffffff) {
+    if ((page_size & (page_size - 1)) == 0) {
+        page = slot >> (__ffs(page_size) - 1);
+        row = slot & (page_size - 1);
+    } else if (slot <= 0x7fffffff) {
         const uint32_t s = static_cast<uint32_t>(slot), ps = static_cast<uint32_t>(page_size);
         const uint32_t q = s / ps;
         page = q;
@@ -129,52 +132,37 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
 // row; they are staged in shared memory (64 bytes per row) so that lane j then stores bytes
 // [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
 // stores the row's 4 scale bytes as one word.
-template <Norm N, bool kPairs>
+template <Norm N>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
     uint16_t(*buf)[32] = staged[threadIdx.x / 32];
     row128_loop<N>(p, [&](const Row128In& r, const float* w, int g, int j) {
         constexpr Quant Q = Quant::Fp4Ue8m0B32;
+        uint32_t h[8];
+        float amax[4];
+        compute_row128_pairs<N>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
+        int e[4];
+        q3_block_exps_row128(amax, e);
+        const bool pairs = q3_pairs_ok(e);
         uint32_t scales = 0;
-        if constexpr (kPairs) {
-            uint32_t h[8];
-            float amax[4];
-            compute_row128_pairs<N>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
-            int e[4];
-            q3_block_exps_row128(amax, e);
-            const bool pairs = q3_pairs_ok(e);
 #pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                uint32_t c01, c23;  // codes of elements 4 j + {0, 1} and {2, 3} in bits 0..3 / 16..19
-                int k;
-                if (pairs) {
-                    k = e[m] - 129;
-                    const Q3Pair pr = q3_pair(k);
-                    c01 = q3_code_pair(h[2 * m], pr);
-                    c23 = q3_code_pair(h[2 * m + 1], pr);
-                } else {  // a scale above 2^119: the f32 element path
-                    k = q3_block_k(amax[m]);
-                    const BlockScale b = pow2_scale(k);
-                    c01 = quant_code<Q>(bf16x2_lo(h[2 * m]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m]), b) << 16);
-                    c23 = quant_code<Q>(bf16x2_lo(h[2 * m + 1]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + 1]), b) << 16);
-                }
-                const uint32_t v = c01 | (c23 << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
-                buf[g][8 * m + j] = static_cast<uint16_t>(v | (v >> 12));  // c0 | c1 << 4 | c2 << 8 | c3 << 12
-                scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);  // UE8M0: bits of 2^k
+        for (int m = 0; m < 4; ++m) {
+            uint32_t c01, c23;  // codes of elements 4 j + {0, 1} and {2, 3} in bits 0..3 / 16..19
+            int k;
+            if (pairs) {
+                k = e[m] - 129;
+                const Q3Pair pr = q3_pair(k);
+                c01 = q3_code_pair(h[2 * m], pr);
+                c23 = q3_code_pair(h[2 * m + 1], pr);
+            } else {  // a block scale above 2^119: the f32 element path
+                k = q3_block_k(amax[m]);
+                const BlockScale b = pow2_scale(k);
+                c01 = quant_code<Q>(bf16x2_lo(h[2 * m]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m]), b) << 16);
+                c23 = quant_code<Q>(bf16x2_lo(h[2 * m + 1]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + 1]), b) << 16);
             }
-        } else {
-            float x[16];
-            compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, x);
-            BlockScale b[4];
-            q3_scales_row128(x, b);
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                uint32_t c[4];
-#pragma unroll
-                for (int k = 0; k < 4; ++k) c[k] = quant_code<Q>(x[4 * m + k], b[m]);
-                buf[g][8 * m + j] = static_cast<uint16_t>(c[0] | (c[1] << 4) | (c[2] << 8) | (c[3] << 12));
-                scales |= static_cast<uint32_t>(QuantTraits<Q>::scale_code(b[m].s)) << (8 * m);
-            }
+            const uint32_t v = c01 | (c23 << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
+            buf[g][8 * m + j] = static_cast<uint16_t>(v | (v >> 12));  // c0 | c1 << 4 | c2 << 8 | c3 << 12
+            scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
         }
         __syncwarp();
         const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
@@ -189,11 +177,10 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-// The packed-E row-128 launch (kPairs: Q3 codes from bf16 pairs, q3_code_pair).
-template <Norm N, bool kPairs>
+template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N, kPairs><<<row128_grid<packed_e_row128_kernel<N, kPairs>>(sets), kInsertThreads, 0, s>>>(p);
+    packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -223,17 +210,13 @@ namespace {
 template <int D, dsv41::Quant Q>
 int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     using namespace dsv41;
-    // DSV41_PACKED_ROWS2=1 (A/B measurement): 2 rows per warp for calls of >= 16384 rows.
-    const char* r2 = getenv("DSV41_PACKED_ROWS2");
-    const bool two = r2 != nullptr && r2[0] == '1' && p->num_tokens >= 16384;
-    return with_insert_rows<D>(two ? 65536 : p->num_tokens, two, [&](auto rows) -> int {
+    return with_insert_rows<D>(p->num_tokens, false, [&](auto rows) -> int {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
-        // DSV41_PACKED_OCC8=1 (A/B measurement): one-row 512-wide kernels capped at 32 registers
-        // for 8 resident blocks per SM.
-        const char* o8 = getenv("DSV41_PACKED_OCC8");
-        if constexpr (ROWS == 1 && D == 512) {
-            if (o8 != nullptr && o8[0] == '1' && !p->apply_norm) {
+        // Format B rows (512-wide, Q2, no norm): capped at 32 registers for 8 resident blocks per
+        // SM instead of 6, measured 2 points of the read ceiling better (docs/perf.md, issue 4).
+        if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
+            if (!p->apply_norm) {
                 packed_insert_kernel<D, ROWS, Q, Norm::None, 8><<<grid, kInsertThreads, 0, s>>>(*p);
                 return static_cast<int>(cudaGetLastError());
             }
@@ -275,15 +258,9 @@ extern "C" int dsv41_packed_insert(const Dsv41PackedInsertParams* p, size_t para
             case DSV41_QUANT_FP4_E4M3_B16: return launch_packed<D, Quant::Fp4E4m3B16>(p, s);
             default:
                 if constexpr (D == 128) {
-                    if (row128_applies(*p)) {
-                        const char* v = getenv("DSV41_ROW128_F32");  // A/B measurement of the f32 path
-                        const bool f32 = v != nullptr && v[0] == '1';
-                        if (p->apply_norm)
-                            return f32 ? launch_packed_e_row128<Norm::Weighted, false>(*p, s)
-                                       : launch_packed_e_row128<Norm::Weighted, true>(*p, s);
-                        return f32 ? launch_packed_e_row128<Norm::None, false>(*p, s)
-                                   : launch_packed_e_row128<Norm::None, true>(*p, s);
-                    }
+                    if (row128_applies(*p))
+                        return p->apply_norm ? launch_packed_e_row128<Norm::Weighted>(*p, s)
+                                             : launch_packed_e_row128<Norm::None>(*p, s);
                 }
                 return launch_packed<D, Quant::Fp4Ue8m0B32>(p, s);
         }

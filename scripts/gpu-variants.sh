@@ -34,7 +34,7 @@ run pairs-again X=1 -- --no-baseline --only "index_key,packed B"
 NCU="$(ls /usr/local/cuda*/bin/ncu "$TORCH_CU13/bin/ncu" 2>/dev/null | head -1)"
 if [[ -n "$NCU" && "${SKIP_NCU:-0}" != 1 ]]; then
     for k in "index_key_insert_row128:index_key_insert Q3 prefill T=65536" "packed_insert_kernel:compressed packed B prefill T=65536"; do
-        timeout 45 "$NCU" -k "regex:${k%%:*}" --launch-skip 3 -c 1 --section SpeedOfLight --section WarpStateStats \
+        timeout 25 "$NCU" -k "regex:${k%%:*}" --launch-skip 3 -c 1 --section SpeedOfLight --section WarpStateStats \
             --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
             "$W/b" --no-baseline --reps 1 --warmup 1 --only "${k#*:}" > "$OUT/ncu-${k%%:*}.txt" 2>&1
         echo "== ncu ${k%%:*}: exit $?"; tail -n 60 "$OUT/ncu-${k%%:*}.txt" | cut -c1-150

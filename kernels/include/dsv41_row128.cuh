@@ -24,12 +24,19 @@
 // row sets with a stride and issues the loads of its next set before computing the current
 // one, so every warp has a set in flight while it computes.
 //
+// Values as bf16 pairs: after the norm and RoPE (f32, as the CPU) each pair of elements is
+// rounded to bf16 by one conversion (instead of two instructions per element) and the Q3 fake
+// quant / e2m1 codes work on the pairs in the x domain (q3_fake_quant_pair / q3_code_pair of
+// dsv41_numerics.cuh: 7 / 10 instructions per pair instead of ~11 / ~12 per element). The block
+// scale comes from the unrounded block max (q3_pair_exp_biased), which gives the scale of the
+// rounded max. A lane whose row has a block scale above 2^119 (never for normed keys of sane
+// weights) takes the f32 element path (fake_quant_element / quant_code) for that row.
+//
 // Numerics: every operation and its order is that of dsv41_row.cuh (rms_norm_row, rope_row /
-// rope_loaded_row, fake_quant_row / the packed codes), so the results are bit-identical to the
-// one-warp-per-row kernels and to the CPU reference.
+// rope_loaded_row, fake_quant_row / the packed codes), and the pair path equals the element
+// path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
+// bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
-#include <stdlib.h>
-
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -65,19 +72,32 @@ __device__ __forceinline__ void load_row128(const P& p, int64_t t, int j, Row128
     r.slot = valid && slot >= 0 && slot < p.num_slots ? slot : -1;
 }
 
-// x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE (f32 holding bf16
-// values). `w`: the norm weights [128] in shared memory (Norm::Weighted only).
+// bf16 pairs: the RN bf16 rounding of two f32 (low half = lo), and back.
+__device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float bf16x2_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16x2_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE, each rounded to bf16 as
+// the CPU does, returned as bf16 pairs: h[2 m + i] holds elements 32 m + 4 j + 2 i and + 1 (low
+// half first). `w`: the norm weights [128] in shared memory (Norm::Weighted only). Norm: the
+// lane-local sums of squares in candle's order (see above), three in-group shuffle levels, the
+// division-free quotient (norm_divide). amax[m]: the lane's max |.| of chunk m
+// BEFORE the bf16 rounding (rounding is monotone, so rounding the block's max gives the max of
+// the rounded values; q3_block_exps_row128 rounds it). Each f32 -> bf16 rounding is one
+// conversion per pair instead of two instructions per element.
 template <Norm N>
-__device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim,
-                                               float (&x)[16]) {
+__device__ __forceinline__ void compute_row128_pairs(const Row128In& r, const float* w, float eps, float inv_dim,
+                                                     uint32_t (&h)[8], float (&amax)[4]) {
+    float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.raw[m]);
-        const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-        x[4 * m] = a.x;
-        x[4 * m + 1] = a.y;
-        x[4 * m + 2] = b.x;
-        x[4 * m + 3] = b.y;
+        x[4 * m] = bf16x2_lo(r.raw[m].x);
+        x[4 * m + 1] = bf16x2_hi(r.raw[m].x);
+        x[4 * m + 2] = bf16x2_lo(r.raw[m].y);
+        x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
     }
     if constexpr (N != Norm::None) {
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
@@ -94,85 +114,6 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
             for (int c = 0; c < 4; ++c) p[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], kOffsets[i]));
         }
         const float sum = __fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3]));  // L ^ 1, then L ^ 2
-        const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), 0.0f);
-        const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(ms, 1.0f), eps));
-        norm_divide(x, rr);
-        const int j = threadIdx.x & 7;
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            float4 wv = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-            if constexpr (N == Norm::Weighted) wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
-            const float wm[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                float y = x[4 * m + c];
-                if constexpr (N == Norm::Weighted) y = __fmul_rn(y, wm[c]);
-                x[4 * m + c] = round_bf16(y);
-            }
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float* v = &x[4 * (2 + h)];
-        rotate_pair(v[0], v[1], r.cos[h].x, r.sin[h].x);
-        rotate_pair(v[2], v[3], r.cos[h].y, r.sin[h].y);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) v[c] = round_bf16(v[c]);
-    }
-}
-
-// The Q3 scales of the row's four blocks (block m = chunk m of the group's 8 lanes).
-__device__ __forceinline__ void q3_scales_row128(const float (&x)[16], BlockScale (&b)[4]) {
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) amax = fmaxf(amax, fabsf(x[4 * m + c]));
-#pragma unroll
-        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-        b[m] = QuantTraits<Quant::Fp4Ue8m0B32>::scale(amax);
-    }
-}
-
-// bf16 pairs: the RN bf16 rounding of two f32 (low half = lo), and back.
-__device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ float bf16x2_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16x2_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-// The row after [norm] and RoPE as bf16 pairs: h[2 m + i] holds elements 32 m + 4 j + 2 i and
-// + 1 (low half first), the values compute_row128 gives. amax[m]: the lane's max |.| of chunk m
-// BEFORE the bf16 rounding (rounding is monotone, so rounding the block's max gives the max of
-// the rounded values; q3_block_exps_row128 rounds it). Each f32 -> bf16 rounding is one
-// conversion per pair instead of two instructions per element.
-template <Norm N>
-__device__ __forceinline__ void compute_row128_pairs(const Row128In& r, const float* w, float eps, float inv_dim,
-                                                     uint32_t (&h)[8], float (&amax)[4]) {
-    float x[16];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        x[4 * m] = bf16x2_lo(r.raw[m].x);
-        x[4 * m + 1] = bf16x2_hi(r.raw[m].x);
-        x[4 * m + 2] = bf16x2_lo(r.raw[m].y);
-        x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
-    }
-    if constexpr (N != Norm::None) {
-        float p[4];  // as compute_row128
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            p[c] = __fmul_rn(x[c], x[c]);
-#pragma unroll
-            for (int m = 1; m < 4; ++m) p[c] = __fadd_rn(p[c], __fmul_rn(x[4 * m + c], x[4 * m + c]));
-        }
-        constexpr int kOffsets[3] = {2, 4, 1};
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) p[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], kOffsets[i]));
-        }
-        const float sum = __fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3]));
         const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), 0.0f);
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(ms, 1.0f), eps));
         norm_divide(x, rr);
@@ -288,12 +229,6 @@ unsigned row128_grid(int64_t sets) {
         return static_cast<int64_t>(sms) * per_sm;
     }();
     const int64_t needed = (sets + kInsertWarps - 1) / kInsertWarps;
-    // DSV41_ROW128_FULLGRID=1 (A/B measurement): one row set per warp, no persistent loop.
-    static const bool full = [] {
-        const char* v = getenv("DSV41_ROW128_FULLGRID");
-        return v != nullptr && v[0] == '1';
-    }();
-    if (full) return static_cast<unsigned>(needed);
     return static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed);
 }
 
