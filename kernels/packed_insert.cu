@@ -185,8 +185,10 @@ int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
 }
 
 // grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each); MIN_BLOCKS:
-// the resident blocks per SM the registers are capped for (__launch_bounds__).
-template <int D, int ROWS, Quant Q, Norm N, int MIN_BLOCKS = 1>
+// the resident blocks per SM the registers are capped for (__launch_bounds__), 0 = no cap
+// (an explicit 1 is not the same: it let ptxas give the format A kernel 50 registers instead of
+// 40, 5 resident blocks instead of 6, and cost it 10 points of the read ceiling in run 9).
+template <int D, int ROWS, Quant Q, Norm N, int MIN_BLOCKS = 0>
 __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kernel(const Dsv41PackedInsertParams p) {
     __shared__ float squares[N != Norm::None ? kInsertWarps : 1][N != Norm::None ? D : 1];
     float* smem = N != Norm::None ? squares[threadIdx.x / 32] : nullptr;
