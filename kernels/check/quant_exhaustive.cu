@@ -16,13 +16,17 @@
 // residual step against IEEE x / r (every bf16 x in a binade against every f32 r in a binade,
 // the base case of the scaling argument in dsv41_numerics.cuh, plus the ends of its range), and
 // the Q1 codes against CUDA's host emulation of the hardware e4m3 conversion the packed kernel
-// uses.
+// uses, and the bf16-pair Q3 path of the 128-wide kernels (q3_fake_quant_pair, q3_code_pair,
+// q3_pair_exp_biased) against the element path, with a host emulation of the three bf16x2
+// instructions it uses (min, max, fma.rn), exact for its operands.
 //
 // Not part of the build (build.rs compiles kernels/*.cu only). Run on any host with nvcc (a few
 // minutes; -mfma makes the host fmaf a single instruction, drop it on CPUs without FMA):
 //
 //   nvcc -std=c++17 -O2 -Xcompiler -ffp-contract=off -Xcompiler -mfma -I kernels/include \
 //        kernels/check/quant_exhaustive.cu -o /tmp/quant_exhaustive && /tmp/quant_exhaustive
+//
+// `/tmp/quant_exhaustive q3-pair` (~30 s) or `... q2` (seconds) runs one part only.
 #include <stdio.h>
 #include <string.h>
 
