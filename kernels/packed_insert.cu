@@ -16,8 +16,10 @@
 // scale byte (ue8m0 = exponent + 127, or the e4m3 code of the Q2 scale). Format A's e4m3 codes
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
-// quarter-warp-per-row path of dsv41_row128.cuh with codes staged in shared memory and written
-// as 8-byte vectors (64 contiguous bytes per row) and the 4 scale bytes as one word.
+// quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
+// (q3_code_pair, 10 instructions per pair), staged in shared memory and written as 8-byte
+// vectors (64 contiguous bytes per row) and the 4 scale bytes as one word. Format B's one-row
+// kernel is capped at 32 registers (8 resident blocks per SM).
 //
 // Numerics: identical to quant::packed::pack_row applied to the CPU reference rows (IEEE x/s,
 // clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code). The host
@@ -187,7 +189,7 @@ int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
 // grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each); MIN_BLOCKS:
 // the resident blocks per SM the registers are capped for (__launch_bounds__), 0 = no cap
 // (an explicit 1 is not the same: it let ptxas give the format A kernel 50 registers instead of
-// 40, 5 resident blocks instead of 6, and cost it 10 points of the read ceiling in run 9).
+// 40, 4 resident blocks instead of 6, and cost it 10 points of the read ceiling in run 9).
 template <int D, int ROWS, Quant Q, Norm N, int MIN_BLOCKS = 0>
 __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kernel(const Dsv41PackedInsertParams p) {
     __shared__ float squares[N != Norm::None ? kInsertWarps : 1][N != Norm::None ? D : 1];
@@ -215,8 +217,9 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     return with_insert_rows<D>(p->num_tokens, false, [&](auto rows) -> int {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
-        // Format B rows (512-wide, Q2, no norm): capped at 32 registers for 8 resident blocks per
-        // SM instead of 6, measured 2 points of the read ceiling better (docs/perf.md, issue 4).
+        // Format B rows (512-wide, Q2, no norm): capped at 32 registers (no spills) for 8 resident
+        // blocks per SM instead of 6; instruction-bound, it gained ~2 points of the read ceiling
+        // (docs/perf.md, issue 4, run 9).
         if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
             if (!p->apply_norm) {
                 packed_insert_kernel<D, ROWS, Q, Norm::None, 8><<<grid, kInsertThreads, 0, s>>>(*p);
