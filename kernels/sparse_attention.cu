@@ -174,6 +174,13 @@ __device__ __forceinline__ uint32_t wgsw(int r, int c) {
 __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
 // Same for the f32 O tile (2048-byte rows, 128 chunks).
 __device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ (r & 7)) << 4)); }
+// Epilogue-2 layout of the f32 O rows: chunk c at c ^ 2 (row & 7) (8-byte fragment stores of four
+// rows and 16-byte loads of eight consecutive chunks are both free of bank conflicts).
+__device__ __forceinline__ uint32_t sw2k2(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ ((r & 7) << 1)) << 4)); }
+// Programmatic dependent launch: wait for the previous grid's memory (no-op without the launch
+// attribute) / let the next grid launch once every CTA of this one got here.
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // wgmma (sm_90a): shared-memory matrix descriptors and the kernel's two warpgroup products
 // (PTX ISA, asynchronous warpgroup level matrix shared memory layout).
@@ -278,14 +285,19 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
+    // Experiment knobs (bits 8..): index loads before the q copies, tile 1 issued after tile 0
+    // landed, epilogue 2 (raw partial O pushed, factors applied by the storing CTA).
+    const bool idx_first = mode & 256, throttle = mode & 512, epi2 = mode & 1024;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
     };
     stamp(0);
 
+    grid_dep_wait();  // everything below may read what the previous kernel wrote
+    grid_dep_launch();
     // 1a. q -> shared by cp.async (16 bytes per thread and step; heads past nh zero-filled).
-    if (compute) {
+    auto load_q = [&]() {
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
         const int col = tid & 63;
 #pragma unroll 4
@@ -296,7 +308,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             cp_async16(sbase + SM_Q + wgsw(h, col), src, ok);
         }
         cp_async_commit();
-    }
+    };
     if (tid < HB) {
         m_s[tid] = M_FLOOR;
         m_s[HB + tid] = M_FLOOR;
@@ -318,9 +330,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         code[r] = 0xffffffffu;
         bal[r] = 0u;
     }
-    if (compute) {
+    int64_t raw[MAX_ROUNDS];
+    auto load_idx = [&]() {
         // All loads first (one memory round trip), then the validity ballots.
-        int64_t raw[MAX_ROUNDS];
 #pragma unroll
         for (int r = 0; r < MAX_ROUNDS; ++r) {
             raw[r] = -1;
@@ -332,6 +344,15 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
                 raw[r] = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(base) + k)
                                             : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(base) + k));
             }
+        }
+    };
+    if (compute) {
+        if (idx_first) {
+            load_idx();
+            load_q();
+        } else {
+            load_q();
+            load_idx();
         }
 #pragma unroll
         for (int r = 0; r < MAX_ROUNDS; ++r) {
@@ -349,6 +370,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         }
     }
     __syncthreads();
+    stamp(23);
     if (warp == 0) {
         // Exclusive scan over rounds * 8 warp counts (<= 128): 4 consecutive per lane.
         const int n = rounds * 8;
@@ -402,6 +424,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         for (int j = 0; j < ntiles; ++j) {
             const int st = j & 1;
             if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
+            if (throttle && j == 1) mbar_wait(bar_full, 0);  // tile 0 (and q) first
             const int base = j * BLK;
             const int nb = min(BLK, nrows - base);
             const uint32_t dst = sbase + SM_K + st * TILEB;
@@ -427,6 +450,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // 2c. Compute warpgroups.
     setmaxnreg_inc<MMA_REGS>();
     stamp(1);
+    // The sink of head `tid` (read by the epilogue's merge; loaded early, off the critical path).
+    const float sink_v = tid < nh ? p.sink[h0 + tid] : -INFINITY;
     // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
     // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
     const int hg = warp & 3, wg = warp >> 2;
@@ -581,6 +606,103 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             compute_sync();
     };
     all_sync();  // stats visible cluster-wide; every CTA is done with its q and row tiles
+    stamp(21);
+    if (epi2) {
+        // Epilogue 2: the raw O (not yet scaled) goes straight to the storing CTA's slot while 64
+        // threads merge the splits' (m, den) of every head into all S factors (fac_all, local);
+        // the storing CTA applies them: sum_r fl(fac_r O_r), in split order (bitwise the same
+        // terms and sums as scaling before the push).
+        float* fac_all = reinterpret_cast<float*>(smem + SM_P);  // f32 [S][64 heads]
+        float mr[MAX_SPLITS], dr[MAX_SPLITS];
+        if (tid < HB) {
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r) {
+                mr[r] = M_FLOOR;
+                dr[r] = 0.f;
+                if (r < nsplit) {
+                    const float* st = split_smem(stat_s, r);
+                    mr[r] = st[tid];
+                    dr[r] = st[HB + tid];
+                }
+            }
+        }
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int h = hg * 16 + g + 8 * hi;
+            if (h < nh) {
+                const int r = h / hs, row = split * hs + h - r * hs;
+                unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const int d0 = wg * 256 + 8 * i + 2 * tq;
+                    float2* dst = reinterpret_cast<float2*>(base + sw2k2(row, d0 >> 2) + (d0 & 3) * 4);
+                    *dst = make_float2(acc[4 * i + 2 * hi], acc[4 * i + 2 * hi + 1]);
+                }
+            }
+        }
+        if (tid < HB) {
+            const int h = tid;
+            float big = M_FLOOR;
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r) big = fmaxf(big, mr[r]);
+            float wsum = 0.f;
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r)
+                if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
+            const float den = __fadd_rn(wsum, expf(sink_v - big));
+            const bool ok = den > 0.f && isfinite(den);
+#pragma unroll
+            for (int r = 0; r < MAX_SPLITS; ++r)
+                if (r < nsplit) fac_all[r * HB + h] = ok ? __fdiv_rn(expf(mr[r] - big), den) : 0.f;
+            if (split == 0 && h < nh)
+                p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
+        }
+        stamp(18);
+        all_sync();  // every split's raw tiles have arrived; fac_all written
+        stamp(19);
+        // This CTA's heads [split hs, ...): a thread per 4 dims of each half of a head row
+        // (chunks col and col + 64 = dims 4 col .. +4 and 256 + 4 col .. +4).
+        const int hb = split * hs, he = min(nh, hb + hs);
+        const int items = (he - hb) * 64;
+        constexpr int PER = 4;
+        for (int c0 = 0; c0 < items; c0 += PER * THREADS) {
+            float4 oa[PER], ob[PER];
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                oa[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+                ob[k] = oa[k];
+            }
+#pragma unroll 1
+            for (int r = 0; r < nsplit; ++r) {
+#pragma unroll
+                for (int k = 0; k < PER; ++k) {
+                    const int c = c0 + k * THREADS + tid;
+                    if (c < items) {
+                        const int hr = c >> 6, col = c & 63, row = r * hs + hr;
+                        const float f = fac_all[r * HB + hb + hr];
+                        const float4 x = *reinterpret_cast<const float4*>(smem + SM_O + sw2k2(row, col));
+                        const float4 y = *reinterpret_cast<const float4*>(smem + SM_O + sw2k2(row, col + 64));
+                        oa[k].x += __fmul_rn(x.x, f); oa[k].y += __fmul_rn(x.y, f);
+                        oa[k].z += __fmul_rn(x.z, f); oa[k].w += __fmul_rn(x.w, f);
+                        ob[k].x += __fmul_rn(y.x, f); ob[k].y += __fmul_rn(y.y, f);
+                        ob[k].z += __fmul_rn(y.z, f); ob[k].w += __fmul_rn(y.w, f);
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int c = c0 + k * THREADS + tid;
+                if (c < items) {
+                    const int h = hb + (c >> 6), col = c & 63;
+                    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 4;
+                    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(oa[k].x, oa[k].y), pack_bf16(oa[k].z, oa[k].w));
+                    *reinterpret_cast<uint2*>(dst + 256) = make_uint2(pack_bf16(ob[k].x, ob[k].y), pack_bf16(ob[k].z, ob[k].w));
+                }
+            }
+        }
+        stamp(20);
+        return;
+    }
     float* fac_s = alpha_s;  // [64 heads]: this split's merge factor e^{m_r - M} / den
     if (tid < HB) {
         // Merge the S splits' (m, den) of head `tid`; all remote loads issued at once.
@@ -603,7 +725,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
 #pragma unroll
         for (int r = 0; r < MAX_SPLITS; ++r)
             if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
-        const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
+        const float sink = sink_v;
         const float den = __fadd_rn(wsum, expf(sink - big));
         const bool ok = den > 0.f && isfinite(den);
         fac_s[h] = ok ? __fdiv_rn(expf(stat_s[h] - big), den) : 0.f;
@@ -706,15 +828,15 @@ void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
         cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
         return;
     const double us = 1e3 / khz;
-    fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): compaction %.2f us", splits, tiles, khz / 1000,
-            (h[1] - h[0]) * us);
+    fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): indices %.2f | compaction %.2f us", splits, tiles,
+            khz / 1000, (h[23] - h[0]) * us, (h[1] - h[0]) * us);
     long long prev = h[1];
     for (int j = 0; j < 16 && h[2 + j] > prev; ++j) {
         fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[2 + j] - prev) * us, (h[24 + j] - prev) * us);
         prev = h[2 + j];
     }
-    fprintf(stderr, " | merge %.2f | partials %.2f | store %.2f | total %.2f us\n", (h[18] - prev) * us, (h[19] - h[18]) * us,
-            (h[20] - h[19]) * us, (h[20] - h[0]) * us);
+    fprintf(stderr, " | bar1 %.2f | merge+push %.2f | bar2 %.2f | store %.2f | total %.2f us\n", (h[21] - prev) * us, (h[18] - h[21]) * us,
+            (h[19] - h[18]) * us, (h[20] - h[19]) * us, (h[20] - h[0]) * us);
 }
 
 }  // namespace dsv41_sa
@@ -762,19 +884,30 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     cfg.blockDim = dim3(THREADS + PROD_THREADS, 1, 1);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = splits;
-    attr[0].val.clusterDim.z = 1;
+    const char* kn = getenv("DSV41_SPARSE_ATTENTION_KNOBS");
+    const int knobs = kn ? atoi(kn) & 15 : 0;
+    cudaLaunchAttribute attr[2];
+    int nattr = 0;
+    if (splits > 1) {  // one split: no cluster
+        attr[nattr].id = cudaLaunchAttributeClusterDimension;
+        attr[nattr].val.clusterDim.x = 1;
+        attr[nattr].val.clusterDim.y = splits;
+        attr[nattr].val.clusterDim.z = 1;
+        ++nattr;
+    }
+    if (knobs & 8) {
+        attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[nattr].val.programmaticStreamSerializationAllowed = 1;
+        ++nattr;
+    }
     cfg.attrs = attr;
-    cfg.numAttrs = splits > 1 ? 1 : 0;  // one split: a plain launch
+    cfg.numAttrs = nattr;
     // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
     // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only).
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | ((knobs & 7) << 8);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
