@@ -54,10 +54,6 @@ struct Args {
     /// (DSV41_SPARSE_ATTENTION_DIAG, wrong results, timing only).
     #[arg(long)]
     diag: bool,
-    /// Comma-separated kernel experiment knob values to time each case with as well
-    /// (DSV41_SPARSE_ATTENTION_KNOBS; empty: the default only).
-    #[arg(long, default_value = "")]
-    knobs: String,
 }
 
 /// Timing behind a blocker (see the module doc), with the shared options' stream, warm-up,
@@ -223,27 +219,6 @@ fn report(
 ) -> Result<()> {
     let scale = (HEAD_DIM as f64).powf(-0.5);
     let opts = SparseAttentionOptions { num_splits: splits };
-    for k in args.knobs.split(',').map(str::trim).filter(|k| !k.is_empty()) {
-        std::env::set_var("DSV41_SPARSE_ATTENTION_KNOBS", k);
-        let r = timer.time(|| {
-            sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
-            Ok(())
-        });
-        if args.trace {
-            eprint!("{label} knobs {k}: ");
-            std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
-            let r = sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts);
-            std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
-            r?;
-        }
-        std::env::remove_var("DSV41_SPARSE_ATTENTION_KNOBS");
-        let (tk, _) = r?;
-        println!(
-            "  knobs {k:>2} {label:<22} {:>10.2} us {:>8.1} TFLOP/s",
-            tk * 1e3,
-            tflops((4 * HEADS * HEAD_DIM * pb.rows) as f64, tk)
-        );
-    }
     let (t, host) = timer.time(|| {
         sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
         Ok(())
