@@ -176,12 +176,10 @@ __device__ __forceinline__ uint32_t wgsw(int r, int c) {
 }
 // Same for the P tile (128-byte rows, 8 chunks).
 __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
-// Same for the f32 O tile (2048-byte rows, 128 chunks): chunk c at c ^ 2 x, x = (row & 7) ^
-// 2 (bit 3 of row) (the epilogue's 16-byte stores of rows h, h + 1, h + 8, h + 9 and its 16-byte
-// loads of eight consecutive chunks of one row are both free of bank conflicts).
-__device__ __forceinline__ uint32_t sw2k(int r, int c) {
-    return static_cast<uint32_t>(r * 2048 + ((c ^ (((r & 7) ^ ((r >> 2) & 2)) << 1)) << 4));
-}
+// Same for the f32 O tile (2048-byte rows, 128 chunks): chunk c at c ^ 2 (row & 7) (8-byte
+// fragment stores of four rows and 16-byte loads of eight consecutive chunks are both free of
+// bank conflicts).
+__device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ ((r & 7) << 1)) << 4)); }
 // Programmatic dependent launch: wait for the previous grid's memory (no-op without the launch
 // attribute) / let the next grid launch once every CTA of this one got here.
 __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
@@ -620,20 +618,18 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             }
         }
     }
-    {
-        // 16-byte stores: lanes tq and tq ^ 1 swap a pair, the even lane then holds 4
-        // consecutive dims of head g, the odd lane 4 of head g + 8.
-        const bool odd = tq & 1;
-        const int h = hg * 16 + g + (odd ? 8 : 0);
-        const bool ok = h < nh;
-        const int r = h / hs, row = split * hs + h - r * hs;
-        unsigned char* base = ok ? reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r)) : smem;
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const float sx = odd ? acc[4 * i] : acc[4 * i + 2], sy = odd ? acc[4 * i + 1] : acc[4 * i + 3];
-            const float rx = __shfl_xor_sync(0xffffffffu, sx, 1), ry = __shfl_xor_sync(0xffffffffu, sy, 1);
-            const float4 v = odd ? make_float4(rx, ry, acc[4 * i + 2], acc[4 * i + 3]) : make_float4(acc[4 * i], acc[4 * i + 1], rx, ry);
-            if (ok) *reinterpret_cast<float4*>(base + sw2k(row, wg * 64 + 2 * i + (tq >> 1))) = v;
+    for (int hi = 0; hi < 2; ++hi) {
+        const int h = hg * 16 + g + 8 * hi;
+        if (h < nh) {
+            const int r = h / hs, row = split * hs + h - r * hs;
+            unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int d0 = wg * 256 + 8 * i + 2 * tq;
+                float2* dst = reinterpret_cast<float2*>(base + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
+                *dst = make_float2(acc[4 * i + 2 * hi], acc[4 * i + 2 * hi + 1]);
+            }
         }
     }
     if (tid < HB) {
