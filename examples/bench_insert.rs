@@ -51,6 +51,10 @@ struct Args {
     /// Largest prefill length.
     #[arg(long, default_value_t = 65536)]
     max_prefill: usize,
+    /// Only the rows whose "op case" contains one of these comma-separated strings (e.g.
+    /// `--only "index_key,packed B"`); all rows when absent.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 struct Bench {
@@ -97,6 +101,10 @@ impl Bench {
         fused: impl FnMut(usize) -> Result<()>,
         base: Option<&mut dyn FnMut() -> Result<()>>,
     ) -> Result<()> {
+        let name = format!("{op} {case}");
+        if !self.args.only.is_empty() && !self.args.only.iter().any(|f| name.contains(f.as_str())) {
+            return Ok(());
+        }
         let t = self.fused(sets, fused)?;
         let kernel_ms = t.graph_ms.unwrap_or(t.loop_ms);
         let bw = gbps(bytes, kernel_ms);
@@ -117,6 +125,12 @@ impl Bench {
             100.0 * bw / copy_bw,
         );
         Ok(())
+    }
+
+    /// Whether a section whose op names contain `key` is to run (with `--only`: some filter
+    /// string names it).
+    fn section(&self, key: &str) -> bool {
+        self.args.only.is_empty() || self.args.only.iter().any(|f| f.contains(key))
     }
 
     fn sets(&self, bytes_per_set: f64) -> usize {
@@ -269,7 +283,7 @@ fn main() -> Result<()> {
     let d = HEAD_DIM;
 
     // ---- window_insert (Q1) and the packed format A.
-    for (case, n, is_decode) in &cases {
+    for (case, n, is_decode) in cases.iter().filter(|_| bench.section("window")) {
         let n = *n;
         let (positions, slots, rows) = window_case(n, *is_decode);
         let bytes = (n * (4 * d + 4 * ROPE_DIM + 8)) as f64;
@@ -291,7 +305,7 @@ fn main() -> Result<()> {
     }
 
     // ---- q RoPE (64 heads x 512): decode B tokens / prefill T tokens.
-    for (case, n, _) in &cases {
+    for (case, n, _) in cases.iter().filter(|_| bench.section("q_rope")) {
         let n = *n;
         let bytes_in_place = (n * (HEADS * ROPE_DIM * 4 + ROPE_DIM * 4)) as f64;
         let sets = bench.sets(bytes_in_place.max((n * HEADS * HEAD_DIM * 2) as f64));

@@ -13,26 +13,38 @@
 // product and the partial sums of a 32-block are exact, so the scores match bit for bit except
 // when two blocks' scales differ by more than ~2^10.
 //
-// Packed keys are dequantized in registers: each e2m1 byte pair goes through a 256-entry bf16x2
-// table in shared memory and one bf16x2 multiply by the block's 2^(e-127) (exact: the products
-// are bf16 numbers; a scale with e = 0 relies on bf16 subnormal arithmetic, which k_norm'd keys
-// never reach).
+// Packed keys are dequantized in registers without tables (no shared-memory lookups, whose bank
+// conflicts and MIO traffic limited the first version): the two e2m1 codes of a bf16x2 are
+// copied by one integer multiply into the bit positions of code * 2^-126 (magnitude at bits
+// 6..8, sign at 15; code 0.5 is the bf16 subnormal 2^-127), then one bf16x2 multiply by
+// 2^(e-1) gives code * 2^(e-127) exactly; scale bytes e > 128 (values >= 2^2, not reached by
+// k_norm'd keys) take a second multiply, in a separate copy of the tile loop chosen per warp
+// and iteration so that the common path is straight-line code. e = 0 relies on bf16 subnormal
+// arithmetic. ~17 instructions per 8 dims.
 //
 // Design: mma.sync m16n8k16 bf16 (plain sm_80+ tensor-core path). A warp owns one token: its
 // 32 (H <= 32, rows >= H zero) x 128 query block lives in registers as A fragments (64 regs),
-// loaded once. Per iteration the warp scores 32 keys (4 n8 tiles): each lane (group g, column
-// c) loads 32 contiguous dims [32c, 32c+32) of key g of every tile (bf16: 4 x 16 B; packed: 16 B
-// plus one scale byte - exactly its 32-block), so the dot product's k-dimension is PERMUTED
-// consistently for A and B (k-slot 2c+e of step s <-> dim 32c+4s+e, slot 2c+8+e <-> dim
-// 32c+4s+2+e): every load is a contiguous vector load, no shared-memory staging. The per-head
-// products go through a per-warp shared buffer [32 heads][32 keys] so that lane i sums key i's
-// heads in order. CTA = 4 warps; TQ = 1 (decode, or per-token keys): the 4 warps split the
-// CTA's 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
-// Entries j >= L_t are written as -inf without any key read.
+// loaded once; row slot hh of lane group g is head 4g + hh, so that a lane's accumulators hold
+// heads 4g..4g+3 of each of its keys (one 8-byte shared store per key). Per iteration the warp
+// scores 32 keys (4 n8 tiles): each lane (group g, column c) loads 32 contiguous dims
+// [32c, 32c+32) of key g of every tile (bf16: 4 x 16 B; packed: 16 B plus the row's 4 scale
+// bytes - exactly its 32-block), so the dot product's k-dimension is PERMUTED consistently for
+// A and B (bf16 keys: register i = dims (2i, 2i+1) of the slice; packed keys: register 4i + p =
+// dims (8i + p, 8i + p + 4), the order the nibbles unpack in; q is permuted the same way when
+// loaded): every load is a contiguous vector load, no shared-memory staging. Packed slices of
+// the next iteration are fetched while the current one computes (branch-free: entries past
+// L_t read row key_base[t] and are zeroed; the page of a slot by a multiply-high division).
+// The per-head products go through a per-warp shared buffer [32 keys][32 heads] so that lane i
+// sums key i's heads in order. CTA = 4 warps, <= 170 registers (3 CTAs per SM); TQ = 1
+// (decode, or per-token keys): the 4 warps split the CTA's 2048-key chunk; TQ = 4 (prefill
+// sharing keys): 4 tokens, the same 512 keys (L1 reuse). Entries j >= L_t (and those whose
+// key row lies past the cache) are written as -inf without any key read.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "include/dsv41_indexer.h"
 
@@ -56,19 +68,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// bf16 bits of the e2m1 code (sign bit 3; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6).
-__host__ __device__ constexpr uint16_t e2m1_bf16_bits(uint32_t code) {
-    return static_cast<uint16_t>(((code & 8u) ? 0x8000u : 0u) |
-                                 ((code & 7u) == 0   ? 0x0000u
-                                  : (code & 7u) == 1 ? 0x3F00u
-                                  : (code & 7u) == 2 ? 0x3F80u
-                                  : (code & 7u) == 3 ? 0x3FC0u
-                                  : (code & 7u) == 4 ? 0x4000u
-                                  : (code & 7u) == 5 ? 0x4040u
-                                  : (code & 7u) == 6 ? 0x4080u
-                                                     : 0x40C0u));
-}
-
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
     __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a);
     __nv_bfloat162 y = *reinterpret_cast<__nv_bfloat162*>(&b);
@@ -82,6 +81,21 @@ __device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t e) {
     return b | (b << 16);
 }
 
+// n / d for 32-bit n and a run-time divisor d >= 2 (the page size) by multiply-high
+// (round-up method): m = floor(2^32 (2^l - d) / d) + 1 with l = ceil(log2 d).
+struct PageDiv {
+    uint32_t m;
+    int l;
+    __device__ explicit PageDiv(uint32_t d) {
+        l = 32 - __clz(d - 1);
+        m = static_cast<uint32_t>(((1ull << 32) * ((1ull << l) - d)) / d + 1);
+    }
+    __device__ __forceinline__ uint32_t div(uint32_t n) const {
+        const uint32_t t = __umulhi(m, n);
+        return (t + ((n - t) >> 1)) >> (l - 1);
+    }
+};
+
 // Raw bytes of one key slice of a lane (fetched ahead of use) and their expansion into the 16
 // bf16x2 B-fragment registers (dims [32c, 32c+32) of the lane's key).
 template <int KF>
@@ -91,7 +105,7 @@ struct KeySlice;
 template <>
 struct KeySlice<DSV41_INDEX_KEYS_BF16> {
     uint4 v[4];
-    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, const PageDiv&, int64_t row, int c) {
         const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.keys) +
                                                           row * p.key_row_stride + 32 * c);
 #pragma unroll
@@ -101,7 +115,9 @@ struct KeySlice<DSV41_INDEX_KEYS_BF16> {
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = make_uint4(0u, 0u, 0u, 0u);
     }
-    __device__ __forceinline__ void expand(const uint32_t*, int, uint32_t (&k)[16]) const {
+    __device__ __forceinline__ bool wide_scale(int) const { return false; }
+    template <bool WIDE>
+    __device__ __forceinline__ void expand(int, uint32_t (&k)[16]) const {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             k[4 * i + 0] = v[i].x;
@@ -117,25 +133,53 @@ template <>
 struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     uint4 d;
     uint32_t s4;
-    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, int64_t row, int c) {
-        const int64_t page = row / p.page_size, r = row % p.page_size;
-        const uint8_t* base = static_cast<const uint8_t*>(p.keys) + page * p.key_row_stride;
-        d = __ldg(reinterpret_cast<const uint4*>(base + r * 64 + 16 * c));
-        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + r * 4));
+    // row < 2^32 (the launcher checks num_key_rows), page bytes < 2^32.
+    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, const PageDiv& pd, int64_t row, int c) {
+        const uint32_t row32 = static_cast<uint32_t>(row);
+        const uint32_t page = pd.div(row32);
+        const uint32_t r = row32 - page * static_cast<uint32_t>(p.page_size);
+        const uint8_t* base = static_cast<const uint8_t*>(p.keys) +
+                              static_cast<uint64_t>(page) * static_cast<uint32_t>(p.key_row_stride);
+        d = __ldg(reinterpret_cast<const uint4*>(base + (r * 64 + 16 * c)));
+        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + (static_cast<uint32_t>(p.page_size) * 64u + r * 4)));
     }
     __device__ __forceinline__ void zero() {
         d = make_uint4(0u, 0u, 0u, 0u);
         s4 = 0x7f7f7f7fu;
     }
-    __device__ __forceinline__ void expand(const uint32_t* lut, int c, uint32_t (&k)[16]) const {
-        const uint32_t s = ue8m0_bf16x2((s4 >> (8 * c)) & 0xFF);
+    // Register 4i + p = dims (8i + p, 8i + p + 4) of the slice (nibbles p and p + 4 of word i)
+    // as bf16 bits code * 2^-126: the two nibbles (alone in x) are copied by one multiply to
+    // bits a..a+3 and a+6..a+9 (low half; +16 for the high one) with a = 6 - 4p (nibbles 2, 3:
+    // from w >> 8, a = 14 - 4p), and the mask keeps the magnitude at 6..8 and the sign at 15
+    // (code 0.5 = the subnormal 2^-127). Then times 2^(e-1): one exact multiply for e <= 128,
+    // else (x * 2^126) * 2^(e-127); WIDE = false promises e <= 128 (the warp checked, so that
+    // the common case has no branch).
+    __device__ __forceinline__ bool wide_scale(int c) const { return ((s4 >> (8 * c)) & 0xFF) > 128u; }
+    template <bool WIDE>
+    __device__ __forceinline__ void expand(int c, uint32_t (&k)[16]) const {
+        const uint32_t e = (s4 >> (8 * c)) & 0xFF;
+        const bool one = !WIDE || e <= 128u;
+        const uint32_t sb = one ? (e + 126u) << 7 : 0x7E80u;  // 2^(e-1) or 2^126
+        const uint32_t s = sb | (sb << 16);
         const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+        constexpr uint32_t M = 0x81C081C0u;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(lut[__byte_perm(w[i / 4], 0, 0x4440 + (i % 4))], s);
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t x = w[i], x8 = w[i] >> 8;
+            k[4 * i + 0] = bf16x2_mul(((x & 0x000F000Fu) * 0x1040u) & M, s);
+            k[4 * i + 1] = bf16x2_mul(((x & 0x00F000F0u) * 0x0104u) & M, s);
+            k[4 * i + 2] = bf16x2_mul(((x8 & 0x000F000Fu) * 0x1040u) & M, s);
+            k[4 * i + 3] = bf16x2_mul(((x8 & 0x00F000F0u) * 0x0104u) & M, s);
+        }
+        if (WIDE && !one) {
+            const uint32_t s2 = ue8m0_bf16x2(e);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(k[i], s2);
+        }
     }
 };
 
-// Products bf16(relu(bf16(acc)) * w) of two keys (one C-fragment pair) as bf16x2.
+// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2.
 __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w2) {
     __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
     s = __hmax2(s, __float2bfloat162_rn(0.f));
@@ -143,19 +187,14 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
+// 3 CTAs per SM: <= 170 registers (the A fragments alone take 64).
 template <int KF, int TQ>
-__global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+__global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
-    __shared__ uint32_t lut[KF == DSV41_INDEX_KEYS_MXFP4 ? 256 : 1];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
-    if constexpr (KF == DSV41_INDEX_KEYS_MXFP4) {
-        for (int b = threadIdx.x; b < 256; b += THREADS)
-            lut[b] = static_cast<uint32_t>(e2m1_bf16_bits(b & 15)) | (static_cast<uint32_t>(e2m1_bf16_bits(b >> 4)) << 16);
-        __syncthreads();
-    }
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
     if (t >= p.num_tokens) return;
     const int n_it = iters * (WARPS / TQ);  // iterations of the CTA's key chunk
@@ -166,6 +205,10 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
     L = L < n ? L : n;
     const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
+    // Entries past the cache's rows count as invisible: afterwards every j < L has a key row
+    // (kbase + j < num_key_rows), and row kbase exists whenever L >= 1.
+    const int64_t rows_left = p.num_key_rows - kbase;
+    L = L < rows_left ? L : (rows_left > 0 ? rows_left : 0);
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
@@ -181,24 +224,42 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     int it = first;
     if (!valid(it)) return;
 
-    // A fragments: qa[hh][i] = dims (32c + 2i, +1) of head g + 8 hh (zero for heads >= H);
-    // w2[hh] = the head's weight as bf16x2.
-    uint32_t qa[4][16], w2[4];
+    // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
+    // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
+    // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
+    // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
+    uint32_t qa[4][16], w2[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        uint32_t wb[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int h = 4 * g + 2 * m + e;
+            wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
+        }
+        w2[m] = wb[0] | (wb[1] << 16);
+    }
 #pragma unroll
     for (int hh = 0; hh < 4; ++hh) {
-        const int h = g + 8 * hh;
-        const uint32_t wb = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
-        w2[hh] = wb | (wb << 16);
+        const int h = 4 * g + hh;
         if (h < H) {
             const uint4* src =
                 reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const uint4 v = __ldg(src + i);
-                qa[hh][4 * i] = v.x;
-                qa[hh][4 * i + 1] = v.y;
-                qa[hh][4 * i + 2] = v.z;
-                qa[hh][4 * i + 3] = v.w;
+                if (KF == DSV41_INDEX_KEYS_MXFP4) {
+                    // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
+                    qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
+                    qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
+                    qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
+                    qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
+                } else {
+                    qa[hh][4 * i] = v.x;
+                    qa[hh][4 * i + 1] = v.y;
+                    qa[hh][4 * i + 2] = v.z;
+                    qa[hh][4 * i + 3] = v.w;
+                }
             }
         } else {
 #pragma unroll
@@ -208,11 +269,15 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
     // Packed slices are small: the next iteration's are fetched while this one computes.
     constexpr bool kAhead = KF == DSV41_INDEX_KEYS_MXFP4;
     KeySlice<KF> ahead[kAhead ? 4 : 1];
+    const PageDiv pd(KF == DSV41_INDEX_KEYS_MXFP4 ? static_cast<uint32_t>(p.page_size) : 2u);
+    // Branch-free: an entry past L reads row kbase (it exists: the tile's key0 < L) and is
+    // zeroed.
+    // (32-bit entry ids: key0 < L <= N < 2^31.)
     auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
-        const int64_t j = key0 + nt * 8 + g;
-        const int64_t row = kbase + j;
-        if (j < L && row < p.num_key_rows) ks.fetch(p, row, c);
-        else ks.zero();
+        const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
+        const bool ok = j < static_cast<uint32_t>(L);
+        ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
+        if (!ok) ks.zero();
     };
     if constexpr (kAhead) {
 #pragma unroll
@@ -234,37 +299,44 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
             for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
         }
         float acc[4][2][4];
+        // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
+        auto scores = [&](auto wide) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            uint32_t kb[16];
-            cur[nt].expand(lut, c, kb);
+            for (int nt = 0; nt < 4; ++nt) {
+                uint32_t kb[16];
+                cur[nt].template expand<decltype(wide)::value>(c, kb);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+                for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+                    for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
 #pragma unroll
-            for (int s = 0; s < 8; ++s) {
-                mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s], kb[2 * s + 1]);
-                if (H > 16)
-                    mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
+                for (int s = 0; s < 8; ++s) {
+                    mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s],
                              kb[2 * s + 1]);
+                    if (H > 2)
+                        mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
+                                 kb[2 * s + 1]);
+                }
             }
-        }
-        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h].
+        };
+        bool wide = false;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
+        if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
+        else scores(std::false_type{});
+        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
+        // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
         __syncwarp();
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int hi = 0; hi < 2; ++hi) {
-                    const int hh = 2 * mt + hi;
-                    const int h = g + 8 * hh;
-                    const uint32_t pr = head_products(acc[nt][mt][2 * hi], acc[nt][mt][2 * hi + 1], w2[hh]);
-                    const int kk = nt * 8 + 2 * c;
-                    pw[kk * PROD_STRIDE + h] = static_cast<uint16_t>(pr & 0xFFFF);
-                    pw[(kk + 1) * PROD_STRIDE + h] = static_cast<uint16_t>(pr >> 16);
-                }
+            for (int e = 0; e < 2; ++e) {
+                uint2 pr;
+                pr.x = head_products(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                pr.y = head_products(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                const int kk = nt * 8 + 2 * c + e;
+                *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+            }
         __syncwarp();
         const int64_t j = key0 + lane;
         if (j < n) {
@@ -272,18 +344,21 @@ __global__ void __launch_bounds__(THREADS) indexer_scores_kernel(const Dsv41Inde
             // but are not added).
             const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
             float sum = 0.f;
+            auto add_heads = [&](auto all) {
 #pragma unroll
-            for (int q8 = 0; q8 < 4; ++q8) {
-                const uint4 v = row[q8];
-                const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+                for (int q8 = 0; q8 < 4; ++q8) {
+                    const uint4 v = row[q8];
+                    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const int h = 8 * q8 + i;
-                    const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
-                    if (h < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                    for (int i = 0; i < 8; ++i) {
+                        const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                        if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                    }
                 }
-            }
-            bool ok = j < L && kbase + j < p.num_key_rows;
+            };
+            if (H == 32) add_heads(std::true_type{});
+            else add_heads(std::false_type{});
+            bool ok = j < L;
             if (ok && allowed) {
                 const int64_t b = j / p.allowed_block;
                 ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
@@ -347,6 +422,7 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
     }
     if (p->key_format == DSV41_INDEX_KEYS_MXFP4) {
+        if (p->num_key_rows > 0xFFFFFFFFll || p->key_row_stride > 0xFFFFFFFFll) return DSV41_ERR_SHAPE;
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;

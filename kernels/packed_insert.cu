@@ -16,8 +16,10 @@
 // scale byte (ue8m0 = exponent + 127, or the e4m3 code of the Q2 scale). Format A's e4m3 codes
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
-// quarter-warp-per-row path of dsv41_row128.cuh with codes staged in shared memory and written
-// as 8-byte vectors (64 contiguous bytes per row) and the 4 scale bytes as one word.
+// quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
+// (q3_code_pair, 10 instructions per pair), staged in shared memory and written as 8-byte
+// vectors (64 contiguous bytes per row) and the 4 scale bytes as one word. Format B's one-row
+// kernel is capped at 32 registers (8 resident blocks per SM).
 //
 // Numerics: identical to quant::packed::pack_row applied to the CPU reference rows (IEEE x/s,
 // clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code). The host
@@ -110,9 +112,13 @@ __device__ __forceinline__ void pack_row(const float (&x)[D / 32], int lane, boo
     }
 }
 
-// Page and row of a slot (32-bit division when the slot fits, which it does in practice).
+// Page and row of a slot >= 0: shift and mask for a power-of-two page size, else a 32-bit
+// division when the slot fits (which it does in practice).
 __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_t& page, int64_t& row) {
-    if (slot <= 0x7fffffff) {
+    if ((page_size & (page_size - 1)) == 0) {
+        page = slot >> (__ffs(page_size) - 1);
+        row = slot & (page_size - 1);
+    } else if (slot <= 0x7fffffff) {
         const uint32_t s = static_cast<uint32_t>(slot), ps = static_cast<uint32_t>(page_size);
         const uint32_t q = s / ps;
         page = q;
@@ -132,18 +138,33 @@ template <Norm N>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
     uint16_t(*buf)[32] = staged[threadIdx.x / 32];
-    row128_loop<N>(p, [&](const Row128In& r, float (&x)[16], int g, int j) {
+    row128_loop<N>(p, [&](const Row128In& r, const float* w, int g, int j) {
         constexpr Quant Q = Quant::Fp4Ue8m0B32;
-        BlockScale b[4];
-        q3_scales_row128(x, b);
+        uint32_t h[8];
+        float amax[4];
+        compute_row128_pairs<N>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
+        int e[4];
+        q3_block_exps_row128(amax, e);
+        const bool pairs = q3_pairs_ok(e);
         uint32_t scales = 0;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-            uint32_t c[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) c[k] = quant_code<Q>(x[4 * m + k], b[m]);
-            buf[g][8 * m + j] = static_cast<uint16_t>(c[0] | (c[1] << 4) | (c[2] << 8) | (c[3] << 12));
-            scales |= static_cast<uint32_t>(QuantTraits<Q>::scale_code(b[m].s)) << (8 * m);
+            uint32_t c01, c23;  // codes of elements 4 j + {0, 1} and {2, 3} in bits 0..3 / 16..19
+            int k;
+            if (pairs) {
+                k = e[m] - 129;
+                const Q3Pair pr = q3_pair(k);
+                c01 = q3_code_pair(h[2 * m], pr);
+                c23 = q3_code_pair(h[2 * m + 1], pr);
+            } else {  // a block scale above 2^119: the f32 element path
+                k = q3_block_k(amax[m]);
+                const BlockScale b = pow2_scale(k);
+                c01 = quant_code<Q>(bf16x2_lo(h[2 * m]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m]), b) << 16);
+                c23 = quant_code<Q>(bf16x2_lo(h[2 * m + 1]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + 1]), b) << 16);
+            }
+            const uint32_t v = c01 | (c23 << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
+            buf[g][8 * m + j] = static_cast<uint16_t>(v | (v >> 12));  // c0 | c1 << 4 | c2 << 8 | c3 << 12
+            scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
         }
         __syncwarp();
         const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
@@ -158,17 +179,26 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-// grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each).
-template <int D, int ROWS, Quant Q, Norm N>
-__global__ void __launch_bounds__(kInsertThreads) packed_insert_kernel(const Dsv41PackedInsertParams p) {
+template <Norm N>
+int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+// grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each); MIN_BLOCKS:
+// the resident blocks per SM the registers are capped for (__launch_bounds__), 0 = no cap
+// (an explicit 1 is not the same: it let ptxas give the format A kernel 50 registers instead of
+// 40, 4 resident blocks instead of 6, and cost it 10 points of the read ceiling in run 9).
+template <int D, int ROWS, Quant Q, Norm N, int MIN_BLOCKS = 0>
+__global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kernel(const Dsv41PackedInsertParams p) {
     __shared__ float squares[N != Norm::None ? kInsertWarps : 1][N != Norm::None ? D : 1];
     float* smem = N != Norm::None ? squares[threadIdx.x / 32] : nullptr;
     warp_rows<D, ROWS, N>(p, smem, [&](const RowIn<D>& r, float (&x)[D / 32]) {
         constexpr int kDataBytes = Q == Quant::Fp8Ue8m0B32 ? D : D / 2;
         constexpr int kScaleBytes = D / QuantTraits<Q>::kBlock;
-        const int64_t slot = r.slot >= 0 ? r.slot : 0;
-        const int64_t page = slot / p.page_size;
-        const int64_t row = slot % p.page_size;
+        int64_t page, row;
+        page_and_row(r.slot >= 0 ? r.slot : 0, p.page_size, page, row);
         uint8_t* base = p.cache + page * p.page_stride;
         pack_row<D, Q>(x, threadIdx.x & 31, r.slot >= 0, base + row * kDataBytes,
                        base + static_cast<int64_t>(p.page_size) * kDataBytes + row * kScaleBytes);
@@ -187,6 +217,15 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     return with_insert_rows<D>(p->num_tokens, false, [&](auto rows) -> int {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
+        // Format B rows (512-wide, Q2, no norm): capped at 32 registers (no spills) for 8 resident
+        // blocks per SM instead of 6; instruction-bound, it gained ~2 points of the read ceiling
+        // (docs/perf.md, issue 4, run 9).
+        if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
+            if (!p->apply_norm) {
+                packed_insert_kernel<D, ROWS, Q, Norm::None, 8><<<grid, kInsertThreads, 0, s>>>(*p);
+                return static_cast<int>(cudaGetLastError());
+            }
+        }
         if (p->apply_norm) packed_insert_kernel<D, ROWS, Q, Norm::Weighted><<<grid, kInsertThreads, 0, s>>>(*p);
         else packed_insert_kernel<D, ROWS, Q, Norm::None><<<grid, kInsertThreads, 0, s>>>(*p);
         return static_cast<int>(cudaGetLastError());
@@ -224,17 +263,9 @@ extern "C" int dsv41_packed_insert(const Dsv41PackedInsertParams* p, size_t para
             case DSV41_QUANT_FP4_E4M3_B16: return launch_packed<D, Quant::Fp4E4m3B16>(p, s);
             default:
                 if constexpr (D == 128) {
-                    if (row128_applies(*p)) {
-                        const int64_t sets = (static_cast<int64_t>(p->num_tokens) + 3) / 4;
-                        if (p->apply_norm) {
-                            packed_e_row128_kernel<Norm::Weighted>
-                                <<<row128_grid<packed_e_row128_kernel<Norm::Weighted>>(sets), kInsertThreads, 0, s>>>(*p);
-                        } else {
-                            packed_e_row128_kernel<Norm::None>
-                                <<<row128_grid<packed_e_row128_kernel<Norm::None>>(sets), kInsertThreads, 0, s>>>(*p);
-                        }
-                        return static_cast<int>(cudaGetLastError());
-                    }
+                    if (row128_applies(*p))
+                        return p->apply_norm ? launch_packed_e_row128<Norm::Weighted>(*p, s)
+                                             : launch_packed_e_row128<Norm::None>(*p, s);
                 }
                 return launch_packed<D, Quant::Fp4Ue8m0B32>(p, s);
         }

@@ -203,6 +203,58 @@ fn packed_keys_score_like_bf16_rows_with_per_query_bases() -> Result<()> {
     Ok(())
 }
 
+/// Packed keys through the kernel's register dequantization: rows scaled by 2^-40..2^40 (block
+/// scale bytes far below and above 128, the one- and two-multiply paths), page sizes that are
+/// not powers of two (the page division), H = 32 / 7 / 2 (full and partial head sums, one or
+/// two m-tiles), key counts off the 32-key tile, and visible entries past the cache's last slot
+/// (−inf without a read).
+#[test]
+fn packed_keys_with_wide_scales_odd_pages_and_head_counts() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(23);
+    for &(h, page, n) in &[(32usize, 20usize, 301usize), (7, 12, 77), (2, 4, 45), (32, 36, 1000)] {
+        let t = 5;
+        let rows = 4 * n + 3; // capacity rounds up to whole pages; the last query runs past it
+        let bases: Vec<u32> = vec![0, n as u32, 2 * n as u32 + 1, 3 * n as u32, (rows - n / 2) as u32];
+        let counts: Vec<u32> = vec![n as u32, (n - 31) as u32, 0, 33, n as u32];
+        let k = fq(&mut rng, &[rows, D])?;
+        let pow: Vec<f32> = (0..rows).map(|_| 2f32.powi(rng.below(81) as i32 - 40)).collect();
+        let keys = k.to_dtype(DType::F32)?.broadcast_mul(&Tensor::from_vec(pow, (rows, 1), &Device::Cpu)?)?.to_dtype(DType::BF16)?;
+        let (q, w) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?);
+        let (cache, layout) = pack(&keys, page, &dev)?;
+        let cache_cpu = cache.to_device(&Device::Cpu)?;
+        let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
+        let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+        let cpu_src = KeySource {
+            keys: IndexKeys::Packed { cache: &cache_cpu, layout },
+            base: Some(&base_c),
+            entries: n,
+            visibility: Visibility::Counts(&vis_c),
+        };
+        let want = masked_index_scores(&q, &w, &cpu_src, None)?;
+        poison(&dev, t * n)?;
+        let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
+        let what = format!("H{h} page {page} N{n}");
+        assert_scores_exact(&what, &got, &want)?;
+        // Entries whose slot lies past the cache's capacity are -inf (never read).
+        let capacity = rows.div_ceil(page) * page;
+        let g = bits(&got)?;
+        let last = &g[4 * n..5 * n];
+        let inside = capacity - (rows - n / 2);
+        ensure!(inside < n && last[inside..].iter().all(|&b| b == 0xff80), "{what}: slots past the cache must be -inf");
+        ensure!(last[..inside].iter().all(|&b| b != 0xff80 && b & 0x7f80 != 0x7f80), "{what}: slots inside must be finite");
+        ensure!(g[2 * n..3 * n].iter().all(|&b| b == 0xff80), "{what}: visible 0 must give -inf");
+        // The wide scales really reach both sides of 2^1 (scale byte 128).
+        let sc = cache_cpu.flatten_all()?.to_vec1::<u8>()?;
+        let scale_bytes: Vec<u8> = (0..rows.div_ceil(page))
+            .flat_map(|pg| sc[pg * layout.page_bytes() + page * 64..][..page * 4].to_vec())
+            .collect();
+        ensure!(scale_bytes.iter().any(|&e| e > 140) && scale_bytes.iter().any(|&e| e < 100), "{what}: scales not wide");
+    }
+    Ok(())
+}
+
 #[test]
 fn candidate_masks_restrict_consumer_scores() -> Result<()> {
     let dev = gpu();

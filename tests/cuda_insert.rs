@@ -621,6 +621,42 @@ fn packed_format_a_with_nan_values() -> Result<()> {
     Ok(())
 }
 
+/// Quant blocks whose Q3 scale exceeds 2^119 take the f32 element path of the quarter-warp
+/// kernels (their bf16-pair path needs 64 * 2^(k+2) finite): index keys whose norm weight is
+/// 2^120 on the first block (scales up to 2^122, both paths across the rows), and
+/// format E rows of magnitudes up to ~2^124 without the norm; bit for bit against the CPU.
+#[test]
+fn row128_keys_with_huge_scales() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(71);
+    let t = 200;
+    let positions: Vec<usize> = (0..t).map(|_| rng.below(1 << 16)).collect();
+    let (cos, sin) = cos_sin(&yarn_table(64)?, &positions)?;
+    let slots_cpu = i64_tensor(&(0..t as i64).collect::<Vec<_>>(), &Device::Cpu)?;
+    let (c, s, sl) = (cos.to_device(&dev)?, sin.to_device(&dev)?, slots_cpu.to_device(&dev)?);
+    let huge = 2f32.powi(120);
+    let weight =
+        Tensor::from_vec((0..128).map(|i| if i < 32 { huge } else { 0.5 + rng.uniform() }).collect::<Vec<f32>>(), 128, &Device::Cpu)?;
+    let rows = random_rows(&mut rng, t, 128, &Device::Cpu)?;
+    let (cache_cpu, cache_gpu) = (poisoned(t, 128, &Device::Cpu)?, poisoned(t, 128, &dev)?);
+    index_key_insert(&cache_cpu, &rows, &weight, 1e-20, &cos, &sin, &slots_cpu, true)?;
+    index_key_insert(&cache_gpu, &rows.to_device(&dev)?, &weight.to_device(&dev)?, 1e-20, &c, &s, &sl, true)?;
+    assert_same_bits(&cache_gpu, &cache_cpu, "index keys with scales near 2^120")?;
+    let big = cache_cpu.to_dtype(DType::F32)?.abs()?.max_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?;
+    ensure!(big.iter().any(|&v| v > 2f32.powi(122)) && big.iter().any(|&v| v < 2f32.powi(121)), "scales: {big:?}");
+
+    let layout = PackedLayout::new(QatFormat::Fp4Ue8m0B32, 128, 16)?;
+    let rows = (random_rows(&mut rng, t, 128, &Device::Cpu)?.to_dtype(DType::F32)? * 2f64.powi(115))?.to_dtype(DType::BF16)?;
+    let cpu_cache = Tensor::full(0xABu8, (t.div_ceil(16), layout.page_bytes()), &Device::Cpu)?;
+    let gpu_cache = cpu_cache.to_device(&dev)?;
+    packed_insert(&cpu_cache, &layout, &rows, &cos, &sin, &slots_cpu, None)?;
+    packed_insert(&gpu_cache, &layout, &rows.to_device(&dev)?, &c, &s, &sl, None)?;
+    let (g, cc) = (gpu_cache.flatten_all()?.to_vec1::<u8>()?, cpu_cache.flatten_all()?.to_vec1::<u8>()?);
+    let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i] != cc[i]).take(8).collect();
+    ensure!(diff.is_empty(), "packed E of huge rows: bytes differ at {diff:?}");
+    Ok(())
+}
+
 // --------------------------------------------------------------------- large calls, specials
 
 #[test]

@@ -16,14 +16,19 @@
 // residual step against IEEE x / r (every bf16 x in a binade against every f32 r in a binade,
 // the base case of the scaling argument in dsv41_numerics.cuh, plus the ends of its range), and
 // the Q1 codes against CUDA's host emulation of the hardware e4m3 conversion the packed kernel
-// uses.
+// uses, and the bf16-pair Q3 path of the 128-wide kernels (q3_fake_quant_pair, q3_code_pair,
+// q3_pair_exp_biased) against the element path, with a host emulation of the three bf16x2
+// instructions it uses (min, max, fma.rn), exact for its operands.
 //
 // Not part of the build (build.rs compiles kernels/*.cu only). Run on any host with nvcc (a few
 // minutes; -mfma makes the host fmaf a single instruction, drop it on CPUs without FMA):
 //
 //   nvcc -std=c++17 -O2 -Xcompiler -ffp-contract=off -Xcompiler -mfma -I kernels/include \
 //        kernels/check/quant_exhaustive.cu -o /tmp/quant_exhaustive && /tmp/quant_exhaustive
+//
+// `/tmp/quant_exhaustive q3-pair` (~30 s) or `... q2` (seconds) runs one part only.
 #include <stdio.h>
+#include <string.h>
 
 #include <cuda_fp8.h>
 
@@ -175,7 +180,69 @@ static long check_norm_div(int i, int j, bool both_signs) {
     return bad;
 }
 
-int main() {
+// The bf16-pair Q3 path (q3_fake_quant_pair / q3_code_pair) against fake_quant_element /
+// quant_code of the f32 path for every bf16 x in BOTH halves of the word (the high half holds
+// a permutation of the values, so a carry or borrow across the halves would show) and every
+// scale 2^k with q3_pair_ok(k), k in [-126, 119]. NaN x: value +-6 s and code 7 by x's sign.
+static long check_q3_pair() {
+    constexpr Quant Q = Quant::Fp4Ue8m0B32;
+    long bad = 0, n = 0;
+    for (int k = -126; q3_pair_ok(k); ++k, ++n) {
+        const BlockScale b = pow2_scale(k);
+        const Q3Pair p = q3_pair(k);
+        for (uint32_t lo = 0; lo < 65536; ++lo) {
+            const uint32_t hi = (lo * 40503u + 12345u) & 0xffffu;  // odd multiplier: a permutation
+            const uint32_t w = lo | (hi << 16);
+            const uint32_t v = q3_fake_quant_pair(w, p), c = q3_code_pair(w, p);
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t xb = h ? hi : lo;
+                const float x = bf16_bits_to_f32(xb);
+                const float want = fake_quant_element<Q>(x, b);
+                const uint8_t want_code = quant_code<Q>(x, b);
+                const float got = bf16_bits_to_f32((v >> (16 * h)) & 0xffffu);
+                const uint32_t got_code = (c >> (16 * h)) & 0xffffu;
+                if (f2u(want) != f2u(got) || want_code != got_code || (f2u(want) & 0xffffu) != 0) {
+                    if (bad < 5)
+                        printf("Q3 pair: k=%d x=%a (0x%04x): value %a vs %a, code %02x vs %02x\n", k, x, xb, got, want,
+                               got_code, want_code);
+                    ++bad;
+                }
+            }
+        }
+    }
+    printf("Q3 bf16 pairs: %ld scales x 65536 x 2 bf16 values: %ld mismatches\n", n, bad);
+    return bad;
+}
+
+// q3_pair_exp_biased (unrounded amax) against q3_scale_exp of the bf16-rounded amax for every
+// non-negative non-NaN f32 pattern: equal + 129 where the pair path applies, >= 248 elsewhere.
+static long check_q3_pair_exp() {
+    long bad = 0;
+    for (uint32_t ab = 0; ab <= 0x7f800000u; ++ab) {
+        const float a = u2f(ab);
+        const int want = q3_scale_exp(u2f(f32_to_bf16_rn_bits(a) << 16)), got = q3_pair_exp_biased(a);
+        const bool ok = q3_pair_ok(want) ? got == want + 129 && q3_pair_biased_ok(got) : !q3_pair_biased_ok(got);
+        if (!ok) {
+            if (bad < 5) printf("Q3 pair exponent: amax %a (0x%08x): %d vs k %d\n", a, ab, got, want);
+            ++bad;
+        }
+    }
+    printf("Q3 pair exponent on all 0x7f800001 non-negative non-NaN amax patterns: %ld mismatches\n", bad);
+    return bad;
+}
+
+int main(int argc, char** argv) {
+    if (argc > 1) {  // one part only: "q3-pair" (~30 s) or "q2" (seconds)
+        long b = -1;
+        if (strcmp(argv[1], "q3-pair") == 0) b = check_q3_pair() + check_q3_pair_exp();
+        if (strcmp(argv[1], "q2") == 0) b = check_q2();
+        if (b < 0) {
+            printf("unknown part %s (q3-pair, q2)\n", argv[1]);
+            return 2;
+        }
+        printf("%s\n", b == 0 ? "all equal" : "MISMATCHES");
+        return b == 0 ? 0 : 1;
+    }
     long bad = check_scale_fn<Quant::Fp8Ue8m0B32>("Q1");
     bad += check_scale_fn<Quant::Fp4E4m3B16>("Q2");
     bad += check_scale_fn<Quant::Fp4Ue8m0B32>("Q3");
@@ -185,6 +252,8 @@ int main() {
     bad += check_pow2<Quant::Fp8Ue8m0B32>(-22, "Q1 fp8 ue8m0 b32");
     bad += check_q2();
     bad += check_pow2<Quant::Fp4Ue8m0B32>(-126, "Q3 fp4 ue8m0 b32");
+    bad += check_q3_pair();
+    bad += check_q3_pair_exp();
     printf("%s\n", bad == 0 ? "all equal" : "MISMATCHES");
     return bad == 0 ? 0 : 1;
 }

@@ -36,8 +36,8 @@ typedef struct {
     const uint32_t* visible;   // u32 [T] visible entries of token t, or NULL (causal rule)
     const uint32_t* allowed;   // u32 [T, allowed_words] bitmask of allowed blocks, or NULL (all)
     void* scores;              // bf16 [T, N], row t at scores + t * score_row_stride
-    int64_t key_row_stride;    // bf16: elements between rows (multiple of 8); mxfp4: page bytes
-    int64_t num_key_rows;      // R: rows (bf16) or slots (mxfp4) the cache holds
+    int64_t key_row_stride;    // bf16: elements between rows (multiple of 8); mxfp4: page bytes (< 2^32)
+    int64_t num_key_rows;      // R: rows (bf16) or slots (mxfp4, < 2^32) the cache holds
     int64_t score_row_stride;  // elements (multiple of 8, >= N)
     int64_t start;             // position of token 0 (causal rule)
     int32_t num_tokens;        // T

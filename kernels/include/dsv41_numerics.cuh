@@ -352,6 +352,132 @@ template <Quant Q> DSV41_HD uint8_t quant_code(float x, BlockScale b) {
     else return QuantTraits<Q>::code(QuantTraits<Q>::quotient(x, b));
 }
 
+// ------------------------------------------------------------ Q3 on bf16 pairs (row-128 kernels)
+//
+// For a bf16 x and a power-of-two scale s = 2^k, fq_Q3(x) = round_e2m1(clamp(x / s, +-6)) * s is
+// computed in the x domain on bf16 values, two per 32-bit word (x0 in the low half), with 7
+// instructions per pair instead of ~11 per element:
+//
+//   a  = min(|x|, 6 s)                 (NaN -> 6 s: min returns the non-NaN operand)
+//   M0 = max(2^floor(log2 a), s)       (a's exponent bits; a < s gives s)
+//   A  = RN_bf16(a + 64 M0)            (one bf16 FMA)
+//   r  = A - 64 M0, with x's sign      (exact)
+//
+// Near a the e2m1 grid (scaled by s) has the quantum q = M0 / 2 (s/2 below 2 s, s in [2 s, 4 s),
+// 2 s in [4 s, 6 s]), which is the ulp of bf16 (8 significant bits) in [64 M0, 128 M0); a < 2 M0
+// keeps A in that binade, so A rounds a to a multiple n q of the grid, ties to even n, and 64 M0
+// is an even multiple of q: even n = even e2m1 code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+// 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4 in units of s). Clamping before rounding keeps r <= 6 s;
+// the sign is always x's (negative values rounding to zero give -0, as round_e2m1).
+// The e2m1 code is in A's bits: its 7-bit mantissa field is n (0..4) and the code magnitude is
+// n + 2 log2(M0 / s) = n + (bits(M0) - bits(s)) / 64.
+// The packed integer steps never carry across the halves (every half stays in [0, 2^16)).
+// Valid while 64 M0 <= 2^(k+8) and A stay finite: k <= 119 (q3_pair_ok); the kernels use the
+// f32 element path for blocks with a larger scale. Checked for every bf16 x (both halves) and
+// every k in [-126, 119] against fake_quant_element / quant_code (kernels/check/quant_exhaustive.cu).
+
+// The per-block constants: bits(s) and bits(6 s) as bf16, in both halves.
+struct Q3Pair {
+    uint32_t s2;
+    uint32_t six2;
+};
+DSV41_HD bool q3_pair_ok(int k) { return k <= 119; }
+DSV41_HD Q3Pair q3_pair(int k) {
+    const uint32_t sb = static_cast<uint32_t>(k + 127) << 7;  // k >= -126: a normal bf16
+    return {sb * 0x10001u, (sb + 0x140u) * 0x10001u};         // 6 s = 1.5 * 2^(k+2)
+}
+
+// k + 129 for the Q3 scale 2^k of round_bf16(amax), from the UNROUNDED block max (f32, >= 0,
+// not NaN) with one addition: q3_scale_exp gives k = E - 2 + (M > 1.5) for a = M 2^E; the bf16
+// rounding makes M > 1.5 exactly when the f32 mantissa field exceeds 0x408000 (1.5 + 2^-8, the
+// tie, rounds to even = 1.5) and carries into the exponent from 0x7f8000 on, so both are the
+// carry of field + 0x3f7fff. Equals q3_scale_exp(round_bf16(amax)) + 129 whenever that k is
+// <= 119 (q3_pair_ok), and is >= 248 otherwise (+inf: 255). Checked for every non-negative
+// non-NaN f32 amax (kernels/check/quant_exhaustive.cu).
+DSV41_HD int q3_pair_exp_biased(float amax) {
+    const uint32_t b = f2u(fmaxf(amax, 6.0f * 1.17549435e-38f));
+    return static_cast<int>((b + 0x3f7fffu) >> 23);
+}
+DSV41_HD bool q3_pair_biased_ok(int e) { return e <= 119 + 129; }
+DSV41_HD Q3Pair q3_pair_biased(int e) { return q3_pair(e - 129); }
+
+// The bf16 bits of RN(f) for a non-NaN f (the host emulation's rounding).
+DSV41_HD uint32_t f32_to_bf16_rn_bits(float f) {
+    const uint32_t u = f2u(f);
+    return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
+}
+
+#ifdef __CUDA_ARCH__
+DSV41_HD uint32_t bf16x2_min(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+DSV41_HD uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+DSV41_HD uint32_t bf16x2_fma_rn(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+#else
+// Host emulation, per half, for the operands of the Q3 pair path only: non-negative non-NaN
+// min / max operands except a NaN first operand of min; fma(M0, +-64, c) with c in [0, 2 M0)
+// (a + 64 M0: exact in f32 unless a < q / 512, where no f32 rounding can reach the bf16
+// midpoint; A - 64 M0: exact).
+inline float bf16_half_f32(uint32_t h) { return u2f((h & 0xffffu) << 16); }
+template <class F> inline uint32_t bf16x2_host(uint32_t a, uint32_t b, F&& f) {
+    return f(a & 0xffffu, b & 0xffffu) | (f(a >> 16, b >> 16) << 16);
+}
+inline uint32_t bf16x2_min(uint32_t a, uint32_t b) {
+    return bf16x2_host(a, b, [](uint32_t x, uint32_t y) {
+        const float fx = bf16_half_f32(x), fy = bf16_half_f32(y);
+        return isnan(fx) ? y : (isnan(fy) ? x : (fy < fx ? y : x));
+    });
+}
+inline uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+    return bf16x2_host(a, b, [](uint32_t x, uint32_t y) {
+        const float fx = bf16_half_f32(x), fy = bf16_half_f32(y);
+        return isnan(fx) ? y : (isnan(fy) ? x : (fy > fx ? y : x));
+    });
+}
+inline uint32_t bf16x2_fma_rn(uint32_t a, uint32_t b, uint32_t c) {
+    const uint32_t lo = f32_to_bf16_rn_bits(add_rn(mul_rn(bf16_half_f32(a), bf16_half_f32(b)), bf16_half_f32(c)));
+    const uint32_t hi =
+        f32_to_bf16_rn_bits(add_rn(mul_rn(bf16_half_f32(a >> 16), bf16_half_f32(b >> 16)), bf16_half_f32(c >> 16)));
+    return lo | (hi << 16);
+}
+#endif
+
+// The shared steps: a = min(|x|, 6 s), M0, A = RN(a + 64 M0) of both halves.
+struct Q3PairSteps {
+    uint32_t m0;
+    uint32_t a_rounded;  // A
+};
+DSV41_HD Q3PairSteps q3_pair_steps(uint32_t w, Q3Pair p) {
+    constexpr uint32_t k64 = 0x42804280u;  // 64.0 in both halves
+    const uint32_t a = bf16x2_min(w & 0x7fff7fffu, p.six2);
+    const uint32_t m0 = bf16x2_max(a & 0x7f807f80u, p.s2);
+    return {m0, bf16x2_fma_rn(m0, k64, a)};
+}
+
+// fq_Q3 of the two bf16 values of w with the block constants p (q3_pair_ok), as bf16 bits.
+DSV41_HD uint32_t q3_fake_quant_pair(uint32_t w, Q3Pair p) {
+    constexpr uint32_t km64 = 0xc280c280u;  // -64.0 in both halves
+    const Q3PairSteps t = q3_pair_steps(w, p);
+    return bf16x2_fma_rn(t.m0, km64, t.a_rounded) | (w & 0x80008000u);
+}
+
+// The e2m1 codes (bit 3 = sign) of the two values of w, in bits 0..3 and 16..19.
+DSV41_HD uint32_t q3_code_pair(uint32_t w, Q3Pair p) {
+    const Q3PairSteps t = q3_pair_steps(w, p);
+    const uint32_t mag = (t.a_rounded & 0x00070007u) + ((t.m0 - p.s2) >> 6);
+    return mag | ((w >> 12) & 0x00080008u);
+}
+
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).
 __device__ __forceinline__ float round_bf16(float x) {
     return __bfloat162float(__float2bfloat16_rn(x));

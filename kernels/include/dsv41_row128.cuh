@@ -24,9 +24,18 @@
 // row sets with a stride and issues the loads of its next set before computing the current
 // one, so every warp has a set in flight while it computes.
 //
+// Values as bf16 pairs: after the norm and RoPE (f32, as the CPU) each pair of elements is
+// rounded to bf16 by one conversion (instead of two instructions per element) and the Q3 fake
+// quant / e2m1 codes work on the pairs in the x domain (q3_fake_quant_pair / q3_code_pair of
+// dsv41_numerics.cuh: 7 / 10 instructions per pair instead of ~11 / ~12 per element). The block
+// scale comes from the unrounded block max (q3_pair_exp_biased), which gives the scale of the
+// rounded max. A lane whose row has a block scale above 2^119 (never for normed keys of sane
+// weights) takes the f32 element path (fake_quant_element / quant_code) for that row.
+//
 // Numerics: every operation and its order is that of dsv41_row.cuh (rms_norm_row, rope_row /
-// rope_loaded_row, fake_quant_row / the packed codes), so the results are bit-identical to the
-// one-warp-per-row kernels and to the CPU reference.
+// rope_loaded_row, fake_quant_row / the packed codes), and the pair path equals the element
+// path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
+// bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
 #include "dsv41_row.cuh"
 
@@ -63,19 +72,32 @@ __device__ __forceinline__ void load_row128(const P& p, int64_t t, int j, Row128
     r.slot = valid && slot >= 0 && slot < p.num_slots ? slot : -1;
 }
 
-// x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE (f32 holding bf16
-// values). `w`: the norm weights [128] in shared memory (Norm::Weighted only).
+// bf16 pairs: the RN bf16 rounding of two f32 (low half = lo), and back.
+__device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float bf16x2_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16x2_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE, each rounded to bf16 as
+// the CPU does, returned as bf16 pairs: h[2 m + i] holds elements 32 m + 4 j + 2 i and + 1 (low
+// half first). `w`: the norm weights [128] in shared memory (Norm::Weighted only). Norm: the
+// lane-local sums of squares in candle's order (see above), three in-group shuffle levels, the
+// division-free quotient (norm_divide). amax[m]: the lane's max |.| of chunk m
+// BEFORE the bf16 rounding (rounding is monotone, so rounding the block's max gives the max of
+// the rounded values; q3_block_exps_row128 rounds it). Each f32 -> bf16 rounding is one
+// conversion per pair instead of two instructions per element.
 template <Norm N>
-__device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim,
-                                               float (&x)[16]) {
+__device__ __forceinline__ void compute_row128_pairs(const Row128In& r, const float* w, float eps, float inv_dim,
+                                                     uint32_t (&h)[8], float (&amax)[4]) {
+    float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.raw[m]);
-        const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-        x[4 * m] = a.x;
-        x[4 * m + 1] = a.y;
-        x[4 * m + 2] = b.x;
-        x[4 * m + 3] = b.y;
+        x[4 * m] = bf16x2_lo(r.raw[m].x);
+        x[4 * m + 1] = bf16x2_hi(r.raw[m].x);
+        x[4 * m + 2] = bf16x2_lo(r.raw[m].y);
+        x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
     }
     if constexpr (N != Norm::None) {
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
@@ -95,46 +117,68 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), 0.0f);
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(ms, 1.0f), eps));
         norm_divide(x, rr);
-        const int j = threadIdx.x & 7;
+        if constexpr (N == Norm::Weighted) {
+            const int j = threadIdx.x & 7;
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            float4 wv = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-            if constexpr (N == Norm::Weighted) wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
-            const float wm[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                float y = x[4 * m + c];
-                if constexpr (N == Norm::Weighted) y = __fmul_rn(y, wm[c]);
-                x[4 * m + c] = round_bf16(y);
+            for (int m = 0; m < 4; ++m) {
+                const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
+                x[4 * m] = __fmul_rn(x[4 * m], wv.x);
+                x[4 * m + 1] = __fmul_rn(x[4 * m + 1], wv.y);
+                x[4 * m + 2] = __fmul_rn(x[4 * m + 2], wv.z);
+                x[4 * m + 3] = __fmul_rn(x[4 * m + 3], wv.w);
             }
         }
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float* v = &x[4 * (2 + h)];
-        rotate_pair(v[0], v[1], r.cos[h].x, r.sin[h].x);
-        rotate_pair(v[2], v[3], r.cos[h].y, r.sin[h].y);
+    for (int m = 0; m < 4; ++m) {
+        uint32_t a = r.raw[m].x, b = r.raw[m].y;
+        if constexpr (N != Norm::None) {
+            a = pack_bf16x2_rn(x[4 * m], x[4 * m + 1]);
+            b = pack_bf16x2_rn(x[4 * m + 2], x[4 * m + 3]);
+        }
+        if (m < 2) {
+            h[2 * m] = a;
+            h[2 * m + 1] = b;
+            float am = 0.0f;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) v[c] = round_bf16(v[c]);
+            for (int c = 0; c < 4; ++c) am = fmaxf(am, fabsf(x[4 * m + c]));
+            amax[m] = am;
+        } else {  // RoPE pairs 16 (m - 2) + 2 j and + 1 of the bf16 values
+            float v[4] = {bf16x2_lo(a), bf16x2_hi(a), bf16x2_lo(b), bf16x2_hi(b)};
+            rotate_pair(v[0], v[1], r.cos[m - 2].x, r.sin[m - 2].x);
+            rotate_pair(v[2], v[3], r.cos[m - 2].y, r.sin[m - 2].y);
+            float am = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) am = fmaxf(am, fabsf(v[c]));
+            amax[m] = am;
+            h[2 * m] = pack_bf16x2_rn(v[0], v[1]);
+            h[2 * m + 1] = pack_bf16x2_rn(v[2], v[3]);
+        }
     }
 }
 
-// The Q3 scales of the row's four blocks (block m = chunk m of the group's 8 lanes).
-__device__ __forceinline__ void q3_scales_row128(const float (&x)[16], BlockScale (&b)[4]) {
+// The Q3 block scales of the row from the lanes' amax of compute_row128_pairs: amax[m] becomes
+// the max over the group's 8 lanes (unrounded) and e[m] = q3_pair_exp_biased(amax[m]) (k + 129
+// of the scale 2^k of the rounded max when the pair path applies; q3_block_k gives k always).
+__device__ __forceinline__ void q3_block_exps_row128(float (&amax)[4], int (&e)[4]) {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-        float amax = 0.0f;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) amax = fmaxf(amax, fabsf(x[4 * m + c]));
-#pragma unroll
-        for (int off = 1; off < 8; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-        b[m] = QuantTraits<Quant::Fp4Ue8m0B32>::scale(amax);
+        for (int off = 1; off < 8; off <<= 1) amax[m] = fmaxf(amax[m], __shfl_xor_sync(kFullMask, amax[m], off));
+        e[m] = q3_pair_exp_biased(amax[m]);
     }
 }
+__device__ __forceinline__ int q3_block_k(float amax) { return q3_scale_exp(round_bf16(amax)); }
 
-// The loop of a row-128 kernel: `finish(row, x, g, j)` runs for every row of the warp's sets
-// (rows past T included, with row.slot = -1: finish stores only when slot >= 0). All lanes of
-// the warp call finish together (it may use warp shuffles / __syncwarp).
+// Whether every block of the lane's row can take the bf16-pair Q3 path.
+__device__ __forceinline__ bool q3_pairs_ok(const int (&e)[4]) {
+    return q3_pair_biased_ok(e[0]) && q3_pair_biased_ok(e[1]) && q3_pair_biased_ok(e[2]) && q3_pair_biased_ok(e[3]);
+}
+
+// The loop of a row-128 kernel: `finish(row, w, g, j)` runs for every row of the warp's sets
+// (rows past T included, with row.slot = -1: finish stores only when slot >= 0), with `w` the
+// norm weights in shared memory (Norm::Weighted) for compute_row128_pairs. All lanes of the
+// warp call finish together (it may use warp shuffles / __syncwarp).
 //
 // Block b handles the rounds of 8 consecutive sets starting at set 8 (b + k * gridDim.x), warp w
 // set 8 (...) + w of each; every branch of the loop depends on the block and the parameters
@@ -162,9 +206,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         const int64_t next = base + round_sets;
         Row128In nxt;
         if (next < sets) load_row128(p, 4 * (next + warp) + g, j, nxt);
-        float x[16];
-        compute_row128<N>(cur, w, p.norm_eps, p.norm_inv_dim, x);
-        finish(cur, x, g, j);
+        finish(cur, static_cast<const float*>(w), g, j);
         if (next >= sets) break;
         cur = nxt;
         base = next;

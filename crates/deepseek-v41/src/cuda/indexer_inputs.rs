@@ -19,7 +19,8 @@ pub enum IndexKeys<'a> {
     /// `[R, 128]` bf16 rows (fake-quantized values), last dim contiguous.
     Rows(&'a Tensor),
     /// Packed MXFP4 rows in pages: `cache` `[pages, layout.page_bytes()]` u8 contiguous, `layout`
-    /// of format `Fp4Ue8m0B32` with head dim 128 (see [`PackedLayout`]); slot s = row s.
+    /// of format `Fp4Ue8m0B32` with head dim 128 (see [`PackedLayout`]); slot s = row s. The CUDA
+    /// kernel takes fewer than 2^32 slots and pages under 4 GiB (else a shape error).
     Packed {
         /// `[pages, page_bytes]` u8.
         cache: &'a Tensor,
