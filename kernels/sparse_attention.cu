@@ -27,9 +27,9 @@
 // handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row
 // tiles) of the token's compacted valid rows. The launcher picks S from the token count and the
 // SM count (a wave model, `choose_splits`) unless the caller forces it.
-//   1. q (64 heads x 512 bf16) is fetched with cp.async by the compute warpgroups; the token's
-//      indices are loaded at once, a ballot + warp scan compacts the valid ones and the CTA
-//      keeps the entries of its range (source bit + row) in shared memory.
+//   1. The compute warpgroups load the token's indices at once, then issue the cp.async copies
+//      of q (64 heads x 512 bf16, waited for at tile 0); a ballot + warp scan compacts the valid
+//      indices and the CTA keeps the entries of its range (source bit + row) in shared memory.
 //   2. Warpgroup 2 is the producer (setmaxnreg down to 40 registers, the two compute
 //      warpgroups up to 232): it gathers tile j (64 rows) into stage j & 1 once the compute
 //      warps released the stage (an "empty" mbarrier, one arrival per compute warp), with
@@ -48,20 +48,23 @@
 //      P.V: warpgroup w accumulates O for all 64 heads x dims 256 w .. +256 (wgmma m64n256k16
 //        per 16 rows, A = the p tile, B = the row tile MN-major; 128 f32 registers per thread).
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
-//   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier 64 threads merge
-//      the S splits' (m, den) per head (distributed shared memory, all loads in flight at once)
-//      into this split's factor and the lse; every warp scales its O by the factor and stores it
-//      straight into the shared memory of the CTA that writes those heads (CTA r writes heads
-//      [r hs, r hs + hs), hs = ceil(64 / S); slot `split` of S f32 slots there); after a second
-//      cluster barrier each CTA sums its S slots in split order (local reads) and writes bf16
-//      out with 16-byte stores.
+//   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier every warp stores
+//      its raw (unscaled) O straight into the shared memory of the CTA that writes those heads
+//      (CTA r writes heads [r hs, r hs + hs), hs = ceil(64 / S); slot `split` of S f32 slots
+//      there) while 64 threads merge the S splits' (m, den) of every head (distributed shared
+//      memory loads) into the S factors e^{m_r - M} / den and the lse; after a second cluster
+//      barrier each CTA sums fl(factor_r O_r) over its S slots in split order (local reads) and
+//      writes bf16 out.
+// Launch: programmatic dependent launch (griddepcontrol): the grid may be scheduled while the
+// previous kernel of the stream finishes; every thread waits (griddepcontrol.wait) before its
+// first global access, and the CTAs allow the next grid to launch at once.
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts).
-// Measured on the H200 (docs/perf.md, "Round 3"): a 64-row tile costs ~2.3 us (tensor cores +
-// softmax; the gather now keeps up, waits ~0.13 us); the round-2 layout (compute warps issuing
-// the next tile, one 512-byte row run per warp instruction) needed ~4.4 us per tile.
+// Measured on the H200 (docs/perf.md, "Round 3" / "Round 4"): a 64-row tile costs ~2.3 us (tensor
+// cores + softmax; the gather keeps up, waits ~0.13 us); the epilogue's distributed shared memory
+// stores run at ~16 GB/s per SM (64 KB per CTA with S = 2: ~3.5 us).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -94,7 +97,7 @@ constexpr float M_FLOOR = -1e30f;
 constexpr int TILEB = BLK * D * 2;              // one 64-row tile (also the q tile: 64 heads)
 constexpr int SM_Q = 0;                         // bf16 [64 heads][512]
 constexpr int SM_K = SM_Q + TILEB;              // bf16 [2 stages][64 rows][512]
-constexpr int SM_P = SM_K + 2 * TILEB;          // bf16 [64 heads][64 rows], 128-byte swizzle
+constexpr int SM_P = SM_K + 2 * TILEB;          // bf16 [64 heads][64 rows], 128-byte swizzle (epilogue: f32 [S][64] merge factors)
 constexpr int SM_MX = SM_P + HB * BLK * 2;      // f32 [2 row halves][64 heads]: tile max
 constexpr int SM_M = SM_MX + 2 * HB * 4;        // f32 [2 ping-pong][64 heads]: running max
 constexpr int SM_ALPHA = SM_M + 2 * HB * 4;     // f32 [64 heads]: e^{m_old - m_new}
@@ -110,8 +113,9 @@ static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start o
 static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
-// (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [1] compaction done, [2 + j] end of tile j
-// (j < 16), [18] stats merged, [19] partial tiles written, [20] end, [24 + j] tile j's rows
+// (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [23] indices loaded, [1] compaction done,
+// [2 + j] end of tile j (j < 16), [21] first cluster barrier passed, [18] partial tiles pushed
+// and factors merged, [19] second cluster barrier passed, [20] end, [24 + j] tile j's rows
 // arrived (j < 16).
 constexpr int TRACE_SLOTS = 40;
 __device__ long long g_trace[TRACE_SLOTS];
@@ -172,8 +176,14 @@ __device__ __forceinline__ uint32_t wgsw(int r, int c) {
 }
 // Same for the P tile (128-byte rows, 8 chunks).
 __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
-// Same for the f32 O tile (2048-byte rows, 128 chunks).
-__device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ (r & 7)) << 4)); }
+// Same for the f32 O tile (2048-byte rows, 128 chunks): chunk c at c ^ 2 (row & 7) (8-byte
+// fragment stores of four rows and 16-byte loads of eight consecutive chunks are both free of
+// bank conflicts).
+__device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ ((r & 7) << 1)) << 4)); }
+// Programmatic dependent launch: wait for the previous grid's memory (no-op without the launch
+// attribute) / let the next grid launch once every CTA of this one got here.
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // wgmma (sm_90a): shared-memory matrix descriptors and the kernel's two warpgroup products
 // (PTX ISA, asynchronous warpgroup level matrix shared memory layout).
@@ -282,10 +292,11 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
     };
+    grid_dep_wait();  // everything below may read what the previous kernel wrote
+    grid_dep_launch();
     stamp(0);
-
     // 1a. q -> shared by cp.async (16 bytes per thread and step; heads past nh zero-filled).
-    if (compute) {
+    auto load_q = [&]() {
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
         const int col = tid & 63;
 #pragma unroll 4
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             cp_async16(sbase + SM_Q + wgsw(h, col), src, ok);
         }
         cp_async_commit();
-    }
+    };
     if (tid < HB) {
         m_s[tid] = M_FLOOR;
         m_s[HB + tid] = M_FLOOR;
@@ -318,9 +329,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         code[r] = 0xffffffffu;
         bal[r] = 0u;
     }
-    if (compute) {
+    int64_t raw[MAX_ROUNDS];
+    auto load_idx = [&]() {
         // All loads first (one memory round trip), then the validity ballots.
-        int64_t raw[MAX_ROUNDS];
 #pragma unroll
         for (int r = 0; r < MAX_ROUNDS; ++r) {
             raw[r] = -1;
@@ -333,6 +344,10 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
                                             : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(base) + k));
             }
         }
+    };
+    if (compute) {
+        load_idx();  // first: the compaction waits for these, the q copies only at tile 0
+        load_q();
 #pragma unroll
         for (int r = 0; r < MAX_ROUNDS; ++r) {
             if (r < rounds) {
@@ -349,6 +364,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         }
     }
     __syncthreads();
+    stamp(23);
     if (warp == 0) {
         // Exclusive scan over rounds * 8 warp counts (<= 128): 4 consecutive per lane.
         const int n = rounds * 8;
@@ -427,6 +443,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // 2c. Compute warpgroups.
     setmaxnreg_inc<MMA_REGS>();
     stamp(1);
+    // The sink of head `tid` (read by the epilogue's merge; loaded early, off the critical path).
+    const float sink_v = tid < nh ? p.sink[h0 + tid] : -INFINITY;
     // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
     // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
     const int hg = warp & 3, wg = warp >> 2;
@@ -581,21 +599,41 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             compute_sync();
     };
     all_sync();  // stats visible cluster-wide; every CTA is done with its q and row tiles
-    float* fac_s = alpha_s;  // [64 heads]: this split's merge factor e^{m_r - M} / den
+    stamp(21);
+    // The raw O (not yet scaled) goes straight to the storing CTA's slot while 64 threads
+    // merge the splits' (m, den) of every head into all S factors (fac_all, local); the
+    // storing CTA applies them: sum_r fl(fac_r O_r), in split order (bitwise the same terms and
+    // sums as scaling before the push).
+    float* fac_all = reinterpret_cast<float*>(smem + SM_P);  // f32 [S][64 heads]
+    float mr[MAX_SPLITS], dr[MAX_SPLITS];
     if (tid < HB) {
-        // Merge the S splits' (m, den) of head `tid`; all remote loads issued at once.
-        const int h = tid;
-        float mr[MAX_SPLITS], dr[MAX_SPLITS];
 #pragma unroll
         for (int r = 0; r < MAX_SPLITS; ++r) {
             mr[r] = M_FLOOR;
             dr[r] = 0.f;
             if (r < nsplit) {
                 const float* st = split_smem(stat_s, r);
-                mr[r] = st[h];
-                dr[r] = st[HB + h];
+                mr[r] = st[tid];
+                dr[r] = st[HB + tid];
             }
         }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+        const int h = hg * 16 + g + 8 * hi;
+        if (h < nh) {
+            const int r = h / hs, row = split * hs + h - r * hs;
+            unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int d0 = wg * 256 + 8 * i + 2 * tq;
+                float2* dst = reinterpret_cast<float2*>(base + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
+                *dst = make_float2(acc[4 * i + 2 * hi], acc[4 * i + 2 * hi + 1]);
+            }
+        }
+    }
+    if (tid < HB) {
+        const int h = tid;
         float big = M_FLOOR;
 #pragma unroll
         for (int r = 0; r < MAX_SPLITS; ++r) big = fmaxf(big, mr[r]);
@@ -603,73 +641,54 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
 #pragma unroll
         for (int r = 0; r < MAX_SPLITS; ++r)
             if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
-        const float sink = h < nh ? p.sink[h0 + h] : -INFINITY;
-        const float den = __fadd_rn(wsum, expf(sink - big));
+        const float den = __fadd_rn(wsum, expf(sink_v - big));
         const bool ok = den > 0.f && isfinite(den);
-        fac_s[h] = ok ? __fdiv_rn(expf(stat_s[h] - big), den) : 0.f;
+#pragma unroll
+        for (int r = 0; r < MAX_SPLITS; ++r)
+            if (r < nsplit) fac_all[r * HB + h] = ok ? __fdiv_rn(expf(mr[r] - big), den) : 0.f;
         if (split == 0 && h < nh)
             p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
-    compute_sync();
-    // Scaled partial O of head h -> slot row split * hs + (h - r hs) of its storing CTA r = h / hs
-    // (f32 rows of 2 KB, 16-byte chunks swizzled; over q and stage 0, free after the barrier).
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-        const int h = hg * 16 + g + 8 * hi;
-        if (h < nh) {
-            const float f = fac_s[h];
-            const int r = h / hs, row = split * hs + h - r * hs;
-            unsigned char* base = reinterpret_cast<unsigned char*>(split_smem(reinterpret_cast<float*>(smem + SM_O), r));
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                const int d0 = wg * 256 + 8 * i + 2 * tq;
-                float2* dst = reinterpret_cast<float2*>(base + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
-                *dst = make_float2(acc[4 * i + 2 * hi] * f, acc[4 * i + 2 * hi + 1] * f);
-            }
-        }
-    }
     stamp(18);
-    all_sync();  // every split's partial tiles have arrived
+    all_sync();  // every split's raw tiles have arrived; fac_all written
     stamp(19);
-    {
-        // This CTA's heads [split hs, ...): a thread per 8 dims of a head, 8 such items per
-        // thread and pass, the S slots summed in split order (local shared memory).
-        const int hb = split * hs, he = min(nh, hb + hs);
-        const int items = (he - hb) * 64;
-        constexpr int PER = 8;
-        for (int c0 = 0; c0 < items; c0 += PER * THREADS) {
-            float o[PER][8];
+    // This CTA's heads [split hs, ...): a thread per 4 dims of each half of a head row
+    // (chunks col and col + 64 = dims 4 col .. +4 and 256 + 4 col .. +4).
+    const int hb = split * hs, he = min(nh, hb + hs);
+    const int items = (he - hb) * 64;
+    constexpr int PER = 4;
+    for (int c0 = 0; c0 < items; c0 += PER * THREADS) {
+        float4 oa[PER], ob[PER];
 #pragma unroll
-            for (int k = 0; k < PER; ++k)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[k][e] = 0.f;
+        for (int k = 0; k < PER; ++k) {
+            oa[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+            ob[k] = oa[k];
+        }
 #pragma unroll 1
-            for (int r = 0; r < nsplit; ++r) {
-#pragma unroll
-                for (int k = 0; k < PER; ++k) {
-                    const int c = c0 + k * THREADS + tid;
-                    if (c < items) {
-                        const int row = r * hs + c / 64, col = c % 64;
-                        const float4 x = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, 2 * col));
-                        const float4 y = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, 2 * col + 1));
-                        o[k][0] += x.x; o[k][1] += x.y; o[k][2] += x.z; o[k][3] += x.w;
-                        o[k][4] += y.x; o[k][5] += y.y; o[k][6] += y.z; o[k][7] += y.w;
-                    }
-                }
-            }
+        for (int r = 0; r < nsplit; ++r) {
 #pragma unroll
             for (int k = 0; k < PER; ++k) {
                 const int c = c0 + k * THREADS + tid;
                 if (c < items) {
-                    const int h = hb + c / 64, col = c % 64;
-                    uint4 v;
-                    v.x = pack_bf16(o[k][0], o[k][1]);
-                    v.y = pack_bf16(o[k][2], o[k][3]);
-                    v.z = pack_bf16(o[k][4], o[k][5]);
-                    v.w = pack_bf16(o[k][6], o[k][7]);
-                    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 8;
-                    *reinterpret_cast<uint4*>(dst) = v;
+                    const int hr = c >> 6, col = c & 63, row = r * hs + hr;
+                    const float f = fac_all[r * HB + hb + hr];
+                    const float4 x = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, col));
+                    const float4 y = *reinterpret_cast<const float4*>(smem + SM_O + sw2k(row, col + 64));
+                    oa[k].x += __fmul_rn(x.x, f); oa[k].y += __fmul_rn(x.y, f);
+                    oa[k].z += __fmul_rn(x.z, f); oa[k].w += __fmul_rn(x.w, f);
+                    ob[k].x += __fmul_rn(y.x, f); ob[k].y += __fmul_rn(y.y, f);
+                    ob[k].z += __fmul_rn(y.z, f); ob[k].w += __fmul_rn(y.w, f);
                 }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int c = c0 + k * THREADS + tid;
+            if (c < items) {
+                const int h = hb + (c >> 6), col = c & 63;
+                __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 4;
+                *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(oa[k].x, oa[k].y), pack_bf16(oa[k].z, oa[k].w));
+                *reinterpret_cast<uint2*>(dst + 256) = make_uint2(pack_bf16(ob[k].x, ob[k].y), pack_bf16(ob[k].z, ob[k].w));
             }
         }
     }
@@ -706,15 +725,15 @@ void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
         cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
         return;
     const double us = 1e3 / khz;
-    fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): compaction %.2f us", splits, tiles, khz / 1000,
-            (h[1] - h[0]) * us);
+    fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): indices %.2f | compaction %.2f us", splits, tiles,
+            khz / 1000, (h[23] - h[0]) * us, (h[1] - h[0]) * us);
     long long prev = h[1];
     for (int j = 0; j < 16 && h[2 + j] > prev; ++j) {
         fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[2 + j] - prev) * us, (h[24 + j] - prev) * us);
         prev = h[2 + j];
     }
-    fprintf(stderr, " | merge %.2f | partials %.2f | store %.2f | total %.2f us\n", (h[18] - prev) * us, (h[19] - h[18]) * us,
-            (h[20] - h[19]) * us, (h[20] - h[0]) * us);
+    fprintf(stderr, " | bar1 %.2f | merge+push %.2f | bar2 %.2f | store %.2f | total %.2f us\n", (h[21] - prev) * us, (h[18] - h[21]) * us,
+            (h[19] - h[18]) * us, (h[20] - h[19]) * us, (h[20] - h[0]) * us);
 }
 
 }  // namespace dsv41_sa
@@ -762,13 +781,22 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     cfg.blockDim = dim3(THREADS + PROD_THREADS, 1, 1);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = splits;
-    attr[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute attr[2];
+    int nattr = 0;
+    if (splits > 1) {  // one split: no cluster
+        attr[nattr].id = cudaLaunchAttributeClusterDimension;
+        attr[nattr].val.clusterDim.x = 1;
+        attr[nattr].val.clusterDim.y = splits;
+        attr[nattr].val.clusterDim.z = 1;
+        ++nattr;
+    }
+    // Programmatic dependent launch: this grid may start while the previous kernel finishes
+    // (it waits in griddepcontrol.wait before touching global memory).
+    attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[nattr].val.programmaticStreamSerializationAllowed = 1;
+    ++nattr;
     cfg.attrs = attr;
-    cfg.numAttrs = splits > 1 ? 1 : 0;  // one split: a plain launch
+    cfg.numAttrs = nattr;
     // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
     // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only).
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
