@@ -46,9 +46,9 @@ pub struct HcCoeffs {
 pub struct HcMix {
     /// `[(2+hc)·hc, hc·D]` f32.
     func: Tensor,
-    /// `[(2+hc)·hc]` f32, on the host.
+    /// `[(2+hc)·hc]` f32.
     base: Tensor,
-    /// `[3]` f32 on the host: scales of the pre, post and comb parts.
+    /// `[3]` f32: scales of the pre, post and comb parts.
     scale: Tensor,
     hc: usize,
     sinkhorn_iters: usize,
@@ -70,10 +70,8 @@ impl HcMix {
             hints,
             DType::F32,
         )?;
-        // Kept on the host, where `split_sinkhorn` runs (see there).
-        let cpu = candle_core::Device::Cpu;
-        let base = vb.get_with_hints_dtype(mix, &format!("{p}_base"), hints, DType::F32)?.to_device(&cpu)?;
-        let scale = vb.get_with_hints_dtype(3, &format!("{p}_scale"), hints, DType::F32)?.to_device(&cpu)?;
+        let base = vb.get_with_hints_dtype(mix, &format!("{p}_base"), hints, DType::F32)?;
+        let scale = vb.get_with_hints_dtype(3, &format!("{p}_scale"), hints, DType::F32)?;
         Ok(Self {
             func,
             base,
@@ -118,11 +116,6 @@ impl HcMix {
 /// `scale` `[3]` f32 and `base` `[(2+hc)·hc]` f32 into pre `σ(·)+eps`, post `2σ(·)` and comb:
 /// row softmax `+eps`, a column normalization, then `iters−1` (row, column) normalizations, eps
 /// inside every division.
-///
-/// Mixes on a GPU are split on the host and the coefficients copied back: the `hc × hc`
-/// normalizations are ~130 tiny kernels per call on a device (20 iterations of sums and
-/// divisions), which dominated a decode step of small models, against one copy each way on the
-/// host; the values are then exactly the CPU reference's.
 pub fn split_sinkhorn(
     mixes: &Tensor,
     scale: &Tensor,
@@ -141,11 +134,6 @@ pub fn split_sinkhorn(
         )
     }
     let dev = mixes.device();
-    if !dev.is_cpu() {
-        let cpu = candle_core::Device::Cpu;
-        let c = split_sinkhorn(&mixes.to_device(&cpu)?, &scale.to_device(&cpu)?, &base.to_device(&cpu)?, hc, iters, eps)?;
-        return Ok(HcCoeffs { pre: c.pre.to_device(dev)?, post: c.post.to_device(dev)?, comb: c.comb.to_device(dev)? });
-    }
     let m = mixes.to_dtype(DType::F32)?;
     let base = base.to_device(dev)?.to_dtype(DType::F32)?;
     let scale = scale.to_device(dev)?.to_dtype(DType::F32)?;
