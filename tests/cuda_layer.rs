@@ -15,6 +15,7 @@ use deepseek_v41::attention::{Attention, SequenceCache};
 use deepseek_v41::config::Config;
 use deepseek_v41::golden::runner::{compare_produced, run_attention_teacher_forced_calls, Regime};
 use deepseek_v41::golden::{compare, Call, GoldenSet, Report, Tolerance};
+use deepseek_v41::model::split_sinkhorn;
 use deepseek_v41::nn::RandomWeights;
 use deepseek_v41::quant::{fake_quant, fp8_activation_quant, QatFormat};
 use deepseek_v41::Numerics;
@@ -184,6 +185,44 @@ fn head_dim_512_layers_on_the_gpu_match_the_cpu() -> Result<()> {
             let o = compare("L1 vs L2", &got[1], &want[2], Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
             ensure!(!o.pass, "negative control passed: {o}");
         }
+    }
+    Ok(())
+}
+
+/// The mHC split kernel (`cuda::split_sinkhorn_device`, what `split_sinkhorn` runs on a GPU)
+/// equals the Candle op sequence it replaces on the GPU bit for bit — random mixes of both signs
+/// with logits up to ~±30, hc 1..=8 including the model's 4, 1 and 20 iterations, token counts
+/// not multiple of the 128-thread block — and the CPU reference to f32 noise (expf differs in the
+/// last bits).
+#[test]
+fn mhc_split_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let cpu = Device::Cpu;
+    let mut rng = Rng(0x5c);
+    for (hc, iters, t) in [(4, 20, 37), (4, 1, 3), (1, 5, 2), (3, 7, 300), (8, 20, 129), (4, 20, 1)] {
+        let w = (2 + hc) * hc;
+        let mut vec = |n: usize, s: f32| (0..n).map(|_| s * rng.normal()).collect::<Vec<f32>>();
+        let mixes = Tensor::from_vec(vec(t * w, 3.0), (t, w), &dev)?;
+        let scale = Tensor::from_vec(vec(3, 1.5), 3, &dev)?;
+        let base = Tensor::from_vec(vec(w, 1.0), w, &dev)?;
+        let kernel = split_sinkhorn(&mixes, &scale, &base, hc, iters, 1e-6)?;
+        let ops = deepseek_v41::cuda::with_plain_candle(|| split_sinkhorn(&mixes, &scale, &base, hc, iters, 1e-6))?;
+        let host = split_sinkhorn(&mixes.to_device(&cpu)?, &scale.to_device(&cpu)?, &base.to_device(&cpu)?, hc, iters, 1e-6)?;
+        for (name, k, o, h) in [
+            ("pre", &kernel.pre, &ops.pre, &host.pre),
+            ("post", &kernel.post, &ops.post, &host.post),
+            ("comb", &kernel.comb, &ops.comb, &host.comb),
+        ] {
+            ensure!(k.device().is_cuda() && k.dims() == o.dims(), "hc {hc}: {name} {:?} vs {:?}", k.shape(), o.shape());
+            let (kb, ob) = (bits(k)?, bits(o)?);
+            let differ = kb.iter().zip(&ob).filter(|(a, b)| a != b).count();
+            ensure!(differ == 0, "hc {hc}, iters {iters}, T {t}: {name}: {differ} of {} values differ from the Candle ops", kb.len());
+            let d = (k.to_device(&cpu)? - h)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            ensure!(d < 1e-5, "hc {hc}, iters {iters}: {name} differs from the CPU reference by {d}");
+        }
+        // Negative control: one more iteration changes comb's bits.
+        let more = split_sinkhorn(&mixes, &scale, &base, hc, iters + 1, 1e-6)?;
+        ensure!(hc == 1 || bits(&more.comb)? != bits(&kernel.comb)?, "hc {hc}: the iteration count is ignored");
     }
     Ok(())
 }

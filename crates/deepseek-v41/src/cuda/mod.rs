@@ -17,6 +17,8 @@
 //! * [`index_select`]: the lightning indexer (spec §6.3–§6.4): index scores over bf16 or packed
 //!   MXFP4 key rows ([`masked_index_scores`]), top-k ([`index_topk`]) and candidate blocks
 //!   ([`candidate_blocks`]) in one chunked, memory-bounded call.
+//! * [`split_sinkhorn_device`]: the mHC coefficient split (Sinkhorn) in one launch, bit for bit
+//!   the Candle op sequence it replaces on a CUDA device.
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
 //!   ops on the device, the benchmarks' baseline); [`fused_kernels`] is the dispatch test.
 //!
@@ -35,6 +37,7 @@ mod indexer_inputs;
 mod indexer_scores;
 mod indexer_select;
 mod indexer_topk;
+mod mhc_sinkhorn;
 mod insert_op;
 mod packed_insert;
 mod policy;
@@ -52,6 +55,7 @@ pub use indexer_scores::masked_index_scores;
 pub use indexer_select::{index_select, index_select_with_scratch, SCORE_SCRATCH_BYTES};
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
+pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use policy::{fused_kernels, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};

@@ -134,6 +134,12 @@ pub fn split_sinkhorn(
         )
     }
     let dev = mixes.device();
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(dev) && hc <= crate::cuda::MHC_MAX_HC {
+        // One launch instead of the ~130 tiny kernels of the op sequence below; bit for bit equal.
+        let (pre, post, comb) = crate::cuda::split_sinkhorn_device(mixes, scale, base, hc, iters, eps)?;
+        return Ok(HcCoeffs { pre, post, comb });
+    }
     let m = mixes.to_dtype(DType::F32)?;
     let base = base.to_device(dev)?.to_dtype(DType::F32)?;
     let scale = scale.to_device(dev)?.to_dtype(DType::F32)?;

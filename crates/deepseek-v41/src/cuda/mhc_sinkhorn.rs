@@ -1,0 +1,100 @@
+//! The mHC coefficient split on the GPU (`kernels/mhc_sinkhorn.cu`, spec §3.2 steps 2–8): one
+//! launch per call instead of the ~130 tiny Candle kernels of [`crate::model::split_sinkhorn`]'s
+//! op sequence, with bit-identical results to that sequence on a CUDA device
+//! (`tests/cuda_layer.rs`). [`crate::model::split_sinkhorn`] calls it for CUDA tensors.
+
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+
+use super::device::{as_cuda, raw_stream, read_ptr, stream_for, write_ptr};
+use super::ffi;
+
+/// Largest `hc` the kernel takes (`DSV41_MHC_MAX_HC`).
+pub const MHC_MAX_HC: usize = 8;
+
+/// `Dsv41MhcSplitParams` of `kernels/include/dsv41_mhc.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MhcSplitParams {
+    /// `[tokens, (2+hc)·hc]` f32, contiguous.
+    mixes: *const f32,
+    /// `[3]` f32.
+    scale: *const f32,
+    /// `[(2+hc)·hc]` f32.
+    base: *const f32,
+    /// `[tokens, hc]` f32 out.
+    pre: *mut f32,
+    /// `[tokens, hc]` f32 out.
+    post: *mut f32,
+    /// `[tokens, hc, hc]` f32 out.
+    comb: *mut f32,
+    tokens: i64,
+    hc: i32,
+    iters: i32,
+    eps: f32,
+}
+
+extern "C" {
+    fn dsv41_mhc_split_sinkhorn(p: *const MhcSplitParams, params_size: usize, stream: *mut std::ffi::c_void) -> i32;
+}
+
+/// `(pre [T, hc], post [T, hc], comb [T, hc, hc])`, all f32 on the mixes' CUDA device, from the
+/// rsqrt-scaled raw mixes `mixes` `[T, (2+hc)·hc]`, `scale` `[3]` and `base` `[(2+hc)·hc]` (any
+/// float dtype, converted to f32), with `iters` Sinkhorn iterations and `eps` inside every
+/// division — [`crate::model::split_sinkhorn`]'s semantics. `hc` must be 1..=[`MHC_MAX_HC`].
+pub fn split_sinkhorn_device(mixes: &Tensor, scale: &Tensor, base: &Tensor, hc: usize, iters: usize, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    let op = "split_sinkhorn_device";
+    let (t, width) = mixes.dims2()?;
+    if !(1..=MHC_MAX_HC).contains(&hc) || width != (2 + hc) * hc || iters == 0 || iters > i32::MAX as usize {
+        candle_core::bail!("{op}: mixes {:?} with hc {hc} (1..={MHC_MAX_HC}, width (2+hc)·hc) and iters {iters} (>= 1)", mixes.shape())
+    }
+    if scale.dims1()? != 3 || base.dims1()? != width {
+        candle_core::bail!("{op}: scale {:?} (want [3]) and base {:?} (want [{width}])", scale.shape(), base.shape())
+    }
+    let dev = mixes.device();
+    if t == 0 {
+        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, dev);
+        return Ok((z(&[0, hc])?, z(&[0, hc])?, z(&[0, hc, hc])?));
+    }
+    let f32c = |x: &Tensor| -> Result<Tensor> { x.to_device(dev)?.to_dtype(DType::F32)?.contiguous() };
+    let (mixes, scale, base) = (f32c(mixes)?, f32c(scale)?, f32c(base)?);
+    let (ms, ml) = mixes.storage_and_layout();
+    let (ss, sl) = scale.storage_and_layout();
+    let (bs, bl) = base.storage_and_layout();
+    let (mc, sc, bc) = (as_cuda(&ms, "mixes")?, as_cuda(&ss, "scale")?, as_cuda(&bs, "base")?);
+    let stream = stream_for(mc)?;
+    let alloc = |n: usize| -> Result<CudaStorage> {
+        // SAFETY: the kernel writes every element of the outputs (n > 0 here).
+        Ok(CudaStorage::wrap_cuda_slice(unsafe { mc.device.alloc::<f32>(n)? }, mc.device.clone()))
+    };
+    let (s_pre, s_comb): (Shape, Shape) = ((t, hc).into(), (t, hc, hc).into());
+    let (mut pre, mut post, mut comb) = (alloc(t * hc)?, alloc(t * hc)?, alloc(t * hc * hc)?);
+    {
+        let (m_p, _g0) = read_ptr::<f32>(mc, ml, &stream)?;
+        let (s_p, _g1) = read_ptr::<f32>(sc, sl, &stream)?;
+        let (b_p, _g2) = read_ptr::<f32>(bc, bl, &stream)?;
+        let (pre_p, _g3) = write_ptr::<f32>(&mut pre, &Layout::contiguous(&s_pre), &stream)?;
+        let (post_p, _g4) = write_ptr::<f32>(&mut post, &Layout::contiguous(&s_pre), &stream)?;
+        let (comb_p, _g5) = write_ptr::<f32>(&mut comb, &Layout::contiguous(&s_comb), &stream)?;
+        let params = MhcSplitParams {
+            mixes: m_p,
+            scale: s_p,
+            base: b_p,
+            pre: pre_p,
+            post: post_p,
+            comb: comb_p,
+            tokens: t as i64,
+            hc: hc as i32,
+            iters: iters as i32,
+            eps: eps as f32,
+        };
+        // SAFETY: inputs are read-locked, contiguous f32 of the checked shapes; outputs are fresh
+        // allocations of T·hc / T·hc² f32; the launcher checks counts and pointers; the guards
+        // order the launch on the storages' stream.
+        let code = unsafe { dsv41_mhc_split_sinkhorn(&params, std::mem::size_of::<MhcSplitParams>(), raw_stream(&stream)) };
+        ffi::check_status(op, code)?;
+    }
+    drop((ms, ss, bs));
+    let wrap = |s: CudaStorage, shape: Shape| Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false);
+    Ok((wrap(pre, s_pre.clone()), wrap(post, s_pre), wrap(comb, s_comb)))
+}

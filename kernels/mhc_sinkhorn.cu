@@ -1,0 +1,136 @@
+// mhc_split_sinkhorn: the mHC coefficient split (spec §3.2 steps 2–8) for all tokens of a call
+// in one launch: pre = σ(m·s0 + b) + eps, post = 2·σ(m·s1 + b), comb = row softmax of
+// (m·s2 + b) + eps, one column normalization, then iters − 1 (row, column) normalizations with
+// eps inside every division.
+//
+// Why a kernel: written with Candle ops these are ~130 launches of tiny kernels per call (each
+// normalization is a sum, an add and a division over [T, hc, hc]); a decode step of a small model
+// spent most of its time launching them. Here one thread owns one token's hc×hc matrix in
+// registers (hc ≤ 8); the work is negligible, the launch is the cost.
+//
+// Numerics: bit for bit the same as the Candle ops this replaces on a CUDA device
+// (model::mhc::split_sinkhorn's op sequence run by candle's CUDA kernels, checked in
+// tests/cuda_layer.rs), so the model's device results do not move:
+//   * products and sums are separate IEEE roundings (__fmul_rn / __fadd_rn), as in candle's
+//     binary kernels; `x + eps` and `2·x` are candle affines, which round once like __fadd_rn /
+//     an exact doubling;
+//   * σ(x) = (float)(1.0 / (double)(1.0f + expf(−x))), candle's usigmoid for f32;
+//   * softmax: candle's softmax kernel runs one row per 32-lane warp: max, expf(x − max), the
+//     row sum by an xor-butterfly over the 32 lanes (lanes ≥ hc hold 0), then
+//     x · (float)(1.0 / (double)sum); the butterfly's association order is reproduced below;
+//   * the normalizations' sums are candle's small reduction (one thread per output, a sequential
+//     sum from 0 in index order); the divisions are IEEE (__fdiv_rn).
+// The CPU reference (the same ops on the host) differs from this in the last bits of expf only.
+#include <cuda_runtime.h>
+
+#include "include/dsv41_mhc.h"
+
+namespace dsv41 {
+
+constexpr int kMhcThreads = 128;
+
+__device__ __forceinline__ float candle_sigmoid(float x) {
+    return static_cast<float>(1.0 / static_cast<double>(__fadd_rn(1.0f, expf(-x))));
+}
+
+// Sum of v[0..n) (n ≤ 32) in the order of a 32-lane xor-butterfly with masks 16, 8, 4, 2, 1 and
+// zeros in lanes ≥ n: lane 0's value after each level is its own partial plus the partner's.
+__device__ __forceinline__ float butterfly_sum(const float* v, int n) {
+    float lane[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) lane[i] = i < n ? v[i] : 0.0f;
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) {
+#pragma unroll
+        for (int i = 0; i < mask; ++i) lane[i] = __fadd_rn(lane[i], lane[i + mask]);
+    }
+    return lane[0];
+}
+
+template <int HC>
+__global__ void __launch_bounds__(kMhcThreads) mhc_split_kernel(Dsv41MhcSplitParams p) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * kMhcThreads + threadIdx.x;
+    if (t >= p.tokens) return;
+    constexpr int W = (2 + HC) * HC;
+    const float* m = p.mixes + t * W;
+    const float s0 = p.scale[0], s1 = p.scale[1], s2 = p.scale[2];
+    const float eps = p.eps;
+    auto part = [&](int k, float s) { return __fadd_rn(__fmul_rn(m[k], s), p.base[k]); };
+
+#pragma unroll
+    for (int k = 0; k < HC; ++k) {
+        p.pre[t * HC + k] = __fadd_rn(candle_sigmoid(part(k, s0)), eps);
+        p.post[t * HC + k] = __fmul_rn(candle_sigmoid(part(HC + k, s1)), 2.0f);
+    }
+
+    float c[HC][HC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < HC; ++j) {
+            c[i][j] = part(2 * HC + i * HC + j, s2);
+            mx = fmaxf(mx, c[i][j]);
+        }
+#pragma unroll
+        for (int j = 0; j < HC; ++j) c[i][j] = expf(__fsub_rn(c[i][j], mx));
+        const float inv = static_cast<float>(1.0 / static_cast<double>(butterfly_sum(c[i], HC)));
+#pragma unroll
+        for (int j = 0; j < HC; ++j) c[i][j] = __fadd_rn(__fmul_rn(c[i][j], inv), eps);
+    }
+    auto col_norm = [&]() {
+#pragma unroll
+        for (int j = 0; j < HC; ++j) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < HC; ++i) s = __fadd_rn(s, c[i][j]);
+            s = __fadd_rn(s, eps);
+#pragma unroll
+            for (int i = 0; i < HC; ++i) c[i][j] = __fdiv_rn(c[i][j], s);
+        }
+    };
+    auto row_norm = [&]() {
+#pragma unroll
+        for (int i = 0; i < HC; ++i) {
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < HC; ++j) s = __fadd_rn(s, c[i][j]);
+            s = __fadd_rn(s, eps);
+#pragma unroll
+            for (int j = 0; j < HC; ++j) c[i][j] = __fdiv_rn(c[i][j], s);
+        }
+    };
+    col_norm();
+    for (int it = 1; it < p.iters; ++it) {
+        row_norm();
+        col_norm();
+    }
+#pragma unroll
+    for (int i = 0; i < HC; ++i)
+#pragma unroll
+        for (int j = 0; j < HC; ++j) p.comb[(t * HC + i) * HC + j] = c[i][j];
+}
+
+}  // namespace dsv41
+
+extern "C" int dsv41_mhc_split_sinkhorn(const Dsv41MhcSplitParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    if (params_size != sizeof(Dsv41MhcSplitParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->tokens < 0 || p->hc < 1 || p->hc > DSV41_MHC_MAX_HC || p->iters < 1) return DSV41_ERR_SHAPE;
+    if (p->tokens / kMhcThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (p->tokens == 0) return DSV41_OK;
+    if (!p->mixes || !p->scale || !p->base || !p->pre || !p->post || !p->comb) return DSV41_ERR_NULL;
+    const dim3 grid(static_cast<unsigned>((p->tokens + kMhcThreads - 1) / kMhcThreads));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    switch (p->hc) {
+        case 1: mhc_split_kernel<1><<<grid, kMhcThreads, 0, s>>>(*p); break;
+        case 2: mhc_split_kernel<2><<<grid, kMhcThreads, 0, s>>>(*p); break;
+        case 3: mhc_split_kernel<3><<<grid, kMhcThreads, 0, s>>>(*p); break;
+        case 4: mhc_split_kernel<4><<<grid, kMhcThreads, 0, s>>>(*p); break;
+        case 5: mhc_split_kernel<5><<<grid, kMhcThreads, 0, s>>>(*p); break;
+        case 6: mhc_split_kernel<6><<<grid, kMhcThreads, 0, s>>>(*p); break;
+        case 7: mhc_split_kernel<7><<<grid, kMhcThreads, 0, s>>>(*p); break;
+        default: mhc_split_kernel<8><<<grid, kMhcThreads, 0, s>>>(*p); break;
+    }
+    return static_cast<int>(cudaGetLastError());
+}
