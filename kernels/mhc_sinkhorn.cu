@@ -23,6 +23,8 @@
 // The CPU reference (the same ops on the host) differs from this in the last bits of expf only.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "include/dsv41_mhc.h"
 
 namespace dsv41 {
@@ -33,12 +35,13 @@ __device__ __forceinline__ float candle_sigmoid(float x) {
     return static_cast<float>(1.0 / static_cast<double>(__fadd_rn(1.0f, expf(-x))));
 }
 
-// Sum of v[0..n) (n ≤ 32) in the order of a 32-lane xor-butterfly with masks 16, 8, 4, 2, 1 and
-// zeros in lanes ≥ n: lane 0's value after each level is its own partial plus the partner's.
-__device__ __forceinline__ float butterfly_sum(const float* v, int n) {
+// Sum of v[0..N) (N ≤ 32) in the order of a 32-lane xor-butterfly with masks 16, 8, 4, 2, 1 and
+// zeros in lanes ≥ N: lane 0's value after each level is its own partial plus the partner's.
+template <int N>
+__device__ __forceinline__ float butterfly_sum(const float* v) {
     float lane[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) lane[i] = i < n ? v[i] : 0.0f;
+    for (int i = 0; i < 32; ++i) lane[i] = i < N ? v[i] : 0.0f;
 #pragma unroll
     for (int mask = 16; mask > 0; mask >>= 1) {
 #pragma unroll
@@ -74,36 +77,32 @@ __global__ void __launch_bounds__(kMhcThreads) mhc_split_kernel(Dsv41MhcSplitPar
         }
 #pragma unroll
         for (int j = 0; j < HC; ++j) c[i][j] = expf(__fsub_rn(c[i][j], mx));
-        const float inv = static_cast<float>(1.0 / static_cast<double>(butterfly_sum(c[i], HC)));
+        const float inv = static_cast<float>(1.0 / static_cast<double>(butterfly_sum<HC>(c[i])));
 #pragma unroll
         for (int j = 0; j < HC; ++j) c[i][j] = __fadd_rn(__fmul_rn(c[i][j], inv), eps);
     }
-    auto col_norm = [&]() {
+    // Divides every row (kRows) or column of c by its sum + eps; the sum runs from 0 in index order.
+    auto normalize = [&](auto rows_tag) {
+        constexpr bool kRows = decltype(rows_tag)::value;
 #pragma unroll
-        for (int j = 0; j < HC; ++j) {
+        for (int a = 0; a < HC; ++a) {
             float s = 0.0f;
 #pragma unroll
-            for (int i = 0; i < HC; ++i) s = __fadd_rn(s, c[i][j]);
+            for (int b = 0; b < HC; ++b) s = __fadd_rn(s, kRows ? c[a][b] : c[b][a]);
             s = __fadd_rn(s, eps);
 #pragma unroll
-            for (int i = 0; i < HC; ++i) c[i][j] = __fdiv_rn(c[i][j], s);
+            for (int b = 0; b < HC; ++b) {
+                float& v = kRows ? c[a][b] : c[b][a];
+                v = __fdiv_rn(v, s);
+            }
         }
     };
-    auto row_norm = [&]() {
-#pragma unroll
-        for (int i = 0; i < HC; ++i) {
-            float s = 0.0f;
-#pragma unroll
-            for (int j = 0; j < HC; ++j) s = __fadd_rn(s, c[i][j]);
-            s = __fadd_rn(s, eps);
-#pragma unroll
-            for (int j = 0; j < HC; ++j) c[i][j] = __fdiv_rn(c[i][j], s);
-        }
-    };
-    col_norm();
+    const auto rows = std::true_type{};
+    const auto cols = std::false_type{};
+    normalize(cols);
     for (int it = 1; it < p.iters; ++it) {
-        row_norm();
-        col_norm();
+        normalize(rows);
+        normalize(cols);
     }
 #pragma unroll
     for (int i = 0; i < HC; ++i)
