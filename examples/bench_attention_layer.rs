@@ -34,7 +34,7 @@ use deepseek_v41::Numerics;
 
 #[path = "support/bench.rs"]
 mod bench;
-use bench::{gib, PoolPeak};
+use bench::{gib, median, PoolPeak};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -62,15 +62,6 @@ struct Args {
 
 const PHASES: [LayerPhase; 5] =
     [LayerPhase::Projections, LayerPhase::Inserts, LayerPhase::Selection, LayerPhase::Attention, LayerPhase::Output];
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
-}
 
 fn randn(shape: (usize, usize), dev: &Device) -> Result<Tensor> {
     Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(DType::BF16)?)
@@ -158,12 +149,12 @@ fn main() -> Result<()> {
     println!("| phase | ms |\n|---|---|");
     let mut sum = 0.0;
     for (p, v) in PHASES.iter().zip(phases.iter_mut()) {
-        let m = median(v);
+        let m = median(std::mem::take(v));
         sum += m;
         println!("| {p:?} | {m:.3} |");
     }
     println!("| sum of phases (synchronized) | {sum:.3} |");
-    println!("| whole step, no sync inside | {:.3} |", median(&mut totals));
+    println!("| whole step, no sync inside | {:.3} |", median(totals));
     if args.plain_steps > 0 {
         // The same layer, cache and GPU with the fused kernels switched off: the reference path's
         // plain Candle ops (host round trips where Candle has no op: fake quant, top-k).
@@ -175,7 +166,7 @@ fn main() -> Result<()> {
                 plain.push(ms);
             }
         }
-        println!("| whole step, plain Candle ops (`cuda::with_plain_candle`, median of {}) | {:.3} |", args.plain_steps, median(&mut plain));
+        println!("| whole step, plain Candle ops (`cuda::with_plain_candle`, median of {}) | {:.3} |", args.plain_steps, median(plain));
     }
     println!(
         "\ndevice memory (candle's pool, high-water mark): weights {:.2} GiB, cache of {ctx} tokens {:.3} GiB, peak during the steps {:.3} GiB (transient {:.1} MiB per step)",
@@ -220,7 +211,7 @@ fn main() -> Result<()> {
             dev.synchronize()?;
             v.push(t0.elapsed().as_secs_f64() * 1e3);
         }
-        Ok(median(&mut v))
+        Ok(median(v))
     };
     let fused = time(&mut || Ok(sparse_attention_two_source(&q, &kvw, &iw, &kvc, &ic, &sink, scale).map(|_| ())?))?;
     let plain = time(&mut || Ok(sparse_attention_candle(&q, &[(&kvw, &iw), (&kvc, &ic)], &sink, scale).map(|_| ())?))?;

@@ -63,7 +63,7 @@ use deepseek_v41::Numerics;
 
 #[path = "support/bench.rs"]
 mod bench;
-use bench::{gib, PoolPeak, Timer, HBM_READ_GBPS};
+use bench::{gib, median, PoolPeak, Timer, HBM_READ_GBPS};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -294,7 +294,7 @@ fn random_packed(rows: usize, dev: &Device) -> Result<(Tensor, PackedLayout)> {
 
 fn inputs(w: &Weights, cfg: &Config, b: usize, ctx: usize, all_close: bool, dev: &Device) -> Result<Inputs> {
     let (e, win, hd, k) = (ctx / w.ratio, w.window, w.hd, w.topk);
-    let closes = |s: usize| all_close || s % 2 == 0;
+    let closes = |s: usize| all_close || s.is_multiple_of(2);
     let pos: Vec<usize> = (0..b).map(|s| if closes(s) { ctx - 1 } else { ctx - 2 }).collect();
     let (cos, sin) = w.rope.cos_sin(&pos)?;
     let win_slots: Vec<i64> = pos.iter().enumerate().map(|(s, p)| (s * win + p % win) as i64).collect();
@@ -451,11 +451,6 @@ struct Row {
     /// Device memory (candle's pool): held by pools + step inputs, and the high-water mark of
     /// the timed steps (both formats of this B), bytes.
     mem: Option<(u64, u64)>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Finite, not-all-zero output, and top-k rows inside each sequence's visible pool range.

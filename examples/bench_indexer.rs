@@ -140,7 +140,7 @@ fn main() -> Result<()> {
         let start = CONTEXT - t;
         let q = Tensor::randn(0f32, 1.0, (t, HEADS, DIM), &dev)?.to_dtype(DType::BF16)?;
         let w = (Tensor::randn(0f32, 0.05, (t, HEADS), &dev)?.to_dtype(DType::BF16)?.to_dtype(DType::F32))?;
-        let visible: f64 = (0..t).map(|i| ((start + i + 1) / 2).min(KEYS) as f64).sum();
+        let visible: f64 = (0..t).map(|i| (start + i).div_ceil(2).min(KEYS) as f64).sum();
         let flops = visible * (HEADS * DIM * 2) as f64;
         for (name, keys) in [("bf16", IndexKeys::Rows(&bf)), ("mxfp4", IndexKeys::Packed { cache: &packed, layout })] {
             let src = KeySource { keys, base: None, entries: KEYS, visibility: Visibility::Causal { start, ratio: 2 } };

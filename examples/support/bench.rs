@@ -47,10 +47,10 @@ pub fn tflops(flops: f64, ms: f64) -> f64 {
     flops / (ms * 1e-3) / 1e12
 }
 
-/// The median of `v` (the upper one of an even count; `v` must not be empty).
+/// The median of `v` (the upper one of an even count; NaN when `v` is empty).
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// CUDA device 0 and candle's stream on it (`bench` names the benchmark in the error).
