@@ -108,9 +108,21 @@ constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]:
 constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
 constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [4] mbarriers: full[2], empty[2] (stage hand-over)
-constexpr int SM_ENT = SM_BAR + 32;             // u32 [range]: (source << 31) | row
+constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [5] mbarriers: full[2], empty[2] (stage hand-over), rx (epilogue)
+constexpr int SM_ENT = SM_BAR + 48;             // u32 [range]: (source << 31) | row
 constexpr int SM_O = 0;                         // f32 [S slots][ceil(64 / S) heads][512] (epilogue, over q + stage 0), swizzled
+// Epilogue with S <= 2 (over q and the stages, free after the last tile): the chunk a CTA sends
+// to the other = f32 [hs <= 32 heads][512] raw O (sw2k layout) + f32 m[32] + f32 den[32];
+// SM_RX receives the other CTA's chunk, SM_TX stages this CTA's; SM_OUTB = bf16 [hs][512] out
+// rows, 1040-byte stride (conflict-free fragment stores; one 1 KB bulk store per head).
+constexpr int OROW = D * 4;                     // f32 O row bytes
+constexpr int XSTAT = 256;                      // stats block of a chunk
+constexpr int SM_RX = 0;
+constexpr int SM_TX = 65 * 1024;
+constexpr int OUTB_STRIDE = D * 2 + 16;
+constexpr int SM_OUTB2 = 130 * 1024;            // S = 2 (S = 1: at 0, no chunks)
+static_assert(SM_RX + (HB / 2) * OROW + XSTAT <= SM_TX && SM_TX + (HB / 2) * OROW + XSTAT <= SM_OUTB2, "epilogue chunks overlap");
+static_assert(SM_OUTB2 + (HB / 2) * OUTB_STRIDE <= SM_P && HB * OUTB_STRIDE <= SM_P, "epilogue out rows overlap the P tile");
 static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 // The pushed partial tiles (S slots of ceil(64 / S) f32 head rows, at most 7 x 10) stay below SM_P.
 static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
@@ -149,6 +161,115 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
 }
 
+// Epilogue with S <= 2 splits (compute threads; S = 2: after this CTA's cluster arrival behind its
+// last tile). stat_s holds this split's (m, den) per head, acc the raw O fragments (warp w: heads
+// 16 (w % 4) .. +16, dims 256 (w / 4) .. +256). This CTA stores heads [split hs, +hs).
+//   S = 2: the raw O of the other CTA's heads and their (m, den) go into SM_TX (local stores),
+//   then, once both CTAs are past their tiles (cluster barrier), one bulk copy moves the chunk
+//   into the other CTA's SM_RX and completes on its rx mbarrier; this CTA waits on its own.
+//   Then (any S): 64 threads merge (m, den) into the factors e^{m_r - M} / den (fac_s) and the
+//   lse; each thread combines its own heads' O as fl(f_0 O_0) + fl(f_1 O_1) (split order, from its
+//   registers and SM_RX), writes bf16 rows to SM_OUTB and one thread per head bulk-stores the row.
+__device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& p, unsigned char* smem, const float* acc, float sink_v,
+                                           int t, int split, int nsplit, int h0, int nh, int hs, int count, bool tracer) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int hg = warp & 3, wg = warp >> 2, other = split ^ 1;
+    const uint32_t sbase = smem_addr(smem);
+    const float* stat_s = reinterpret_cast<const float*>(smem + SM_STAT);
+    constexpr uint32_t CHUNK = (HB / 2) * OROW + XSTAT;
+    compute_sync();  // stat_s complete
+    if (tracer && nsplit == 1) g_trace[21] = g_trace[18] = clock64();
+    if (nsplit > 1) {
+        unsigned char* tx = smem + SM_TX;
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int h = hg * 16 + g + 8 * hi;
+            if (h < nh && h / hs == other) {
+                const int row = h - other * hs;
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const int d0 = wg * 256 + 8 * i + 2 * tq;
+                    *reinterpret_cast<float2*>(tx + sw2k(row, d0 >> 2) + (d0 & 3) * 4) = make_float2(acc[4 * i + 2 * hi], acc[4 * i + 2 * hi + 1]);
+                }
+            }
+        }
+        if (tid < HB / 2) {
+            float* txs = reinterpret_cast<float*>(tx + (HB / 2) * OROW);
+            const int h = min(other * hs + tid, HB - 1);
+            txs[tid] = stat_s[h];
+            txs[HB / 2 + tid] = stat_s[HB + h];
+        }
+        fence_proxy_async();  // the chunk is read by the bulk copy (async proxy)
+        cluster_wait();       // both CTAs are past their tiles: the other's SM_RX is free
+        compute_sync();       // the whole chunk is written
+        if (tracer) g_trace[21] = clock64();
+        if (tid == 0)
+            bulk_copy_to_cluster(mapa_shared(sbase + SM_RX, other), sbase + SM_TX, CHUNK, mapa_shared(sbase + SM_BAR + 32, other));
+        mbar_wait(sbase + SM_BAR + 32, 0);
+        cluster_arrive();  // this CTA's chunk landed: the other's SM_TX was read
+        if (tracer) g_trace[18] = clock64();
+    }
+    const float* rx = reinterpret_cast<const float*>(smem + SM_RX);
+    float* fac_s = reinterpret_cast<float*>(smem + SM_P);  // f32 [2 splits][64 local heads]
+    const int hb = split * hs, he = min(nh, hb + hs);
+    if (tid < he - hb) {
+        const int h = hb + tid;
+        float mr[2] = {stat_s[h], M_FLOOR}, dr[2] = {stat_s[HB + h], 0.f};
+        if (nsplit > 1) {
+            mr[1] = rx[(HB / 2) * D + tid];
+            dr[1] = rx[(HB / 2) * D + HB / 2 + tid];
+            if (split == 1) {  // split order: r = 0 first
+                const float m0 = mr[0], d0 = dr[0];
+                mr[0] = mr[1], dr[0] = dr[1], mr[1] = m0, dr[1] = d0;
+            }
+        }
+        const float big = fmaxf(M_FLOOR, fmaxf(mr[0], mr[1]));
+        float wsum = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
+        const float den = __fadd_rn(wsum, expf(sink_v - big));
+        const bool ok = den > 0.f && isfinite(den);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (r < nsplit) fac_s[r * HB + tid] = ok ? __fdiv_rn(expf(mr[r] - big), den) : 0.f;
+        p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
+    }
+    compute_sync();
+    unsigned char* outb = smem + (nsplit > 1 ? SM_OUTB2 : 0);
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+        const int h = hg * 16 + g + 8 * hi;
+        if (h < he && h >= hb) {
+            const int row = h - hb;
+            const float fo = fac_s[(nsplit > 1 ? split : 0) * HB + row], fr = nsplit > 1 ? fac_s[other * HB + row] : 0.f;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int d0 = wg * 256 + 8 * i + 2 * tq;
+                const float ox = __fmul_rn(acc[4 * i + 2 * hi], fo), oy = __fmul_rn(acc[4 * i + 2 * hi + 1], fo);
+                float x = __fadd_rn(0.f, ox), y = __fadd_rn(0.f, oy);
+                if (nsplit > 1) {  // in split order: (0 + fl(f_0 O_0)) + fl(f_1 O_1)
+                    const float2 v = *reinterpret_cast<const float2*>(smem + SM_RX + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
+                    const float vx = __fmul_rn(v.x, fr), vy = __fmul_rn(v.y, fr);
+                    x = split == 0 ? __fadd_rn(x, vx) : __fadd_rn(__fadd_rn(0.f, vx), ox);
+                    y = split == 0 ? __fadd_rn(y, vy) : __fadd_rn(__fadd_rn(0.f, vy), oy);
+                }
+                *reinterpret_cast<uint32_t*>(outb + row * OUTB_STRIDE + d0 * 2) = pack_bf16(x, y);
+            }
+        }
+    }
+    fence_proxy_async();  // the rows are read by the bulk stores
+    compute_sync();
+    if (tracer) g_trace[19] = clock64();
+    if (tid < he - hb) {
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + hb + tid) * D;
+        bulk_store_global(dst, smem_addr(outb + tid * OUTB_STRIDE), D * 2);
+        bulk_commit_wait_read();
+    }
+    if (nsplit > 1) cluster_wait();  // the other CTA's chunk landed: this CTA's SM_TX may go
+    if (tracer) g_trace[20] = clock64();
+}
+
 // Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
 __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
@@ -164,6 +285,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     int* total_s = reinterpret_cast<int*>(smem + SM_TOTAL);
     uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
     const uint32_t bar_full = sbase + SM_BAR, bar_empty = sbase + SM_BAR + 16;  // [2] each, 8 bytes apart
+    const uint32_t bar_rx = sbase + SM_BAR + 32;  // the other split's chunk landed (epilogue, S = 2)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool compute = tid < THREADS;  // false: the producer warpgroup
@@ -175,6 +297,10 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
+    // Epilogue: bulk-copy exchange (S <= 2) unless bit 3 asks for the store push; bits 4..7: tiles of
+    // this split's rows prefetched into L2 during the compaction.
+    const bool xfer = nsplit <= 2 && !(mode & 8);
+    const int pf_tiles = (mode >> 4) & 15;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -204,6 +330,11 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         mbar_init(bar_full + 8, PROD_THREADS);
         mbar_init(bar_empty, THREADS / 32);  // one arrival per compute warp
         mbar_init(bar_empty + 8, THREADS / 32);
+        if (xfer && nsplit > 1) {
+            mbar_init(bar_rx, 1);
+            mbar_arrive_expect_tx(bar_rx, (HB / 2) * OROW + XSTAT);  // the one chunk of the other CTA (hs = 32 rows sent, any nh)
+            fence_mbar_init_cluster();
+        }
     }
 
     // 1b. Compaction of the valid indices in order (window then extra), by the compute threads.
@@ -235,6 +366,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     if (compute) {
         load_idx();  // first: the compaction waits for these, the q copies only at tile 0
         load_q();
+        // L2 prefetch of the first pf_tiles tiles of this split's range as if every index were
+        // valid (its exact range is known after the compaction; bulk prefetch of the 1 KB row).
+        const int pf_lo = split * (((ktot + BLK - 1) / BLK + nsplit - 1) / nsplit) * BLK;
 #pragma unroll
         for (int r = 0; r < MAX_ROUNDS; ++r) {
             if (r < rounds) {
@@ -245,6 +379,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
                 } else if (i < ktot) {
                     if (s >= 0 && s < p.num_extra_rows) code[r] = 0x80000000u | static_cast<uint32_t>(s);
                 }
+                if (code[r] != 0xffffffffu && i >= pf_lo && i < pf_lo + pf_tiles * BLK && !skip_gather)
+                    prefetch_l2_bulk(row_ptr(p, code[r]), D * 2);
                 bal[r] = __ballot_sync(0xffffffffu, code[r] != 0xffffffffu);
                 if (lane == 0) cnt_s[r * 8 + warp] = __popc(bal[r]);
             }
@@ -331,7 +467,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     setmaxnreg_inc<MMA_REGS>();
     stamp(1);
     // The sink of head `tid` (read by the epilogue's merge; loaded early, off the critical path).
-    const float sink_v = tid < nh ? p.sink[h0 + tid] : -INFINITY;
+    // (Thread tid merges head tid, or head split hs + tid of the bulk-copy epilogue.)
+    const int sink_h = xfer ? split * hs + tid : tid;
+    const float sink_v = tid < HB && sink_h < nh ? p.sink[h0 + sink_h] : -INFINITY;
     // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
     // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
     const int hg = warp & 3, wg = warp >> 2;
@@ -465,6 +603,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
     cp_async_wait_all();  // the q copy is still in flight when the range is empty
+    if (xfer && nsplit > 1) cluster_arrive();  // this CTA is done with q and the stages (the other may write its chunk)
     // Shared memory of split r: distributed shared memory with S > 1 (no cluster launch else).
     auto split_smem = [&](float* ptr, int r) -> float* {
         return nsplit > 1 ? cg::this_cluster().map_shared_rank(ptr, r) : ptr;
@@ -477,6 +616,10 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     if (tid < HB) {
         stat_s[tid] = m_s[(ntiles & 1) * HB + tid];
         stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
+    }
+    if (xfer) {
+        epilogue_xfer(p, smem, acc, sink_v, t, split, nsplit, h0, nh, hs, count, tracer);
+        return;
     }
     // Cluster barriers only with S > 1 (a barrier of the compute threads otherwise).
     auto all_sync = [&]() {
@@ -689,7 +832,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 0xfe) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);

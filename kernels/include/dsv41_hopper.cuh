@@ -52,6 +52,47 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
 }
 
+// Split cluster barrier (all threads of the cluster, .aligned: whole warps): arrive (release:
+// this thread's earlier shared / global writes and reads are ordered before) and wait (acquire).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// Makes this thread's mbarrier.init visible to the other CTAs of the cluster (their bulk copies
+// complete transactions on it) once a cluster barrier follows.
+__device__ __forceinline__ void fence_mbar_init_cluster() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// One arrival on `bar` that also expects `bytes` more transaction bytes in the current phase
+// (the phase completes when the arrivals are done and those bytes have landed).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Shared::cta address -> the shared::cluster address of the same offset in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+// Bulk copy (TMA engine) of `bytes` (multiple of 16, 16-byte aligned) from this CTA's shared
+// memory `src` to shared::cluster address `dst` of another CTA; completes `bytes` transactions on
+// that CTA's mbarrier `bar` (a shared::cluster address too). The source must have been written
+// before a fence.proxy.async (generic -> async proxy).
+__device__ __forceinline__ void bulk_copy_to_cluster(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "r"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// Bulk store (TMA engine) of `bytes` (multiple of 16, both sides 16-byte aligned) from shared
+// memory `src` to global `dst`, in this thread's bulk group; then commit the group and wait
+// until its shared-memory reads are done (the source may be reused / the CTA may exit).
+__device__ __forceinline__ void bulk_store_global(void* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit_wait_read() {
+    asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// L2 prefetch of `bytes` (multiple of 16, 16-byte aligned) of global memory (no completion, no data).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>
