@@ -109,7 +109,8 @@ constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) p
 constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
 constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [5] mbarriers: full[2], empty[2] (stage hand-over), rx (epilogue)
-constexpr int SM_ENT = SM_BAR + 48;             // u32 [range]: (source << 31) | row
+constexpr int SM_SINK = SM_BAR + 48;           // f32 [64 heads]: sink (cp.async with q)
+constexpr int SM_ENT = SM_SINK + HB * 4;        // u32 [range]: (source << 31) | row
 constexpr int SM_O = 0;                         // f32 [S slots][ceil(64 / S) heads][512] (epilogue, over q + stage 0), swizzled
 // Epilogue with S <= 2 (over q and the stages, free after the last tile): the chunk a CTA sends
 // to the other = f32 [hs <= 32 heads][512] raw O (sw2k layout) + f32 m[32] + f32 den[32];
@@ -132,7 +133,7 @@ static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "parti
 // [2 + j] end of tile j (j < 16), [21] first cluster barrier passed, [18] partial tiles pushed
 // and factors merged, [19] second cluster barrier passed, [20] end, [24 + j] tile j's rows
 // arrived (j < 16).
-constexpr int TRACE_SLOTS = 40;
+constexpr int TRACE_SLOTS = 48;
 __device__ long long g_trace[TRACE_SLOTS];
 
 // Barrier of the 256 compute threads only (named barrier 1; the producer warpgroup never joins).
@@ -170,8 +171,8 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
 //   Then (any S): 64 threads merge (m, den) into the factors e^{m_r - M} / den (fac_s) and the
 //   lse; each thread combines its own heads' O as fl(f_0 O_0) + fl(f_1 O_1) (split order, from its
 //   registers and SM_RX), writes bf16 rows to SM_OUTB and one thread per head bulk-stores the row.
-__device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& p, unsigned char* smem, const float* acc, float sink_v,
-                                           int t, int split, int nsplit, int h0, int nh, int hs, int count, bool tracer) {
+__device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& p, unsigned char* smem, const float* acc, int t, int split,
+                                           int nsplit, int h0, int nh, int hs, int count, int mode, bool tracer) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int hg = warp & 3, wg = warp >> 2, other = split ^ 1;
     const uint32_t sbase = smem_addr(smem);
@@ -203,8 +204,14 @@ __device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& 
         cluster_wait();       // both CTAs are past their tiles: the other's SM_RX is free
         compute_sync();       // the whole chunk is written
         if (tracer) g_trace[21] = clock64();
-        if (tid == 0)
+        if (mode & 512) {  // 8 pieces of 4 rows + the stats
+            if (tid < 9) {
+                const uint32_t off = tid * 4 * OROW, len = tid < 8 ? 4 * OROW : XSTAT;
+                bulk_copy_to_cluster(mapa_shared(sbase + SM_RX + off, other), sbase + SM_TX + off, len, mapa_shared(sbase + SM_BAR + 32, other));
+            }
+        } else if (tid == 0) {
             bulk_copy_to_cluster(mapa_shared(sbase + SM_RX, other), sbase + SM_TX, CHUNK, mapa_shared(sbase + SM_BAR + 32, other));
+        }
         mbar_wait(sbase + SM_BAR + 32, 0);
         cluster_arrive();  // this CTA's chunk landed: the other's SM_TX was read
         if (tracer) g_trace[18] = clock64();
@@ -228,14 +235,16 @@ __device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& 
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
-        const float den = __fadd_rn(wsum, expf(sink_v - big));
+        const float den = __fadd_rn(wsum, expf(reinterpret_cast<const float*>(smem + SM_SINK)[h] - big));
         const bool ok = den > 0.f && isfinite(den);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             if (r < nsplit) fac_s[r * HB + tid] = ok ? __fdiv_rn(expf(mr[r] - big), den) : 0.f;
         p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
+    if (tracer) g_trace[41] = clock64();
     compute_sync();
+    if (tracer) g_trace[42] = clock64();
     unsigned char* outb = smem + (nsplit > 1 ? SM_OUTB2 : 0);
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
@@ -254,16 +263,24 @@ __device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& 
                     x = split == 0 ? __fadd_rn(x, vx) : __fadd_rn(__fadd_rn(0.f, vx), ox);
                     y = split == 0 ? __fadd_rn(y, vy) : __fadd_rn(__fadd_rn(0.f, vy), oy);
                 }
-                *reinterpret_cast<uint32_t*>(outb + row * OUTB_STRIDE + d0 * 2) = pack_bf16(x, y);
+                if (mode & 1024)  // straight from the fragments (16-byte runs per head row)
+                    *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + d0) = pack_bf16(x, y);
+                else
+                    *reinterpret_cast<uint32_t*>(outb + row * OUTB_STRIDE + d0 * 2) = pack_bf16(x, y);
             }
         }
     }
-    fence_proxy_async();  // the rows are read by the bulk stores
-    compute_sync();
+    if (tracer) g_trace[43] = clock64();
+    if (!(mode & (256 | 1024))) fence_proxy_async();  // the rows are read by the bulk stores
+    if (!(mode & 1024)) compute_sync();
     if (tracer) g_trace[19] = clock64();
-    if (tid < he - hb) {
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + hb + tid) * D;
-        bulk_store_global(dst, smem_addr(outb + tid * OUTB_STRIDE), D * 2);
+    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + hb) * D;
+    if (mode & 1024) {
+    } else if (mode & 256) {  // plain 16-byte stores, a warp per 512 bytes of a row
+        for (int c = tid; c < (he - hb) * 64; c += THREADS)
+            *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(outb + (c >> 6) * OUTB_STRIDE + (c & 63) * 16);
+    } else if (tid < he - hb) {
+        bulk_store_global(orow + tid * D, smem_addr(outb + tid * OUTB_STRIDE), D * 2);
         bulk_commit_wait_read();
     }
     if (nsplit > 1) cluster_wait();  // the other CTA's chunk landed: this CTA's SM_TX may go
@@ -297,10 +314,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
-    // Epilogue: bulk-copy exchange (S <= 2) unless bit 3 asks for the store push; bits 4..7: tiles of
-    // this split's rows prefetched into L2 during the compaction.
+    // Epilogue: bulk-copy exchange (S <= 2) unless bit 3 asks for the store push.
     const bool xfer = nsplit <= 2 && !(mode & 8);
-    const int pf_tiles = (mode >> 4) & 15;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -319,6 +334,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             const __nv_bfloat16* src = qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + col * 8 : 0);
             cp_async16(sbase + SM_Q + wgsw(h, col), src, ok);
         }
+        if (tid < HB) cp_async4(sbase + SM_SINK + 4 * tid, p.sink + h0 + min(tid, nh - 1));  // (waited for with q)
         cp_async_commit();
     };
     if (tid < HB) {
@@ -366,9 +382,6 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     if (compute) {
         load_idx();  // first: the compaction waits for these, the q copies only at tile 0
         load_q();
-        // L2 prefetch of the first pf_tiles tiles of this split's range as if every index were
-        // valid (its exact range is known after the compaction; bulk prefetch of the 1 KB row).
-        const int pf_lo = split * (((ktot + BLK - 1) / BLK + nsplit - 1) / nsplit) * BLK;
 #pragma unroll
         for (int r = 0; r < MAX_ROUNDS; ++r) {
             if (r < rounds) {
@@ -379,8 +392,6 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
                 } else if (i < ktot) {
                     if (s >= 0 && s < p.num_extra_rows) code[r] = 0x80000000u | static_cast<uint32_t>(s);
                 }
-                if (code[r] != 0xffffffffu && i >= pf_lo && i < pf_lo + pf_tiles * BLK && !skip_gather)
-                    prefetch_l2_bulk(row_ptr(p, code[r]), D * 2);
                 bal[r] = __ballot_sync(0xffffffffu, code[r] != 0xffffffffu);
                 if (lane == 0) cnt_s[r * 8 + warp] = __popc(bal[r]);
             }
@@ -467,9 +478,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     setmaxnreg_inc<MMA_REGS>();
     stamp(1);
     // The sink of head `tid` (read by the epilogue's merge; loaded early, off the critical path).
-    // (Thread tid merges head tid, or head split hs + tid of the bulk-copy epilogue.)
-    const int sink_h = xfer ? split * hs + tid : tid;
-    const float sink_v = tid < HB && sink_h < nh ? p.sink[h0 + sink_h] : -INFINITY;
+    // (Thread tid merges head tid, or head split hs + tid of the bulk-copy epilogue; read after
+    // the epilogue's cp_async_wait_all.)
+    const float* sink_s = reinterpret_cast<const float*>(smem + SM_SINK);
     // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
     // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
     const int hg = warp & 3, wg = warp >> 2;
@@ -618,7 +629,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
     }
     if (xfer) {
-        epilogue_xfer(p, smem, acc, sink_v, t, split, nsplit, h0, nh, hs, count, tracer);
+        epilogue_xfer(p, smem, acc, t, split, nsplit, h0, nh, hs, count, mode, tracer);
         return;
     }
     // Cluster barriers only with S > 1 (a barrier of the compute threads otherwise).
@@ -671,7 +682,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
 #pragma unroll
         for (int r = 0; r < MAX_SPLITS; ++r)
             if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
-        const float den = __fadd_rn(wsum, expf(sink_v - big));
+        const float den = __fadd_rn(wsum, expf(sink_s[h] - big));
         const bool ok = den > 0.f && isfinite(den);
 #pragma unroll
         for (int r = 0; r < MAX_SPLITS; ++r)
@@ -762,8 +773,12 @@ void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
         fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[2 + j] - prev) * us, (h[24 + j] - prev) * us);
         prev = h[2 + j];
     }
-    fprintf(stderr, " | bar1 %.2f | merge+push %.2f | bar2 %.2f | store %.2f | total %.2f us\n", (h[21] - prev) * us, (h[18] - h[21]) * us,
+    fprintf(stderr, " | bar1 %.2f | merge+push %.2f | bar2 %.2f | store %.2f | total %.2f us", (h[21] - prev) * us, (h[18] - h[21]) * us,
             (h[19] - h[18]) * us, (h[20] - h[19]) * us, (h[20] - h[0]) * us);
+    if (h[41] > 0)
+        fprintf(stderr, " (bulk epilogue: factors %.2f, sync %.2f, combine %.2f, fence+sync %.2f)", (h[41] - h[18]) * us,
+                (h[42] - h[41]) * us, (h[43] - h[42]) * us, (h[19] - h[43]) * us);
+    fprintf(stderr, "\n");
 }
 
 }  // namespace dsv41_sa
@@ -832,7 +847,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 0xfe) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 0x7fe) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);

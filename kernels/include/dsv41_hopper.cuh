@@ -17,6 +17,10 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
     const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
+// 4-byte cp.async (L1-allocating .ca: the only form for sizes below 16).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
 // Same with an L2 prefetch of the surrounding 256 bytes (fewer, larger DRAM requests).
 __device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;
