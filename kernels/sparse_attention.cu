@@ -48,23 +48,32 @@
 //      P.V: warpgroup w accumulates O for all 64 heads x dims 256 w .. +256 (wgmma m64n256k16
 //        per 16 rows, A = the p tile, B = the row tile MN-major; 128 f32 registers per thread).
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
-//   3. epilogue: each CTA publishes (m, den) per head; after a cluster barrier every warp stores
-//      its raw (unscaled) O straight into the shared memory of the CTA that writes those heads
-//      (CTA r writes heads [r hs, r hs + hs), hs = ceil(64 / S); slot `split` of S f32 slots
-//      there) while 64 threads merge the S splits' (m, den) of every head (distributed shared
-//      memory loads) into the S factors e^{m_r - M} / den and the lse; after a second cluster
-//      barrier each CTA sums fl(factor_r O_r) over its S slots in split order (local reads) and
-//      writes bf16 out.
+//   3. epilogue: CTA r stores heads [r hs, r hs + hs), hs = ceil(64 / S); per head the S splits'
+//      (m, den) give the factors e^{m_r - M} / den and the lse, out = sum_r fl(factor_r O_r) in
+//      split order (raw, unscaled O moves between the CTAs).
+//      S <= 2 (include/dsv41_sparse_attention_epilogue.cuh): with S = 2 each CTA writes the raw
+//        O of the other CTA's heads and their (m, den) into its own shared memory (a 64 KB
+//        chunk), and after a cluster barrier (both CTAs past their tiles) one thread moves it
+//        with a TMA bulk copy (cp.async.bulk shared::cluster) into the other CTA, completing on
+//        that CTA's mbarrier; after a second cluster barrier (both chunks landed) each CTA
+//        combines its heads from its registers and the received chunk into bf16 rows in shared
+//        memory and writes them with 16-byte stores (the CTA's output rows are contiguous).
+//      S > 2: after a cluster barrier every warp stores its raw O straight into slot `split` of
+//        the storing CTA (distributed shared memory stores) while 64 threads merge the splits'
+//        (m, den) (distributed shared memory loads); after a second cluster barrier each CTA
+//        sums its S slots (local reads) and writes bf16 out.
 // Launch: programmatic dependent launch (griddepcontrol): the grid may be scheduled while the
 // previous kernel of the stream finishes; every thread waits (griddepcontrol.wait) before its
 // first global access, and the CTAs allow the next grid to launch at once.
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
-// results, for timing the other parts).
-// Measured on the H200 (docs/perf.md, "Round 3" / "Round 4"): a 64-row tile costs ~2.3 us (tensor
-// cores + softmax; the gather keeps up, waits ~0.13 us); the epilogue's distributed shared memory
-// stores run at ~16 GB/s per SM (64 KB per CTA with S = 2: ~3.5 us).
+// results, for timing the other parts); bits 8 / 16 / 32 of it select the S > 2 epilogue also
+// for S = 2 / for S = 1 / the combine before the second cluster barrier (the variants of
+// docs/perf.md "Round 5"; same results).
+// Measured on the H200 (docs/perf.md, "Round 3" to "Round 5"): a 64-row tile costs ~2.3 us (tensor
+// cores + softmax; the gather keeps up, waits ~0.13 us); moving 64 KB between the two CTAs of a
+// cluster takes ~2.5 us as a bulk copy, ~3.5-4 us as distributed shared memory stores.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -75,6 +84,8 @@
 
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_sparse_attention.h"
+#include "include/dsv41_sparse_attention_epilogue.cuh"
+#include "include/dsv41_sparse_attention_layout.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -82,209 +93,10 @@ namespace dsv41_sa {
 
 using namespace dsv41_ptx;
 
-constexpr int D = 512;          // head dim (row width)
-constexpr int BLK = 64;         // rows per tile = softmax block of the reference
-constexpr int HB = 64;          // heads per CTA
-constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups
-constexpr int PROD_THREADS = 128;  // the producer warpgroup (threads 256..383)
-constexpr int PROD_REGS = 40;      // its registers after setmaxnreg (2 x 232 + 40 = 3 x 168)
-constexpr int MMA_REGS = 232;      // the compute warpgroups' registers after setmaxnreg
-constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
-constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
-constexpr int MAX_SPLITS = 8;   // portable cluster size
-constexpr float M_FLOOR = -1e30f;
-
-// Shared memory map (bytes). q and row tiles in the wgmma 128-byte-swizzle canonical layout:
-// 8 planes of 64 dims, [dims / 64][row][128 bytes, 16-byte chunk c at c ^ (row & 7)] (8 KB per
-// plane); K-major for Q.K^T (A = q, B = rows), MN-major for P.V (B = rows).
-constexpr int TILEB = BLK * D * 2;              // one 64-row tile (also the q tile: 64 heads)
-constexpr int SM_Q = 0;                         // bf16 [64 heads][512]
-constexpr int SM_K = SM_Q + TILEB;              // bf16 [2 stages][64 rows][512]
-constexpr int SM_P = SM_K + 2 * TILEB;          // bf16 [64 heads][64 rows], 128-byte swizzle (epilogue: f32 [S][64] merge factors)
-constexpr int SM_MX = SM_P + HB * BLK * 2;      // f32 [2 row halves][64 heads]: tile max
-constexpr int SM_M = SM_MX + 2 * HB * 4;        // f32 [2 ping-pong][64 heads]: running max
-constexpr int SM_ALPHA = SM_M + 2 * HB * 4;     // f32 [64 heads]: e^{m_old - m_new}
-constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]: denominators
-constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
-constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
-constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [5] mbarriers: full[2], empty[2] (stage hand-over), rx (epilogue)
-constexpr int SM_SINK = SM_BAR + 48;           // f32 [64 heads]: sink (cp.async with q)
-constexpr int SM_ENT = SM_SINK + HB * 4;        // u32 [range]: (source << 31) | row
-constexpr int SM_O = 0;                         // f32 [S slots][ceil(64 / S) heads][512] (epilogue, over q + stage 0), swizzled
-// Epilogue with S <= 2 (over q and the stages, free after the last tile): the chunk a CTA sends
-// to the other = f32 [hs <= 32 heads][512] raw O (sw2k layout) + f32 m[32] + f32 den[32];
-// SM_RX receives the other CTA's chunk, SM_TX stages this CTA's; SM_OUTB = bf16 [hs][512] out
-// rows, 1040-byte stride (conflict-free fragment stores; one 1 KB bulk store per head).
-constexpr int OROW = D * 4;                     // f32 O row bytes
-constexpr int XSTAT = 256;                      // stats block of a chunk
-constexpr int SM_RX = 0;
-constexpr int SM_TX = 65 * 1024;
-constexpr int OUTB_STRIDE = D * 2 + 16;
-constexpr int SM_OUTB2 = 130 * 1024;            // S = 2 (S = 1: at 0, no chunks)
-static_assert(SM_RX + (HB / 2) * OROW + XSTAT <= SM_TX && SM_TX + (HB / 2) * OROW + XSTAT <= SM_OUTB2, "epilogue chunks overlap");
-static_assert(SM_OUTB2 + (HB / 2) * OUTB_STRIDE <= SM_P && HB * OUTB_STRIDE <= SM_P, "epilogue out rows overlap the P tile");
-static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
-// The pushed partial tiles (S slots of ceil(64 / S) f32 head rows, at most 7 x 10) stay below SM_P.
-static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
-
-// Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
-// (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [23] indices loaded, [1] compaction done,
-// [2 + j] end of tile j (j < 16), [21] first cluster barrier passed, [18] partial tiles pushed
-// and factors merged, [19] second cluster barrier passed, [20] end, [24 + j] tile j's rows
-// arrived (j < 16).
-constexpr int TRACE_SLOTS = 48;
-__device__ long long g_trace[TRACE_SLOTS];
-
-// Barrier of the 256 compute threads only (named barrier 1; the producer warpgroup never joins).
-__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
-
-// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile.
-__device__ __forceinline__ uint32_t wgsw(int r, int c) {
-    return static_cast<uint32_t>((c >> 3) * (BLK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-// Same for the P tile (128-byte rows, 8 chunks).
-__device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
-// Same for the f32 O tile (2048-byte rows, 128 chunks): chunk c at c ^ 2 (row & 7) (8-byte
-// fragment stores of four rows and 16-byte loads of eight consecutive chunks are both free of
-// bank conflicts).
-__device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ ((r & 7) << 1)) << 4)); }
-
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttentionParams& p, uint32_t e) {
     const int64_t row = e & 0x7fffffffu;
     return (e >> 31) ? static_cast<const __nv_bfloat16*>(p.kv_extra) + row * p.extra_row_stride
                      : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
-}
-
-// Epilogue with S <= 2 splits (compute threads; S = 2: after this CTA's cluster arrival behind its
-// last tile). stat_s holds this split's (m, den) per head, acc the raw O fragments (warp w: heads
-// 16 (w % 4) .. +16, dims 256 (w / 4) .. +256). This CTA stores heads [split hs, +hs).
-//   S = 2: the raw O of the other CTA's heads and their (m, den) go into SM_TX (local stores),
-//   then, once both CTAs are past their tiles (cluster barrier), one bulk copy moves the chunk
-//   into the other CTA's SM_RX and completes on its rx mbarrier; this CTA waits on its own.
-//   Then (any S): 64 threads merge (m, den) into the factors e^{m_r - M} / den (fac_s) and the
-//   lse; each thread combines its own heads' O as fl(f_0 O_0) + fl(f_1 O_1) (split order, from its
-//   registers and SM_RX), writes bf16 rows to SM_OUTB and one thread per head bulk-stores the row.
-__device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& p, unsigned char* smem, const float* acc, int t, int split,
-                                           int nsplit, int h0, int nh, int hs, int count, int mode, bool tracer) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
-    const int hg = warp & 3, wg = warp >> 2, other = split ^ 1;
-    const uint32_t sbase = smem_addr(smem);
-    const float* stat_s = reinterpret_cast<const float*>(smem + SM_STAT);
-    constexpr uint32_t CHUNK = (HB / 2) * OROW + XSTAT;
-    compute_sync();  // stat_s complete
-    if (tracer && nsplit == 1) g_trace[21] = g_trace[18] = clock64();
-    if (nsplit > 1) {
-        unsigned char* tx = smem + SM_TX;
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-            const int h = hg * 16 + g + 8 * hi;
-            if (h < nh && h / hs == other) {
-                const int row = h - other * hs;
-#pragma unroll
-                for (int i = 0; i < 32; ++i) {
-                    const int d0 = wg * 256 + 8 * i + 2 * tq;
-                    *reinterpret_cast<float2*>(tx + sw2k(row, d0 >> 2) + (d0 & 3) * 4) = make_float2(acc[4 * i + 2 * hi], acc[4 * i + 2 * hi + 1]);
-                }
-            }
-        }
-        if (tid < HB / 2) {
-            float* txs = reinterpret_cast<float*>(tx + (HB / 2) * OROW);
-            const int h = min(other * hs + tid, HB - 1);
-            txs[tid] = stat_s[h];
-            txs[HB / 2 + tid] = stat_s[HB + h];
-        }
-        fence_proxy_async();  // the chunk is read by the bulk copy (async proxy)
-        cluster_wait();       // both CTAs are past their tiles: the other's SM_RX is free
-        compute_sync();       // the whole chunk is written
-        if (tracer) g_trace[21] = clock64();
-        if (mode & 512) {  // 8 pieces of 4 rows + the stats
-            if (tid < 9) {
-                const uint32_t off = tid * 4 * OROW, len = tid < 8 ? 4 * OROW : XSTAT;
-                bulk_copy_to_cluster(mapa_shared(sbase + SM_RX + off, other), sbase + SM_TX + off, len, mapa_shared(sbase + SM_BAR + 32, other));
-            }
-        } else if (tid == 0) {
-            bulk_copy_to_cluster(mapa_shared(sbase + SM_RX, other), sbase + SM_TX, CHUNK, mapa_shared(sbase + SM_BAR + 32, other));
-        }
-        mbar_wait(sbase + SM_BAR + 32, 0);
-        cluster_arrive();  // this CTA's chunk landed: the other's SM_TX was read
-        if (tracer) g_trace[18] = clock64();
-    }
-    const float* rx = reinterpret_cast<const float*>(smem + SM_RX);
-    float* fac_s = reinterpret_cast<float*>(smem + SM_P);  // f32 [2 splits][64 local heads]
-    const int hb = split * hs, he = min(nh, hb + hs);
-    if (tid < he - hb) {
-        const int h = hb + tid;
-        float mr[2] = {stat_s[h], M_FLOOR}, dr[2] = {stat_s[HB + h], 0.f};
-        if (nsplit > 1) {
-            mr[1] = rx[(HB / 2) * D + tid];
-            dr[1] = rx[(HB / 2) * D + HB / 2 + tid];
-            if (split == 1) {  // split order: r = 0 first
-                const float m0 = mr[0], d0 = dr[0];
-                mr[0] = mr[1], dr[0] = dr[1], mr[1] = m0, dr[1] = d0;
-            }
-        }
-        const float big = fmaxf(M_FLOOR, fmaxf(mr[0], mr[1]));
-        float wsum = 0.f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            if (r < nsplit) wsum = __fadd_rn(wsum, __fmul_rn(expf(mr[r] - big), dr[r]));
-        const float den = __fadd_rn(wsum, expf(reinterpret_cast<const float*>(smem + SM_SINK)[h] - big));
-        const bool ok = den > 0.f && isfinite(den);
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            if (r < nsplit) fac_s[r * HB + tid] = ok ? __fdiv_rn(expf(mr[r] - big), den) : 0.f;
-        p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
-    }
-    if (tracer) g_trace[41] = clock64();
-    compute_sync();
-    if (tracer) g_trace[42] = clock64();
-    unsigned char* outb = smem + (nsplit > 1 ? SM_OUTB2 : 0);
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-        const int h = hg * 16 + g + 8 * hi;
-        if (h < he && h >= hb) {
-            const int row = h - hb;
-            const float fo = fac_s[(nsplit > 1 ? split : 0) * HB + row], fr = nsplit > 1 ? fac_s[other * HB + row] : 0.f;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                const int d0 = wg * 256 + 8 * i + 2 * tq;
-                const float ox = __fmul_rn(acc[4 * i + 2 * hi], fo), oy = __fmul_rn(acc[4 * i + 2 * hi + 1], fo);
-                float x = __fadd_rn(0.f, ox), y = __fadd_rn(0.f, oy);
-                if (nsplit > 1) {  // in split order: (0 + fl(f_0 O_0)) + fl(f_1 O_1)
-                    const float2 v = *reinterpret_cast<const float2*>(smem + SM_RX + sw2k(row, d0 >> 2) + (d0 & 3) * 4);
-                    const float vx = __fmul_rn(v.x, fr), vy = __fmul_rn(v.y, fr);
-                    x = split == 0 ? __fadd_rn(x, vx) : __fadd_rn(__fadd_rn(0.f, vx), ox);
-                    y = split == 0 ? __fadd_rn(y, vy) : __fadd_rn(__fadd_rn(0.f, vy), oy);
-                }
-                if (mode & 1024)  // straight from the fragments (16-byte runs per head row)
-                    *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + d0) = pack_bf16(x, y);
-                else
-                    *reinterpret_cast<uint32_t*>(outb + row * OUTB_STRIDE + d0 * 2) = pack_bf16(x, y);
-            }
-        }
-    }
-    if (tracer) g_trace[43] = clock64();
-    if (!(mode & (256 | 1024))) fence_proxy_async();  // the rows are read by the bulk stores
-    if (!(mode & 1024)) compute_sync();
-    if (tracer) g_trace[19] = clock64();
-    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + hb) * D;
-    if (mode & 1024) {
-    } else if (mode & 256) {  // plain 16-byte stores, a warp per 512 bytes of a row
-        for (int c = tid; c < (he - hb) * 64; c += THREADS)
-            *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(outb + (c >> 6) * OUTB_STRIDE + (c & 63) * 16);
-    } else if (tid < he - hb) {
-        bulk_store_global(orow + tid * D, smem_addr(outb + tid * OUTB_STRIDE), D * 2);
-        bulk_commit_wait_read();
-    }
-    if (nsplit > 1) cluster_wait();  // the other CTA's chunk landed: this CTA's SM_TX may go
-    if (tracer) g_trace[20] = clock64();
 }
 
 // Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
@@ -315,7 +127,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
     // Epilogue: bulk-copy exchange (S <= 2) unless bit 3 asks for the store push.
-    const bool xfer = nsplit <= 2 && !(mode & 8);
+    const bool xfer = nsplit == 1 ? !(mode & 16) : nsplit == 2 && !(mode & 8);
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -776,8 +588,8 @@ void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
     fprintf(stderr, " | bar1 %.2f | merge+push %.2f | bar2 %.2f | store %.2f | total %.2f us", (h[21] - prev) * us, (h[18] - h[21]) * us,
             (h[19] - h[18]) * us, (h[20] - h[19]) * us, (h[20] - h[0]) * us);
     if (h[41] > 0)
-        fprintf(stderr, " (bulk epilogue: factors %.2f, sync %.2f, combine %.2f, fence+sync %.2f)", (h[41] - h[18]) * us,
-                (h[42] - h[41]) * us, (h[43] - h[42]) * us, (h[19] - h[43]) * us);
+        fprintf(stderr, " (bulk epilogue: bar %.2f, factors %.2f, sync %.2f, combine %.2f, sync %.2f)", (h[44] > 0 ? h[44] - h[18] : 0) * us,
+                (h[41] - (h[44] > 0 ? h[44] : h[18])) * us, (h[42] - h[41]) * us, (h[43] - h[42]) * us, (h[19] - h[43]) * us);
     fprintf(stderr, "\n");
 }
 
@@ -847,7 +659,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 0x7fe) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 0x3e) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
