@@ -1,6 +1,6 @@
 // Hopper (sm_90a) PTX primitives of the sparse attention kernel (kernels/sparse_attention.cu):
-// cp.async gathers, proxy / cluster fences, mbarriers, setmaxnreg, programmatic dependent launch,
-// and the wgmma shared-memory descriptors and the two warpgroup products the kernel issues.
+// cp.async gathers, proxy / cluster fences and barriers, mbarriers, TMA bulk copies within a
+// cluster, setmaxnreg, programmatic dependent launch, the wgmma descriptors and products.
 // Thin inline wrappers: each states the PTX it emits; the layouts they assume are described where
 // they are used (the kernel's header comment and its swizzle helpers).
 #pragma once

@@ -55,9 +55,9 @@ static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "parti
 
 // Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
 // (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [23] indices loaded, [1] compaction done,
-// [2 + j] end of tile j (j < 16), [21] first cluster barrier passed, [18] partial tiles pushed
-// and factors merged, [19] second cluster barrier passed, [20] end, [24 + j] tile j's rows
-// arrived (j < 16).
+// [2 + j] end of tile j, [24 + j] its rows arrived (j < 16); S > 2: [21] / [19] first / second
+// cluster barrier passed, [18] partial tiles pushed + factors merged; S <= 2: [21] chunk staged,
+// [18] chunk received, [44] second barrier, [41] / [42] / [43] factors / sync / combine; [20] end.
 constexpr int TRACE_SLOTS = 48;
 __device__ long long g_trace[TRACE_SLOTS];
 

@@ -9,7 +9,7 @@
 //! On CUDA one kernel (`kernels/sparse_attention.cu`, sm_90a): Hopper warpgroup tensor-core
 //! (`wgmma`) Q·Kᵀ and P·V over 64-row tiles that a producer warpgroup gathers with 16-byte
 //! `cp.async` into a two-stage ring, all 64 heads of a token per CTA, and split-KV
-//! over a thread-block cluster (merged through distributed shared memory) when there are too
+//! over a thread-block cluster (merged in the cluster's shared memory) when there are too
 //! few tokens to fill the GPU. On the CPU the crate's reference. They agree within bf16
 //! rounding (the f32 summation orders differ; with splits each split rounds its probabilities
 //! relative to its own running max).
