@@ -221,7 +221,7 @@ fn prefill_problem(dev: &Device, t: usize, pool: Option<usize>) -> Result<Proble
 /// Decode over PACKED rows: the problem's window rows in format A and the pool in format B
 /// (pages of 64 tokens), same indices; bytes counted with the packed row sizes. Prints one row
 /// like [`report`] (no baseline; correctness is tests/cuda_sparse_attention_packed.rs).
-fn report_packed(timer: &Timer, label: &str, pb: &Problem, pool: &(Tensor, PackedLayout), sink: &Tensor) -> Result<()> {
+fn report_packed(timer: &Timer, args: &Args, label: &str, pb: &Problem, pool: &(Tensor, PackedLayout), sink: &Tensor) -> Result<()> {
     let scale = (HEAD_DIM as f32).powf(-0.5);
     let a = PackedLayout::new(QatFormat::Fp8Ue8m0B32, HEAD_DIM, 64)?;
     let win = a.pack(&pb.kvw)?;
@@ -239,6 +239,13 @@ fn report_packed(timer: &Timer, label: &str, pb: &Problem, pool: &(Tensor, Packe
         inputs.forward(opts)?;
         Ok(())
     })?;
+    if args.trace {
+        eprint!("{label}: ");
+        std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
+        let r = inputs.forward(opts);
+        std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
+        r?;
+    }
     let b = pb.q.dim(0)?;
     let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + b * (WINDOW * a.row_bytes() + TOPK * pool.1.row_bytes())) as f64;
     let gbps = gbps(bytes, t);
@@ -345,7 +352,7 @@ fn main() -> Result<()> {
         let packed_pool = (b_fmt.pack(&pool)?, b_fmt);
         for b in [1usize, 64, 256] {
             let pb = decode_problem(&dev, &pool, b)?;
-            report_packed(&timer, &format!("decode B={b} packed"), &pb, &packed_pool, &sink)?;
+            report_packed(&timer, &args, &format!("decode B={b} packed"), &pb, &packed_pool, &sink)?;
         }
     }
     // Sanity: the default entry point agrees with the explicit one (same launcher choice).
