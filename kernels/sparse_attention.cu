@@ -302,9 +302,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     if (!compute) {
         // 2p. Producer warpgroup: tile j -> stage j & 1 once the compute warps released it (tile
         // j - 2 consumed). bf16 rows only: this thread's arrival on the stage's full barrier fires
-        // when its copies have landed (no waiting here). With a packed source the thread keeps
-        // two tiles' copies in flight, waits for the older, expands its packed slots to bf16 in
-        // place (dsv41_attn_rows.cuh) and then arrives. Rows past the tile's end are zero-filled.
+        // when its copies have landed (no waiting here). With a packed source the thread waits
+        // for its copies, expands its packed slots to bf16 in place (dsv41_attn_rows.cuh) and
+        // then arrives. Rows past the tile's end are zero-filled.
         setmaxnreg_dec<PROD_REGS>();
         const int gr = (tid - THREADS) >> 3, q = tid & 7;
         const dsv41_rows::RowSource win{static_cast<const unsigned char*>(p.kv_window), p.window_format, p.window_page_size};
@@ -313,65 +313,43 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         auto copy16 = [&](uint32_t dst, const void* src) {
             if (!skip_gather) cp_async16_l2(dst, src, true);
         };
-        // Format of this thread's row lr of tile j (bf16 for rows past the tile's end).
-        auto row_format = [&](int j, int lr, uint32_t& e) {
-            const int r = lr * 16 + gr;
-            const bool ok = r < min(BLK, nrows - j * BLK);
-            e = ok ? ent_s[j * BLK + r] : 0u;
-            return ok ? ((e >> 31) ? ext.format : win.format) : DSV41_KV_BF16;
-        };
-        // Issues tile j's copies into stage j & 1 (packed rows: their raw bytes).
-        auto issue = [&](int j) {
-            const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
+        for (int j = 0; j < ntiles; ++j) {
+            const int st = j & 1;
+            if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
+            const int base = j * BLK;
+            const int nb = min(BLK, nrows - base);
+            const uint32_t dst = sbase + SM_K + st * TILEB;
+            int fmt[4];
 #pragma unroll
             for (int lr = 0; lr < 4; ++lr) {
                 const int r = lr * 16 + gr;
-                uint32_t e;
-                const int fmt = row_format(j, lr, e);
-                if (fmt != DSV41_KV_BF16) {
-                    dsv41_rows::copy_packed_row((e >> 31) ? ext : win, e & 0x7fffffffu, dst, r, q, copy16);
+                const bool ok = r < nb;
+                const uint32_t e = ok ? ent_s[base + r] : 0u;
+                const bool extra = e >> 31;
+                fmt[lr] = ok ? (extra ? ext.format : win.format) : DSV41_KV_BF16;
+                if (fmt[lr] != DSV41_KV_BF16) {
+                    dsv41_rows::copy_packed_row(extra ? ext : win, e & 0x7fffffffu, dst, r, q, copy16);
                     continue;
                 }
-                const bool ok = r < min(BLK, nrows - j * BLK);
                 const __nv_bfloat16* src = ok ? row_ptr(p, e) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
 #pragma unroll
                 for (int pl = 0; pl < D / 64; ++pl)
                     if (!skip_gather) cp_async16_l2(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
             }
-        };
-        if (!any_packed) {
-            for (int j = 0; j < ntiles; ++j) {
-                if (j >= 2) mbar_wait(bar_empty + 8 * (j & 1), ((j >> 1) - 1) & 1);
-                issue(j);
-                cp_async_mbar_arrive(bar_full + 8 * (j & 1));
+            if (!any_packed) {
+                cp_async_mbar_arrive(bar_full + 8 * st);
+                continue;
             }
-        } else {
-            // Tiles j and j + 1 in flight: expand tile j once its copies landed (wait_group 1
-            // leaves tile j + 1's group pending), hand it over, then refill its stage with tile
-            // j + 2 as soon as the compute warps release it.
-            for (int j = 0; j < min(2, ntiles); ++j) {
-                issue(j);
-                cp_async_commit();
-            }
-            for (int j = 0; j < ntiles; ++j) {
-                if (j + 1 < ntiles) cp_async_wait_group<1>();
-                else cp_async_wait_all();
-                __syncwarp();  // the 8 threads of a row copied its chunks
-                const uint32_t dst = sbase + SM_K + (j & 1) * TILEB;
+            // (Measured slower, session 4 lead run 2: a second tile's copies in flight together
+            // with bank-spread raw chunk positions, 44 / 155 us instead of 41 / 131 us at decode
+            // B = 64 / 256: the refilled stage frees only after the compute warps' previous
+            // tile, which put the expansion on their critical path.)
+            cp_async_wait_all();
+            __syncwarp();  // the 8 threads of a row copied its chunks
 #pragma unroll
-                for (int lr = 0; lr < 4; ++lr) {
-                    uint32_t e;
-                    const int fmt = row_format(j, lr, e);
-                    dsv41_rows::expand_packed_slot(fmt, fmt != DSV41_KV_BF16, dst, lr * 16 + gr, q);
-                }
-                fence_proxy_async();  // the expanded rows are read by wgmma
-                mbar_arrive(bar_full + 8 * (j & 1));
-                if (j + 2 < ntiles) {
-                    mbar_wait(bar_empty + 8 * (j & 1), (j >> 1) & 1);
-                    issue(j + 2);
-                    cp_async_commit();
-                }
-            }
+            for (int lr = 0; lr < 4; ++lr) dsv41_rows::expand_packed_slot(fmt[lr], fmt[lr] != DSV41_KV_BF16, dst, lr * 16 + gr, q);
+            fence_proxy_async();  // the expanded rows are read by wgmma
+            mbar_arrive(bar_full + 8 * st);
         }
         // The epilogue's cluster barriers count every thread of the cluster.
         if (nsplit > 1) {

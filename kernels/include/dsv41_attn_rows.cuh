@@ -18,15 +18,12 @@
 //
 // In-place expansion (no staging buffer: the kernel's shared memory is full). A 64-row stage
 // tile is 8 planes x 64 rows x 128 bytes (bf16 dims 64p .. 64p + 63 of row r in slot (r, p),
-// eight 16-byte chunk positions, swizzled). The producer copies row r's packed codes for plane
-// p into one half of slot (r, p) (64 e4m3 bytes for A = 4 chunks, 32 code bytes for B = 2
-// chunks; chunk s at position raw_pos(r, p, s)) and the row's scale bytes (A: 1 chunk, B: 2)
-// into the other half of slot (r, 0); once the copies have landed, the thread owning slot
-// (r, p) reads its codes and the two (A) / four (B) scale bytes it needs, the 8 threads of row
-// r synchronise (slot (r, 0)'s scales are overwritten by its owner), and each writes its 8 bf16
-// chunks into its own slot. A slot's writer is its only reader of codes. raw_pos spreads the
-// chunks so that the copies of one warp instruction (4 rows x 8 threads) and the code reads of
-// the expansion (4 rows x 8 planes) fall on distinct bank groups.
+// 16-byte chunks swizzled). The producer copies row r's packed codes for plane p into the
+// upper half of slot (r, p) (bytes 64..127: 64 e4m3 bytes for A, 32 code bytes for B) and the
+// row's scale bytes into bytes 0..31 of slot (r, 0); once the copies have landed, the thread
+// owning slot (r, p) reads its codes and the two (A) / four (B) scale bytes it needs, the 8
+// threads of row r synchronise (slot (r, 0)'s scales are overwritten by its owner), and each
+// writes its 8 bf16 chunks into its own slot. A slot's writer is its only reader of codes.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -104,11 +101,6 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
     return v;
 }
 
-// Chunk position (0..7) of raw code chunk s of plane p of row r in slot (r, p); the scales of
-// row r take positions scale_pos(r) + 0, 1 of slot (r, 0) (the half plane 0's codes leave free).
-__device__ __forceinline__ int raw_pos(int r, int p, int s) { return (s ^ ((p >> 1) & 3)) + 4 * ((r + p) & 1); }
-__device__ __forceinline__ int scale_pos(int r) { return 4 * (~r & 1); }
-
 // Issues the cp.async copies of packed row `row` into stage tile `tile` (row r of the tile):
 // the 8 threads q = 0..7 of the row's group share the work. Codes of plane p go to the upper
 // half of slot (r, p), the row's scales to the start of slot (r, 0).
@@ -117,42 +109,41 @@ __device__ __forceinline__ void copy_packed_row(const RowSource& s, uint32_t row
     const unsigned char *data, *scales;
     packed_row(s, row, data, scales);
     const uint32_t slot0 = tile + r * 128;
-    const uint32_t sc = slot0 + scale_pos(r) * 16;
     if (s.format == DSV41_KV_PACKED_A) {
-        // 32 chunks of 16 codes: chunk k -> plane k / 4, s = k % 4.
+        // 32 chunks of 16 codes: chunk k -> plane k / 4, quarter k % 4.
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int k = q + 8 * i, p = k >> 2;
-            copy16(slot0 + p * PLANE_BYTES + raw_pos(r, p, k & 3) * 16, data + 16 * k);
+            const int k = q + 8 * i;
+            copy16(slot0 + (k >> 2) * PLANE_BYTES + 64 + (k & 3) * 16, data + 16 * k);
         }
-        if (q == 0) copy16(sc, scales);
+        if (q == 0) copy16(slot0, scales);
     } else {
-        // 16 chunks of 32 codes: chunk k -> plane k / 2, s = k % 2.
+        // 16 chunks of 32 codes: chunk k -> plane k / 2, half k % 2.
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const int k = q + 8 * i, p = k >> 1;
-            copy16(slot0 + p * PLANE_BYTES + raw_pos(r, p, k & 1) * 16, data + 16 * k);
+            const int k = q + 8 * i;
+            copy16(slot0 + (k >> 1) * PLANE_BYTES + 64 + (k & 1) * 16, data + 16 * k);
         }
-        if (q < 2) copy16(sc + 16 * q, scales + 16 * q);
+        if (q < 2) copy16(slot0 + 16 * q, scales + 16 * q);
     }
 }
 
 // Expands slot (r, p = q) of a stage tile whose packed copies have landed. Every thread of the
 // warp calls it (`active` false: nothing to expand, it only joins the warp synchronisation).
 __device__ __forceinline__ void expand_packed_slot(int format, bool active, uint32_t tile, int r, int q) {
-    const uint32_t slot = tile + q * PLANE_BYTES + r * 128, sc0 = tile + r * 128 + scale_pos(r) * 16;
+    const uint32_t slot = tile + q * PLANE_BYTES + r * 128, slot0 = tile + r * 128;
     uint4 c0 = make_uint4(0, 0, 0, 0), c1 = c0, c2 = c0, c3 = c0;
     uint32_t sc = 0;
     if (active) {
         if (format == DSV41_KV_PACKED_A) {
-            sc = ld_shared_u32(sc0 + ((2 * q) & ~3)) >> (16 * (q & 1));  // scale bytes 2q, 2q + 1
-            c2 = ld_shared_v4(slot + raw_pos(r, q, 2) * 16);
-            c3 = ld_shared_v4(slot + raw_pos(r, q, 3) * 16);
+            sc = ld_shared_u32(slot0 + ((2 * q) & ~3)) >> (16 * (q & 1));  // scale bytes 2q, 2q + 1
+            c2 = ld_shared_v4(slot + 64 + 32);
+            c3 = ld_shared_v4(slot + 64 + 48);
         } else {
-            sc = ld_shared_u32(sc0 + 4 * q);  // scale bytes 4q .. 4q + 3
+            sc = ld_shared_u32(slot0 + 4 * q);  // scale bytes 4q .. 4q + 3
         }
-        c0 = ld_shared_v4(slot + raw_pos(r, q, 0) * 16);
-        c1 = ld_shared_v4(slot + raw_pos(r, q, 1) * 16);
+        c0 = ld_shared_v4(slot + 64);
+        c1 = ld_shared_v4(slot + 64 + 16);
     }
     __syncwarp();  // all scale bytes of the row read before slot (r, 0) is overwritten
     if (!active) return;
