@@ -353,10 +353,6 @@ fn main() -> Result<()> {
         for b in [1usize, 64, 256] {
             let pb = decode_problem(&dev, &pool, b)?;
             report_packed(&timer, &args, &format!("decode B={b} packed"), &pb, &packed_pool, &sink)?;
-            std::env::set_var("DSV41_SPARSE_ATTENTION_PRODUCER_EXPANDS", "1");
-            let r = report_packed(&timer, &args, &format!("decode B={b} packed/prod"), &pb, &packed_pool, &sink);
-            std::env::remove_var("DSV41_SPARSE_ATTENTION_PRODUCER_EXPANDS");
-            r?;
         }
     }
     // Sanity: the default entry point agrees with the explicit one (same launcher choice).

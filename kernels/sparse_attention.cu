@@ -177,8 +177,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     const int nh = min(HB, p.num_heads - h0);
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
-    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4, producer_expands = mode & 8;
-    const bool any_packed = p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16;
+    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -310,6 +309,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         const int gr = (tid - THREADS) >> 3, q = tid & 7;
         const dsv41_rows::RowSource win{static_cast<const unsigned char*>(p.kv_window), p.window_format, p.window_page_size};
         const dsv41_rows::RowSource ext{static_cast<const unsigned char*>(p.kv_extra), p.extra_format, p.extra_page_size};
+        const bool any_packed = p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16;
         auto copy16 = [&](uint32_t dst, const void* src) {
             if (!skip_gather) cp_async16_l2(dst, src, true);
         };
@@ -336,14 +336,15 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
                 for (int pl = 0; pl < D / 64; ++pl)
                     if (!skip_gather) cp_async16_l2(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
             }
-            if (!any_packed || !producer_expands) {
+            if (!any_packed) {
                 cp_async_mbar_arrive(bar_full + 8 * st);
                 continue;
             }
             // (Measured slower, session 4 lead run 2: a second tile's copies in flight together
             // with bank-spread raw chunk positions, 44 / 155 us instead of 41 / 131 us at decode
             // B = 64 / 256: the refilled stage frees only after the compute warps' previous
-            // tile, which put the expansion on their critical path.)
+            // tile, which put the expansion on their critical path. Lead run 3: the compute
+            // warps expanding the tile after their wait, 42.6 / 139.8 us instead of 40.6 / 130.3.)
             cp_async_wait_all();
             __syncwarp();  // the 8 threads of a row copied its chunks
 #pragma unroll
@@ -378,19 +379,6 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     for (int j = 0; j < ntiles; ++j) {
         mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
         if (j == 0) cp_async_wait_all();  // this thread's q copies
-        if (any_packed && !producer_expands) {
-            // Packed rows of this tile: the raw bytes have landed; the 256 compute threads
-            // expand them in place (8 threads per row, rows tid / 8 and tid / 8 + 32).
-            const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
-            const int nbj = min(BLK, nrows - j * BLK);
-#pragma unroll
-            for (int pass = 0; pass < 2; ++pass) {
-                const int r = pass * 32 + (tid >> 3);
-                const uint32_t e = r < nbj ? ent_s[j * BLK + r] : 0u;
-                const int fmt = r < nbj ? ((e >> 31) ? p.extra_format : p.window_format) : DSV41_KV_BF16;
-                dsv41_rows::expand_packed_slot(fmt, fmt != DSV41_KV_BF16, kt, r, tid & 7);
-            }
-        }
         fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
         compute_sync();
         if (j < 16) stamp(24 + j);
@@ -741,8 +729,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const char* px = getenv("DSV41_SPARSE_ATTENTION_PRODUCER_EXPANDS");
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (px && px[0] == '1' ? 8 : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
