@@ -20,6 +20,9 @@
 //! plain Candle ops on the same GPU (`index_select` gather, bf16 `matmul`, f32 softmax, `matmul`;
 //! no sink), for the decode sizes and prefill T = 4096 (larger T does not fit its gathers).
 //!
+//! * Decode over packed rows (`KvRows::Packed`: 528 B window rows, 288 B compressed rows,
+//!   dequantized in the kernel), B = 1, 64, 256: GB/s counted with the packed row sizes.
+//!
 //! Run: `cargo run --release --features cuda --example bench_sparse_attention` (needs a GPU).
 
 use std::time::Instant;
@@ -28,7 +31,11 @@ use anyhow::Result;
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use deepseek_v41::cuda::{sparse_attention_two_source, sparse_attention_two_source_with, SparseAttentionOptions};
+use deepseek_v41::cuda::{
+    sparse_attention_two_source, sparse_attention_two_source_with, KvRows, PackedLayout, SparseAttentionInputs,
+    SparseAttentionOptions,
+};
+use deepseek_v41::quant::QatFormat;
 
 #[path = "support/bench.rs"]
 mod bench;
@@ -47,6 +54,9 @@ struct Args {
     /// Skip the prefill sizes.
     #[arg(long)]
     no_prefill: bool,
+    /// Skip the decode cases over packed rows (528 B window rows, 288 B compressed rows).
+    #[arg(long)]
+    no_packed: bool,
     /// Print the kernel's phase trace (CTA 0) once per case (DSV41_SPARSE_ATTENTION_TRACE).
     #[arg(long)]
     trace: bool,
@@ -208,6 +218,50 @@ fn prefill_problem(dev: &Device, t: usize, pool: Option<usize>) -> Result<Proble
     Ok(Problem { q, kvw, iw_base, iw, kvc, ic, rows, bytes })
 }
 
+/// Decode over PACKED rows: the problem's window rows in format A and the pool in format B
+/// (pages of 64 tokens), same indices; bytes counted with the packed row sizes. Prints one row
+/// like [`report`] (no baseline; correctness is tests/cuda_sparse_attention_packed.rs).
+fn report_packed(timer: &Timer, args: &Args, label: &str, pb: &Problem, pool: &(Tensor, PackedLayout), sink: &Tensor) -> Result<()> {
+    let scale = (HEAD_DIM as f32).powf(-0.5);
+    let a = PackedLayout::new(QatFormat::Fp8Ue8m0B32, HEAD_DIM, 64)?;
+    let win = a.pack(&pb.kvw)?;
+    let inputs = SparseAttentionInputs {
+        q: &pb.q,
+        window: KvRows::Packed(&win, a),
+        idx_window: &pb.iw,
+        extra: KvRows::Packed(&pool.0, pool.1),
+        idx_extra: &pb.ic,
+        sink,
+        scale,
+    };
+    let opts = SparseAttentionOptions::default();
+    let (t, host) = timer.time(|| {
+        inputs.forward(opts)?;
+        Ok(())
+    })?;
+    if args.trace {
+        eprint!("{label}: ");
+        std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
+        let r = inputs.forward(opts);
+        std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
+        r?;
+    }
+    let b = pb.q.dim(0)?;
+    let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + b * (WINDOW * a.row_bytes() + TOPK * pool.1.row_bytes())) as f64;
+    let gbps = gbps(bytes, t);
+    let tflops = tflops((4 * HEADS * HEAD_DIM * pb.rows) as f64, t);
+    println!(
+        "{label:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}%",
+        t * 1e3,
+        host * 1e3,
+        gbps,
+        100.0 * gbps / HBM_READ_GBPS,
+        tflops,
+        100.0 * tflops / BF16_TFLOPS
+    );
+    Ok(())
+}
+
 fn report(
     timer: &Timer,
     args: &Args,
@@ -289,6 +343,16 @@ fn main() -> Result<()> {
             for s in [1usize, 2, 3, 4] {
                 report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, Some(s), false)?;
             }
+        }
+    }
+    if !args.no_packed {
+        // The same decode problems over packed rows (the pool dequantized to bf16 is another
+        // pool, so the bf16 figures above are the comparison, not a bit-exact reference).
+        let b_fmt = PackedLayout::new(QatFormat::Fp4E4m3B16, HEAD_DIM, 64)?;
+        let packed_pool = (b_fmt.pack(&pool)?, b_fmt);
+        for b in [1usize, 64, 256] {
+            let pb = decode_problem(&dev, &pool, b)?;
+            report_packed(&timer, &args, &format!("decode B={b} packed"), &pb, &packed_pool, &sink)?;
         }
     }
     // Sanity: the default entry point agrees with the explicit one (same launcher choice).

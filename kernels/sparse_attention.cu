@@ -82,6 +82,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <utility>
+
+#include "include/dsv41_attn_rows.cuh"
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_sparse_attention.h"
 #include "include/dsv41_sparse_attention_epilogue.cuh"
@@ -257,26 +260,56 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
 
     if (!compute) {
         // 2p. Producer warpgroup: tile j -> stage j & 1 once the compute warps released it (tile
-        // j - 2 consumed); this thread's arrival on the stage's full barrier fires when its
-        // copies have landed (no waiting here). Rows past the tile's end are zero-filled.
+        // j - 2 consumed). bf16 rows only: this thread's arrival on the stage's full barrier fires
+        // when its copies have landed (no waiting here). With a packed source the thread waits
+        // for its copies, expands its packed slots to bf16 in place (dsv41_attn_rows.cuh) and
+        // then arrives. Rows past the tile's end are zero-filled.
         setmaxnreg_dec<PROD_REGS>();
         const int gr = (tid - THREADS) >> 3, q = tid & 7;
+        const dsv41_rows::RowSource win{static_cast<const unsigned char*>(p.kv_window), p.window_format, p.window_page_size};
+        const dsv41_rows::RowSource ext{static_cast<const unsigned char*>(p.kv_extra), p.extra_format, p.extra_page_size};
+        const bool any_packed = p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16;
+        auto copy16 = [&](uint32_t dst, const void* src) {
+            if (!skip_gather) cp_async16_l2(dst, src, true);
+        };
         for (int j = 0; j < ntiles; ++j) {
             const int st = j & 1;
             if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
             const int base = j * BLK;
             const int nb = min(BLK, nrows - base);
             const uint32_t dst = sbase + SM_K + st * TILEB;
+            int fmt[4];
 #pragma unroll
             for (int lr = 0; lr < 4; ++lr) {
                 const int r = lr * 16 + gr;
                 const bool ok = r < nb;
-                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[base + r]) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
+                const uint32_t e = ok ? ent_s[base + r] : 0u;
+                const bool extra = e >> 31;
+                fmt[lr] = ok ? (extra ? ext.format : win.format) : DSV41_KV_BF16;
+                if (fmt[lr] != DSV41_KV_BF16) {
+                    dsv41_rows::copy_packed_row(extra ? ext : win, e & 0x7fffffffu, dst, r, q, copy16);
+                    continue;
+                }
+                const __nv_bfloat16* src = ok ? row_ptr(p, e) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
 #pragma unroll
                 for (int pl = 0; pl < D / 64; ++pl)
                     if (!skip_gather) cp_async16_l2(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
             }
-            cp_async_mbar_arrive(bar_full + 8 * st);
+            if (!any_packed) {
+                cp_async_mbar_arrive(bar_full + 8 * st);
+                continue;
+            }
+            // (Measured slower, session 4 lead run 2: a second tile's copies in flight together
+            // with bank-spread raw chunk positions, 44 / 155 us instead of 41 / 131 us at decode
+            // B = 64 / 256: the refilled stage frees only after the compute warps' previous
+            // tile, which put the expansion on their critical path. Lead run 3: the compute
+            // warps expanding the tile after their wait, 42.6 / 139.8 us instead of 40.6 / 130.3.)
+            cp_async_wait_all();
+            __syncwarp();  // the 8 threads of a row copied its chunks
+#pragma unroll
+            for (int lr = 0; lr < 4; ++lr) dsv41_rows::expand_packed_slot(fmt[lr], fmt[lr] != DSV41_KV_BF16, dst, lr * 16 + gr, q);
+            fence_proxy_async();  // the expanded rows are read by wgmma
+            mbar_arrive(bar_full + 8 * st);
         }
         // The epilogue's cluster barriers count every thread of the cluster.
         if (nsplit > 1) {
@@ -608,10 +641,17 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (!p->q || !p->sink || !p->out || !p->lse || (p->kw > 0 && (!p->kv_window || !p->idx_window)) ||
         (p->kc > 0 && (!p->kv_extra || !p->idx_extra)))
         return DSV41_ERR_NULL;
-    // 16-byte row loads: every row start must be 8-element aligned.
+    // Source formats; packed pages: a positive page size whose page holds all its slots' rows.
+    for (const auto& [fmt, page] : {std::pair<int, int>{p->window_format, p->window_page_size}, {p->extra_format, p->extra_page_size}}) {
+        if (fmt != DSV41_KV_BF16 && fmt != DSV41_KV_PACKED_A && fmt != DSV41_KV_PACKED_B) return DSV41_ERR_QUANT;
+        if (fmt != DSV41_KV_BF16 && page <= 0) return DSV41_ERR_SHAPE;
+    }
+    // 16-byte row loads: every bf16 row start must be 8-element aligned; packed pages 16-byte
+    // aligned (row and scale offsets are multiples of 16 bytes for 528 / 288 B rows).
+    auto src_aligned = [](const void* base, int fmt, int64_t stride) { return aligned16(base) && (fmt != DSV41_KV_BF16 || stride % 8 == 0); };
     if (!aligned16(p->q) || p->q_token_stride % 8 || p->q_head_stride % 8 || !aligned16(p->out) ||
-        (p->kw > 0 && (!aligned16(p->kv_window) || p->window_row_stride % 8)) ||
-        (p->kc > 0 && (!aligned16(p->kv_extra) || p->extra_row_stride % 8)))
+        (p->kw > 0 && !src_aligned(p->kv_window, p->window_format, p->window_row_stride)) ||
+        (p->kc > 0 && !src_aligned(p->kv_extra, p->extra_format, p->extra_row_stride)))
         return DSV41_ERR_ALIGNMENT;
     const int ktot = p->kw + p->kc;
     const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);

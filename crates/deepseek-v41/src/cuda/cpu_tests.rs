@@ -77,3 +77,44 @@ fn q_rope_in_place_equals_out_of_place() -> Result<()> {
     assert_eq!(u16s(&q2)?, u16s(&out)?);
     Ok(())
 }
+
+#[test]
+fn packed_layout_pack_then_unpack_is_the_fake_quant() -> Result<()> {
+    // 11 rows over pages of 8 / 4 tokens (the last page part-filled), formats A and B.
+    for (fmt, page, pages) in [(QatFormat::Fp8Ue8m0B32, 8, 2), (QatFormat::Fp4E4m3B16, 4, 3)] {
+        let layout = super::PackedLayout::new(fmt, 64, page)?;
+        let x = rows(11, 64, 0.25)?;
+        let cache = layout.pack(&x)?;
+        assert_eq!(cache.dims(), [pages, layout.page_bytes()]);
+        let slots: Vec<usize> = (0..11).collect();
+        let back = layout.unpack(&cache, &slots)?.to_dtype(DType::BF16)?;
+        assert_eq!(u16s(&back)?, u16s(&fake_quant(&x, fmt)?)?, "{fmt}");
+        assert!(layout.pack(&rows(2, 32, 0.0)?).is_err(), "a row width other than head_dim must be refused");
+    }
+    Ok(())
+}
+
+#[test]
+fn sparse_attention_over_packed_rows_equals_the_dequantized_rows_on_the_cpu() -> Result<()> {
+    use super::{KvRows, PackedLayout, SparseAttentionInputs, SparseAttentionOptions};
+    let (a, b) = (PackedLayout::new(QatFormat::Fp8Ue8m0B32, 64, 8)?, PackedLayout::new(QatFormat::Fp4E4m3B16, 64, 4)?);
+    let (kw, kc) = (rows(7, 64, 1.5)?, rows(12, 64, 2.5)?);
+    let (pw, pc) = (a.pack(&kw)?, b.pack(&kc)?);
+    let q = rows(2 * 4, 64, 3.5)?.reshape((2, 4, 64))?;
+    let iw = Tensor::new(&[[0i64, 6, -1], [2, 2, 5]], &Device::Cpu)?;
+    let ic = Tensor::new(&[[11i64, -1], [0, 3]], &Device::Cpu)?;
+    let sink = Tensor::new(&[0.5f32, f32::NEG_INFINITY, -1.0, 2.0], &Device::Cpu)?;
+    let run = |window, extra| {
+        SparseAttentionInputs { q: &q, window, idx_window: &iw, extra, idx_extra: &ic, sink: &sink, scale: 0.125 }
+            .forward(SparseAttentionOptions::default())
+    };
+    let (packed, _) = run(KvRows::Packed(&pw, a), KvRows::Packed(&pc, b))?;
+    let (dw, dc) = (fake_quant(&kw, a.format())?, fake_quant(&kc, b.format())?);
+    let (plain, _) = run(KvRows::Bf16(&dw), KvRows::Bf16(&dc))?;
+    assert_eq!(u16s(&packed)?, u16s(&plain)?);
+    // Index-key rows (format E) are not attention rows.
+    let e = PackedLayout::new(QatFormat::Fp4Ue8m0B32, 64, 8)?;
+    let err = run(KvRows::Packed(&e.zeros(1, &Device::Cpu)?, e), KvRows::Bf16(&dc)).unwrap_err().to_string();
+    assert!(err.contains("window") && err.contains("format A"), "{err}");
+    Ok(())
+}

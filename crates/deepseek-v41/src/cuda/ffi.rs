@@ -134,7 +134,22 @@ pub(crate) struct SparseAttentionParams {
     pub scale: f32,
     /// KV splits per token (1..=8, one thread-block cluster); 0 = chosen by the launcher.
     pub num_splits: i32,
+    /// Row storage of `kv_window`: [`KV_BF16`], [`KV_PACKED_A`] or [`KV_PACKED_B`].
+    pub window_format: i32,
+    /// Row storage of `kv_extra`.
+    pub extra_format: i32,
+    /// Tokens per page of a packed `kv_window` (ignored for bf16 rows).
+    pub window_page_size: i32,
+    /// Tokens per page of a packed `kv_extra`.
+    pub extra_page_size: i32,
 }
+
+/// `DSV41_KV_BF16`: bf16 rows.
+pub(crate) const KV_BF16: i32 = 0;
+/// `DSV41_KV_PACKED_A`: 528 B window rows (e4m3 + UE8M0 per 32).
+pub(crate) const KV_PACKED_A: i32 = 1;
+/// `DSV41_KV_PACKED_B`: 288 B compressed rows (e2m1 pairs + e4m3 per 16).
+pub(crate) const KV_PACKED_B: i32 = 2;
 
 extern "C" {
     pub(crate) fn dsv41_sparse_attention(

@@ -106,6 +106,27 @@ impl PackedLayout {
         )
     }
 
+    /// Packs `rows` (`[N, D]`, any float dtype, any device) into a new cache of
+    /// `ceil(N / page_size)` pages on `rows`' device, row i at slot i (the slots past N zeroed),
+    /// with [`crate::quant::packed::pack_row`] on the CPU: the reference packing of whole rows
+    /// (no RoPE or norm; [`packed_insert`] is the fused insert).
+    pub fn pack(&self, rows: &Tensor) -> Result<Tensor> {
+        let (n, d) = rows.dims2()?;
+        if d != self.head_dim {
+            candle_core::bail!("PackedLayout::pack: rows {:?} are not {} wide", rows.shape(), self.head_dim)
+        }
+        let pages = n.div_ceil(self.page_size);
+        let mut bytes = vec![0u8; pages * self.page_bytes()];
+        let values = rows.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        for (slot, row) in values.iter().enumerate() {
+            let (data, scales) = pack_row(self.format, row)?;
+            let (d0, s0) = self.offsets(slot);
+            bytes[d0..d0 + data.len()].copy_from_slice(&data);
+            bytes[s0..s0 + scales.len()].copy_from_slice(&scales);
+        }
+        Tensor::from_vec(bytes, (pages, self.page_bytes()), &Device::Cpu)?.to_device(rows.device())
+    }
+
     /// Dequantizes the rows at `slots` of a packed cache (`[pages, page_bytes]` u8, any device)
     /// into `[slots.len(), D]` f32 on the CPU, with [`crate::quant::packed::unpack_row`].
     pub fn unpack(&self, cache: &Tensor, slots: &[usize]) -> Result<Tensor> {
@@ -130,7 +151,7 @@ impl PackedLayout {
         Tensor::from_vec(out, (slots.len(), self.head_dim), &Device::Cpu)
     }
 
-    fn check_cache(&self, cache: &Tensor, op: &str) -> Result<usize> {
+    pub(crate) fn check_cache(&self, cache: &Tensor, op: &str) -> Result<usize> {
         if cache.dtype() != DType::U8
             || cache.rank() != 2
             || cache.dim(1)? != self.page_bytes()

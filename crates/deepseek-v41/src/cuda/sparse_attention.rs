@@ -21,9 +21,13 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Result, Storage, Tensor};
 use half::bf16;
 
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, SyncOnDrop};
+
 use super::device::{aligned_rows, as_cuda, raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
+use super::packed_insert::PackedLayout;
 use crate::attention::sparse_attention::sparse_attention_ref;
+use crate::quant::fake_quant::QatFormat;
 
 /// Row width the CUDA kernel supports (V4's head dim).
 pub const SPARSE_ATTENTION_HEAD_DIM: usize = 512;
@@ -43,17 +47,189 @@ pub struct SparseAttentionOptions {
     pub num_splits: Option<usize>,
 }
 
-/// Sparse attention over `[kv_window rows ; kv_extra rows]`; returns `(out, lse)`.
+/// How one KV source of the sparse attention stores its rows.
+#[derive(Debug, Clone, Copy)]
+pub enum KvRows<'a> {
+    /// `[N, D]` bf16 rows.
+    Bf16(&'a Tensor),
+    /// A packed cache (spec §7.2) `[pages, layout.page_bytes()]` u8 in format A (528 B window
+    /// rows, [`QatFormat::Fp8Ue8m0B32`]) or B (288 B compressed rows, [`QatFormat::Fp4E4m3B16`]),
+    /// `D = layout.head_dim()`; its `N = pages · page_size` slots are the rows. The kernel
+    /// dequantizes the gathered rows exactly, so the result equals that over the bf16 rows the
+    /// bf16 inserts store.
+    Packed(&'a Tensor, PackedLayout),
+}
+
+impl KvRows<'_> {
+    /// Number of rows (slots) `N`.
+    pub fn num_rows(&self) -> Result<usize> {
+        match self {
+            Self::Bf16(t) => t.dim(0),
+            Self::Packed(t, l) => Ok(t.dim(0)? * l.page_size()),
+        }
+    }
+
+    fn device(&self) -> &Device {
+        match self {
+            Self::Bf16(t) | Self::Packed(t, _) => t.device(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::Bf16(t) => format!("{:?} {:?}", t.dtype(), t.shape()),
+            Self::Packed(t, l) => format!("packed {:?} {:?} {l:?}", t.dtype(), t.shape()),
+        }
+    }
+
+    /// Checks the storage for rows of `d` values; `name` names the argument in errors.
+    fn check(&self, name: &str, d: usize) -> Result<()> {
+        const OP: &str = "sparse_attention";
+        match self {
+            Self::Bf16(t) => {
+                if t.rank() != 2 || t.dim(1)? != d || t.dtype() != DType::BF16 {
+                    candle_core::bail!("{OP}: {name} must be [N, {d}] bf16 rows, got {}", self.describe())
+                }
+            }
+            Self::Packed(t, l) => {
+                if !matches!(l.format(), QatFormat::Fp8Ue8m0B32 | QatFormat::Fp4E4m3B16) || l.head_dim() != d {
+                    candle_core::bail!(
+                        "{OP}: {name} must be packed in format A (fp8_ue8m0_b32) or B (fp4_e4m3_b16) with head_dim {d}, got {l:?}"
+                    )
+                }
+                l.check_cache(t, &format!("{OP}: {name}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows as a bf16 `[N, D]` tensor on the source's device (packed: dequantized on the
+    /// CPU with [`PackedLayout::unpack`], the reference).
+    fn to_bf16(self) -> Result<Tensor> {
+        match self {
+            Self::Bf16(t) => Ok(t.clone()),
+            Self::Packed(t, l) => {
+                let slots: Vec<usize> = (0..self.num_rows()?).collect();
+                l.unpack(t, &slots)?.to_dtype(DType::BF16)?.to_device(t.device())
+            }
+        }
+    }
+}
+
+/// The tensors of one sparse attention call: token t attends to the valid rows of
+/// `[window[idx_window[t]] ; extra[idx_extra[t]]]`.
+///
+/// * `q`: `[T, H, D]` bf16 (D = 512 on CUDA).
+/// * `window`, `extra`: the two [`KvRows`] sources (K = V = the row).
+/// * `idx_window`: `[T, Kw]` i64 or i32, −1 = none; `idx_extra`: `[T, Kc]`, same dtype.
+/// * `sink`: `[H]` f32 logit added to the denominator only (−inf = no sink).
+/// * `scale`: multiplies `q·k` (not the sink), usually `D^-0.5`.
+#[derive(Debug, Clone, Copy)]
+pub struct SparseAttentionInputs<'a> {
+    pub q: &'a Tensor,
+    pub window: KvRows<'a>,
+    pub idx_window: &'a Tensor,
+    pub extra: KvRows<'a>,
+    pub idx_extra: &'a Tensor,
+    pub sink: &'a Tensor,
+    pub scale: f32,
+}
+
+impl SparseAttentionInputs<'_> {
+    /// Runs the attention; returns `out` `[T, H, D]` bf16 and `lse` `[T, H]` f32 =
+    /// `ln Σ_s e^{ℓ_s}` over the valid rows (−inf for a row without any). Indices must lie in
+    /// `[-1, N)` of their source: the CPU path rejects others; the CUDA path (which does not
+    /// read indices back to the host) skips them. `options` change the CUDA work split (and
+    /// so the f32 rounding), never the semantics.
+    pub fn forward(&self, options: SparseAttentionOptions) -> Result<(Tensor, Tensor)> {
+        self.check()?;
+        if let Some(s) = options.num_splits {
+            if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
+                candle_core::bail!("sparse_attention: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}")
+            }
+        }
+        if self.q.device().is_cuda() {
+            cuda_forward(self, options)
+        } else {
+            cpu_forward(self)
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        const OP: &str = "sparse_attention";
+        let (q, iw, ic, sink) = (self.q, self.idx_window, self.idx_extra, self.sink);
+        let shapes = || {
+            format!(
+                "q {:?}, window {}, idx_window {:?}, extra {}, idx_extra {:?}, sink {:?}",
+                q.shape(),
+                self.window.describe(),
+                iw.shape(),
+                self.extra.describe(),
+                ic.shape(),
+                sink.shape()
+            )
+        };
+        if q.rank() != 3 || iw.rank() != 2 || ic.rank() != 2 || sink.rank() != 1 {
+            candle_core::bail!("{OP}: want q [T,H,D], idx_* [T,K], sink [H]; got {}", shapes())
+        }
+        let (t, h, d) = q.dims3()?;
+        if iw.dim(0)? != t || ic.dim(0)? != t || sink.dim(0)? != h {
+            candle_core::bail!("{OP}: shapes disagree (want q [T,H,D], idx_* [T,K], sink [H]): {}", shapes())
+        }
+        self.window.check("window", d)?;
+        self.extra.check("extra", d)?;
+        if q.dtype() != DType::BF16 {
+            candle_core::bail!("{OP}: q must be bf16, got {:?}", q.dtype())
+        }
+        if sink.dtype() != DType::F32 {
+            candle_core::bail!("{OP}: sink must be f32, got {:?}", sink.dtype())
+        }
+        if !matches!(iw.dtype(), DType::I64 | DType::I32) || iw.dtype() != ic.dtype() {
+            candle_core::bail!(
+                "{OP}: idx_window and idx_extra must both be i64 or both i32, got {:?} and {:?}",
+                iw.dtype(),
+                ic.dtype()
+            )
+        }
+        let devices = [
+            ("window", self.window.device()),
+            ("idx_window", iw.device()),
+            ("extra", self.extra.device()),
+            ("idx_extra", ic.device()),
+            ("sink", sink.device()),
+        ];
+        for (name, dev) in devices {
+            if !dev.same_device(q.device()) {
+                candle_core::bail!("{OP}: {name} is on {dev:?} but q is on {:?}", q.device())
+            }
+        }
+        if q.device().is_cuda() {
+            if d != SPARSE_ATTENTION_HEAD_DIM {
+                candle_core::bail!("{OP}: the CUDA kernel supports head_dim {SPARSE_ATTENTION_HEAD_DIM}, got q {:?}", q.shape())
+            }
+            if t > i32::MAX as usize || iw.dim(1)? + ic.dim(1)? > SPARSE_ATTENTION_MAX_INDICES {
+                candle_core::bail!(
+                    "{OP}: the CUDA kernel takes at most {} tokens and {SPARSE_ATTENTION_MAX_INDICES} indices per token: {}",
+                    i32::MAX,
+                    shapes()
+                )
+            }
+            if self.window.num_rows()? > i32::MAX as usize || self.extra.num_rows()? > i32::MAX as usize {
+                candle_core::bail!("{OP}: the CUDA kernel takes sources of fewer than 2^31 rows: {}", shapes())
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sparse attention over `[kv_window rows ; kv_extra rows]` (bf16 rows); returns `(out, lse)`
+/// as [`SparseAttentionInputs::forward`] with default options.
 ///
 /// * `q`: `[T, H, D]` bf16 (D = 512 on CUDA).
 /// * `kv_window`: `[Nw, D]` bf16 rows (K = V); `idx_window`: `[T, Kw]` i64 or i32, −1 = none.
 /// * `kv_extra`: `[Nc, D]` bf16 rows; `idx_extra`: `[T, Kc]` same dtype as `idx_window`.
 /// * `sink`: `[H]` f32 logit added to the denominator only (−inf = no sink).
 /// * `scale`: multiplies `q·k` (not the sink), usually `D^-0.5`.
-///
-/// Returns `out` `[T, H, D]` bf16 and `lse` `[T, H]` f32 = `ln Σ_s e^{ℓ_s}` over the valid rows
-/// (−inf for a row without any). Indices must lie in `[-1, N)` of their source: the CPU path
-/// rejects others; the CUDA path (which does not read indices back to the host) skips them.
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_two_source(
     q: &Tensor,
@@ -80,77 +256,9 @@ pub fn sparse_attention_two_source_with(
     scale: f32,
     options: SparseAttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
-    check(q, kv_window, idx_window, kv_extra, idx_extra, sink)?;
-    if let Some(s) = options.num_splits {
-        if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
-            candle_core::bail!(
-                "sparse_attention_two_source: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}"
-            )
-        }
-    }
-    if q.device().is_cuda() {
-        cuda_forward(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale, options)
-    } else {
-        cpu_forward(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale)
-    }
-}
-
-fn check(q: &Tensor, kvw: &Tensor, iw: &Tensor, kvc: &Tensor, ic: &Tensor, sink: &Tensor) -> Result<()> {
-    const OP: &str = "sparse_attention_two_source";
-    let shapes = || {
-        format!(
-            "q {:?}, kv_window {:?}, idx_window {:?}, kv_extra {:?}, idx_extra {:?}, sink {:?}",
-            q.shape(),
-            kvw.shape(),
-            iw.shape(),
-            kvc.shape(),
-            ic.shape(),
-            sink.shape()
-        )
-    };
-    if q.rank() != 3 || kvw.rank() != 2 || kvc.rank() != 2 || iw.rank() != 2 || ic.rank() != 2 || sink.rank() != 1 {
-        candle_core::bail!("{OP}: want q [T,H,D], kv_* [N,D], idx_* [T,K], sink [H]; got {}", shapes())
-    }
-    let (t, h, d) = q.dims3()?;
-    if kvw.dim(1)? != d || kvc.dim(1)? != d || iw.dim(0)? != t || ic.dim(0)? != t || sink.dim(0)? != h {
-        candle_core::bail!("{OP}: shapes disagree (want q [T,H,D], kv_* [N,D], idx_* [T,K], sink [H]): {}", shapes())
-    }
-    for (name, x) in [("q", q), ("kv_window", kvw), ("kv_extra", kvc)] {
-        if x.dtype() != DType::BF16 {
-            candle_core::bail!("{OP}: {name} must be bf16, got {:?}", x.dtype())
-        }
-    }
-    if sink.dtype() != DType::F32 {
-        candle_core::bail!("{OP}: sink must be f32, got {:?}", sink.dtype())
-    }
-    if !matches!(iw.dtype(), DType::I64 | DType::I32) || iw.dtype() != ic.dtype() {
-        candle_core::bail!(
-            "{OP}: idx_window and idx_extra must both be i64 or both i32, got {:?} and {:?}",
-            iw.dtype(),
-            ic.dtype()
-        )
-    }
-    for (name, x) in [("kv_window", kvw), ("idx_window", iw), ("kv_extra", kvc), ("idx_extra", ic), ("sink", sink)] {
-        if !x.device().same_device(q.device()) {
-            candle_core::bail!("{OP}: {name} is on {:?} but q is on {:?}", x.device(), q.device())
-        }
-    }
-    if q.device().is_cuda() {
-        if d != SPARSE_ATTENTION_HEAD_DIM {
-            candle_core::bail!("{OP}: the CUDA kernel supports head_dim {SPARSE_ATTENTION_HEAD_DIM}, got q {:?}", q.shape())
-        }
-        if t > i32::MAX as usize || iw.dim(1)? + ic.dim(1)? > SPARSE_ATTENTION_MAX_INDICES {
-            candle_core::bail!(
-                "{OP}: the CUDA kernel takes at most {} tokens and {SPARSE_ATTENTION_MAX_INDICES} indices per token: {}",
-                i32::MAX,
-                shapes()
-            )
-        }
-        if kvw.dim(0)? > i32::MAX as usize || kvc.dim(0)? > i32::MAX as usize {
-            candle_core::bail!("{OP}: the CUDA kernel takes sources of fewer than 2^31 rows: {}", shapes())
-        }
-    }
-    Ok(())
+    let window = KvRows::Bf16(kv_window);
+    let extra = KvRows::Bf16(kv_extra);
+    SparseAttentionInputs { q, window, idx_window, extra, idx_extra, sink, scale }.forward(options)
 }
 
 fn host_indices(idx: &Tensor) -> Result<Vec<Vec<i64>>> {
@@ -176,19 +284,12 @@ fn concat_indices(iw: &Tensor, nw: usize, ic: &Tensor, nc: usize) -> Result<Vec<
         .collect())
 }
 
-fn cpu_forward(
-    q: &Tensor,
-    kvw: &Tensor,
-    iw: &Tensor,
-    kvc: &Tensor,
-    ic: &Tensor,
-    sink: &Tensor,
-    scale: f32,
-) -> Result<(Tensor, Tensor)> {
-    let idx = concat_indices(iw, kvw.dim(0)?, ic, kvc.dim(0)?)?;
-    let kv = Tensor::cat(&[kvw, kvc], 0)?;
-    let out = sparse_attention_ref(q, &kv, &idx, sink, scale)?;
-    let lse = log_sum_exp(q, &kv, &idx, scale)?;
+fn cpu_forward(x: &SparseAttentionInputs) -> Result<(Tensor, Tensor)> {
+    let (kvw, kvc) = (x.window.to_bf16()?, x.extra.to_bf16()?);
+    let idx = concat_indices(x.idx_window, kvw.dim(0)?, x.idx_extra, kvc.dim(0)?)?;
+    let kv = Tensor::cat(&[&kvw, &kvc], 0)?;
+    let out = sparse_attention_ref(x.q, &kv, &idx, x.sink, x.scale)?;
+    let lse = log_sum_exp(x.q, &kv, &idx, x.scale)?;
     Ok((out, lse))
 }
 
@@ -217,21 +318,43 @@ fn log_sum_exp(q: &Tensor, kv: &Tensor, idx: &[Vec<i64>], scale: f32) -> Result<
 }
 
 
-#[allow(clippy::too_many_arguments)]
-fn cuda_forward(
-    q: &Tensor,
-    kvw: &Tensor,
-    iw: &Tensor,
-    kvc: &Tensor,
-    ic: &Tensor,
-    sink: &Tensor,
-    scale: f32,
-    options: SparseAttentionOptions,
-) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "sparse_attention_two_source";
-    let (t, h, d) = q.dims3()?;
-    let (q, kvw, kvc) = (aligned_rows(q)?, aligned_rows(kvw)?, aligned_rows(kvc)?);
-    let (iw, ic, sink) = (iw.contiguous()?, ic.contiguous()?, sink.contiguous()?);
+/// One source as the kernel reads it: the tensor (bf16 rows made 16-byte aligned), its
+/// `DSV41_KV_*` format and its page size (packed).
+fn kernel_source(rows: KvRows) -> Result<(Tensor, i32, i32)> {
+    Ok(match rows {
+        KvRows::Bf16(t) => (aligned_rows(t)?, ffi::KV_BF16, 0),
+        KvRows::Packed(t, l) => {
+            let format = if l.format() == QatFormat::Fp8Ue8m0B32 { ffi::KV_PACKED_A } else { ffi::KV_PACKED_B };
+            (t.clone(), format, l.page_size() as i32)
+        }
+    })
+}
+
+/// Device pointer, row stride (elements, bf16 rows) and row count of a prepared source.
+fn source_ptr<'a>(
+    storage: &'a CudaStorage,
+    layout: &candle_core::Layout,
+    format: i32,
+    page_size: i32,
+    stream: &'a CudaStream,
+) -> Result<(*const std::ffi::c_void, i64, i64, SyncOnDrop<'a>)> {
+    if format == ffi::KV_BF16 {
+        let d = SPARSE_ATTENTION_HEAD_DIM as i64;
+        let stride = if layout.dims()[0] <= 1 { d } else { layout.stride()[0] as i64 };
+        let (ptr, guard) = read_ptr::<bf16>(storage, layout, stream)?;
+        Ok((ptr.cast(), stride, layout.dims()[0] as i64, guard))
+    } else {
+        let (ptr, guard) = read_ptr::<u8>(storage, layout, stream)?;
+        Ok((ptr.cast(), 0, layout.dims()[0] as i64 * page_size as i64, guard))
+    }
+}
+
+fn cuda_forward(x: &SparseAttentionInputs, options: SparseAttentionOptions) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "sparse_attention";
+    let (t, h, d) = x.q.dims3()?;
+    let q = aligned_rows(x.q)?;
+    let ((kvw, w_fmt, w_page), (kvc, c_fmt, c_page)) = (kernel_source(x.window)?, kernel_source(x.extra)?);
+    let (iw, ic, sink) = (x.idx_window.contiguous()?, x.idx_extra.contiguous()?, x.sink.contiguous()?);
     let index_bytes = iw.dtype().size_in_bytes() as i32;
     let (qs, ql) = q.storage_and_layout();
     let qc = as_cuda(&qs, "q")?;
@@ -247,11 +370,11 @@ fn cuda_forward(
         let (iws, iwl) = iw.storage_and_layout();
         let (ics, icl) = ic.storage_and_layout();
         let (ss, sl) = sink.storage_and_layout();
-        let (wc, cc) = (as_cuda(&ws, "kv_window")?, as_cuda(&cs, "kv_extra")?);
+        let (wc, cc) = (as_cuda(&ws, "window")?, as_cuda(&cs, "extra")?);
         let (iwc, icc, sc) = (as_cuda(&iws, "idx_window")?, as_cuda(&ics, "idx_extra")?, as_cuda(&ss, "sink")?);
         let (q_p, _g0) = read_ptr::<bf16>(qc, ql, &stream)?;
-        let (w_p, _g1) = read_ptr::<bf16>(wc, wl, &stream)?;
-        let (c_p, _g2) = read_ptr::<bf16>(cc, cl, &stream)?;
+        let (w_p, w_stride, w_rows, _g1) = source_ptr(wc, wl, w_fmt, w_page, &stream)?;
+        let (c_p, c_stride, c_rows, _g2) = source_ptr(cc, cl, c_fmt, c_page, &stream)?;
         let (iw_p, ic_p, _g3, _g4) = if index_bytes == 8 {
             let (a, ga) = read_ptr::<i64>(iwc, iwl, &stream)?;
             let (b, gb) = read_ptr::<i64>(icc, icl, &stream)?;
@@ -266,11 +389,10 @@ fn cuda_forward(
         let lse_l = candle_core::Layout::contiguous((t, h));
         let (o_p, _g6) = write_ptr::<bf16>(&mut out, &out_l, &stream)?;
         let (l_p, _g7) = write_ptr::<f32>(&mut lse, &lse_l, &stream)?;
-        let row_stride = |l: &candle_core::Layout| if l.dims()[0] <= 1 { d as i64 } else { l.stride()[0] as i64 };
         let params = ffi::SparseAttentionParams {
             q: q_p.cast(),
-            kv_window: w_p.cast(),
-            kv_extra: c_p.cast(),
+            kv_window: w_p,
+            kv_extra: c_p,
             idx_window: iw_p,
             idx_extra: ic_p,
             sink: s_p,
@@ -278,23 +400,28 @@ fn cuda_forward(
             lse: l_p,
             q_token_stride: if t <= 1 { (h * d) as i64 } else { ql.stride()[0] as i64 },
             q_head_stride: if h <= 1 { d as i64 } else { ql.stride()[1] as i64 },
-            window_row_stride: row_stride(wl),
-            extra_row_stride: row_stride(cl),
-            num_window_rows: wl.dims()[0] as i64,
-            num_extra_rows: cl.dims()[0] as i64,
+            window_row_stride: w_stride,
+            extra_row_stride: c_stride,
+            num_window_rows: w_rows,
+            num_extra_rows: c_rows,
             num_tokens: t as i32,
             num_heads: h as i32,
             head_dim: d as i32,
             kw: iwl.dims()[1] as i32,
             kc: icl.dims()[1] as i32,
             index_bytes,
-            scale,
+            scale: x.scale,
             num_splits: options.num_splits.unwrap_or(0) as i32,
+            window_format: w_fmt,
+            extra_format: c_fmt,
+            window_page_size: w_page,
+            extra_page_size: c_page,
         };
         // SAFETY: every pointer comes from a storage read-locked (outputs: owned) for this call;
-        // `check`, `rows_aligned` and the launcher validate shapes, strides and alignment; the
-        // kernel reads only rows with indices in [0, N) of their source and writes only the
-        // [T, H, D] / [T, H] outputs.
+        // `check`, `aligned_rows` / `PackedLayout::check_cache` and the launcher validate shapes,
+        // strides, formats and alignment; the kernel reads only rows with indices in [0, N) of
+        // their source (packed: whole pages of the cache) and writes only the [T, H, D] / [T, H]
+        // outputs.
         let code = unsafe {
             ffi::dsv41_sparse_attention(&params, std::mem::size_of::<ffi::SparseAttentionParams>(), raw_stream(&stream))
         };
