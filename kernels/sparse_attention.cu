@@ -30,8 +30,8 @@
 //   1. The compute warpgroups load the token's indices at once, then issue the cp.async copies
 //      of q (64 heads x 512 bf16, waited for at tile 0); a ballot + warp scan compacts the valid
 //      indices and the CTA keeps the entries of its range (source bit + row) in shared memory.
-//   2. Warpgroup 2 is the producer (setmaxnreg down to 40 registers, the two compute
-//      warpgroups up to 232): it gathers tile j (64 rows) into stage j & 1 once the compute
+//   2. Warpgroup 2 is the producer (setmaxnreg down to 56 registers, the two compute
+//      warpgroups up to 224): it gathers tile j (64 rows) into stage j & 1 once the compute
 //      warps released the stage (an "empty" mbarrier, one arrival per compute warp), with
 //      16-byte cp.async carrying the .L2::256B prefetch hint; 16 groups of 8 threads, group g
 //      takes rows g, g + 16, g + 32, g + 48, thread q of it chunk q of each 128-byte plane
@@ -39,7 +39,12 @@
 //      gather rate of a warp reading 512 contiguous bytes of one row). Each producer thread then
 //      arms an asynchronous arrival on the stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc)
 //      and moves on; the compute warps wait on it and publish the rows to the tensor cores with
-//      fence.proxy.async. Per tile (compute warpgroups, named barrier 1):
+//      fence.proxy.async. Packed sources (528 B window rows, 288 B compressed rows of spec §7.2,
+//      DSV41_KV_PACKED_A / _B): the producer copies a row's raw codes and scales into the stage
+//      slots the row's bf16 values will occupy, waits for its copies, expands them to bf16 in
+//      place (exactly: the tile equals the fake-quantized bf16 rows; include/dsv41_attn_rows.cuh)
+//      and then arrives with a plain mbarrier arrival after fence.proxy.async.
+//      Per tile (compute warpgroups, named barrier 1):
 //      Q.K^T: warpgroup w computes S for all 64 heads x tile rows 32 w .. +32 (32 wgmma
 //        m64n32k16, A = q and B = the row tile, both K-major from shared memory); warp w % 4
 //        holds heads 16 (w % 4) .. +16. Rows past the tile's end are masked, the per-head max
