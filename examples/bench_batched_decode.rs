@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo build --release --features cuda --example bench_batched_decode
-//! bench_batched_decode [--batch 1,64,256] [--context 131072] [--steps 10] [--keys bf16,packed]
+//! bench_batched_decode [--batch 1,64,256] [--context 131072] [--steps 10] [--keys bf16,packed,packed-kv]
 //!     [--closing half|all] [--rep-ms 50] [--graph]
 //! ```
 //!
@@ -42,8 +42,12 @@
 //!
 //! Roofline: the weights read once per step plus, per sequence, the 128 window rows and 512
 //! top-k rows of 1 KB and the E index keys scanned (256 B bf16 / 68 B packed), at 4.17 TB/s.
-//! Not measured here: the MoE / other layers, the host-side scheduling of a serving loop, the
-//! compressed rows in a packed format (the sparse attention kernel reads bf16 rows).
+//! Cache formats (`--keys`): `bf16` (all rows bf16), `packed` (index keys in MXFP4 68 B rows, KV
+//! rows bf16), `packed-kv` (everything in the V4.1 packed formats: window rows 528 B (A),
+//! compressed rows 288 B (B), index keys 68 B (E); inserted with `packed_insert`, read by the
+//! attention kernel as `KvRows::Packed`). The bf16 KV pools are only allocated when a format
+//! needs them, so `--keys packed-kv` alone shows the packed caches' memory.
+//! Not measured here: the MoE / other layers, the host-side scheduling of a serving loop.
 
 use std::path::PathBuf;
 
@@ -51,18 +55,18 @@ use anyhow::{bail, Context, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
-use deepseek_v41::attention::indexer::IndexKeyProjection;
 use deepseek_v41::config::{AttentionRole, Config};
 use deepseek_v41::cuda::{
-    compressed_insert, fake_quant_device, index_key_insert, index_select, packed_insert, q_rope_inplace,
-    sparse_attention_two_source, window_insert, IndexKeys, KeySource, PackedLayout, Visibility,
+    compressed_insert, fake_quant_device, index_key_insert, index_select, packed_insert, q_rope_inplace, window_insert,
+    IndexKeys, KeySource, KvRows, PackedLayout, SparseAttentionInputs, SparseAttentionOptions, Visibility,
 };
-use deepseek_v41::nn::{Linear, LinearKind, RandomWeights, RmsNorm, RopeKind, RopeTable};
 use deepseek_v41::quant::QatFormat;
-use deepseek_v41::Numerics;
 
 #[path = "support/bench.rs"]
 mod bench;
+#[path = "support/batched_layer.rs"]
+mod batched_layer;
+use batched_layer::Weights;
 use bench::{gib, median, PoolPeak, Timer, HBM_READ_GBPS};
 
 #[derive(Parser, Debug)]
@@ -84,7 +88,8 @@ struct Args {
     /// Target milliseconds of one repetition of the back-to-back / graph timings.
     #[arg(long, default_value_t = 50.0)]
     rep_ms: f64,
-    /// Index-key cache formats to run: `bf16` ([B·E, 128] rows) and/or `packed` (MXFP4, 68 B rows).
+    /// Cache formats to run: `bf16` (bf16 rows everywhere), `packed` (MXFP4 68 B index keys,
+    /// bf16 KV rows), `packed-kv` (window / compressed / index-key rows all packed: 528 / 288 / 68 B).
     #[arg(long, value_delimiter = ',', default_value = "bf16,packed")]
     keys: Vec<String>,
     /// `half`: every other sequence closes a compressor group this step; `all`: every sequence.
@@ -107,121 +112,53 @@ const PAGE: usize = 64;
 /// Phase names, in step order.
 const PHASES: [&str; 5] = ["projections", "inserts", "selection", "attention", "output"];
 
-/// The layer's weights (the module's checkpoint names, random values).
-struct Weights {
-    wq_a: Linear,
-    q_norm: RmsNorm,
-    wq_b: Linear,
-    wkv: Linear,
-    kv_norm: RmsNorm,
-    /// `[o_groups, o_lora, heads_per_group·head_dim]` bf16.
-    wo_a: Tensor,
-    wo_b: Linear,
-    /// `[H]` f32.
-    sink: Tensor,
-    c_wkv: Linear,
-    c_wgate: Linear,
-    c_norm: RmsNorm,
-    keys: IndexKeyProjection,
-    iq_b: Linear,
-    w_proj: Linear,
-    rope: RopeTable,
-    h: usize,
-    hd: usize,
-    g: usize,
-    hi: usize,
-    di: usize,
-    topk: usize,
-    window: usize,
-    ratio: usize,
-}
-
-impl Weights {
-    fn new(cfg: &Config, layer: usize, ratio: usize, dev: &Device) -> Result<Self> {
-        let n = Numerics::REFERENCE;
-        let vb = RandomWeights::new(1).var_builder(DType::BF16, dev).pp("layers").pp(layer).pp("attn");
-        let (d, h, hd, g, ol) = (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank);
-        let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-        let q = LinearKind::Quantized;
-        Ok(Self {
-            wq_a: Linear::new(d, cfg.q_lora_rank, q, n, vb.pp("wq_a"))?,
-            q_norm: RmsNorm::new(cfg.q_lora_rank, cfg.rms_norm_eps, vb.pp("q_norm"))?,
-            wq_b: Linear::new(cfg.q_lora_rank, h * hd, q, n, vb.pp("wq_b"))?,
-            wkv: Linear::new(d, hd, q, n, vb.pp("wkv"))?,
-            kv_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("kv_norm"))?,
-            wo_a: vb
-                .pp("wo_a")
-                .get_with_hints_dtype((g * ol, h / g * hd), "weight", Default::default(), DType::BF16)?
-                .reshape((g, ol, h / g * hd))?,
-            wo_b: Linear::new(g * ol, d, q, n, vb.pp("wo_b"))?,
-            sink: vb.get_with_hints_dtype(h, "attn_sink", Default::default(), DType::F32)?,
-            c_wkv: Linear::new(d, hd, LinearKind::F32, n, vb.pp("compressor").pp("wkv"))?,
-            c_wgate: Linear::new(d, hd, LinearKind::F32, n, vb.pp("compressor").pp("wgate"))?,
-            c_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("compressor").pp("norm"))?,
-            keys: IndexKeyProjection::new(cfg, n, vb.pp("indexer"))?,
-            iq_b: Linear::new(cfg.q_lora_rank, hi * di, q, n, vb.pp("indexer").pp("wq_b"))?,
-            w_proj: Linear::new(d, hi, LinearKind::Plain, n, vb.pp("indexer").pp("weights_proj"))?,
-            rope: RopeTable::new(cfg.qk_rope_head_dim, &RopeKind::for_ratio(cfg, ratio), dev)?,
-            h,
-            hd,
-            g,
-            hi,
-            di,
-            topk: cfg.index_topk,
-            window: cfg.sliding_window,
-            ratio,
-        })
-    }
-
-    /// Bytes of the weights one step reads.
-    fn bytes(&self) -> f64 {
-        let b = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as f64;
-        [
-            self.wq_a.weight(),
-            self.wq_b.weight(),
-            self.wkv.weight(),
-            &self.wo_a,
-            self.wo_b.weight(),
-            self.c_wkv.weight(),
-            self.c_wgate.weight(),
-            self.iq_b.weight(),
-            self.w_proj.weight(),
-        ]
-        .into_iter()
-        .map(b)
-        .sum::<f64>()
-            + (self.keys.k_norm().weight().elem_count() + self.di * self.hd) as f64 * 2.0
-    }
-}
-
-/// Index-key cache format of a run.
+/// Cache formats of a run.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum KeyFormat {
+    /// bf16 rows everywhere.
     Bf16,
+    /// MXFP4 index keys, bf16 KV rows.
     Packed,
+    /// Packed window (A), compressed (B) and index-key (E) rows.
+    PackedKv,
 }
 
 impl KeyFormat {
+    /// Bytes of one index key.
     fn row_bytes(self) -> f64 {
         match self {
             KeyFormat::Bf16 => 256.0,
-            KeyFormat::Packed => 68.0,
+            KeyFormat::Packed | KeyFormat::PackedKv => 68.0,
         }
+    }
+    /// Bytes of one window row and of one compressed row.
+    fn kv_row_bytes(self, hd: usize) -> (f64, f64) {
+        match self {
+            KeyFormat::PackedKv => (528.0, 288.0),
+            _ => ((hd * 2) as f64, (hd * 2) as f64),
+        }
+    }
+    fn packed_keys(self) -> bool {
+        self != KeyFormat::Bf16
     }
     fn name(self) -> &'static str {
         match self {
             KeyFormat::Bf16 => "bf16",
             KeyFormat::Packed => "mxfp4 packed",
+            KeyFormat::PackedKv => "all packed",
         }
     }
 }
 
 /// The pooled caches of B sequences.
 struct Pools {
-    /// `[B·W, 512]` bf16 window rows (slot `b·W + p mod W`).
-    win: Tensor,
-    /// `[B·E, 512]` bf16 compressed entries (row `b·E + j`).
-    comp: Tensor,
+    /// `[B·W, 512]` bf16 window rows (slot `b·W + p mod W`; bf16-KV runs only).
+    win: Option<Tensor>,
+    /// `[B·E, 512]` bf16 compressed entries (row `b·E + j`; bf16-KV runs only).
+    comp: Option<Tensor>,
+    /// Packed window rows (format A) and compressed rows (format B), same slots (packed-KV runs).
+    win_packed: Option<(Tensor, PackedLayout)>,
+    comp_packed: Option<(Tensor, PackedLayout)>,
     /// `[B·E, 128]` bf16 index keys (bf16 runs only).
     keys: Option<Tensor>,
     /// `[B·E / PAGE, PAGE·68]` u8 packed index keys (packed runs only).
@@ -277,19 +214,26 @@ fn random_rows(rows: usize, dim: usize, dev: &Device) -> Result<Tensor> {
     Ok(t)
 }
 
-/// A packed MXFP4 index-key pool of `rows` rows: random e2m1 codes, scales 2^-1..2^1.
-fn random_packed(rows: usize, dev: &Device) -> Result<(Tensor, PackedLayout)> {
-    let layout = PackedLayout::new(QatFormat::Fp4Ue8m0B32, 128, PAGE)?;
+/// A packed pool of `rows` rows of `dim` values in `format`, pages of [`PAGE`] tokens: random
+/// codes below `code_max` (e4m3: 0x00..0x3f = 0..1.875) and random scale bytes in `scales`
+/// (UE8M0 126..128 = 2^-1..2^1; e4m3 0x30..0x40 = 2^-1..2^0).
+fn random_pages(format: QatFormat, dim: usize, rows: usize, code_max: f32, scales: (f32, f32), dev: &Device) -> Result<(Tensor, PackedLayout)> {
+    let layout = PackedLayout::new(format, dim, PAGE)?;
     let pages = rows.div_ceil(PAGE);
     let t = layout.zeros(pages, dev)?;
-    let chunk = 1 << 16;
+    let chunk = ((1usize << 28) / layout.page_bytes()).max(1);
     for p in (0..pages).step_by(chunk) {
         let n = chunk.min(pages - p);
-        let data = Tensor::rand(0f32, 255.99, (n, PAGE * 64), dev)?.floor()?.to_dtype(DType::U8)?;
-        let scales = Tensor::rand(126f32, 128.99, (n, PAGE * 4), dev)?.floor()?.to_dtype(DType::U8)?;
-        t.slice_set(&Tensor::cat(&[data, scales], 1)?.contiguous()?, 0, p)?;
+        let data = Tensor::rand(0f32, code_max, (n, PAGE * layout.row_data_bytes()), dev)?.floor()?.to_dtype(DType::U8)?;
+        let sc = Tensor::rand(scales.0, scales.1, (n, PAGE * layout.row_scale_bytes()), dev)?.floor()?.to_dtype(DType::U8)?;
+        t.slice_set(&Tensor::cat(&[data, sc], 1)?.contiguous()?, 0, p)?;
     }
     Ok((t, layout))
+}
+
+/// A packed MXFP4 index-key pool of `rows` rows: random e2m1 codes, scales 2^-1..2^1.
+fn random_packed(rows: usize, dev: &Device) -> Result<(Tensor, PackedLayout)> {
+    random_pages(QatFormat::Fp4Ue8m0B32, 128, rows, 255.99, (126.0, 128.99), dev)
 }
 
 fn inputs(w: &Weights, cfg: &Config, b: usize, ctx: usize, all_close: bool, dev: &Device) -> Result<Inputs> {
@@ -368,7 +312,13 @@ impl Step<'_> {
     fn inserts(&self, pr: &Proj) -> Result<()> {
         let (w, s, p) = (self.w, self.s, self.p);
         q_rope_inplace(&pr.q, &s.cos, &s.sin, None)?;
-        window_insert(&p.win, &pr.kv, &s.cos, &s.sin, &s.win_slots, true)?;
+        match (&p.win, &p.win_packed) {
+            (_, Some((cache, layout))) if self.fmt == KeyFormat::PackedKv => {
+                packed_insert(cache, layout, &pr.kv, &s.cos, &s.sin, &s.win_slots, None)?
+            }
+            (Some(win), _) => window_insert(win, &pr.kv, &s.cos, &s.sin, &s.win_slots, true)?,
+            _ => bail!("no window pool for {}", self.fmt.name()),
+        }
         // Compressor (ratio 2): projections of every sequence, pooling of the closing groups.
         let ckv = w.c_wkv.forward(&s.x)?;
         let cs = w.c_wgate.forward(&s.x)?;
@@ -379,13 +329,19 @@ impl Step<'_> {
         let pooled = (alpha * pair(&s.carry_kv, &ckv)?)?.sum(1)?.to_dtype(DType::BF16)?;
         let latent = w.c_norm.forward(&pooled)?;
         let k_pre = w.keys.project(&latent)?;
-        compressed_insert(&p.comp, &latent, &s.c_cos, &s.c_sin, &s.c_slots, true)?;
+        match (&p.comp, &p.comp_packed) {
+            (_, Some((cache, layout))) if self.fmt == KeyFormat::PackedKv => {
+                packed_insert(cache, layout, &latent, &s.c_cos, &s.c_sin, &s.c_slots, None)?
+            }
+            (Some(comp), _) => compressed_insert(comp, &latent, &s.c_cos, &s.c_sin, &s.c_slots, true)?,
+            _ => bail!("no compressed pool for {}", self.fmt.name()),
+        }
         let norm = w.keys.k_norm();
-        match (self.fmt, &p.keys, &p.packed) {
-            (KeyFormat::Bf16, Some(keys), _) => {
+        match (self.fmt.packed_keys(), &p.keys, &p.packed) {
+            (false, Some(keys), _) => {
                 index_key_insert(keys, &k_pre, norm.weight(), norm.eps(), &s.c_cos, &s.c_sin, &s.c_slots, true)?
             }
-            (KeyFormat::Packed, _, Some((cache, layout))) => {
+            (true, _, Some((cache, layout))) => {
                 packed_insert(cache, layout, &k_pre, &s.c_cos, &s.c_sin, &s.c_slots, Some((norm.weight(), norm.eps())))?
             }
             _ => bail!("no {} index-key pool", self.fmt.name()),
@@ -405,9 +361,9 @@ impl Step<'_> {
         let iq = fake_quant_device(&iq, QatFormat::Fp4Ue8m0B32)?;
         let scale = (w.di as f64).powf(-0.5) * (w.hi as f64).powf(-0.5);
         let hw = (w.w_proj.forward(&s.x)?.to_dtype(DType::F32)? * scale)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-        let keys = match (self.fmt, &p.keys, &p.packed) {
-            (KeyFormat::Bf16, Some(k), _) => IndexKeys::Rows(k),
-            (KeyFormat::Packed, _, Some((cache, layout))) => IndexKeys::Packed { cache, layout: *layout },
+        let keys = match (self.fmt.packed_keys(), &p.keys, &p.packed) {
+            (false, Some(k), _) => IndexKeys::Rows(k),
+            (true, _, Some((cache, layout))) => IndexKeys::Packed { cache, layout: *layout },
             _ => bail!("no {} index-key pool", self.fmt.name()),
         };
         let src = KeySource { keys, base: Some(&s.base), entries: s.e, visibility: Visibility::Counts(&s.counts) };
@@ -415,10 +371,28 @@ impl Step<'_> {
         Ok(topk.ge(&s.zeros)?.where_cond(&topk.broadcast_add(&s.base_i64)?, &s.neg_one)?)
     }
 
+    /// The KV pool this run's format reads.
+    fn kv_rows<'a>(&self, bf16: &'a Option<Tensor>, packed: &'a Option<(Tensor, PackedLayout)>) -> Result<KvRows<'a>> {
+        Ok(match (bf16, packed) {
+            (_, Some((cache, layout))) if self.fmt == KeyFormat::PackedKv => KvRows::Packed(cache, *layout),
+            (Some(t), _) => KvRows::Bf16(t),
+            _ => bail!("no KV pool for {}", self.fmt.name()),
+        })
+    }
+
     /// `[B, H, 512]` bf16.
     fn attention(&self, pr: &Proj, idx: &Tensor) -> Result<Tensor> {
-        let scale = (self.w.hd as f32).powf(-0.5);
-        Ok(sparse_attention_two_source(&pr.q, &self.p.win, &self.s.idx_window, &self.p.comp, idx, &self.w.sink, scale)?.0)
+        let p = self.p;
+        let inputs = SparseAttentionInputs {
+            q: &pr.q,
+            window: self.kv_rows(&p.win, &p.win_packed)?,
+            idx_window: &self.s.idx_window,
+            extra: self.kv_rows(&p.comp, &p.comp_packed)?,
+            idx_extra: idx,
+            sink: &self.w.sink,
+            scale: (self.w.hd as f32).powf(-0.5),
+        };
+        Ok(inputs.forward(SparseAttentionOptions::default())?.0)
     }
 
     /// `[B, hidden]` bf16.
@@ -543,7 +517,8 @@ fn run_format(step: &Step, timer: &Timer, args: &Args, w_bytes: f64) -> Result<R
         ];
     }
     let s = step.s;
-    let per_seq = ((step.w.window + step.w.topk) * step.w.hd * 2) as f64 + s.e as f64 * step.fmt.row_bytes();
+    let (win_row, comp_row) = step.fmt.kv_row_bytes(step.w.hd);
+    let per_seq = step.w.window as f64 * win_row + step.w.topk as f64 * comp_row + s.e as f64 * step.fmt.row_bytes();
     let roofline = (w_bytes + s.b as f64 * per_seq) / (HBM_READ_GBPS * 1e9) * 1e3;
     Ok(Row { b: s.b, fmt: step.fmt, events, step: step_ms, graph, phase_graph, roofline, mem: None })
 }
@@ -573,11 +548,20 @@ fn run_batch(
     let e = ctx / w.ratio;
     let pool = timer.map(|t| PoolPeak::new(&t.stream)).transpose()?;
     let t0 = std::time::Instant::now();
+    let bf16_kv = fmts.iter().any(|&f| f != KeyFormat::PackedKv);
+    let packed_kv = fmts.contains(&KeyFormat::PackedKv);
     let pools = Pools {
-        win: random_rows(b * w.window, w.hd, dev)?,
-        comp: random_rows(b * e, w.hd, dev).context("compressed pool")?,
+        win: bf16_kv.then(|| random_rows(b * w.window, w.hd, dev)).transpose()?,
+        comp: bf16_kv.then(|| random_rows(b * e, w.hd, dev)).transpose().context("compressed pool")?,
+        win_packed: packed_kv
+            .then(|| random_pages(QatFormat::Fp8Ue8m0B32, w.hd, b * w.window, 63.99, (120.0, 127.99), dev))
+            .transpose()?,
+        comp_packed: packed_kv
+            .then(|| random_pages(QatFormat::Fp4E4m3B16, w.hd, b * e, 255.99, (48.0, 63.99), dev))
+            .transpose()
+            .context("packed compressed pool")?,
         keys: fmts.contains(&KeyFormat::Bf16).then(|| random_rows(b * e, w.di, dev)).transpose().context("index-key pool")?,
-        packed: fmts.contains(&KeyFormat::Packed).then(|| random_packed(b * e, dev)).transpose().context("packed pool")?,
+        packed: fmts.iter().any(|f| f.packed_keys()).then(|| random_packed(b * e, dev)).transpose().context("packed pool")?,
     };
     let s = inputs(w, cfg, b, ctx, args.closing == "all", dev)?;
     dev.synchronize()?;
@@ -588,10 +572,12 @@ fn run_batch(
     }).transpose()?;
     let first_row = rows.len();
     println!(
-        "B = {b}: pools filled in {:.1} s (compressed {:.2} GiB, window {:.1} MiB, {} closing); device memory in use {:.1} GiB",
+        "B = {b}: pools filled in {:.1} s (compressed {:.2} GiB bf16 / {:.2} GiB packed, window {:.1} / {:.1} MiB, {} closing); device memory in use {:.1} GiB",
         t0.elapsed().as_secs_f64(),
-        (b * e * w.hd * 2) as f64 / (1u64 << 30) as f64,
-        (b * w.window * w.hd * 2) as f64 / (1u64 << 20) as f64,
+        if bf16_kv { (b * e * w.hd * 2) as f64 / (1u64 << 30) as f64 } else { 0.0 },
+        if packed_kv { (b * e * 288) as f64 / (1u64 << 30) as f64 } else { 0.0 },
+        if bf16_kv { (b * w.window * w.hd * 2) as f64 / (1u64 << 20) as f64 } else { 0.0 },
+        if packed_kv { (b * w.window * 528) as f64 / (1u64 << 20) as f64 } else { 0.0 },
         s.closers.dim(0)?,
         mem_used_gib(dev)
     );
@@ -655,7 +641,8 @@ fn main() -> Result<()> {
         .map(|k| match k.as_str() {
             "bf16" => Ok(KeyFormat::Bf16),
             "packed" | "mxfp4" => Ok(KeyFormat::Packed),
-            o => bail!("--keys: unknown format {o:?} (bf16, packed)"),
+            "packed-kv" => Ok(KeyFormat::PackedKv),
+            o => bail!("--keys: unknown format {o:?} (bf16, packed, packed-kv)"),
         })
         .collect::<Result<_>>()?;
     if !matches!(args.closing.as_str(), "half" | "all") {
@@ -695,7 +682,7 @@ fn main() -> Result<()> {
 
     println!("\n## batched decode step, one attention layer, context {} per sequence (ms, median)", args.context);
     println!("\nEvent breakdown (one event per phase boundary, synchronized after each step; host launch time included where the host is the bottleneck), whole step back-to-back and from a CUDA graph:\n");
-    println!("| B | index keys | projections | inserts | selection | attention | output | sum | step | step (graph) | tokens/s | tokens/s (graph) | roofline | % of roofline (graph) |");
+    println!("| B | caches | projections | inserts | selection | attention | output | sum | step | step (graph) | tokens/s | tokens/s (graph) | roofline | % of roofline (graph) |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let best = r.graph.unwrap_or(r.step);
@@ -715,7 +702,7 @@ fn main() -> Result<()> {
     }
     if args.graph {
         println!("\nGPU-only breakdown (each phase alone captured into a CUDA graph and replayed):\n");
-        println!("| B | index keys | projections | inserts | selection | attention | output | sum |");
+        println!("| B | caches | projections | inserts | selection | attention | output | sum |");
         println!("|---|---|---|---|---|---|---|---|");
         for r in &rows {
             let sum: Option<f64> = r.phase_graph.iter().copied().sum();
@@ -729,7 +716,7 @@ fn main() -> Result<()> {
         }
     }
     println!(
-        "\nroofline = (weights {:.1} MB once per step + B x (({} window + {} top-k) rows x 1 KB + {} index keys x 256 B bf16 / 68 B packed)) / {:.2} TB/s",
+        "\nroofline = (weights {:.1} MB once per step + B x (({} window + {} top-k) rows x 1 KB (all packed: 528 B / 288 B) + {} index keys x 256 B bf16 / 68 B packed)) / {:.2} TB/s",
         w_bytes / 1e6,
         w.window,
         w.topk,
