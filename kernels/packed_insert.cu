@@ -25,6 +25,7 @@
 // clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code). The host
 // check kernels/check/quant_exhaustive.cu compares the e4m3 bit path with CUDA's emulation of
 // the hardware conversion for every bf16 value at every Q1 scale.
+#include <stdlib.h>
 #include <string.h>
 
 #include "include/dsv41_row128.cuh"
@@ -186,6 +187,88 @@ int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     return static_cast<int>(cudaGetLastError());
 }
 
+// Format B rows of the V4.1 compressed-cache shape (D = 512, R = 64, no norm) on bf16 pairs:
+// grid = ceil(T / (8 ROWS)), block = 256 threads, one warp per row, ROWS rows per warp (loads
+// of all of them first). Lane L keeps its 16 elements (one Q2 block) as the 8 loaded bf16x2
+// words; the rotated dims [448, 512) (the words of lanes 28..31) go through shared memory so
+// that lane i rotates pair i (f32, rounded to bf16 as rope_loaded_row); the block max is a
+// bf16x2 max of |w| (NaN-ignoring like fmaxf), the scale q2_scale_value of it, and the codes
+// come from q2_code_pair (tie-point comparisons, no quotient). Lane L writes its 8 code bytes
+// as one 8-byte store and its scale byte.
+template <int ROWS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_b512_kernel(const Dsv41PackedInsertParams p) {
+    __shared__ __align__(16) uint32_t rope_buf[kInsertWarps][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const int64_t t0 = (static_cast<int64_t>(blockIdx.x) * kInsertWarps + warp) * ROWS;
+    if (t0 >= p.num_tokens) return;
+    uint32_t* buf = rope_buf[warp];
+    // The slots go to shared memory by cp.async (lane r fetches row r's): a slot loaded into a
+    // register is only needed by the stores, and ptxas sinks such a load below the arithmetic
+    // (a second memory latency per row); the copy is issued with the row loads.
+    __shared__ __align__(8) int64_t slot_buf[kInsertWarps][ROWS];
+    if (lane < ROWS) {
+        const int64_t t = t0 + lane < p.num_tokens ? t0 + lane : p.num_tokens - 1;
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&slot_buf[warp][lane]));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(p.slots + t) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    RowIn<512> in[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) load_row_data<512>(p, t0 + r, lane, in[r]);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        uint32_t w[8];
+        memcpy(w, in[r].raw, sizeof(w));
+        if (lane >= 28) {
+            reinterpret_cast<uint4*>(buf)[2 * (lane - 28)] = in[r].raw[0];
+            reinterpret_cast<uint4*>(buf)[2 * (lane - 28) + 1] = in[r].raw[1];
+        }
+        __syncwarp();
+        {
+            const uint32_t v = buf[lane];
+            float x0 = bf16x2_lo(v), x1 = bf16x2_hi(v);
+            rotate_pair(x0, x1, in[r].cos, in[r].sin);
+            buf[lane] = pack_bf16x2_rn(x0, x1);  // lane-private word: no hazard
+        }
+        __syncwarp();
+        if (lane >= 28) {
+            const uint4 a = reinterpret_cast<const uint4*>(buf)[2 * (lane - 28)];
+            const uint4 b = reinterpret_cast<const uint4*>(buf)[2 * (lane - 28) + 1];
+            w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+            w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        }
+        __syncwarp();  // buf is reused by the next row
+        uint32_t m = w[0] & 0x7fff7fffu;
+#pragma unroll
+        for (int i = 1; i < 8; ++i) m = bf16x2_max(m, w[i] & 0x7fff7fffu);
+        const float s = q2_scale_value(fmaxf(bf16x2_lo(m), bf16x2_hi(m)));
+        const Q2Pair tp = q2_pair(s);
+        uint32_t out[2];
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {
+            uint32_t h[2];
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                // codes of elements 8 o + 4 k + {0, 1} (bits 0..3, 16..19) and + {2, 3} (8..11, 24..27)
+                const uint32_t v = q2_code_pair(w[4 * o + 2 * k], tp) | (q2_code_pair(w[4 * o + 2 * k + 1], tp) << 8);
+                h[k] = v | (v >> 12);  // bits 0..15: the 4 codes in element order
+            }
+            out[o] = (h[0] & 0xffffu) | (h[1] << 16);
+        }
+        if (r == 0) {
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            __syncwarp();
+        }
+        const int64_t slot = slot_buf[warp][r];
+        if (t0 + r < p.num_tokens && slot >= 0 && slot < p.num_slots) {
+            uint8_t* base = p.cache + (slot >> (__ffs(p.page_size) - 1)) * p.page_stride;  // power-of-two pages
+            const int64_t row = slot & (p.page_size - 1);
+            *reinterpret_cast<uint2*>(base + row * 256 + lane * 8) = make_uint2(out[0], out[1]);
+            base[(static_cast<int64_t>(p.page_size) * 8 + row) * 32 + lane] = QuantTraits<Quant::Fp4E4m3B16>::scale_code(s);
+        }
+    }
+}
+
 // grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each); MIN_BLOCKS:
 // the resident blocks per SM the registers are capped for (__launch_bounds__), 0 = no cap
 // (an explicit 1 is not the same: it let ptxas give the format A kernel 50 registers instead of
@@ -211,6 +294,17 @@ __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kern
 
 namespace {
 
+// Run-time switch for the measurements of issue 4, run 10 (DSV41_PACKED_B): 0 (default) = the
+// bf16-pair kernel, one row per warp; 1 = the f32 element kernel of run 9; 2 = the bf16-pair
+// kernel with two rows per warp.
+int packed_b_variant() {
+    static const int v = [] {
+        const char* e = getenv("DSV41_PACKED_B");
+        return e ? atoi(e) : 0;
+    }();
+    return v;
+}
+
 template <int D, dsv41::Quant Q>
 int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     using namespace dsv41;
@@ -221,6 +315,17 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
         // blocks per SM instead of 6; instruction-bound, it gained ~2 points of the read ceiling
         // (docs/perf.md, issue 4, run 9).
         if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
+            if (!p->apply_norm && p->rope_dim == 64 && (p->page_size & (p->page_size - 1)) == 0 &&
+                packed_b_variant() != 1) {
+                const dim3 grid2(insert_blocks(p->num_tokens, 2));
+                switch (packed_b_variant()) {
+                    case 2: packed_b512_kernel<2, 4><<<grid2, kInsertThreads, 0, s>>>(*p); break;
+                    case 3: packed_b512_kernel<1, 8><<<grid, kInsertThreads, 0, s>>>(*p); break;
+                    case 4: packed_b512_kernel<2, 6><<<grid2, kInsertThreads, 0, s>>>(*p); break;
+                    default: packed_b512_kernel<1, 6><<<grid, kInsertThreads, 0, s>>>(*p); break;
+                }
+                return static_cast<int>(cudaGetLastError());
+            }
             if (!p->apply_norm) {
                 packed_insert_kernel<D, ROWS, Q, Norm::None, 8><<<grid, kInsertThreads, 0, s>>>(*p);
                 return static_cast<int>(cudaGetLastError());

@@ -18,7 +18,9 @@
 // the Q1 codes against CUDA's host emulation of the hardware e4m3 conversion the packed kernel
 // uses, and the bf16-pair Q3 path of the 128-wide kernels (q3_fake_quant_pair, q3_code_pair,
 // q3_pair_exp_biased) against the element path, with a host emulation of the three bf16x2
-// instructions it uses (min, max, fma.rn), exact for its operands.
+// instructions it uses (min, max, fma.rn), exact for its operands, and the bf16-pair Q2 codes of
+// the format B kernel (q2_code_pair: tie-point comparisons) against the element path and the
+// definition, with a host emulation of set.geu / set.gtu.u32.bf16x2.
 //
 // Not part of the build (build.rs compiles kernels/*.cu only). Run on any host with nvcc (a few
 // minutes; -mfma makes the host fmaf a single instruction, drop it on CPUs without FMA):
@@ -26,7 +28,7 @@
 //   nvcc -std=c++17 -O2 -Xcompiler -ffp-contract=off -Xcompiler -mfma -I kernels/include \
 //        kernels/check/quant_exhaustive.cu -o /tmp/quant_exhaustive && /tmp/quant_exhaustive
 //
-// `/tmp/quant_exhaustive q3-pair` (~30 s) or `... q2` (seconds) runs one part only.
+// `/tmp/quant_exhaustive q3-pair` (~30 s), `... q2` or `... q2-pair` (seconds) runs one part only.
 #include <stdio.h>
 #include <string.h>
 
@@ -231,13 +233,56 @@ static long check_q3_pair_exp() {
     return bad;
 }
 
+// The bf16-pair Q2 codes (q2_pair / q2_code_pair, format B rows) against quant_code (the f32
+// element path) AND the division-based definition e2m1_code(clamp(x / s)) for every bf16 x in
+// BOTH halves of the word (the high half a permutation of the values) and every e4m3 scale s
+// in [2^-9, 448] (all the scales q2_scale_value produces, check_q2). Also checks that the tie
+// points are the exact products T s.
+static long check_q2_pair() {
+    constexpr Quant Q = Quant::Fp4E4m3B16;
+    const float ties[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    long bad = 0, n = 0;
+    for (uint32_t c = 1; c < 0x7f; ++c, ++n) {
+        const uint32_t e = c >> 3, m = c & 7;
+        const float s = e == 0 ? m * 0.001953125f : pow2(static_cast<int>(e) - 7) * (1.0f + m / 8.0f);
+        const BlockScale b{s, 1.0f / s};
+        const Q2Pair p = q2_pair(s);
+        const uint32_t got_t[7] = {p.t025, p.t075, p.t125, p.t175, p.t25, p.t35, p.t5};
+        for (int i = 0; i < 7; ++i) {
+            const float want = s * ties[i];
+            if ((f2u(want) & 0xffffu) != 0 || got_t[i] != (f2u(want) >> 16) * 0x10001u) {
+                printf("Q2 pair: s=%a tie %g: %08x vs %a\n", s, ties[i], got_t[i], want);
+                ++bad;
+            }
+        }
+        for (uint32_t lo = 0; lo < 65536; ++lo) {
+            const uint32_t hi = (lo * 40503u + 12345u) & 0xffffu;  // odd multiplier: a permutation
+            const uint32_t w = lo | (hi << 16);
+            const uint32_t codes = q2_code_pair(w, p);
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t xb = h ? hi : lo;
+                const float x = bf16_bits_to_f32(xb);
+                const uint32_t got = (codes >> (16 * h)) & 0xffffu;
+                const uint8_t want = quant_code<Q>(x, b), want_def = e2m1_code(clamp_def<Q>(x, s));
+                if (got != want || got != want_def) {
+                    if (bad < 5) printf("Q2 pair: s=%a x=%a (0x%04x): code %02x vs %02x / %02x\n", s, x, xb, got, want, want_def);
+                    ++bad;
+                }
+            }
+        }
+    }
+    printf("Q2 bf16 pairs: %ld scales x 65536 x 2 bf16 values: %ld mismatches\n", n, bad);
+    return bad;
+}
+
 int main(int argc, char** argv) {
     if (argc > 1) {  // one part only: "q3-pair" (~30 s) or "q2" (seconds)
         long b = -1;
         if (strcmp(argv[1], "q3-pair") == 0) b = check_q3_pair() + check_q3_pair_exp();
         if (strcmp(argv[1], "q2") == 0) b = check_q2();
+        if (strcmp(argv[1], "q2-pair") == 0) b = check_q2_pair();
         if (b < 0) {
-            printf("unknown part %s (q3-pair, q2)\n", argv[1]);
+            printf("unknown part %s (q3-pair, q2, q2-pair)\n", argv[1]);
             return 2;
         }
         printf("%s\n", b == 0 ? "all equal" : "MISMATCHES");
@@ -254,6 +299,7 @@ int main(int argc, char** argv) {
     bad += check_pow2<Quant::Fp4Ue8m0B32>(-126, "Q3 fp4 ue8m0 b32");
     bad += check_q3_pair();
     bad += check_q3_pair_exp();
+    bad += check_q2_pair();
     printf("%s\n", bad == 0 ? "all equal" : "MISMATCHES");
     return bad == 0 ? 0 : 1;
 }

@@ -424,10 +424,10 @@ DSV41_HD uint32_t bf16x2_fma_rn(uint32_t a, uint32_t b, uint32_t c) {
     return d;
 }
 #else
-// Host emulation, per half, for the operands of the Q3 pair path only: non-negative non-NaN
-// min / max operands except a NaN first operand of min; fma(M0, +-64, c) with c in [0, 2 M0)
-// (a + 64 M0: exact in f32 unless a < q / 512, where no f32 rounding can reach the bf16
-// midpoint; A - 64 M0: exact).
+// Host emulation, per half, for the operands of the Q3 / Q2 pair paths only: non-negative
+// non-NaN min / max operands except a NaN first operand of min; fma(M0, +-64, c) with c in
+// [0, 2 M0) (a + 64 M0: exact in f32 unless a < q / 512, where no f32 rounding can reach the
+// bf16 midpoint; A - 64 M0: exact); fma(s, T, 0) with an exact bf16 product (q2_pair).
 inline float bf16_half_f32(uint32_t h) { return u2f((h & 0xffffu) << 16); }
 template <class F> inline uint32_t bf16x2_host(uint32_t a, uint32_t b, F&& f) {
     return f(a & 0xffffu, b & 0xffffu) | (f(a >> 16, b >> 16) << 16);
@@ -476,6 +476,80 @@ DSV41_HD uint32_t q3_code_pair(uint32_t w, Q3Pair p) {
     const Q3PairSteps t = q3_pair_steps(w, p);
     const uint32_t mag = (t.a_rounded & 0x00070007u) + ((t.m0 - p.s2) >> 6);
     return mag | ((w >> 12) & 0x00080008u);
+}
+
+// ------------------------------------------------------ Q2 codes on bf16 pairs (format B rows)
+//
+// For a bf16 x and an e4m3 block scale s (an e4m3 value in [2^-9, 448], not a power of two in
+// general) the e2m1 code of RN(x / s) is found without the quotient, by comparing |x| with the
+// seven scaled tie points of the e2m1 grid, two values per 32-bit word:
+//
+//   n = [|x| > 0.25 s] + [|x| >= 0.75 s] + [|x| > 1.25 s] + [|x| >= 1.75 s]
+//     + [|x| > 2.5 s]  + [|x| >= 3.5 s]  + [|x| > 5 s]          (code = n | sign(x) << 3)
+//
+// (ties at 0.25, 1.25, 2.5, 5 go down and at 0.75, 1.75, 3.5 up: ties to the even code). Exact:
+// T s has at most 4 + 3 significant bits, so it is a bf16 value (>= 2^-11, normal) and the
+// products below are exact; and RN(x / s) compares with T as x / s does (if x != T s, the
+// quotient differs from T by more than an f32 ulp: x has 8 significant bits, T s 7), so
+// comparing x with T s decides what the rounded quotient's code does. NaN |x| compares
+// "unordered" (geu / gtu are true), giving n = 7 like the saturated code; +inf gives 7.
+// The count is a two-level search: g4 = [|x| >= 1.75 s] picks the three remaining tie points
+// (0.25, 0.75, 1.25 or 2.5, 3.5, 5 times s) per half, whose three flags form a thermometer, so
+// n = 4 g4 + 2 g_mid + (g_lo ^ g_mid ^ g_hi). 13 instructions per pair (set.*.u32.bf16x2 gives
+// 0xffff / 0 per half). Checked for every bf16 x (both halves) and every e4m3 scale against
+// quant_code (kernels/check/quant_exhaustive.cu).
+
+// The tie points T s as bf16 in both halves.
+struct Q2Pair {
+    uint32_t t025, t075, t125, t175, t25, t35, t5;
+};
+
+#ifdef __CUDA_ARCH__
+DSV41_HD uint32_t bf16x2_geu_mask(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("set.geu.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+DSV41_HD uint32_t bf16x2_gtu_mask(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+#else
+inline uint32_t bf16x2_geu_mask(uint32_t a, uint32_t b) {
+    auto f = [](uint32_t x, uint32_t y) -> uint32_t {
+        const float fx = u2f((x & 0xffffu) << 16), fy = u2f((y & 0xffffu) << 16);
+        return (isnan(fx) || isnan(fy) || fx >= fy) ? 0xffffu : 0u;
+    };
+    return f(a, b) | (f(a >> 16, b >> 16) << 16);
+}
+inline uint32_t bf16x2_gtu_mask(uint32_t a, uint32_t b) {
+    auto f = [](uint32_t x, uint32_t y) -> uint32_t {
+        const float fx = u2f((x & 0xffffu) << 16), fy = u2f((y & 0xffffu) << 16);
+        return (isnan(fx) || isnan(fy) || fx > fy) ? 0xffffu : 0u;
+    };
+    return f(a, b) | (f(a >> 16, b >> 16) << 16);
+}
+#endif
+
+// The tie points of the block scale s (an e4m3 value in [2^-9, 448]): exact bf16 products of
+// s (bf16 bits in both halves) with the tie constants.
+DSV41_HD Q2Pair q2_pair(float s) {
+    const uint32_t s2 = (f2u(s) >> 16) * 0x10001u;
+    auto t = [&](uint32_t c) { return bf16x2_fma_rn(s2, c * 0x10001u, 0u); };
+    return {t(0x3e80u), t(0x3f40u), t(0x3fa0u), t(0x3fe0u), t(0x4020u), t(0x4060u), t(0x40a0u)};
+}
+
+// The e2m1 codes (bit 3 = sign) of the two values of w with the block's tie points p, in bits
+// 0..3 and 16..19.
+DSV41_HD uint32_t q2_code_pair(uint32_t w, const Q2Pair& p) {
+    const uint32_t a = w & 0x7fff7fffu;
+    const uint32_t g4 = bf16x2_geu_mask(a, p.t175);
+    const uint32_t gm = bf16x2_geu_mask(a, (p.t35 & g4) | (p.t075 & ~g4));
+    const uint32_t gl = bf16x2_gtu_mask(a, (p.t25 & g4) | (p.t025 & ~g4));
+    const uint32_t gh = bf16x2_gtu_mask(a, (p.t5 & g4) | (p.t125 & ~g4));
+    const uint32_t x = ((gl ^ gh) & 0x00010001u) ^ (gm & 0x00030003u);  // bit 0: gl^gm^gh, bit 1: gm
+    return x | (g4 & 0x00040004u) | ((w >> 12) & 0x00080008u);
 }
 
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).
