@@ -135,37 +135,45 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
 // row; they are staged in shared memory (64 bytes per row) so that lane j then stores bytes
 // [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
 // stores the row's 4 scale bytes as one word.
-template <Norm N>
+template <Norm N, bool kUnroll2>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
     uint16_t(*buf)[32] = staged[threadIdx.x / 32];
-    row128_loop<N>(p, [&](const Row128In& r, const float* w, int g, int j) {
+    row128_loop<N, kUnroll2>(p, [&](const Row128In& r, const float* w, int g, int j) {
         constexpr Quant Q = Quant::Fp4Ue8m0B32;
         uint32_t h[8];
         float amax[4];
         compute_row128_pairs<N>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
         int e[4];
         q3_block_exps_row128(amax, e);
-        const bool pairs = q3_pairs_ok(e);
+        // One branch for the row's 4 blocks (a branch per block kept the compiler from
+        // interleaving them and from hoisting the staging addresses).
+        uint32_t c[8];  // codes of elements 32 m + 4 j + 2 i + {0, 1} in bits 0..3 / 16..19 of c[2 m + i]
+        int k[4];
+        if (q3_pairs_ok(e)) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                k[m] = e[m] - 129;
+                const Q3Pair pr = q3_pair(k[m]);
+                c[2 * m] = q3_code_pair(h[2 * m], pr);
+                c[2 * m + 1] = q3_code_pair(h[2 * m + 1], pr);
+            }
+        } else {  // a block scale above 2^119: the f32 element path
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                k[m] = q3_block_k(amax[m]);
+                const BlockScale b = pow2_scale(k[m]);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    c[2 * m + i] = quant_code<Q>(bf16x2_lo(h[2 * m + i]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + i]), b) << 16);
+            }
+        }
         uint32_t scales = 0;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-            uint32_t c01, c23;  // codes of elements 4 j + {0, 1} and {2, 3} in bits 0..3 / 16..19
-            int k;
-            if (pairs) {
-                k = e[m] - 129;
-                const Q3Pair pr = q3_pair(k);
-                c01 = q3_code_pair(h[2 * m], pr);
-                c23 = q3_code_pair(h[2 * m + 1], pr);
-            } else {  // a block scale above 2^119: the f32 element path
-                k = q3_block_k(amax[m]);
-                const BlockScale b = pow2_scale(k);
-                c01 = quant_code<Q>(bf16x2_lo(h[2 * m]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m]), b) << 16);
-                c23 = quant_code<Q>(bf16x2_lo(h[2 * m + 1]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + 1]), b) << 16);
-            }
-            const uint32_t v = c01 | (c23 << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
+            const uint32_t v = c[2 * m] | (c[2 * m + 1] << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
             buf[g][8 * m + j] = static_cast<uint16_t>(v | (v >> 12));  // c0 | c1 << 4 | c2 << 8 | c3 << 12
-            scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
+            scales |= static_cast<uint32_t>((k[m] + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
         }
         __syncwarp();
         const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
@@ -183,7 +191,10 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
+    if (row128_loop_variant() == 1)
+        packed_e_row128_kernel<N, true><<<row128_grid<packed_e_row128_kernel<N, true>>(sets), kInsertThreads, 0, s>>>(p);
+    else
+        packed_e_row128_kernel<N, false><<<row128_grid<packed_e_row128_kernel<N, false>>(sets), kInsertThreads, 0, s>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 
