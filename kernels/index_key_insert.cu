@@ -28,9 +28,9 @@ namespace dsv41 {
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
 // 2^119 takes the f32 element path for that row.
-template <Quant Q, bool kUnroll2>
+template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
-    row128_loop<Norm::Weighted, kUnroll2>(p, [&](const Row128In& r, const float* w, int, int j) {
+    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j) {
         uint32_t h[8];
         float amax[4];
         compute_row128_pairs<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
@@ -59,11 +59,8 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
 
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    if (row128_loop_variant() == 1)
-        index_key_insert_row128_kernel<Q, true><<<row128_grid<index_key_insert_row128_kernel<Q, true>>(sets), kInsertThreads, 0, s>>>(p);
-    else
-        index_key_insert_row128_kernel<Q, false><<<row128_grid<index_key_insert_row128_kernel<Q, false>>(sets), kInsertThreads, 0, s>>>(p);
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -135,11 +135,11 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
 // row; they are staged in shared memory (64 bytes per row) so that lane j then stores bytes
 // [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
 // stores the row's 4 scale bytes as one word.
-template <Norm N, bool kUnroll2>
+template <Norm N>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
     uint16_t(*buf)[32] = staged[threadIdx.x / 32];
-    row128_loop<N, kUnroll2>(p, [&](const Row128In& r, const float* w, int g, int j) {
+    row128_loop<N>(p, [&](const Row128In& r, const float* w, int g, int j) {
         constexpr Quant Q = Quant::Fp4Ue8m0B32;
         uint32_t h[8];
         float amax[4];
@@ -191,21 +191,19 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    if (row128_loop_variant() == 1)
-        packed_e_row128_kernel<N, true><<<row128_grid<packed_e_row128_kernel<N, true>>(sets), kInsertThreads, 0, s>>>(p);
-    else
-        packed_e_row128_kernel<N, false><<<row128_grid<packed_e_row128_kernel<N, false>>(sets), kInsertThreads, 0, s>>>(p);
+    packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 
-// Format B rows of the V4.1 compressed-cache shape (D = 512, R = 64, no norm) on bf16 pairs:
-// grid = ceil(T / (8 ROWS)), block = 256 threads, one warp per row, ROWS rows per warp (loads
-// of all of them first). Lane L keeps its 16 elements (one Q2 block) as the 8 loaded bf16x2
-// words; the rotated dims [448, 512) (the words of lanes 28..31) go through shared memory so
-// that lane i rotates pair i (f32, rounded to bf16 as rope_loaded_row); the block max is a
-// bf16x2 max of |w| (NaN-ignoring like fmaxf), the scale q2_scale_value of it, and the codes
-// come from q2_code_pair (tie-point comparisons, no quotient). Lane L writes its 8 code bytes
-// as one 8-byte store and its scale byte.
+// Format B rows of the V4.1 compressed-cache shape (D = 512, R = 64, no norm, power-of-two
+// pages) on bf16 pairs: grid = ceil(T / (8 ROWS)), block = 256 threads, one warp per row, ROWS
+// rows per warp (loads of all of them first; the slots by cp.async into shared memory). Lane L
+// keeps its 16 elements (one Q2 block) as the 8 loaded bf16x2 words; the rotated dims
+// [448, 512) (the words of lanes 28..31) go through shared memory so that lane i rotates pair
+// i (f32, rounded to bf16 as rope_loaded_row); the block max is a bf16x2 max of |w|
+// (NaN-ignoring like fmaxf), the scale byte and value come from the hardware e4m3 conversions
+// (q2_scale_hw), and the codes from tie-point comparisons (q2_codes8, no quotient). Lane L
+// writes its 8 code bytes as one 8-byte store and its scale byte.
 template <int ROWS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_b512_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint32_t rope_buf[kInsertWarps][32];
@@ -252,20 +250,9 @@ __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_b512_kernel
         uint32_t m = w[0] & 0x7fff7fffu;
 #pragma unroll
         for (int i = 1; i < 8; ++i) m = bf16x2_max(m, w[i] & 0x7fff7fffu);
-        const float s = q2_scale_value(fmaxf(bf16x2_lo(m), bf16x2_hi(m)));
-        const Q2Pair tp = q2_pair(s);
-        uint32_t out[2];
-#pragma unroll
-        for (int o = 0; o < 2; ++o) {
-            uint32_t h[2];
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                // codes of elements 8 o + 4 k + {0, 1} (bits 0..3, 16..19) and + {2, 3} (8..11, 24..27)
-                const uint32_t v = q2_code_pair(w[4 * o + 2 * k], tp) | (q2_code_pair(w[4 * o + 2 * k + 1], tp) << 8);
-                h[k] = v | (v >> 12);  // bits 0..15: the 4 codes in element order
-            }
-            out[o] = (h[0] & 0xffffu) | (h[1] << 16);
-        }
+        const Q2Scale sc = q2_scale_hw(fmaxf(bf16x2_lo(m), bf16x2_hi(m)));
+        const Q2Pair tp = q2_pair(sc.s);
+        const uint32_t out0 = q2_codes8(w[0], w[1], w[2], w[3], tp), out1 = q2_codes8(w[4], w[5], w[6], w[7], tp);
         if (r == 0) {
             asm volatile("cp.async.wait_all;\n" ::: "memory");
             __syncwarp();
@@ -274,8 +261,8 @@ __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_b512_kernel
         if (t0 + r < p.num_tokens && slot >= 0 && slot < p.num_slots) {
             uint8_t* base = p.cache + (slot >> (__ffs(p.page_size) - 1)) * p.page_stride;  // power-of-two pages
             const int64_t row = slot & (p.page_size - 1);
-            *reinterpret_cast<uint2*>(base + row * 256 + lane * 8) = make_uint2(out[0], out[1]);
-            base[(static_cast<int64_t>(p.page_size) * 8 + row) * 32 + lane] = QuantTraits<Quant::Fp4E4m3B16>::scale_code(s);
+            *reinterpret_cast<uint2*>(base + row * 256 + lane * 8) = make_uint2(out0, out1);
+            base[(static_cast<int64_t>(p.page_size) * 8 + row) * 32 + lane] = static_cast<uint8_t>(sc.code);
         }
     }
 }
@@ -306,8 +293,9 @@ __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kern
 namespace {
 
 // Run-time switch for the measurements of issue 4, run 10 (DSV41_PACKED_B): 0 (default) = the
-// bf16-pair kernel, one row per warp; 1 = the f32 element kernel of run 9; 2 = the bf16-pair
-// kernel with two rows per warp.
+// bf16-pair kernel, two rows per warp, 6 resident blocks (40 registers); 1 = the f32 element
+// kernel of run 9; 2 = pairs, two rows, 4 blocks (64 registers); 3 = pairs, one row, 8 blocks
+// (32 registers); 4 = pairs, one row, 6 blocks.
 int packed_b_variant() {
     static const int v = [] {
         const char* e = getenv("DSV41_PACKED_B");
@@ -332,8 +320,8 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
                 switch (packed_b_variant()) {
                     case 2: packed_b512_kernel<2, 4><<<grid2, kInsertThreads, 0, s>>>(*p); break;
                     case 3: packed_b512_kernel<1, 8><<<grid, kInsertThreads, 0, s>>>(*p); break;
-                    case 4: packed_b512_kernel<2, 6><<<grid2, kInsertThreads, 0, s>>>(*p); break;
-                    default: packed_b512_kernel<1, 6><<<grid, kInsertThreads, 0, s>>>(*p); break;
+                    case 4: packed_b512_kernel<1, 6><<<grid, kInsertThreads, 0, s>>>(*p); break;
+                    default: packed_b512_kernel<2, 6><<<grid2, kInsertThreads, 0, s>>>(*p); break;
                 }
                 return static_cast<int>(cudaGetLastError());
             }

@@ -37,8 +37,6 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
-#include <stdlib.h>
-
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -187,10 +185,7 @@ __device__ __forceinline__ bool q3_pairs_ok(const int (&e)[4]) {
 // only (a warp past the last set computes a clamped set with slot -1 instead of leaving), so
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check).
-//
-// kUnroll2: the loop body twice, alternating two input buffers, so that the prefetched set is
-// not copied into the current one (about 18 register moves per set otherwise).
-template <Norm N, bool kUnroll2 = false, class P, class F>
+template <Norm N, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
@@ -207,30 +202,14 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     if (base >= sets) return;
     Row128In cur;
     load_row128(p, 4 * (base + warp) + g, j, cur);
-    if constexpr (kUnroll2) {
+    for (;;) {
+        const int64_t next = base + round_sets;
         Row128In nxt;
-        for (;;) {
-            int64_t next = base + round_sets;
-            if (next < sets) load_row128(p, 4 * (next + warp) + g, j, nxt);
-            finish(cur, static_cast<const float*>(w), g, j);
-            if (next >= sets) break;
-            base = next;
-            next = base + round_sets;
-            if (next < sets) load_row128(p, 4 * (next + warp) + g, j, cur);
-            finish(nxt, static_cast<const float*>(w), g, j);
-            if (next >= sets) break;
-            base = next;
-        }
-    } else {
-        for (;;) {
-            const int64_t next = base + round_sets;
-            Row128In nxt;
-            if (next < sets) load_row128(p, 4 * (next + warp) + g, j, nxt);
-            finish(cur, static_cast<const float*>(w), g, j);
-            if (next >= sets) break;
-            cur = nxt;
-            base = next;
-        }
+        if (next < sets) load_row128(p, 4 * (next + warp) + g, j, nxt);
+        finish(cur, static_cast<const float*>(w), g, j);
+        if (next >= sets) break;
+        cur = nxt;
+        base = next;
     }
 }
 
@@ -251,16 +230,6 @@ unsigned row128_grid(int64_t sets) {
     }();
     const int64_t needed = (sets + kInsertWarps - 1) / kInsertWarps;
     return static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed);
-}
-
-// Run-time switch for the measurements of issue 4, run 10 (DSV41_ROW128_LOOP): 0 (default) =
-// the loop of run 9 (prefetched set copied), 1 = the loop unrolled twice (kUnroll2).
-inline int row128_loop_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_LOOP");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
 }
 
 // Whether a call can take the row-128 path: D = 128, R = 64 and 8-byte aligned cos/sin rows

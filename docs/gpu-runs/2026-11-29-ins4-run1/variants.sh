@@ -27,13 +27,10 @@ run() {  # run NAME ENV... -- ARGS...
 }
 B="compressed packed B prefill T=65536,compressed packed B prefill T=16384"
 E="index_key_insert Q3 prefill T=65536,index_key packed E prefill T=65536,ratio 1"
-run b-pair-occ6 DSV41_PACKED_B=0 -- --no-baseline --only "$B"
 run b-run9 DSV41_PACKED_B=1 -- --no-baseline --only "$B"
-run b-pair-rows2-occ4 DSV41_PACKED_B=2 -- --no-baseline --only "$B"
 run b-pair-occ8 DSV41_PACKED_B=3 -- --no-baseline --only "$B"
-run b-pair-rows2-occ6 DSV41_PACKED_B=4 -- --no-baseline --only "$B"
-run row128-copyloop DSV41_ROW128_LOOP=0 -- --no-baseline --only "$E"
 run row128-unroll2 DSV41_ROW128_LOOP=1 -- --no-baseline --only "$E"
-run b-pair-occ6-again DSV41_PACKED_B=0 -- --no-baseline --only "$B"
-run row128-copyloop-again DSV41_ROW128_LOOP=0 -- --no-baseline --only "$E"
+run b-pair-rows2-occ4 DSV41_PACKED_B=2 -- --no-baseline --only "$B"
+run b-pair-rows2-occ6 DSV41_PACKED_B=4 -- --no-baseline --only "$B"
+run b-pair-occ6 DSV41_PACKED_B=0 -- --no-baseline --only "$B"
 grep -E "^==|prefill|ratio" "$LOG" | cut -c1-120
