@@ -20,6 +20,8 @@
 // (kernels/check/quant_exhaustive.cu).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -606,6 +608,13 @@ DSV41_HD Q2Scale q2_scale_hw(float amax) {
     float s;
     asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo; }" : "=f"(s) : "r"(h));
     return {static_cast<uint32_t>(c) & 0xffu, s};
+}
+#else
+// Host: CUDA's host emulation of the two conversions (the exhaustive check compares this).
+inline Q2Scale q2_scale_hw(float amax) {
+    const uint32_t code = __nv_cvt_float_to_fp8(q2_scale_quotient(amax), __NV_SATFINITE, __NV_E4M3);
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+    return {code, __half2float(__half(h))};
 }
 #endif
 
