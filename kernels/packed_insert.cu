@@ -17,14 +17,20 @@
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
 // quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
-// (q3_code_pair, 10 instructions per pair), staged in shared memory and written as 8-byte
-// vectors (64 contiguous bytes per row) and the 4 scale bytes as one word. Format B's one-row
-// kernel is capped at 32 registers (8 resident blocks per SM).
+// (q3_code_pair, 10 instructions per pair; one pair-or-element branch per row set), staged in
+// shared memory and written as 8-byte vectors (64 contiguous bytes per row) and the 4 scale
+// bytes as one word. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
+// pages) take packed_b512_kernel: the row stays in its loaded bf16 pairs, the e2m1 codes come
+// from comparisons with the block's scaled tie points (q2_codes8, no quotient), the scale byte
+// and value from the hardware e4m3 conversions (q2_scale_hw), the slots arrive by cp.async;
+// two rows per warp, 6 resident blocks. Other B shapes keep the generic kernel (capped at 32
+// registers, 8 resident blocks per SM, for the no-norm 512-wide rows).
 //
 // Numerics: identical to quant::packed::pack_row applied to the CPU reference rows (IEEE x/s,
 // clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code). The host
 // check kernels/check/quant_exhaustive.cu compares the e4m3 bit path with CUDA's emulation of
-// the hardware conversion for every bf16 value at every Q1 scale.
+// the hardware conversion for every bf16 value at every Q1 scale, and the format B pair codes
+// and hardware scale with the element path / definitions for every bf16 value and scale.
 #include <stdlib.h>
 #include <string.h>
 
@@ -310,9 +316,10 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     return with_insert_rows<D>(p->num_tokens, false, [&](auto rows) -> int {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
-        // Format B rows (512-wide, Q2, no norm): capped at 32 registers (no spills) for 8 resident
-        // blocks per SM instead of 6; instruction-bound, it gained ~2 points of the read ceiling
-        // (docs/perf.md, issue 4, run 9).
+        // Format B rows (512-wide, Q2, no norm): the bf16-pair kernel for R = 64 and power-of-two
+        // pages (56.6 -> 76.9 % of the read ceiling, docs/perf.md, issue 4, run 10); else the
+        // generic kernel capped at 32 registers (no spills) for 8 resident blocks per SM
+        // instead of 6 (instruction-bound, it gained ~2 points in run 9).
         if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
             if (!p->apply_norm && p->rope_dim == 64 && (p->page_size & (p->page_size - 1)) == 0 &&
                 packed_b_variant() != 1) {

@@ -18,6 +18,12 @@
 // host with the division-based definitions kept below (`round_e4m3`, `round_e2m1`,
 // `e4m3_code`, `e2m1_code`): every bf16 x against every scale each format can produce
 // (kernels/check/quant_exhaustive.cu).
+//
+// Faster forms for bf16 inputs, each checked the same way against the element path: Q3 fake
+// quant and e2m1 codes on bf16 pairs for power-of-two scales (one bf16 FMA rounds two values,
+// the 128-wide kernels), Q2 e2m1 codes on bf16 pairs by comparisons with the block's scaled
+// tie points (no quotient, the format B kernel) and the Q2 block scale by the hardware e4m3
+// conversions.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
