@@ -17,14 +17,21 @@
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
 // quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
-// (q3_code_pair, 10 instructions per pair), staged in shared memory and written as 8-byte
-// vectors (64 contiguous bytes per row) and the 4 scale bytes as one word. Format B's one-row
-// kernel is capped at 32 registers (8 resident blocks per SM).
+// (q3_code_pair, 10 instructions per pair; one pair-or-element branch per row set), staged in
+// shared memory and written as 8-byte vectors (64 contiguous bytes per row) and the 4 scale
+// bytes as one word. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
+// pages) take packed_b512_kernel: the row stays in its loaded bf16 pairs, the e2m1 codes come
+// from comparisons with the block's scaled tie points (q2_codes8, no quotient), the scale byte
+// and value from the hardware e4m3 conversions (q2_scale_hw), the slots arrive by cp.async;
+// two rows per warp, 6 resident blocks. Other B shapes keep the generic kernel (capped at 32
+// registers, 8 resident blocks per SM, for the no-norm 512-wide rows).
 //
 // Numerics: identical to quant::packed::pack_row applied to the CPU reference rows (IEEE x/s,
 // clamp, RNE to e4m3 / ties-to-even-code e2m1, the sign of zero kept in the code). The host
 // check kernels/check/quant_exhaustive.cu compares the e4m3 bit path with CUDA's emulation of
-// the hardware conversion for every bf16 value at every Q1 scale.
+// the hardware conversion for every bf16 value at every Q1 scale, and the format B pair codes
+// and hardware scale with the element path / definitions for every bf16 value and scale.
+#include <stdlib.h>
 #include <string.h>
 
 #include "include/dsv41_row128.cuh"
@@ -145,26 +152,34 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
         compute_row128_pairs<N>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
         int e[4];
         q3_block_exps_row128(amax, e);
-        const bool pairs = q3_pairs_ok(e);
+        // One branch for the row's 4 blocks (a branch per block kept the compiler from
+        // interleaving them and from hoisting the staging addresses).
+        uint32_t c[8];  // codes of elements 32 m + 4 j + 2 i + {0, 1} in bits 0..3 / 16..19 of c[2 m + i]
+        int k[4];
+        if (q3_pairs_ok(e)) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                k[m] = e[m] - 129;
+                const Q3Pair pr = q3_pair(k[m]);
+                c[2 * m] = q3_code_pair(h[2 * m], pr);
+                c[2 * m + 1] = q3_code_pair(h[2 * m + 1], pr);
+            }
+        } else {  // a block scale above 2^119: the f32 element path
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                k[m] = q3_block_k(amax[m]);
+                const BlockScale b = pow2_scale(k[m]);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    c[2 * m + i] = quant_code<Q>(bf16x2_lo(h[2 * m + i]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + i]), b) << 16);
+            }
+        }
         uint32_t scales = 0;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-            uint32_t c01, c23;  // codes of elements 4 j + {0, 1} and {2, 3} in bits 0..3 / 16..19
-            int k;
-            if (pairs) {
-                k = e[m] - 129;
-                const Q3Pair pr = q3_pair(k);
-                c01 = q3_code_pair(h[2 * m], pr);
-                c23 = q3_code_pair(h[2 * m + 1], pr);
-            } else {  // a block scale above 2^119: the f32 element path
-                k = q3_block_k(amax[m]);
-                const BlockScale b = pow2_scale(k);
-                c01 = quant_code<Q>(bf16x2_lo(h[2 * m]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m]), b) << 16);
-                c23 = quant_code<Q>(bf16x2_lo(h[2 * m + 1]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + 1]), b) << 16);
-            }
-            const uint32_t v = c01 | (c23 << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
+            const uint32_t v = c[2 * m] | (c[2 * m + 1] << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
             buf[g][8 * m + j] = static_cast<uint16_t>(v | (v >> 12));  // c0 | c1 << 4 | c2 << 8 | c3 << 12
-            scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
+            scales |= static_cast<uint32_t>((k[m] + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
         }
         __syncwarp();
         const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
@@ -184,6 +199,78 @@ int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
     return static_cast<int>(cudaGetLastError());
+}
+
+// Format B rows of the V4.1 compressed-cache shape (D = 512, R = 64, no norm, power-of-two
+// pages) on bf16 pairs: grid = ceil(T / (8 ROWS)), block = 256 threads, one warp per row, ROWS
+// rows per warp (loads of all of them first; the slots by cp.async into shared memory). Lane L
+// keeps its 16 elements (one Q2 block) as the 8 loaded bf16x2 words; the rotated dims
+// [448, 512) (the words of lanes 28..31) go through shared memory so that lane i rotates pair
+// i (f32, rounded to bf16 as rope_loaded_row); the block max is a bf16x2 max of |w|
+// (NaN-ignoring like fmaxf), the scale byte and value come from the hardware e4m3 conversions
+// (q2_scale_hw), and the codes from tie-point comparisons (q2_codes8, no quotient). Lane L
+// writes its 8 code bytes as one 8-byte store and its scale byte.
+template <int ROWS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_b512_kernel(const Dsv41PackedInsertParams p) {
+    __shared__ __align__(16) uint32_t rope_buf[kInsertWarps][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const int64_t t0 = (static_cast<int64_t>(blockIdx.x) * kInsertWarps + warp) * ROWS;
+    if (t0 >= p.num_tokens) return;
+    uint32_t* buf = rope_buf[warp];
+    // The slots go to shared memory by cp.async (lane r fetches row r's): a slot loaded into a
+    // register is only needed by the stores, and ptxas sinks such a load below the arithmetic
+    // (a second memory latency per row); the copy is issued with the row loads.
+    __shared__ __align__(8) int64_t slot_buf[kInsertWarps][ROWS];
+    if (lane < ROWS) {
+        const int64_t t = t0 + lane < p.num_tokens ? t0 + lane : p.num_tokens - 1;
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&slot_buf[warp][lane]));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(p.slots + t) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    RowIn<512> in[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) load_row_data<512>(p, t0 + r, lane, in[r]);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        uint32_t w[8];
+        memcpy(w, in[r].raw, sizeof(w));
+        if (lane >= 28) {
+            reinterpret_cast<uint4*>(buf)[2 * (lane - 28)] = in[r].raw[0];
+            reinterpret_cast<uint4*>(buf)[2 * (lane - 28) + 1] = in[r].raw[1];
+        }
+        __syncwarp();
+        {
+            const uint32_t v = buf[lane];
+            float x0 = bf16x2_lo(v), x1 = bf16x2_hi(v);
+            rotate_pair(x0, x1, in[r].cos, in[r].sin);
+            buf[lane] = pack_bf16x2_rn(x0, x1);  // lane-private word: no hazard
+        }
+        __syncwarp();
+        if (lane >= 28) {
+            const uint4 a = reinterpret_cast<const uint4*>(buf)[2 * (lane - 28)];
+            const uint4 b = reinterpret_cast<const uint4*>(buf)[2 * (lane - 28) + 1];
+            w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+            w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        }
+        __syncwarp();  // buf is reused by the next row
+        uint32_t m = w[0] & 0x7fff7fffu;
+#pragma unroll
+        for (int i = 1; i < 8; ++i) m = bf16x2_max(m, w[i] & 0x7fff7fffu);
+        const Q2Scale sc = q2_scale_hw(fmaxf(bf16x2_lo(m), bf16x2_hi(m)));
+        const Q2Pair tp = q2_pair(sc.s);
+        const uint32_t out0 = q2_codes8(w[0], w[1], w[2], w[3], tp), out1 = q2_codes8(w[4], w[5], w[6], w[7], tp);
+        if (r == 0) {
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            __syncwarp();
+        }
+        const int64_t slot = slot_buf[warp][r];
+        if (t0 + r < p.num_tokens && slot >= 0 && slot < p.num_slots) {
+            uint8_t* base = p.cache + (slot >> (__ffs(p.page_size) - 1)) * p.page_stride;  // power-of-two pages
+            const int64_t row = slot & (p.page_size - 1);
+            *reinterpret_cast<uint2*>(base + row * 256 + lane * 8) = make_uint2(out0, out1);
+            base[(static_cast<int64_t>(p.page_size) * 8 + row) * 32 + lane] = static_cast<uint8_t>(sc.code);
+        }
+    }
 }
 
 // grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each); MIN_BLOCKS:
@@ -211,16 +298,40 @@ __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kern
 
 namespace {
 
+// Run-time switch for the measurements of issue 4, run 10 (DSV41_PACKED_B): 0 (default) = the
+// bf16-pair kernel, two rows per warp, 6 resident blocks (40 registers); 1 = the f32 element
+// kernel of run 9; 2 = pairs, two rows, 4 blocks (64 registers); 3 = pairs, one row, 8 blocks
+// (32 registers); 4 = pairs, one row, 6 blocks.
+int packed_b_variant() {
+    static const int v = [] {
+        const char* e = getenv("DSV41_PACKED_B");
+        return e ? atoi(e) : 0;
+    }();
+    return v;
+}
+
 template <int D, dsv41::Quant Q>
 int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     using namespace dsv41;
     return with_insert_rows<D>(p->num_tokens, false, [&](auto rows) -> int {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
-        // Format B rows (512-wide, Q2, no norm): capped at 32 registers (no spills) for 8 resident
-        // blocks per SM instead of 6; instruction-bound, it gained ~2 points of the read ceiling
-        // (docs/perf.md, issue 4, run 9).
+        // Format B rows (512-wide, Q2, no norm): the bf16-pair kernel for R = 64 and power-of-two
+        // pages (56.6 -> 76.9 % of the read ceiling, docs/perf.md, issue 4, run 10); else the
+        // generic kernel capped at 32 registers (no spills) for 8 resident blocks per SM
+        // instead of 6 (instruction-bound, it gained ~2 points in run 9).
         if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
+            if (!p->apply_norm && p->rope_dim == 64 && (p->page_size & (p->page_size - 1)) == 0 &&
+                packed_b_variant() != 1) {
+                const dim3 grid2(insert_blocks(p->num_tokens, 2));
+                switch (packed_b_variant()) {
+                    case 2: packed_b512_kernel<2, 4><<<grid2, kInsertThreads, 0, s>>>(*p); break;
+                    case 3: packed_b512_kernel<1, 8><<<grid, kInsertThreads, 0, s>>>(*p); break;
+                    case 4: packed_b512_kernel<1, 6><<<grid, kInsertThreads, 0, s>>>(*p); break;
+                    default: packed_b512_kernel<2, 6><<<grid2, kInsertThreads, 0, s>>>(*p); break;
+                }
+                return static_cast<int>(cudaGetLastError());
+            }
             if (!p->apply_norm) {
                 packed_insert_kernel<D, ROWS, Q, Norm::None, 8><<<grid, kInsertThreads, 0, s>>>(*p);
                 return static_cast<int>(cudaGetLastError());

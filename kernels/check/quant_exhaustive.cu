@@ -18,7 +18,10 @@
 // the Q1 codes against CUDA's host emulation of the hardware e4m3 conversion the packed kernel
 // uses, and the bf16-pair Q3 path of the 128-wide kernels (q3_fake_quant_pair, q3_code_pair,
 // q3_pair_exp_biased) against the element path, with a host emulation of the three bf16x2
-// instructions it uses (min, max, fma.rn), exact for its operands.
+// instructions it uses (min, max, fma.rn), exact for its operands, and the bf16-pair Q2 codes of
+// the format B kernel (q2_mag_pair / q2_codes8: tie-point comparisons) against the element path
+// and the definition, with host emulations of set.geu / set.gtu.u32.bf16x2 and prmt, and its
+// block scale by the hardware e4m3 conversion (q2_scale_hw) against q2_scale_value.
 //
 // Not part of the build (build.rs compiles kernels/*.cu only). Run on any host with nvcc (a few
 // minutes; -mfma makes the host fmaf a single instruction, drop it on CPUs without FMA):
@@ -26,10 +29,11 @@
 //   nvcc -std=c++17 -O2 -Xcompiler -ffp-contract=off -Xcompiler -mfma -I kernels/include \
 //        kernels/check/quant_exhaustive.cu -o /tmp/quant_exhaustive && /tmp/quant_exhaustive
 //
-// `/tmp/quant_exhaustive q3-pair` (~30 s) or `... q2` (seconds) runs one part only.
+// `/tmp/quant_exhaustive q3-pair` (~30 s), `... q2` or `... q2-pair` (seconds) runs one part only.
 #include <stdio.h>
 #include <string.h>
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include "dsv41_numerics.cuh"
@@ -231,13 +235,95 @@ static long check_q3_pair_exp() {
     return bad;
 }
 
+// The bf16-pair Q2 codes of the format B kernel (q2_pair, q2_mag_pair, q2_codes8) against
+// quant_code (the f32 element path) AND the division-based definition e2m1_code(clamp(x / s))
+// for every bf16 x in every position of q2_codes8's four words (each word holds x in its low
+// half and a permutation of the values in its high half; the four words are rotations of each
+// other, so every value meets every nibble position) and every e4m3 scale s in [2^-9, 448] (all
+// the scales q2_scale_value produces, check_q2). Also checks that the tie points are the exact
+// products T s and that q2_mag_pair leaves the bits outside its two fields zero.
+static long check_q2_pair() {
+    constexpr Quant Q = Quant::Fp4E4m3B16;
+    const float ties[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    long bad = 0, n = 0;
+    auto perm = [](uint32_t v) { return (v * 40503u + 12345u) & 0xffffu; };  // odd multiplier: a permutation
+    for (uint32_t c = 1; c < 0x7f; ++c, ++n) {
+        const uint32_t e = c >> 3, m = c & 7;
+        const float s = e == 0 ? m * 0.001953125f : pow2(static_cast<int>(e) - 7) * (1.0f + m / 8.0f);
+        const BlockScale b{s, 1.0f / s};
+        const Q2Pair p = q2_pair(s);
+        const uint32_t got_t[7] = {p.t025, p.t075, p.t125, p.t175, p.t25, p.t35, p.t5};
+        for (int i = 0; i < 7; ++i) {
+            const float want = s * ties[i];
+            if ((f2u(want) & 0xffffu) != 0 || got_t[i] != (f2u(want) >> 16) * 0x10001u) {
+                printf("Q2 pair: s=%a tie %g: %08x vs %a\n", s, ties[i], got_t[i], want);
+                ++bad;
+            }
+        }
+        uint8_t want[65536];
+        for (uint32_t xb = 0; xb < 65536; ++xb) {
+            const float x = bf16_bits_to_f32(xb);
+            want[xb] = quant_code<Q>(x, b);
+            if (want[xb] != e2m1_code(clamp_def<Q>(x, s))) {
+                if (bad < 5) printf("Q2 element path: s=%a x=%a: %02x vs %02x\n", s, x, want[xb], e2m1_code(clamp_def<Q>(x, s)));
+                ++bad;
+            }
+        }
+        for (uint32_t lo = 0; lo < 65536; ++lo) {
+            uint32_t xs[8];  // the 8 values in nibble order: w[k] = xs[2k] | xs[2k+1] << 16
+            for (int k = 0; k < 8; ++k) xs[k] = k % 2 == 0 ? (lo + 9973u * (k / 2)) & 0xffffu : perm((lo + 9973u * (k / 2)) & 0xffffu);
+            uint32_t w[4];
+            for (int k = 0; k < 4; ++k) w[k] = xs[2 * k] | (xs[2 * k + 1] << 16);
+            const uint32_t mag = q2_mag_pair(w[0], p);
+            if ((mag & ~0x00700007u) != 0 || (mag & 7u) != (want[xs[0]] & 7u) || ((mag >> 20) & 7u) != (want[xs[1]] & 7u)) {
+                if (bad < 5) printf("Q2 pair magnitudes: s=%a w=%08x: %08x\n", s, w[0], mag);
+                ++bad;
+            }
+            const uint32_t codes = q2_codes8(w[0], w[1], w[2], w[3], p);
+            for (int k = 0; k < 8; ++k) {
+                const uint32_t got = (codes >> (4 * k)) & 0xfu;
+                if (got != want[xs[k]]) {
+                    if (bad < 5)
+                        printf("Q2 codes8: s=%a x=%a (0x%04x) nibble %d: %x vs %x\n", s, bf16_bits_to_f32(xs[k]), xs[k], k, got,
+                               want[xs[k]]);
+                    ++bad;
+                }
+            }
+        }
+    }
+    printf("Q2 bf16 pairs: %ld scales x 65536 x 8 positions: %ld mismatches\n", n, bad);
+    return bad;
+}
+
+// The format B kernel's block scale by the hardware e4m3 conversion (q2_scale_hw: the byte of
+// cvt.rn.satfinite.e4m3x2 of q2_scale_quotient, the value back by cvt.rn.f16x2.e4m3x2),
+// emulated with CUDA's host conversions, against q2_scale_value and its e4m3_code_sat for
+// EVERY non-negative non-NaN f32 amax.
+static long check_q2_scale_hw() {
+    long bad = 0;
+    for (uint32_t ab = 0; ab <= 0x7f800000u; ++ab) {
+        const float a = u2f(ab);
+        const Q2Scale hw = q2_scale_hw(a);  // the host version: CUDA's emulation of the conversions
+        const uint32_t code = hw.code;
+        const float s = hw.s;
+        const float want = q2_scale_value(a);
+        if (code != e4m3_code_sat(want) || f2u(s) != f2u(want)) {
+            if (bad < 5) printf("Q2 hw scale: amax %a (0x%08x): code %02x value %a vs %02x %a\n", a, ab, code, s, e4m3_code_sat(want), want);
+            ++bad;
+        }
+    }
+    printf("Q2 hw scale on all 0x7f800001 non-negative non-NaN amax patterns: %ld mismatches\n", bad);
+    return bad;
+}
+
 int main(int argc, char** argv) {
     if (argc > 1) {  // one part only: "q3-pair" (~30 s) or "q2" (seconds)
         long b = -1;
         if (strcmp(argv[1], "q3-pair") == 0) b = check_q3_pair() + check_q3_pair_exp();
         if (strcmp(argv[1], "q2") == 0) b = check_q2();
+        if (strcmp(argv[1], "q2-pair") == 0) b = check_q2_pair() + check_q2_scale_hw();
         if (b < 0) {
-            printf("unknown part %s (q3-pair, q2)\n", argv[1]);
+            printf("unknown part %s (q3-pair, q2, q2-pair)\n", argv[1]);
             return 2;
         }
         printf("%s\n", b == 0 ? "all equal" : "MISMATCHES");
@@ -254,6 +340,8 @@ int main(int argc, char** argv) {
     bad += check_pow2<Quant::Fp4Ue8m0B32>(-126, "Q3 fp4 ue8m0 b32");
     bad += check_q3_pair();
     bad += check_q3_pair_exp();
+    bad += check_q2_pair();
+    bad += check_q2_scale_hw();
     printf("%s\n", bad == 0 ? "all equal" : "MISMATCHES");
     return bad == 0 ? 0 : 1;
 }

@@ -18,8 +18,16 @@
 // host with the division-based definitions kept below (`round_e4m3`, `round_e2m1`,
 // `e4m3_code`, `e2m1_code`): every bf16 x against every scale each format can produce
 // (kernels/check/quant_exhaustive.cu).
+//
+// Faster forms for bf16 inputs, each checked the same way against the element path: Q3 fake
+// quant and e2m1 codes on bf16 pairs for power-of-two scales (one bf16 FMA rounds two values,
+// the 128-wide kernels), Q2 e2m1 codes on bf16 pairs by comparisons with the block's scaled
+// tie points (no quotient, the format B kernel) and the Q2 block scale by the hardware e4m3
+// conversions.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -256,13 +264,14 @@ DSV41_HD int q3_scale_exp(float amax) {
 // Q2: min(e4m3(RN(max(amax, 6 * 2^-9) / 6)), 448). The quotient is the product by RN(1/6)
 // corrected by one FMA residual step (correctly rounded for these normal operands), then
 // rounded to e4m3 on the bits (round_e4m3_sat saturates at 448).
-DSV41_HD float q2_scale_value(float amax) {
+DSV41_HD float q2_scale_quotient(float amax) {
     constexpr float kInv6 = 1.0f / 6.0f;  // RN(1/6)
     const float a = fmaxf(amax, 0.01171875f);
     const float q0 = mul_rn(a, kInv6);
     const float q = fma_rn(fma_rn(-q0, 6.0f, a), kInv6, q0);
-    return round_e4m3_sat(a != u2f(0x7f800000u) ? q : a);  // +inf -> 448
+    return a != u2f(0x7f800000u) ? q : a;  // +inf stays +inf (-> 448)
 }
+DSV41_HD float q2_scale_value(float amax) { return round_e4m3_sat(q2_scale_quotient(amax)); }
 
 // The RMSNorm quotient x / r without a division per element: y = RN(1/r) once per row, then
 // q = RN(x * y) and one FMA residual step, which is the correctly rounded x / r whenever every
@@ -424,10 +433,10 @@ DSV41_HD uint32_t bf16x2_fma_rn(uint32_t a, uint32_t b, uint32_t c) {
     return d;
 }
 #else
-// Host emulation, per half, for the operands of the Q3 pair path only: non-negative non-NaN
-// min / max operands except a NaN first operand of min; fma(M0, +-64, c) with c in [0, 2 M0)
-// (a + 64 M0: exact in f32 unless a < q / 512, where no f32 rounding can reach the bf16
-// midpoint; A - 64 M0: exact).
+// Host emulation, per half, for the operands of the Q3 / Q2 pair paths only: non-negative
+// non-NaN min / max operands except a NaN first operand of min; fma(M0, +-64, c) with c in
+// [0, 2 M0) (a + 64 M0: exact in f32 unless a < q / 512, where no f32 rounding can reach the
+// bf16 midpoint; A - 64 M0: exact); fma(s, T, 0) with an exact bf16 product (q2_pair).
 inline float bf16_half_f32(uint32_t h) { return u2f((h & 0xffffu) << 16); }
 template <class F> inline uint32_t bf16x2_host(uint32_t a, uint32_t b, F&& f) {
     return f(a & 0xffffu, b & 0xffffu) | (f(a >> 16, b >> 16) << 16);
@@ -477,6 +486,143 @@ DSV41_HD uint32_t q3_code_pair(uint32_t w, Q3Pair p) {
     const uint32_t mag = (t.a_rounded & 0x00070007u) + ((t.m0 - p.s2) >> 6);
     return mag | ((w >> 12) & 0x00080008u);
 }
+
+// ------------------------------------------------------ Q2 codes on bf16 pairs (format B rows)
+//
+// For a bf16 x and an e4m3 block scale s (an e4m3 value in [2^-9, 448], not a power of two in
+// general) the e2m1 code of RN(x / s) is found without the quotient, by comparing |x| with the
+// seven scaled tie points of the e2m1 grid, two values per 32-bit word:
+//
+//   n = [|x| > 0.25 s] + [|x| >= 0.75 s] + [|x| > 1.25 s] + [|x| >= 1.75 s]
+//     + [|x| > 2.5 s]  + [|x| >= 3.5 s]  + [|x| > 5 s]          (code = n | sign(x) << 3)
+//
+// (ties at 0.25, 1.25, 2.5, 5 go down and at 0.75, 1.75, 3.5 up: ties to the even code). Exact:
+// T s has at most 4 + 3 significant bits, so it is a bf16 value (>= 2^-11, normal) and the
+// products below are exact; and RN(x / s) compares with T as x / s does (if x != T s, the
+// quotient differs from T by more than an f32 ulp: x has 8 significant bits, T s 7), so
+// comparing x with T s decides what the rounded quotient's code does. NaN |x| compares
+// "unordered" (geu / gtu are true), giving n = 7 like the saturated code; +inf gives 7.
+// The count is a two-level search: g4 = [|x| >= 1.75 s] picks the three remaining tie points
+// (0.25, 0.75, 1.25 or 2.5, 3.5, 5 times s) per half, whose three flags form a thermometer, so
+// n = 4 g4 + 2 g_mid + (g_lo ^ g_mid ^ g_hi): 10 instructions per pair (set.*.u32.bf16x2 gives
+// 0xffff / 0 per half), plus ~1 per pair for the signs and the packing into bytes (q2_codes8).
+// Checked for every bf16 x (both halves, every position of q2_codes8) and every e4m3 scale
+// against quant_code and the division-based definition (kernels/check/quant_exhaustive.cu).
+
+// The tie points T s as bf16 in both halves.
+struct Q2Pair {
+    uint32_t t025, t075, t125, t175, t25, t35, t5;
+};
+
+#ifdef __CUDA_ARCH__
+DSV41_HD uint32_t bf16x2_geu_mask(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("set.geu.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+DSV41_HD uint32_t bf16x2_gtu_mask(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("set.gtu.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+#else
+inline uint32_t bf16x2_geu_mask(uint32_t a, uint32_t b) {
+    auto f = [](uint32_t x, uint32_t y) -> uint32_t {
+        const float fx = u2f((x & 0xffffu) << 16), fy = u2f((y & 0xffffu) << 16);
+        return (isnan(fx) || isnan(fy) || fx >= fy) ? 0xffffu : 0u;
+    };
+    return f(a, b) | (f(a >> 16, b >> 16) << 16);
+}
+inline uint32_t bf16x2_gtu_mask(uint32_t a, uint32_t b) {
+    auto f = [](uint32_t x, uint32_t y) -> uint32_t {
+        const float fx = u2f((x & 0xffffu) << 16), fy = u2f((y & 0xffffu) << 16);
+        return (isnan(fx) || isnan(fy) || fx > fy) ? 0xffffu : 0u;
+    };
+    return f(a, b) | (f(a >> 16, b >> 16) << 16);
+}
+#endif
+
+// The tie points of the block scale s (an e4m3 value in [2^-9, 448]): exact bf16 products of
+// s (bf16 bits in both halves) with the tie constants.
+DSV41_HD Q2Pair q2_pair(float s) {
+    const uint32_t s2 = (f2u(s) >> 16) * 0x10001u;
+    auto t = [&](uint32_t c) { return bf16x2_fma_rn(s2, c * 0x10001u, 0u); };
+    return {t(0x3e80u), t(0x3f40u), t(0x3fa0u), t(0x3fe0u), t(0x4020u), t(0x4060u), t(0x40a0u)};
+}
+
+// The e2m1 code magnitudes n (0..7) of the two values of w with the block's tie points p: the
+// low value's in bits 0..2, the high value's in bits 20..22, all other bits 0.
+DSV41_HD uint32_t q2_mag_pair(uint32_t w, const Q2Pair& p) {
+    const uint32_t a = w & 0x7fff7fffu;
+    const uint32_t g4 = bf16x2_geu_mask(a, p.t175);
+    const uint32_t gm = bf16x2_geu_mask(a, (p.t35 & g4) | (p.t075 & ~g4));
+    const uint32_t gl = bf16x2_gtu_mask(a, (p.t25 & g4) | (p.t025 & ~g4));
+    const uint32_t gh = bf16x2_gtu_mask(a, (p.t5 & g4) | (p.t125 & ~g4));
+    const uint32_t x = ((gl ^ gh) & 0x00100001u) ^ (gm & 0x00300003u);  // bit 0: gl^gm^gh, bit 1: gm
+    return x | (g4 & 0x00400004u);
+}
+
+// prmt.b32 (default mode): byte i of the result is byte (sel >> 4 i) & 7 of {b, a} (a = bytes
+// 0..3), or that byte's sign bit replicated when (sel >> 4 i) & 8.
+#ifdef __CUDA_ARCH__
+DSV41_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+#else
+inline uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    const uint64_t bytes = a | (static_cast<uint64_t>(b) << 32);
+    uint32_t d = 0;
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t n = (sel >> (4 * i)) & 0xfu;
+        uint32_t v = static_cast<uint32_t>(bytes >> (8 * (n & 7u))) & 0xffu;
+        if (n & 8u) v = (v & 0x80u) ? 0xffu : 0u;
+        d |= v << (8 * i);
+    }
+    return d;
+}
+#endif
+
+// The e2m1 codes (bit 3 = sign) of the 8 values of w[0..4) (low half first) as the 8 nibbles
+// of one word, value k in bits 4 k .. 4 k + 3 (the byte order of the packed rows). Per two
+// words: magnitudes at bits 0 / 20 (w0) and 8 / 28 (w1), the four signs by one prmt that
+// replicates the bf16 sign bits into bytes 0..3 (bits 3, 11, 23, 31 kept), then the high
+// halves of both pairs of words folded down by one prmt each.
+DSV41_HD uint32_t q2_codes8(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, const Q2Pair& p) {
+    const uint32_t v01 = (q2_mag_pair(w0, p) | (q2_mag_pair(w1, p) << 8)) | (prmt(w0, w1, 0xfbd9u) & 0x80800808u);
+    const uint32_t v23 = (q2_mag_pair(w2, p) | (q2_mag_pair(w3, p) << 8)) | (prmt(w2, w3, 0xfbd9u) & 0x80800808u);
+    return prmt(v01, v23, 0x5410u) | prmt(v01, v23, 0x7632u);
+}
+
+// The Q2 block scale by the hardware e4m3 conversion: its e4m3 byte (cvt.rn.satfinite.e4m3x2
+// of the correctly rounded quotient max(amax, 6 * 2^-9) / 6; +inf saturates to 448) and its
+// value (cvt.rn.f16x2.e4m3x2, exact). Equal to e4m3_code_sat / q2_scale_value for every
+// non-negative non-NaN amax (kernels/check/quant_exhaustive.cu compares CUDA's host emulation
+// of the conversion).
+struct Q2Scale {
+    uint32_t code;
+    float s;
+};
+#ifdef __CUDA_ARCH__
+DSV41_HD Q2Scale q2_scale_hw(float amax) {
+    const float q = q2_scale_quotient(amax);
+    uint16_t c;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(c) : "f"(0.0f), "f"(q));
+    uint32_t h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(c));
+    float s;
+    asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.f32.f16 %0, lo; }" : "=f"(s) : "r"(h));
+    return {static_cast<uint32_t>(c) & 0xffu, s};
+}
+#else
+// Host: CUDA's host emulation of the two conversions (the exhaustive check compares this).
+inline Q2Scale q2_scale_hw(float amax) {
+    const uint32_t code = __nv_cvt_float_to_fp8(q2_scale_quotient(amax), __NV_SATFINITE, __NV_E4M3);
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+    return {code, __half2float(__half(h))};
+}
+#endif
 
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).
 __device__ __forceinline__ float round_bf16(float x) {

@@ -214,14 +214,12 @@ template <int D> struct RowIn {
     int64_t t;             // the token (clamped into [0, T) for the loads)
 };
 
-// Issues this lane's loads of token t (t >= T: a clamped, discarded row with slot -1). `P` is
-// Dsv41RowInsertParams or Dsv41PackedInsertParams.
+// Issues this lane's loads of token t's row and cos/sin (t >= T: clamped), not the slot.
 template <int D, class P>
-__device__ __forceinline__ void load_row(const P& p, int64_t t, int lane, RowIn<D>& r) {
+__device__ __forceinline__ void load_row_data(const P& p, int64_t t, int lane, RowIn<D>& r) {
     constexpr int EPL = D / 32;
     constexpr int C = RowIn<D>::kChunk;
-    const bool valid = t < p.num_tokens;
-    r.t = valid ? t : p.num_tokens - 1;
+    r.t = t < p.num_tokens ? t : p.num_tokens - 1;
     const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.src) + r.t * p.src_row_stride + lane * EPL;
 #pragma unroll
     for (int c = 0; c < EPL / C; ++c) ld_nc(r.raw[c], src + c * C);
@@ -232,8 +230,15 @@ __device__ __forceinline__ void load_row(const P& p, int64_t t, int lane, RowIn<
         r.cos = ld_nc_f32(p.cos + r.t * half + lane);
         r.sin = ld_nc_f32(p.sin + r.t * half + lane);
     }
+}
+
+// Issues this lane's loads of token t (t >= T: a clamped, discarded row with slot -1). `P` is
+// Dsv41RowInsertParams or Dsv41PackedInsertParams.
+template <int D, class P>
+__device__ __forceinline__ void load_row(const P& p, int64_t t, int lane, RowIn<D>& r) {
+    load_row_data<D>(p, t, lane, r);
     const int64_t slot = ld_nc_s64(p.slots + r.t);
-    r.slot = valid && slot >= 0 && slot < p.num_slots ? slot : -1;
+    r.slot = t < p.num_tokens && slot >= 0 && slot < p.num_slots ? slot : -1;
 }
 
 // The lane's elements of a loaded row as f32.
