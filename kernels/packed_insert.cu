@@ -298,18 +298,6 @@ __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kern
 
 namespace {
 
-// Run-time switch for the measurements of issue 4, run 10 (DSV41_PACKED_B): 0 (default) = the
-// bf16-pair kernel, two rows per warp, 6 resident blocks (40 registers); 1 = the f32 element
-// kernel of run 9; 2 = pairs, two rows, 4 blocks (64 registers); 3 = pairs, one row, 8 blocks
-// (32 registers); 4 = pairs, one row, 6 blocks.
-int packed_b_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_PACKED_B");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
-}
-
 template <int D, dsv41::Quant Q>
 int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
     using namespace dsv41;
@@ -321,15 +309,11 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
         // generic kernel capped at 32 registers (no spills) for 8 resident blocks per SM
         // instead of 6 (instruction-bound, it gained ~2 points in run 9).
         if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
-            if (!p->apply_norm && p->rope_dim == 64 && (p->page_size & (p->page_size - 1)) == 0 &&
-                packed_b_variant() != 1) {
+            if (!p->apply_norm && p->rope_dim == 64 && (p->page_size & (p->page_size - 1)) == 0) {
+                // Two rows per warp, 6 resident blocks (40 registers); run 10 measured the
+                // alternatives (one row / 8 blocks 77.4 %, two rows / 4 blocks 74.7 %).
                 const dim3 grid2(insert_blocks(p->num_tokens, 2));
-                switch (packed_b_variant()) {
-                    case 2: packed_b512_kernel<2, 4><<<grid2, kInsertThreads, 0, s>>>(*p); break;
-                    case 3: packed_b512_kernel<1, 8><<<grid, kInsertThreads, 0, s>>>(*p); break;
-                    case 4: packed_b512_kernel<1, 6><<<grid, kInsertThreads, 0, s>>>(*p); break;
-                    default: packed_b512_kernel<2, 6><<<grid2, kInsertThreads, 0, s>>>(*p); break;
-                }
+                packed_b512_kernel<2, 6><<<grid2, kInsertThreads, 0, s>>>(*p);
                 return static_cast<int>(cudaGetLastError());
             }
             if (!p->apply_norm) {

@@ -566,7 +566,8 @@ fn packed_window_rows_format_a() -> Result<()> {
 
 #[test]
 fn packed_compressed_rows_format_b() -> Result<()> {
-    check_packed(52, QatFormat::Fp4E4m3B16, 512, 16, 4, 63, false) // 288 B rows
+    check_packed(52, QatFormat::Fp4E4m3B16, 512, 16, 4, 63, false)?; // 288 B rows (the bf16-pair kernel)
+    check_packed(57, QatFormat::Fp4E4m3B16, 512, 12, 5, 50, false) // pages of 12: the generic kernel
 }
 
 #[test]
