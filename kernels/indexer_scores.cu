@@ -43,9 +43,11 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <type_traits>
 
+#include "include/dsv41_hopper.cuh"
 #include "include/dsv41_indexer.h"
 
 namespace dsv41_ix {
@@ -143,9 +145,35 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
         d = __ldg(reinterpret_cast<const uint4*>(base + (r * 64 + 16 * c)));
         s4 = __ldg(reinterpret_cast<const uint32_t*>(base + (static_cast<uint32_t>(p.page_size) * 64u + r * 4)));
     }
+    __device__ __forceinline__ void fetch_at(const uint8_t* data, const uint8_t* scales) {
+        d = __ldg(reinterpret_cast<const uint4*>(data));
+        s4 = __ldg(reinterpret_cast<const uint32_t*>(scales));
+    }
     __device__ __forceinline__ void zero() {
         d = make_uint4(0u, 0u, 0u, 0u);
         s4 = 0x7f7f7f7fu;
+    }
+    // Step s (0..7) of the slice: registers 2s, 2s + 1 of expand()'s order, times `sc` (bf16x2
+    // 2^(e-1), or 2^126 for wide scales) and, WIDE, times `sc2` (1 or 2^(e-127)).
+    template <bool WIDE>
+    __device__ __forceinline__ void step(int s, uint32_t sc, uint32_t sc2, uint32_t& k0, uint32_t& k1) const {
+        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+        const uint32_t x = (s & 1) ? (w[s / 2] >> 8) : w[s / 2];
+        constexpr uint32_t M = 0x81C081C0u;
+        k0 = bf16x2_mul(((x & 0x000F000Fu) * 0x1040u) & M, sc);
+        k1 = bf16x2_mul(((x & 0x00F000F0u) * 0x0104u) & M, sc);
+        if (WIDE) {
+            k0 = bf16x2_mul(k0, sc2);
+            k1 = bf16x2_mul(k1, sc2);
+        }
+    }
+    // The first multiplier of block c (bf16x2) and, for wide scales, the second.
+    __device__ __forceinline__ void scales(int c, uint32_t& sc, uint32_t& sc2) const {
+        const uint32_t e = (s4 >> (8 * c)) & 0xFF;
+        const bool one = e <= 128u;
+        const uint32_t sb = one ? (e + 126u) << 7 : 0x7E80u;
+        sc = sb | (sb << 16);
+        sc2 = one ? 0x3F803F80u : ue8m0_bf16x2(e);
     }
     // Register 4i + p = dims (8i + p, 8i + p + 4) of the slice (nibbles p and p + 4 of word i)
     // as bf16 bits code * 2^-126: the two nibbles (alone in x) are copied by one multiply to
@@ -155,6 +183,7 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     // else (x * 2^126) * 2^(e-127); WIDE = false promises e <= 128 (the warp checked, so that
     // the common case has no branch).
     __device__ __forceinline__ bool wide_scale(int c) const { return ((s4 >> (8 * c)) & 0xFF) > 128u; }
+    // WIDE = true and INLINE: per-slice branch instead of the warp's vote (commit b4c503c).
     template <bool WIDE>
     __device__ __forceinline__ void expand(int c, uint32_t (&k)[16]) const {
         const uint32_t e = (s4 >> (8 * c)) & 0xFF;
@@ -187,12 +216,40 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
+// Experiment switches (DSV41_IX_VAR, packed keys): bit 1 = wide scales by a per-slice branch
+// (commit b4c503c) instead of the warp vote; bit 2 = the page division once per lane (for its
+// own key of the tile), shuffled to the fragment lanes, no zeroing of slices past L; bit 4 = A
+// fragments from shared memory per k-step (the 64 A registers freed: 4 CTAs per SM), implies
+// bit 2; bit 8 = (with 4) no fetch-ahead, 5 CTAs per SM.
+// bit 16 = fetch-ahead by cp.async into shared memory (implies 2) instead of registers;
+// bit 32 = one CTA per SM more.
+constexpr int V_INLINE = 1, V_PF2 = 2, V_QS = 4, V_NOPF = 8, V_CPA = 16, V_MORE = 32;
+constexpr int min_blocks(int v) {
+    return ((v & V_QS) ? ((v & V_NOPF) ? 5 : 4) : 3) + ((v & V_MORE) ? 1 : 0);
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 // 3 CTAs per SM: <= 170 registers (the A fragments alone take 64).
-template <int KF, int TQ>
-__global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+template <int KF, int TQ, int V>
+__global__ void __launch_bounds__(THREADS, min_blocks(V))
+    indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+    constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
+    constexpr bool QS = kPacked && TQ == 1 && (V & V_QS);
+    constexpr bool PF2 = kPacked && (V & (V_PF2 | V_QS | V_CPA));
+    constexpr bool CPA = kPacked && (V & V_CPA);
+    constexpr bool INLINE = (V & V_INLINE) != 0;
+    // Packed slices are small: the next iteration's are fetched while this one computes.
+    constexpr bool kAhead = kPacked && !CPA && !(V & V_NOPF);
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
+    // QS: qsh[s][m][lane] = the A fragment of k-step s, m-tile m of that lane.
+    __shared__ __align__(16) uint4 qsh[QS ? 8 : 1][2][32];
+    // CPA: per warp, 2 buffers of the 4 tiles' slices [nt][lane] (data, scale words).
+    __shared__ __align__(16) uint4 kst_d[CPA ? WARPS : 1][2][4][32];
+    __shared__ __align__(16) uint32_t kst_s[CPA ? WARPS : 1][2][4][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
@@ -222,7 +279,7 @@ __global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41I
     }
     auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
     int it = first;
-    if (!valid(it)) return;
+    if (!QS && !valid(it)) return;
 
     // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
     // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
@@ -248,7 +305,7 @@ __global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41I
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const uint4 v = __ldg(src + i);
-                if (KF == DSV41_INDEX_KEYS_MXFP4) {
+                if (kPacked) {
                     // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
                     qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
                     qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
@@ -266,10 +323,20 @@ __global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41I
             for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
         }
     }
-    // Packed slices are small: the next iteration's are fetched while this one computes.
-    constexpr bool kAhead = KF == DSV41_INDEX_KEYS_MXFP4;
-    KeySlice<KF> ahead[kAhead ? 4 : 1];
-    const PageDiv pd(KF == DSV41_INDEX_KEYS_MXFP4 ? static_cast<uint32_t>(p.page_size) : 2u);
+    if constexpr (QS) {
+        // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            if ((s >> 1) == warp) {
+                qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
+                qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
+            }
+        }
+        __syncthreads();
+        if (!valid(it)) return;
+    }
+    KeySlice<KF> ahead[4];  // kAhead only
+    const PageDiv pd(kPacked ? static_cast<uint32_t>(p.page_size) : 2u);
     // Branch-free: an entry past L reads row kbase (it exists: the tile's key0 < L) and is
     // zeroed.
     // (32-bit entry ids: key0 < L <= N < 2^31.)
@@ -279,51 +346,113 @@ __global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41I
         ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
         if (!ok) ks.zero();
     };
-    if constexpr (kAhead) {
+    const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
+    const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
+    const uint32_t psize = static_cast<uint32_t>(p.page_size);
+    const uint32_t sc_words = 16u * psize;  // scale row r at page + 4 (r + sc_words)
+    // The 4 slices of the tile at key0. PF2: lane l divides the slot of entry key0 + l (row
+    // kbase past L: those entries' scores are never written, so their slices need no zeroing)
+    // and the fragment lanes take (page, row in page) of their key by shuffles.
+    auto fetch_tiles = [&](KeySlice<KF>(&ks)[4], int64_t key0, int buf) {
+        if constexpr (PF2) {
+            const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
+            const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
+            const uint32_t page = pd.div(slot);
+            const uint32_t r = slot - page * psize;
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(it) * KT, nt);
-    }
+            for (int nt = 0; nt < 4; ++nt) {
+                const uint32_t pg = __shfl_sync(0xFFFFFFFFu, page, nt * 8 + g);
+                const uint32_t rr = __shfl_sync(0xFFFFFFFFu, r, nt * 8 + g);
+                const uint64_t pb = static_cast<uint64_t>(pg) * pstride + keys64;
+                const uint8_t* da = reinterpret_cast<const uint8_t*>(static_cast<uint64_t>(rr * 4u + c) * 16u + pb);
+                const uint8_t* sa = reinterpret_cast<const uint8_t*>(static_cast<uint64_t>(rr + sc_words) * 4u + pb);
+                if constexpr (CPA) {
+                    dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]), da, true);
+                    cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][nt][lane]), sa);
+                } else {
+                    ks[nt].fetch_at(da, sa);
+                }
+            }
+            if constexpr (CPA) dsv41_ptx::cp_async_commit();
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) fetch(ks[nt], key0, nt);
+        }
+    };
+    int buf = 0;
+    if constexpr (kAhead || CPA) fetch_tiles(ahead, chunk0 + static_cast<int64_t>(it) * KT, 0);
     while (valid(it)) {
         const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
         const int next = it + step;
         KeySlice<KF> cur[4];
-        if constexpr (kAhead) {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) cur[nt] = ahead[nt];
-            if (valid(next)) {
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(next) * KT, nt);
-            }
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
-        }
-        float acc[4][2][4];
-        // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
-        auto scores = [&](auto wide) {
+        if constexpr (CPA) {
+            dsv41_ptx::cp_async_wait_all();
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
-                uint32_t kb[16];
-                cur[nt].template expand<decltype(wide)::value>(c, kb);
+                if constexpr (kPacked) {
+                    cur[nt].d = kst_d[warp][buf][nt][lane];
+                    cur[nt].s4 = kst_s[warp][buf][nt][lane];
+                }
+            }
+            if (valid(next)) fetch_tiles(ahead, chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
+            buf ^= 1;
+        } else if constexpr (kAhead) {
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
+            for (int nt = 0; nt < 4; ++nt) cur[nt] = ahead[nt];
+            if (valid(next)) fetch_tiles(ahead, chunk0 + static_cast<int64_t>(next) * KT, 0);
+        } else {
+            fetch_tiles(cur, key0, 0);
+        }
+        float acc[4][2][4];
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+        // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
+        auto scores = [&](auto wide) {
+            constexpr bool W = decltype(wide)::value;
+            if constexpr (QS) {
+                uint32_t sc[4], sc2[4];
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
 #pragma unroll
                 for (int s = 0; s < 8; ++s) {
-                    mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s],
-                             kb[2 * s + 1]);
-                    if (H > 2)
-                        mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
-                                 kb[2 * s + 1]);
+                    const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) {
+                        uint32_t k0, k1;
+                        cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
+                        mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
+                        if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    uint32_t kb[16];
+                    cur[nt].template expand<W>(c, kb);
+#pragma unroll
+                    for (int s = 0; s < 8; ++s) {
+                        mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
+                                 kb[2 * s], kb[2 * s + 1]);
+                        if (H > 2)
+                            mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
+                                     kb[2 * s], kb[2 * s + 1]);
+                    }
                 }
             }
         };
-        bool wide = false;
+        if (INLINE) {
+            scores(std::true_type{});
+        } else {
+            bool wide = false;
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
-        if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
-        else scores(std::false_type{});
+            for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
+            if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
+            else scores(std::false_type{});
+        }
         // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
         // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
         __syncwarp();
@@ -385,7 +514,7 @@ __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMas
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <int KF, int TQ>
+template <int KF, int TQ, int V = 0>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
     // (decode of few queries): aim at >= 1024 CTAs.
@@ -397,7 +526,7 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    indexer_scores_kernel<KF, TQ, V><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -426,7 +555,29 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
-        return shared ? launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
+        const char* ev = getenv("DSV41_IX_VAR");
+        const int v = ev ? atoi(ev) : 0;
+        constexpr int M = DSV41_INDEX_KEYS_MXFP4;
+        if (shared) {
+            switch (v & 3) {
+                case 1: return launch<M, 4, 1>(*p, s);
+                case 2: return launch<M, 4, 2>(*p, s);
+                case 3: return launch<M, 4, 3>(*p, s);
+                default: return launch<M, 4, 0>(*p, s);
+            }
+        }
+        switch (v) {
+            case 1: return launch<M, 1, 1>(*p, s);
+            case 2: return launch<M, 1, 2>(*p, s);
+            case 3: return launch<M, 1, 3>(*p, s);
+            case 6: return launch<M, 1, 6>(*p, s);
+            case 14: return launch<M, 1, 14>(*p, s);
+            case 18: return launch<M, 1, 18>(*p, s);
+            case 19: return launch<M, 1, 19>(*p, s);
+            case 22: return launch<M, 1, 22>(*p, s);
+            case 54: return launch<M, 1, 54>(*p, s);
+            default: return launch<M, 1, 0>(*p, s);
+        }
     }
     return DSV41_ERR_QUANT;
 }
