@@ -16,11 +16,10 @@
 //      walks its segment in id order (8 elements per lane per step, warp scans) and writes the
 //      selected ids, so the output is ascending without a sort; the tail is filled with -1.
 // When the row has <= k elements, step 1-2 are skipped (all are taken). Element keys are
-// recomputed from the scores in every pass (the rows of one decode batch stay in L2). 
+// recomputed from the scores in every pass (the rows of one decode batch stay in L2).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 
@@ -118,41 +117,33 @@ __device__ __forceinline__ void find_bin(const uint32_t* hist, uint32_t want, in
     }
 }
 
-// Histogram of `bin(e)` (< 256, or >= 256 to skip) over the row's elements into hist[256], with
-// COPIES private copies per bin (copy = lane % COPIES: lanes of a warp that hit the same bin
-// mostly land on different addresses and banks), summed at the end. Ends with a barrier.
-template <int COPIES, typename Bin>
-__device__ __forceinline__ void histogram(const Row& r, uint32_t* hist, uint32_t* histc, int lane, Bin bin) {
-    uint32_t* h = COPIES > 1 ? histc : hist;
-    for (int i = threadIdx.x; i < 256 * COPIES; i += THREADS) h[i] = 0;
-    __syncthreads();
-    const int cp = lane % COPIES;
-    for (int64_t e0 = 8LL * threadIdx.x; e0 < r.n; e0 += 8LL * THREADS) {
-        uint32_t kk[8];
-        load8(r, e0, kk);
+// Calls f(key) for every element of the row, thread x taking the 8-element groups x, x + THREADS,
+// ...; UNROLL groups are loaded before any is used (a pass over a 64K row is latency bound:
+// 16 dependent L2 round trips per thread without it).
+template <int UNROLL, typename F>
+__device__ __forceinline__ void for_each_key(const Row& r, F f) {
+    for (int64_t base = 8LL * threadIdx.x; base < r.n; base += 8LL * THREADS * UNROLL) {
+        uint32_t kk[UNROLL][8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if (kk[i] == ABSENT) continue;
-            const uint32_t b = bin(kk[i]);
-            if (b < 256) atomicAdd(&h[b * COPIES + cp], 1u);
-        }
-    }
-    __syncthreads();
-    if (COPIES > 1) {
-        for (int i = threadIdx.x; i < 256; i += THREADS) {
-            uint32_t sum = 0;
+        for (int u = 0; u < UNROLL; ++u) {
+            const int64_t e0 = base + 8LL * THREADS * u;
+            if (e0 < r.n) {
+                load8(r, e0, kk[u]);
+            } else {
 #pragma unroll
-            for (int k = 0; k < COPIES; ++k) sum += histc[i * COPIES + (k + i) % COPIES];
-            hist[i] = sum;
+                for (int i = 0; i < 8; ++i) kk[u][i] = ABSENT;
+            }
         }
-        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (kk[u][i] != ABSENT) f(kk[u][i]);
     }
 }
 
-template <int COPIES>
-__global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
+__global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ uint32_t hist[256];
-    __shared__ uint32_t histc[COPIES > 1 ? 256 * COPIES : 1];
     __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS];
     __shared__ uint32_t s_bin, s_above, s_total;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -174,13 +165,21 @@ __global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41Inde
     uint32_t thr = 0, need = 0xFFFFFFFFu;
     if (r.n > static_cast<int64_t>(k)) {
         // Pass 1: high byte.
-        histogram<COPIES>(r, hist, histc, lane, [](uint32_t u) { return u >> 8; });
+        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
+        __syncthreads();
+        for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> 8], 1u); });
+        __syncthreads();
         if (warp == 0) find_bin(hist, k, lane, &s_bin, &s_above);
         __syncthreads();
         const uint32_t b1 = s_bin, above1 = s_above;
         __syncthreads();
         // Pass 2: low byte within bin b1.
-        histogram<COPIES>(r, hist, histc, lane, [b1](uint32_t u) { return (u >> 8) == b1 ? (u & 0xFF) : 256u; });
+        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
+        __syncthreads();
+        for_each_key<2>(r, [&](uint32_t u) {
+            if ((u >> 8) == b1) atomicAdd(&hist[u & 0xFF], 1u);
+        });
+        __syncthreads();
         if (warp == 0) find_bin(hist, k - above1, lane, &s_bin, &s_above);
         __syncthreads();
         thr = (b1 << 8) | s_bin;
@@ -284,11 +283,6 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (p->num_tokens == 0) return DSV41_OK;
     if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
-    const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    const char* ev = getenv("DSV41_SEL_VAR");
-    const int v = ev ? atoi(ev) : 1;
-    if (v == 8) indexer_select_kernel<8><<<p->num_tokens, THREADS, 0, st>>>(*p);
-    else if (v == 32) indexer_select_kernel<32><<<p->num_tokens, THREADS, 0, st>>>(*p);
-    else indexer_select_kernel<1><<<p->num_tokens, THREADS, 0, st>>>(*p);
+    indexer_select_kernel<<<p->num_tokens, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }
