@@ -40,6 +40,9 @@ struct Args {
     /// Prefill chunk sizes (tokens).
     #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768")]
     prefill: Vec<usize>,
+    /// Decode batch sizes (queries).
+    #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
+    batches: Vec<usize>,
 }
 
 /// Random bf16 key rows `[rows, 128]` and the same count of packed rows (random e2m1 codes,
@@ -79,7 +82,7 @@ fn main() -> Result<()> {
         "{:<5} {:<7} {:>11} {:>8} {:>8} {:>10} {:>11} {:>8} {:>7} {:>12}",
         "B", "keys", "scores_us", "GB/s", "TFLOP/s", "topk_us", "select_us", "%HBM", "%peak", "candle_scores_us"
     );
-    for b in [1usize, 64, 256] {
+    for &b in &args.batches {
         let (bf, packed, layout) = caches(b * KEYS, &dev)?;
         let q = Tensor::randn(0f32, 1.0, (b, HEADS, DIM), &dev)?.to_dtype(DType::BF16)?;
         let w = (Tensor::randn(0f32, 0.05, (b, HEADS), &dev)?.to_dtype(DType::BF16)?.to_dtype(DType::F32))?;

@@ -13,32 +13,39 @@
 // product and the partial sums of a 32-block are exact, so the scores match bit for bit except
 // when two blocks' scales differ by more than ~2^10.
 //
-// Packed keys are dequantized in registers without tables (no shared-memory lookups, whose bank
-// conflicts and MIO traffic limited the first version): the two e2m1 codes of a bf16x2 are
+// Packed keys are dequantized in registers without tables: the two e2m1 codes of a bf16x2 are
 // copied by one integer multiply into the bit positions of code * 2^-126 (magnitude at bits
 // 6..8, sign at 15; code 0.5 is the bf16 subnormal 2^-127), then one bf16x2 multiply by
 // 2^(e-1) gives code * 2^(e-127) exactly; scale bytes e > 128 (values >= 2^2, not reached by
 // k_norm'd keys) take a second multiply, in a separate copy of the tile loop chosen per warp
-// and iteration so that the common path is straight-line code. e = 0 relies on bf16 subnormal
-// arithmetic. ~17 instructions per 8 dims.
+// and iteration (vote) so that the common path is straight-line code. e = 0 relies on bf16
+// subnormal arithmetic. ~17 instructions per 8 dims.
 //
 // Design: mma.sync m16n8k16 bf16 (plain sm_80+ tensor-core path). A warp owns one token: its
-// 32 (H <= 32, rows >= H zero) x 128 query block lives in registers as A fragments (64 regs),
-// loaded once; row slot hh of lane group g is head 4g + hh, so that a lane's accumulators hold
-// heads 4g..4g+3 of each of its keys (one 8-byte shared store per key). Per iteration the warp
-// scores 32 keys (4 n8 tiles): each lane (group g, column c) loads 32 contiguous dims
-// [32c, 32c+32) of key g of every tile (bf16: 4 x 16 B; packed: 16 B plus the row's 4 scale
-// bytes - exactly its 32-block), so the dot product's k-dimension is PERMUTED consistently for
-// A and B (bf16 keys: register i = dims (2i, 2i+1) of the slice; packed keys: register 4i + p =
-// dims (8i + p, 8i + p + 4), the order the nibbles unpack in; q is permuted the same way when
-// loaded): every load is a contiguous vector load, no shared-memory staging. Packed slices of
-// the next iteration are fetched while the current one computes (branch-free: entries past
-// L_t read row key_base[t] and are zeroed; the page of a slot by a multiply-high division).
+// 32 (H <= 32, rows >= H zero) x 128 query block as A fragments; row slot hh of lane group g is
+// head 4g + hh, so that a lane's accumulators hold heads 4g..4g+3 of each of its keys (one
+// 8-byte shared store per key). Per iteration the warp scores 32 keys (4 n8 tiles): each lane
+// (group g, column c) takes 32 contiguous dims [32c, 32c+32) of key g of every tile (bf16: 4 x
+// 16 B; packed: 16 B plus the row's 4 scale bytes - exactly its 32-block), so the dot product's
+// k-dimension is PERMUTED consistently for A and B (bf16 keys: register i = dims (2i, 2i+1) of
+// the slice; packed keys: register 4i + p = dims (8i + p, 8i + p + 4), the order the nibbles
+// unpack in; q is permuted the same way when loaded).
+//  * Packed keys are staged one iteration ahead with cp.async into a per-warp double buffer in
+//    shared memory: lane l divides the slot of entry key0 + l by the page size (multiply-high),
+//    copies that row's scale word and hands the row's address to the 4 lanes that take its 16 B
+//    slices (shuffles). Entries past L_t read row key_base[t] (their scores are never written).
+//  * Decode (one token per CTA, packed keys): the A fragments live in shared memory (8 KB per
+//    CTA, shared by its 4 warps) and are read per k-step (2 LDS.128), the slices dequantized per
+//    k-step: 105 registers, 4 CTAs (16 warps) per SM instead of 3 with 64 A registers per lane
+//    (more warps to hide latency; at 16 warps the kernel issues in ~65 % of the cycles, 20 warps
+//    measured no faster).
+//  * bf16 keys and prefill over shared keys (4 tokens per CTA): A fragments in registers (64),
+//    3 CTAs per SM; bf16 rows are loaded per iteration (they stream at the HBM rate anyway).
 // The per-head products go through a per-warp shared buffer [32 keys][32 heads] so that lane i
-// sums key i's heads in order. CTA = 4 warps, <= 170 registers (3 CTAs per SM); TQ = 1
-// (decode, or per-token keys): the 4 warps split the CTA's 2048-key chunk; TQ = 4 (prefill
-// sharing keys): 4 tokens, the same 512 keys (L1 reuse). Entries j >= L_t (and those whose
-// key row lies past the cache) are written as -inf without any key read.
+// sums key i's heads in order. TQ = 1 (decode, or per-token keys): the 4 warps split the CTA's
+// 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
+// Entries j >= L_t (and those whose key row lies past the cache) are written as -inf without
+// any key read.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -46,6 +53,7 @@
 
 #include <type_traits>
 
+#include "include/dsv41_hopper.cuh"
 #include "include/dsv41_indexer.h"
 
 namespace dsv41_ix {
@@ -96,8 +104,8 @@ struct PageDiv {
     }
 };
 
-// Raw bytes of one key slice of a lane (fetched ahead of use) and their expansion into the 16
-// bf16x2 B-fragment registers (dims [32c, 32c+32) of the lane's key).
+// Raw bytes of one key slice of a lane and their expansion into the 16 bf16x2 B-fragment
+// registers (dims [32c, 32c+32) of the lane's key).
 template <int KF>
 struct KeySlice;
 
@@ -128,54 +136,48 @@ struct KeySlice<DSV41_INDEX_KEYS_BF16> {
     }
 };
 
-// Packed rows: the 16 data bytes of block c and the row's 4 scale bytes (one aligned word).
+// Packed rows: the 16 data bytes of block c and the row's 4 scale bytes (staged in shared
+// memory). Register 4i + p = dims (8i + p, 8i + p + 4) of the slice (nibbles p and p + 4 of word
+// i) as bf16 bits code * 2^-126: the two nibbles (alone in x) are copied by one multiply to bits
+// a..a+3 and a+6..a+9 (low half; +16 for the high one) with a = 6 - 4p (nibbles 2, 3: from
+// w >> 8, a = 14 - 4p), and the mask keeps the magnitude at 6..8 and the sign at 15 (code 0.5 =
+// the subnormal 2^-127). Then times 2^(e-1): one exact multiply for e <= 128, else
+// (x * 2^126) * 2^(e-127); WIDE = false promises e <= 128 (the warp checked, so that the common
+// case has no branch).
 template <>
 struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     uint4 d;
     uint32_t s4;
-    // row < 2^32 (the launcher checks num_key_rows), page bytes < 2^32.
-    __device__ __forceinline__ void fetch(const Dsv41IndexerScoresParams& p, const PageDiv& pd, int64_t row, int c) {
-        const uint32_t row32 = static_cast<uint32_t>(row);
-        const uint32_t page = pd.div(row32);
-        const uint32_t r = row32 - page * static_cast<uint32_t>(p.page_size);
-        const uint8_t* base = static_cast<const uint8_t*>(p.keys) +
-                              static_cast<uint64_t>(page) * static_cast<uint32_t>(p.key_row_stride);
-        d = __ldg(reinterpret_cast<const uint4*>(base + (r * 64 + 16 * c)));
-        s4 = __ldg(reinterpret_cast<const uint32_t*>(base + (static_cast<uint32_t>(p.page_size) * 64u + r * 4)));
+    __device__ __forceinline__ uint32_t scale_byte(int c) const { return __byte_perm(s4, 0u, 0x4440u + c); }
+    __device__ __forceinline__ bool wide_scale(int c) const { return scale_byte(c) > 128u; }
+    // The first multiplier of block c (bf16x2 2^(e-1), or 2^126 when e > 128) and the second
+    // (1, or 2^(e-127) when e > 128).
+    __device__ __forceinline__ void scales(int c, uint32_t& sc, uint32_t& sc2) const {
+        const uint32_t e = scale_byte(c);
+        const bool one = e <= 128u;
+        const uint32_t sb = one ? (e + 126u) << 7 : 0x7E80u;
+        sc = sb * 0x10001u;
+        sc2 = one ? 0x3F803F80u : ue8m0_bf16x2(e);
     }
-    __device__ __forceinline__ void zero() {
-        d = make_uint4(0u, 0u, 0u, 0u);
-        s4 = 0x7f7f7f7fu;
+    // k-step s (0..7): registers 2s, 2s + 1 of the order above.
+    template <bool WIDE>
+    __device__ __forceinline__ void step(int s, uint32_t sc, uint32_t sc2, uint32_t& k0, uint32_t& k1) const {
+        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+        const uint32_t x = (s & 1) ? (w[s / 2] >> 8) : w[s / 2];
+        constexpr uint32_t M = 0x81C081C0u;
+        k0 = bf16x2_mul(((x & 0x000F000Fu) * 0x1040u) & M, sc);
+        k1 = bf16x2_mul(((x & 0x00F000F0u) * 0x0104u) & M, sc);
+        if (WIDE) {
+            k0 = bf16x2_mul(k0, sc2);
+            k1 = bf16x2_mul(k1, sc2);
+        }
     }
-    // Register 4i + p = dims (8i + p, 8i + p + 4) of the slice (nibbles p and p + 4 of word i)
-    // as bf16 bits code * 2^-126: the two nibbles (alone in x) are copied by one multiply to
-    // bits a..a+3 and a+6..a+9 (low half; +16 for the high one) with a = 6 - 4p (nibbles 2, 3:
-    // from w >> 8, a = 14 - 4p), and the mask keeps the magnitude at 6..8 and the sign at 15
-    // (code 0.5 = the subnormal 2^-127). Then times 2^(e-1): one exact multiply for e <= 128,
-    // else (x * 2^126) * 2^(e-127); WIDE = false promises e <= 128 (the warp checked, so that
-    // the common case has no branch).
-    __device__ __forceinline__ bool wide_scale(int c) const { return ((s4 >> (8 * c)) & 0xFF) > 128u; }
     template <bool WIDE>
     __device__ __forceinline__ void expand(int c, uint32_t (&k)[16]) const {
-        const uint32_t e = (s4 >> (8 * c)) & 0xFF;
-        const bool one = !WIDE || e <= 128u;
-        const uint32_t sb = one ? (e + 126u) << 7 : 0x7E80u;  // 2^(e-1) or 2^126
-        const uint32_t s = sb | (sb << 16);
-        const uint32_t w[4] = {d.x, d.y, d.z, d.w};
-        constexpr uint32_t M = 0x81C081C0u;
+        uint32_t sc, sc2;
+        scales(c, sc, sc2);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t x = w[i], x8 = w[i] >> 8;
-            k[4 * i + 0] = bf16x2_mul(((x & 0x000F000Fu) * 0x1040u) & M, s);
-            k[4 * i + 1] = bf16x2_mul(((x & 0x00F000F0u) * 0x0104u) & M, s);
-            k[4 * i + 2] = bf16x2_mul(((x8 & 0x000F000Fu) * 0x1040u) & M, s);
-            k[4 * i + 3] = bf16x2_mul(((x8 & 0x00F000F0u) * 0x0104u) & M, s);
-        }
-        if (WIDE && !one) {
-            const uint32_t s2 = ue8m0_bf16x2(e);
-#pragma unroll
-            for (int i = 0; i < 16; ++i) k[i] = bf16x2_mul(k[i], s2);
-        }
+        for (int s = 0; s < 8; ++s) step<WIDE>(s, sc, sc2, k[2 * s], k[2 * s + 1]);
     }
 };
 
@@ -187,16 +189,29 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
-// 3 CTAs per SM: <= 170 registers (the A fragments alone take 64).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Decode over packed keys (A fragments in shared memory): 4 CTAs per SM (<= 128 registers);
+// otherwise 3 (<= 170 registers: the A fragments alone take 64).
 template <int KF, int TQ>
-__global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+__global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
+    indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+    constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
+    constexpr bool kSharedA = kPacked && TQ == 1;
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
+    // kSharedA: qsh[s][m][lane] = the lane's A fragment of k-step s, m-tile m.
+    __shared__ __align__(16) uint4 qsh[kSharedA ? 8 : 1][2][32];
+    // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
+    __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
+    __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
-    if (t >= p.num_tokens) return;
+    if (t >= p.num_tokens) return;  // CTA-uniform when kSharedA (TQ = 1)
     const int n_it = iters * (WARPS / TQ);  // iterations of the CTA's key chunk
     const int step = TQ == 1 ? WARPS : 1;
     const int first = TQ == 1 ? warp : 0;
@@ -222,7 +237,7 @@ __global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41I
     }
     auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
     int it = first;
-    if (!valid(it)) return;
+    if (!kSharedA && !valid(it)) return;
 
     // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
     // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
@@ -248,7 +263,7 @@ __global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41I
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const uint4 v = __ldg(src + i);
-                if (KF == DSV41_INDEX_KEYS_MXFP4) {
+                if (kPacked) {
                     // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
                     qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
                     qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
@@ -266,56 +281,114 @@ __global__ void __launch_bounds__(THREADS, 3) indexer_scores_kernel(const Dsv41I
             for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
         }
     }
-    // Packed slices are small: the next iteration's are fetched while this one computes.
-    constexpr bool kAhead = KF == DSV41_INDEX_KEYS_MXFP4;
-    KeySlice<KF> ahead[kAhead ? 4 : 1];
-    const PageDiv pd(KF == DSV41_INDEX_KEYS_MXFP4 ? static_cast<uint32_t>(p.page_size) : 2u);
-    // Branch-free: an entry past L reads row kbase (it exists: the tile's key0 < L) and is
-    // zeroed.
-    // (32-bit entry ids: key0 < L <= N < 2^31.)
-    auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
-        const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
-        const bool ok = j < static_cast<uint32_t>(L);
-        ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
-        if (!ok) ks.zero();
-    };
-    if constexpr (kAhead) {
+    if constexpr (kSharedA) {
+        // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(it) * KT, nt);
+        for (int s = 0; s < 8; ++s) {
+            if ((s >> 1) == warp) {
+                qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
+                qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
+            }
+        }
+        __syncthreads();
+        if (!valid(it)) return;
     }
+
+    // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
+    // the tile's key0 < L) and is zeroed. (32-bit entry ids: key0 < L <= N < 2^31.)
+    const PageDiv pd(kPacked ? static_cast<uint32_t>(p.page_size) : 2u);
+    auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
+        if constexpr (!kPacked) {
+            const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
+            const bool ok = j < static_cast<uint32_t>(L);
+            ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
+            if (!ok) ks.zero();
+        }
+    };
+    // Packed rows: lane l finds the page and row of entry key0 + l (slot < 2^32, page bytes <
+    // 2^32: the launcher checks), copies its scale word and hands the row's address to the lanes
+    // that copy its 16-byte slices. Entries past L read row kbase; their scores are not written.
+    const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
+    const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
+    const uint32_t psize = static_cast<uint32_t>(p.page_size);
+    auto stage = [&](int64_t key0, int buf) {
+        const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
+        const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
+        const uint32_t page = pd.div(slot);
+        const uint32_t r = slot - page * psize;
+        const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
+        const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
+        cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
+                  reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
+            const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
+            const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
+            dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
+                                  reinterpret_cast<const void*>(src), true);
+        }
+        dsv41_ptx::cp_async_commit();
+    };
+    int buf = 0;
+    if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
     while (valid(it)) {
         const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
         const int next = it + step;
         KeySlice<KF> cur[4];
-        if constexpr (kAhead) {
+        if constexpr (kPacked) {
+            dsv41_ptx::cp_async_wait_all();
+            __syncwarp();  // the scale words were copied by other lanes
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) cur[nt] = ahead[nt];
-            if (valid(next)) {
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) fetch(ahead[nt], chunk0 + static_cast<int64_t>(next) * KT, nt);
+            for (int nt = 0; nt < 4; ++nt) {
+                cur[nt].d = kst_d[warp][buf][nt][lane];
+                cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
             }
+            if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
+            buf ^= 1;
         } else {
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
         }
         float acc[4][2][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
         // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
         auto scores = [&](auto wide) {
+            constexpr bool W = decltype(wide)::value;
+            if constexpr (kSharedA) {
+                // Per k-step: the A fragments from shared memory, 2 B registers per tile.
+                uint32_t sc[4], sc2[4];
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                uint32_t kb[16];
-                cur[nt].template expand<decltype(wide)::value>(c, kb);
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+                for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
 #pragma unroll
                 for (int s = 0; s < 8; ++s) {
-                    mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1], kb[2 * s],
-                             kb[2 * s + 1]);
-                    if (H > 2)
-                        mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1], kb[2 * s],
-                                 kb[2 * s + 1]);
+                    const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) {
+                        uint32_t k0, k1;
+                        cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
+                        mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
+                        if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    uint32_t kb[16];
+                    cur[nt].template expand<W>(c, kb);
+#pragma unroll
+                    for (int s = 0; s < 8; ++s) {
+                        mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
+                                 kb[2 * s], kb[2 * s + 1]);
+                        if (H > 2)
+                            mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
+                                     kb[2 * s], kb[2 * s + 1]);
+                    }
                 }
             }
         };

@@ -117,7 +117,32 @@ __device__ __forceinline__ void find_bin(const uint32_t* hist, uint32_t want, in
     }
 }
 
-__global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
+// Calls f(key) for every element of the row, thread x taking the 8-element groups x, x + THREADS,
+// ...; UNROLL groups are loaded before any is used (a pass over a 64K row is latency bound:
+// 16 dependent L2 round trips per thread without it).
+template <int UNROLL, typename F>
+__device__ __forceinline__ void for_each_key(const Row& r, F f) {
+    for (int64_t base = 8LL * threadIdx.x; base < r.n; base += 8LL * THREADS * UNROLL) {
+        uint32_t kk[UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int64_t e0 = base + 8LL * THREADS * u;
+            if (e0 < r.n) {
+                load8(r, e0, kk[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) kk[u][i] = ABSENT;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (kk[u][i] != ABSENT) f(kk[u][i]);
+    }
+}
+
+__global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ uint32_t hist[256];
     __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS];
     __shared__ uint32_t s_bin, s_above, s_total;
@@ -142,13 +167,7 @@ __global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41Inde
         // Pass 1: high byte.
         for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
         __syncthreads();
-        for (int64_t e0 = 8LL * threadIdx.x; e0 < r.n; e0 += 8LL * THREADS) {
-            uint32_t kk[8];
-            load8(r, e0, kk);
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (kk[i] != ABSENT) atomicAdd(&hist[kk[i] >> 8], 1u);
-        }
+        for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> 8], 1u); });
         __syncthreads();
         if (warp == 0) find_bin(hist, k, lane, &s_bin, &s_above);
         __syncthreads();
@@ -157,14 +176,9 @@ __global__ void __launch_bounds__(THREADS) indexer_select_kernel(const Dsv41Inde
         // Pass 2: low byte within bin b1.
         for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
         __syncthreads();
-        for (int64_t e0 = 8LL * threadIdx.x; e0 < r.n; e0 += 8LL * THREADS) {
-            uint32_t kk[8];
-            load8(r, e0, kk);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                if (kk[i] != ABSENT && (kk[i] >> 8) == b1) atomicAdd(&hist[kk[i] & 0xFF], 1u);
-            }
-        }
+        for_each_key<2>(r, [&](uint32_t u) {
+            if ((u >> 8) == b1) atomicAdd(&hist[u & 0xFF], 1u);
+        });
         __syncthreads();
         if (warp == 0) find_bin(hist, k - above1, lane, &s_bin, &s_above);
         __syncthreads();
