@@ -30,8 +30,8 @@
 //   1. The compute warpgroups load the token's indices at once, then issue the cp.async copies
 //      of q (64 heads x 512 bf16, waited for at tile 0); a ballot + warp scan compacts the valid
 //      indices and the CTA keeps the entries of its range (source bit + row) in shared memory.
-//   2. Warpgroup 2 is the producer (setmaxnreg down to 56 registers, the two compute
-//      warpgroups up to 224): it gathers tile j (64 rows) into stage j & 1 once the compute
+//   2. Warpgroup 2 is the producer (setmaxnreg down to 40 registers, the two compute
+//      warpgroups up to 232): it gathers tile j (64 rows) into stage j & 1 once the compute
 //      warps released the stage (an "empty" mbarrier, one arrival per compute warp), with
 //      16-byte cp.async carrying the .L2::256B prefetch hint; 16 groups of 8 threads, group g
 //      takes rows g, g + 16, g + 32, g + 48, thread q of it chunk q of each 128-byte plane
