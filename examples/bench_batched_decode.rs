@@ -382,6 +382,11 @@ impl Step<'_> {
 
     /// `[B, H, 512]` bf16.
     fn attention(&self, pr: &Proj, idx: &Tensor) -> Result<Tensor> {
+        self.attention_with(pr, idx, None)
+    }
+
+    /// [`Step::attention`] with `splits` KV splits (None: the launcher's choice).
+    fn attention_with(&self, pr: &Proj, idx: &Tensor, splits: Option<usize>) -> Result<Tensor> {
         let p = self.p;
         let inputs = SparseAttentionInputs {
             q: &pr.q,
@@ -392,7 +397,7 @@ impl Step<'_> {
             sink: &self.w.sink,
             scale: (self.w.hd as f32).powf(-0.5),
         };
-        Ok(inputs.forward(SparseAttentionOptions::default())?.0)
+        Ok(inputs.forward(SparseAttentionOptions { num_splits: splits })?.0)
     }
 
     /// `[B, hidden]` bf16.
@@ -433,10 +438,21 @@ fn sanity(step: &Step) -> Result<String> {
     let pr = step.projections()?;
     step.inserts(&pr)?;
     let idx = step.selection(&pr)?;
-    let out = step.output(&step.attention(&pr, &idx)?)?;
+    let o = step.attention(&pr, &idx)?;
+    let out = step.output(&o)?;
     let v = out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     if v.iter().any(|x| !x.is_finite()) {
-        bail!("output has non-finite values")
+        let bad = |t: &Tensor| -> Result<usize> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().filter(|x| !x.is_finite()).count())
+        };
+        let tokens: Vec<usize> = (0..s.b).filter(|&b| bad(&o.get(b).unwrap()).unwrap_or(0) > 0).collect();
+        bail!(
+            "output has non-finite values ({} in the attention output; tokens {:?}; q {}, one-split attention {})",
+            bad(&o)?,
+            &tokens[..tokens.len().min(8)],
+            bad(&pr.q)?,
+            bad(&step.attention_with(&pr, &idx, Some(1))?)?
+        )
     }
     let max = v.iter().fold(0f32, |m, x| m.max(x.abs()));
     if max == 0.0 {

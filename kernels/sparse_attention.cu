@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             // B = 64 / 256: the refilled stage frees only after the compute warps' previous
             // tile, which put the expansion on their critical path. Lead run 3: the compute
             // warps expanding the tile after their wait, 42.6 / 139.8 us instead of 40.6 / 130.3.)
-            cp_async_wait_all();
+            cp_async_wait_all();  // all of this thread's copies, committed or not
             __syncwarp();  // the 8 threads of a row copied its chunks
 #pragma unroll
             for (int lr = 0; lr < 4; ++lr) dsv41_rows::expand_packed_slot(fmt[lr], fmt[lr] != DSV41_KV_BF16, dst, lr * 16 + gr, q);

@@ -27,7 +27,9 @@ __device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src, boo
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits for ALL of this thread's cp.async copies, also those not committed to a group
+// (cp.async.wait_group 0 would skip uncommitted ones: the packed-row producer relies on this).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // Shared memory written by this thread (generic proxy) becomes visible to wgmma (async proxy)
 // after this fence and a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
