@@ -240,18 +240,30 @@ fn report_packed(timer: &Timer, args: &Args, label: &str, pb: &Problem, pool: &(
         Ok(())
     })?;
     if args.trace {
-        eprint!("{label}: ");
-        std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
-        let r = inputs.forward(opts);
-        std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
-        r?;
+        traced(label, || inputs.forward(opts).map(|_| ()))?;
     }
     let b = pb.q.dim(0)?;
     let bytes = (b * HEADS * HEAD_DIM * 2 * 2 + b * (WINDOW * a.row_bytes() + TOPK * pool.1.row_bytes())) as f64;
+    print_row(label, t, host, bytes, pb.rows, "");
+    Ok(())
+}
+
+/// One call with the launcher's phase trace of CTA 0 (printed on stderr).
+fn traced(label: &str, f: impl FnOnce() -> candle_core::Result<()>) -> Result<()> {
+    eprint!("{label}: ");
+    std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
+    let r = f();
+    std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
+    Ok(r?)
+}
+
+/// A result row: GPU and host-bound µs per call, GB/s and TFLOP/s (`rows` valid rows) against
+/// the ceilings, then `tail` (the baseline columns).
+fn print_row(label: &str, t: f64, host: f64, bytes: f64, rows: usize, tail: &str) {
     let gbps = gbps(bytes, t);
-    let tflops = tflops((4 * HEADS * HEAD_DIM * pb.rows) as f64, t);
+    let tflops = tflops((4 * HEADS * HEAD_DIM * rows) as f64, t);
     println!(
-        "{label:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}%",
+        "{label:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}% {tail}",
         t * 1e3,
         host * 1e3,
         gbps,
@@ -259,7 +271,6 @@ fn report_packed(timer: &Timer, args: &Args, label: &str, pb: &Problem, pool: &(
         tflops,
         100.0 * tflops / BF16_TFLOPS
     );
-    Ok(())
 }
 
 fn report(
@@ -277,8 +288,6 @@ fn report(
         sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
         Ok(())
     })?;
-    let gbps = gbps(pb.bytes, t);
-    let tflops = tflops((4 * HEADS * HEAD_DIM * pb.rows) as f64, t);
     let base = if !with_baseline || args.common.no_baseline {
         "           -        -".to_string()
     } else {
@@ -302,22 +311,11 @@ fn report(
         }
     }
     if args.trace {
-        // One call with the launcher's phase trace of CTA 0 (printed on stderr).
-        eprint!("{label}: ");
-        std::env::set_var("DSV41_SPARSE_ATTENTION_TRACE", "1");
-        let r = sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts);
-        std::env::remove_var("DSV41_SPARSE_ATTENTION_TRACE");
-        r?;
+        traced(label, || {
+            sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts).map(|_| ())
+        })?;
     }
-    println!(
-        "{label:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}% {base}",
-        t * 1e3,
-        host * 1e3,
-        gbps,
-        100.0 * gbps / HBM_READ_GBPS,
-        tflops,
-        100.0 * tflops / BF16_TFLOPS
-    );
+    print_row(label, t, host, pb.bytes, pb.rows, &base);
     Ok(())
 }
 
