@@ -12,8 +12,9 @@
 //! * [`packed_insert`] with a [`PackedLayout`]: the same inserts into the packed, paged cache
 //!   formats of spec §7.2 (528 B window rows, 288 B compressed rows, 68 B index rows).
 //! * [`fake_quant_device`]: blockwise QAT / FP8 activation fake quant of a dense tensor.
-//! * [`sparse_attention_two_source`]: sparse attention with sink over window + extra rows
-//!   (spec §4.7), returning the output and the log-sum-exp.
+//! * [`SparseAttentionInputs::forward`]: sparse attention with sink over window + extra rows
+//!   (spec §4.7), each source bf16 rows or a packed cache ([`KvRows`]), returning the output and
+//!   the log-sum-exp; [`sparse_attention_two_source`] is its bf16-rows shorthand.
 //! * [`index_select`]: the lightning indexer (spec §6.3–§6.4): index scores over bf16 or packed
 //!   MXFP4 key rows ([`masked_index_scores`]), top-k ([`index_topk`]) and candidate blocks
 //!   ([`candidate_blocks`]) in one chunked, memory-bounded call.
