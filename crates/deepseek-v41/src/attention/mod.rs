@@ -4,7 +4,7 @@
 //! * [`compressor`]: the kv sources' compressor (ratio 1: per-token stream; ratio 2: gated pairs),
 //!   with its carry across calls.
 //! * [`indexer`]: the lightning indexer (index keys, scores, visibility, candidate blocks, top-k).
-//! * [`sparse_attention`]: attention over gathered rows with a per-head sink.
+//! * [`sparse_attention`](mod@sparse_attention): attention over gathered rows with a per-head sink.
 //! * [`selection`]: the top-k step of a compressed layer (index sources compute and publish,
 //!   reuse layers read), on the activations' device.
 //! * [`layer`]: the attention layer wiring all of the above (with the `cuda` feature, its fused

@@ -1,7 +1,7 @@
 //! CUDA kernels of the attention caches (compiled only with the `cuda` feature), bound as
 //! Candle ops. Each op has a CUDA path (one fused kernel from the repository's `kernels/`
 //! folder, built by `build.rs`) and a CPU path that is the reference: the crate's own
-//! [`crate::nn::rope`], [`crate::nn::rms_norm`] and [`crate::quant::fake_quant`] functions. The
+//! [`crate::nn::rope`], [`crate::nn::rms_norm`] and [`crate::quant::fake_quant`](mod@crate::quant::fake_quant) functions. The
 //! CUDA kernels match the CPU path bit for bit (`tests/cuda_insert.rs`).
 //!
 //! * [`window_insert`]: window KV row `fq_Q1(RoPE(p)(kv))` into a row cache (spec §4.3).
