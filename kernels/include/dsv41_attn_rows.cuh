@@ -30,6 +30,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "dsv41_numerics.cuh"
 #include "dsv41_sparse_attention.h"
 
 namespace dsv41_rows {
@@ -60,8 +61,7 @@ __device__ __forceinline__ void packed_row(const RowSource& s, uint32_t row, con
 __device__ __forceinline__ uint32_t e4m3x2_scaled(uint32_t w, float f) {
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
     const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * f, v.y * f);
-    return *reinterpret_cast<const uint32_t*>(&b);
+    return dsv41::pack_bf16x2_rn(v.x * f, v.y * f);
 }
 
 // Four e4m3 codes -> 4 bf16 (two words), times `f`.

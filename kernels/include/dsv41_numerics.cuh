@@ -624,6 +624,12 @@ inline Q2Scale q2_scale_hw(float amax) {
 }
 #endif
 
+// bf16 pairs: the RN bf16 rounding of two f32 as one bf16x2 word (low half = lo).
+__device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // f32 -> bf16 -> f32, round to nearest even (half::bf16::from_f32 / candle's to_dtype).
 __device__ __forceinline__ float round_bf16(float x) {
     return __bfloat162float(__float2bfloat16_rn(x));

@@ -72,11 +72,7 @@ __device__ __forceinline__ void load_row128(const P& p, int64_t t, int j, Row128
     r.slot = valid && slot >= 0 && slot < p.num_slots ? slot : -1;
 }
 
-// bf16 pairs: the RN bf16 rounding of two f32 (low half = lo), and back.
-__device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
+// bf16 pairs (packed by dsv41_numerics.cuh's pack_bf16x2_rn) back to f32.
 __device__ __forceinline__ float bf16x2_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16x2_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 

@@ -121,7 +121,7 @@ __device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& 
                         x = split == 0 ? __fadd_rn(x, vx) : __fadd_rn(__fadd_rn(0.f, vx), ox);
                         y = split == 0 ? __fadd_rn(y, vy) : __fadd_rn(__fadd_rn(0.f, vy), oy);
                     }
-                    *reinterpret_cast<uint32_t*>(outb + row * OUTB_STRIDE + d0 * 2) = pack_bf16(x, y);
+                    *reinterpret_cast<uint32_t*>(outb + row * OUTB_STRIDE + d0 * 2) = pack_bf16x2_rn(x, y);
                 }
             }
         }

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "dsv41_numerics.cuh"
+
 namespace dsv41_sa {
 
 constexpr int D = 512;          // head dim (row width)
@@ -76,10 +78,6 @@ __device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uin
 // bank conflicts).
 __device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ ((r & 7) << 1)) << 4)); }
 
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
+using dsv41::pack_bf16x2_rn;  // bf16x2 of two f32 (dsv41_numerics.cuh)
 
 }  // namespace dsv41_sa
