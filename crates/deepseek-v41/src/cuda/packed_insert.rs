@@ -96,6 +96,16 @@ impl PackedLayout {
         Tensor::zeros((pages, self.page_bytes()), DType::U8, device)
     }
 
+    /// Quantizes `row` (`head_dim` values) with [`pack_row`] and writes its codes and scale
+    /// bytes at `slot` of `cache` (the cache's bytes, slot 0 at index 0).
+    fn write_row(&self, cache: &mut [u8], slot: usize, row: &[f32]) -> Result<()> {
+        let (data, scales) = pack_row(self.format, row)?;
+        let (d, s) = self.offsets(slot);
+        cache[d..d + data.len()].copy_from_slice(&data);
+        cache[s..s + scales.len()].copy_from_slice(&scales);
+        Ok(())
+    }
+
     /// `(data, scales)` byte offsets of `slot` from the start of the cache.
     fn offsets(&self, slot: usize) -> (usize, usize) {
         let (page, row) = (slot / self.page_size, slot % self.page_size);
@@ -119,10 +129,7 @@ impl PackedLayout {
         let mut bytes = vec![0u8; pages * self.page_bytes()];
         let values = rows.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         for (slot, row) in values.iter().enumerate() {
-            let (data, scales) = pack_row(self.format, row)?;
-            let (d0, s0) = self.offsets(slot);
-            bytes[d0..d0 + data.len()].copy_from_slice(&data);
-            bytes[s0..s0 + scales.len()].copy_from_slice(&scales);
+            self.write_row(&mut bytes, slot, row)?;
         }
         Tensor::from_vec(bytes, (pages, self.page_bytes()), &Device::Cpu)?.to_device(rows.device())
     }
@@ -218,13 +225,10 @@ impl InplaceOp2 for PackedInsert {
         let rows = rows.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let slots = self.inputs.host_slots(op, self.num_slots)?;
         let CpuStorage::U8(cache) = dst else { candle_core::bail!("{op}: expected a u8 cache storage") };
-        let base = dl.start_offset();
+        let cache = &mut cache[dl.start_offset()..];
         for (t, &s) in slots.iter().enumerate() {
             if s >= 0 && (s as u64) < self.num_slots as u64 {
-                let (data, scales) = pack_row(l.format, &rows[t * l.head_dim..(t + 1) * l.head_dim])?;
-                let (d, sc) = l.offsets(s as usize);
-                cache[base + d..base + d + data.len()].copy_from_slice(&data);
-                cache[base + sc..base + sc + scales.len()].copy_from_slice(&scales);
+                l.write_row(cache, s as usize, &rows[t * l.head_dim..(t + 1) * l.head_dim])?;
             }
         }
         Ok(())
