@@ -82,22 +82,22 @@ impl KvRows<'_> {
         }
     }
 
-    /// Checks the storage for rows of `d` values; `name` names the argument in errors.
-    fn check(&self, name: &str, d: usize) -> Result<()> {
-        const OP: &str = "sparse_attention";
+    /// Checks the storage for rows of `d` values; `name` (`"sparse_attention: window"` or
+    /// `"…: extra"`) names the argument in errors.
+    fn check(&self, name: &'static str, d: usize) -> Result<()> {
         match self {
             Self::Bf16(t) => {
                 if t.rank() != 2 || t.dim(1)? != d || t.dtype() != DType::BF16 {
-                    candle_core::bail!("{OP}: {name} must be [N, {d}] bf16 rows, got {}", self.describe())
+                    candle_core::bail!("{name} must be [N, {d}] bf16 rows, got {}", self.describe())
                 }
             }
             Self::Packed(t, l) => {
                 if !matches!(l.format(), QatFormat::Fp8Ue8m0B32 | QatFormat::Fp4E4m3B16) || l.head_dim() != d {
                     candle_core::bail!(
-                        "{OP}: {name} must be packed in format A (fp8_ue8m0_b32) or B (fp4_e4m3_b16) with head_dim {d}, got {l:?}"
+                        "{name} must be packed in format A (fp8_ue8m0_b32) or B (fp4_e4m3_b16) with head_dim {d}, got {l:?}"
                     )
                 }
-                l.check_cache(t, &format!("{OP}: {name}"))?;
+                l.check_cache(t, name)?;
             }
         }
         Ok(())
@@ -176,8 +176,8 @@ impl SparseAttentionInputs<'_> {
         if iw.dim(0)? != t || ic.dim(0)? != t || sink.dim(0)? != h {
             candle_core::bail!("{OP}: shapes disagree (want q [T,H,D], idx_* [T,K], sink [H]): {}", shapes())
         }
-        self.window.check("window", d)?;
-        self.extra.check("extra", d)?;
+        self.window.check("sparse_attention: window", d)?;
+        self.extra.check("sparse_attention: extra", d)?;
         if q.dtype() != DType::BF16 {
             candle_core::bail!("{OP}: q must be bf16, got {:?}", q.dtype())
         }
