@@ -15,23 +15,6 @@ use super::ffi;
 use super::insert_op::quant_code;
 use crate::quant::fake_quant::{fake_quant_host, QatFormat};
 
-/// `Dsv41FakeQuantParams` of `kernels/include/dsv41_act_quant.h`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct FakeQuantParams {
-    /// `[num_elems]` bf16 or f32, contiguous.
-    x: *const std::ffi::c_void,
-    /// `[num_elems]` same dtype, contiguous.
-    out: *mut std::ffi::c_void,
-    num_elems: i64,
-    quant: i32,
-    is_f32: i32,
-}
-
-extern "C" {
-    fn dsv41_fake_quant(p: *const FakeQuantParams, params_size: usize, stream: *mut std::ffi::c_void) -> i32;
-}
-
 /// Fake-quantizes `x` (`[..., K]` bf16 or f32, K a multiple of `fmt.block()`) per block of the
 /// last dim with `fmt`; returns the dequantized values `[..., K]` in `x`'s dtype on `x`'s device.
 ///
@@ -72,11 +55,11 @@ pub fn fake_quant_device(x: &Tensor, fmt: QatFormat) -> Result<Tensor> {
             let (b, gb) = write_ptr::<bf16>(&mut out, &out_layout, &stream)?;
             (a.cast::<std::ffi::c_void>(), b.cast::<std::ffi::c_void>(), ga, gb)
         };
-        let params = FakeQuantParams { x: x_p, out: o_p, num_elems: n as i64, quant: quant_code(fmt), is_f32: is_f32 as i32 };
+        let params = ffi::FakeQuantParams { x: x_p, out: o_p, num_elems: n as i64, quant: quant_code(fmt), is_f32: is_f32 as i32 };
         // SAFETY: `x` is read-locked and contiguous with `n` elements from its offset; `out` is a
         // fresh allocation of `n` elements of the same dtype; the launcher checks the count and
         // the format; the guards order the launch on the storages' stream.
-        let code = unsafe { dsv41_fake_quant(&params, std::mem::size_of::<FakeQuantParams>(), raw_stream(&stream)) };
+        let code = unsafe { ffi::dsv41_fake_quant(&params, std::mem::size_of::<ffi::FakeQuantParams>(), raw_stream(&stream)) };
         ffi::check_status(op, code)?;
     }
     drop(xs);

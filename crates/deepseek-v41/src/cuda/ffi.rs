@@ -267,3 +267,46 @@ extern "C" {
     pub(crate) fn dsv41_indexer_allowed_mask(p: *const IndexerMaskParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_indexer_select(p: *const IndexerSelectParams, params_size: usize, stream: *mut c_void) -> i32;
 }
+
+/// `Dsv41FakeQuantParams` of `kernels/include/dsv41_act_quant.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FakeQuantParams {
+    /// `[num_elems]` bf16 or f32, contiguous.
+    pub x: *const c_void,
+    /// `[num_elems]` same dtype, contiguous.
+    pub out: *mut c_void,
+    pub num_elems: i64,
+    pub quant: i32,
+    pub is_f32: i32,
+}
+
+extern "C" {
+    pub(crate) fn dsv41_fake_quant(p: *const FakeQuantParams, params_size: usize, stream: *mut c_void) -> i32;
+}
+
+/// `Dsv41MhcSplitParams` of `kernels/include/dsv41_mhc.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MhcSplitParams {
+    /// `[tokens, (2+hc)·hc]` f32, contiguous.
+    pub mixes: *const f32,
+    /// `[3]` f32.
+    pub scale: *const f32,
+    /// `[(2+hc)·hc]` f32.
+    pub base: *const f32,
+    /// `[tokens, hc]` f32 out.
+    pub pre: *mut f32,
+    /// `[tokens, hc]` f32 out.
+    pub post: *mut f32,
+    /// `[tokens, hc, hc]` f32 out.
+    pub comb: *mut f32,
+    pub tokens: i64,
+    pub hc: i32,
+    pub iters: i32,
+    pub eps: f32,
+}
+
+extern "C" {
+    pub(crate) fn dsv41_mhc_split_sinkhorn(p: *const MhcSplitParams, params_size: usize, stream: *mut c_void) -> i32;
+}

@@ -12,32 +12,6 @@ use super::ffi;
 /// Largest `hc` the kernel takes (`DSV41_MHC_MAX_HC`).
 pub const MHC_MAX_HC: usize = 8;
 
-/// `Dsv41MhcSplitParams` of `kernels/include/dsv41_mhc.h`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct MhcSplitParams {
-    /// `[tokens, (2+hc)·hc]` f32, contiguous.
-    mixes: *const f32,
-    /// `[3]` f32.
-    scale: *const f32,
-    /// `[(2+hc)·hc]` f32.
-    base: *const f32,
-    /// `[tokens, hc]` f32 out.
-    pre: *mut f32,
-    /// `[tokens, hc]` f32 out.
-    post: *mut f32,
-    /// `[tokens, hc, hc]` f32 out.
-    comb: *mut f32,
-    tokens: i64,
-    hc: i32,
-    iters: i32,
-    eps: f32,
-}
-
-extern "C" {
-    fn dsv41_mhc_split_sinkhorn(p: *const MhcSplitParams, params_size: usize, stream: *mut std::ffi::c_void) -> i32;
-}
-
 /// `(pre [T, hc], post [T, hc], comb [T, hc, hc])`, all f32 on the mixes' CUDA device, from the
 /// rsqrt-scaled raw mixes `mixes` `[T, (2+hc)·hc]`, `scale` `[3]` and `base` `[(2+hc)·hc]` (any
 /// float dtype, converted to f32), with `iters` Sinkhorn iterations and `eps` inside every
@@ -76,7 +50,7 @@ pub fn split_sinkhorn_device(mixes: &Tensor, scale: &Tensor, base: &Tensor, hc: 
         let (pre_p, _g3) = write_ptr::<f32>(&mut pre, &Layout::contiguous(&s_pre), &stream)?;
         let (post_p, _g4) = write_ptr::<f32>(&mut post, &Layout::contiguous(&s_pre), &stream)?;
         let (comb_p, _g5) = write_ptr::<f32>(&mut comb, &Layout::contiguous(&s_comb), &stream)?;
-        let params = MhcSplitParams {
+        let params = ffi::MhcSplitParams {
             mixes: m_p,
             scale: s_p,
             base: b_p,
@@ -91,7 +65,7 @@ pub fn split_sinkhorn_device(mixes: &Tensor, scale: &Tensor, base: &Tensor, hc: 
         // SAFETY: inputs are read-locked, contiguous f32 of the checked shapes; outputs are fresh
         // allocations of T·hc / T·hc² f32; the launcher checks counts and pointers; the guards
         // order the launch on the storages' stream.
-        let code = unsafe { dsv41_mhc_split_sinkhorn(&params, std::mem::size_of::<MhcSplitParams>(), raw_stream(&stream)) };
+        let code = unsafe { ffi::dsv41_mhc_split_sinkhorn(&params, std::mem::size_of::<ffi::MhcSplitParams>(), raw_stream(&stream)) };
         ffi::check_status(op, code)?;
     }
     drop((ms, ss, bs));
