@@ -114,7 +114,7 @@ const PHASES: [&str; 5] = ["projections", "inserts", "selection", "attention", "
 
 /// Cache formats of a run.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum KeyFormat {
+enum CacheFormat {
     /// bf16 rows everywhere.
     Bf16,
     /// MXFP4 index keys, bf16 KV rows.
@@ -123,29 +123,29 @@ enum KeyFormat {
     PackedKv,
 }
 
-impl KeyFormat {
+impl CacheFormat {
     /// Bytes of one index key.
     fn row_bytes(self) -> f64 {
         match self {
-            KeyFormat::Bf16 => 256.0,
-            KeyFormat::Packed | KeyFormat::PackedKv => 68.0,
+            CacheFormat::Bf16 => 256.0,
+            CacheFormat::Packed | CacheFormat::PackedKv => 68.0,
         }
     }
     /// Bytes of one window row and of one compressed row.
     fn kv_row_bytes(self, hd: usize) -> (f64, f64) {
         match self {
-            KeyFormat::PackedKv => (528.0, 288.0),
+            CacheFormat::PackedKv => (528.0, 288.0),
             _ => ((hd * 2) as f64, (hd * 2) as f64),
         }
     }
     fn packed_keys(self) -> bool {
-        self != KeyFormat::Bf16
+        self != CacheFormat::Bf16
     }
     fn name(self) -> &'static str {
         match self {
-            KeyFormat::Bf16 => "bf16",
-            KeyFormat::Packed => "mxfp4 packed",
-            KeyFormat::PackedKv => "all packed",
+            CacheFormat::Bf16 => "bf16",
+            CacheFormat::Packed => "mxfp4 packed",
+            CacheFormat::PackedKv => "all packed",
         }
     }
 }
@@ -297,7 +297,7 @@ struct Step<'a> {
     w: &'a Weights,
     p: &'a Pools,
     s: &'a Inputs,
-    fmt: KeyFormat,
+    fmt: CacheFormat,
 }
 
 impl Step<'_> {
@@ -313,7 +313,7 @@ impl Step<'_> {
         let (w, s, p) = (self.w, self.s, self.p);
         q_rope_inplace(&pr.q, &s.cos, &s.sin, None)?;
         match (&p.win, &p.win_packed) {
-            (_, Some((cache, layout))) if self.fmt == KeyFormat::PackedKv => {
+            (_, Some((cache, layout))) if self.fmt == CacheFormat::PackedKv => {
                 packed_insert(cache, layout, &pr.kv, &s.cos, &s.sin, &s.win_slots, None)?
             }
             (Some(win), _) => window_insert(win, &pr.kv, &s.cos, &s.sin, &s.win_slots, true)?,
@@ -330,7 +330,7 @@ impl Step<'_> {
         let latent = w.c_norm.forward(&pooled)?;
         let k_pre = w.keys.project(&latent)?;
         match (&p.comp, &p.comp_packed) {
-            (_, Some((cache, layout))) if self.fmt == KeyFormat::PackedKv => {
+            (_, Some((cache, layout))) if self.fmt == CacheFormat::PackedKv => {
                 packed_insert(cache, layout, &latent, &s.c_cos, &s.c_sin, &s.c_slots, None)?
             }
             (Some(comp), _) => compressed_insert(comp, &latent, &s.c_cos, &s.c_sin, &s.c_slots, true)?,
@@ -374,7 +374,7 @@ impl Step<'_> {
     /// The KV pool this run's format reads.
     fn kv_rows<'a>(&self, bf16: &'a Option<Tensor>, packed: &'a Option<(Tensor, PackedLayout)>) -> Result<KvRows<'a>> {
         Ok(match (bf16, packed) {
-            (_, Some((cache, layout))) if self.fmt == KeyFormat::PackedKv => KvRows::Packed(cache, *layout),
+            (_, Some((cache, layout))) if self.fmt == CacheFormat::PackedKv => KvRows::Packed(cache, *layout),
             (Some(t), _) => KvRows::Bf16(t),
             _ => bail!("no KV pool for {}", self.fmt.name()),
         })
@@ -421,7 +421,7 @@ impl Step<'_> {
 /// Timings of one (B, key format) run, milliseconds.
 struct Row {
     b: usize,
-    fmt: KeyFormat,
+    fmt: CacheFormat,
     events: [f64; 5],
     step: f64,
     graph: Option<f64>,
@@ -445,7 +445,9 @@ fn sanity(step: &Step) -> Result<String> {
         let bad = |t: &Tensor| -> Result<usize> {
             Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().filter(|x| !x.is_finite()).count())
         };
-        let tokens: Vec<usize> = (0..s.b).filter(|&b| bad(&o.get(b).unwrap()).unwrap_or(0) > 0).collect();
+        // Tokens with a non-finite attention output (one device→host read, on failure only).
+        let per_token = o.to_dtype(DType::F32)?.flatten_from(1)?.to_vec2::<f32>()?;
+        let tokens: Vec<usize> = (0..s.b).filter(|&b| per_token[b].iter().any(|x| !x.is_finite())).collect();
         bail!(
             "output has non-finite values ({} in the attention output; tokens {:?}; q {}, one-split attention {})",
             bad(&o)?,
@@ -555,7 +557,7 @@ fn run_batch(
     cfg: &Config,
     b: usize,
     args: &Args,
-    fmts: &[KeyFormat],
+    fmts: &[CacheFormat],
     timer: Option<&Timer>,
     dev: &Device,
     rows: &mut Vec<Row>,
@@ -564,8 +566,8 @@ fn run_batch(
     let e = ctx / w.ratio;
     let pool = timer.map(|t| PoolPeak::new(&t.stream)).transpose()?;
     let t0 = std::time::Instant::now();
-    let bf16_kv = fmts.iter().any(|&f| f != KeyFormat::PackedKv);
-    let packed_kv = fmts.contains(&KeyFormat::PackedKv);
+    let bf16_kv = fmts.iter().any(|&f| f != CacheFormat::PackedKv);
+    let packed_kv = fmts.contains(&CacheFormat::PackedKv);
     let pools = Pools {
         win: bf16_kv.then(|| random_rows(b * w.window, w.hd, dev)).transpose()?,
         comp: bf16_kv.then(|| random_rows(b * e, w.hd, dev)).transpose().context("compressed pool")?,
@@ -576,7 +578,7 @@ fn run_batch(
             .then(|| random_pages(QatFormat::Fp4E4m3B16, w.hd, b * e, 255.99, (48.0, 63.99), dev))
             .transpose()
             .context("packed compressed pool")?,
-        keys: fmts.contains(&KeyFormat::Bf16).then(|| random_rows(b * e, w.di, dev)).transpose().context("index-key pool")?,
+        keys: fmts.contains(&CacheFormat::Bf16).then(|| random_rows(b * e, w.di, dev)).transpose().context("index-key pool")?,
         packed: fmts.iter().any(|f| f.packed_keys()).then(|| random_packed(b * e, dev)).transpose().context("packed pool")?,
     };
     let s = inputs(w, cfg, b, ctx, args.closing == "all", dev)?;
@@ -651,13 +653,13 @@ fn main() -> Result<()> {
         .iter()
         .position(|r| matches!(r.attention, AttentionRole::Compressed { ratio: 2, kv_source, .. } if kv_source == r.layer))
         .context("no ratio-2 kv source layer")?;
-    let fmts: Vec<KeyFormat> = args
+    let fmts: Vec<CacheFormat> = args
         .keys
         .iter()
         .map(|k| match k.as_str() {
-            "bf16" => Ok(KeyFormat::Bf16),
-            "packed" | "mxfp4" => Ok(KeyFormat::Packed),
-            "packed-kv" => Ok(KeyFormat::PackedKv),
+            "bf16" => Ok(CacheFormat::Bf16),
+            "packed" | "mxfp4" => Ok(CacheFormat::Packed),
+            "packed-kv" => Ok(CacheFormat::PackedKv),
             o => bail!("--keys: unknown format {o:?} (bf16, packed, packed-kv)"),
         })
         .collect::<Result<_>>()?;

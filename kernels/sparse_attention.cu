@@ -417,8 +417,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
                 slo += e0 + e1;
                 shi += e2 + e3;
                 const int r0 = wg * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
-                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e0, e1);
-                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16(e2, e3);
+                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16x2_rn(e0, e1);
+                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16x2_rn(e2, e3);
             }
             slo += __shfl_xor_sync(0xffffffffu, slo, 1);
             slo += __shfl_xor_sync(0xffffffffu, slo, 2);
@@ -578,8 +578,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             if (c < items) {
                 const int h = hb + (c >> 6), col = c & 63;
                 __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0 + h) * D + col * 4;
-                *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(oa[k].x, oa[k].y), pack_bf16(oa[k].z, oa[k].w));
-                *reinterpret_cast<uint2*>(dst + 256) = make_uint2(pack_bf16(ob[k].x, ob[k].y), pack_bf16(ob[k].z, ob[k].w));
+                *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16x2_rn(oa[k].x, oa[k].y), pack_bf16x2_rn(oa[k].z, oa[k].w));
+                *reinterpret_cast<uint2*>(dst + 256) = make_uint2(pack_bf16x2_rn(ob[k].x, ob[k].y), pack_bf16x2_rn(ob[k].z, ob[k].w));
             }
         }
     }
