@@ -28,9 +28,16 @@ namespace dsv41 {
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
 // 2^119 takes the f32 element path for that row.
-template <Quant Q>
-__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
-    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j) {
+template <Quant Q, int V>
+__global__ void __launch_bounds__(kInsertThreads, row128_blocks_per_sm(V)) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
+    auto store = [&](const Row128In& r, int j, const uint32_t (&h)[8]) {
+        if (r.slot >= 0) {
+            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) *reinterpret_cast<uint2*>(dst + 32 * m) = make_uint2(h[2 * m], h[2 * m + 1]);
+        }
+    };
+    auto finish_v0 = [&](const Row128In& r, const float* w, int, int j) {
         uint32_t h[8];
         float amax[4];
         compute_row128_pairs<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
@@ -49,19 +56,46 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
                 }
             }
         }
-        if (r.slot >= 0) {
-            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
+        store(r, j, h);
+    };
+    auto finish_v2 = [&](const Row128In& r, const float* w, int, int j) {
+        uint32_t h[8], amax2[2];
+        compute_row128_v2<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        if constexpr (Q != Quant::None) {
+            const Q3Blocks qb = q3_blocks_v2(amax2);
+            if (qb.pairs_ok) {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) *reinterpret_cast<uint2*>(dst + 32 * m) = make_uint2(h[2 * m], h[2 * m + 1]);
+                for (int i = 0; i < 8; ++i) h[i] = q3_fake_quant_pair(h[i], q3_pair_from_bits2(qb.sb[i / 4], (i / 2) & 1));
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const BlockScale b = pow2_scale(q3_block_k_v2(amax2, i / 2));
+                    h[i] = pack_bf16x2_rn(fake_quant_element<Q>(bf16x2_lo(h[i]), b),
+                                          fake_quant_element<Q>(bf16x2_hi(h[i]), b));
+                }
+            }
         }
-    });
+        store(r, j, h);
+    };
+    if constexpr (V == 0) row128_loop<Norm::Weighted>(p, finish_v0);
+    else if constexpr (V == 1) row128_loop<Norm::Weighted>(p, finish_v2);
+    else row128_loop_async<Norm::Weighted>(p, finish_v2);
 }
 
+template <Quant Q, int V>
+int launch_row128_v(const Dsv41RowInsertParams& p, cudaStream_t s) {
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q, V>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q, V><<<grid, kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
+}
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
-    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
+    switch (row128_variant()) {
+        case 0: return launch_row128_v<Q, 0>(p, s);
+        case 1: return launch_row128_v<Q, 1>(p, s);
+        case 3: return launch_row128_v<Q, 3>(p, s);
+        default: return launch_row128_v<Q, 2>(p, s);
+    }
 }
 
 }  // namespace dsv41

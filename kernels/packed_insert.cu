@@ -141,12 +141,25 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
 // row; they are staged in shared memory (64 bytes per row) so that lane j then stores bytes
 // [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
 // stores the row's 4 scale bytes as one word.
-template <Norm N>
-__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
+template <Norm N, int V>
+__global__ void __launch_bounds__(kInsertThreads, row128_blocks_per_sm(V)) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
     uint16_t(*buf)[32] = staged[threadIdx.x / 32];
-    row128_loop<N>(p, [&](const Row128In& r, const float* w, int g, int j) {
-        constexpr Quant Q = Quant::Fp4Ue8m0B32;
+    constexpr Quant Q = Quant::Fp4Ue8m0B32;
+    // The row's 64 code bytes go out as one 8-byte store per lane, its 4 scale bytes as one word.
+    auto store = [&](const Row128In& r, int g, int j, uint32_t scales) {
+        __syncwarp();
+        const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
+        if (r.slot >= 0) {
+            int64_t page, row;
+            page_and_row(r.slot, p.page_size, page, row);
+            uint8_t* base = p.cache + page * p.page_stride;
+            *reinterpret_cast<uint2*>(base + row * 64 + 8 * j) = v;
+            if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
+        }
+        __syncwarp();  // buf is reused by the next row set
+    };
+    auto finish_v0 = [&](const Row128In& r, const float* w, int g, int j) {
         uint32_t h[8];
         float amax[4];
         compute_row128_pairs<N>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
@@ -181,24 +194,54 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
             buf[g][8 * m + j] = static_cast<uint16_t>(v | (v >> 12));  // c0 | c1 << 4 | c2 << 8 | c3 << 12
             scales |= static_cast<uint32_t>((k[m] + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
         }
-        __syncwarp();
-        const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
-        if (r.slot >= 0) {
-            int64_t page, row;
-            page_and_row(r.slot, p.page_size, page, row);
-            uint8_t* base = p.cache + page * p.page_stride;
-            *reinterpret_cast<uint2*>(base + row * 64 + 8 * j) = v;
-            if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
+        store(r, g, j, scales);
+    };
+    auto finish_v2 = [&](const Row128In& r, const float* w, int g, int j) {
+        uint32_t h[8], amax2[2];
+        compute_row128_v2<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        const Q3Blocks qb = q3_blocks_v2(amax2);
+        uint32_t scales;
+        if (qb.pairs_ok) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) buf[g][8 * m + j] = static_cast<uint16_t>(q3_codes4(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1)));
+            scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
+        } else {  // a block scale above 2^119: the f32 element path
+            scales = 0;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int k = q3_block_k_v2(amax2, m);
+                const BlockScale b = pow2_scale(k);
+                uint32_t code = 0;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const uint32_t hw = h[2 * m + i / 2];
+                    code |= static_cast<uint32_t>(quant_code<Q>(i % 2 ? bf16x2_hi(hw) : bf16x2_lo(hw), b)) << (4 * i);
+                }
+                buf[g][8 * m + j] = static_cast<uint16_t>(code);
+                scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);
+            }
         }
-        __syncwarp();  // buf is reused by the next row set
-    });
+        store(r, g, j, scales);
+    };
+    if constexpr (V == 0) row128_loop<N>(p, finish_v0);
+    else if constexpr (V == 1) row128_loop<N>(p, finish_v2);
+    else row128_loop_async<N>(p, finish_v2);
 }
 
+template <Norm N, int V>
+int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    packed_e_row128_kernel<N, V><<<row128_grid<packed_e_row128_kernel<N, V>>(sets), kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
+}
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
+    switch (row128_variant()) {
+        case 0: return launch_packed_e_row128_v<N, 0>(p, s);
+        case 1: return launch_packed_e_row128_v<N, 1>(p, s);
+        case 3: return launch_packed_e_row128_v<N, 3>(p, s);
+        default: return launch_packed_e_row128_v<N, 2>(p, s);
+    }
 }
 
 // Format B rows of the V4.1 compressed-cache shape (D = 512, R = 64, no norm, power-of-two

@@ -316,14 +316,111 @@ static long check_q2_scale_hw() {
     return bad;
 }
 
+// The row-128 kernels' Q3 block scales from bf16 pairs of block maxima (session 5):
+// q3_scale_bits2 of max(a, floor) (max.bf16x2, NaN -> floor) against q3_scale_exp of the block's
+// max for every non-negative bf16 pattern a (NaN patterns stand for an all-NaN block, whose
+// f32 fold from 0 gives 0) in both halves (the other half a permutation), q3_scale_bits2_ok
+// exactly where q3_pair_ok, q3_pair_from_bits2 equal to q3_pair, and the kernel's scale bytes
+// (prmt of the two words shifted by 7) equal to k + 127.
+static long check_q3_scale_bits2() {
+    long bad = 0;
+    auto perm = [](uint32_t v) { return (v * 40503u + 12345u) & 0x7fffu; };  // odd multiplier: a permutation of [0, 2^15)
+    auto want_k = [](uint32_t a) {
+        const float f = bf16_bits_to_f32(a);
+        return q3_scale_exp(isnan(f) ? 0.0f : f);
+    };
+    for (uint32_t lo = 0; lo < 0x8000u; ++lo) {
+        const uint32_t hi = perm(lo), lo2 = perm(hi), hi2 = perm(lo2);
+        const uint32_t w = bf16x2_max(lo | (hi << 16), kQ3AmaxFloor2), w2 = bf16x2_max(lo2 | (hi2 << 16), kQ3AmaxFloor2);
+        const uint32_t sb = q3_scale_bits2(w), sb2 = q3_scale_bits2(w2);
+        const uint32_t a[4] = {lo, hi, lo2, hi2};
+        const uint32_t half[4] = {sb & 0xffffu, sb >> 16, sb2 & 0xffffu, sb2 >> 16};
+        bool all_ok = true;
+        for (int i = 0; i < 4; ++i) {
+            const int k = want_k(a[i]);
+            const bool ok = q3_pair_ok(k);
+            all_ok = all_ok && ok;
+            const bool ok_got = q3_scale_bits2_ok(i < 2 ? (i == 0 ? sb & 0xffffu : sb & 0xffff0000u) : (i == 2 ? sb2 & 0xffffu : sb2 & 0xffff0000u));
+            bool good = ok_got == ok;
+            if (ok) {
+                const Q3Pair got = q3_pair_from_bits2(i < 2 ? sb : sb2, i % 2 == 1), want = q3_pair(k);
+                good = good && half[i] == (static_cast<uint32_t>(k + 127) << 7) && got.s2 == want.s2 && got.six2 == want.six2;
+            }
+            if (!good) {
+                if (bad < 5) printf("Q3 scale bits2: amax 0x%04x: half %04x ok %d, k %d\n", a[i], half[i], ok_got, k);
+                ++bad;
+            }
+        }
+        const bool both = (((sb + 0x04800480u) | (sb2 + 0x04800480u)) & 0x80008000u) == 0;  // q3_blocks_v2's test
+        if (both != all_ok) {
+            if (bad < 5) printf("Q3 scale bits2: joint test %d vs %d at 0x%04x\n", both, all_ok, lo);
+            ++bad;
+        }
+        if (all_ok) {
+            const uint32_t bytes = prmt(sb >> 7, sb2 >> 7, 0x6420u);
+            for (int i = 0; i < 4; ++i)
+                if (((bytes >> (8 * i)) & 0xffu) != static_cast<uint32_t>(want_k(a[i]) + 127)) {
+                    if (bad < 5) printf("Q3 scale bytes: 0x%08x at 0x%04x\n", bytes, lo);
+                    ++bad;
+                }
+        }
+    }
+    printf("Q3 scale bits from bf16 pair maxima (4 x 32768 patterns): %ld mismatches\n", bad);
+    return bad;
+}
+
+// q3_codes4 (4 e2m1 codes of two bf16 pairs as one 16-bit value) against quant_code of the f32
+// path for every bf16 x in each of the 4 positions (the other positions shifted permutations)
+// and every k in [-126, 119]; also the squares of the norm's FMA path: x^2 exact in f32 for
+// every finite bf16 x with |x| >= 2^-64 (norm_div_x_ok), so fma(x, x, p) = RN(p + RN(x^2)).
+static long check_q3_codes4() {
+    constexpr Quant Q = Quant::Fp4Ue8m0B32;
+    long bad = 0, n = 0;
+    auto perm = [](uint32_t v) { return (v * 40503u + 12345u) & 0xffffu; };
+    for (int k = -126; q3_pair_ok(k); ++k, ++n) {
+        const BlockScale b = pow2_scale(k);
+        const Q3Pair p = q3_pair(k);
+        static uint8_t want[65536];
+        for (uint32_t xb = 0; xb < 65536; ++xb) want[xb] = quant_code<Q>(bf16_bits_to_f32(xb), b);
+        for (uint32_t lo = 0; lo < 65536; ++lo) {
+            const uint32_t xs[4] = {lo, perm(lo), perm(perm(lo)), perm(perm(perm(lo)))};
+            for (int r = 0; r < 4; ++r) {  // x = lo in position r
+                uint32_t v[4];
+                for (int i = 0; i < 4; ++i) v[i] = xs[(i + 4 - r) % 4];
+                const uint32_t got = q3_codes4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), p);
+                uint32_t w = 0;
+                for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(want[v[i]]) << (4 * i);
+                if (got != w) {
+                    if (bad < 5) printf("Q3 codes4: k=%d x=%04x %04x %04x %04x: %04x vs %04x\n", k, v[0], v[1], v[2], v[3], got, w);
+                    ++bad;
+                }
+            }
+        }
+    }
+    long sq = 0;
+    for (uint32_t xb = 0; xb < 65536; ++xb) {
+        const float x = bf16_bits_to_f32(xb);
+        if (!isfinite(x) || !norm_div_x_ok(fabsf(x))) continue;
+        const float q = mul_rn(x, x);
+        const double e = static_cast<double>(x) * static_cast<double>(x);
+        if (isfinite(q) ? static_cast<double>(q) != e : e < 3.4028234663852886e38) {
+            if (sq < 5) printf("square of bf16 %a not exact: %a\n", x, q);
+            ++sq;
+        }
+    }
+    printf("Q3 codes4: %ld scales x 65536 x 4 positions: %ld mismatches; inexact bf16 squares: %ld\n", n, bad, sq);
+    return bad + sq;
+}
+
 int main(int argc, char** argv) {
     if (argc > 1) {  // one part only: "q3-pair" (~30 s) or "q2" (seconds)
         long b = -1;
         if (strcmp(argv[1], "q3-pair") == 0) b = check_q3_pair() + check_q3_pair_exp();
         if (strcmp(argv[1], "q2") == 0) b = check_q2();
         if (strcmp(argv[1], "q2-pair") == 0) b = check_q2_pair() + check_q2_scale_hw();
+        if (strcmp(argv[1], "q3-row128") == 0) b = check_q3_scale_bits2() + check_q3_codes4();
         if (b < 0) {
-            printf("unknown part %s (q3-pair, q2, q2-pair)\n", argv[1]);
+            printf("unknown part %s (q3-pair, q2, q2-pair, q3-row128)\n", argv[1]);
             return 2;
         }
         printf("%s\n", b == 0 ? "all equal" : "MISMATCHES");
@@ -342,6 +439,8 @@ int main(int argc, char** argv) {
     bad += check_q3_pair_exp();
     bad += check_q2_pair();
     bad += check_q2_scale_hw();
+    bad += check_q3_scale_bits2();
+    bad += check_q3_codes4();
     printf("%s\n", bad == 0 ? "all equal" : "MISMATCHES");
     return bad == 0 ? 0 : 1;
 }

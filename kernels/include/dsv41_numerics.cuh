@@ -624,6 +624,44 @@ inline Q2Scale q2_scale_hw(float amax) {
 }
 #endif
 
+// ------------------------------------- Q3 block scales and 4-element codes from bf16 pairs (row 128)
+//
+// The row-128 kernels reduce the block maxima as bf16 pairs (two blocks per word, one shuffle and
+// one max.bf16x2 per level for both): a block's max of the bf16-ROUNDED values, floored at
+// 6 * 2^-126 (a bf16 value, 0x01c0; the floor also replaces an all-NaN block's NaN, as the
+// fmaxf fold from 0 does), is round_bf16 of the f32 max (rounding is monotone), so its Q3
+// scale k = q3_scale_exp(a) = E - 2 + (M > 1.5) comes straight from the 16 bits:
+// k + 127 = ((a + 0x3f) >> 7) - 2 (the 7-bit mantissa field exceeds 0x40 exactly when adding 0x3f
+// carries). q3_scale_bits2 gives (k + 127) << 7 (= bits(s) as bf16) for both halves at once:
+// (a + 0x3f - 0x100) & 0xff80 = ((a + 0x3f) & 0xff80) - 0x100, with a >= 0x01c0 no half borrows.
+// Valid where the pair path is (k <= 119, i.e. a half <= 0x7b00: q3_scale_bits2_ok); +inf (k =
+// 128 by q3_scale_exp) gives 0x7e80, which fails the test. Checked for every bf16 amax in both
+// halves (kernels/check/quant_exhaustive.cu).
+constexpr uint32_t kQ3AmaxFloor2 = 0x01c001c0u;  // 6 * 2^-126 in both halves
+DSV41_HD uint32_t q3_scale_bits2(uint32_t amax2) { return (amax2 - 0x00c100c1u) & 0xff80ff80u; }
+DSV41_HD bool q3_scale_bits2_ok(uint32_t sb2) { return ((sb2 + 0x04800480u) & 0x80008000u) == 0; }
+// The Q3Pair of the block in the low (hi = false) or high half of q3_scale_bits2's word.
+DSV41_HD Q3Pair q3_pair_from_bits2(uint32_t sb2, bool hi) {
+    const uint32_t s2 = prmt(sb2, 0u, hi ? 0x3232u : 0x1010u);
+    return {s2, s2 + 0x01400140u};
+}
+
+// The e2m1 code magnitudes (0..7, no sign) of the two values of w: q3_code_pair without the sign.
+DSV41_HD uint32_t q3_mag_pair(uint32_t w, Q3Pair p) {
+    const Q3PairSteps t = q3_pair_steps(w, p);
+    return (t.a_rounded & 0x00070007u) + ((t.m0 - p.s2) >> 6);
+}
+
+// The e2m1 codes (bit 3 = sign) of the 4 values of w0 (low half first), w1 as the 4 nibbles of
+// the low 16 bits, value i in bits 4 i .. 4 i + 3 (the packed row's byte order). The magnitudes
+// of both words meet at bytes 0, 2 (w0) and 1, 3 (w1), one prmt replicates the four bf16 sign
+// bits into bytes in that order (bit 3 of each kept), and one shift-add folds the high bytes
+// down. Checked for every bf16 value in each of the 4 positions and every k in [-126, 119].
+DSV41_HD uint32_t q3_codes4(uint32_t w0, uint32_t w1, Q3Pair p) {
+    const uint32_t v = (q3_mag_pair(w0, p) + (q3_mag_pair(w1, p) << 8)) | (prmt(w0, w1, 0xfbd9u) & 0x08080808u);
+    return (v + (v >> 12)) & 0xffffu;
+}
+
 // bf16 pairs: the RN bf16 rounding of two f32 as one bf16x2 word (low half = lo).
 __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -37,6 +37,8 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
+#include <stdlib.h>
+
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -45,6 +47,18 @@ constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) ro
 // Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
 // caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
 constexpr int kRow128BlocksPerSm = 4;
+
+// Session-5 measurement switch (docs/perf.md, Run 11): DSV41_ROW128_VARIANT = 0 (the run-10
+// kernels), 1 (compute_row128_v2, register prefetch), 2 (compute_row128_v2, cp.async prefetch,
+// 4 blocks per SM; the default), 3 (as 2, 5 blocks per SM). Read once per process.
+inline int row128_variant() {
+    static const int v = [] {
+        const char* e = getenv("DSV41_ROW128_VARIANT");
+        return e && e[0] >= '0' && e[0] <= '3' && e[1] == 0 ? e[0] - '0' : 2;
+    }();
+    return v;
+}
+__host__ __device__ constexpr int row128_blocks_per_sm(int variant) { return variant == 3 ? 5 : kRow128BlocksPerSm; }
 
 // One row's inputs in a lane's registers (chunks as loaded).
 struct Row128In {
@@ -205,6 +219,222 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         finish(cur, static_cast<const float*>(w), g, j);
         if (next >= sets) break;
         cur = nxt;
+        base = next;
+    }
+}
+
+// ------------------------------------------------------------------ the session-5 path (variants >= 1)
+//
+// compute_row128_v2 computes what compute_row128_pairs does, with fewer instructions:
+//   * squares by FMA: for |x| >= 2^-64 (bf16, 8 significant bits) x^2 is exact in f32 (its lowest
+//     bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); a warp whose lanes all pass that
+//     test (the test of the division-free quotient, taken before the squares) takes it, the
+//     others the two-rounding form;
+//   * the sum of squares as a reduce-scatter: the pair of lanes j, j ^ 2 exchange two of the
+//     four column sums each way (each lane keeps two), j ^ 4 one, then j ^ 1 completes the
+//     column sum of c = 2 b1 + b2 (b1, b2: bits 1, 2 of j), and j ^ 4, j ^ 2 form
+//     (S0 + S1) + (S2 + S3): 6 shuffles instead of 12, the additions in candle's order (each
+//     addition is one of the butterfly's, commutativity aside);
+//   * the mean's `+ 0` and the `* 1` of the eps step dropped: the sum is >= +0 or NaN, where
+//     both are identities;
+//   * the block maxima of the f32 values packed as bf16 pairs (rounding is monotone, so that is
+//     the max of the rounded values), two blocks per word: 6 shuffles and max.bf16x2 for the four
+//     blocks instead of 12 and f32 max; their scale bits by q3_scale_bits2 (dsv41_numerics.cuh).
+// amax2[0] holds blocks 0 (low half) and 1, amax2[1] blocks 2 and 3: the group's max of the
+// rounded |values| floored at 6 * 2^-126 (kQ3AmaxFloor2; an all-NaN block gives the floor).
+template <Norm N>
+__device__ __forceinline__ void compute_row128_v2(const Row128In& r, const float* w, float eps, float inv_dim, int j,
+                                                  uint32_t (&h)[8], uint32_t (&amax2)[2]) {
+    float x[16];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        x[4 * m] = bf16x2_lo(r.raw[m].x);
+        x[4 * m + 1] = bf16x2_hi(r.raw[m].x);
+        x[4 * m + 2] = bf16x2_lo(r.raw[m].y);
+        x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
+    }
+    if constexpr (N != Norm::None) {
+        float mn = fabsf(x[0]);
+#pragma unroll
+        for (int k = 1; k < 16; ++k) mn = fminf(mn, fabsf(x[k]));
+        const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
+        float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
+        if (fast) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = __fmul_rn(x[c], x[c]);
+#pragma unroll
+                for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = __fmul_rn(x[c], x[c]);
+#pragma unroll
+                for (int m = 1; m < 4; ++m) p[c] = __fadd_rn(p[c], __fmul_rn(x[4 * m + c], x[4 * m + c]));
+            }
+        }
+        const bool b1 = (j & 2) != 0, b2 = (j & 4) != 0;
+        // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
+        const float q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
+        const float q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
+        // j ^ 4 (L ^ 16): keep c = 2 b1 + b2.
+        float t = __fadd_rn(b2 ? q1 : q0, __shfl_xor_sync(kFullMask, b2 ? q0 : q1, 4));
+        t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 1));  // j ^ 1 (L ^ 4): the column sum S_c
+        t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 4));  // c ^ 1 (L ^ 1): S0 + S1 or S2 + S3
+        const float sum = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 2));  // c ^ 2 (L ^ 2)
+        const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
+        if (fast && norm_div_row_ok(rr)) {
+            const float y = __frcp_rn(rr);
+#pragma unroll
+            for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 16; ++k) x[k] = __fdiv_rn(x[k], rr);
+        }
+        if constexpr (N == Norm::Weighted) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
+                x[4 * m] = __fmul_rn(x[4 * m], wv.x);
+                x[4 * m + 1] = __fmul_rn(x[4 * m + 1], wv.y);
+                x[4 * m + 2] = __fmul_rn(x[4 * m + 2], wv.z);
+                x[4 * m + 3] = __fmul_rn(x[4 * m + 3], wv.w);
+            }
+        }
+    }
+    float am[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        uint32_t a = r.raw[m].x, b = r.raw[m].y;
+        if constexpr (N != Norm::None) {
+            a = pack_bf16x2_rn(x[4 * m], x[4 * m + 1]);
+            b = pack_bf16x2_rn(x[4 * m + 2], x[4 * m + 3]);
+        }
+        if (m < 2) {
+            h[2 * m] = a;
+            h[2 * m + 1] = b;
+            am[m] = fmaxf(fmaxf(fabsf(x[4 * m]), fabsf(x[4 * m + 1])), fmaxf(fabsf(x[4 * m + 2]), fabsf(x[4 * m + 3])));
+        } else {  // RoPE pairs 16 (m - 2) + 2 j and + 1 of the bf16 values
+            float v[4] = {bf16x2_lo(a), bf16x2_hi(a), bf16x2_lo(b), bf16x2_hi(b)};
+            rotate_pair(v[0], v[1], r.cos[m - 2].x, r.sin[m - 2].x);
+            rotate_pair(v[2], v[3], r.cos[m - 2].y, r.sin[m - 2].y);
+            am[m] = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+            h[2 * m] = pack_bf16x2_rn(v[0], v[1]);
+            h[2 * m + 1] = pack_bf16x2_rn(v[2], v[3]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        uint32_t a = pack_bf16x2_rn(am[2 * i], am[2 * i + 1]);
+        a = bf16x2_max(bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 1)), kQ3AmaxFloor2);
+        a = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 2));
+        amax2[i] = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 4));
+    }
+}
+
+// The Q3 scale bits of the row's 4 blocks from compute_row128_v2's amax2 (q3_scale_bits2), and
+// whether every block can take the bf16-pair path.
+struct Q3Blocks {
+    uint32_t sb[2];
+    bool pairs_ok;
+};
+__device__ __forceinline__ Q3Blocks q3_blocks_v2(const uint32_t (&amax2)[2]) {
+    Q3Blocks b;
+    b.sb[0] = q3_scale_bits2(amax2[0]);
+    b.sb[1] = q3_scale_bits2(amax2[1]);
+    b.pairs_ok = (((b.sb[0] + 0x04800480u) | (b.sb[1] + 0x04800480u)) & 0x80008000u) == 0;
+    return b;
+}
+// k of block m from amax2 (any scale; the element path).
+__device__ __forceinline__ int q3_block_k_v2(const uint32_t (&amax2)[2], int m) {
+    return q3_scale_exp(__uint_as_float(m & 1 ? amax2[m >> 1] & 0xffff0000u : amax2[m >> 1] << 16));
+}
+
+// The row-128 loop with the next row set prefetched by cp.async into shared memory instead of
+// registers (the set in registers cost ~18 registers and ~20 copies per set). Same contract as
+// row128_loop. Each lane copies and reads back its own bytes only (chunk-major layout: LDS of
+// 8 bytes per lane, 256 contiguous bytes per warp, no bank conflicts), so no warp barrier is
+// needed between the copies and the reads; the slot is copied by every lane of its row.
+struct Row128Stage {
+    uint2 raw[4][32];    // chunk m of lane L
+    float2 cs[4][32];    // cos h = 0, 1, sin h = 0, 1 of lane L
+    int64_t slot[32];    // lane L's row's slot (as loaded)
+};
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+// The lane's source pointers (its 8-byte column of every row), set up once per kernel so that a
+// token's addresses are one wide multiply-add each (32-bit token index: T < 2^31).
+struct Row128Src {
+    const char* src;  // p.src + 4 j elements
+    const char* cos;  // p.cos + 2 j floats
+    const char* sin;
+    const char* slots;
+    uint64_t row_bytes;  // 2 * src_row_stride
+};
+template <class P>
+__device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
+    return {reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(p.src) + 4 * j),
+            reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
+            reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
+}
+// Copies token tc's (< T) lane bytes into the stage at shared address dst (its raw[0][lane]).
+__device__ __forceinline__ void issue_row128(const Row128Src& a, uint32_t tc, uint32_t dst) {
+    const char* src = a.src + tc * a.row_bytes;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) cp_async8(dst + m * 256, src + 64 * m);
+    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        cp_async8(dst + 1024 + h * 256, a.cos + cs + 64 * h);
+        cp_async8(dst + 1536 + h * 256, a.sin + cs + 64 * h);
+    }
+    cp_async8(dst + 2048, a.slots + static_cast<uint64_t>(tc) * 8);
+}
+template <Norm N, class P, class F>
+__device__ __forceinline__ void row128_loop_async(const P& p, F&& finish) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 3, j = lane & 7;
+    const int warp = threadIdx.x / 32;
+    const uint32_t T = static_cast<uint32_t>(p.num_tokens);
+    const uint32_t sets = (T + 3) / 4;
+    const uint32_t round_sets = gridDim.x * kInsertWarps;
+    uint32_t base = blockIdx.x * kInsertWarps;  // block-uniform: every branch below is
+    __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
+    __shared__ __align__(16) Row128Stage stage[kInsertWarps][2];
+    if constexpr (N == Norm::Weighted) {
+        if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+        __syncthreads();
+    }
+    if (base >= sets) return;
+    Row128Stage* const st = stage[warp];
+    const uint32_t dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(&st[0].raw[0][lane]));
+    const Row128Src a = row128_src(p, j);
+    const uint32_t row = 4 * warp + g;  // the lane's row in a round: token 4 base + row
+    issue_row128(a, min(4 * base + row, T - 1), dst0);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    uint32_t b = 0;
+    for (;;) {
+        const uint32_t next = base + round_sets;
+        if (next < sets) issue_row128(a, min(4 * next + row, T - 1), dst0 + (b ^ sizeof(Row128Stage)));
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        const Row128Stage& s = *reinterpret_cast<const Row128Stage*>(reinterpret_cast<const char*>(st) + b);
+        Row128In cur;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) cur.raw[m] = s.raw[m][lane];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            cur.cos[h] = s.cs[h][lane];
+            cur.sin[h] = s.cs[2 + h][lane];
+        }
+        const int64_t slot = s.slot[lane];
+        // slot in [0, S) (one unsigned compare) and a token < T
+        cur.slot = 4 * base + row < T && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots) ? slot : -1;
+        finish(cur, static_cast<const float*>(w), g, j);
+        if (next >= sets) break;
+        b ^= sizeof(Row128Stage);
         base = next;
     }
 }
