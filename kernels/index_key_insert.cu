@@ -29,7 +29,7 @@ namespace dsv41 {
 // and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
 // 2^119 takes the f32 element path for that row.
 template <Quant Q, int V>
-__global__ void __launch_bounds__(kInsertThreads, row128_blocks_per_sm(V)) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     auto store = [&](const Row128In& r, int j, const uint32_t (&h)[8]) {
         if (r.slot >= 0) {
             __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kInsertThreads, row128_blocks_per_sm(V)) index
     };
     if constexpr (V == 0) row128_loop<Norm::Weighted>(p, finish_v0);
     else if constexpr (V == 1) row128_loop<Norm::Weighted>(p, finish_v2);
-    else row128_loop_async<Norm::Weighted>(p, finish_v2);
+    else row128_loop_fast<Norm::Weighted, V == 5 ? 2 : 1>(p, finish_v2);
 }
 
 template <Quant Q, int V>
@@ -92,9 +92,10 @@ template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
     switch (row128_variant()) {
         case 0: return launch_row128_v<Q, 0>(p, s);
-        case 1: return launch_row128_v<Q, 1>(p, s);
-        case 3: return launch_row128_v<Q, 3>(p, s);
-        default: return launch_row128_v<Q, 2>(p, s);
+        case 4:
+        case 6: return launch_row128_v<Q, 4>(p, s);  // 6 differs in format E only
+        case 5: return launch_row128_v<Q, 5>(p, s);
+        default: return launch_row128_v<Q, 1>(p, s);
     }
 }
 

@@ -142,7 +142,7 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
 // [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
 // stores the row's 4 scale bytes as one word.
 template <Norm N, int V>
-__global__ void __launch_bounds__(kInsertThreads, row128_blocks_per_sm(V)) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
     uint16_t(*buf)[32] = staged[threadIdx.x / 32];
     constexpr Quant Q = Quant::Fp4Ue8m0B32;
@@ -196,14 +196,25 @@ __global__ void __launch_bounds__(kInsertThreads, row128_blocks_per_sm(V)) packe
         }
         store(r, g, j, scales);
     };
+    // Variant 6: each lane stores its 2 code bytes of each chunk itself (4 two-byte stores).
+    auto store_direct = [&](const Row128In& r, int j, const uint32_t (&code)[4], uint32_t scales) {
+        if (r.slot >= 0) {
+            int64_t page, row;
+            page_and_row(r.slot, p.page_size, page, row);
+            uint8_t* base = p.cache + page * p.page_stride;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(base + row * 64 + 16 * m + 2 * j) = static_cast<uint16_t>(code[m]);
+            if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
+        }
+    };
     auto finish_v2 = [&](const Row128In& r, const float* w, int g, int j) {
         uint32_t h[8], amax2[2];
         compute_row128_v2<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
         const Q3Blocks qb = q3_blocks_v2(amax2);
-        uint32_t scales;
+        uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) buf[g][8 * m + j] = static_cast<uint16_t>(q3_codes4(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1)));
+            for (int m = 0; m < 4; ++m) code[m] = q3_codes4(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
         } else {  // a block scale above 2^119: the f32 element path
             scales = 0;
@@ -211,21 +222,26 @@ __global__ void __launch_bounds__(kInsertThreads, row128_blocks_per_sm(V)) packe
             for (int m = 0; m < 4; ++m) {
                 const int k = q3_block_k_v2(amax2, m);
                 const BlockScale b = pow2_scale(k);
-                uint32_t code = 0;
+                code[m] = 0;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const uint32_t hw = h[2 * m + i / 2];
-                    code |= static_cast<uint32_t>(quant_code<Q>(i % 2 ? bf16x2_hi(hw) : bf16x2_lo(hw), b)) << (4 * i);
+                    code[m] |= static_cast<uint32_t>(quant_code<Q>(i % 2 ? bf16x2_hi(hw) : bf16x2_lo(hw), b)) << (4 * i);
                 }
-                buf[g][8 * m + j] = static_cast<uint16_t>(code);
                 scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);
             }
         }
-        store(r, g, j, scales);
+        if constexpr (V == 6) {
+            store_direct(r, j, code, scales);
+        } else {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) buf[g][8 * m + j] = static_cast<uint16_t>(code[m]);
+            store(r, g, j, scales);
+        }
     };
     if constexpr (V == 0) row128_loop<N>(p, finish_v0);
     else if constexpr (V == 1) row128_loop<N>(p, finish_v2);
-    else row128_loop_async<N>(p, finish_v2);
+    else row128_loop_fast<N, V == 5 ? 2 : 1>(p, finish_v2);
 }
 
 template <Norm N, int V>
@@ -238,9 +254,10 @@ template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     switch (row128_variant()) {
         case 0: return launch_packed_e_row128_v<N, 0>(p, s);
-        case 1: return launch_packed_e_row128_v<N, 1>(p, s);
-        case 3: return launch_packed_e_row128_v<N, 3>(p, s);
-        default: return launch_packed_e_row128_v<N, 2>(p, s);
+        case 4: return launch_packed_e_row128_v<N, 4>(p, s);
+        case 5: return launch_packed_e_row128_v<N, 5>(p, s);
+        case 6: return launch_packed_e_row128_v<N, 6>(p, s);
+        default: return launch_packed_e_row128_v<N, 1>(p, s);
     }
 }
 

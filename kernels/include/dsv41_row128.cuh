@@ -49,16 +49,17 @@ constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) ro
 constexpr int kRow128BlocksPerSm = 4;
 
 // Session-5 measurement switch (docs/perf.md, Run 11): DSV41_ROW128_VARIANT = 0 (the run-10
-// kernels), 1 (compute_row128_v2, register prefetch), 2 (compute_row128_v2, cp.async prefetch,
-// 4 blocks per SM; the default), 3 (as 2, 5 blocks per SM). Read once per process.
+// kernels), 1 (compute_row128_v2 in row128_loop), 4 (compute_row128_v2 in row128_loop_fast),
+// 5 (as 4, the loop unrolled twice), 6 (as 4; format E stores its codes straight from the
+// lanes, 2 bytes per chunk, without the shared-memory staging). Read once per process.
 inline int row128_variant() {
     static const int v = [] {
         const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e && e[0] >= '0' && e[0] <= '3' && e[1] == 0 ? e[0] - '0' : 2;
+        const int x = e && e[0] >= '0' && e[0] <= '9' && e[1] == 0 ? e[0] - '0' : -1;
+        return x == 0 || x == 1 || x == 4 || x == 5 || x == 6 ? x : 1;
     }();
     return v;
 }
-__host__ __device__ constexpr int row128_blocks_per_sm(int variant) { return variant == 3 ? 5 : kRow128BlocksPerSm; }
 
 // One row's inputs in a lane's registers (chunks as loaded).
 struct Row128In {
@@ -274,7 +275,7 @@ __device__ __forceinline__ void compute_row128_v2(const Row128In& r, const float
                 for (int m = 1; m < 4; ++m) p[c] = __fadd_rn(p[c], __fmul_rn(x[4 * m + c], x[4 * m + c]));
             }
         }
-        const bool b1 = (j & 2) != 0, b2 = (j & 4) != 0;
+        const bool b1 = (threadIdx.x & 2u) != 0, b2 = (threadIdx.x & 4u) != 0;  // bits 1, 2 of j
         // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
         const float q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
         const float q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
@@ -351,19 +352,6 @@ __device__ __forceinline__ int q3_block_k_v2(const uint32_t (&amax2)[2], int m) 
     return q3_scale_exp(__uint_as_float(m & 1 ? amax2[m >> 1] & 0xffff0000u : amax2[m >> 1] << 16));
 }
 
-// The row-128 loop with the next row set prefetched by cp.async into shared memory instead of
-// registers (the set in registers cost ~18 registers and ~20 copies per set). Same contract as
-// row128_loop. Each lane copies and reads back its own bytes only (chunk-major layout: LDS of
-// 8 bytes per lane, 256 contiguous bytes per warp, no bank conflicts), so no warp barrier is
-// needed between the copies and the reads; the slot is copied by every lane of its row.
-struct Row128Stage {
-    uint2 raw[4][32];    // chunk m of lane L
-    float2 cs[4][32];    // cos h = 0, 1, sin h = 0, 1 of lane L
-    int64_t slot[32];    // lane L's row's slot (as loaded)
-};
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
-}
 // The lane's source pointers (its 8-byte column of every row), set up once per kernel so that a
 // token's addresses are one wide multiply-add each (32-bit token index: T < 2^31).
 struct Row128Src {
@@ -379,63 +367,64 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
-// Copies token tc's (< T) lane bytes into the stage at shared address dst (its raw[0][lane]).
-__device__ __forceinline__ void issue_row128(const Row128Src& a, uint32_t tc, uint32_t dst) {
+// Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
+__device__ __forceinline__ void load_row128_fast(const Row128Src& a, uint32_t tc, Row128In& r) {
     const char* src = a.src + tc * a.row_bytes;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) cp_async8(dst + m * 256, src + 64 * m);
+    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
     const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        cp_async8(dst + 1024 + h * 256, a.cos + cs + 64 * h);
-        cp_async8(dst + 1536 + h * 256, a.sin + cs + 64 * h);
+        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
     }
-    cp_async8(dst + 2048, a.slots + static_cast<uint64_t>(tc) * 8);
+    r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
-template <Norm N, class P, class F>
-__device__ __forceinline__ void row128_loop_async(const P& p, F&& finish) {
+
+// row128_loop with 32-bit set / token indices, the lane's pointers set up once (Row128Src) and
+// the slot checked where it is used; UNROLL = 2 alternates two register sets instead of copying
+// the prefetched set (the loop body, `finish` included, twice). Same contract as row128_loop.
+template <Norm N, int UNROLL, class P, class F>
+__device__ __forceinline__ void row128_loop_fast(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
     const int warp = threadIdx.x / 32;
     const uint32_t T = static_cast<uint32_t>(p.num_tokens);
     const uint32_t sets = (T + 3) / 4;
     const uint32_t round_sets = gridDim.x * kInsertWarps;
-    uint32_t base = blockIdx.x * kInsertWarps;  // block-uniform: every branch below is
+    uint32_t base = blockIdx.x * kInsertWarps;  // block-uniform, as every branch below
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
-    __shared__ __align__(16) Row128Stage stage[kInsertWarps][2];
     if constexpr (N == Norm::Weighted) {
         if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
         __syncthreads();
     }
     if (base >= sets) return;
-    Row128Stage* const st = stage[warp];
-    const uint32_t dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(&st[0].raw[0][lane]));
     const Row128Src a = row128_src(p, j);
-    const uint32_t row = 4 * warp + g;  // the lane's row in a round: token 4 base + row
-    issue_row128(a, min(4 * base + row, T - 1), dst0);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-    uint32_t b = 0;
+    const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
+    // slot in [0, S) (one unsigned compare) of a token < T, else -1
+    auto checked = [&](uint32_t b, Row128In& r) {
+        r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
+    };
+    Row128In cur;
+    load_row128_fast(a, min(4 * base + row, T - 1), cur);
     for (;;) {
-        const uint32_t next = base + round_sets;
-        if (next < sets) issue_row128(a, min(4 * next + row, T - 1), dst0 + (b ^ sizeof(Row128Stage)));
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        const Row128Stage& s = *reinterpret_cast<const Row128Stage*>(reinterpret_cast<const char*>(st) + b);
-        Row128In cur;
-#pragma unroll
-        for (int m = 0; m < 4; ++m) cur.raw[m] = s.raw[m][lane];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            cur.cos[h] = s.cs[h][lane];
-            cur.sin[h] = s.cs[2 + h][lane];
-        }
-        const int64_t slot = s.slot[lane];
-        // slot in [0, S) (one unsigned compare) and a token < T
-        cur.slot = 4 * base + row < T && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots) ? slot : -1;
+        uint32_t next = base + round_sets;
+        Row128In nxt;
+        if (next < sets) load_row128_fast(a, min(4 * next + row, T - 1), nxt);
+        checked(base, cur);
         finish(cur, static_cast<const float*>(w), g, j);
         if (next >= sets) break;
-        b ^= sizeof(Row128Stage);
         base = next;
+        if constexpr (UNROLL == 2) {
+            next = base + round_sets;
+            if (next < sets) load_row128_fast(a, min(4 * next + row, T - 1), cur);
+            checked(base, nxt);
+            finish(nxt, static_cast<const float*>(w), g, j);
+            if (next >= sets) break;
+            base = next;
+        } else {
+            cur = nxt;
+        }
     }
 }
 
