@@ -28,6 +28,19 @@ namespace dsv41 {
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
 // 2^119 takes the f32 element path for that row.
+// The f32 element path of a key (a block scale above 2^119), out of line (variants 8 / 9).
+struct Row128H8 { uint32_t h[8]; };
+static __device__ __noinline__ Row128H8 q3_fake_quant_element8(Row128H8 hh, uint32_t a0, uint32_t a1) {
+    constexpr Quant Q = Quant::Fp4Ue8m0B32;
+    const uint32_t amax2[2] = {a0, a1};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const BlockScale b = pow2_scale(q3_block_k_v2(amax2, i / 2));
+        hh.h[i] = pack_bf16x2_rn(fake_quant_element<Q>(bf16x2_lo(hh.h[i]), b), fake_quant_element<Q>(bf16x2_hi(hh.h[i]), b));
+    }
+    return hh;
+}
+
 template <Quant Q, int V>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     auto store = [&](const Row128In& r, int j, const uint32_t (&h)[8]) {
@@ -60,12 +73,19 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
     };
     auto finish_v2 = [&](const Row128In& r, const float* w, int, int j) {
         uint32_t h[8], amax2[2];
-        compute_row128_v2<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        compute_row128_v2<Norm::Weighted, (V >= 8)>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
         if constexpr (Q != Quant::None) {
             const Q3Blocks qb = q3_blocks_v2(amax2);
             if (qb.pairs_ok) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) h[i] = q3_fake_quant_pair(h[i], q3_pair_from_bits2(qb.sb[i / 4], (i / 2) & 1));
+            } else if constexpr (V >= 8) {  // the element path out of line
+                Row128H8 hh;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) hh.h[i] = h[i];
+                hh = q3_fake_quant_element8(hh, amax2[0], amax2[1]);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) h[i] = hh.h[i];
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
@@ -79,7 +99,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
     };
     if constexpr (V == 0) row128_loop<Norm::Weighted>(p, finish_v0);
     else if constexpr (V == 1) row128_loop<Norm::Weighted>(p, finish_v2);
-    else row128_loop_fast<Norm::Weighted, V == 5 ? 2 : 1>(p, finish_v2);
+    else row128_loop_fast<Norm::Weighted, V == 7 || V == 9>(p, finish_v2);
 }
 
 template <Quant Q, int V>
@@ -94,7 +114,9 @@ int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
         case 0: return launch_row128_v<Q, 0>(p, s);
         case 4:
         case 6: return launch_row128_v<Q, 4>(p, s);  // 6 differs in format E only
-        case 5: return launch_row128_v<Q, 5>(p, s);
+        case 7: return launch_row128_v<Q, 7>(p, s);
+        case 8: return launch_row128_v<Q, 8>(p, s);
+        case 9: return launch_row128_v<Q, 9>(p, s);
         default: return launch_row128_v<Q, 1>(p, s);
     }
 }

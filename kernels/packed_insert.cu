@@ -141,6 +141,30 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
 // row; they are staged in shared memory (64 bytes per row) so that lane j then stores bytes
 // [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
 // stores the row's 4 scale bytes as one word.
+// The f32 element path of a format E row (a block scale above 2^119), out of line (variants
+// 8 / 9): the codes of chunks 0..3 (4 nibbles each) and the 4 scale bytes.
+struct Row128H8 { uint32_t h[8]; };
+struct PackedECodes { uint32_t code[4]; uint32_t scales; };
+static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, uint32_t a0, uint32_t a1) {
+    constexpr Quant Q = Quant::Fp4Ue8m0B32;
+    const uint32_t amax2[2] = {a0, a1};
+    PackedECodes c;
+    c.scales = 0;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int k = q3_block_k_v2(amax2, m);
+        const BlockScale b = pow2_scale(k);
+        c.code[m] = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t hw = hh.h[2 * m + i / 2];
+            c.code[m] |= static_cast<uint32_t>(quant_code<Q>(i % 2 ? bf16x2_hi(hw) : bf16x2_lo(hw), b)) << (4 * i);
+        }
+        c.scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);
+    }
+    return c;
+}
+
 template <Norm N, int V>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
@@ -209,13 +233,21 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     };
     auto finish_v2 = [&](const Row128In& r, const float* w, int g, int j) {
         uint32_t h[8], amax2[2];
-        compute_row128_v2<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        compute_row128_v2<N, (V >= 8)>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
         const Q3Blocks qb = q3_blocks_v2(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = q3_codes4(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
+        } else if constexpr (V >= 8) {  // a block scale above 2^119: the f32 element path, out of line
+            Row128H8 hh;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) hh.h[i] = h[i];
+            const PackedECodes c = packed_e_codes_element(hh, amax2[0], amax2[1]);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) code[m] = c.code[m];
+            scales = c.scales;
         } else {  // a block scale above 2^119: the f32 element path
             scales = 0;
 #pragma unroll
@@ -231,7 +263,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                 scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);
             }
         }
-        if constexpr (V == 6) {
+        if constexpr (V >= 6) {
             store_direct(r, j, code, scales);
         } else {
 #pragma unroll
@@ -241,7 +273,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     };
     if constexpr (V == 0) row128_loop<N>(p, finish_v0);
     else if constexpr (V == 1) row128_loop<N>(p, finish_v2);
-    else row128_loop_fast<N, V == 5 ? 2 : 1>(p, finish_v2);
+    else row128_loop_fast<N, V == 7 || V == 9>(p, finish_v2);
 }
 
 template <Norm N, int V>
@@ -255,8 +287,10 @@ int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     switch (row128_variant()) {
         case 0: return launch_packed_e_row128_v<N, 0>(p, s);
         case 4: return launch_packed_e_row128_v<N, 4>(p, s);
-        case 5: return launch_packed_e_row128_v<N, 5>(p, s);
         case 6: return launch_packed_e_row128_v<N, 6>(p, s);
+        case 7: return launch_packed_e_row128_v<N, 7>(p, s);
+        case 8: return launch_packed_e_row128_v<N, 8>(p, s);
+        case 9: return launch_packed_e_row128_v<N, 9>(p, s);
         default: return launch_packed_e_row128_v<N, 1>(p, s);
     }
 }

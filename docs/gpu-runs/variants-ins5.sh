@@ -18,9 +18,10 @@ unxz_to() {
 }
 unxz_to "$HERE/bench_insert.xz" "$W/b"; unxz_to "$HERE/cuda_insert.xz" "$W/t"
 chmod +x "$W/b" "$W/t"
-VARIANTS="${VARIANTS:-0 1 2 3}"
+VARIANTS="${VARIANTS:-0 1 4 6 7 8 9}"
+TEST_VARIANTS="${TEST_VARIANTS:-$VARIANTS}"
 if [[ "${SKIP_VARIANT_TESTS:-0}" != 1 ]]; then
-    for v in $VARIANTS; do
+    for v in $TEST_VARIANTS; do
         echo "== tests DSV41_ROW128_VARIANT=$v" >> "$LOG"
         DSV41_ROW128_VARIANT=$v timeout 60 "$W/t" --test-threads=1 >> "$LOG" 2>&1
         echo "== tests variant $v: exit $?" | tee -a "$LOG"
@@ -35,3 +36,14 @@ for rep in 1 2; do
     done
 done
 grep -E "^==|prefill|ratio|test result" "$LOG" | cut -c1-120
+# memcheck of the row-128 tests under the variants in MEMCHECK_VARIANTS (run.sh memchecks the default)
+SAN=""
+for c in /usr/local/cuda*/bin/compute-sanitizer "$(command -v compute-sanitizer 2>/dev/null)"; do
+    if [[ -n "$c" && -x "$c" ]]; then SAN="$c"; break; fi
+done
+for v in ${MEMCHECK_VARIANTS:-}; do
+    echo "== memcheck DSV41_ROW128_VARIANT=$v ($SAN)" >> "$LOG"
+    DSV41_ROW128_VARIANT=$v timeout 60 "$SAN" --tool memcheck --error-exitcode 99 --print-limit 20 "$W/t" --test-threads=1 \
+        index_key row128 format_e >> "$LOG" 2>&1
+    echo "== memcheck variant $v: exit $?" | tee -a "$LOG"
+done

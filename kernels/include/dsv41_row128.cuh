@@ -47,16 +47,19 @@ constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) ro
 // Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
 // caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
 constexpr int kRow128BlocksPerSm = 4;
+constexpr int kRow128DefaultVariant = 8;
 
-// Session-5 measurement switch (docs/perf.md, Run 11): DSV41_ROW128_VARIANT = 0 (the run-10
-// kernels), 1 (compute_row128_v2 in row128_loop), 4 (compute_row128_v2 in row128_loop_fast),
-// 5 (as 4, the loop unrolled twice), 6 (as 4; format E stores its codes straight from the
-// lanes, 2 bytes per chunk, without the shared-memory staging). Read once per process.
+// Session-5 measurement switch (docs/perf.md, Run 11), read once per process:
+// DSV41_ROW128_VARIANT = 0: the run-10 kernels (compute_row128_pairs in row128_loop);
+// 1: compute_row128_v2 in row128_loop; 4: compute_row128_v2 in row128_loop_fast; 6: as 4, and
+// format E stores its codes straight from the lanes (2 bytes per chunk, no shared-memory
+// staging); 7: as 6 with the cos/sin prefetched into shared memory by cp.async; 8 / 9: as 6 / 7
+// with the rare paths (IEEE division, two-rounding squares, f32 element path) out of line.
 inline int row128_variant() {
     static const int v = [] {
         const char* e = getenv("DSV41_ROW128_VARIANT");
         const int x = e && e[0] >= '0' && e[0] <= '9' && e[1] == 0 ? e[0] - '0' : -1;
-        return x == 0 || x == 1 || x == 4 || x == 5 || x == 6 ? x : 1;
+        return x == 0 || x == 1 || x == 4 || x >= 6 ? x : kRow128DefaultVariant;
     }();
     return v;
 }
@@ -224,6 +227,35 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     }
 }
 
+// The rare paths of compute_row128_v2 out of line (kOol): keeping them out of the loop body
+// halves the code the loop spans (the instruction cache holds the hot path only). Values by
+// value in structs, so that the hot path keeps its registers.
+struct Row128F16 { float v[16]; };
+struct Row128F4 { float v[4]; };
+__device__ __forceinline__ Row128F16 row128_f16(const float (&x)[16]) {
+    Row128F16 r;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) r.v[k] = x[k];
+    return r;
+}
+// The partial sums of squares with two roundings per term (candle's order, see below).
+static __device__ __noinline__ Row128F4 row128_squares_slow(Row128F16 x) {
+    Row128F4 p;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        p.v[c] = __fmul_rn(x.v[c], x.v[c]);
+#pragma unroll
+        for (int m = 1; m < 4; ++m) p.v[c] = __fadd_rn(p.v[c], __fmul_rn(x.v[4 * m + c], x.v[4 * m + c]));
+    }
+    return p;
+}
+// x / r by IEEE division.
+static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) x.v[k] = __fdiv_rn(x.v[k], r);
+    return x;
+}
+
 // ------------------------------------------------------------------ the session-5 path (variants >= 1)
 //
 // compute_row128_v2 computes what compute_row128_pairs does, with fewer instructions:
@@ -243,7 +275,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
 //     blocks instead of 12 and f32 max; their scale bits by q3_scale_bits2 (dsv41_numerics.cuh).
 // amax2[0] holds blocks 0 (low half) and 1, amax2[1] blocks 2 and 3: the group's max of the
 // rounded |values| floored at 6 * 2^-126 (kQ3AmaxFloor2; an all-NaN block gives the floor).
-template <Norm N>
+template <Norm N, bool kOol = false>
 __device__ __forceinline__ void compute_row128_v2(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                   uint32_t (&h)[8], uint32_t (&amax2)[2]) {
     float x[16];
@@ -267,6 +299,10 @@ __device__ __forceinline__ void compute_row128_v2(const Row128In& r, const float
 #pragma unroll
                 for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
             }
+        } else if constexpr (kOol) {
+            const Row128F4 q = row128_squares_slow(row128_f16(x));
+#pragma unroll
+            for (int c = 0; c < 4; ++c) p[c] = q.v[c];
         } else {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
@@ -289,6 +325,10 @@ __device__ __forceinline__ void compute_row128_v2(const Row128In& r, const float
             const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
+        } else if constexpr (kOol) {
+            const Row128F16 q = row128_divide_slow(row128_f16(x), rr);
+#pragma unroll
+            for (int k = 0; k < 16; ++k) x[k] = q.v[k];
         } else {
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = __fdiv_rn(x[k], rr);
@@ -368,23 +408,32 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
 // Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
-__device__ __forceinline__ void load_row128_fast(const Row128Src& a, uint32_t tc, Row128In& r) {
+// kCsAsync: the cos/sin go to shared memory by cp.async (dst: the lane's float2 of the stage,
+// 4 x 32 float2 per warp: cos h = 0, 1, sin h = 0, 1) instead of registers.
+template <bool kCsAsync>
+__device__ __forceinline__ void load_row128_fast(const Row128Src& a, uint32_t tc, Row128In& r, uint32_t cs_dst) {
     const char* src = a.src + tc * a.row_bytes;
 #pragma unroll
     for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
     const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        if constexpr (kCsAsync) {
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(cs_dst + 256 * h), "l"(a.cos + cs + 64 * h) : "memory");
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(cs_dst + 512 + 256 * h), "l"(a.sin + cs + 64 * h) : "memory");
+        } else {
+            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        }
     }
+    if constexpr (kCsAsync) asm volatile("cp.async.commit_group;\n" ::: "memory");
     r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
 // row128_loop with 32-bit set / token indices, the lane's pointers set up once (Row128Src) and
-// the slot checked where it is used; UNROLL = 2 alternates two register sets instead of copying
-// the prefetched set (the loop body, `finish` included, twice). Same contract as row128_loop.
-template <Norm N, int UNROLL, class P, class F>
+// the slot checked where it is used; kCsAsync prefetches the cos/sin into shared memory
+// (double-buffered, 2 KB per warp) instead of registers. Same contract as row128_loop.
+template <Norm N, bool kCsAsync, class P, class F>
 __device__ __forceinline__ void row128_loop_fast(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
@@ -394,6 +443,7 @@ __device__ __forceinline__ void row128_loop_fast(const P& p, F&& finish) {
     const uint32_t round_sets = gridDim.x * kInsertWarps;
     uint32_t base = blockIdx.x * kInsertWarps;  // block-uniform, as every branch below
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
+    __shared__ __align__(16) float2 cs_stage[kCsAsync ? kInsertWarps : 1][2][4][32];
     if constexpr (N == Norm::Weighted) {
         if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
         __syncthreads();
@@ -401,30 +451,40 @@ __device__ __forceinline__ void row128_loop_fast(const P& p, F&& finish) {
     if (base >= sets) return;
     const Row128Src a = row128_src(p, j);
     const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
+    const uint32_t cs0 = kCsAsync ? static_cast<uint32_t>(__cvta_generic_to_shared(&cs_stage[kCsAsync ? warp : 0][0][0][lane])) : 0;
+    constexpr uint32_t kCsBuf = 4 * 32 * sizeof(float2);
+    uint32_t buf = 0;
     // slot in [0, S) (one unsigned compare) of a token < T, else -1
     auto checked = [&](uint32_t b, Row128In& r) {
         r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
     };
+    auto cs_read = [&](Row128In& r) {
+        if constexpr (kCsAsync) {
+            const float2* c = reinterpret_cast<const float2*>(reinterpret_cast<const char*>(&cs_stage[kCsAsync ? warp : 0][0][0][lane]) + buf);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                r.cos[h] = c[32 * h];
+                r.sin[h] = c[32 * (2 + h)];
+            }
+        }
+    };
     Row128In cur;
-    load_row128_fast(a, min(4 * base + row, T - 1), cur);
+    load_row128_fast<kCsAsync>(a, min(4 * base + row, T - 1), cur, cs0);
     for (;;) {
         uint32_t next = base + round_sets;
         Row128In nxt;
-        if (next < sets) load_row128_fast(a, min(4 * next + row, T - 1), nxt);
+        if (next < sets) load_row128_fast<kCsAsync>(a, min(4 * next + row, T - 1), nxt, cs0 + (buf ^ kCsBuf));
+        if constexpr (kCsAsync) {
+            if (next < sets) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+            else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        }
+        cs_read(cur);
         checked(base, cur);
         finish(cur, static_cast<const float*>(w), g, j);
         if (next >= sets) break;
         base = next;
-        if constexpr (UNROLL == 2) {
-            next = base + round_sets;
-            if (next < sets) load_row128_fast(a, min(4 * next + row, T - 1), cur);
-            checked(base, nxt);
-            finish(nxt, static_cast<const float*>(w), g, j);
-            if (next >= sets) break;
-            base = next;
-        } else {
-            cur = nxt;
-        }
+        cur = nxt;
+        buf ^= kCsBuf;
     }
 }
 
