@@ -9,7 +9,8 @@
 // Design: for the V4.1 shape (D = 128, R = 64) a quarter warp per key, a persistent grid whose
 // warps prefetch their next 4 keys while computing the current ones (dsv41_row128.cuh), the
 // RoPE'd key kept as bf16 pairs and fake-quantized two values per instruction (q3_fake_quant_pair
-// of dsv41_numerics.cuh, 7 instructions per pair instead of ~11 per element). Other
+// of dsv41_numerics.cuh, 7 instructions per pair instead of ~11 per element), the rare paths out
+// of line. Other
 // shapes: one warp per key, ROWS keys per warp with their loads issued first (dsv41_row.cuh);
 // the norm's sum of squares is staged through D floats of shared memory per warp so that the
 // reduction order equals candle's CPU order. Both compute the same operations in the same order.
@@ -25,100 +26,54 @@
 
 namespace dsv41 {
 
-// The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
-// and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
-// 2^119 takes the f32 element path for that row.
-// The f32 element path of a key (a block scale above 2^119), out of line (variants 8 / 9).
+// The f32 element path of a key (a block scale above 2^119), out of line (see dsv41_row128.cuh).
 struct Row128H8 { uint32_t h[8]; };
 static __device__ __noinline__ Row128H8 q3_fake_quant_element8(Row128H8 hh, uint32_t a0, uint32_t a1) {
     constexpr Quant Q = Quant::Fp4Ue8m0B32;
     const uint32_t amax2[2] = {a0, a1};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        const BlockScale b = pow2_scale(q3_block_k_v2(amax2, i / 2));
+        const BlockScale b = pow2_scale(q3_block_k_row128(amax2, i / 2));
         hh.h[i] = pack_bf16x2_rn(fake_quant_element<Q>(bf16x2_lo(hh.h[i]), b), fake_quant_element<Q>(bf16x2_hi(hh.h[i]), b));
     }
     return hh;
 }
 
-template <Quant Q, int V>
+// The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
+// and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
+// 2^119 takes the f32 element path for that row.
+template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
-    auto store = [&](const Row128In& r, int j, const uint32_t (&h)[8]) {
-        if (r.slot >= 0) {
-            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) *reinterpret_cast<uint2*>(dst + 32 * m) = make_uint2(h[2 * m], h[2 * m + 1]);
-        }
-    };
-    auto finish_v0 = [&](const Row128In& r, const float* w, int, int j) {
-        uint32_t h[8];
-        float amax[4];
-        compute_row128_pairs<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
-        if constexpr (Q != Quant::None) {
-            int e[4];
-            q3_block_exps_row128(amax, e);
-            if (q3_pairs_ok(e)) {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) h[i] = q3_fake_quant_pair(h[i], q3_pair_biased(e[i / 2]));
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const BlockScale b = pow2_scale(q3_block_k(amax[i / 2]));
-                    h[i] = pack_bf16x2_rn(fake_quant_element<Q>(bf16x2_lo(h[i]), b),
-                                          fake_quant_element<Q>(bf16x2_hi(h[i]), b));
-                }
-            }
-        }
-        store(r, j, h);
-    };
-    auto finish_v2 = [&](const Row128In& r, const float* w, int, int j) {
+    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j) {
         uint32_t h[8], amax2[2];
-        compute_row128_v2<Norm::Weighted, (V >= 8)>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        compute_row128<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
         if constexpr (Q != Quant::None) {
-            const Q3Blocks qb = q3_blocks_v2(amax2);
+            const Q3Blocks qb = q3_blocks_row128(amax2);
             if (qb.pairs_ok) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) h[i] = q3_fake_quant_pair(h[i], q3_pair_from_bits2(qb.sb[i / 4], (i / 2) & 1));
-            } else if constexpr (V >= 8) {  // the element path out of line
+            } else {  // the element path, out of line
                 Row128H8 hh;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) hh.h[i] = h[i];
                 hh = q3_fake_quant_element8(hh, amax2[0], amax2[1]);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) h[i] = hh.h[i];
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const BlockScale b = pow2_scale(q3_block_k_v2(amax2, i / 2));
-                    h[i] = pack_bf16x2_rn(fake_quant_element<Q>(bf16x2_lo(h[i]), b),
-                                          fake_quant_element<Q>(bf16x2_hi(h[i]), b));
-                }
             }
         }
-        store(r, j, h);
-    };
-    if constexpr (V == 0) row128_loop<Norm::Weighted>(p, finish_v0);
-    else if constexpr (V == 1) row128_loop<Norm::Weighted>(p, finish_v2);
-    else row128_loop_fast<Norm::Weighted, V == 7 || V == 9>(p, finish_v2);
+        if (r.slot >= 0) {
+            __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) *reinterpret_cast<uint2*>(dst + 32 * m) = make_uint2(h[2 * m], h[2 * m + 1]);
+        }
+    });
 }
 
-template <Quant Q, int V>
-int launch_row128_v(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q, V>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
-    index_key_insert_row128_kernel<Q, V><<<grid, kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {
-        case 0: return launch_row128_v<Q, 0>(p, s);
-        case 4:
-        case 6: return launch_row128_v<Q, 4>(p, s);  // 6 differs in format E only
-        case 7: return launch_row128_v<Q, 7>(p, s);
-        case 8: return launch_row128_v<Q, 8>(p, s);
-        case 9: return launch_row128_v<Q, 9>(p, s);
-        default: return launch_row128_v<Q, 1>(p, s);
-    }
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace dsv41

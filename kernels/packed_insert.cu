@@ -17,9 +17,8 @@
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
 // quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
-// (q3_code_pair, 10 instructions per pair; one pair-or-element branch per row set), staged in
-// shared memory and written as 8-byte vectors (64 contiguous bytes per row) and the 4 scale
-// bytes as one word. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
+// (q3_codes4: 4 codes per 16 bits; one pair-or-element branch per row set), stored by each lane
+// (2 bytes per 4-element chunk) and the 4 scale bytes as one word. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
 // pages) take packed_b512_kernel: the row stays in its loaded bf16 pairs, the e2m1 codes come
 // from comparisons with the block's scaled tie points (q2_codes8, no quotient), the scale byte
 // and value from the hardware e4m3 conversions (q2_scale_hw), the slots arrive by cp.async;
@@ -136,13 +135,8 @@ __device__ __forceinline__ void page_and_row(int64_t slot, int page_size, int64_
     }
 }
 
-// Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
-// block = 256 threads. Lane j's codes of chunk m are bytes 16 m + 2 j and 16 m + 2 j + 1 of the
-// row; they are staged in shared memory (64 bytes per row) so that lane j then stores bytes
-// [8 j, 8 j + 8) with one 8-byte store (64 contiguous bytes per row), and lane 0 of the group
-// stores the row's 4 scale bytes as one word.
-// The f32 element path of a format E row (a block scale above 2^119), out of line (variants
-// 8 / 9): the codes of chunks 0..3 (4 nibbles each) and the 4 scale bytes.
+// The f32 element path of a format E row (a block scale above 2^119), out of line (see
+// dsv41_row128.cuh): the 4 code nibbles of each chunk of the lane and the row's 4 scale bytes.
 struct Row128H8 { uint32_t h[8]; };
 struct PackedECodes { uint32_t code[4]; uint32_t scales; };
 static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, uint32_t a0, uint32_t a1) {
@@ -152,7 +146,7 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
     c.scales = 0;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-        const int k = q3_block_k_v2(amax2, m);
+        const int k = q3_block_k_row128(amax2, m);
         const BlockScale b = pow2_scale(k);
         c.code[m] = 0;
 #pragma unroll
@@ -160,68 +154,38 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
             const uint32_t hw = hh.h[2 * m + i / 2];
             c.code[m] |= static_cast<uint32_t>(quant_code<Q>(i % 2 ? bf16x2_hi(hw) : bf16x2_lo(hw), b)) << (4 * i);
         }
-        c.scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);
+        c.scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
     }
     return c;
 }
 
-template <Norm N, int V>
+// Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
+// block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4) are bytes
+// 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
+// row's 64 code bytes are written by its 8 lanes, 16 contiguous bytes per chunk and store
+// instruction), and lane 0 of the group stores the row's 4 scale bytes as one word. (Run 10
+// staged the codes in shared memory for one 8-byte store per lane: ~13 more instructions per
+// row set and two warp barriers; the direct stores measured 0.5 points faster in run 11.)
+template <Norm N>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
-    __shared__ __align__(16) uint16_t staged[kInsertWarps][4][32];
-    uint16_t(*buf)[32] = staged[threadIdx.x / 32];
-    constexpr Quant Q = Quant::Fp4Ue8m0B32;
-    // The row's 64 code bytes go out as one 8-byte store per lane, its 4 scale bytes as one word.
-    auto store = [&](const Row128In& r, int g, int j, uint32_t scales) {
-        __syncwarp();
-        const uint2 v = reinterpret_cast<const uint2*>(buf[g])[j];
-        if (r.slot >= 0) {
-            int64_t page, row;
-            page_and_row(r.slot, p.page_size, page, row);
-            uint8_t* base = p.cache + page * p.page_stride;
-            *reinterpret_cast<uint2*>(base + row * 64 + 8 * j) = v;
-            if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
-        }
-        __syncwarp();  // buf is reused by the next row set
-    };
-    auto finish_v0 = [&](const Row128In& r, const float* w, int g, int j) {
-        uint32_t h[8];
-        float amax[4];
-        compute_row128_pairs<N>(r, w, p.norm_eps, p.norm_inv_dim, h, amax);
-        int e[4];
-        q3_block_exps_row128(amax, e);
-        // One branch for the row's 4 blocks (a branch per block kept the compiler from
-        // interleaving them and from hoisting the staging addresses).
-        uint32_t c[8];  // codes of elements 32 m + 4 j + 2 i + {0, 1} in bits 0..3 / 16..19 of c[2 m + i]
-        int k[4];
-        if (q3_pairs_ok(e)) {
+    row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j) {
+        uint32_t h[8], amax2[2];
+        compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        const Q3Blocks qb = q3_blocks_row128(amax2);
+        uint32_t scales, code[4];
+        if (qb.pairs_ok) {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                k[m] = e[m] - 129;
-                const Q3Pair pr = q3_pair(k[m]);
-                c[2 * m] = q3_code_pair(h[2 * m], pr);
-                c[2 * m + 1] = q3_code_pair(h[2 * m + 1], pr);
-            }
+            for (int m = 0; m < 4; ++m) code[m] = q3_codes4(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
+            scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
         } else {  // a block scale above 2^119: the f32 element path
+            Row128H8 hh;
 #pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                k[m] = q3_block_k(amax[m]);
-                const BlockScale b = pow2_scale(k[m]);
+            for (int i = 0; i < 8; ++i) hh.h[i] = h[i];
+            const PackedECodes c = packed_e_codes_element(hh, amax2[0], amax2[1]);
 #pragma unroll
-                for (int i = 0; i < 2; ++i)
-                    c[2 * m + i] = quant_code<Q>(bf16x2_lo(h[2 * m + i]), b) | (quant_code<Q>(bf16x2_hi(h[2 * m + i]), b) << 16);
-            }
+            for (int m = 0; m < 4; ++m) code[m] = c.code[m];
+            scales = c.scales;
         }
-        uint32_t scales = 0;
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const uint32_t v = c[2 * m] | (c[2 * m + 1] << 8);  // c0 | c2 << 8 | c1 << 16 | c3 << 24
-            buf[g][8 * m + j] = static_cast<uint16_t>(v | (v >> 12));  // c0 | c1 << 4 | c2 << 8 | c3 << 12
-            scales |= static_cast<uint32_t>((k[m] + 127) & 0xff) << (8 * m);  // UE8M0: the bits of 2^k
-        }
-        store(r, g, j, scales);
-    };
-    // Variant 6: each lane stores its 2 code bytes of each chunk itself (4 two-byte stores).
-    auto store_direct = [&](const Row128In& r, int j, const uint32_t (&code)[4], uint32_t scales) {
         if (r.slot >= 0) {
             int64_t page, row;
             page_and_row(r.slot, p.page_size, page, row);
@@ -230,69 +194,14 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
             for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(base + row * 64 + 16 * m + 2 * j) = static_cast<uint16_t>(code[m]);
             if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
         }
-    };
-    auto finish_v2 = [&](const Row128In& r, const float* w, int g, int j) {
-        uint32_t h[8], amax2[2];
-        compute_row128_v2<N, (V >= 8)>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        const Q3Blocks qb = q3_blocks_v2(amax2);
-        uint32_t scales, code[4];
-        if (qb.pairs_ok) {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) code[m] = q3_codes4(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
-            scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
-        } else if constexpr (V >= 8) {  // a block scale above 2^119: the f32 element path, out of line
-            Row128H8 hh;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) hh.h[i] = h[i];
-            const PackedECodes c = packed_e_codes_element(hh, amax2[0], amax2[1]);
-#pragma unroll
-            for (int m = 0; m < 4; ++m) code[m] = c.code[m];
-            scales = c.scales;
-        } else {  // a block scale above 2^119: the f32 element path
-            scales = 0;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int k = q3_block_k_v2(amax2, m);
-                const BlockScale b = pow2_scale(k);
-                code[m] = 0;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const uint32_t hw = h[2 * m + i / 2];
-                    code[m] |= static_cast<uint32_t>(quant_code<Q>(i % 2 ? bf16x2_hi(hw) : bf16x2_lo(hw), b)) << (4 * i);
-                }
-                scales |= static_cast<uint32_t>((k + 127) & 0xff) << (8 * m);
-            }
-        }
-        if constexpr (V >= 6) {
-            store_direct(r, j, code, scales);
-        } else {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) buf[g][8 * m + j] = static_cast<uint16_t>(code[m]);
-            store(r, g, j, scales);
-        }
-    };
-    if constexpr (V == 0) row128_loop<N>(p, finish_v0);
-    else if constexpr (V == 1) row128_loop<N>(p, finish_v2);
-    else row128_loop_fast<N, V == 7 || V == 9>(p, finish_v2);
+    });
 }
 
-template <Norm N, int V>
-int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N, V><<<row128_grid<packed_e_row128_kernel<N, V>>(sets), kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {
-        case 0: return launch_packed_e_row128_v<N, 0>(p, s);
-        case 4: return launch_packed_e_row128_v<N, 4>(p, s);
-        case 6: return launch_packed_e_row128_v<N, 6>(p, s);
-        case 7: return launch_packed_e_row128_v<N, 7>(p, s);
-        case 8: return launch_packed_e_row128_v<N, 8>(p, s);
-        case 9: return launch_packed_e_row128_v<N, 9>(p, s);
-        default: return launch_packed_e_row128_v<N, 1>(p, s);
-    }
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
 }
 
 // Format B rows of the V4.1 compressed-cache shape (D = 512, R = 64, no norm, power-of-two

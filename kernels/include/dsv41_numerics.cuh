@@ -396,20 +396,6 @@ DSV41_HD Q3Pair q3_pair(int k) {
     return {sb * 0x10001u, (sb + 0x140u) * 0x10001u};         // 6 s = 1.5 * 2^(k+2)
 }
 
-// k + 129 for the Q3 scale 2^k of round_bf16(amax), from the UNROUNDED block max (f32, >= 0,
-// not NaN) with one addition: q3_scale_exp gives k = E - 2 + (M > 1.5) for a = M 2^E; the bf16
-// rounding makes M > 1.5 exactly when the f32 mantissa field exceeds 0x408000 (1.5 + 2^-8, the
-// tie, rounds to even = 1.5) and carries into the exponent from 0x7f8000 on, so both are the
-// carry of field + 0x3f7fff. Equals q3_scale_exp(round_bf16(amax)) + 129 whenever that k is
-// <= 119 (q3_pair_ok), and is >= 248 otherwise (+inf: 255). Checked for every non-negative
-// non-NaN f32 amax (kernels/check/quant_exhaustive.cu).
-DSV41_HD int q3_pair_exp_biased(float amax) {
-    const uint32_t b = f2u(fmaxf(amax, 6.0f * 1.17549435e-38f));
-    return static_cast<int>((b + 0x3f7fffu) >> 23);
-}
-DSV41_HD bool q3_pair_biased_ok(int e) { return e <= 119 + 129; }
-DSV41_HD Q3Pair q3_pair_biased(int e) { return q3_pair(e - 129); }
-
 // The bf16 bits of RN(f) for a non-NaN f (the host emulation's rounding).
 DSV41_HD uint32_t f32_to_bf16_rn_bits(float f) {
     const uint32_t u = f2u(f);
@@ -480,12 +466,14 @@ DSV41_HD uint32_t q3_fake_quant_pair(uint32_t w, Q3Pair p) {
     return bf16x2_fma_rn(t.m0, km64, t.a_rounded) | (w & 0x80008000u);
 }
 
-// The e2m1 codes (bit 3 = sign) of the two values of w, in bits 0..3 and 16..19.
-DSV41_HD uint32_t q3_code_pair(uint32_t w, Q3Pair p) {
+// The e2m1 code magnitudes (0..7, no sign) of the two values of w, in bits 0..2 and 16..18.
+DSV41_HD uint32_t q3_mag_pair(uint32_t w, Q3Pair p) {
     const Q3PairSteps t = q3_pair_steps(w, p);
-    const uint32_t mag = (t.a_rounded & 0x00070007u) + ((t.m0 - p.s2) >> 6);
-    return mag | ((w >> 12) & 0x00080008u);
+    return (t.a_rounded & 0x00070007u) + ((t.m0 - p.s2) >> 6);
 }
+
+// The e2m1 codes (bit 3 = sign) of the two values of w, in bits 0..3 and 16..19.
+DSV41_HD uint32_t q3_code_pair(uint32_t w, Q3Pair p) { return q3_mag_pair(w, p) | ((w >> 12) & 0x00080008u); }
 
 // ------------------------------------------------------ Q2 codes on bf16 pairs (format B rows)
 //
@@ -644,12 +632,6 @@ DSV41_HD bool q3_scale_bits2_ok(uint32_t sb2) { return ((sb2 + 0x04800480u) & 0x
 DSV41_HD Q3Pair q3_pair_from_bits2(uint32_t sb2, bool hi) {
     const uint32_t s2 = prmt(sb2, 0u, hi ? 0x3232u : 0x1010u);
     return {s2, s2 + 0x01400140u};
-}
-
-// The e2m1 code magnitudes (0..7, no sign) of the two values of w: q3_code_pair without the sign.
-DSV41_HD uint32_t q3_mag_pair(uint32_t w, Q3Pair p) {
-    const Q3PairSteps t = q3_pair_steps(w, p);
-    return (t.a_rounded & 0x00070007u) + ((t.m0 - p.s2) >> 6);
 }
 
 // The e2m1 codes (bit 3 = sign) of the 4 values of w0 (low half first), w1 as the 4 nibbles of
