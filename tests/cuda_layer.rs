@@ -251,8 +251,8 @@ fn packed_caches_on_the_gpu_equal_bf16_caches() -> Result<()> {
     let cfg = config_512()?;
     let n = 141;
     let xs = layer_inputs(&cfg, &mut Rng(0x9ac), n)?;
-    let mut decode = vec![n - 20];
-    decode.resize(21, 1);
+    let mut decode = vec![n - 8];
+    decode.resize(9, 1);
     for calls in [vec![n], vec![7, 2 * cfg.sliding_window + 1, 70, n - 78 - 2 * cfg.sliding_window], decode] {
         let bf16 = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Bf16)?;
         let packed = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Packed)?;
