@@ -1,20 +1,30 @@
 //! Checks a golden set produced by the official DeepSeek V4.1 reference.
 //!
 //! ```text
-//! cargo run --release --example golden -- <golden-dir> [--device cpu|cuda]
+//! cargo run --release --example golden -- <golden-dir> [--device cpu|cuda] [--cache bf16|packed]
 //! ```
+//!
+//! `--cache packed` stores the attention caches in the packed V4.1 formats (A / B / E, needs the
+//! `cuda` feature; it runs on the CPU too); cases with QAT off run bf16 caches.
 //!
 //! Prints one line per compared tensor (`PASS|FAIL name max_abs max_rel rel_fro ...`), `SKIP`
 //! lines for tensors that need parts not built yet, then `N passed, M failed`. Exits non-zero
 //! on any failure.
 
 use clap::{Parser, ValueEnum};
+use deepseek_v41::attention::CacheStorage;
 use deepseek_v41::golden;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DeviceArg {
     Cpu,
     Cuda,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum CacheArg {
+    Bf16,
+    Packed,
 }
 
 #[derive(Parser, Debug)]
@@ -25,6 +35,9 @@ struct Args {
     /// Device to run on.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
+    /// Storage of the attention caches: bf16 rows, or the packed formats A / B / E.
+    #[arg(long, value_enum, default_value = "bf16")]
+    cache: CacheArg,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,7 +46,11 @@ fn main() -> anyhow::Result<()> {
         DeviceArg::Cpu => candle_core::Device::Cpu,
         DeviceArg::Cuda => candle_core::Device::new_cuda(0)?,
     };
-    let report = golden::check_set(&args.golden_dir, &device)?;
+    let storage = match args.cache {
+        CacheArg::Bf16 => CacheStorage::Bf16,
+        CacheArg::Packed => CacheStorage::Packed,
+    };
+    let report = golden::check_set_with(&args.golden_dir, &device, storage)?;
     println!("{} skipped", report.skipped.len());
     println!("{} passed, {} failed", report.passed(), report.failed());
     if report.failed() > 0 {

@@ -2,7 +2,8 @@
 //! kernel bit for bit against the host reference, the whole attention stack of the tiny golden
 //! set teacher forced on the GPU against the reference's goldens (full prefill, chunked prefill,
 //! prefill + decode; top-k sets identical to the CPU run), and a head_dim-512 variant with random
-//! weights (the fused sparse-attention kernel's head dim) on the GPU against the CPU.
+//! weights (the fused sparse-attention kernel's head dim) on the GPU against the CPU, and both
+//! with the caches in the packed formats A / B / E bit for bit equal to the bf16 caches.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_layer`.
@@ -11,9 +12,9 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::attention::{Attention, SequenceCache};
+use deepseek_v41::attention::{Attention, CacheStorage, SequenceCache};
 use deepseek_v41::config::Config;
-use deepseek_v41::golden::runner::{compare_produced, run_attention_teacher_forced_calls, Regime};
+use deepseek_v41::golden::runner::{compare_produced, run_attention_teacher_forced_calls_with, Regime};
 use deepseek_v41::golden::{compare, Call, GoldenSet, Report, Tolerance};
 use deepseek_v41::model::split_sinkhorn;
 use deepseek_v41::nn::RandomWeights;
@@ -91,19 +92,33 @@ fn fake_quant_kernel_is_bit_exact() -> Result<()> {
 
 /// Runs the tiny set's `prefill_full` attention stack teacher forced with `calls` on `dev`.
 fn tiny_run(calls: &[Call], dev: &Device) -> Result<(deepseek_v41::golden::Case, deepseek_v41::golden::runner::Produced)> {
+    tiny_run_with(calls, dev, CacheStorage::Bf16)
+}
+
+/// [`tiny_run`] with the caches in `storage`.
+fn tiny_run_with(
+    calls: &[Call],
+    dev: &Device,
+    storage: CacheStorage,
+) -> Result<(deepseek_v41::golden::Case, deepseek_v41::golden::runner::Produced)> {
     let set = GoldenSet::open(fixtures())?;
     let case = set.load_case(&set.root.join("prefill_full"), &Device::Cpu)?;
-    let produced = run_attention_teacher_forced_calls(&case, calls, dev)?;
+    let produced = run_attention_teacher_forced_calls_with(&case, calls, dev, storage)?;
     Ok((case, produced))
+}
+
+/// The three chunkings of the tiny set's 40 tokens: one prefill, two chunks, prefill + decode.
+fn tiny_calls() -> [Vec<Call>; 3] {
+    let mut decode = vec![Call { start_pos: 0, length: 23 }];
+    decode.extend((23..40).map(|p| Call { start_pos: p, length: 1 }));
+    let chunked = vec![Call { start_pos: 0, length: 23 }, Call { start_pos: 23, length: 17 }];
+    [vec![Call { start_pos: 0, length: 40 }], chunked, decode]
 }
 
 #[test]
 fn tiny_golden_attention_on_the_gpu_full_chunked_decode() -> Result<()> {
     let dev = gpu();
-    let mut decode = vec![Call { start_pos: 0, length: 23 }];
-    decode.extend((23..40).map(|p| Call { start_pos: p, length: 1 }));
-    let chunked = vec![Call { start_pos: 0, length: 23 }, Call { start_pos: 23, length: 17 }];
-    for calls in [vec![Call { start_pos: 0, length: 40 }], chunked, decode] {
+    for calls in tiny_calls() {
         let (case, gpu_out) = tiny_run(&calls, &dev)?;
         ensure!(gpu_out["L0.attn_out"].device().is_cuda(), "the layer did not run on the GPU");
         let mut report = Report::default();
@@ -133,11 +148,17 @@ fn config_512() -> Result<Config> {
 }
 
 fn run_layers(cfg: &Config, dev: &Device, xs: &[Tensor], calls: &[usize]) -> Result<Vec<Tensor>> {
+    run_layers_with(cfg, dev, xs, calls, CacheStorage::Bf16)
+}
+
+/// Every layer of `cfg` (random weights) over `calls` (chunk lengths) on a cache in `storage`;
+/// each layer's outputs.
+fn run_layers_with(cfg: &Config, dev: &Device, xs: &[Tensor], calls: &[usize], storage: CacheStorage) -> Result<Vec<Tensor>> {
     let vb = RandomWeights::new(5).var_builder(DType::BF16, dev);
     let layers = (0..cfg.num_hidden_layers)
         .map(|l| Attention::new(cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn")))
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let mut cache = SequenceCache::new(cfg, DType::BF16, dev)?;
+    let mut cache = SequenceCache::with_storage(cfg, storage, DType::BF16, dev)?;
     let mut outs = vec![Vec::new(); layers.len()];
     let mut start = 0;
     for &n in calls {
@@ -186,6 +207,69 @@ fn head_dim_512_layers_on_the_gpu_match_the_cpu() -> Result<()> {
             ensure!(!o.pass, "negative control passed: {o}");
         }
     }
+    Ok(())
+}
+
+/// Random bf16 inputs `[n, hidden]` for every layer of `cfg`.
+fn layer_inputs(cfg: &Config, rng: &mut Rng, n: usize) -> Result<Vec<Tensor>> {
+    Ok((0..cfg.num_hidden_layers)
+        .map(|_| {
+            let v: Vec<f32> = (0..n * cfg.hidden_size).map(|_| rng.normal()).collect();
+            Tensor::from_vec(v, (n, cfg.hidden_size), &Device::Cpu)?.to_dtype(DType::BF16)
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?)
+}
+
+/// The number of elements whose bits differ (shapes must agree).
+fn differing(a: &Tensor, b: &Tensor) -> Result<usize> {
+    ensure!(a.dims() == b.dims(), "shapes {:?} vs {:?}", a.shape(), b.shape());
+    Ok(bits(a)?.iter().zip(&bits(b)?).filter(|(x, y)| x != y).count())
+}
+
+/// Packed caches (format A window rings, B compressed entries, E index keys) on the GPU give
+/// bit for bit the bf16 caches' results: the tiny golden set teacher forced (every golden
+/// passes; outputs, window rows, top-k, candidate blocks and cache contents identical) and the
+/// head_dim-512 layers (the sparse attention kernel over packed rows, the indexer over packed
+/// keys; 141 tokens, so the paged stores of the ratio-1 sources grow over three pages) in full
+/// prefill, chunks and prefill + decode. Packed storage with the fake quant off is refused.
+#[test]
+fn packed_caches_on_the_gpu_equal_bf16_caches() -> Result<()> {
+    let dev = gpu();
+    for calls in tiny_calls() {
+        let (case, bf16) = tiny_run_with(&calls, &dev, CacheStorage::Bf16)?;
+        let (_, packed) = tiny_run_with(&calls, &dev, CacheStorage::Packed)?;
+        ensure!(packed["L0.attn_out"].device().is_cuda(), "the layer did not run on the GPU");
+        let mut report = Report::default();
+        compare_produced(&case, &packed, Regime::TeacherForced, &mut report)?;
+        ensure!(report.failed() == 0, "calls {}: {} of {} goldens failed with packed caches", calls.len(), report.failed(), report.outcomes.len());
+        ensure!(bf16.len() == packed.len() && bf16.len() >= 30, "{} vs {} tensors", bf16.len(), packed.len());
+        for (name, t) in &bf16 {
+            let d = differing(&packed[name], t)?;
+            ensure!(d == 0, "calls {}: {name}: {d} values differ between packed and bf16 caches", calls.len());
+        }
+    }
+    let cfg = config_512()?;
+    let n = 141;
+    let xs = layer_inputs(&cfg, &mut Rng(0x9ac), n)?;
+    let mut decode = vec![n - 8];
+    decode.resize(9, 1);
+    for calls in [vec![n], vec![7, 2 * cfg.sliding_window + 1, 70, n - 78 - 2 * cfg.sliding_window], decode] {
+        let bf16 = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Bf16)?;
+        let packed = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Packed)?;
+        for l in 0..cfg.num_hidden_layers {
+            ensure!(packed[l].device().is_cuda());
+            let d = differing(&packed[l], &bf16[l])?;
+            ensure!(d == 0, "head_dim 512, calls {calls:?}: layer {l}: {d} values differ between packed and bf16 caches");
+        }
+        // Negative control: layers differ from each other.
+        ensure!(differing(&packed[1], &bf16[2])? > 0, "negative control: layers 1 and 2 agree");
+    }
+    let plain = Numerics { cache_fake_quant: false, ..Numerics::REFERENCE };
+    let vb = RandomWeights::new(5).var_builder(DType::BF16, &dev);
+    let l0 = Attention::new(&cfg, 0, plain, vb.pp("layers").pp(0).pp("attn"))?;
+    let mut cache = SequenceCache::with_storage(&cfg, CacheStorage::Packed, DType::BF16, &dev)?;
+    let err = l0.forward(&xs[0].narrow(0, 0, 2)?.to_device(&dev)?, 0, &mut cache).unwrap_err().to_string();
+    ensure!(err.contains("cache_fake_quant"), "{err}");
     Ok(())
 }
 

@@ -12,22 +12,42 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::compressor::CompressorCarry;
 use super::indexer::Candidates;
+use super::storage::{CacheKind, CacheStorage, Packing};
 use super::trace::Trace;
 use super::window::WindowCache;
 use crate::config::{AttentionRole, Config};
 
-/// Rows appended over time (`[len, width]`), stored in a buffer that grows by doubling.
+/// Rows appended over time (`[len, width]`), stored as rows in the activation dtype or packed
+/// in pages ([`CacheStorage`]), in a buffer that grows by doubling (whole pages when packed).
 #[derive(Debug, Clone)]
 pub struct RowStore {
+    /// bf16: `[capacity, width]` rows; packed: `[pages, page_bytes]` u8.
     buf: Tensor,
     len: usize,
+    width: usize,
+    /// The dtype of [`RowStore::rows`] (the activation dtype).
+    dtype: DType,
+    packing: Option<Packing>,
 }
 
 impl RowStore {
-    /// An empty store of rows `width` wide (with room for [`RowStore::INITIAL_ROWS`] rows, so
-    /// that no zero-sized device allocation is ever made).
+    /// An empty store of rows `width` wide in `dtype` (with room for [`RowStore::INITIAL_ROWS`]
+    /// rows, so that no zero-sized device allocation is ever made).
     pub fn new(width: usize, dtype: DType, device: &Device) -> Result<Self> {
-        Ok(Self { buf: Tensor::zeros((Self::INITIAL_ROWS, width), dtype, device)?, len: 0 })
+        Self::build(width, dtype, None, device)
+    }
+
+    /// An empty store of rows `width` wide for a cache of `kind` in `storage` (packed: the
+    /// kind's format in pages of [`super::storage::PACKED_PAGE_TOKENS`]); [`RowStore::rows`]
+    /// returns `dtype`. Errors for packed storage without the `cuda` feature or a width the
+    /// format does not take.
+    pub fn with_storage(width: usize, storage: CacheStorage, kind: CacheKind, dtype: DType, device: &Device) -> Result<Self> {
+        Self::build(width, dtype, storage.packing(kind, width)?, device)
+    }
+
+    fn build(width: usize, dtype: DType, packing: Option<Packing>, device: &Device) -> Result<Self> {
+        let buf = alloc_rows(packing.as_ref(), width, dtype, device, Self::INITIAL_ROWS)?;
+        Ok(Self { buf, len: 0, width, dtype, packing })
     }
 
     /// Rows allocated by [`RowStore::new`].
@@ -43,21 +63,39 @@ impl RowStore {
         self.len == 0
     }
 
-    /// Appends `rows` `[n, width]`.
+    /// How the rows are stored.
+    pub fn storage(&self) -> CacheStorage {
+        if self.packing.is_some() {
+            CacheStorage::Packed
+        } else {
+            CacheStorage::Bf16
+        }
+    }
+
+    /// The whole storage: `[capacity, width]` rows in the store's dtype (bf16 storage), or the
+    /// `[pages, page_bytes]` u8 pages (packed storage; row i at slot i). Rows past
+    /// [`RowStore::len`] are zeros or stale.
+    pub fn buffer(&self) -> &Tensor {
+        &self.buf
+    }
+
+    /// The packed geometry (`None` for rows in the activation dtype).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn packing(&self) -> Option<Packing> {
+        self.packing
+    }
+
+    /// Appends `rows` `[n, width]` (bf16 storage only: packed rows are written by the fused
+    /// inserts through [`RowStore::append_in_place`]).
     pub fn append(&mut self, rows: &Tensor) -> Result<()> {
         let (n, w) = rows.dims2()?;
-        let (cap, width) = self.buf.dims2()?;
-        if w != width {
-            candle_core::bail!("RowStore: row width {w} != store width {width}")
+        if w != self.width {
+            candle_core::bail!("RowStore: row width {w} != store width {}", self.width)
         }
-        if self.len + n > cap {
-            let new_cap = (self.len + n).max(2 * cap).max(16);
-            let grown = Tensor::zeros((new_cap, width), self.buf.dtype(), self.buf.device())?;
-            if self.len > 0 {
-                grown.slice_set(&self.buf.narrow(0, 0, self.len)?.contiguous()?, 0, 0)?;
-            }
-            self.buf = grown;
+        if self.packing.is_some() {
+            candle_core::bail!("RowStore::append: the store is packed; its rows are written by the packed inserts (Attention::forward_fused)")
         }
+        self.reserve(n)?;
         if n > 0 {
             self.buf.slice_set(&rows.to_dtype(self.buf.dtype())?.contiguous()?, 0, self.len)?;
         }
@@ -65,23 +103,36 @@ impl RowStore {
         Ok(())
     }
 
-    /// `[len, width]`: all rows.
+    /// `[len, width]`: all rows in the store's dtype (packed storage: dequantized with
+    /// `PackedLayout::unpack`, a host round trip; the values are exactly those stored).
     pub fn rows(&self) -> Result<Tensor> {
-        self.buf.narrow(0, 0, self.len)
+        match &self.packing {
+            None => self.buf.narrow(0, 0, self.len),
+            Some(p) => p
+                .unpack(&self.buf, &(0..self.len).collect::<Vec<_>>())?
+                .to_dtype(self.dtype)?
+                .to_device(self.buf.device()),
+        }
     }
 }
 
 // ---- In-place appends for the device path (issue 6, layer helper) ----------------------------
 
 impl RowStore {
-    /// Grows the buffer (by doubling) to hold `n` more rows.
+    /// Rows per allocation unit of `buf`: 1 (rows) or the page size (packed).
+    fn unit(&self) -> usize {
+        self.packing.as_ref().map_or(1, |p| p.page_size())
+    }
+
+    /// Grows the buffer (by doubling; whole pages when packed) to hold `n` more rows.
     fn reserve(&mut self, n: usize) -> Result<()> {
-        let (cap, width) = self.buf.dims2()?;
+        let cap = self.buf.dim(0)? * self.unit();
         if self.len + n > cap {
-            let new_cap = (self.len + n).max(2 * cap).max(Self::INITIAL_ROWS);
-            let grown = Tensor::zeros((new_cap, width), self.buf.dtype(), self.buf.device())?;
-            if self.len > 0 {
-                grown.slice_set(&self.buf.narrow(0, 0, self.len)?.contiguous()?, 0, 0)?;
+            let rows = (self.len + n).max(2 * cap).max(Self::INITIAL_ROWS);
+            let grown = alloc_rows(self.packing.as_ref(), self.width, self.dtype, self.buf.device(), rows)?;
+            let used = self.len.div_ceil(self.unit());
+            if used > 0 {
+                grown.slice_set(&self.buf.narrow(0, 0, used)?.contiguous()?, 0, 0)?;
             }
             self.buf = grown;
         }
@@ -89,10 +140,11 @@ impl RowStore {
     }
 
     /// Appends `n` rows written in place by `write(buffer, first)`: `buffer` is the whole
-    /// `[capacity, width]` storage (capacity ≥ `len + n`) and `write` must fill rows
-    /// `first .. first + n` (`first` = the current `len`), e.g. with a fused insert kernel
-    /// ([`crate::cuda::compressed_insert`]) at slots `first ..`. The rows count as appended only
-    /// if `write` succeeds.
+    /// storage ([`RowStore::buffer`]: `[capacity, width]` rows, or `[pages, page_bytes]` u8 pages
+    /// with capacity `pages · page_size` slots; capacity ≥ `len + n`) and `write` must fill rows
+    /// (slots) `first .. first + n` (`first` = the current `len`), e.g. with a fused insert
+    /// kernel ([`crate::cuda::compressed_insert`], [`crate::cuda::packed_insert`]) at slots
+    /// `first ..`. The rows count as appended only if `write` succeeds.
     pub fn append_in_place(&mut self, n: usize, write: impl FnOnce(&Tensor, usize) -> Result<()>) -> Result<()> {
         self.reserve(n)?;
         if n > 0 {
@@ -100,6 +152,15 @@ impl RowStore {
         }
         self.len += n;
         Ok(())
+    }
+}
+
+/// A zeroed store buffer with room for at least `rows` rows: `[rows, width]` in `dtype`, or
+/// `ceil(rows / page_size)` packed pages.
+fn alloc_rows(packing: Option<&Packing>, width: usize, dtype: DType, device: &Device, rows: usize) -> Result<Tensor> {
+    match packing {
+        None => Tensor::zeros((rows, width), dtype, device),
+        Some(p) => p.zeros(rows.div_ceil(p.page_size()), device),
     }
 }
 
@@ -141,11 +202,23 @@ pub struct SequenceCache {
     topk: HashMap<usize, PublishedTopk>,
     candidates: Option<(usize, Candidates)>,
     trace: Option<Trace>,
+    storage: CacheStorage,
 }
 
 impl SequenceCache {
-    /// An empty cache for `cfg`, rows held in `dtype` (the activation dtype) on `device`.
+    /// An empty cache for `cfg`, rows held in `dtype` (the activation dtype) on `device`
+    /// ([`CacheStorage::Bf16`]).
     pub fn new(cfg: &Config, dtype: DType, device: &Device) -> Result<Self> {
+        Self::with_storage(cfg, CacheStorage::Bf16, dtype, device)
+    }
+
+    /// An empty cache for `cfg` on `device` whose window rings, compressed entries and index
+    /// keys are stored as `storage` says: rows in `dtype` (the activation dtype), or the packed
+    /// formats A / B / E of spec §7.2 (see [`super::storage`]; needs the `cuda` feature, and the
+    /// layers run with `Numerics::cache_fake_quant`). Rows read back from a packed cache
+    /// ([`RowStore::rows`], [`WindowCache::ring_rows`]) come in `dtype`.
+    pub fn with_storage(cfg: &Config, storage: CacheStorage, dtype: DType, device: &Device) -> Result<Self> {
+        let store = |width, kind| RowStore::with_storage(width, storage, kind, dtype, device);
         let layers = cfg
             .layers
             .iter()
@@ -153,17 +226,23 @@ impl SequenceCache {
                 let is_source = matches!(role.attention, AttentionRole::Compressed { kv_source, .. } if kv_source == role.layer);
                 let source = if is_source {
                     Some(SourceState {
-                        compressed: RowStore::new(cfg.head_dim, dtype, device)?,
-                        index_keys: RowStore::new(cfg.index_head_dim, dtype, device)?,
+                        compressed: store(cfg.head_dim, CacheKind::Compressed)?,
+                        index_keys: store(cfg.index_head_dim, CacheKind::IndexKeys)?,
                         carry: CompressorCarry::default(),
                     })
                 } else {
                     None
                 };
-                Ok(LayerState { window: WindowCache::new(cfg.sliding_window, cfg.head_dim, dtype, device)?, source, next_pos: 0 })
+                let window = WindowCache::with_storage(cfg.sliding_window, cfg.head_dim, storage, dtype, device)?;
+                Ok(LayerState { window, source, next_pos: 0 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers, topk: HashMap::new(), candidates: None, trace: None })
+        Ok(Self { layers, topk: HashMap::new(), candidates: None, trace: None, storage })
+    }
+
+    /// How the caches store their rows.
+    pub fn storage(&self) -> CacheStorage {
+        self.storage
     }
 
     /// Number of tokens layer 0 has processed (the sequence length so far).

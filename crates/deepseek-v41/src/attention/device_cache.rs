@@ -16,7 +16,8 @@ impl SequenceCache {
     ///
     /// The compressor carry is reset (no open group), so for a kv source `next_pos` must close
     /// its last group (`N·ratio = next_pos`); a mismatch is reported by the layer's next call.
-    /// Errors if the layer is or is not a kv source against `source`, or on shape mismatches.
+    /// Errors if the layer is or is not a kv source against `source`, on shape mismatches, or
+    /// for a cache in packed storage (restoring takes bf16 rows).
     pub fn restore_layer(
         &mut self,
         layer: usize,
@@ -24,6 +25,9 @@ impl SequenceCache {
         window_ring: &Tensor,
         source: Option<(&Tensor, &Tensor)>,
     ) -> Result<()> {
+        if self.storage().is_packed() {
+            candle_core::bail!("restore_layer {layer}: the cache is in packed storage; restoring takes a bf16 cache")
+        }
         let state = self.layer_mut(layer)?;
         state.window.restore(window_ring)?;
         match (&mut state.source, source) {

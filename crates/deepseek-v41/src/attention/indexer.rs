@@ -10,6 +10,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use super::cache::RowStore;
 use crate::config::{CandidateRole, Config};
 use crate::nn::{Linear, LinearKind, RmsNorm, RopeTable};
 use crate::numerics::Numerics;
@@ -209,14 +210,16 @@ impl Indexer {
     /// [`crate::cuda::index_select`]; CPU: [`reference_selection`]).
     ///
     /// `x`: `[T, hidden]` attn-normed input; `qr`: `[T, q_lora]` q-LoRA activation; positions of
-    /// the tokens; `keys`: `[N, d_I]` the key owner's cache (entries written this call included);
-    /// `published`: the candidate source's blocks for these tokens (consumers only).
+    /// the tokens; `keys`: the key owner's index-key store (its N `[N, d_I]` entries, written
+    /// this call included; bf16 rows or packed MXFP4 pages: on CUDA the kernels read either, the
+    /// CPU reference scores the dequantized rows); `published`: the candidate source's blocks for
+    /// these tokens (consumers only).
     pub fn select(
         &self,
         x: &Tensor,
         qr: &Tensor,
         positions: &[usize],
-        keys: &Tensor,
+        keys: &RowStore,
         rope: &RopeTable,
         published: Option<&Candidates>,
     ) -> Result<Selection> {
@@ -232,10 +235,18 @@ impl Indexer {
             .then_some(CandidateShape { block: self.cand_block_size, n_keep: self.cand_blocks });
         #[cfg(feature = "cuda")]
         if crate::cuda::fused_kernels(x.device()) {
-            return crate::cuda::select_on_device(&q, &w, keys, positions, self.ratio, self.topk, consume, publish);
+            let rows;
+            let cache = match keys.packing() {
+                Some(layout) => crate::cuda::IndexKeys::Packed { cache: keys.buffer(), layout },
+                None => {
+                    rows = keys.rows()?;
+                    crate::cuda::IndexKeys::Rows(&rows)
+                }
+            };
+            return crate::cuda::select_on_device(&q, &w, cache, keys.len(), positions, self.ratio, self.topk, consume, publish);
         }
         let visible: Vec<usize> = positions.iter().map(|&p| (p + 1) / self.ratio).collect();
-        reference_selection(index_scores(&q, &w, keys)?, &visible, self.topk, consume, publish, x.device())
+        reference_selection(index_scores(&q, &w, &keys.rows()?)?, &visible, self.topk, consume, publish, x.device())
     }
 }
 

@@ -117,10 +117,13 @@ impl Attention {
     /// With the `cuda` feature, inputs on a CUDA device run `Attention::forward_fused` (cache
     /// writes, RoPE and attention in fused kernels, everything on the device); otherwise — on
     /// the CPU, or on a CUDA device inside `cuda::with_plain_candle` — this is the reference
-    /// path below, in plain Candle ops.
+    /// path below, in plain Candle ops. A cache in packed storage
+    /// ([`crate::attention::CacheStorage::Packed`], `cuda` feature only) always runs
+    /// `forward_fused` (its ops' CPU references on the CPU): the reference path reads and writes
+    /// bf16 rows only.
     pub fn forward(&self, x: &Tensor, start: usize, cache: &mut SequenceCache) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if crate::cuda::fused_kernels(x.device()) {
+        if crate::cuda::fused_kernels(x.device()) || cache.storage().is_packed() {
             return self.forward_fused(x, start, cache, &mut |_| {});
         }
         let l = self.layer;

@@ -6,12 +6,12 @@
 //! |---|---|
 //! | `wq_a`, `wkv`, `wq_b`, `wo_b` | Candle matmuls (cuBLAS) after the FP8 activation quant kernel |
 //! | `q_norm`, `kv_norm`, compressor | Candle ops |
-//! | window KV | [`crate::cuda::window_insert`] (RoPE + Q1) into the ring / the call's window rows |
-//! | compressed KV | [`crate::cuda::compressed_insert`] (RoPE at j·r + Q2) in place into the cache |
-//! | index keys | `indexer.wk` (Candle matmul), then [`crate::cuda::index_key_insert`] (k_norm + RoPE at j·r + Q3) in place |
+//! | window KV | [`crate::cuda::window_insert`] (RoPE + Q1) into the ring / the call's window rows; packed: [`crate::cuda::packed_insert`] (format A) |
+//! | compressed KV | [`crate::cuda::compressed_insert`] (RoPE at j·r + Q2) in place into the cache; packed: `packed_insert` (format B) |
+//! | index keys | `indexer.wk` (Candle matmul), then [`crate::cuda::index_key_insert`] (k_norm + RoPE at j·r + Q3) in place; packed: `packed_insert` (format E) |
 //! | q RoPE, inverse RoPE | [`crate::cuda::q_rope_inplace`] |
 //! | selection | [`crate::attention::selection::select`]: index scores, top-k and candidate blocks on the device ([`crate::cuda::index_select`]) |
-//! | attention | [`crate::attention::sparse_attention::sparse_attention_sources`] over window + compressed rows |
+//! | attention | [`crate::attention::sparse_attention::sparse_attention_kv_rows`] over window + compressed rows (bf16 rows or packed pages) |
 //! | grouped `wo_a` | one batched Candle matmul |
 //!
 //! Index lists stay on the device: window indices come from two `arange`s, the compressed
@@ -25,7 +25,8 @@ use candle_core::{Module, Result, Tensor};
 use crate::attention::cache::SequenceCache;
 use crate::attention::compressor::Compressor;
 use crate::attention::indexer::IndexKeyProjection;
-use crate::attention::sparse_attention::sparse_attention_sources;
+use crate::attention::sparse_attention::sparse_attention_kv_rows;
+use crate::cuda::KvRows;
 use super::Attention;
 use crate::config::AttentionRole;
 
@@ -47,9 +48,12 @@ pub enum LayerPhase {
 
 impl Attention {
     /// [`Attention::forward`] through the fused ops of [`crate::cuda`] (what `forward` runs for
-    /// inputs on a CUDA device); on the CPU the ops' reference implementations run instead.
+    /// inputs on a CUDA device, and for a packed cache on any device); on the CPU the ops'
+    /// reference implementations run instead.
     ///
-    /// `x`: `[T, hidden]` bf16; the cache's rows must be bf16. `observe` is called once per
+    /// `x`: `[T, hidden]` bf16; the cache's rows must be bf16 or packed
+    /// ([`crate::attention::CacheStorage`]; packed needs `Numerics::cache_fake_quant`, else an
+    /// error). With either storage the results are bit for bit the same. `observe` is called once per
     /// [`LayerPhase`] after the phase's work has been enqueued (a profiler synchronizes the
     /// device there; pass `&mut |_| {}` otherwise). Returns `[T, hidden]` bf16.
     pub fn forward_fused(
@@ -68,6 +72,12 @@ impl Attention {
         if t == 0 {
             candle_core::bail!("layer {l}: empty call (no token) at position {start}")
         }
+        let fq = self.numerics.cache_fake_quant;
+        if cache.storage().is_packed() && !fq {
+            candle_core::bail!(
+                "layer {l}: packed cache storage needs Numerics.cache_fake_quant = true (the packed formats A/B/E are the Q1/Q2/Q3 cache quantization), got false"
+            )
+        }
         let positions: Vec<usize> = (start..start + t).collect();
         let (cos, sin) = self.rope.cos_sin(&positions)?;
 
@@ -77,10 +87,9 @@ impl Attention {
         observe(LayerPhase::Projections);
 
         crate::cuda::q_rope_inplace(&q, &cos, &sin, None)?;
-        let fq = self.numerics.cache_fake_quant;
         let window = cache.layer_mut(l)?.window.insert_fused(&kv, start, &cos, &sin, fq)?;
         if cache.is_tracing() {
-            cache.record(|| format!("L{l}.window_kv"), &window.rows.copy()?);
+            cache.record(|| format!("L{l}.window_kv"), &window.call_rows()?.copy()?);
         }
         if let (AttentionRole::Compressed { ratio, .. }, Some(c), Some(kp)) =
             (self.role, &self.compressor, &self.key_projection)
@@ -97,18 +106,23 @@ impl Attention {
                 if cache.is_tracing() {
                     cache.record(|| format!("L{l}.topk"), &selected);
                 }
-                Some((cache.source(kv_source)?.compressed.rows()?, selected))
+                let store = &cache.source(kv_source)?.compressed;
+                // bf16 rows: the appended rows; packed: all pages (the indices name entries < len).
+                let rows = if store.packing().is_some() { store.buffer().clone() } else { store.rows()? };
+                Some((rows, store.packing(), selected))
             }
         };
         cache.layer_mut(l)?.next_pos = start + t;
         observe(LayerPhase::Selection);
 
         let scale = (self.head_dim as f32).powf(-0.5);
-        let (kv_extra, idx_extra) = match &selected {
-            Some((rows, idx)) => (rows.clone(), idx.clone()),
-            None => (window.kv.clone(), window.indices.narrow(1, 0, 0)?),
+        let none = window.indices.narrow(1, 0, 0)?;
+        let (extra, idx_extra) = match &selected {
+            Some((rows, None, idx)) => (KvRows::Bf16(rows), idx),
+            Some((pages, Some(p), idx)) => (KvRows::Packed(pages, *p), idx),
+            None => (window.kv_rows(), &none),
         };
-        let o = sparse_attention_sources(&q, &window.kv, &window.indices, &kv_extra, &idx_extra, &self.attn_sink, scale)?;
+        let o = sparse_attention_kv_rows(&q, window.kv_rows(), &window.indices, extra, idx_extra, &self.attn_sink, scale)?;
         observe(LayerPhase::Attention);
 
         crate::cuda::q_rope_inplace(&o, &cos, &sin.neg()?, None)?;
@@ -135,14 +149,22 @@ impl Attention {
         let positions: Vec<usize> = (0..g).map(|i| (lat.first_entry + i) * ratio).collect();
         let (cos, sin) = self.rope.cos_sin(&positions)?;
         let fq = self.numerics.cache_fake_quant;
+        let norm = keys.k_norm();
+        let packing = source.compressed.packing();
         source.compressed.append_in_place(g, |buf, first| {
             let slots = Tensor::arange(first as i64, (first + g) as i64, buf.device())?;
-            crate::cuda::compressed_insert(buf, &lat.latent, &cos, &sin, &slots, fq)
+            match &packing {
+                None => crate::cuda::compressed_insert(buf, &lat.latent, &cos, &sin, &slots, fq),
+                Some(p) => crate::cuda::packed_insert(buf, p, &lat.latent, &cos, &sin, &slots, None),
+            }
         })?;
+        let packing = source.index_keys.packing();
         source.index_keys.append_in_place(g, |buf, first| {
             let slots = Tensor::arange(first as i64, (first + g) as i64, buf.device())?;
-            let norm = keys.k_norm();
-            crate::cuda::index_key_insert(buf, &k_pre, norm.weight(), norm.eps(), &cos, &sin, &slots, fq)
+            match &packing {
+                None => crate::cuda::index_key_insert(buf, &k_pre, norm.weight(), norm.eps(), &cos, &sin, &slots, fq),
+                Some(p) => crate::cuda::packed_insert(buf, p, &k_pre, &cos, &sin, &slots, Some((norm.weight(), norm.eps()))),
+            }
         })?;
         Ok(())
     }
@@ -199,3 +221,7 @@ mod tests {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[path = "layer_packed_tests.rs"]
+mod packed_tests;

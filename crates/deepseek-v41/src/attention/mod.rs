@@ -10,7 +10,8 @@
 //! * [`layer`]: the attention layer wiring all of the above (with the `cuda` feature, its fused
 //!   device path in `layer_fused.rs`).
 //! * [`cache`]: the caller-owned per-sequence cache through which layers share compressed KV,
-//!   index keys, top-k sets and candidate blocks.
+//!   index keys, top-k sets and candidate blocks; [`storage`]: its storage choice (bf16 rows or
+//!   the packed V4.1 formats).
 
 pub mod cache;
 pub mod compressor;
@@ -19,6 +20,7 @@ pub mod indexer;
 pub mod layer;
 pub mod selection;
 pub mod sparse_attention;
+pub mod storage;
 pub mod trace;
 pub mod window;
 
@@ -27,4 +29,5 @@ pub use layer::Attention;
 #[cfg(feature = "cuda")]
 pub use layer::LayerPhase;
 pub use sparse_attention::{sparse_attention, sparse_attention_ref};
+pub use storage::{CacheKind, CacheStorage};
 pub use trace::Trace;

@@ -42,12 +42,12 @@ pub fn select(
                 TopkRole::Reindex { key_owner, .. } => key_owner,
                 _ => layer,
             };
-            let keys = cache.source(owner)?.index_keys.rows()?;
+            let keys = &cache.source(owner)?.index_keys;
             let published = match candidates {
                 CandidateRole::Consume { .. } => cache.published_candidates(start),
                 _ => None,
             };
-            let sel = indexer.select(x, qr, positions, &keys, rope, published)?;
+            let sel = indexer.select(x, qr, positions, keys, rope, published)?;
             if let Some(c) = sel.candidates {
                 cache.record(|| format!("L{layer}.cand_blocks"), &c.kept);
                 cache.publish_candidates(start, c);

@@ -82,9 +82,7 @@ pub fn sparse_attention_ref(q: &Tensor, kv: &Tensor, indices: &[Vec<i64>], sink:
 /// * `q`: `[T, H, D]` bf16; `kv_window`: `[Nw, D]`, `kv_extra`: `[Nc, D]` bf16;
 ///   `idx_window`: `[T, Kw]`, `idx_extra`: `[T, Kc]` i64 (−1 = none); `sink`: `[H]` f32.
 ///
-/// Returns `[T, H, D]` bf16. On CUDA with `D` = [`crate::cuda::SPARSE_ATTENTION_HEAD_DIM`] the
-/// fused kernel ([`crate::cuda::sparse_attention_two_source`]); on CUDA with another head dim
-/// (the tiny test configs) [`sparse_attention_candle`]; on the CPU the reference.
+/// Returns `[T, H, D]` bf16: [`sparse_attention_kv_rows`] over bf16 rows.
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_sources(
@@ -96,10 +94,35 @@ pub fn sparse_attention_sources(
     sink: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
+    use crate::cuda::KvRows;
+    sparse_attention_kv_rows(q, KvRows::Bf16(kv_window), idx_window, KvRows::Bf16(kv_extra), idx_extra, sink, scale)
+}
+
+/// [`sparse_attention_sources`] over sources stored as bf16 rows or packed pages
+/// ([`crate::cuda::KvRows`]; indices name rows / slots of their source).
+///
+/// Returns `[T, H, D]` bf16. On CUDA with `D` = [`crate::cuda::SPARSE_ATTENTION_HEAD_DIM`] the
+/// fused kernel ([`crate::cuda::SparseAttentionInputs`], packed rows dequantized in the kernel);
+/// on CUDA with another head dim (the tiny test configs) [`sparse_attention_candle`] (packed
+/// sources first dequantized through the host, exactly); on the CPU the reference. Packed
+/// sources give bit for bit the result of their dequantized bf16 rows.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_kv_rows(
+    q: &Tensor,
+    window: crate::cuda::KvRows<'_>,
+    idx_window: &Tensor,
+    extra: crate::cuda::KvRows<'_>,
+    idx_extra: &Tensor,
+    sink: &Tensor,
+    scale: f32,
+) -> Result<Tensor> {
     if q.device().is_cuda() && q.dim(2)? != crate::cuda::SPARSE_ATTENTION_HEAD_DIM {
-        return sparse_attention_candle(q, &[(kv_window, idx_window), (kv_extra, idx_extra)], sink, scale);
+        let (kv_window, kv_extra) = (window.to_bf16()?, extra.to_bf16()?);
+        return sparse_attention_candle(q, &[(&kv_window, idx_window), (&kv_extra, idx_extra)], sink, scale);
     }
-    Ok(crate::cuda::sparse_attention_two_source(q, kv_window, idx_window, kv_extra, idx_extra, sink, scale)?.0)
+    let inputs = crate::cuda::SparseAttentionInputs { q, window, idx_window, extra, idx_extra, sink, scale };
+    Ok(inputs.forward(Default::default())?.0)
 }
 
 /// The same attention written with plain Candle tensor ops (gather, masked softmax with the

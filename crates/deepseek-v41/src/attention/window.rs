@@ -7,13 +7,20 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-/// Ring of the last `window` window-KV rows of one layer and one sequence.
+use super::storage::{CacheKind, CacheStorage, Packing};
+
+/// Ring of the last `window` window-KV rows of one layer and one sequence, as rows in the
+/// activation dtype or packed in format A ([`CacheStorage`]).
 #[derive(Debug, Clone)]
 pub struct WindowCache {
-    /// `[window, head_dim]` in the activation dtype; slot s holds the latest position ≡ s mod W
-    /// (zeros where never written).
+    /// bf16 storage: `[window, head_dim]` in the activation dtype; slot s holds the latest
+    /// position ≡ s mod W (zeros where never written). Packed storage: `[pages, page_bytes]` u8,
+    /// format A pages with the same slots.
     ring: Tensor,
     window: usize,
+    /// The dtype of [`WindowCache::ring_rows`].
+    dtype: DType,
+    packing: Option<Packing>,
 }
 
 /// The window part of one call: the rows it can attend to and, per query, their indices.
@@ -28,22 +35,66 @@ pub struct WindowRows {
 }
 
 impl WindowCache {
-    /// An empty ring of `window` rows of width `head_dim`.
+    /// An empty ring of `window` rows of width `head_dim` in `dtype`.
     pub fn new(window: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<Self> {
+        Self::with_storage(window, head_dim, CacheStorage::Bf16, dtype, device)
+    }
+
+    /// An empty ring of `window` rows of width `head_dim` stored as `storage` says (packed:
+    /// format A, `ceil(window / PACKED_PAGE_TOKENS)` pages); [`WindowCache::ring_rows`] returns
+    /// `dtype`. Errors for packed storage without the `cuda` feature.
+    pub fn with_storage(window: usize, head_dim: usize, storage: CacheStorage, dtype: DType, device: &Device) -> Result<Self> {
         if window == 0 {
             candle_core::bail!("WindowCache: sliding_window must be > 0")
         }
-        Ok(Self { ring: Tensor::zeros((window, head_dim), dtype, device)?, window })
+        let packing = storage.packing(CacheKind::Window, head_dim)?;
+        let ring = match &packing {
+            None => Tensor::zeros((window, head_dim), dtype, device)?,
+            Some(p) => p.zeros(window.div_ceil(p.page_size()), device)?,
+        };
+        Ok(Self { ring, window, dtype, packing })
     }
 
-    /// `[window, head_dim]`: the ring as the reference lays it out (slot = position mod W).
+    /// The ring's storage: `[window, head_dim]` rows as the reference lays them out (slot =
+    /// position mod W), or for packed storage the `[pages, page_bytes]` u8 format-A pages with
+    /// the same slots (see [`WindowCache::ring_rows`] for the values).
     pub fn ring(&self) -> &Tensor {
         &self.ring
     }
 
+    /// `[window, head_dim]` in the cache's dtype: the ring's rows (slot = position mod W);
+    /// packed storage: dequantized with `PackedLayout::unpack` (a host round trip, exact).
+    pub fn ring_rows(&self) -> Result<Tensor> {
+        match &self.packing {
+            None => Ok(self.ring.clone()),
+            Some(p) => p
+                .unpack(&self.ring, &(0..self.window).collect::<Vec<_>>())?
+                .to_dtype(self.dtype)?
+                .to_device(self.ring.device()),
+        }
+    }
+
+    /// How the ring stores its rows.
+    pub fn storage(&self) -> CacheStorage {
+        if self.packing.is_some() {
+            CacheStorage::Packed
+        } else {
+            CacheStorage::Bf16
+        }
+    }
+
+    fn check_rows(&self, op: &str) -> Result<()> {
+        if self.packing.is_some() {
+            candle_core::bail!("WindowCache::{op}: the ring is packed (format A); its rows are written by the fused window insert (Attention::forward_fused)")
+        }
+        Ok(())
+    }
+
     /// Assembles the window rows for queries at `start .. start + T` (`rows`: `[T, head_dim]`,
     /// this call's window KV) and stores `rows` into the ring.
+    /// Bf16 storage only (the reference path).
     pub fn extend(&mut self, rows: &Tensor, start: usize) -> Result<WindowRows> {
+        self.check_rows("extend")?;
         let (t, d) = rows.dims2()?;
         let (w, ring_d) = self.ring.dims2()?;
         if d != ring_d {
@@ -86,8 +137,10 @@ impl WindowCache {
         Ok(())
     }
 
-    /// Replaces the ring's rows by `ring` (`[window, head_dim]`, slot = position mod W).
+    /// Replaces the ring's rows by `ring` (`[window, head_dim]`, slot = position mod W); bf16
+    /// storage only.
     pub fn restore(&mut self, ring: &Tensor) -> Result<()> {
+        self.check_rows("restore")?;
         if ring.dims() != self.ring.dims() {
             candle_core::bail!("WindowCache::restore: ring {:?}, want {:?}", ring.shape(), self.ring.shape())
         }
@@ -100,74 +153,11 @@ impl WindowCache {
     }
 }
 
-/// The window source of one call on the fused (device) path: rows and per-query indices as
-/// device tensors, ready for [`crate::cuda::sparse_attention_two_source`].
 #[cfg(feature = "cuda")]
-#[derive(Debug, Clone)]
-pub struct WindowSource {
-    /// `[n, head_dim]` bf16: the ring itself (decode) or the call's window rows.
-    pub kv: Tensor,
-    /// `[T, window]` i64 indices into `kv` per query (ascending positions, −1 = none).
-    pub indices: Tensor,
-    /// `[T, head_dim]` bf16: this call's window-KV rows (RoPE'd, Q1-fake-quantized).
-    pub rows: Tensor,
-}
-
+#[path = "window_fused.rs"]
+mod fused;
 #[cfg(feature = "cuda")]
-impl WindowCache {
-    /// Inserts the window KV of the tokens at `start .. start + T` with the fused window-insert
-    /// kernel ([`crate::cuda::window_insert`]: RoPE at `cos`/`sin`, Q1 when `fake_quant`) and
-    /// returns the rows and indices the queries attend to.
-    ///
-    /// * `kv`: `[T, head_dim]` bf16, the `kv_norm`'ed window KV (pre-RoPE).
-    /// * `cos`, `sin`: `[T, rope_dim/2]` f32 angles of the tokens' positions.
-    ///
-    /// Decode (`T = 1`) writes straight into the ring and attends over it (indices = ring slots);
-    /// a longer call writes its rows after a copy of the ring rows still in the window (one
-    /// buffer of `≤ W − 1 + T` rows), attends over that, then copies its last `min(T, W)` rows
-    /// into the ring. Indices are computed on the device from two `arange`s (no per-token host
-    /// work); the values equal [`WindowCache::extend`]'s.
-    pub fn insert_fused(&mut self, kv: &Tensor, start: usize, cos: &Tensor, sin: &Tensor, fake_quant: bool) -> Result<WindowSource> {
-        let (t, d) = kv.dims2()?;
-        let (w, ring_d) = self.ring.dims2()?;
-        if d != ring_d {
-            candle_core::bail!("WindowCache: row width {d} != cache width {ring_d}")
-        }
-        let dev = self.ring.device().clone();
-        if t == 1 {
-            let slot = Tensor::new(&[(start % w) as i64], &dev)?;
-            crate::cuda::window_insert(&self.ring, kv, cos, sin, &slot, fake_quant)?;
-            // Positions lo ..= start at their slots p mod W, ascending, −1 padded.
-            let lo = start.saturating_sub(w - 1);
-            let mut idx: Vec<i64> = (lo..=start).map(|p| (p % w) as i64).collect();
-            idx.resize(w, -1);
-            let rows = self.ring.narrow(0, start % w, 1)?;
-            return Ok(WindowSource { kv: self.ring.clone(), indices: Tensor::from_vec(idx, (1, w), &dev)?, rows });
-        }
-        let base = start.saturating_sub(w - 1);
-        let n_old = start - base;
-        let buf = Tensor::zeros((n_old + t, d), self.ring.dtype(), &dev)?;
-        // Ring rows of positions base .. start (at most two runs of slots).
-        let mut done = 0;
-        while done < n_old {
-            let slot = (base + done) % w;
-            let run = (w - slot).min(n_old - done);
-            buf.slice_set(&self.ring.narrow(0, slot, run)?, 0, done)?;
-            done += run;
-        }
-        let slots = Tensor::arange(n_old as i64, (n_old + t) as i64, &dev)?;
-        crate::cuda::window_insert(&buf, kv, cos, sin, &slots, fake_quant)?;
-        // Query t (position start + t) sees buffer rows t + k + start − W + 1 − base, k < W;
-        // negative ones are positions before 0 (only when base = 0) and become −1.
-        let tt = Tensor::arange(0i64, t as i64, &dev)?.reshape((t, 1))?;
-        let kk = Tensor::arange(0i64, w as i64, &dev)?.reshape((1, w))?;
-        let shift = start as i64 - w as i64 + 1 - base as i64;
-        let indices = tt.broadcast_add(&kk)?.affine(1.0, shift as f64)?.maximum(-1i64)?;
-        let rows = buf.narrow(0, n_old, t)?;
-        self.store(&rows, start)?;
-        Ok(WindowSource { kv: buf, indices, rows })
-    }
-}
+pub use fused::WindowSource;
 
 #[cfg(test)]
 mod tests {

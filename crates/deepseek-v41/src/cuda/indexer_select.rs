@@ -146,13 +146,15 @@ pub fn index_select_with_scratch(
     Ok(Selection { topk, candidates })
 }
 
-/// [`index_select`] of one sequence's tokens at `positions` against its bf16 key rows `keys`
-/// `[N, 128]` (the layer's selection step): causal visibility `(p + 1) div ratio`.
+/// [`index_select`] of one sequence's tokens at `positions` against the first `n` rows of its
+/// key cache `keys` (bf16 `[R, 128]` rows or packed pages, R ≥ n; the layer's selection step):
+/// causal visibility `(p + 1) div ratio`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn select_on_device(
     q: &Tensor,
     w: &Tensor,
-    keys: &Tensor,
+    keys: IndexKeys<'_>,
+    n: usize,
     positions: &[usize],
     ratio: usize,
     k: usize,
@@ -161,7 +163,6 @@ pub(crate) fn select_on_device(
 ) -> Result<Selection> {
     let start = positions.first().copied().unwrap_or(0);
     let consecutive = positions.iter().enumerate().all(|(i, &p)| p == start + i);
-    let n = keys.dim(0)?;
     let counts;
     let visibility = if consecutive {
         Visibility::Causal { start, ratio }
@@ -170,6 +171,6 @@ pub(crate) fn select_on_device(
         counts = Tensor::new(v, q.device())?;
         Visibility::Counts(&counts)
     };
-    let src = KeySource { keys: IndexKeys::Rows(keys), base: None, entries: n, visibility };
+    let src = KeySource { keys, base: None, entries: n, visibility };
     index_select(q, w, &src, k, consume, publish)
 }

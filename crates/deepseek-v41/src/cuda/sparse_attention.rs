@@ -104,8 +104,8 @@ impl KvRows<'_> {
     }
 
     /// The rows as a bf16 `[N, D]` tensor on the source's device (packed: dequantized on the
-    /// CPU with [`PackedLayout::unpack`], the reference).
-    fn to_bf16(self) -> Result<Tensor> {
+    /// CPU with [`PackedLayout::unpack`], the reference; exact).
+    pub fn to_bf16(self) -> Result<Tensor> {
         match self {
             Self::Bf16(t) => Ok(t.clone()),
             Self::Packed(t, l) => {

@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::compare::{Report, Tolerance};
 use super::Case;
-use crate::attention::{Attention, SequenceCache, Trace};
+use crate::attention::{Attention, CacheStorage, SequenceCache, Trace};
 use crate::config::{AttentionRole, Config};
 use crate::loader;
 use crate::model::{Model, ModelCache, TokenMap};
@@ -70,19 +70,36 @@ fn is_metadata(name: &str) -> bool {
     name.ends_with("_margin")
 }
 
-/// Checks one case.
+/// Checks one case (bf16 caches).
 pub fn check_case(case: &Case, token_map: Option<&TokenMap>, device: &Device, report: &mut Report) -> Result<()> {
+    check_case_with(case, token_map, device, CacheStorage::Bf16, report)
+}
+
+/// The cache storage a case runs with when `requested`: packed storage only where the case
+/// fake-quantizes its caches (the packed formats ARE that quantization); a case with QAT off
+/// runs bf16 caches (noted on stdout).
+fn case_storage(case: &Case, requested: CacheStorage) -> CacheStorage {
+    if requested.is_packed() && !case_numerics(case).cache_fake_quant {
+        println!("NOTE {}: QAT off, the packed caches need the cache fake quant: this case runs bf16 caches", case.name);
+        return CacheStorage::Bf16;
+    }
+    requested
+}
+
+/// [`check_case`] with the attention caches in `storage` (both runs).
+pub fn check_case_with(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage, report: &mut Report) -> Result<()> {
+    let storage = case_storage(case, storage);
     let n_layers = case.config.num_hidden_layers;
     let teacher = (0..n_layers).all(|l| case.golden.contains_key(&format!("L{l}.attn_in")));
     if teacher {
-        match run_attention_teacher_forced(case, device) {
+        match run_attention_teacher_forced_calls_with(case, &case.inputs.calls, device, storage) {
             Ok(produced) => {
                 compare_produced(case, &produced, Regime::TeacherForced, report)?;
             }
             Err(e) => report.add(run_error(&format!("{}/teacher_forced", case.name), &e)),
         }
     }
-    let compared = match run_model(case, token_map, device) {
+    let compared = match run_model_with(case, token_map, device, storage) {
         Ok(produced) => compare_produced(case, &produced, Regime::EndToEnd, report)?,
         Err(e) => {
             report.add(run_error(&format!("{}/end_to_end", case.name), &e));
@@ -145,13 +162,19 @@ pub fn run_attention_teacher_forced(case: &Case, device: &Device) -> Result<Prod
 /// As [`run_attention_teacher_forced`] with another chunking of the same tokens (`calls`
 /// contiguous from position 0 within the case's golden `attn_in` rows).
 pub fn run_attention_teacher_forced_calls(case: &Case, calls: &[super::Call], device: &Device) -> Result<Produced> {
+    run_attention_teacher_forced_calls_with(case, calls, device, CacheStorage::Bf16)
+}
+
+/// [`run_attention_teacher_forced_calls`] on a cache in `storage` (packed: the case must
+/// fake-quantize its caches, else the layers return an error).
+pub fn run_attention_teacher_forced_calls_with(case: &Case, calls: &[super::Call], device: &Device, storage: CacheStorage) -> Result<Produced> {
     let cfg = &case.config;
     let numerics = case_numerics(case);
     let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
     let layers = (0..cfg.num_hidden_layers)
         .map(|l| Attention::new(cfg, l, numerics, vb.pp("layers").pp(l).pp("attn")))
         .collect::<Result<Vec<_>>>()?;
-    let mut cache = SequenceCache::new(cfg, DType::BF16, device)?;
+    let mut cache = SequenceCache::with_storage(cfg, storage, DType::BF16, device)?;
     cache.set_trace(Some(Trace::new()));
     let mut produced = Produced::new();
     let mut outs: Vec<Vec<Tensor>> = vec![Vec::new(); layers.len()];
@@ -174,10 +197,15 @@ pub fn run_attention_teacher_forced_calls(case: &Case, calls: &[super::Call], de
 
 /// Runs the whole model over the case's calls and collects every traced tensor and cache state.
 pub fn run_model(case: &Case, token_map: Option<&TokenMap>, device: &Device) -> Result<Produced> {
+    run_model_with(case, token_map, device, CacheStorage::Bf16)
+}
+
+/// [`run_model`] with the attention caches in `storage`.
+pub fn run_model_with(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage) -> Result<Produced> {
     let cfg = &case.config;
     let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
     let model = Model::new(cfg, case_numerics(case), token_map.cloned(), vb)?;
-    let mut cache = ModelCache::new(cfg, DType::BF16, device)?;
+    let mut cache = ModelCache::with_storage(cfg, storage, DType::BF16, device)?;
     cache.set_trace(Some(Trace::new()));
     let mut produced = Produced::new();
     for call in &case.inputs.calls {
@@ -197,7 +225,7 @@ pub fn snapshot(cfg: &Config, cache: &SequenceCache, prefix: &str, out: &mut Pro
         let state = cache.layer(l)?;
         for p in [prefix, "final"] {
             // A copy: the ring is written in place by later calls.
-            out.insert(format!("{p}.L{l}.window_ring"), state.window.ring().copy()?);
+            out.insert(format!("{p}.L{l}.window_ring"), state.window.ring_rows()?.copy()?);
         }
         let Some(src) = &state.source else { continue };
         let AttentionRole::Compressed { ratio, .. } = role.attention else { continue };

@@ -10,7 +10,7 @@ use super::engram::Engram;
 use super::engram_hash::{EngramHasher, EngramHistory, TokenMap};
 use super::mhc::{collapse, post, HcMix, HcSublayer};
 use super::moe::Moe;
-use crate::attention::{Attention, SequenceCache, Trace};
+use crate::attention::{Attention, CacheStorage, SequenceCache, Trace};
 use crate::config::Config;
 use crate::nn::{Linear, LinearKind, RmsNorm};
 use crate::numerics::Numerics;
@@ -25,10 +25,16 @@ pub struct ModelCache {
 }
 
 impl ModelCache {
-    /// An empty cache (activations in `dtype` on `device`).
+    /// An empty cache (activations in `dtype` on `device`, bf16 attention caches).
     pub fn new(cfg: &Config, dtype: DType, device: &Device) -> Result<Self> {
+        Self::with_storage(cfg, CacheStorage::Bf16, dtype, device)
+    }
+
+    /// An empty cache whose attention caches are stored as `storage` says (see
+    /// [`SequenceCache::with_storage`]).
+    pub fn with_storage(cfg: &Config, storage: CacheStorage, dtype: DType, device: &Device) -> Result<Self> {
         let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
-        Ok(Self { attention: SequenceCache::new(cfg, dtype, device)?, engram: EngramHistory::new(ngram) })
+        Ok(Self { attention: SequenceCache::with_storage(cfg, storage, dtype, device)?, engram: EngramHistory::new(ngram) })
     }
 
     /// Tokens processed so far.
