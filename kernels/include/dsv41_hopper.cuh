@@ -114,17 +114,19 @@ __device__ __forceinline__ void wg_fence_regs(float* d) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[0..15] += A (64 x 16, smem descriptor a) * B (16 x 32, smem descriptor b, K-major),
-// bf16 -> f32; accumulator layout: d[4i + c] at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
-__device__ __forceinline__ void wg_m64n32k16_kk(float* d, uint64_t a, uint64_t b) {
+// d[0..15] += A (64 x 16, smem descriptor a) * B (16 x 32, smem descriptor b), bf16 -> f32;
+// TA / TB = 0: the operand is K-major, 1: MN-major (transposed); accumulator layout: d[4i + c]
+// at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
+template <int TA, int TB>
+__device__ __forceinline__ void wg_m64n32k16(float* d, uint64_t a, uint64_t b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(1));
+        : "l"(a), "l"(b), "r"(1), "n"(TA), "n"(TB));
 }
 
 // d[0..127] += A (64 x 16, smem descriptor a) * B (16 x 256, smem descriptor b, MN-major),
