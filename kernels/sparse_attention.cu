@@ -471,14 +471,15 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
 }
 
 // The kernel of a call: forced by the caller, the all-heads kernel with forced splits, else the
-// head-split kernel when its CTAs (two per token and 64 heads, each over all of the token's
-// tiles) fit in one wave and the all-heads kernel would need splits (measured, docs/perf.md
+// head-split kernel for bf16 rows where the all-heads kernel would run 2 splits (as many CTAs,
+// each over all of the token's tiles at about half the work per tile, and no merge). With more
+// splits (B = 1) the all-heads kernel spreads the tiles over more SMs; packed rows expand each
+// tile on the producer, which the head-split kernel would do twice per token (docs/perf.md,
 // "Round 6").
 bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, int tiles, int sms) {
     if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT;
-    if (p.num_splits > 0) return false;
-    const long ctas = static_cast<long>(p.num_tokens) * ((p.num_heads + 31) / 32);
-    return ctas <= sms && choose_splits(tokens_x_hblocks, tiles, sms) > 1;
+    if (p.num_splits > 0 || p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16) return false;
+    return choose_splits(tokens_x_hblocks, tiles, sms) == 2;
 }
 
 // Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).

@@ -16,29 +16,33 @@
 //      S^T [64 rows, 32 heads] = K . q^T: 32 x wgmma m64n32k16 (A = the row tile, K-major; B = q,
 //        K-major); warp w holds rows 16 w .. +16, thread (g, tq) = (lane / 4, lane % 4) rows
 //        16 w + g (+8) of heads 8 i + 2 tq (+1), i = 0..3.
-//      Softmax per head over rows: the tile max of a head is spread over the 4 warps, so each
-//        warp publishes its 32 maxima (shared memory, two buffers by tile parity), and after a
-//        barrier every thread forms m_new of its 8 heads; p = e^{l - m_new} (f32) is summed into
-//        the warp's denominators (per warp, added up at the end) and rounded to bf16 into P^T
-//        [32 heads][64 rows] (the K-major B operand, 128-byte swizzle; pairs of rows of a head
-//        are exchanged between lanes g, g ^ 1 for 4-byte stores).
+//      Softmax per head over rows: the fragments of S^T go to shared memory ([head][row], f32),
+//        and lane l of warp w takes head 8 w + l / 4 over 16 of the tile's rows (the 4 lanes of
+//        a head exchange max and sum by two shuffles): m_new, p = e^{l - m_new} summed (f32)
+//        into the head's denominator and rounded to bf16 into P^T [32 heads][64 rows] (the
+//        K-major B operand, 128-byte swizzle, two 16-byte stores), alpha = e^{m_old - m_new}
+//        to shared memory for the O rescale.
 //      O^T [512 dims, 32 heads] += V^T . P^T: per 16 rows 8 x m64n32k16 (A = the row tile read
 //        MN-major: dims are its M dimension, 64-dim planes; B = P^T), 128 f32 accumulators per
 //        thread: o[16 mb + 4 i + c] = dim 64 mb + 16 w + g + 8 (c / 2), head 8 i + 2 tq + c % 2.
-//   3. Epilogue: the per-warp denominators are added (shared memory), out = fl(O fl(1 / (den +
-//      e^{sink - m}))) as the all-heads kernel with one split, bf16 rows staged transposed in
-//      shared memory (a stage tile, free after the last one) and stored with 16-byte stores (the
-//      CTA's 32 output rows are contiguous); lse = m + ln den.
+//      The P.V products of tile j stay in flight while the consumers wait for tile j + 1's rows
+//        and issue its S^T; then they wait for P.V (stage j goes back to the producer) and S^T.
+//   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
+//      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
+//      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
+//      16-byte stores (the CTA's 32 output rows are contiguous).
 // Numerics: those of the all-heads kernel with one split (the reference's 64-row blocks, p
 // rounded to bf16 relative to the block's running max); only the f32 orders of the dot
 // products, tensor-core sums and denominators differ.
 // Launch: programmatic dependent launch as the all-heads kernel. Diagnostics: mode bit 0 traces
-// CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bits 1 / 2 skip the products / the gather.
+// CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does not apply);
+// DSV41_SPARSE_ATTENTION_HS=1 waits for each P.V at once (the round-6 measurement switch).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_sparse_attention.h"
@@ -58,9 +62,11 @@ static_assert(THREADS_ALL == IDX_THREADS, "every thread compacts the indices");
 constexpr int SM_Q = 0;                        // bf16 [8 planes][32 heads][128 B]
 constexpr int SM_K = SM_Q + HS * D * 2;        // bf16 [2 stages][64 rows][512] (epilogue: bf16 out rows [32][OUT_STRIDE])
 constexpr int SM_P = SM_K + 2 * TILEB;         // bf16 [32 heads][64 rows], 128-byte swizzle
-constexpr int SM_MX = SM_P + HS * BLK * 2;     // f32 [2 parity][4 warps][32 heads]: tile maxima
-constexpr int SM_DEN = SM_MX + 2 * 4 * HS * 4; // f32 [4 warps][32 heads]: denominators
-constexpr int SM_SINK = SM_DEN + 4 * HS * 4;   // f32 [32 heads]
+constexpr int SP = BLK + 4;                    // row stride (f32) of the S^T staging tile
+constexpr int SM_S = SM_P + HS * BLK * 2;      // f32 [32 heads][SP]: S^T of a tile (softmax input)
+constexpr int SM_ALPHA = SM_S + HS * SP * 4;   // f32 [32 heads]: e^{m_old - m_new} of the tile
+constexpr int SM_FAC = SM_ALPHA + HS * 4;      // f32 [32 heads]: epilogue factors
+constexpr int SM_SINK = SM_FAC + HS * 4;       // f32 [32 heads]
 constexpr int SM_CNT = SM_SINK + HS * 4;       // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
 constexpr int SM_BAR = SM_TOTAL + 16;          // u64 [4]: full[2], empty[2]
@@ -76,21 +82,9 @@ __device__ long long g_trace_heads[TRACE_SLOTS];
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
-// Stores the bf16 transpose of a thread's 16 x 8 accumulator block: v0 / v1 = (row R, column
-// 2 tq) / (row R, column 2 tq + 1), R = base + g. Lanes g, g ^ 1 exchange one value so that each
-// stores two consecutive rows of one column as a 4-byte word: at(col, row) gives the shared
-// address of (column col, rows row, row + 1), row even.
-template <class At>
-__device__ __forceinline__ void store_transposed_pair(float v0, float v1, int g, int tq, int row_base, At at) {
-    const bool odd = g & 1;
-    const float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-    const int r = row_base + (g & ~1);
-    if (!odd)
-        *reinterpret_cast<uint32_t*>(at(2 * tq, r)) = pack_bf16x2_rn(v0, recv);
-    else
-        *reinterpret_cast<uint32_t*>(at(2 * tq + 1, r)) = pack_bf16x2_rn(recv, v1);
-}
-
+// OVERLAP: the previous tile's P.V stays in flight while this tile's rows are awaited and its S^T
+// is issued (else each P.V is waited for at once: the measurement switch of the launcher).
+template <bool OVERLAP>
 __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -105,7 +99,9 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     const bool consumer = warp < CONSUMERS / 32;
     const int t = blockIdx.x, h0 = blockIdx.y * HS;
     const int nh = min(HS, p.num_heads - h0);
-    const bool skip_mma = mode & 2, skip_gather = mode & 4;
+    // mode: bit 0 trace, bit 2 skip the gather (diagnostic; bit 1, skip the products, does not
+    // apply: the products have no run-time conditions, which keeps them asynchronous).
+    const bool skip_gather = mode & 4;
     const bool tracer = (mode & 1) && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace_heads[slot] = clock64();
@@ -138,20 +134,57 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     }
     stamp(2);
 
-    // 2. Consumer warpgroup.
+    // 2. Consumer warpgroup. Products: thread (g, tq) of warp w holds S^T / O^T fragments of
+    // heads 8 i + 2 tq (+1), i = 0..3. Softmax: lane l of warp w owns head hw = 8 w + l / 4 over
+    // rows rq = 16 (l % 4) .. +16 of each tile (its 4 lanes agree on m_run and den).
     const int g = lane >> 2, tq = lane & 3, w = warp;
-    float* mx_s = reinterpret_cast<float*>(smem + SM_MX);
+    const int hw = 8 * w + (lane >> 2), rq = 16 * (lane & 3);
+    float* s_s = reinterpret_cast<float*>(smem + SM_S);
+    float* alpha_s = reinterpret_cast<float*>(smem + SM_ALPHA);
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    // This thread's 8 heads k = 2 i + b: head 8 i + 2 tq + b.
-    float m_run[8], den[8];  // running max; this warp's denominator (its 16 rows of each tile)
+    float m_run = M_FLOOR, den = 0.f;  // running max and denominator of head hw
+    // S^T accumulators, zeroed while no product is in flight (ptxas serializes the products
+    // when accumulator registers are defined while another product is pending).
+    float s[16];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        m_run[k] = M_FLOOR;
-        den[k] = 0.f;
-    }
-    for (int j = 0; j < ntiles; ++j) {
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    // Iteration j: (a) rescale O and issue P.V of tile j - 1; (b) wait for tile j's rows and issue
+    // its S^T; (c) wait for P.V (j - 1) and hand its stage back; (d) wait for S^T, softmax of
+    // tile j. Nothing is in flight across iterations. Without OVERLAP, P.V is waited for in (a).
+    for (int j = 0; j <= ntiles; ++j) {
+        if (j > 0) {
+            const uint32_t kt = sbase + SM_K + ((j - 1) & 1) * TILEB;
+            float al[8];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 a2 = *reinterpret_cast<const float2*>(alpha_s + 8 * i + 2 * tq);
+                al[2 * i] = a2.x, al[2 * i + 1] = a2.y;
+            }
+#pragma unroll
+            for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+                for (int c = 0; c < 16; ++c) o[16 * mb + c] *= al[2 * (c >> 2) + (c & 1)];
+            // All 4 k-steps (no run-time trip count: ptxas keeps the products asynchronous); rows
+            // past the tile's end have p = 0 and zero-filled rows.
+            wg_fence_regs<128>(o);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BLK / 16; ++kk) {
+                const uint64_t b = wg_desc(sbase + SM_P + kk * 32, 16, 1024);
+#pragma unroll
+                for (int mb = 0; mb < 8; ++mb) wg_m64n32k16<1, 0>(o + 16 * mb, wg_desc(kt + mb * PLANE + kk * 16 * 128, PLANE, 1024), b);
+            }
+            wg_commit();
+            if (!OVERLAP || j == ntiles) {
+                wg_wait_all();
+                wg_fence_regs<128>(o);
+                if (lane == 0) mbar_arrive(bar_empty + 8 * ((j - 1) & 1));
+                if (j - 1 < 16) stamp(20 + j - 1);
+            }
+        }
+        if (j == ntiles) break;
         mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
         if (j == 0) cp_async_wait_all();  // this thread's q copies
         fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
@@ -160,131 +193,115 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         const int nb = min(BLK, count - j * BLK);
         const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
         // S^T = K . q^T (m64n32k16 over the 512 dims: 8 planes x 4 k-steps of 16).
-        float s[16];
+        wg_fence_regs<16>(s);
+        wg_fence();
 #pragma unroll
-        for (int i = 0; i < 16; ++i) s[i] = 0.f;
-        if (!skip_mma) {
-            wg_fence_regs<16>(s);
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                const uint32_t sub = (ks & 3) * 32;
-                wg_m64n32k16<0, 0>(s, wg_desc(kt + (ks >> 2) * PLANE + sub, 16, 1024), wg_desc(sbase + SM_Q + (ks >> 2) * (HS * 128) + sub, 16, 1024));
-            }
-            wg_commit();
-            wg_wait_all();
-            wg_fence_regs<16>(s);
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const uint32_t sub = (ks & 3) * 32;
+            wg_m64n32k16<0, 0>(s, wg_desc(kt + (ks >> 2) * PLANE + sub, 16, 1024), wg_desc(sbase + SM_Q + (ks >> 2) * (HS * 128) + sub, 16, 1024));
         }
-        // Scale, mask rows past the tile's end, per-head max of this warp's 16 rows.
-        float* mxw = mx_s + (j & 1) * 4 * HS;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int i = k >> 1, b = k & 1;
-            const int r0 = 16 * w + g;
-            float& a = s[4 * i + b];
-            float& c = s[4 * i + 2 + b];
-            a = r0 < nb ? __fmul_rn(p.scale, a) : -INFINITY;
-            c = r0 + 8 < nb ? __fmul_rn(p.scale, c) : -INFINITY;
-            float m = fmaxf(a, c);
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-            if (g == 0) mxw[w * HS + 8 * i + 2 * tq + b] = m;
+        wg_commit();
+        if (OVERLAP && j > 0) {
+            // P.V of the previous tile (issued before this S^T) completed: its stage goes back.
+            wg_wait_but_one();  // (o is next touched after the wait below and its register fence)
+            if (lane == 0) mbar_arrive(bar_empty + 8 * ((j - 1) & 1));
+            if (j - 1 < 16) stamp(20 + j - 1);
         }
-        consumer_sync();
-        // m_new, bf16 p -> P^T, this warp's denominators, rescale O.
-        float alpha[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int i = k >> 1, b = k & 1, h = 8 * i + 2 * tq + b;
-            const float mt = fmaxf(fmaxf(mxw[h], mxw[HS + h]), fmaxf(mxw[2 * HS + h], mxw[3 * HS + h]));
-            const float mn = fmaxf(m_run[k], mt);
-            alpha[k] = expf(m_run[k] - mn);
-            m_run[k] = mn;
-            const float e0 = expf(s[4 * i + b] - mn), e1 = expf(s[4 * i + 2 + b] - mn);
-            s[4 * i + b] = e0;
-            s[4 * i + 2 + b] = e1;
-            float sum = e0 + e1;
-            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 8);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 16);
-            den[k] = __fadd_rn(__fmul_rn(den[k], alpha[k]), sum);
-        }
-        auto p_at = [&](int col, int row) { return smem + SM_P + sw128(col, row >> 3) + (row & 7) * 2; };
+        wg_wait_all();
+        wg_fence_regs<16>(s);
+        if (OVERLAP) wg_fence_regs<128>(o);
+        // S^T -> shared [head][row] (conflict-free: the row stride is 4 banks off per head).
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-                store_transposed_pair(s[4 * i + 2 * hf], s[4 * i + 2 * hf + 1], g, tq, 16 * w + 8 * hf,
-                                      [&](int col, int row) { return p_at(8 * i + col, row); });
+            for (int c = 0; c < 4; ++c) {
+                s_s[(8 * i + 2 * tq + (c & 1)) * SP + 16 * w + g + 8 * (c >> 1)] = s[4 * i + c];
+                s[4 * i + c] = 0.f;
+            }
+        consumer_sync();
+        // Head hw over rows rq .. +16: scale, mask rows past the tile's end, tile max (the 4
+        // lanes of the head), m_new, bf16 p -> P^T [head][row] (two 16-byte stores), denominator.
+        float x[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 v = *reinterpret_cast<const float4*>(s_s + hw * SP + rq + 4 * k);
+            x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            x[k] = rq + k < nb ? __fmul_rn(p.scale, x[k]) : -INFINITY;
+            mx = fmaxf(mx, x[k]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m_run, mx);
+        const float alpha = expf(m_run - mn);
+        m_run = mn;
+        float sum = 0.f;
+        uint32_t pk[8];
+#pragma unroll
+        for (int k = 0; k < 16; k += 2) {
+            const float e0 = expf(x[k] - mn), e1 = expf(x[k + 1] - mn);
+            sum += e0;
+            sum += e1;
+            pk[k >> 1] = pack_bf16x2_rn(e0, e1);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        den = __fadd_rn(__fmul_rn(den, alpha), sum);
+        *reinterpret_cast<uint4*>(smem + SM_P + sw128(hw, rq >> 3)) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        *reinterpret_cast<uint4*>(smem + SM_P + sw128(hw, (rq >> 3) + 1)) = make_uint4(pk[4], pk[5], pk[6], pk[7]);
+        if ((lane & 3) == 0) alpha_s[hw] = alpha;
         fence_proxy_async();  // the P^T tile is read by wgmma
         consumer_sync();
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-            for (int c = 0; c < 16; ++c) o[16 * mb + c] *= alpha[2 * (c >> 2) + (c & 1)];
-        const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
-        if (ksteps > 0) {
-            wg_fence_regs<128>(o);
-            wg_fence();
-#pragma unroll 1
-            for (int kk = 0; kk < ksteps; ++kk) {
-                const uint64_t b = wg_desc(sbase + SM_P + kk * 32, 16, 1024);
-#pragma unroll
-                for (int mb = 0; mb < 8; ++mb) wg_m64n32k16<1, 0>(o + 16 * mb, wg_desc(kt + mb * PLANE + kk * 16 * 128, PLANE, 1024), b);
-            }
-            wg_commit();
-            wg_wait_all();
-            wg_fence_regs<128>(o);
-        }
-        // This warp is done with the stage (its wgmma reads completed): hand it back.
-        if (lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
-        if (j < 16) stamp(20 + j);
     }
 
-    // 3. Epilogue.
+    // 3. Epilogue: per head the factor 1 / (den + e^{sink - m}) and the lse (lanes l % 4 = 0),
+    // as the all-heads kernel's merge with one split (bitwise the same factor for the same m, den).
     cp_async_wait_all();  // the q copies are still in flight when there is no row
-    float* den_s = reinterpret_cast<float*>(smem + SM_DEN);
-    if (g == 0) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) den_s[w * HS + 8 * (k >> 1) + 2 * tq + (k & 1)] = den[k];
+    consumer_sync();  // the sink landed for every thread
+    float* fac_s = reinterpret_cast<float*>(smem + SM_FAC);
+    if ((lane & 3) == 0) {
+        const float big = fmaxf(M_FLOOR, m_run);
+        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
+        const float dall = __fadd_rn(wsum, expf(reinterpret_cast<const float*>(smem + SM_SINK)[hw] - big));
+        const bool ok = dall > 0.f && isfinite(dall);
+        fac_s[hw] = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
+        if (hw < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hw] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
-    consumer_sync();  // also: the sink landed for every thread
-    const float* sink_s = reinterpret_cast<const float*>(smem + SM_SINK);
+    consumer_sync();
     float fac[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const int h = 8 * (k >> 1) + 2 * tq + (k & 1);
-        const float dsum = __fadd_rn(__fadd_rn(__fadd_rn(den_s[h], den_s[HS + h]), den_s[2 * HS + h]), den_s[3 * HS + h]);
-        // As the all-heads kernel's merge with one split (bitwise the same factor for the same m, den).
-        const float big = fmaxf(M_FLOOR, m_run[k]);
-        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run[k] - big), dsum));
-        const float dall = __fadd_rn(wsum, expf(sink_s[h] - big));
-        const bool ok = dall > 0.f && isfinite(dall);
-        fac[k] = ok ? __fdiv_rn(expf(m_run[k] - big), dall) : 0.f;
-        if (w == 0 && g == 0 && h < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + h] = count > 0 ? big + logf(wsum) : -INFINITY;
+    for (int i = 0; i < 4; ++i) {
+        const float2 f2 = *reinterpret_cast<const float2*>(fac_s + 8 * i + 2 * tq);
+        fac[2 * i] = f2.x, fac[2 * i + 1] = f2.y;
     }
-    // bf16 out rows [head][dim] into the stage tiles (all consumed: the last tile's products
-    // completed in every warp before the barrier above).
-    unsigned char* outb = smem + SM_K;
-    auto out_at = [&](int col, int row) { return outb + col * OUT_STRIDE + row * 2; };
+    // bf16 out rows [head][dim] into the stage tiles (all consumed), transposed by stmatrix:
+    // matrix (i, hf) of m-block mb = dims 64 mb + 16 w + 8 hf .. +8 of heads 8 i .. +8.
+    const uint32_t outb = sbase + SM_K;
+    auto scaled = [&](int idx, int k) { return __fadd_rn(0.f, __fmul_rn(o[idx], fac[k])); };
 #pragma unroll
     for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int ip = 0; ip < 2; ++ip) {
+            uint32_t r[4];
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const float* v = o + 16 * mb + 4 * i + 2 * hf;
-                store_transposed_pair(__fadd_rn(0.f, __fmul_rn(v[0], fac[2 * i])), __fadd_rn(0.f, __fmul_rn(v[1], fac[2 * i + 1])), g, tq,
-                                      64 * mb + 16 * w + 8 * hf, [&](int col, int row) { return out_at(8 * i + col, row); });
+            for (int k = 0; k < 4; ++k) {
+                const int i = 2 * ip + (k >> 1), base = 16 * mb + 4 * i + 2 * (k & 1);
+                r[k] = pack_bf16x2_rn(scaled(base, 2 * i), scaled(base + 1, 2 * i + 1));
             }
+            const int mat = lane >> 3, i = 2 * ip + (mat >> 1), hf = mat & 1;
+            stmatrix_x4_trans(outb + (8 * i + (lane & 7)) * OUT_STRIDE + (64 * mb + 16 * w + 8 * hf) * 2, r[0], r[1], r[2], r[3]);
+        }
     consumer_sync();
     // The CTA's out rows are contiguous: 16-byte stores.
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
     const int items = nh * (D / 8);
+    const unsigned char* outp = smem + SM_K;
 #pragma unroll 4
     for (int c = tid; c < items; c += CONSUMERS)
-        *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(outb + (c >> 6) * OUT_STRIDE + (c & 63) * 16);
+        *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(outp + (c >> 6) * OUT_STRIDE + (c & 63) * 16);
     stamp(3);
 }
 
@@ -312,10 +329,16 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     const int ktot = p.kw + p.kc;
     const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
+    // DSV41_SPARSE_ATTENTION_HS=1 (measurement switch): the serial tile loop.
+    const char* hs = getenv("DSV41_SPARSE_ATTENTION_HS");
+    const bool serial = hs && hs[0] == '1';
+    auto kernel = serial ? head_split_kernel<false> : head_split_kernel<true>;
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
-        const cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-        if (e != cudaSuccess) return static_cast<int>(e);
+        for (auto k : {head_split_kernel<false>, head_split_kernel<true>}) {
+            const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+            if (e != cudaSuccess) return static_cast<int>(e);
+        }
         configured_dev = dev;
     }
     cudaLaunchConfig_t cfg = {};
@@ -332,7 +355,7 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
     }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode);
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p, mode);
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);

@@ -95,6 +95,15 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
+// Four 8 x 8 b16 matrices of a warp, stored transposed (stmatrix .trans): register k of lane l
+// holds row l / 4, columns 2 (l % 4) .. +1 of matrix k (the mma / wgmma accumulator fragment after
+// packing pairs); lane l gives the shared address of memory row l % 8 of matrix l / 8, which
+// receives column l % 8 of the matrix (8 b16 = 16 bytes, 16-byte aligned).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 // wgmma (sm_90a): shared-memory matrix descriptors and the kernel's two warpgroup products
 // (PTX ISA, asynchronous warpgroup level matrix shared memory layout).
 // Descriptor of a 128-byte-swizzled operand at shared address `addr` (the pattern repeats on
@@ -107,6 +116,8 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most the newest committed group is pending (groups complete in order).
+__device__ __forceinline__ void wg_wait_but_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 // Pins accumulator registers in program order around the asynchronous products.
 template <int N>
 __device__ __forceinline__ void wg_fence_regs(float* d) {

@@ -43,9 +43,10 @@ pub const SPARSE_ATTENTION_MAX_SPLITS: usize = 8;
 /// Which CUDA kernel computes the sparse attention (same semantics; the f32 rounding differs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum SparseAttentionKernel {
-    /// The launcher picks: the head-split kernel when its CTAs fit in one wave and the
-    /// all-heads kernel would split the rows (decode batches up to about #SMs / 2 tokens at
-    /// 64 heads), else the all-heads kernel. Forced splits select the all-heads kernel.
+    /// The launcher picks: the head-split kernel for bf16 rows where the all-heads kernel
+    /// would run 2 splits per token (decode batches of about #SMs / 4 to #SMs / 2 tokens at
+    /// 64 heads, e.g. B = 64 on 132 SMs), else the all-heads kernel. Forced splits select the
+    /// all-heads kernel.
     #[default]
     Auto,
     /// All heads of a token per CTA (64-head blocks), split-KV over a thread-block cluster.
