@@ -25,8 +25,9 @@
 //      O^T [512 dims, 32 heads] += V^T . P^T: per 16 rows 8 x m64n32k16 (A = the row tile read
 //        MN-major: dims are its M dimension, 64-dim planes; B = P^T), 128 f32 accumulators per
 //        thread: o[16 mb + 4 i + c] = dim 64 mb + 16 w + g + 8 (c / 2), head 8 i + 2 tq + c % 2.
-//      The P.V products of tile j stay in flight while the consumers wait for tile j + 1's rows
-//        and issue its S^T; then they wait for P.V (stage j goes back to the producer) and S^T.
+//      Then the stage goes back to the producer, which meanwhile gathered tile j + 1 into the
+//        other stage (two 64 KB stages: q, the stages, P^T and S^T take ~180 KB; a third does
+//        not fit, so the softmax does not overlap the products).
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
@@ -35,14 +36,12 @@
 // rounded to bf16 relative to the block's running max); only the f32 orders of the dot
 // products, tensor-core sums and denominators differ.
 // Launch: programmatic dependent launch as the all-heads kernel. Diagnostics: mode bit 0 traces
-// CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does not apply);
-// DSV41_SPARSE_ATTENTION_HS=1 waits for each P.V at once (the round-6 measurement switch).
+// CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does not apply).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
 
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_sparse_attention.h"
@@ -82,9 +81,6 @@ __device__ long long g_trace_heads[TRACE_SLOTS];
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
-// OVERLAP: the previous tile's P.V stays in flight while this tile's rows are awaited and its S^T
-// is issued (else each P.V is waited for at once: the measurement switch of the launcher).
-template <bool OVERLAP>
 __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -150,41 +146,11 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     float s[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    // Iteration j: (a) rescale O and issue P.V of tile j - 1; (b) wait for tile j's rows and issue
-    // its S^T; (c) wait for P.V (j - 1) and hand its stage back; (d) wait for S^T, softmax of
-    // tile j. Nothing is in flight across iterations. Without OVERLAP, P.V is waited for in (a).
-    for (int j = 0; j <= ntiles; ++j) {
-        if (j > 0) {
-            const uint32_t kt = sbase + SM_K + ((j - 1) & 1) * TILEB;
-            float al[8];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 a2 = *reinterpret_cast<const float2*>(alpha_s + 8 * i + 2 * tq);
-                al[2 * i] = a2.x, al[2 * i + 1] = a2.y;
-            }
-#pragma unroll
-            for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-                for (int c = 0; c < 16; ++c) o[16 * mb + c] *= al[2 * (c >> 2) + (c & 1)];
-            // All 4 k-steps (no run-time trip count: ptxas keeps the products asynchronous); rows
-            // past the tile's end have p = 0 and zero-filled rows.
-            wg_fence_regs<128>(o);
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BLK / 16; ++kk) {
-                const uint64_t b = wg_desc(sbase + SM_P + kk * 32, 16, 1024);
-#pragma unroll
-                for (int mb = 0; mb < 8; ++mb) wg_m64n32k16<1, 0>(o + 16 * mb, wg_desc(kt + mb * PLANE + kk * 16 * 128, PLANE, 1024), b);
-            }
-            wg_commit();
-            if (!OVERLAP || j == ntiles) {
-                wg_wait_all();
-                wg_fence_regs<128>(o);
-                if (lane == 0) mbar_arrive(bar_empty + 8 * ((j - 1) & 1));
-                if (j - 1 < 16) stamp(20 + j - 1);
-            }
-        }
-        if (j == ntiles) break;
+    // Per tile: wait for the rows, S^T, softmax, P.V, hand the stage back. (Measured slower,
+    // round 6: the previous tile's P.V left in flight while this tile's rows are awaited and its
+    // S^T issued; its stage then goes back only after this tile's rows landed, so at most one
+    // tile is in flight.)
+    for (int j = 0; j < ntiles; ++j) {
         mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
         if (j == 0) cp_async_wait_all();  // this thread's q copies
         fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
@@ -201,15 +167,8 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
             wg_m64n32k16<0, 0>(s, wg_desc(kt + (ks >> 2) * PLANE + sub, 16, 1024), wg_desc(sbase + SM_Q + (ks >> 2) * (HS * 128) + sub, 16, 1024));
         }
         wg_commit();
-        if (OVERLAP && j > 0) {
-            // P.V of the previous tile (issued before this S^T) completed: its stage goes back.
-            wg_wait_but_one();  // (o is next touched after the wait below and its register fence)
-            if (lane == 0) mbar_arrive(bar_empty + 8 * ((j - 1) & 1));
-            if (j - 1 < 16) stamp(20 + j - 1);
-        }
         wg_wait_all();
         wg_fence_regs<16>(s);
-        if (OVERLAP) wg_fence_regs<128>(o);
         // S^T -> shared [head][row] (conflict-free: the row stride is 4 banks off per head).
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -255,6 +214,33 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         if ((lane & 3) == 0) alpha_s[hw] = alpha;
         fence_proxy_async();  // the P^T tile is read by wgmma
         consumer_sync();
+        // Rescale O by its heads' alpha, then O^T += V^T . P^T over all 4 k-steps (no run-time trip
+        // count: ptxas keeps the products asynchronous; rows past the tile's end have p = 0 and
+        // zero-filled rows).
+        float al[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 a2 = *reinterpret_cast<const float2*>(alpha_s + 8 * i + 2 * tq);
+            al[2 * i] = a2.x, al[2 * i + 1] = a2.y;
+        }
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+            for (int c = 0; c < 16; ++c) o[16 * mb + c] *= al[2 * (c >> 2) + (c & 1)];
+        wg_fence_regs<128>(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLK / 16; ++kk) {
+            const uint64_t b = wg_desc(sbase + SM_P + kk * 32, 16, 1024);
+#pragma unroll
+            for (int mb = 0; mb < 8; ++mb) wg_m64n32k16<1, 0>(o + 16 * mb, wg_desc(kt + mb * PLANE + kk * 16 * 128, PLANE, 1024), b);
+        }
+        wg_commit();
+        wg_wait_all();
+        wg_fence_regs<128>(o);
+        // This warp is done with the stage (its products completed): hand it back.
+        if (lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
+        if (j < 16) stamp(20 + j);
     }
 
     // 3. Epilogue: per head the factor 1 / (den + e^{sink - m}) and the lse (lanes l % 4 = 0),
@@ -329,16 +315,10 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     const int ktot = p.kw + p.kc;
     const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
-    // DSV41_SPARSE_ATTENTION_HS=1 (measurement switch): the serial tile loop.
-    const char* hs = getenv("DSV41_SPARSE_ATTENTION_HS");
-    const bool serial = hs && hs[0] == '1';
-    auto kernel = serial ? head_split_kernel<false> : head_split_kernel<true>;
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
-        for (auto k : {head_split_kernel<false>, head_split_kernel<true>}) {
-            const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-            if (e != cudaSuccess) return static_cast<int>(e);
-        }
+        const cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        if (e != cudaSuccess) return static_cast<int>(e);
         configured_dev = dev;
     }
     cudaLaunchConfig_t cfg = {};
@@ -355,7 +335,7 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
     }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p, mode);
+    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode);
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);
