@@ -76,7 +76,8 @@ static_assert(HS * OUT_STRIDE <= 2 * TILEB, "out rows fit the stages");
 
 constexpr int TRACE_SLOTS = 40;
 // Phase timestamps of CTA (0, 0), thread 0: [0] start, [1] indices loaded, [2] compaction done,
-// [3] end, [4 + j] rows of tile j arrived, [20 + j] tile j done (j < 16).
+// [3] end, [4 + j] rows of tile j arrived, [20 + j] tile j done (j < 16); tile 1: [36] S^T
+// done, [37] softmax done (P^T written).
 __device__ long long g_trace_heads[TRACE_SLOTS];
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
@@ -169,6 +170,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         wg_commit();
         wg_wait_all();
         wg_fence_regs<16>(s);
+        if (j == 1) stamp(36);
         // S^T -> shared [head][row] (conflict-free: the row stride is 4 banks off per head).
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -217,6 +219,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         // Rescale O by its heads' alpha, then O^T += V^T . P^T over all 4 k-steps (no run-time trip
         // count: ptxas keeps the products asynchronous; rows past the tile's end have p = 0 and
         // zero-filled rows).
+        if (j == 1) stamp(37);
         float al[8];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -305,7 +308,11 @@ void print_trace(cudaStream_t stream, int dev) {
         fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[20 + j] - prev) * us, (h[4 + j] - prev) * us);
         prev = h[20 + j];
     }
-    fprintf(stderr, " | epilogue %.2f | total %.2f us\n", (h[3] - prev) * us, (h[3] - h[0]) * us);
+    fprintf(stderr, " | epilogue %.2f | total %.2f us", (h[3] - prev) * us, (h[3] - h[0]) * us);
+    if (h[37] > 0)
+        fprintf(stderr, " (tile1 after its rows: S^T %.2f, softmax %.2f, P.V %.2f us)", (h[36] - h[5]) * us, (h[37] - h[36]) * us,
+                (h[21] - h[37]) * us);
+    fprintf(stderr, "\n");
 }
 
 }  // namespace heads
