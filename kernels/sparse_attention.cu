@@ -1,7 +1,10 @@
 // sparse_attention: sparse attention with a per-head sink over two gathered KV sources (spec
 // §4.6-§4.7, §0.1b.6), bf16 rows, Hopper tensor cores (wgmma m64nNk16 bf16 -> f32, sm_90a),
-// split-KV over a thread-block cluster. One kernel serves decode (few tokens: several splits per
-// token) and prefill (many tokens: one CTA per token).
+// split-KV over a thread-block cluster: the all-heads kernel, for prefill (many tokens: one CTA
+// per token) and decode (few tokens: several splits per token). The launcher at the end of this
+// file also runs the head-split decode kernel (kernels/sparse_attention_heads.cu: 32 heads per CTA
+// over all of the token's rows, no merge) where this kernel would run 2 splits (`use_head_split`),
+// or as the caller forces (params.kernel).
 //
 // For token t, head h and the valid rows s of [kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]
 // (in that order, duplicates kept):
@@ -26,7 +29,8 @@
 // split), 384 threads = 3 warpgroups, 1 CTA per SM (~220 KB shared memory). CTA (t, r, z)
 // handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row
 // tiles) of the token's compacted valid rows. The launcher picks S from the token count and the
-// SM count (a wave model, `choose_splits`) unless the caller forces it.
+// SM count (a wave model, `choose_splits`) unless the caller forces it. Steps 1 and 2p are shared
+// with the head-split kernel (include/dsv41_sparse_attention_common.cuh).
 //   1. The compute warpgroups load the token's indices at once, then issue the cp.async copies
 //      of q (64 heads x 512 bf16, waited for at tile 0); a ballot + warp scan compacts the valid
 //      indices and the CTA keeps the entries of its range (source bit + row) in shared memory.
