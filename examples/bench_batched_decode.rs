@@ -397,7 +397,7 @@ impl Step<'_> {
             sink: &self.w.sink,
             scale: (self.w.hd as f32).powf(-0.5),
         };
-        Ok(inputs.forward(SparseAttentionOptions { num_splits: splits })?.0)
+        Ok(inputs.forward(SparseAttentionOptions { num_splits: splits, ..Default::default() })?.0)
     }
 
     /// `[B, hidden]` bf16.

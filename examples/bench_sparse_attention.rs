@@ -4,7 +4,8 @@
 //!
 //! * Decode, B = 1, 64, 256 sequences, one query token each: the window = the sequence's own
 //!   ring of 128 rows, extra = 512 rows drawn at random from a pool of 128K compressed positions
-//!   (128 MB, mostly not in L2). Also B = 64 with forced split counts.
+//!   (128 MB, mostly not in L2). Each B with the launcher's choice, the all-heads kernel (its
+//!   split choice) and the head-split kernel forced; B = 64 also with forced split counts.
 //! * Prefill, T = 4096, 16384, 65536 query tokens of one sequence: token i's window = positions
 //!   i-127 ..= i (−1 before the start), extra = 512 random entries of a compressed pool of T/4
 //!   rows (compression ratio 4).
@@ -21,7 +22,8 @@
 //! no sink), for the decode sizes and prefill T = 4096 (larger T does not fit its gathers).
 //!
 //! * Decode over packed rows (`KvRows::Packed`: 528 B window rows, 288 B compressed rows,
-//!   dequantized in the kernel), B = 1, 64, 256: GB/s counted with the packed row sizes.
+//!   dequantized in the kernel), B = 1, 64, 256 (default, all-heads and head-split kernels): GB/s
+//!   counted with the packed row sizes.
 //!
 //! Run: `cargo run --release --features cuda --example bench_sparse_attention` (needs a GPU).
 
@@ -33,7 +35,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use deepseek_v41::cuda::{
     sparse_attention_two_source, sparse_attention_two_source_with, KvRows, PackedLayout, SparseAttentionInputs,
-    SparseAttentionOptions,
+    SparseAttentionKernel, SparseAttentionOptions,
 };
 use deepseek_v41::quant::QatFormat;
 
@@ -221,7 +223,15 @@ fn prefill_problem(dev: &Device, t: usize, pool: Option<usize>) -> Result<Proble
 /// Decode over PACKED rows: the problem's window rows in format A and the pool in format B
 /// (pages of 64 tokens), same indices; bytes counted with the packed row sizes. Prints one row
 /// like [`report`] (no baseline; correctness is tests/cuda_sparse_attention_packed.rs).
-fn report_packed(timer: &Timer, args: &Args, label: &str, pb: &Problem, pool: &(Tensor, PackedLayout), sink: &Tensor) -> Result<()> {
+fn report_packed(
+    timer: &Timer,
+    args: &Args,
+    label: &str,
+    pb: &Problem,
+    pool: &(Tensor, PackedLayout),
+    sink: &Tensor,
+    opts: SparseAttentionOptions,
+) -> Result<()> {
     let scale = (HEAD_DIM as f32).powf(-0.5);
     let a = PackedLayout::new(QatFormat::Fp8Ue8m0B32, HEAD_DIM, 64)?;
     let win = a.pack(&pb.kvw)?;
@@ -234,7 +244,6 @@ fn report_packed(timer: &Timer, args: &Args, label: &str, pb: &Problem, pool: &(
         sink,
         scale,
     };
-    let opts = SparseAttentionOptions::default();
     let (t, host) = timer.time(|| {
         inputs.forward(opts)?;
         Ok(())
@@ -263,7 +272,7 @@ fn print_row(label: &str, t: f64, host: f64, bytes: f64, rows: usize, tail: &str
     let gbps = gbps(bytes, t);
     let tflops = tflops((4 * HEADS * HEAD_DIM * rows) as f64, t);
     println!(
-        "{label:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}% {tail}",
+        "{label:<31} {:>10.2} {:>10.2} {:>8.0} {:>6.1}% {:>8.1} {:>6.1}% {tail}",
         t * 1e3,
         host * 1e3,
         gbps,
@@ -279,11 +288,10 @@ fn report(
     label: &str,
     pb: &Problem,
     sink: &Tensor,
-    splits: Option<usize>,
+    opts: SparseAttentionOptions,
     with_baseline: bool,
 ) -> Result<()> {
     let scale = (HEAD_DIM as f64).powf(-0.5);
-    let opts = SparseAttentionOptions { num_splits: splits };
     let (t, host) = timer.time(|| {
         sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, &pb.kvc, &pb.ic, sink, scale as f32, opts)?;
         Ok(())
@@ -299,7 +307,7 @@ fn report(
             Err(e) => format!("  baseline failed: {e}"),
         }
     };
-    if args.diag && splits.is_none() {
+    if args.diag && opts.num_splits.is_none() {
         for (what, v) in [("no mma", "2"), ("no gather", "4")] {
             std::env::set_var("DSV41_SPARSE_ATTENTION_DIAG", v);
             let r = timer.time(|| {
@@ -330,16 +338,22 @@ fn main() -> Result<()> {
         timer.blocker_ms
     );
     println!(
-        "{:<22} {:>10} {:>10} {:>8} {:>7} {:>8} {:>7} {:>12} {:>8}",
+        "{:<31} {:>10} {:>10} {:>8} {:>7} {:>8} {:>7} {:>12} {:>8}",
         "case", "gpu_us", "host_us", "GB/s", "HBM", "TFLOP/s", "peak", "candle_us", "speedup"
     );
     let pool = Tensor::randn(0f32, 1.0, (POOL, HEAD_DIM), &dev)?.to_dtype(DType::BF16)?;
+    let auto = SparseAttentionOptions::default();
+    let all_heads = SparseAttentionOptions { kernel: SparseAttentionKernel::AllHeads, ..auto };
+    let head_split = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplit, ..auto };
     for b in [1usize, 64, 256] {
         let pb = decode_problem(&dev, &pool, b)?;
-        report(&timer, &args, &format!("decode B={b}"), &pb, &sink, None, true)?;
+        report(&timer, &args, &format!("decode B={b}"), &pb, &sink, auto, true)?;
+        report(&timer, &args, &format!("decode B={b} all-heads"), &pb, &sink, all_heads, false)?;
+        report(&timer, &args, &format!("decode B={b} head-split"), &pb, &sink, head_split, false)?;
         if b == 64 {
             for s in [1usize, 2, 3, 4] {
-                report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, Some(s), false)?;
+                let opts = SparseAttentionOptions { num_splits: Some(s), ..auto };
+                report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, opts, false)?;
             }
         }
     }
@@ -350,7 +364,9 @@ fn main() -> Result<()> {
         let packed_pool = (b_fmt.pack(&pool)?, b_fmt);
         for b in [1usize, 64, 256] {
             let pb = decode_problem(&dev, &pool, b)?;
-            report_packed(&timer, &args, &format!("decode B={b} packed"), &pb, &packed_pool, &sink)?;
+            for (name, opts) in [("", auto), (" all-heads", all_heads), (" head-split", head_split)] {
+                report_packed(&timer, &args, &format!("decode B={b} packed{name}"), &pb, &packed_pool, &sink, opts)?;
+            }
         }
     }
     // Sanity: the default entry point agrees with the explicit one (same launcher choice).
@@ -374,16 +390,17 @@ fn main() -> Result<()> {
     // Fixed costs: no valid row, one tile of 64 rows.
     for win in [0usize, 64] {
         let pb = short_problem(&dev, 64, win)?;
-        report(&timer, &args, &format!("decode B=64 rows={win}"), &pb, &sink, None, false)?;
+        report(&timer, &args, &format!("decode B=64 rows={win}"), &pb, &sink, auto, false)?;
+        report(&timer, &args, &format!("decode B=64 rows={win} all-heads"), &pb, &sink, all_heads, false)?;
     }
     drop(pool);
     if !args.no_prefill {
         for t in [4096usize, 16384, 65536] {
             let pb = prefill_problem(&dev, t, None)?;
-            report(&timer, &args, &format!("prefill T={t}"), &pb, &sink, None, t <= 4096)?;
+            report(&timer, &args, &format!("prefill T={t}"), &pb, &sink, auto, t <= 4096)?;
         }
         let pb = prefill_problem(&dev, 4096, Some(POOL))?;
-        report(&timer, &args, "prefill T=4096 pool128K", &pb, &sink, None, false)?;
+        report(&timer, &args, "prefill T=4096 pool128K", &pb, &sink, auto, false)?;
     }
     Ok(())
 }

@@ -1,7 +1,10 @@
 // sparse_attention: sparse attention with a per-head sink over two gathered KV sources (spec
 // §4.6-§4.7, §0.1b.6), bf16 rows, Hopper tensor cores (wgmma m64nNk16 bf16 -> f32, sm_90a),
-// split-KV over a thread-block cluster. One kernel serves decode (few tokens: several splits per
-// token) and prefill (many tokens: one CTA per token).
+// split-KV over a thread-block cluster: the all-heads kernel, for prefill (many tokens: one CTA
+// per token) and decode (few tokens: several splits per token). The launcher at the end of this
+// file also runs the head-split decode kernel (kernels/sparse_attention_heads.cu: 32 heads per CTA
+// over all of the token's rows, no merge) where this kernel would run 2 splits (`use_head_split`),
+// or as the caller forces (params.kernel).
 //
 // For token t, head h and the valid rows s of [kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]
 // (in that order, duplicates kept):
@@ -26,7 +29,8 @@
 // split), 384 threads = 3 warpgroups, 1 CTA per SM (~220 KB shared memory). CTA (t, r, z)
 // handles heads [64 z, 64 z + 64) of token t over the r-th of S equal ranges (whole 64-row
 // tiles) of the token's compacted valid rows. The launcher picks S from the token count and the
-// SM count (a wave model, `choose_splits`) unless the caller forces it.
+// SM count (a wave model, `choose_splits`) unless the caller forces it. Steps 1 and 2p are shared
+// with the head-split kernel (include/dsv41_sparse_attention_common.cuh).
 //   1. The compute warpgroups load the token's indices at once, then issue the cp.async copies
 //      of q (64 heads x 512 bf16, waited for at tile 0); a ballot + warp scan compacts the valid
 //      indices and the CTA keeps the entries of its range (source bit + row) in shared memory.
@@ -73,9 +77,7 @@
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
-// results, for timing the other parts); bits 8 / 16 / 32 of it select the S > 2 epilogue also
-// for S = 2 / for S = 1 / the combine before the second cluster barrier (the variants of
-// docs/perf.md "Round 5"; same results).
+// results, for timing the other parts).
 // Measured on the H200 (docs/perf.md, "Round 3" to "Round 5"): a 64-row tile costs ~2.3 us (tensor
 // cores + softmax; the gather keeps up, waits ~0.13 us); moving 64 KB between the two CTAs of a
 // cluster takes ~2.5 us as a bulk copy, ~3.5-4 us as distributed shared memory stores.
@@ -100,12 +102,6 @@ namespace cg = cooperative_groups;
 namespace dsv41_sa {
 
 using namespace dsv41_ptx;
-
-__device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttentionParams& p, uint32_t e) {
-    const int64_t row = e & 0x7fffffffu;
-    return (e >> 31) ? static_cast<const __nv_bfloat16*>(p.kv_extra) + row * p.extra_row_stride
-                     : static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride;
-}
 
 // Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
 __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
@@ -134,8 +130,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
     // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
     const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
-    // Epilogue: bulk-copy exchange (S <= 2) unless bit 3 asks for the store push.
-    const bool xfer = nsplit == 1 ? !(mode & 16) : nsplit == 2 && !(mode & 8);
+    // Epilogue: bulk-copy exchange with S <= 2 splits, distributed shared memory stores with more.
+    const bool xfer = nsplit <= 2;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace[slot] = clock64();
@@ -143,20 +139,6 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
     stamp(0);
-    // 1a. q -> shared by cp.async (16 bytes per thread and step; heads past nh zero-filled).
-    auto load_q = [&]() {
-        const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride;
-        const int col = tid & 63;
-#pragma unroll 4
-        for (int i = 0; i < HB * 64 / THREADS; ++i) {
-            const int h = (tid >> 6) + 4 * i;
-            const bool ok = h < nh;
-            const __nv_bfloat16* src = qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + col * 8 : 0);
-            cp_async16(sbase + SM_Q + wgsw(h, col), src, ok);
-        }
-        if (tid < HB) cp_async4(sbase + SM_SINK + 4 * tid, p.sink + h0 + min(tid, nh - 1));  // (waited for with q)
-        cp_async_commit();
-    };
     if (tid < HB) {
         m_s[tid] = M_FLOOR;
         m_s[HB + tid] = M_FLOOR;
@@ -173,89 +155,22 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         }
     }
 
-    // 1b. Compaction of the valid indices in order (window then extra), by the compute threads.
-    const int ktot = p.kw + p.kc;
-    const int rounds = (ktot + THREADS - 1) / THREADS;
-    uint32_t code[MAX_ROUNDS];
-    unsigned bal[MAX_ROUNDS];
-#pragma unroll
-    for (int r = 0; r < MAX_ROUNDS; ++r) {
-        code[r] = 0xffffffffu;
-        bal[r] = 0u;
-    }
-    int64_t raw[MAX_ROUNDS];
-    auto load_idx = [&]() {
-        // All loads first (one memory round trip), then the validity ballots.
-#pragma unroll
-        for (int r = 0; r < MAX_ROUNDS; ++r) {
-            raw[r] = -1;
-            const int i = r * THREADS + tid;
-            if (r < rounds && i < ktot) {
-                const bool win = i < p.kw;
-                const void* base = win ? p.idx_window : p.idx_extra;
-                const int64_t k = win ? static_cast<int64_t>(t) * p.kw + i : static_cast<int64_t>(t) * p.kc + (i - p.kw);
-                raw[r] = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(base) + k)
-                                            : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(base) + k));
-            }
-        }
-    };
-    if (compute) {
-        load_idx();  // first: the compaction waits for these, the q copies only at tile 0
-        load_q();
-#pragma unroll
-        for (int r = 0; r < MAX_ROUNDS; ++r) {
-            if (r < rounds) {
-                const int i = r * THREADS + tid;
-                const int64_t s = raw[r];
-                if (i < p.kw) {
-                    if (s >= 0 && s < p.num_window_rows) code[r] = static_cast<uint32_t>(s);
-                } else if (i < ktot) {
-                    if (s >= 0 && s < p.num_extra_rows) code[r] = 0x80000000u | static_cast<uint32_t>(s);
-                }
-                bal[r] = __ballot_sync(0xffffffffu, code[r] != 0xffffffffu);
-                if (lane == 0) cnt_s[r * 8 + warp] = __popc(bal[r]);
-            }
-        }
-    }
+    // 1. Compaction of the valid indices in order (window then extra), by the compute threads;
+    // the q copies (heads past nh zero-filled; the sink with them) are issued while the index
+    // loads are in flight.
+    ValidIndices vi;
+    if (compute)
+        vi.load_and_count(p, t, tid, cnt_s, [&]() { load_q_tile<HB, THREADS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK); });
     __syncthreads();
     stamp(23);
-    if (warp == 0) {
-        // Exclusive scan over rounds * 8 warp counts (<= 128): 4 consecutive per lane.
-        const int n = rounds * 8;
-        int v[4], s = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            v[i] = 4 * lane + i < n ? cnt_s[4 * lane + i] : 0;
-            s += v[i];
-        }
-        int incl = s;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int x = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += x;
-        }
-        int run = incl - s;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (4 * lane + i < n) cnt_s[4 * lane + i] = run;
-            run += v[i];
-        }
-        if (lane == 31) *total_s = incl;
-    }
+    if (warp == 0) vi.scan(cnt_s, total_s, lane);
     __syncthreads();
     const int count = *total_s;
     // This split's range of valid rows: equal shares in whole tiles.
     const int tiles_all = (count + BLK - 1) / BLK;
     const int per = (tiles_all + nsplit - 1) / nsplit * BLK;
     const int lo = min(count, split * per), hi = min(count, lo + per);
-    const unsigned lt = (1u << lane) - 1u;
-#pragma unroll
-    for (int r = 0; r < MAX_ROUNDS; ++r) {
-        if (r < rounds && code[r] != 0xffffffffu) {
-            const int rank = cnt_s[r * 8 + warp] + __popc(bal[r] & lt);
-            if (rank >= lo && rank < hi) ent_s[rank - lo] = code[r];
-        }
-    }
+    if (compute) vi.store(cnt_s, ent_s, lo, hi, tid);
     __syncthreads();
 
     const int nrows = hi - lo;
@@ -264,58 +179,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     const int hs = (nh + nsplit - 1) / nsplit;
 
     if (!compute) {
-        // 2p. Producer warpgroup: tile j -> stage j & 1 once the compute warps released it (tile
-        // j - 2 consumed). bf16 rows only: this thread's arrival on the stage's full barrier fires
-        // when its copies have landed (no waiting here). With a packed source the thread waits
-        // for its copies, expands its packed slots to bf16 in place (dsv41_attn_rows.cuh) and
-        // then arrives. Rows past the tile's end are zero-filled.
+        // 2p. Producer warpgroup (dsv41_sparse_attention_common.cuh, produce_tiles).
         setmaxnreg_dec<PROD_REGS>();
-        const int gr = (tid - THREADS) >> 3, q = tid & 7;
-        const dsv41_rows::RowSource win{static_cast<const unsigned char*>(p.kv_window), p.window_format, p.window_page_size};
-        const dsv41_rows::RowSource ext{static_cast<const unsigned char*>(p.kv_extra), p.extra_format, p.extra_page_size};
-        const bool any_packed = p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16;
-        auto copy16 = [&](uint32_t dst, const void* src) {
-            if (!skip_gather) cp_async16_l2(dst, src, true);
-        };
-        for (int j = 0; j < ntiles; ++j) {
-            const int st = j & 1;
-            if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
-            const int base = j * BLK;
-            const int nb = min(BLK, nrows - base);
-            const uint32_t dst = sbase + SM_K + st * TILEB;
-            int fmt[4];
-#pragma unroll
-            for (int lr = 0; lr < 4; ++lr) {
-                const int r = lr * 16 + gr;
-                const bool ok = r < nb;
-                const uint32_t e = ok ? ent_s[base + r] : 0u;
-                const bool extra = e >> 31;
-                fmt[lr] = ok ? (extra ? ext.format : win.format) : DSV41_KV_BF16;
-                if (fmt[lr] != DSV41_KV_BF16) {
-                    dsv41_rows::copy_packed_row(extra ? ext : win, e & 0x7fffffffu, dst, r, q, copy16);
-                    continue;
-                }
-                const __nv_bfloat16* src = ok ? row_ptr(p, e) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
-#pragma unroll
-                for (int pl = 0; pl < D / 64; ++pl)
-                    if (!skip_gather) cp_async16_l2(dst + wgsw(r, pl * 8 + q), src + (ok ? pl * 64 : 0), ok);
-            }
-            if (!any_packed) {
-                cp_async_mbar_arrive(bar_full + 8 * st);
-                continue;
-            }
-            // (Measured slower, session 4 lead run 2: a second tile's copies in flight together
-            // with bank-spread raw chunk positions, 44 / 155 us instead of 41 / 131 us at decode
-            // B = 64 / 256: the refilled stage frees only after the compute warps' previous
-            // tile, which put the expansion on their critical path. Lead run 3: the compute
-            // warps expanding the tile after their wait, 42.6 / 139.8 us instead of 40.6 / 130.3.)
-            cp_async_wait_all();  // all of this thread's copies, committed or not
-            __syncwarp();  // the 8 threads of a row copied its chunks
-#pragma unroll
-            for (int lr = 0; lr < 4; ++lr) dsv41_rows::expand_packed_slot(fmt[lr], fmt[lr] != DSV41_KV_BF16, dst, lr * 16 + gr, q);
-            fence_proxy_async();  // the expanded rows are read by wgmma
-            mbar_arrive(bar_full + 8 * st);
-        }
+        produce_tiles(p, sbase + SM_K, ent_s, nrows, bar_full, bar_empty, tid - THREADS, skip_gather);
         // The epilogue's cluster barriers count every thread of the cluster.
         if (nsplit > 1) {
             cluster_sync_all();
@@ -370,7 +236,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
                 const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
-                wg_m64n32k16_kk(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + wg * 32 * 128, 16, 1024));
+                wg_m64n32k16<0, 0>(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + wg * 32 * 128, 16, 1024));
             }
             wg_commit();
             wg_wait_all();
@@ -479,7 +345,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         stat_s[HB + tid] = __fadd_rn(den_s[tid], den_s[HB + tid]);
     }
     if (xfer) {
-        epilogue_xfer(p, smem, acc, t, split, nsplit, h0, nh, hs, count, mode, tracer);
+        epilogue_xfer(p, smem, acc, t, split, nsplit, h0, nh, hs, count, tracer);
         return;
     }
     // Cluster barriers only with S > 1 (a barrier of the compute threads otherwise).
@@ -608,6 +474,18 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
     return best;
 }
 
+// The kernel of a call: forced by the caller, the all-heads kernel with forced splits, else the
+// head-split kernel for bf16 rows where the all-heads kernel would run 2 splits (as many CTAs,
+// each over all of the token's tiles at about half the work per tile, and no merge). With more
+// splits (B = 1) the all-heads kernel spreads the tiles over more SMs; packed rows expand each
+// tile on the producer, which the head-split kernel would do twice per token (docs/perf.md,
+// "Round 6").
+bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, int tiles, int sms) {
+    if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT;
+    if (p.num_splits > 0 || p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16) return false;
+    return choose_splits(tokens_x_hblocks, tiles, sms) == 2;
+}
+
 // Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
 void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
     long long h[TRACE_SLOTS] = {};
@@ -640,7 +518,8 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (p->num_tokens < 0 || p->num_heads < 0 || p->kw < 0 || p->kc < 0 || p->kw + p->kc > MAX_INDICES ||
         p->num_heads > 65535 * HB || (p->index_bytes != 4 && p->index_bytes != 8) || p->num_window_rows < 0 ||
         p->num_extra_rows < 0 || p->num_window_rows > 0x7fffffff || p->num_extra_rows > 0x7fffffff ||
-        p->num_splits < 0 || p->num_splits > MAX_SPLITS)
+        p->num_splits < 0 || p->num_splits > MAX_SPLITS || p->kernel < DSV41_SA_KERNEL_AUTO || p->kernel > DSV41_SA_KERNEL_HEAD_SPLIT ||
+        (p->kernel == DSV41_SA_KERNEL_HEAD_SPLIT && p->num_splits > 1))
         return DSV41_ERR_SHAPE;
     if (p->num_tokens == 0 || p->num_heads == 0) return DSV41_OK;
     if (!p->q || !p->sink || !p->out || !p->lse || (p->kw > 0 && (!p->kv_window || !p->idx_window)) ||
@@ -665,6 +544,18 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (e != cudaSuccess) return static_cast<int>(e);
+    // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
+    // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only).
+    const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
+    const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
+    const int trace = tr && tr[0] == '1';
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    const int hblocks = (p->num_heads + HB - 1) / HB;
+    const int tiles = (ktot + BLK - 1) / BLK;
+    if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {
+        if (p->num_heads > 65535 * 32) return DSV41_ERR_SHAPE;
+        return launch_head_split(*p, static_cast<cudaStream_t>(stream), mode, dev, max_smem);
+    }
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
     // Raise the dynamic limit to the maximum once (thread-safe static initialisation); per-device
     // attributes are re-applied if a later call runs on another device.
@@ -674,8 +565,6 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         if (e != cudaSuccess) return static_cast<int>(e);
         configured_dev = dev;
     }
-    const int hblocks = (p->num_heads + HB - 1) / HB;
-    const int tiles = (ktot + BLK - 1) / BLK;
     const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
 
     cudaLaunchConfig_t cfg = {};
@@ -699,12 +588,6 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     ++nattr;
     cfg.attrs = attr;
     cfg.numAttrs = nattr;
-    // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
-    // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only).
-    const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
-    const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
-    const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 0x3e) : 0);
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);

@@ -6,20 +6,24 @@
 //! 512 per source mixed in one batch, sinks on and off (−inf), H = 4, 20, 64 and 128 (two head
 //! blocks), i64 and i32 indices, forced KV splits 1, 2, 3, 5 and 8 (split boundaries inside
 //! and between the sources, empty splits), the 4096-index limit, and a batch of 264 tokens (the
-//! prefill configuration: one CTA per token).
+//! prefill configuration: one CTA per token). The head-split kernel (32 heads per CTA, no split)
+//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too).
 //! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot
 //! products and of the tensor-core sums differs, which can flip a bf16-rounded probability;
 //! those stay within 2^-7 of the row's largest magnitude) of the crate reference for one split,
 //! and of an independent model of the split-KV numerics (`split_model`) for several, where p is
 //! rounded relative to each split's own max; the split runs also stay within 2^-6 of the row's
-//! largest magnitude of the crate reference. lse within 1e-5 relative.
+//! largest magnitude of the crate reference. The head-split kernel has the numerics of one
+//! split: the same strict comparison with the crate reference. lse within 1e-5 relative.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_sparse_attention`.
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::cuda::{sparse_attention_two_source, sparse_attention_two_source_with, SparseAttentionOptions};
+use deepseek_v41::cuda::{
+    sparse_attention_two_source, sparse_attention_two_source_with, SparseAttentionKernel, SparseAttentionOptions,
+};
 use half::bf16;
 
 const D: usize = 512;
@@ -88,11 +92,13 @@ struct Case<'a> {
     i32_indices: bool,
     /// Forced KV splits (None: the launcher's choice).
     splits: Option<usize>,
+    /// Forced kernel (Auto: the launcher's choice).
+    kernel: SparseAttentionKernel,
 }
 
 impl Default for Case<'_> {
     fn default() -> Self {
-        Case { seed: 0, h: 64, win_lens: &WIN, extra_lens: &EXTRA, kw: 128, kc: 512, holes: 0, amp_q: 1.0, i32_indices: false, splits: None }
+        Case { seed: 0, h: 64, win_lens: &WIN, extra_lens: &EXTRA, kw: 128, kc: 512, holes: 0, amp_q: 1.0, i32_indices: false, splits: None, kernel: SparseAttentionKernel::Auto }
     }
 }
 
@@ -208,25 +214,31 @@ fn run_case(c: &Case) -> Result<()> {
     let g = |x: &Tensor| x.to_device(&dev);
     let (qg, kvwg, iwg, kvcg, icg, sg) = (g(&q)?, g(&kvw)?, g(&iw)?, g(&kvc)?, g(&ic)?, g(&sink)?);
     poison_allocator(&dev, t, c.h)?;
-    let run = |splits: Option<usize>| {
-        sparse_attention_two_source_with(&qg, &kvwg, &iwg, &kvcg, &icg, &sg, scale, SparseAttentionOptions { num_splits: splits })
+    let run = |num_splits: Option<usize>, kernel: SparseAttentionKernel| {
+        sparse_attention_two_source_with(&qg, &kvwg, &iwg, &kvcg, &icg, &sg, scale, SparseAttentionOptions { num_splits, kernel })
     };
-    let (out_g, lse_g) = run(c.splits)?;
+    let (out_g, lse_g) = run(c.splits, c.kernel)?;
     ensure!(out_g.dims() == [t, c.h, D] && lse_g.dims() == [t, c.h], "output shapes {:?} {:?}", out_g.shape(), lse_g.shape());
     let og = out_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()?;
 
-    // The split count in effect: forced, or the launcher's choice (bit-identical to one forced run).
-    let splits = match c.splits {
-        Some(s) => s,
-        None => {
+    // The configuration in effect: forced, or the launcher's choice (bit-identical to one forced
+    // run: the head-split kernel, or the all-heads kernel with some split count). `splits`: the
+    // numerics' split count (1 for the head-split kernel).
+    let same = |num_splits, kernel| -> Result<bool> { Ok(run(num_splits, kernel)?.0.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()? == og) };
+    let (kernel, splits) = match (c.kernel, c.splits) {
+        (SparseAttentionKernel::HeadSplit, _) => ("head-split", 1),
+        (_, Some(s)) => ("all-heads", s),
+        (SparseAttentionKernel::AllHeads, None) | (SparseAttentionKernel::Auto, None) => {
             let mut found = None;
+            if c.kernel == SparseAttentionKernel::Auto && same(None, SparseAttentionKernel::HeadSplit)? {
+                found = Some(("head-split", 1));
+            }
             for s in 1..=8 {
-                if run(Some(s))?.0.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()? == og {
-                    found = Some(s);
-                    break;
+                if found.is_none() && same(Some(s), SparseAttentionKernel::AllHeads)? {
+                    found = Some(("all-heads", s));
                 }
             }
-            found.ok_or_else(|| anyhow::anyhow!("seed {}: the default run matches no forced split count", c.seed))?
+            found.ok_or_else(|| anyhow::anyhow!("seed {}: the default run matches no forced kernel and split count", c.seed))?
         }
     };
 
@@ -251,7 +263,13 @@ fn run_case(c: &Case) -> Result<()> {
         }
         compare("split model", c, &og, &model)?
     };
-    eprintln!("seed {} splits {splits} ({:?}): {} outputs, {one} at 1 ulp, {two} at >= 2 ulps", c.seed, c.splits, og.len());
+    eprintln!(
+        "seed {} {kernel} splits {splits} ({:?}, {:?}): {} outputs, {one} at 1 ulp, {two} at >= 2 ulps",
+        c.seed,
+        c.kernel,
+        c.splits,
+        og.len()
+    );
 
     let lg = lse_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
     let lc = lse_c.flatten_all()?.to_vec1::<f32>()?;
@@ -348,6 +366,33 @@ fn prefill_batch_one_cta_per_token() -> Result<()> {
 }
 
 #[test]
+fn head_split_kernel_over_the_edge_cases() -> Result<()> {
+    // The head-split kernel forced over the cases above: mixed lengths with holes and i32
+    // indices, every per-source length pair, sharp logits, partial head blocks (H = 4, 20,
+    // 100), two and four head blocks (H = 64, 128), a decode batch, the 4096-index limit and
+    // window-only tokens; also forced with num_splits = 1 (allowed) and the all-heads kernel
+    // forced without splits (the launcher's split count).
+    let hs = SparseAttentionKernel::HeadSplit;
+    run_case(&Case { seed: 100, h: 4, kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 101, holes: 9, i32_indices: true, kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 102, kw: 130, kc: 520, holes: 3, amp_q: 6.0, kernel: hs, ..Case::default() })?;
+    let lens = [0usize, 1, 127, 128, 129, 512];
+    let win: Vec<usize> = (0..36).map(|i| lens[i % 6]).collect();
+    let extra: Vec<usize> = (0..36).map(|i| lens[i / 6]).collect();
+    run_case(&Case { seed: 103, win_lens: &win, extra_lens: &extra, kw: 512, holes: 2, kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 104, h: 128, holes: 4, kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 105, h: 100, holes: 4, splits: Some(1), kernel: hs, ..Case::default() })?;
+    let (win, extra) = (&[128, 5, 0, 77][..], &[0, 0, 0, 0][..]);
+    run_case(&Case { seed: 106, h: 20, win_lens: win, extra_lens: extra, kc: 1, holes: 2, amp_q: 2.0, kernel: hs, ..Case::default() })?;
+    let win = [128usize; 33];
+    let extra: Vec<usize> = (0..33).map(|i| [512, 511, 129, 1, 0][i % 5]).collect();
+    run_case(&Case { seed: 107, win_lens: &win, extra_lens: &extra, amp_q: 1.5, kernel: hs, ..Case::default() })?;
+    let (win, extra) = (&[2048usize, 1000, 0][..], &[2048usize, 2048, 5][..]);
+    run_case(&Case { seed: 108, h: 4, win_lens: win, extra_lens: extra, kw: 2048, kc: 2048, holes: 30, kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 109, kernel: SparseAttentionKernel::AllHeads, ..Case::default() })
+}
+
+#[test]
 fn sink_changes_output_and_matches_lse_identity() -> Result<()> {
     // Negative control and identity: out(sink) = out(no sink) / (1 + e^{sink - lse}).
     let dev = gpu();
@@ -399,9 +444,12 @@ fn rejects_bad_shapes_and_dtypes() -> Result<()> {
     let kv256 = Tensor::zeros((8, 256), DType::BF16, &dev)?;
     let e = sparse_attention_two_source(&q256, &kv256, &idx, &kv256, &idx, &sink, 1.0).unwrap_err().to_string();
     ensure!(e.contains("head_dim 512"), "{e}");
-    let bad = SparseAttentionOptions { num_splits: Some(9) };
+    let bad = SparseAttentionOptions { num_splits: Some(9), ..Default::default() };
     let e = sparse_attention_two_source_with(&q, &kv, &idx, &kv, &idx, &sink, 1.0, bad).unwrap_err().to_string();
     ensure!(e.contains("num_splits"), "{e}");
+    let bad = SparseAttentionOptions { num_splits: Some(2), kernel: SparseAttentionKernel::HeadSplit };
+    let e = sparse_attention_two_source_with(&q, &kv, &idx, &kv, &idx, &sink, 1.0, bad).unwrap_err().to_string();
+    ensure!(e.contains("head-split") && e.contains("num_splits 2"), "{e}");
     let wide = Tensor::zeros((2, 4094), DType::I64, &dev)?;
     let e = sparse_attention_two_source(&q, &kv, &wide, &kv, &idx, &sink, 1.0).unwrap_err().to_string();
     ensure!(e.contains("4096 indices"), "{e}");

@@ -6,8 +6,9 @@
 //! kernel over packed rows must be BIT-IDENTICAL to the same kernel over those bf16 rows (same
 //! split count): that is the main assertion, on fresh random rows (never zeros), with −1 holes,
 //! lengths 0 / 1 / 127 / 128 / 129 / 512, odd page sizes (indices on the last slot of the last
-//! page), mixed sources (one packed, one bf16), H = 4 and 64, forced splits, block scales spread
-//! over 2^-30 .. 2^20 (every UE8M0 / e4m3 scale path). The CPU path of `KvRows::Packed` (the
+//! page), mixed sources (one packed, one bf16), H = 4 and 64, forced splits, the head-split
+//! kernel forced (and the all-heads kernel forced), block scales spread over 2^-30 .. 2^20
+//! (every UE8M0 / e4m3 scale path). The CPU path of `KvRows::Packed` (the
 //! crate's unpacking + reference) is checked against the GPU within the bf16 tolerance of
 //! `tests/cuda_sparse_attention.rs` (2^-6 of a row's largest magnitude), and bad inputs must
 //! give errors naming the source.
@@ -17,7 +18,7 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::cuda::{KvRows, PackedLayout, SparseAttentionInputs, SparseAttentionOptions};
+use deepseek_v41::cuda::{KvRows, PackedLayout, SparseAttentionInputs, SparseAttentionKernel, SparseAttentionOptions};
 use deepseek_v41::quant::QatFormat;
 use half::bf16;
 
@@ -86,6 +87,7 @@ struct Case<'a> {
     packed: (bool, bool),
     spread: bool,
     splits: Option<usize>,
+    kernel: SparseAttentionKernel,
     /// Also compare with the CPU path (slow for large batches).
     cpu: bool,
     /// Rows of the window / extra sources (None: a few pages, the last one part-filled).
@@ -104,6 +106,7 @@ impl Default for Case<'_> {
             packed: (true, true),
             spread: false,
             splits: None,
+            kernel: SparseAttentionKernel::Auto,
             cpu: true,
             rows: None,
         }
@@ -140,7 +143,7 @@ fn run_case(c: &Case) -> Result<()> {
     let sink_v: Vec<f32> = (0..c.h).map(|i| if i % 3 == 1 { f32::NEG_INFINITY } else { 2.0 * rng.normal() }).collect();
     let sink = Tensor::new(sink_v.as_slice(), &dev)?;
     let scale = (D as f32).powf(-0.5);
-    let opts = SparseAttentionOptions { num_splits: c.splits };
+    let opts = SparseAttentionOptions { num_splits: c.splits, kernel: c.kernel };
     let attend = |window: KvRows, extra: KvRows| {
         SparseAttentionInputs { q: &q, window, idx_window: &iw, extra, idx_extra: &ic, sink: &sink, scale }.forward(opts)
     };
@@ -164,7 +167,7 @@ fn run_case(c: &Case) -> Result<()> {
     ensure!(op.iter().all(|&u| bf16::from_bits(u).is_finite()), "seed {}: a non-finite output (unwritten?)", c.seed);
 
     if !c.cpu {
-        eprintln!("seed {} packed {:?} pages {:?} splits {:?}: {} outputs bit-identical to bf16 rows", c.seed, c.packed, c.pages, c.splits, op.len());
+        eprintln!("seed {} packed {:?} pages {:?} splits {:?} {:?}: {} outputs bit-identical to bf16 rows", c.seed, c.packed, c.pages, c.splits, c.kernel, op.len());
         return Ok(());
     }
     // The CPU path of the packed sources (unpack + reference) against the GPU, bf16 tolerance.
@@ -195,7 +198,7 @@ fn run_case(c: &Case) -> Result<()> {
             i % D
         );
     }
-    eprintln!("seed {} packed {:?} pages {:?} splits {:?}: {} outputs bit-identical to bf16 rows", c.seed, c.packed, c.pages, c.splits, op.len());
+    eprintln!("seed {} packed {:?} pages {:?} splits {:?} {:?}: {} outputs bit-identical to bf16 rows", c.seed, c.packed, c.pages, c.splits, c.kernel, op.len());
     Ok(())
 }
 
@@ -229,13 +232,25 @@ fn lengths_and_forced_splits() -> Result<()> {
 }
 
 #[test]
+fn both_kernels_forced() -> Result<()> {
+    let lens = [0usize, 1, 127, 128, 129, 512];
+    let win: Vec<usize> = (0..36).map(|i| lens[i % 6].min(128)).collect();
+    let extra: Vec<usize> = (0..36).map(|i| lens[i / 6]).collect();
+    let hs = SparseAttentionKernel::HeadSplit;
+    run_case(&Case { seed: 20, win_lens: &win, extra_lens: &extra, holes: 2, pages: (16, 33), kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 21, h: 4, spread: true, pages: (5, 11), kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 22, packed: (false, true), pages: (64, 3), holes: 3, kernel: hs, ..Case::default() })?;
+    run_case(&Case { seed: 23, holes: 7, pages: (7, 13), kernel: SparseAttentionKernel::AllHeads, ..Case::default() })
+}
+
+#[test]
 fn a_full_gpu_of_decode_tokens() -> Result<()> {
     // 256 tokens of 128 window + 512 extra rows: every SM busy, copies slow to land (lead run 7
     // found the producer expanding rows whose copies had not landed only at such loads).
     let (win, extra) = ([128usize; 256], [512usize; 256]);
-    for splits in [None, Some(2)] {
+    for (splits, kernel) in [(None, SparseAttentionKernel::Auto), (Some(2), SparseAttentionKernel::Auto), (None, SparseAttentionKernel::HeadSplit)] {
         let rows = Some((256 * 128, 1 << 17));
-        run_case(&Case { seed: 70, win_lens: &win, extra_lens: &extra, splits, cpu: false, rows, ..Case::default() })?;
+        run_case(&Case { seed: 70, win_lens: &win, extra_lens: &extra, splits, kernel, cpu: false, rows, ..Case::default() })?;
     }
     Ok(())
 }

@@ -95,6 +95,15 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
+// Four 8 x 8 b16 matrices of a warp, stored transposed (stmatrix .trans): register k of lane l
+// holds row l / 4, columns 2 (l % 4) .. +1 of matrix k (the mma / wgmma accumulator fragment after
+// packing pairs); lane l gives the shared address of memory row l % 8 of matrix l / 8, which
+// receives column l % 8 of the matrix (8 b16 = 16 bytes, 16-byte aligned).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 // wgmma (sm_90a): shared-memory matrix descriptors and the kernel's two warpgroup products
 // (PTX ISA, asynchronous warpgroup level matrix shared memory layout).
 // Descriptor of a 128-byte-swizzled operand at shared address `addr` (the pattern repeats on
@@ -114,17 +123,19 @@ __device__ __forceinline__ void wg_fence_regs(float* d) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[0..15] += A (64 x 16, smem descriptor a) * B (16 x 32, smem descriptor b, K-major),
-// bf16 -> f32; accumulator layout: d[4i + c] at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
-__device__ __forceinline__ void wg_m64n32k16_kk(float* d, uint64_t a, uint64_t b) {
+// d[0..15] += A (64 x 16, smem descriptor a) * B (16 x 32, smem descriptor b), bf16 -> f32;
+// TA / TB = 0: the operand is K-major, 1: MN-major (transposed); accumulator layout: d[4i + c]
+// at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
+template <int TA, int TB>
+__device__ __forceinline__ void wg_m64n32k16(float* d, uint64_t a, uint64_t b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(1));
+        : "l"(a), "l"(b), "r"(1), "n"(TA), "n"(TB));
 }
 
 // d[0..127] += A (64 x 16, smem descriptor a) * B (16 x 256, smem descriptor b, MN-major),

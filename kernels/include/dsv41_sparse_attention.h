@@ -16,6 +16,13 @@ enum {
     DSV41_KV_PACKED_B = 2,  // compressed KV: 256 B of e2m1 pairs + 32 e4m3 scale bytes (block 16) = 288 B
 };
 
+// Which kernel runs (num_splits > 1 forces the all-heads kernel).
+enum {
+    DSV41_SA_KERNEL_AUTO = 0,       // the launcher picks (head-split for few tokens)
+    DSV41_SA_KERNEL_ALL_HEADS = 1,  // all heads of a token per CTA, split-KV over a cluster (sparse_attention.cu)
+    DSV41_SA_KERNEL_HEAD_SPLIT = 2, // 32 heads per CTA, all rows, no split (sparse_attention_heads.cu)
+};
+
 // Two KV sources like FlashMLA's k_cache + extra_k_cache: token t attends to the valid rows of
 // [kv_window[idx_window[t, :]] ; kv_extra[idx_extra[t, :]]] in that order (no dedupe). An
 // index is valid iff 0 <= i < num_rows of its source (-1 = hole / padding; other values are
@@ -49,6 +56,7 @@ typedef struct {
     int32_t extra_format;    // DSV41_KV_* of kv_extra
     int32_t window_page_size;  // tokens per page of a packed kv_window (ignored for bf16)
     int32_t extra_page_size;   // tokens per page of a packed kv_extra (ignored for bf16)
+    int32_t kernel;            // DSV41_SA_KERNEL_*
 } Dsv41SparseAttentionParams;
 
 int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_t params_size, void* stream);

@@ -18,13 +18,13 @@ using namespace dsv41_ptx;
 //   S = 2: the raw O of the other CTA's heads and their (m, den) go into SM_TX (local stores),
 //   then, once both CTAs are past their tiles (cluster barrier), one bulk copy moves the chunk
 //   into the other CTA's SM_RX and completes on its rx mbarrier; this CTA waits on its own, then
-//   on the second cluster barrier (both chunks landed; bit 5 of `mode`: at the end instead).
+//   on the second cluster barrier (both chunks landed).
 //   Then (any S): a thread per head merges (m, den) into the factors e^{m_r - M} / den (fac_s)
 //   and the lse; each thread combines its own heads' O as fl(f_0 O_0) + fl(f_1 O_1) (split
 //   order, from its registers and SM_RX) into bf16 rows in SM_OUTB (S = 2) / at 0 (S = 1), and
 //   the CTA copies the rows to `out` with 16-byte stores.
 __device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& p, unsigned char* smem, const float* acc, int t, int split,
-                                           int nsplit, int h0, int nh, int hs, int count, int mode, bool tracer) {
+                                           int nsplit, int h0, int nh, int hs, int count, bool tracer) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int hg = warp & 3, wg = warp >> 2, other = split ^ 1;
     const uint32_t sbase = smem_addr(smem);
@@ -61,8 +61,7 @@ __device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& 
         mbar_wait(sbase + SM_BAR + 32, 0);
         cluster_arrive();  // this CTA's chunk landed: the other's SM_TX was read
         if (tracer) g_trace[18] = clock64();
-        // Both chunks landed (no copy in flight during the combine) unless bit 5 of mode (then at the end).
-        if (!(mode & 32)) cluster_wait();
+        cluster_wait();  // both chunks landed (no copy in flight during the combine)
         if (tracer) g_trace[44] = clock64();
     }
     const float* rx = reinterpret_cast<const float*>(smem + SM_RX);
@@ -145,7 +144,6 @@ __device__ __forceinline__ void epilogue_xfer(const Dsv41SparseAttentionParams& 
             if (c < items) *reinterpret_cast<uint4*>(orow + c * 8) = v[k];
         }
     }
-    if (nsplit > 1 && (mode & 32)) cluster_wait();  // the other CTA's chunk landed: this CTA's SM_TX may go
     if (tracer) g_trace[20] = clock64();
 }
 

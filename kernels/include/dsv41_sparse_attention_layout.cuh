@@ -5,27 +5,22 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "dsv41_numerics.cuh"
+#include "dsv41_sparse_attention_common.cuh"
 
 namespace dsv41_sa {
 
-constexpr int D = 512;          // head dim (row width)
-constexpr int BLK = 64;         // rows per tile = softmax block of the reference
 constexpr int HB = 64;          // heads per CTA
-constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups
-constexpr int PROD_THREADS = 128;  // the producer warpgroup (threads 256..383)
+constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups (the producer warpgroup: threads 256..383)
+static_assert(THREADS == IDX_THREADS, "the compute threads compact the indices");
 constexpr int PROD_REGS = 40;      // its registers after setmaxnreg (2 x 232 + 40 = 3 x 168; the packed-row expansion
                                    // spills 12 bytes at 40, but 56 / 224 made bf16 decode ~1.2 us slower: lead run 5)
 constexpr int MMA_REGS = 232;      // the compute warpgroups' registers after setmaxnreg
-constexpr int MAX_ROUNDS = 16;  // index rounds of 256: Kw + Kc <= 4096
-constexpr int MAX_INDICES = MAX_ROUNDS * THREADS;
 constexpr int MAX_SPLITS = 8;   // portable cluster size
-constexpr float M_FLOOR = -1e30f;
 
 // Shared memory map (bytes). q and row tiles in the wgmma 128-byte-swizzle canonical layout:
 // 8 planes of 64 dims, [dims / 64][row][128 bytes, 16-byte chunk c at c ^ (row & 7)] (8 KB per
 // plane); K-major for Q.K^T (A = q, B = rows), MN-major for P.V (B = rows).
-constexpr int TILEB = BLK * D * 2;              // one 64-row tile (also the q tile: 64 heads)
+static_assert(HB == BLK, "the q tile has the row tile's shape");
 constexpr int SM_Q = 0;                         // bf16 [64 heads][512]
 constexpr int SM_K = SM_Q + TILEB;              // bf16 [2 stages][64 rows][512]
 constexpr int SM_P = SM_K + 2 * TILEB;          // bf16 [64 heads][64 rows], 128-byte swizzle (epilogue: f32 [S][64] merge factors)
@@ -67,17 +62,11 @@ __device__ long long g_trace[TRACE_SLOTS];
 // Barrier of the 256 compute threads only (named barrier 1; the producer warpgroup never joins).
 __device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
 
-// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile.
-__device__ __forceinline__ uint32_t wgsw(int r, int c) {
-    return static_cast<uint32_t>((c >> 3) * (BLK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-// Same for the P tile (128-byte rows, 8 chunks).
-__device__ __forceinline__ uint32_t sw128(int r, int c) { return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) << 4)); }
+// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile (64 rows).
+__device__ __forceinline__ uint32_t wgsw(int r, int c) { return wgsw_rows<BLK>(r, c); }
 // Same for the f32 O tile (2048-byte rows, 128 chunks): chunk c at c ^ 2 (row & 7) (8-byte
 // fragment stores of four rows and 16-byte loads of eight consecutive chunks are both free of
 // bank conflicts).
 __device__ __forceinline__ uint32_t sw2k(int r, int c) { return static_cast<uint32_t>(r * 2048 + ((c ^ ((r & 7) << 1)) << 4)); }
-
-using dsv41::pack_bf16x2_rn;  // bf16x2 of two f32 (dsv41_numerics.cuh)
 
 }  // namespace dsv41_sa

@@ -142,7 +142,16 @@ pub(crate) struct SparseAttentionParams {
     pub window_page_size: i32,
     /// Tokens per page of a packed `kv_extra`.
     pub extra_page_size: i32,
+    /// Which kernel runs: [`SA_KERNEL_AUTO`], [`SA_KERNEL_ALL_HEADS`] or [`SA_KERNEL_HEAD_SPLIT`].
+    pub kernel: i32,
 }
+
+/// `DSV41_SA_KERNEL_AUTO`: the launcher picks the kernel.
+pub(crate) const SA_KERNEL_AUTO: i32 = 0;
+/// `DSV41_SA_KERNEL_ALL_HEADS`: all heads of a token per CTA, split-KV over a cluster.
+pub(crate) const SA_KERNEL_ALL_HEADS: i32 = 1;
+/// `DSV41_SA_KERNEL_HEAD_SPLIT`: 32 heads per CTA over all of the token's rows, no split.
+pub(crate) const SA_KERNEL_HEAD_SPLIT: i32 = 2;
 
 /// `DSV41_KV_BF16`: bf16 rows.
 pub(crate) const KV_BF16: i32 = 0;

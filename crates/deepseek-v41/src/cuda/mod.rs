@@ -62,9 +62,8 @@ pub use policy::{fused_kernels, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;
 pub use sparse_attention::{
-    sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionOptions,
-    SPARSE_ATTENTION_HEAD_DIM,
-    SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,
+    sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionKernel,
+    SparseAttentionOptions, SPARSE_ATTENTION_HEAD_DIM, SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,
 };
 pub use window_insert::window_insert;
 

@@ -6,13 +6,15 @@
 //! sink in the denominator only, bf16-rounded probabilities per block of 64 valid indices, empty
 //! row → zeros, bf16 output), plus the log-sum-exp of the valid logits (sink excluded).
 //!
-//! On CUDA one kernel (`kernels/sparse_attention.cu`, sm_90a): Hopper warpgroup tensor-core
-//! (`wgmma`) Q·Kᵀ and P·V over 64-row tiles that a producer warpgroup gathers with 16-byte
-//! `cp.async` into a two-stage ring, all 64 heads of a token per CTA, and split-KV
-//! over a thread-block cluster (merged in the cluster's shared memory) when there are too
-//! few tokens to fill the GPU. On the CPU the crate's reference. They agree within bf16
-//! rounding (the f32 summation orders differ; with splits each split rounds its probabilities
-//! relative to its own running max).
+//! On CUDA two kernels (sm_90a) with Hopper warpgroup tensor-core (`wgmma`) products over
+//! 64-row tiles that a producer warpgroup gathers with 16-byte `cp.async` into a two-stage
+//! ring ([`SparseAttentionKernel`]): the all-heads kernel (`kernels/sparse_attention.cu`: all 64
+//! heads of a token per CTA, split-KV over a thread-block cluster, merged in the cluster's
+//! shared memory, when there are too few tokens to fill the GPU) and the head-split kernel
+//! (`kernels/sparse_attention_heads.cu`: 32 heads per CTA over all of the token's rows, no
+//! merge; for decode). On the CPU the crate's reference. They agree within bf16 rounding (the
+//! f32 summation orders differ; with splits each split rounds its probabilities relative to
+//! its own running max).
 //!
 //! The CUDA path read-locks the inputs' storages for the launch; `kv_window` and `kv_extra` may
 //! be views of one storage (two plain read locks on one thread, see `row_inputs`).
@@ -38,13 +40,31 @@ pub const SPARSE_ATTENTION_MAX_INDICES: usize = 4096;
 /// Most KV splits per token (the portable thread-block cluster size).
 pub const SPARSE_ATTENTION_MAX_SPLITS: usize = 8;
 
+/// Which CUDA kernel computes the sparse attention (same semantics; the f32 rounding differs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SparseAttentionKernel {
+    /// The launcher picks: the head-split kernel for bf16 rows where the all-heads kernel
+    /// would run 2 splits per token (decode batches of about #SMs / 4 to #SMs / 2 tokens at
+    /// 64 heads, e.g. B = 64 on 132 SMs), else the all-heads kernel. Forced splits select the
+    /// all-heads kernel.
+    #[default]
+    Auto,
+    /// All heads of a token per CTA (64-head blocks), split-KV over a thread-block cluster.
+    AllHeads,
+    /// 32 heads per CTA over all of the token's rows (rows as the tensor-core M dimension), no
+    /// split and no merge; takes no `num_splits` above 1.
+    HeadSplit,
+}
+
 /// Tuning knobs of [`sparse_attention_two_source_with`]; they change the CUDA work split (and
 /// so the f32 rounding), never the semantics. The CPU path ignores them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SparseAttentionOptions {
-    /// KV splits per token (`1..=SPARSE_ATTENTION_MAX_SPLITS`); `None` lets the launcher pick
-    /// from the token count and the number of SMs.
+    /// KV splits per token of the all-heads kernel (`1..=SPARSE_ATTENTION_MAX_SPLITS`); `None`
+    /// lets the launcher pick from the token count and the number of SMs.
     pub num_splits: Option<usize>,
+    /// The kernel ([`SparseAttentionKernel::Auto`] by default).
+    pub kernel: SparseAttentionKernel,
 }
 
 /// How one KV source of the sparse attention stores its rows.
@@ -146,6 +166,9 @@ impl SparseAttentionInputs<'_> {
         if let Some(s) = options.num_splits {
             if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
                 candle_core::bail!("sparse_attention: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}")
+            }
+            if s > 1 && options.kernel == SparseAttentionKernel::HeadSplit {
+                candle_core::bail!("sparse_attention: the head-split kernel does not split the rows, got num_splits {s}")
             }
         }
         if self.q.device().is_cuda() {
@@ -416,6 +439,11 @@ fn cuda_forward(x: &SparseAttentionInputs, options: SparseAttentionOptions) -> R
             extra_format: c_fmt,
             window_page_size: w_page,
             extra_page_size: c_page,
+            kernel: match options.kernel {
+                SparseAttentionKernel::Auto => ffi::SA_KERNEL_AUTO,
+                SparseAttentionKernel::AllHeads => ffi::SA_KERNEL_ALL_HEADS,
+                SparseAttentionKernel::HeadSplit => ffi::SA_KERNEL_HEAD_SPLIT,
+            },
         };
         // SAFETY: every pointer comes from a storage read-locked (outputs: owned) for this call;
         // `check`, `aligned_rows` / `PackedLayout::check_cache` and the launcher validate shapes,
