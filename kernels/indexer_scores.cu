@@ -50,6 +50,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <type_traits>
 
@@ -181,12 +182,26 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     }
 };
 
-// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2.
+// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2. RELU_CVT: the ReLU
+// in the f32 -> bf16x2 conversion (cvt.rn.relu: relu(bf16(x)) = bf16(relu(x)), rounding keeps the
+// sign; -0 becomes +0, which the head sum from +0 cannot tell apart).
+template <bool RELU_CVT>
 __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w2) {
-    __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
-    s = __hmax2(s, __float2bfloat162_rn(0.f));
-    uint32_t r = *reinterpret_cast<uint32_t*>(&s);
+    uint32_t r;
+    if constexpr (RELU_CVT) {
+        asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(a1), "f"(a0));
+    } else {
+        __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
+        s = __hmax2(s, __float2bfloat162_rn(0.f));
+        r = *reinterpret_cast<uint32_t*>(&s);
+    }
     return bf16x2_mul(r, w2);
+}
+
+// High byte of the order key of a bf16 score (dsv41_indexer.h): the top-k's histogram bin.
+__device__ __forceinline__ uint32_t order_bin(uint32_t bits) {
+    const uint32_t hb = (bits >> 8) & 0xFFu;
+    return hb ^ ((hb & 0x80u) ? 0xFFu : 0x80u);
 }
 
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -195,7 +210,8 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 
 // Decode over packed keys (A fragments in shared memory): 4 CTAs per SM (<= 128 registers);
 // otherwise 3 (<= 170 registers: the A fragments alone take 64).
-template <int KF, int TQ>
+// VAR: experiment switches (DSV41_IX_VAR, packed decode only): bit 0 = ReLU in the conversion.
+template <int KF, int TQ, int VAR>
 __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
     indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
@@ -208,6 +224,8 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
+    // With p.hist: the warp's histogram of its scores' order-key bins (flushed with atomics).
+    __shared__ uint32_t hsh[WARPS][256];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
@@ -219,6 +237,7 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
     const int64_t n = p.num_cols;
     int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
     L = L < n ? L : n;
+    const uint32_t Lv = static_cast<uint32_t>(L);  // the top-k's visible entries (histogram)
     const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
     // Entries past the cache's rows count as invisible: afterwards every j < L has a key row
     // (kbase + j < num_key_rows), and row kbase exists whenever L >= 1.
@@ -228,16 +247,42 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
     uint16_t* pw = prod[warp];
+    uint32_t* hw = hsh[warp];
+    const bool hist = p.hist != nullptr;
+    if (hist) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) hw[lane + 32 * i] = 0u;
+        __syncwarp();
+    }
+    // Adds the warp's histogram to the token's (global atomics, non-empty bins only).
+    auto flush = [&]() {
+        if (!hist) return;
+        __syncwarp();
+        uint32_t* g = p.hist + t * 256;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t v = hw[lane + 32 * i];
+            if (v) atomicAdd(g + lane + 32 * i, v);
+        }
+    };
 
-    // Entries past L: -inf without reading keys.
+    // Entries past L: -inf without reading keys (those below Lv, past the cache, count in bin 0).
+    uint32_t past = 0;
     for (int it = first; it < n_it; it += step) {
         const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
         if (key0 >= n) break;
-        if (key0 >= L && key0 + lane < n) out[key0 + lane] = BF16_NEG_INF;
+        if (key0 >= L && key0 + lane < n) {
+            out[key0 + lane] = BF16_NEG_INF;
+            past += static_cast<uint32_t>(key0 + lane) < Lv;
+        }
     }
+    if (hist && past) atomicAdd(&hw[0], past);
     auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
     int it = first;
-    if (!kSharedA && !valid(it)) return;
+    if (!kSharedA && !valid(it)) {
+        flush();
+        return;
+    }
 
     // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
     // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
@@ -291,7 +336,10 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
             }
         }
         __syncthreads();
-        if (!valid(it)) return;
+        if (!valid(it)) {
+            flush();
+            return;
+        }
     }
 
     // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
@@ -405,8 +453,8 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 uint2 pr;
-                pr.x = head_products(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                pr.y = head_products(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                pr.x = head_products<(VAR & 1) != 0>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                pr.y = head_products<(VAR & 1) != 0>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
                 const int kk = nt * 8 + 2 * c + e;
                 *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
             }
@@ -436,10 +484,13 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
                 const int64_t b = j / p.allowed_block;
                 ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
             }
-            out[j] = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+            const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+            out[j] = static_cast<uint16_t>(v);
+            if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hw[order_bin(v)], 1u);
         }
         it = next;
     }
+    flush();
 }
 
 __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMaskParams p) {
@@ -458,7 +509,7 @@ __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMas
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <int KF, int TQ>
+template <int KF, int TQ, int VAR = 0>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
     // (decode of few queries): aim at >= 1024 CTAs.
@@ -470,7 +521,7 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    indexer_scores_kernel<KF, TQ, VAR><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -499,7 +550,12 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
-        return shared ? launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
+        static const int var = [] {
+            const char* v = getenv("DSV41_IX_VAR");
+            return v ? atoi(v) : 0;
+        }();
+        if (shared) return launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s);
+        return var & 1 ? launch<DSV41_INDEX_KEYS_MXFP4, 1, 1>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
     }
     return DSV41_ERR_QUANT;
 }

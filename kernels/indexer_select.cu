@@ -20,6 +20,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 
@@ -30,6 +31,7 @@ constexpr int WARPS = THREADS / 32;
 constexpr uint32_t NEG_INF_KEY = 0x007F;  // key of bf16 -inf (0xFF80)
 constexpr uint32_t PINNED_KEY = 0xFFFF;   // above every real key (+inf is 0xFF80; 0xFFFF is a NaN)
 constexpr uint32_t ABSENT = 0xFFFFFFFFu; // element past the row
+constexpr uint32_t LIST = 384;           // candidate-list entries per warp
 
 __device__ __forceinline__ uint32_t order_key(uint16_t bits) {
     return (bits & 0x8000u) ? (~static_cast<uint32_t>(bits) & 0xFFFFu) : (static_cast<uint32_t>(bits) | 0x8000u);
@@ -142,8 +144,16 @@ __device__ __forceinline__ void for_each_key(const Row& r, F f) {
     }
 }
 
-__global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
+// `var`: run-time experiment switches (DSV41_SEL_VAR, read once by the launcher): bit 0 = no
+// candidate lists (pass 3 always walks the warp's segment); bit 1: U2 = 4 (U2: 256-element
+// groups pass 2 loads before using any).
+// BLK: blocks mode (p.mode == DSV41_SELECT_BLOCKS), a template parameter so that the top-k
+// instance carries no block-maximum code (64 registers: 2 CTAs of 512 threads per SM).
+template <bool BLK, int U2>
+__global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p, const int var) {
     __shared__ uint32_t hist[256];
+    __shared__ uint32_t whist[WARPS][256];   // per-warp low-byte histograms of pass 2
+    __shared__ uint32_t clist[WARPS][LIST];  // per-warp candidates: (offset in segment) << 16 | key
     __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS];
     __shared__ uint32_t s_bin, s_above, s_total;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -154,64 +164,130 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
     Row r;
     r.s = reinterpret_cast<const uint16_t*>(p.scores) + t * p.score_row_stride;
     r.L = L;
-    r.blocks = p.mode == DSV41_SELECT_BLOCKS;
+    r.blocks = BLK;
     r.block = p.block;
     r.n = r.blocks ? (L + p.block - 1) / p.block : L;
     r.pinned = r.blocks && L >= 1 ? (L - 1) / p.block : -1;
     const uint32_t k = static_cast<uint32_t>(p.k);
     int64_t* out = p.out + t * p.out_row_stride;
+    const bool big = r.n > static_cast<int64_t>(k);
 
-    // Threshold: select key > thr, and the first `need` (in id order) of key == thr.
-    uint32_t thr = 0, need = 0xFFFFFFFFu;
-    if (r.n > static_cast<int64_t>(k)) {
-        // Pass 1: high byte.
-        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
-        __syncthreads();
-        for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> 8], 1u); });
+    // Pass 1 (only when the row has more than k elements): the high byte b1 of the k-th largest
+    // key, from the caller's histogram (fused into the scores kernel) or a pass over the row.
+    uint32_t b1 = 0, above1 = 0;
+    if (big) {
+        if (p.hist && !r.blocks) {
+            const uint32_t* h = p.hist + t * 256;
+            for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = h[i];
+        } else {
+            for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
+            __syncthreads();
+            for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> 8], 1u); });
+        }
         __syncthreads();
         if (warp == 0) find_bin(hist, k, lane, &s_bin, &s_above);
         __syncthreads();
-        const uint32_t b1 = s_bin, above1 = s_above;
-        __syncthreads();
-        // Pass 2: low byte within bin b1.
-        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
-        __syncthreads();
-        for_each_key<2>(r, [&](uint32_t u) {
-            if ((u >> 8) == b1) atomicAdd(&hist[u & 0xFF], 1u);
-        });
-        __syncthreads();
+        b1 = s_bin;
+        above1 = s_above;
+    }
+
+    // Pass 2: each warp walks its contiguous segment (a multiple of 256 elements) once: counts
+    // the keys whose high byte is above b1, a private histogram of the low bytes of those in bin
+    // b1, and an ordered list of the candidates (high byte >= b1: every selected key is one), so
+    // that pass 3 need not read the row again unless a list overflows. (Short rows: b1 = 0.)
+    const int64_t seg = ((r.n + WARPS - 1) / WARPS + 255) / 256 * 256;
+    const int64_t w0 = warp * seg, w1 = (w0 + seg < r.n ? w0 + seg : r.n);
+    uint32_t* wh = whist[warp];
+    for (int i = lane; i < 256; i += 32) wh[i] = 0;
+    __syncwarp();
+    const bool lists = !(var & 1) && seg <= 65536;
+    uint32_t gt_hi = 0, n_list = 0;
+    for (int64_t base = w0; base < w1; base += U2 * 256) {
+        // Score rows: U2 raw 16-byte groups in flight (4 registers each); the keys are made at use.
+        uint4 raw[U2];
+#pragma unroll
+        for (int u = 0; u < U2; ++u) {
+            const int64_t e0 = base + 256 * u + 8 * lane;
+            if (!r.blocks && e0 + 8 <= w1) raw[u] = *reinterpret_cast<const uint4*>(r.s + e0);
+        }
+#pragma unroll
+        for (int u = 0; u < U2; ++u) {
+            const int64_t e0 = base + 256 * u + 8 * lane;
+            uint32_t kk[8];
+            if (!r.blocks && e0 + 8 <= w1) {
+                const uint32_t wd[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    kk[2 * i] = order_key(static_cast<uint16_t>(wd[i] & 0xFFFF));
+                    kk[2 * i + 1] = order_key(static_cast<uint16_t>(wd[i] >> 16));
+                }
+            } else if (e0 < w1) {
+                load8(r, e0, kk);  // w1 is r.n or a multiple of 256: no element past it
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) kk[i] = ABSENT;
+            }
+            uint32_t cm = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t key = kk[i];
+                if (key == ABSENT) continue;
+                const uint32_t hi = key >> 8;
+                gt_hi += hi > b1;
+                if (hi == b1) atomicAdd(&wh[key & 0xFF], 1u);
+                cm |= static_cast<uint32_t>(hi >= b1) << i;
+            }
+            if (lists && __any_sync(0xFFFFFFFFu, cm != 0)) {
+                uint32_t total;
+                uint32_t at = n_list + warp_exclusive(__popc(cm), lane, total);
+                if (n_list + total <= LIST) {
+                    const uint32_t off0 = static_cast<uint32_t>(e0 - w0);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        if ((cm >> i) & 1u) clist[warp][at++] = ((off0 + i) << 16) | kk[i];
+                }
+                n_list += total;
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) gt_hi += __shfl_xor_sync(0xFFFFFFFFu, gt_hi, o);
+    __syncthreads();
+    // The row's low-byte histogram of bin b1 = the sum of the warps'.
+    for (int i = threadIdx.x; i < 256; i += THREADS) {
+        uint32_t s = 0;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) s += whist[w][i];
+        hist[i] = s;
+    }
+    __syncthreads();
+    // Threshold: select key > thr, and the first `need` (in id order) of key == thr.
+    uint32_t thr = 0, need = 0xFFFFFFFFu;
+    if (big) {
         if (warp == 0) find_bin(hist, k - above1, lane, &s_bin, &s_above);
         __syncthreads();
         thr = (b1 << 8) | s_bin;
         need = k - above1 - s_above;
     }
     if (r.blocks && thr <= NEG_INF_KEY) {
-        thr = NEG_INF_KEY;  // keep only blocks > -inf
+        thr = NEG_INF_KEY;  // keep only blocks > -inf (then b1 = 0: thr's high byte is still b1)
         need = 0;
     }
-
-    // Pass 3a: per-warp counts over contiguous segments (multiples of 256 elements).
-    const int64_t seg = ((r.n + WARPS - 1) / WARPS + 255) / 256 * 256;
-    const int64_t w0 = warp * seg, w1 = (w0 + seg < r.n ? w0 + seg : r.n);
-    uint32_t gt = 0, eq = 0;
-    for (int64_t e0 = w0 + 8 * lane; e0 < w1; e0 += 256) {
-        uint32_t kk[8];
-        load8(r, e0, kk);
+    // The warp's counts (> thr, == thr) from its histogram: thr's high byte is b1.
+    {
+        const uint32_t lo = thr & 0xFF;
+        uint32_t gt = 0;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            if (kk[i] == ABSENT) continue;
-            gt += kk[i] > thr;
-            eq += kk[i] == thr;
+            const uint32_t bin = 8 * lane + i;
+            gt += bin > lo ? wh[bin] : 0u;
         }
-    }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
-        eq += __shfl_xor_sync(0xFFFFFFFFu, eq, o);
-    }
-    if (lane == 0) {
-        warp_gt[warp] = gt;
-        warp_eq[warp] = eq;
+        for (int o = 16; o > 0; o >>= 1) gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
+        if (lane == 0) {
+            warp_gt[warp] = gt_hi + gt;
+            warp_eq[warp] = wh[lo];
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -227,42 +303,59 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
     }
     __syncthreads();
 
-    // Pass 3b: ordered compaction of the warp's segment.
+    // Pass 3: ordered compaction of the warp's selected ids.
     uint32_t pos = warp_out[warp], rank = warp_rank[warp];
-    for (int64_t base = w0; base < w1; base += 256) {
-        const int64_t e0 = base + 8 * lane;
-        uint32_t kk[8];
-        if (e0 < w1) {
-            load8(r, e0, kk);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) kk[i] = ABSENT;
+    if (lists && n_list <= LIST) {
+        // From the candidate list (in id order), 32 at a time.
+        for (uint32_t c0 = 0; c0 < n_list; c0 += 32) {
+            const uint32_t ci = c0 + lane;
+            const uint32_t e = ci < n_list ? clist[warp][ci] : 0u;
+            const uint32_t key = e & 0xFFFF;
+            const bool in = ci < n_list;
+            const uint32_t eqb = __ballot_sync(0xFFFFFFFFu, in && key == thr);
+            const uint32_t below = (1u << lane) - 1u;
+            const bool sel = in && (key > thr || (key == thr && rank + __popc(eqb & below) < need));
+            const uint32_t selb = __ballot_sync(0xFFFFFFFFu, sel);
+            if (sel) out[pos + __popc(selb & below)] = w0 + (e >> 16);
+            pos += __popc(selb);
+            rank += __popc(eqb);
         }
-        uint32_t eqm = 0, gtm = 0;
+    } else {
+        for (int64_t base = w0; base < w1; base += 256) {
+            const int64_t e0 = base + 8 * lane;
+            uint32_t kk[8];
+            if (e0 < w1) {
+                load8(r, e0, kk);
+            } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if (kk[i] == ABSENT) continue;
-            gtm |= static_cast<uint32_t>(kk[i] > thr) << i;
-            eqm |= static_cast<uint32_t>(kk[i] == thr) << i;
-        }
-        uint32_t eq_total;
-        const uint32_t eq_before = rank + warp_exclusive(__popc(eqm), lane, eq_total);
-        // Selected: all of gtm, and the eq elements whose rank among ties is < need.
-        uint32_t selm = gtm, er = eq_before;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if ((eqm >> i) & 1u) {
-                if (er < need) selm |= 1u << i;
-                ++er;
+                for (int i = 0; i < 8; ++i) kk[i] = ABSENT;
             }
-        }
-        uint32_t sel_total;
-        uint32_t at = pos + warp_exclusive(__popc(selm), lane, sel_total);
+            uint32_t eqm = 0, gtm = 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if ((selm >> i) & 1u) out[at++] = e0 + i;
-        pos += sel_total;
-        rank += eq_total;
+            for (int i = 0; i < 8; ++i) {
+                if (kk[i] == ABSENT) continue;
+                gtm |= static_cast<uint32_t>(kk[i] > thr) << i;
+                eqm |= static_cast<uint32_t>(kk[i] == thr) << i;
+            }
+            uint32_t eq_total;
+            const uint32_t eq_before = rank + warp_exclusive(__popc(eqm), lane, eq_total);
+            // Selected: all of gtm, and the eq elements whose rank among ties is < need.
+            uint32_t selm = gtm, er = eq_before;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if ((eqm >> i) & 1u) {
+                    if (er < need) selm |= 1u << i;
+                    ++er;
+                }
+            }
+            uint32_t sel_total;
+            uint32_t at = pos + warp_exclusive(__popc(selm), lane, sel_total);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if ((selm >> i) & 1u) out[at++] = e0 + i;
+            pos += sel_total;
+            rank += eq_total;
+        }
     }
     __syncthreads();
     for (int64_t i = s_total + threadIdx.x; i < p.k; i += THREADS) out[i] = -1;
@@ -283,6 +376,16 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (p->num_tokens == 0) return DSV41_OK;
     if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
-    indexer_select_kernel<<<p->num_tokens, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    static const int var = [] {
+        const char* v = getenv("DSV41_SEL_VAR");
+        return v ? atoi(v) : 0;
+    }();
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->mode == DSV41_SELECT_BLOCKS)
+        indexer_select_kernel<true, 1><<<p->num_tokens, THREADS, 0, s>>>(*p, var);
+    else if (var & 2)
+        indexer_select_kernel<false, 4><<<p->num_tokens, THREADS, 0, s>>>(*p, var);
+    else
+        indexer_select_kernel<false, 2><<<p->num_tokens, THREADS, 0, s>>>(*p, var);
     return static_cast<int>(cudaGetLastError());
 }

@@ -5,10 +5,23 @@
 //! [`SCORE_SCRATCH_BYTES`] (`[C, N]` bf16 for a chunk of C queries), and per chunk the
 //! selection kernel reduces them to `[C, k]` ids, so `[T, N]` is never materialised for long
 //! prefills. CPU path: the reference ([`crate::attention::indexer::reference_selection`]).
+//!
+//! **Fused first pass.** The top-k is a radix selection on 16-bit order keys of the bf16 scores
+//! whose first pass is a 256-bin histogram of the keys' high bytes over each query's visible
+//! entries. By default ([`SelectOptions::fused_histogram`]) the scores kernel builds that
+//! histogram while its scores are still in registers (per-warp shared-memory bins, flushed to a
+//! `[C, 256]` u32 buffer with atomics; the buffer is zeroed by a memset per chunk), and the
+//! selection kernel starts from it instead of reading all scores once more. Masked and
+//! invisible-but-counted entries (−inf, e.g. rows past the cache) land in bin 0 exactly as the
+//! selection's own pass bins them, so both paths select the same ids. The candidate-block
+//! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
+//! [`super::masked_index_scores`] + [`super::index_topk`] take the un-fused path.
 
 use std::ffi::c_void;
 
+use candle_core::cuda_backend::cudarc::driver::result::memset_d8_async;
 use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
+use candle_core::cuda_backend::WrapErr;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
 use half::bf16;
@@ -21,6 +34,9 @@ use crate::attention::indexer::{reference_selection, CandidateShape, Candidates,
 
 /// Most bytes of the per-chunk score scratch (`[C, N]` bf16) of [`index_select`].
 pub const SCORE_SCRATCH_BYTES: usize = 256 << 20;
+
+/// Bins of the top-k's first histogram (the high byte of a 16-bit order key).
+const HIST_BINS: usize = 256;
 
 /// Index scores, top-k and candidate blocks of T queries, on `q`'s device.
 ///
@@ -59,7 +75,39 @@ pub fn index_select_with_scratch(
     publish: Option<CandidateShape>,
     scratch_bytes: usize,
 ) -> Result<Selection> {
+    let opts = SelectOptions { scratch_bytes, ..SelectOptions::default() };
+    index_select_with_options(q, w, src, k, consume, publish, &opts)
+}
+
+/// How [`index_select_with_options`] runs on a CUDA device (the results never depend on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelectOptions {
+    /// Most bytes of the per-chunk score scratch (at least one query row is used).
+    pub scratch_bytes: usize,
+    /// Build the top-k's first histogram in the scores kernel (see the module doc); `false`:
+    /// the selection kernel reads the scores once more to build it.
+    pub fused_histogram: bool,
+}
+
+impl Default for SelectOptions {
+    /// [`SCORE_SCRATCH_BYTES`], fused histogram.
+    fn default() -> Self {
+        Self { scratch_bytes: SCORE_SCRATCH_BYTES, fused_histogram: true }
+    }
+}
+
+/// [`index_select`] with explicit [`SelectOptions`]; same arguments, same result.
+pub fn index_select_with_options(
+    q: &Tensor,
+    w: &Tensor,
+    src: &KeySource,
+    k: usize,
+    consume: Option<&Candidates>,
+    publish: Option<CandidateShape>,
+    opts: &SelectOptions,
+) -> Result<Selection> {
     const OP: &str = "index_select";
+    let scratch_bytes = opts.scratch_bytes;
     let (t, _, _) = check_queries(OP, q, w)?;
     src.check(OP, t, q.device())?;
     if let Some(c) = consume {
@@ -90,14 +138,27 @@ pub fn index_select_with_scratch(
         let mut scratch = unsafe { dev.alloc::<bf16>(chunk * stride)? };
         let mut topk = unsafe { dev.alloc::<i64>(t * k)? };
         let mut kept = if n_keep > 0 { Some(unsafe { dev.alloc::<i64>(t * n_keep)? }) } else { None };
+        // SAFETY: zeroed per chunk below before the scores kernel adds to it.
+        let mut hist = if opts.fused_histogram { Some(unsafe { dev.alloc::<u32>(chunk * HIST_BINS)? }) } else { None };
         {
             let (s_p, _g0) = scratch.device_ptr_mut(stream);
             let (t_p, _g1) = topk.device_ptr_mut(stream);
             let kept_p = kept.as_mut().map(|kp| kp.device_ptr_mut(stream));
+            let hist_p = hist.as_mut().map(|h| h.device_ptr_mut(stream));
             for t0 in (0..t).step_by(chunk) {
                 let tc = chunk.min(t - t0);
+                let h_p = match &hist_p {
+                    Some((h, _)) => {
+                        // SAFETY: the first tc x 256 u32 of the buffer, on the stream its pointer
+                        // was taken for (ordered before the scores kernel below).
+                        unsafe { memset_d8_async(*h, 0, tc * HIST_BINS * 4, stream.cu_stream()) }.w()?;
+                        *h as *mut u32
+                    }
+                    None => std::ptr::null_mut(),
+                };
                 let sp = ffi::IndexerScoresParams {
                     scores: s_p as *mut c_void,
+                    hist: h_p,
                     score_row_stride: stride as i64,
                     ..token_chunk(base, t0, tc)
                 };
@@ -105,6 +166,7 @@ pub fn index_select_with_scratch(
                 let sel = ffi::IndexerSelectParams {
                     scores: s_p as *const c_void,
                     visible: sp.visible,
+                    hist: h_p,
                     out: (t_p as *mut i64).wrapping_add(t0 * k),
                     score_row_stride: stride as i64,
                     out_row_stride: k as i64,
@@ -119,6 +181,7 @@ pub fn index_select_with_scratch(
                 launch_select(&sel, SelectMode::TopK, stream)?;
                 if let (Some(shape), Some((kp, _))) = (publish, kept_p.as_ref()) {
                     let blocks = ffi::IndexerSelectParams {
+                        hist: std::ptr::null(),
                         out: (*kp as *mut i64).wrapping_add(t0 * n_keep),
                         out_row_stride: n_keep as i64,
                         k: n_keep as i32,
@@ -131,6 +194,7 @@ pub fn index_select_with_scratch(
         // The scratch is freed on drop after being used on this stream (candle's allocator
         // orders the free after the queued work).
         drop(scratch);
+        drop(hist);
         let topk = CudaStorage::wrap_cuda_slice(topk, dev.clone());
         let kept = kept.map(|kp| CudaStorage::wrap_cuda_slice(kp, dev.clone()));
         Ok((topk, kept))
