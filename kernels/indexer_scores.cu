@@ -210,10 +210,32 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 
 // Decode over packed keys (A fragments in shared memory): 4 CTAs per SM (<= 128 registers);
 // otherwise 3 (<= 170 registers: the A fragments alone take 64).
+// Visible entries of token t (the top-k's L_t, for the histogram) and those with a key row (L_t
+// clamped to the rows past key_base[t]: entries past the cache count as invisible).
+struct Extent {
+    int64_t L, Lv, kbase;
+};
+__device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p, int64_t t) {
+    const int64_t n = p.num_cols;
+    int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
+    L = L < n ? L : n;
+    Extent e;
+    e.Lv = L;
+    e.kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
+    // Afterwards every j < L has a key row (kbase + j < num_key_rows), and row kbase exists
+    // whenever L >= 1.
+    const int64_t rows_left = p.num_key_rows - e.kbase;
+    e.L = L < rows_left ? L : (rows_left > 0 ? rows_left : 0);
+    return e;
+}
+
+// Scores of token t (TQ = 1; TQ = 4: tokens t..t+3, one per warp) for the n_it warp iterations
+// of 32 keys from entry chunk0 (TQ = 1: warp w takes iterations w, w + 4, ...). Every warp of
+// the CTA calls it with the same arguments (TQ = 1: it holds a CTA barrier).
 // VAR: experiment switches (DSV41_IX_VAR, packed decode only): bit 0 = ReLU in the conversion.
 template <int KF, int TQ, int VAR>
-__global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
-    indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+__device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
+                                           const int n_it) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
     constexpr bool kSharedA = kPacked && TQ == 1;
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
@@ -228,21 +250,12 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
     __shared__ uint32_t hsh[WARPS][256];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
-    const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
-    if (t >= p.num_tokens) return;  // CTA-uniform when kSharedA (TQ = 1)
-    const int n_it = iters * (WARPS / TQ);  // iterations of the CTA's key chunk
     const int step = TQ == 1 ? WARPS : 1;
     const int first = TQ == 1 ? warp : 0;
-    const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * KT * n_it;
     const int64_t n = p.num_cols;
-    int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
-    L = L < n ? L : n;
-    const uint32_t Lv = static_cast<uint32_t>(L);  // the top-k's visible entries (histogram)
-    const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
-    // Entries past the cache's rows count as invisible: afterwards every j < L has a key row
-    // (kbase + j < num_key_rows), and row kbase exists whenever L >= 1.
-    const int64_t rows_left = p.num_key_rows - kbase;
-    L = L < rows_left ? L : (rows_left > 0 ? rows_left : 0);
+    const Extent ext = token_extent(p, t);
+    const int64_t L = ext.L, kbase = ext.kbase;
+    const uint32_t Lv = static_cast<uint32_t>(ext.Lv);  // the top-k's visible entries (histogram)
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
@@ -493,6 +506,95 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
     flush();
 }
 
+// One CTA per token (group of TQ tokens) and chunk of iters x WARPS / TQ warp iterations.
+template <int KF, int TQ, int VAR>
+__global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
+    indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : threadIdx.x / 32);
+    if (t >= p.num_tokens) return;  // CTA-uniform when TQ = 1
+    const int n_it = iters * (WARPS / TQ);
+    score_span<KF, TQ, VAR>(p, t, static_cast<int64_t>(blockIdx.y) * KT * n_it, n_it);
+}
+
+// Balanced decode (TQ = 1, T <= BAL_MAX_T): a grid of resident CTAs; the visible units (128
+// entries: one iteration of each warp) of all tokens are laid end to end and CTA c takes the
+// c-th G-th of them (at most a few tokens' spans), so that no wave is left half full and a CTA
+// sets up a token's queries once or twice instead of once per 2048 keys. Entries past a token's
+// last visible unit are filled with -inf by CTA t mod G.
+constexpr int BAL_MAX_T = 1024;
+constexpr int UNIT = KT * WARPS;
+template <int KF, int VAR>
+__global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
+    indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p) {
+    __shared__ uint32_t pre[BAL_MAX_T + 1];  // pre[t] = visible units of the tokens before t
+    __shared__ uint32_t wsum[WARPS];
+    constexpr int PER = BAL_MAX_T / THREADS;
+    const int T = p.num_tokens;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    uint32_t u[PER], local = 0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int t = tid * PER + i;
+        u[i] = t < T ? static_cast<uint32_t>((token_extent(p, t).L + UNIT - 1) / UNIT) : 0u;
+        local += u[i];
+    }
+    uint32_t incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    uint32_t run = incl - local, total = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        run += w < warp ? wsum[w] : 0u;
+        total += wsum[w];
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        pre[tid * PER + i] = run;
+        run += u[i];
+    }
+    if (tid == 0) pre[BAL_MAX_T] = total;
+    __syncthreads();
+    // Entries from the last visible unit's end: -inf (those below Lv count in bin 0).
+    const int64_t n = p.num_cols;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        int64_t j0 = static_cast<int64_t>(pre[t + 1] - pre[t]) * UNIT;
+        j0 = j0 < n ? j0 : n;
+        const int64_t Lv = token_extent(p, t).Lv;
+        uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
+        uint32_t cnt = 0;
+        for (int64_t j = j0 + tid; j < n; j += THREADS) {
+            out[j] = BF16_NEG_INF;
+            cnt += j < Lv;
+        }
+        if (p.hist && cnt) atomicAdd(p.hist + static_cast<int64_t>(t) * 256, cnt);
+    }
+    // This CTA's units [a, a1) of the concatenation.
+    uint32_t a = static_cast<uint32_t>(static_cast<uint64_t>(total) * blockIdx.x / gridDim.x);
+    const uint32_t a1 = static_cast<uint32_t>(static_cast<uint64_t>(total) * (blockIdx.x + 1) / gridDim.x);
+    int lo = 0, hi = T;  // the token t with pre[t] <= a < pre[t + 1]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (pre[mid] <= a) lo = mid;
+        else hi = mid;
+    }
+    int t = lo;
+    bool first = true;
+    while (a < a1) {
+        while (pre[t + 1] <= a) ++t;
+        const uint32_t u0 = a - pre[t];
+        const uint32_t u1 = (a1 < pre[t + 1] ? a1 : pre[t + 1]) - pre[t];
+        if (!first) __syncthreads();  // the previous span's warps are done with the shared buffers
+        first = false;
+        score_span<KF, 1, VAR>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
+        a = pre[t] + u1;
+    }
+}
+
 __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMaskParams p) {
     extern __shared__ uint32_t bits[];
     const int64_t t = blockIdx.x;
@@ -508,6 +610,29 @@ __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMas
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Resident CTAs of the balanced kernel (SMs x CTAs per SM), once per process and instance.
+template <int KF, int VAR>
+int balanced_grid() {
+    static const int g = [] {
+        int dev = 0, sms = 0, per = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, VAR>, THREADS, 0) !=
+                cudaSuccess)
+            return 0;
+        return sms * per;
+    }();
+    return g;
+}
+
+template <int KF, int VAR>
+int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    const int g = balanced_grid<KF, VAR>();
+    if (g <= 0) return static_cast<int>(cudaGetLastError());
+    indexer_scores_balanced_kernel<KF, VAR><<<g, THREADS, 0, stream>>>(p);
+    return static_cast<int>(cudaGetLastError());
+}
 
 template <int KF, int TQ, int VAR = 0>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
@@ -555,6 +680,9 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
             return v ? atoi(v) : 0;
         }();
         if (shared) return launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s);
+        if ((var & 2) && p->num_tokens <= BAL_MAX_T)
+            return var & 1 ? launch_balanced<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s)
+                           : launch_balanced<DSV41_INDEX_KEYS_MXFP4, 0>(*p, s);
         return var & 1 ? launch<DSV41_INDEX_KEYS_MXFP4, 1, 1>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
     }
     return DSV41_ERR_QUANT;
