@@ -198,10 +198,18 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
-// High byte of the order key of a bf16 score (dsv41_indexer.h): the top-k's histogram bin.
+// The top-k's first histogram (dsv41_indexer.h): bin = order key >> 5 of a bf16 score.
+constexpr int HIST_BINS = DSV41_SELECT_HIST_BINS;
+constexpr uint32_t NEG_INF_BIN = (~static_cast<uint32_t>(BF16_NEG_INF) & 0xFFFFu) >> 5;
 __device__ __forceinline__ uint32_t order_bin(uint32_t bits) {
-    const uint32_t hb = (bits >> 8) & 0xFFu;
-    return hb ^ ((hb & 0x80u) ? 0xFFu : 0x80u);
+    const uint32_t u = (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
+    return u >> 5;
+}
+// Dynamic shared memory of the histogram: one per CTA (TQ = 1: its warps share the token), one
+// per warp (TQ = 4).
+template <int TQ>
+constexpr size_t hist_smem() {
+    return sizeof(uint32_t) * HIST_BINS * (TQ == 1 ? 1 : WARPS);
 }
 
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -246,8 +254,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
-    // With p.hist: the warp's histogram of its scores' order-key bins (flushed with atomics).
-    __shared__ uint32_t hsh[WARPS][256];
+    // With p.hist: the histogram of the token's scores (dynamic, hist_smem<TQ>() bytes).
+    extern __shared__ uint32_t hdyn[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
     const int step = TQ == 1 ? WARPS : 1;
@@ -260,22 +268,34 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
     uint16_t* pw = prod[warp];
-    uint32_t* hw = hsh[warp];
+    uint32_t* hs = hdyn + (TQ == 1 ? 0 : warp * HIST_BINS);
     const bool hist = p.hist != nullptr;
     if (hist) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) hw[lane + 32 * i] = 0u;
-        __syncwarp();
+        if constexpr (TQ == 1) {
+            for (int i = threadIdx.x; i < HIST_BINS; i += THREADS) hs[i] = 0u;
+            __syncthreads();
+        } else {
+            for (int i = lane; i < HIST_BINS; i += 32) hs[i] = 0u;
+            __syncwarp();
+        }
     }
-    // Adds the warp's histogram to the token's (global atomics, non-empty bins only).
+    // Adds the histogram to the token's (global atomics, non-empty bins only). TQ = 1: a CTA
+    // barrier (every warp calls it once, at the end).
     auto flush = [&]() {
         if (!hist) return;
-        __syncwarp();
-        uint32_t* g = p.hist + t * 256;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const uint32_t v = hw[lane + 32 * i];
-            if (v) atomicAdd(g + lane + 32 * i, v);
+        uint32_t* gh = p.hist + t * HIST_BINS;
+        if constexpr (TQ == 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < HIST_BINS; i += THREADS) {
+                const uint32_t v = hs[i];
+                if (v) atomicAdd(gh + i, v);
+            }
+        } else {
+            __syncwarp();
+            for (int i = lane; i < HIST_BINS; i += 32) {
+                const uint32_t v = hs[i];
+                if (v) atomicAdd(gh + i, v);
+            }
         }
     };
 
@@ -289,220 +309,219 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             past += static_cast<uint32_t>(key0 + lane) < Lv;
         }
     }
-    if (hist && past) atomicAdd(&hw[0], past);
+    if (hist && past) atomicAdd(&hs[NEG_INF_BIN], past);
     auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
     int it = first;
-    if (!kSharedA && !valid(it)) {
-        flush();
-        return;
-    }
+    // Everything from the A fragments on; a warp without work returns from it early (TQ = 1:
+    // after the A-fragment barrier), so that every warp reaches the histogram flush.
+    auto span = [&]() {
+        if (!kSharedA && !valid(it)) return;
 
-    // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
-    // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
-    // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
-    // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
-    uint32_t qa[4][16], w2[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-        uint32_t wb[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int h = 4 * g + 2 * m + e;
-            wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
-        }
-        w2[m] = wb[0] | (wb[1] << 16);
-    }
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-        const int h = 4 * g + hh;
-        if (h < H) {
-            const uint4* src =
-                reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const uint4 v = __ldg(src + i);
-                if (kPacked) {
-                    // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
-                    qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
-                    qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
-                    qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
-                    qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
-                } else {
-                    qa[hh][4 * i] = v.x;
-                    qa[hh][4 * i + 1] = v.y;
-                    qa[hh][4 * i + 2] = v.z;
-                    qa[hh][4 * i + 3] = v.w;
-                }
+        // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
+        // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
+        // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
+        // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
+        uint32_t qa[4][16], w2[2];
+    #pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            uint32_t wb[2];
+    #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int h = 4 * g + 2 * m + e;
+                wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
             }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+            w2[m] = wb[0] | (wb[1] << 16);
         }
-    }
-    if constexpr (kSharedA) {
-        // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-            if ((s >> 1) == warp) {
-                qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
-                qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
-            }
-        }
-        __syncthreads();
-        if (!valid(it)) {
-            flush();
-            return;
-        }
-    }
-
-    // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
-    // the tile's key0 < L) and is zeroed. (32-bit entry ids: key0 < L <= N < 2^31.)
-    const PageDiv pd(kPacked ? static_cast<uint32_t>(p.page_size) : 2u);
-    auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
-        if constexpr (!kPacked) {
-            const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
-            const bool ok = j < static_cast<uint32_t>(L);
-            ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
-            if (!ok) ks.zero();
-        }
-    };
-    // Packed rows: lane l finds the page and row of entry key0 + l (slot < 2^32, page bytes <
-    // 2^32: the launcher checks), copies its scale word and hands the row's address to the lanes
-    // that copy its 16-byte slices. Entries past L read row kbase; their scores are not written.
-    const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
-    const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
-    const uint32_t psize = static_cast<uint32_t>(p.page_size);
-    auto stage = [&](int64_t key0, int buf) {
-        const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
-        const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
-        const uint32_t page = pd.div(slot);
-        const uint32_t r = slot - page * psize;
-        const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
-        const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
-        cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
-                  reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
-            const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
-            const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
-            dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
-                                  reinterpret_cast<const void*>(src), true);
-        }
-        dsv41_ptx::cp_async_commit();
-    };
-    int buf = 0;
-    if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
-    while (valid(it)) {
-        const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
-        const int next = it + step;
-        KeySlice<KF> cur[4];
-        if constexpr (kPacked) {
-            dsv41_ptx::cp_async_wait_all();
-            __syncwarp();  // the scale words were copied by other lanes
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                cur[nt].d = kst_d[warp][buf][nt][lane];
-                cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
-            }
-            if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
-            buf ^= 1;
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
-        }
-        float acc[4][2][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
-        // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
-        auto scores = [&](auto wide) {
-            constexpr bool W = decltype(wide)::value;
-            if constexpr (kSharedA) {
-                // Per k-step: the A fragments from shared memory, 2 B registers per tile.
-                uint32_t sc[4], sc2[4];
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
-#pragma unroll
-                for (int s = 0; s < 8; ++s) {
-                    const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) {
-                        uint32_t k0, k1;
-                        cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
-                        mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
-                        if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+    #pragma unroll
+        for (int hh = 0; hh < 4; ++hh) {
+            const int h = 4 * g + hh;
+            if (h < H) {
+                const uint4* src =
+                    reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
+    #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const uint4 v = __ldg(src + i);
+                    if (kPacked) {
+                        // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
+                        qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
+                        qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
+                        qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
+                        qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
+                    } else {
+                        qa[hh][4 * i] = v.x;
+                        qa[hh][4 * i + 1] = v.y;
+                        qa[hh][4 * i + 2] = v.z;
+                        qa[hh][4 * i + 3] = v.w;
                     }
                 }
             } else {
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    uint32_t kb[16];
-                    cur[nt].template expand<W>(c, kb);
-#pragma unroll
-                    for (int s = 0; s < 8; ++s) {
-                        mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
-                                 kb[2 * s], kb[2 * s + 1]);
-                        if (H > 2)
-                            mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
-                                     kb[2 * s], kb[2 * s + 1]);
-                    }
+    #pragma unroll
+                for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+            }
+        }
+        if constexpr (kSharedA) {
+            // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
+    #pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                if ((s >> 1) == warp) {
+                    qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
+                    qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
                 }
             }
-        };
-        bool wide = false;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
-        if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
-        else scores(std::false_type{});
-        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
-        // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
-        __syncwarp();
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                uint2 pr;
-                pr.x = head_products<(VAR & 1) != 0>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                pr.y = head_products<(VAR & 1) != 0>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
-                const int kk = nt * 8 + 2 * c + e;
-                *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+            __syncthreads();
+            if (!valid(it)) return;
+        }
+
+        // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
+        // the tile's key0 < L) and is zeroed. (32-bit entry ids: key0 < L <= N < 2^31.)
+        const PageDiv pd(kPacked ? static_cast<uint32_t>(p.page_size) : 2u);
+        auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
+            if constexpr (!kPacked) {
+                const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
+                const bool ok = j < static_cast<uint32_t>(L);
+                ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
+                if (!ok) ks.zero();
             }
-        __syncwarp();
-        const int64_t j = key0 + lane;
-        if (j < n) {
-            // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
-            // but are not added).
-            const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
-            float sum = 0.f;
-            auto add_heads = [&](auto all) {
-#pragma unroll
-                for (int q8 = 0; q8 < 4; ++q8) {
-                    const uint4 v = row[q8];
-                    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
-                        if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+        };
+        // Packed rows: lane l finds the page and row of entry key0 + l (slot < 2^32, page bytes <
+        // 2^32: the launcher checks), copies its scale word and hands the row's address to the lanes
+        // that copy its 16-byte slices. Entries past L read row kbase; their scores are not written.
+        const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
+        const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
+        const uint32_t psize = static_cast<uint32_t>(p.page_size);
+        auto stage = [&](int64_t key0, int buf) {
+            const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
+            const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
+            const uint32_t page = pd.div(slot);
+            const uint32_t r = slot - page * psize;
+            const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
+            const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
+            cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
+                      reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
+    #pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
+                const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
+                const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
+                dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
+                                      reinterpret_cast<const void*>(src), true);
+            }
+            dsv41_ptx::cp_async_commit();
+        };
+        int buf = 0;
+        if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
+        while (valid(it)) {
+            const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
+            const int next = it + step;
+            KeySlice<KF> cur[4];
+            if constexpr (kPacked) {
+                dsv41_ptx::cp_async_wait_all();
+                __syncwarp();  // the scale words were copied by other lanes
+    #pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    cur[nt].d = kst_d[warp][buf][nt][lane];
+                    cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
+                }
+                if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
+                buf ^= 1;
+            } else {
+    #pragma unroll
+                for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
+            }
+            float acc[4][2][4];
+    #pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+    #pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+    #pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+            // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
+            auto scores = [&](auto wide) {
+                constexpr bool W = decltype(wide)::value;
+                if constexpr (kSharedA) {
+                    // Per k-step: the A fragments from shared memory, 2 B registers per tile.
+                    uint32_t sc[4], sc2[4];
+    #pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
+    #pragma unroll
+                    for (int s = 0; s < 8; ++s) {
+                        const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
+    #pragma unroll
+                        for (int nt = 0; nt < 4; ++nt) {
+                            uint32_t k0, k1;
+                            cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
+                            mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
+                            if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                        }
+                    }
+                } else {
+    #pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) {
+                        uint32_t kb[16];
+                        cur[nt].template expand<W>(c, kb);
+    #pragma unroll
+                        for (int s = 0; s < 8; ++s) {
+                            mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
+                                     kb[2 * s], kb[2 * s + 1]);
+                            if (H > 2)
+                                mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
+                                         kb[2 * s], kb[2 * s + 1]);
+                        }
                     }
                 }
             };
-            if (H == 32) add_heads(std::true_type{});
-            else add_heads(std::false_type{});
-            bool ok = j < L;
-            if (ok && allowed) {
-                const int64_t b = j / p.allowed_block;
-                ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+            bool wide = false;
+    #pragma unroll
+            for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
+            if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
+            else scores(std::false_type{});
+            // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
+            // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
+            __syncwarp();
+    #pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+    #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    uint2 pr;
+                    pr.x = head_products<(VAR & 1) != 0>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                    pr.y = head_products<(VAR & 1) != 0>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                    const int kk = nt * 8 + 2 * c + e;
+                    *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+                }
+            __syncwarp();
+            const int64_t j = key0 + lane;
+            if (j < n) {
+                // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
+                // but are not added).
+                const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
+                float sum = 0.f;
+                auto add_heads = [&](auto all) {
+    #pragma unroll
+                    for (int q8 = 0; q8 < 4; ++q8) {
+                        const uint4 v = row[q8];
+                        const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+    #pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                            if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                        }
+                    }
+                };
+                if (H == 32) add_heads(std::true_type{});
+                else add_heads(std::false_type{});
+                bool ok = j < L;
+                if (ok && allowed) {
+                    const int64_t b = j / p.allowed_block;
+                    ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+                }
+                const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                out[j] = static_cast<uint16_t>(v);
+                if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hs[order_bin(v)], 1u);
             }
-            const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
-            out[j] = static_cast<uint16_t>(v);
-            if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hw[order_bin(v)], 1u);
+            it = next;
         }
-        it = next;
-    }
+    };
+    span();
     flush();
 }
 
@@ -571,7 +590,7 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
             out[j] = BF16_NEG_INF;
             cnt += j < Lv;
         }
-        if (p.hist && cnt) atomicAdd(p.hist + static_cast<int64_t>(t) * 256, cnt);
+        if (p.hist && cnt) atomicAdd(p.hist + static_cast<int64_t>(t) * HIST_BINS + NEG_INF_BIN, cnt);
     }
     // This CTA's units [a, a1) of the concatenation.
     uint32_t a = static_cast<uint32_t>(static_cast<uint64_t>(total) * blockIdx.x / gridDim.x);
@@ -618,8 +637,10 @@ int balanced_grid() {
         int dev = 0, sms = 0, per = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, VAR>, THREADS, 0) !=
-                cudaSuccess)
+            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF, VAR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(hist_smem<1>())) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, VAR>, THREADS,
+                                                          hist_smem<1>()) != cudaSuccess)
             return 0;
         return sms * per;
     }();
@@ -630,7 +651,7 @@ template <int KF, int VAR>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int g = balanced_grid<KF, VAR>();
     if (g <= 0) return static_cast<int>(cudaGetLastError());
-    indexer_scores_balanced_kernel<KF, VAR><<<g, THREADS, 0, stream>>>(p);
+    indexer_scores_balanced_kernel<KF, VAR><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -646,7 +667,11 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ, VAR><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    // The histogram's dynamic shared memory (the packed prefill kernel exceeds 48 KB with it).
+    static const cudaError_t attr = cudaFuncSetAttribute(
+        indexer_scores_kernel<KF, TQ, VAR>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(hist_smem<TQ>()));
+    if (attr != cudaSuccess) return static_cast<int>(attr);
+    indexer_scores_kernel<KF, TQ, VAR><<<grid, THREADS, p.hist ? hist_smem<TQ>() : 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -425,6 +425,7 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
 /// scratch budgets `scratches`, must give the CPU reference's top-k ids exactly. Returns those ids.
 #[allow(clippy::too_many_arguments)]
 fn select_both_ways(
+    dev: &Device,
     what: &str,
     q: &Tensor,
     w: &Tensor,
@@ -434,12 +435,11 @@ fn select_both_ways(
     consume: Option<(&Candidates, &Candidates)>,
     scratches: &[usize],
 ) -> Result<Vec<Vec<i64>>> {
-    let dev = gpu();
     let want = index_select(q, w, cpu_src, k, consume.map(|c| c.0), None)?;
-    let (qg, wg) = (q.to_device(&dev)?, w.to_device(&dev)?);
+    let (qg, wg) = (q.to_device(dev)?, w.to_device(dev)?);
     for &scratch_bytes in scratches {
         for fused_histogram in [true, false] {
-            poison(&dev, q.dim(0)? * k.max(256))?;
+            poison(dev, q.dim(0)? * k.max(2048))?;
             let opts = SelectOptions { scratch_bytes, fused_histogram };
             let got = index_select_with_options(&qg, &wg, gpu_src, k, consume.map(|c| c.1), None, &opts)?;
             assert_ids_equal(&format!("{what} (fused {fused_histogram}, scratch {scratch_bytes})"), &got.topk, &want.topk)?;
@@ -477,21 +477,22 @@ fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Resul
     let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
     let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
     for (name, src) in [("packed", &packed), ("bf16 rows", &rows_src)] {
-        let g = select_both_ways(&format!("decode {name}"), &q, &w, &cpu, src, k, None, &[1 << 28, 2 * 4000 * 3])?;
+        let g = select_both_ways(&dev, &format!("decode {name}"), &q, &w, &cpu, src, k, None, &[1 << 28, 2 * 4000 * 3])?;
         ensure!(g[6].iter().all(|&i| i == -1), "visible 0: all -1");
         ensure!(g[5][0] == 0 && g[5][1..].iter().all(|&i| i == -1), "visible 1: [0, -1, ..]");
         ensure!(g[4][..100] == (0..100).collect::<Vec<i64>>()[..] && g[4][100] == -1, "visible 100: all of them");
         // The last query: 352 finite scores, then −inf past the cache: 352..511 complete the top-k.
         ensure!(g[7] == (0..512).collect::<Vec<i64>>(), "past-cache query: its 352 finite entries, then the lowest -inf ids");
-        let gm = select_both_ways(&format!("decode {name} masked"), &q, &w, &cpu, src, k, Some((&c_cpu, &c_gpu)), &[1 << 28])?;
+        let gm = select_both_ways(&dev, &format!("decode {name} masked"), &q, &w, &cpu, src, k, Some((&c_cpu, &c_gpu)), &[1 << 28])?;
         ensure!(gm[0].len() == k && gm[0].iter().all(|&i| i >= 0), "masked: still k ids (masked -inf entries fill up)");
     }
     Ok(())
 }
 
 /// Ties at a bin edge: one head, q = e0 and w = 1, so a score is max(K[j, 0], 0) exactly; the keys
-/// take the values 12 (bin 0xC1), 6 and 3 (bin 0xC0) and 2.0 (the lowest value of bin 0xC0) above
-/// 1.5, 1 and 0 (lower bins): 450 scores above 2.0 and 300 ties at 2.0, of which the 62 lowest ids
+/// take the values 12, 6, 3 and 2.0 (the lowest value of its first-digit bin [2, 2.5): the
+/// k-th largest key sits on the bin's lower edge) above 1.5, 1 and 0 (lower bins): 450 scores
+/// above 2.0 and 300 ties at 2.0, of which the 62 lowest ids
 /// complete the top 512. A second query sees a prefix (12 345 entries), a third has all keys equal
 /// (every warp's candidate list overflows: the selection walks its row segment again).
 #[test]
@@ -535,7 +536,7 @@ fn fused_histogram_select_with_ties_at_a_bin_edge() -> Result<()> {
     // The data are what the test claims: exact scores, 62 of 300 ties at 2.0 taken.
     let s = masked_index_scores(&q, &w, &cpu, None)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     ensure!(s[0].iter().zip(&plan).all(|(&a, &v)| a == v.max(0.0)), "scores are max(K[j, 0], 0)");
-    let g = select_both_ways("ties at a bin edge", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    let g = select_both_ways(&dev, "ties at a bin edge", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
     let twos: Vec<i64> = (0..n).filter(|&j| plan[j] == 2.0).map(|j| j as i64).collect();
     let taken: Vec<i64> = g[0].iter().copied().filter(|&j| plan[j as usize] == 2.0).collect();
     ensure!(taken[..] == twos[..62], "ties at 2.0: the 62 lowest ids, got {} of them", taken.len());
@@ -543,7 +544,7 @@ fn fused_histogram_select_with_ties_at_a_bin_edge() -> Result<()> {
     // Bf16 rows of the same keys score identically.
     let kg = keys.to_device(&dev)?;
     let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..gsrc };
-    select_both_ways("ties at a bin edge, bf16 rows", &q, &w, &cpu, &rows_src, k, None, &[1 << 28])?;
+    select_both_ways(&dev, "ties at a bin edge, bf16 rows", &q, &w, &cpu, &rows_src, k, None, &[1 << 28])?;
     Ok(())
 }
 
@@ -562,7 +563,7 @@ fn fused_histogram_select_in_a_causal_prefill() -> Result<()> {
     let gsrc = KeySource::sequence(IndexKeys::Packed { cache: &cache, layout }, start, 2)?;
     let gsrc = KeySource { entries: n, ..gsrc };
     let stride = n.div_ceil(8) * 8;
-    let g = select_both_ways("causal prefill", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * stride * 128])?;
+    let g = select_both_ways(&dev, "causal prefill", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * stride * 128])?;
     ensure!(g[0][..500] == (0..500).collect::<Vec<i64>>()[..] && g[0][500] == -1, "500 visible: all, then -1");
     Ok(())
 }

@@ -7,11 +7,11 @@
 //! prefills. CPU path: the reference ([`crate::attention::indexer::reference_selection`]).
 //!
 //! **Fused first pass.** The top-k is a radix selection on 16-bit order keys of the bf16 scores
-//! whose first pass is a 256-bin histogram of the keys' high bytes over each query's visible
-//! entries. By default ([`SelectOptions::fused_histogram`]) the scores kernel builds that
-//! histogram while its scores are still in registers (per-warp shared-memory bins, flushed to a
-//! `[C, 256]` u32 buffer with atomics; the buffer is zeroed by a memset per chunk), and the
-//! selection kernel starts from it instead of reading all scores once more. Masked and
+//! (digits of 11 and 5 bits) whose first pass is a 2048-bin histogram of the keys' high digits
+//! over each query's visible entries. By default ([`SelectOptions::fused_histogram`]) the scores
+//! kernel builds that histogram while its scores are still in registers (shared-memory bins,
+//! flushed to a `[C, 2048]` u32 buffer with atomics; the buffer is zeroed by a memset per
+//! chunk), and the selection kernel starts from it instead of reading all scores once more. Masked and
 //! invisible-but-counted entries (−inf, e.g. rows past the cache) land in bin 0 exactly as the
 //! selection's own pass bins them, so both paths select the same ids. The candidate-block
 //! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
@@ -35,8 +35,9 @@ use crate::attention::indexer::{reference_selection, CandidateShape, Candidates,
 /// Most bytes of the per-chunk score scratch (`[C, N]` bf16) of [`index_select`].
 pub const SCORE_SCRATCH_BYTES: usize = 256 << 20;
 
-/// Bins of the top-k's first histogram (the high byte of a 16-bit order key).
-const HIST_BINS: usize = 256;
+/// Bins of the top-k's first histogram (`DSV41_SELECT_HIST_BINS`: the high 11 bits of a 16-bit
+/// order key).
+const HIST_BINS: usize = 2048;
 
 /// Index scores, top-k and candidate blocks of T queries, on `q`'s device.
 ///
@@ -149,7 +150,7 @@ pub fn index_select_with_options(
                 let tc = chunk.min(t - t0);
                 let h_p = match &hist_p {
                     Some((h, _)) => {
-                        // SAFETY: the first tc x 256 u32 of the buffer, on the stream its pointer
+                        // SAFETY: the first tc x HIST_BINS u32 of the buffer, on the stream its pointer
                         // was taken for (ordered before the scores kernel below).
                         unsafe { memset_d8_async(*h, 0, tc * HIST_BINS * 4, stream.cu_stream()) }.w()?;
                         *h as *mut u32
