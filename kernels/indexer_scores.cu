@@ -46,6 +46,13 @@
 // 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
 // Entries j >= L_t (and those whose key row lies past the cache) are written as -inf without
 // any key read.
+// Top-k histogram (p.hist: index_select's fused first selection pass): every score written for
+// j < Lv_t (the selection's visible entries, including the -inf ones) adds 1 to bin
+// order_key >> 5 (dsv41_indexer.h) of a shared-memory histogram (dynamic; one per CTA for
+// TQ = 1, whose warps share the token, one per warp for TQ = 4), which the CTA adds to the
+// token's global histogram with atomics (non-empty bins) when its span is done.
+// Balanced decode (experiment switch, see indexer_scores_balanced_kernel): resident CTAs taking
+// equal shares of all tokens' visible entries instead of a (token, chunk) grid.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -299,7 +306,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         }
     };
 
-    // Entries past L: -inf without reading keys (those below Lv, past the cache, count in bin 0).
+    // Entries past L: -inf without reading keys (those below Lv, past the cache, are histogram
+    // entries too: the -inf bin).
     uint32_t past = 0;
     for (int it = first; it < n_it; it += step) {
         const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
@@ -322,23 +330,23 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
         // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
         uint32_t qa[4][16], w2[2];
-    #pragma unroll
+#pragma unroll
         for (int m = 0; m < 2; ++m) {
             uint32_t wb[2];
-    #pragma unroll
+#pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int h = 4 * g + 2 * m + e;
                 wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
             }
             w2[m] = wb[0] | (wb[1] << 16);
         }
-    #pragma unroll
+#pragma unroll
         for (int hh = 0; hh < 4; ++hh) {
             const int h = 4 * g + hh;
             if (h < H) {
                 const uint4* src =
                     reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const uint4 v = __ldg(src + i);
                     if (kPacked) {
@@ -355,13 +363,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     }
                 }
             } else {
-    #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
             }
         }
         if constexpr (kSharedA) {
             // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
-    #pragma unroll
+#pragma unroll
             for (int s = 0; s < 8; ++s) {
                 if ((s >> 1) == warp) {
                     qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
@@ -398,7 +406,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
             cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
                       reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
-    #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
                 const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
                 const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
@@ -417,7 +425,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             if constexpr (kPacked) {
                 dsv41_ptx::cp_async_wait_all();
                 __syncwarp();  // the scale words were copied by other lanes
-    #pragma unroll
+#pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     cur[nt].d = kst_d[warp][buf][nt][lane];
                     cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
@@ -425,15 +433,15 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
                 buf ^= 1;
             } else {
-    #pragma unroll
+#pragma unroll
                 for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
             }
             float acc[4][2][4];
-    #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < 4; ++nt)
-    #pragma unroll
+#pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
-    #pragma unroll
+#pragma unroll
                     for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
             // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
             auto scores = [&](auto wide) {
@@ -441,12 +449,12 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 if constexpr (kSharedA) {
                     // Per k-step: the A fragments from shared memory, 2 B registers per tile.
                     uint32_t sc[4], sc2[4];
-    #pragma unroll
+#pragma unroll
                     for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
-    #pragma unroll
+#pragma unroll
                     for (int s = 0; s < 8; ++s) {
                         const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
-    #pragma unroll
+#pragma unroll
                         for (int nt = 0; nt < 4; ++nt) {
                             uint32_t k0, k1;
                             cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
@@ -455,11 +463,11 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                         }
                     }
                 } else {
-    #pragma unroll
+#pragma unroll
                     for (int nt = 0; nt < 4; ++nt) {
                         uint32_t kb[16];
                         cur[nt].template expand<W>(c, kb);
-    #pragma unroll
+#pragma unroll
                         for (int s = 0; s < 8; ++s) {
                             mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
                                      kb[2 * s], kb[2 * s + 1]);
@@ -471,16 +479,16 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 }
             };
             bool wide = false;
-    #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
             if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
             else scores(std::false_type{});
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
             // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
             __syncwarp();
-    #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < 4; ++nt)
-    #pragma unroll
+#pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     uint2 pr;
                     pr.x = head_products<(VAR & 1) != 0>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
@@ -496,11 +504,11 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
                 float sum = 0.f;
                 auto add_heads = [&](auto all) {
-    #pragma unroll
+#pragma unroll
                     for (int q8 = 0; q8 < 4; ++q8) {
                         const uint4 v = row[q8];
                         const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
-    #pragma unroll
+#pragma unroll
                         for (int i = 0; i < 8; ++i) {
                             const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
                             if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));

@@ -181,7 +181,7 @@ __device__ __forceinline__ void for_each_key(const Row& r, F f) {
 // instance carries no block-maximum code (64 registers: 2 CTAs of 512 threads per SM).
 template <bool BLK, int U2>
 __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p, const int var) {
-    __shared__ uint32_t hist[HI_BINS];
+    __shared__ __align__(16) uint32_t hist[HI_BINS];  // 16-byte copies of the given histogram
     __shared__ uint32_t whist[WARPS][LO_BINS];  // per-warp low-digit histograms of pass 2
     __shared__ uint32_t clist[WARPS][LIST];     // per-warp candidates: (offset in segment) << 16 | key
     __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS], wsum[WARPS];
