@@ -57,7 +57,6 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include <type_traits>
 
@@ -247,8 +246,8 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 // Scores of token t (TQ = 1; TQ = 4: tokens t..t+3, one per warp) for the n_it warp iterations
 // of 32 keys from entry chunk0 (TQ = 1: warp w takes iterations w, w + 4, ...). Every warp of
 // the CTA calls it with the same arguments (TQ = 1: it holds a CTA barrier).
-// VAR: experiment switches (DSV41_IX_VAR, packed decode only): bit 0 = ReLU in the conversion.
-template <int KF, int TQ, int VAR>
+// RELU: the ReLU in the f32 -> bf16x2 conversion (packed decode kernels, where it was measured).
+template <int KF, int TQ, bool RELU>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
                                            const int n_it) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
@@ -491,8 +490,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     uint2 pr;
-                    pr.x = head_products<(VAR & 1) != 0>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                    pr.y = head_products<(VAR & 1) != 0>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
                     const int kk = nt * 8 + 2 * c + e;
                     *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
                 }
@@ -534,13 +533,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 }
 
 // One CTA per token (group of TQ tokens) and chunk of iters x WARPS / TQ warp iterations.
-template <int KF, int TQ, int VAR>
+template <int KF, int TQ, bool RELU>
 __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
     indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : threadIdx.x / 32);
     if (t >= p.num_tokens) return;  // CTA-uniform when TQ = 1
     const int n_it = iters * (WARPS / TQ);
-    score_span<KF, TQ, VAR>(p, t, static_cast<int64_t>(blockIdx.y) * KT * n_it, n_it);
+    score_span<KF, TQ, RELU>(p, t, static_cast<int64_t>(blockIdx.y) * KT * n_it, n_it);
 }
 
 // Balanced decode (TQ = 1, T <= BAL_MAX_T): a grid of resident CTAs; the visible units (128
@@ -548,9 +547,10 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
 // c-th G-th of them (at most a few tokens' spans), so that no wave is left half full and a CTA
 // sets up a token's queries once or twice instead of once per 2048 keys. Entries past a token's
 // last visible unit are filled with -inf by CTA t mod G.
+constexpr int BAL_MIN_T = 64;
 constexpr int BAL_MAX_T = 1024;
 constexpr int UNIT = KT * WARPS;
-template <int KF, int VAR>
+template <int KF>
 __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
     indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p) {
     __shared__ uint32_t pre[BAL_MAX_T + 1];  // pre[t] = visible units of the tokens before t
@@ -617,7 +617,7 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
         const uint32_t u1 = (a1 < pre[t + 1] ? a1 : pre[t + 1]) - pre[t];
         if (!first) __syncthreads();  // the previous span's warps are done with the shared buffers
         first = false;
-        score_span<KF, 1, VAR>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
+        score_span<KF, 1, true>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
         a = pre[t] + u1;
     }
 }
@@ -639,15 +639,15 @@ __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMas
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Resident CTAs of the balanced kernel (SMs x CTAs per SM), once per process and instance.
-template <int KF, int VAR>
+template <int KF>
 int balanced_grid() {
     static const int g = [] {
         int dev = 0, sms = 0, per = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF, VAR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(hist_smem<1>())) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, VAR>, THREADS,
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF>, THREADS,
                                                           hist_smem<1>()) != cudaSuccess)
             return 0;
         return sms * per;
@@ -655,15 +655,15 @@ int balanced_grid() {
     return g;
 }
 
-template <int KF, int VAR>
+template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    const int g = balanced_grid<KF, VAR>();
+    const int g = balanced_grid<KF>();
     if (g <= 0) return static_cast<int>(cudaGetLastError());
-    indexer_scores_balanced_kernel<KF, VAR><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
+    indexer_scores_balanced_kernel<KF><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 
-template <int KF, int TQ, int VAR = 0>
+template <int KF, int TQ, bool RELU = false>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
     // (decode of few queries): aim at >= 1024 CTAs.
@@ -677,9 +677,9 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
     // The histogram's dynamic shared memory (the packed prefill kernel exceeds 48 KB with it).
     static const cudaError_t attr = cudaFuncSetAttribute(
-        indexer_scores_kernel<KF, TQ, VAR>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(hist_smem<TQ>()));
+        indexer_scores_kernel<KF, TQ, RELU>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(hist_smem<TQ>()));
     if (attr != cudaSuccess) return static_cast<int>(attr);
-    indexer_scores_kernel<KF, TQ, VAR><<<grid, THREADS, p.hist ? hist_smem<TQ>() : 0, stream>>>(p, static_cast<int>(iters));
+    indexer_scores_kernel<KF, TQ, RELU><<<grid, THREADS, p.hist ? hist_smem<TQ>() : 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -698,7 +698,7 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
     if (!aligned16(p->q) || !aligned16(p->keys) || !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     // Prefill over shared keys: 4 tokens per CTA share the key loads; otherwise one token.
-    const bool shared = p->key_base == nullptr && p->num_tokens >= 4 * 132;
+    const bool shared = p->key_base == nullptr && p->num_tokens >= DSV41_INDEXER_SHARED_KEY_TOKENS;
     if (p->key_format == DSV41_INDEX_KEYS_BF16) {
         if (p->key_row_stride % 8) return DSV41_ERR_ALIGNMENT;
         return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
@@ -708,15 +708,12 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
-        static const int var = [] {
-            const char* v = getenv("DSV41_IX_VAR");
-            return v ? atoi(v) : 0;
-        }();
         if (shared) return launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s);
-        if ((var & 2) && p->num_tokens <= BAL_MAX_T)
-            return var & 1 ? launch_balanced<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s)
-                           : launch_balanced<DSV41_INDEX_KEYS_MXFP4, 0>(*p, s);
-        return var & 1 ? launch<DSV41_INDEX_KEYS_MXFP4, 1, 1>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
+        // Decode batches: the balanced kernel (resident CTAs, equal shares of the visible entries;
+        // measured at B = 64 and 256). Small batches keep the (token, chunk) grid.
+        if (p->num_tokens >= BAL_MIN_T && p->num_tokens <= BAL_MAX_T)
+            return launch_balanced<DSV41_INDEX_KEYS_MXFP4>(*p, s);
+        return launch<DSV41_INDEX_KEYS_MXFP4, 1, true>(*p, s);
     }
     return DSV41_ERR_QUANT;
 }

@@ -24,7 +24,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 
@@ -174,13 +173,10 @@ __device__ __forceinline__ void for_each_key(const Row& r, F f) {
     }
 }
 
-// `var`: run-time experiment switches (DSV41_SEL_VAR, read once by the launcher): bit 0 = no
-// candidate lists (pass 3 always walks the warp's segment); bit 1: U2 = 4 (U2: 256-element
-// groups pass 2 loads before using any).
-// BLK: blocks mode (p.mode == DSV41_SELECT_BLOCKS), a template parameter so that the top-k
+// U2: 256-element groups pass 2 loads before using any. BLK: blocks mode (p.mode == DSV41_SELECT_BLOCKS), a template parameter so that the top-k
 // instance carries no block-maximum code (64 registers: 2 CTAs of 512 threads per SM).
 template <bool BLK, int U2>
-__global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p, const int var) {
+__global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // 16-byte copies of the given histogram
     __shared__ uint32_t whist[WARPS][LO_BINS];  // per-warp low-digit histograms of pass 2
     __shared__ uint32_t clist[WARPS][LIST];     // per-warp candidates: (offset in segment) << 16 | key
@@ -232,7 +228,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
     uint32_t* wh = whist[warp];
     wh[lane] = 0;
     __syncwarp();
-    const bool lists = !(var & 1) && seg <= 65536;
+    const bool lists = seg <= 65536;  // offsets in 16 bits
     uint32_t gt_hi = 0, n_list = 0;
     for (int64_t base = w0; base < w1; base += U2 * 256) {
         // Score rows: U2 raw 16-byte groups in flight (4 registers each); the keys are made at use.
@@ -423,16 +419,10 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (p->num_tokens == 0) return DSV41_OK;
     if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
-    static const int var = [] {
-        const char* v = getenv("DSV41_SEL_VAR");
-        return v ? atoi(v) : 0;
-    }();
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     if (p->mode == DSV41_SELECT_BLOCKS)
-        indexer_select_kernel<true, 1><<<p->num_tokens, THREADS, 0, s>>>(*p, var);
-    else if (var & 2)
-        indexer_select_kernel<false, 4><<<p->num_tokens, THREADS, 0, s>>>(*p, var);
+        indexer_select_kernel<true, 1><<<p->num_tokens, THREADS, 0, s>>>(*p);
     else
-        indexer_select_kernel<false, 2><<<p->num_tokens, THREADS, 0, s>>>(*p, var);
+        indexer_select_kernel<false, 2><<<p->num_tokens, THREADS, 0, s>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }

@@ -473,7 +473,15 @@ fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Resul
     let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
     // Consumer mask: 8 blocks of 16 entries per query (128 finite scores at most).
     let (block, n_keep) = (16usize, 8usize);
-    let kept: Vec<i64> = (0..b).flat_map(|_| (0..n_keep).map(|_| rng.below(nk / block) as i64).collect::<Vec<_>>()).collect();
+    // (Kept rows as the Candidates contract has them: ascending, distinct, −1 padded.)
+    let mut kept = Vec::with_capacity(b * n_keep);
+    for _ in 0..b {
+        let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(nk / block) as i64).collect();
+        row.sort_unstable();
+        row.dedup();
+        row.resize(n_keep, -1);
+        kept.extend(row);
+    }
     let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
     let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
     for (name, src) in [("packed", &packed), ("bf16 rows", &rows_src)] {
@@ -486,6 +494,49 @@ fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Resul
         let gm = select_both_ways(&dev, &format!("decode {name} masked"), &q, &w, &cpu, src, k, Some((&c_cpu, &c_gpu)), &[1 << 28])?;
         ensure!(gm[0].len() == k && gm[0].iter().all(|&i| i >= 0), "masked: still k ids (masked -inf entries fill up)");
     }
+    Ok(())
+}
+
+/// A decode batch of 70 queries over packed keys (the balanced scores kernel takes batches of 64
+/// to 1024 queries): fresh random keys per query, visibility from 0 to N, a query whose rows end
+/// inside its visible entries (past the cache: −inf),
+/// scores bit-exact and top-k ids identical to the CPU, fused and not.
+#[test]
+fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(34);
+    let (b, h, nk, k) = (70usize, 32usize, 1500usize, 512usize);
+    // The last query's rows end ~300 entries in; whole pages of 64, so the packed cache holds
+    // exactly these rows.
+    let rows = ((b - 1) * nk + 300).div_ceil(64) * 64;
+    let inside = rows - (b - 1) * nk;
+    let keys = fq(&mut rng, &[rows, D])?;
+    let (cache, layout) = pack(&keys, 64, &dev)?;
+    let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
+    let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
+    let counts: Vec<u32> = (0..b)
+        .map(|i| match i {
+            0 => 0,
+            1 => 1,
+            2 => 511,
+            3 => 512,
+            _ if i == b - 1 => nk as u32,
+            _ => rng.below(nk + 1) as u32,
+        })
+        .collect();
+    let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let want = masked_index_scores(&q, &w, &cpu, None)?;
+    poison(&dev, b * nk)?;
+    let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
+    assert_scores_exact("balanced decode batch", &got, &want)?;
+    let g = bits(&got)?;
+    ensure!(g[(b - 1) * nk + inside..].iter().all(|&x| x == 0xff80), "past the cache: -inf");
+    ensure!(g[(b - 1) * nk..(b - 1) * nk + inside].iter().all(|&x| x != 0xff80), "inside the cache: finite");
+    let ids = select_both_ways(&dev, "balanced decode batch", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * 1504 * 9])?;
+    ensure!(ids[0].iter().all(|&i| i == -1) && ids[1][0] == 0, "visible 0 / 1");
     Ok(())
 }
 

@@ -28,6 +28,9 @@ enum Dsv41IndexKeyFormat {
 //           for j < L_t and (allowed == NULL or bit j / allowed_block of allowed[t] is set),
 //           -inf otherwise; row(t, j) = (key_base ? key_base[t] : 0) + j, and a row >= num_key_rows
 //           also gives -inf (never read).
+// Launches without key_base of at least DSV41_INDEXER_SHARED_KEY_TOKENS tokens (prefill over one
+// sequence's keys) score 4 tokens per CTA; all others one token per CTA (decode shapes).
+#define DSV41_INDEXER_SHARED_KEY_TOKENS 528
 // With `hist`: hist[t, b] += #{ j < L_t : order_key(S[t, j]) >> 5 == b } (order_key below), the
 // first histogram pass of the top-k over the same L_t entries, masked and past-cache ones included.
 typedef struct {

@@ -264,6 +264,9 @@ pub(crate) struct IndexerSelectParams {
 /// `DSV41_INDEX_KEYS_BF16` / `DSV41_INDEX_KEYS_MXFP4`.
 pub(crate) const INDEX_KEYS_BF16: i32 = 0;
 pub(crate) const INDEX_KEYS_MXFP4: i32 = 1;
+/// `DSV41_INDEXER_SHARED_KEY_TOKENS`: scores launches without key bases of at least this many
+/// tokens take the 4-tokens-per-CTA prefill kernel.
+pub(crate) const INDEXER_SHARED_KEY_TOKENS: usize = 528;
 /// `DSV41_SELECT_TOPK` / `DSV41_SELECT_BLOCKS`.
 pub(crate) const SELECT_TOPK: i32 = 0;
 pub(crate) const SELECT_BLOCKS: i32 = 1;

@@ -11,7 +11,10 @@
 //! over each query's visible entries. By default ([`SelectOptions::fused_histogram`]) the scores
 //! kernel builds that histogram while its scores are still in registers (shared-memory bins,
 //! flushed to a `[C, 2048]` u32 buffer with atomics; the buffer is zeroed by a memset per
-//! chunk), and the selection kernel starts from it instead of reading all scores once more. Masked and
+//! chunk), and the selection kernel starts from it instead of reading all scores once more.
+//! It is applied to decode-shaped chunks only (per-query key bases, or fewer than 528 queries:
+//! one query per CTA); a prefill chunk over one sequence's keys (4 queries per CTA) builds it in
+//! the selection kernel, where it is cheaper (measured in `docs/perf.md`, "Indexer round 4"). Masked and
 //! invisible-but-counted entries (−inf, e.g. rows past the cache) land in bin 0 exactly as the
 //! selection's own pass bins them, so both paths select the same ids. The candidate-block
 //! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
@@ -53,7 +56,8 @@ const HIST_BINS: usize = 2048;
 /// Returns [`Selection`]: `topk` `[T, k]` i64 (entry ids ascending, −1 padded; the best
 /// `min(k, L_t)` visible entries, ties → lower id) and, with `publish`, `candidates.kept`
 /// `[T, n_keep]` i64 (block ids ascending, −1 padded), both on `q`'s device. Identical to the CPU
-/// reference whenever the scores are (see [`super::masked_index_scores`]).
+/// reference whenever the scores are (see [`super::masked_index_scores`]). Runs with
+/// [`SelectOptions::default`] (the fused first histogram for decode-shaped chunks).
 pub fn index_select(
     q: &Tensor,
     w: &Tensor,
@@ -85,8 +89,8 @@ pub fn index_select_with_scratch(
 pub struct SelectOptions {
     /// Most bytes of the per-chunk score scratch (at least one query row is used).
     pub scratch_bytes: usize,
-    /// Build the top-k's first histogram in the scores kernel (see the module doc); `false`:
-    /// the selection kernel reads the scores once more to build it.
+    /// Build the top-k's first histogram in the scores kernel for decode-shaped chunks (see the
+    /// module doc); `false`: always in the selection kernel (one more read of the scores).
     pub fused_histogram: bool,
 }
 
@@ -139,8 +143,10 @@ pub fn index_select_with_options(
         let mut scratch = unsafe { dev.alloc::<bf16>(chunk * stride)? };
         let mut topk = unsafe { dev.alloc::<i64>(t * k)? };
         let mut kept = if n_keep > 0 { Some(unsafe { dev.alloc::<i64>(t * n_keep)? }) } else { None };
+        // The fused histogram for decode-shaped chunks (one query per CTA in the scores kernel).
         // SAFETY: zeroed per chunk below before the scores kernel adds to it.
-        let mut hist = if opts.fused_histogram { Some(unsafe { dev.alloc::<u32>(chunk * HIST_BINS)? }) } else { None };
+        let fuse = opts.fused_histogram && (src.base.is_some() || chunk < ffi::INDEXER_SHARED_KEY_TOKENS);
+        let mut hist = if fuse { Some(unsafe { dev.alloc::<u32>(chunk * HIST_BINS)? }) } else { None };
         {
             let (s_p, _g0) = scratch.device_ptr_mut(stream);
             let (t_p, _g1) = topk.device_ptr_mut(stream);

@@ -17,7 +17,9 @@
 //!   the log-sum-exp; [`sparse_attention_two_source`] is its bf16-rows shorthand.
 //! * [`index_select`]: the lightning indexer (spec §6.3–§6.4): index scores over bf16 or packed
 //!   MXFP4 key rows ([`masked_index_scores`]), top-k ([`index_topk`]) and candidate blocks
-//!   ([`candidate_blocks`]) in one chunked, memory-bounded call.
+//!   ([`candidate_blocks`]) in one chunked, memory-bounded call; [`index_select_with_options`]
+//!   chooses the scratch size and whether the top-k's first histogram is built by the scores
+//!   kernel ([`SelectOptions`]).
 //! * [`split_sinkhorn_device`]: the mHC coefficient split (Sinkhorn) in one launch, bit for bit
 //!   the Candle op sequence it replaces on a CUDA device.
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
