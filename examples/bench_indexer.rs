@@ -5,8 +5,8 @@
 //!
 //! * Decode: B = 1, 64, 256 queries, each sequence with its OWN 64K keys (one cache, per-query
 //!   base row): scores alone, top-k alone (on precomputed scores), both (`index_select`, whose
-//!   default builds the top-k's first histogram inside the scores kernel), and both without that
-//!   fusion (`SelectOptions::fused_histogram = false`).
+//!   default builds the top-k's first histogram inside the scores kernel for decode-shaped
+//!   chunks), and both without that fusion (`SelectOptions::fused_histogram = false`).
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
 //!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k).
 //!

@@ -655,14 +655,6 @@ int balanced_grid() {
     return g;
 }
 
-template <int KF>
-int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    const int g = balanced_grid<KF>();
-    if (g <= 0) return static_cast<int>(cudaGetLastError());
-    indexer_scores_balanced_kernel<KF><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
-
 template <int KF, int TQ, bool RELU = false>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
@@ -680,6 +672,18 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
         indexer_scores_kernel<KF, TQ, RELU>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(hist_smem<TQ>()));
     if (attr != cudaSuccess) return static_cast<int>(attr);
     indexer_scores_kernel<KF, TQ, RELU><<<grid, THREADS, p.hist ? hist_smem<TQ>() : 0, stream>>>(p, static_cast<int>(iters));
+    return static_cast<int>(cudaGetLastError());
+}
+
+// The balanced kernel; the (token, chunk) grid when the device query behind its size failed.
+template <int KF>
+int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    const int g = balanced_grid<KF>();
+    if (g <= 0) {
+        (void)cudaGetLastError();  // the failed query's error is not this launch's
+        return launch<KF, 1, true>(p, stream);
+    }
+    indexer_scores_balanced_kernel<KF><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 

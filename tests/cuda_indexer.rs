@@ -12,6 +12,10 @@
 //! rows drawn from a handful of values or all equal are tested on purpose; both sides use
 //! "descending score, ties → lower id", so the sets must agree exactly.
 //!
+//! `index_select` is checked with and without the fused first histogram (built by the scores
+//! kernel) against the CPU, on ties at a histogram bin edge, −inf (masked, past-cache) entries
+//! completing the top-k, short rows and the prefill and balanced decode kernels.
+//!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_indexer`.
 
