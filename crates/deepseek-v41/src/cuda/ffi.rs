@@ -204,8 +204,8 @@ pub(crate) struct IndexerScoresParams {
     pub allowed: *const u32,
     /// bf16 `[T, N]`, row stride `score_row_stride` elements.
     pub scores: *mut c_void,
-    /// u32 `[T, 256]` zeroed by the caller, or null: the kernel adds each token's top-k
-    /// high-byte histogram (the fused first pass of the selection).
+    /// u32 `[T, 2048]` zeroed by the caller, or null: the kernel adds each token's top-k
+    /// first-digit histogram (the fused first pass of the selection).
     pub hist: *mut u32,
     pub key_row_stride: i64,
     pub num_key_rows: i64,
@@ -245,8 +245,8 @@ pub(crate) struct IndexerSelectParams {
     pub scores: *const c_void,
     /// u32 `[T]` visible entries per token, or null (causal rule).
     pub visible: *const u32,
-    /// u32 `[T, 256]` high-byte histograms of the rows (top-k mode; from the scores kernel's
-    /// `hist`), or null (the kernel computes them).
+    /// u32 `[T, 2048]` first-digit histograms of the rows (top-k mode; from the scores
+    /// kernel's `hist`), or null (the kernel builds them).
     pub hist: *const u32,
     /// i64 `[T, k]`, row stride `out_row_stride` elements.
     pub out: *mut i64,

@@ -14,9 +14,9 @@
 //! chunk), and the selection kernel starts from it instead of reading all scores once more.
 //! It is applied to decode-shaped chunks only (per-query key bases, or fewer than 528 queries:
 //! one query per CTA); a prefill chunk over one sequence's keys (4 queries per CTA) builds it in
-//! the selection kernel, where it is cheaper (measured in `docs/perf.md`, "Indexer round 4"). Masked and
-//! invisible-but-counted entries (−inf, e.g. rows past the cache) land in bin 0 exactly as the
-//! selection's own pass bins them, so both paths select the same ids. The candidate-block
+//! the selection kernel, where it is cheaper (measured in `docs/perf.md`, "Indexer round 4").
+//! Masked and invisible-but-counted entries (−inf, e.g. rows past the cache) land in the −inf
+//! bin exactly as the selection's own pass bins them, so both paths select the same ids. The candidate-block
 //! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
 //! [`super::masked_index_scores`] + [`super::index_topk`] take the un-fused path.
 
