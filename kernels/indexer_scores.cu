@@ -46,6 +46,13 @@
 // 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
 // Entries j >= L_t (and those whose key row lies past the cache) are written as -inf without
 // any key read.
+// Top-k histogram (p.hist: index_select's fused first selection pass): every score written for
+// j < Lv_t (the selection's visible entries, including the -inf ones) adds 1 to bin
+// order_key >> 5 (dsv41_indexer.h) of a shared-memory histogram (dynamic; one per CTA for
+// TQ = 1, whose warps share the token, one per warp for TQ = 4), which the CTA adds to the
+// token's global histogram with atomics (non-empty bins) when its span is done.
+// Balanced decode (experiment switch, see indexer_scores_balanced_kernel): resident CTAs taking
+// equal shares of all tokens' visible entries instead of a (token, chunk) grid.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -181,12 +188,34 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     }
 };
 
-// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2.
+// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2. RELU_CVT: the ReLU
+// in the f32 -> bf16x2 conversion (cvt.rn.relu: relu(bf16(x)) = bf16(relu(x)), rounding keeps the
+// sign; -0 becomes +0, which the head sum from +0 cannot tell apart).
+template <bool RELU_CVT>
 __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w2) {
-    __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
-    s = __hmax2(s, __float2bfloat162_rn(0.f));
-    uint32_t r = *reinterpret_cast<uint32_t*>(&s);
+    uint32_t r;
+    if constexpr (RELU_CVT) {
+        asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(a1), "f"(a0));
+    } else {
+        __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
+        s = __hmax2(s, __float2bfloat162_rn(0.f));
+        r = *reinterpret_cast<uint32_t*>(&s);
+    }
     return bf16x2_mul(r, w2);
+}
+
+// The top-k's first histogram (dsv41_indexer.h): bin = order key >> 5 of a bf16 score.
+constexpr int HIST_BINS = DSV41_SELECT_HIST_BINS;
+constexpr uint32_t NEG_INF_BIN = (~static_cast<uint32_t>(BF16_NEG_INF) & 0xFFFFu) >> 5;
+__device__ __forceinline__ uint32_t order_bin(uint32_t bits) {
+    const uint32_t u = (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
+    return u >> 5;
+}
+// Dynamic shared memory of the histogram: one per CTA (TQ = 1: its warps share the token), one
+// per warp (TQ = 4).
+template <int TQ>
+constexpr size_t hist_smem() {
+    return sizeof(uint32_t) * HIST_BINS * (TQ == 1 ? 1 : WARPS);
 }
 
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -195,9 +224,32 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 
 // Decode over packed keys (A fragments in shared memory): 4 CTAs per SM (<= 128 registers);
 // otherwise 3 (<= 170 registers: the A fragments alone take 64).
-template <int KF, int TQ>
-__global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
-    indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+// Visible entries of token t (the top-k's L_t, for the histogram) and those with a key row (L_t
+// clamped to the rows past key_base[t]: entries past the cache count as invisible).
+struct Extent {
+    int64_t L, Lv, kbase;
+};
+__device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p, int64_t t) {
+    const int64_t n = p.num_cols;
+    int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
+    L = L < n ? L : n;
+    Extent e;
+    e.Lv = L;
+    e.kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
+    // Afterwards every j < L has a key row (kbase + j < num_key_rows), and row kbase exists
+    // whenever L >= 1.
+    const int64_t rows_left = p.num_key_rows - e.kbase;
+    e.L = L < rows_left ? L : (rows_left > 0 ? rows_left : 0);
+    return e;
+}
+
+// Scores of token t (TQ = 1; TQ = 4: tokens t..t+3, one per warp) for the n_it warp iterations
+// of 32 keys from entry chunk0 (TQ = 1: warp w takes iterations w, w + 4, ...). Every warp of
+// the CTA calls it with the same arguments (TQ = 1: it holds a CTA barrier).
+// RELU: the ReLU in the f32 -> bf16x2 conversion (packed decode kernels, where it was measured).
+template <int KF, int TQ, bool RELU>
+__device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
+                                           const int n_it) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
     constexpr bool kSharedA = kPacked && TQ == 1;
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
@@ -208,237 +260,365 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
+    // With p.hist: the histogram of the token's scores (dynamic, hist_smem<TQ>() bytes).
+    extern __shared__ uint32_t hdyn[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
-    const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : warp);
-    if (t >= p.num_tokens) return;  // CTA-uniform when kSharedA (TQ = 1)
-    const int n_it = iters * (WARPS / TQ);  // iterations of the CTA's key chunk
     const int step = TQ == 1 ? WARPS : 1;
     const int first = TQ == 1 ? warp : 0;
-    const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * KT * n_it;
     const int64_t n = p.num_cols;
-    int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
-    L = L < n ? L : n;
-    const int64_t kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
-    // Entries past the cache's rows count as invisible: afterwards every j < L has a key row
-    // (kbase + j < num_key_rows), and row kbase exists whenever L >= 1.
-    const int64_t rows_left = p.num_key_rows - kbase;
-    L = L < rows_left ? L : (rows_left > 0 ? rows_left : 0);
+    const Extent ext = token_extent(p, t);
+    const int64_t L = ext.L, kbase = ext.kbase;
+    const uint32_t Lv = static_cast<uint32_t>(ext.Lv);  // the top-k's visible entries (histogram)
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
     uint16_t* pw = prod[warp];
+    uint32_t* hs = hdyn + (TQ == 1 ? 0 : warp * HIST_BINS);
+    const bool hist = p.hist != nullptr;
+    if (hist) {
+        if constexpr (TQ == 1) {
+            for (int i = threadIdx.x; i < HIST_BINS; i += THREADS) hs[i] = 0u;
+            __syncthreads();
+        } else {
+            for (int i = lane; i < HIST_BINS; i += 32) hs[i] = 0u;
+            __syncwarp();
+        }
+    }
+    // Adds the histogram to the token's (global atomics, non-empty bins only). TQ = 1: a CTA
+    // barrier (every warp calls it once, at the end).
+    auto flush = [&]() {
+        if (!hist) return;
+        uint32_t* gh = p.hist + t * HIST_BINS;
+        if constexpr (TQ == 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < HIST_BINS; i += THREADS) {
+                const uint32_t v = hs[i];
+                if (v) atomicAdd(gh + i, v);
+            }
+        } else {
+            __syncwarp();
+            for (int i = lane; i < HIST_BINS; i += 32) {
+                const uint32_t v = hs[i];
+                if (v) atomicAdd(gh + i, v);
+            }
+        }
+    };
 
-    // Entries past L: -inf without reading keys.
+    // Entries past L: -inf without reading keys (those below Lv, past the cache, are histogram
+    // entries too: the -inf bin).
+    uint32_t past = 0;
     for (int it = first; it < n_it; it += step) {
         const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
         if (key0 >= n) break;
-        if (key0 >= L && key0 + lane < n) out[key0 + lane] = BF16_NEG_INF;
+        if (key0 >= L && key0 + lane < n) {
+            out[key0 + lane] = BF16_NEG_INF;
+            past += static_cast<uint32_t>(key0 + lane) < Lv;
+        }
     }
+    if (hist && past) atomicAdd(&hs[NEG_INF_BIN], past);
     auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
     int it = first;
-    if (!kSharedA && !valid(it)) return;
+    // Everything from the A fragments on; a warp without work returns from it early (TQ = 1:
+    // after the A-fragment barrier), so that every warp reaches the histogram flush.
+    auto span = [&]() {
+        if (!kSharedA && !valid(it)) return;
 
-    // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
-    // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
-    // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
-    // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
-    uint32_t qa[4][16], w2[2];
+        // A fragments: row slot hh of lane group g is head 4g + hh (slots 0, 1: rows g, g + 8 of
+        // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
+        // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
+        // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
+        uint32_t qa[4][16], w2[2];
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-        uint32_t wb[2];
+        for (int m = 0; m < 2; ++m) {
+            uint32_t wb[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int h = 4 * g + 2 * m + e;
-            wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
-        }
-        w2[m] = wb[0] | (wb[1] << 16);
-    }
-#pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
-        const int h = 4 * g + hh;
-        if (h < H) {
-            const uint4* src =
-                reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const uint4 v = __ldg(src + i);
-                if (kPacked) {
-                    // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
-                    qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
-                    qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
-                    qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
-                    qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
-                } else {
-                    qa[hh][4 * i] = v.x;
-                    qa[hh][4 * i + 1] = v.y;
-                    qa[hh][4 * i + 2] = v.z;
-                    qa[hh][4 * i + 3] = v.w;
-                }
+            for (int e = 0; e < 2; ++e) {
+                const int h = 4 * g + 2 * m + e;
+                wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
             }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+            w2[m] = wb[0] | (wb[1] << 16);
         }
-    }
-    if constexpr (kSharedA) {
-        // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-            if ((s >> 1) == warp) {
-                qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
-                qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
-            }
-        }
-        __syncthreads();
-        if (!valid(it)) return;
-    }
-
-    // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
-    // the tile's key0 < L) and is zeroed. (32-bit entry ids: key0 < L <= N < 2^31.)
-    const PageDiv pd(kPacked ? static_cast<uint32_t>(p.page_size) : 2u);
-    auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
-        if constexpr (!kPacked) {
-            const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
-            const bool ok = j < static_cast<uint32_t>(L);
-            ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
-            if (!ok) ks.zero();
-        }
-    };
-    // Packed rows: lane l finds the page and row of entry key0 + l (slot < 2^32, page bytes <
-    // 2^32: the launcher checks), copies its scale word and hands the row's address to the lanes
-    // that copy its 16-byte slices. Entries past L read row kbase; their scores are not written.
-    const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
-    const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
-    const uint32_t psize = static_cast<uint32_t>(p.page_size);
-    auto stage = [&](int64_t key0, int buf) {
-        const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
-        const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
-        const uint32_t page = pd.div(slot);
-        const uint32_t r = slot - page * psize;
-        const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
-        const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
-        cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
-                  reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
+        for (int hh = 0; hh < 4; ++hh) {
+            const int h = 4 * g + hh;
+            if (h < H) {
+                const uint4* src =
+                    reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
-            const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
-            const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
-            dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
-                                  reinterpret_cast<const void*>(src), true);
-        }
-        dsv41_ptx::cp_async_commit();
-    };
-    int buf = 0;
-    if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
-    while (valid(it)) {
-        const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
-        const int next = it + step;
-        KeySlice<KF> cur[4];
-        if constexpr (kPacked) {
-            dsv41_ptx::cp_async_wait_all();
-            __syncwarp();  // the scale words were copied by other lanes
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                cur[nt].d = kst_d[warp][buf][nt][lane];
-                cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
-            }
-            if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
-            buf ^= 1;
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
-        }
-        float acc[4][2][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
-        // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
-        auto scores = [&](auto wide) {
-            constexpr bool W = decltype(wide)::value;
-            if constexpr (kSharedA) {
-                // Per k-step: the A fragments from shared memory, 2 B registers per tile.
-                uint32_t sc[4], sc2[4];
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
-#pragma unroll
-                for (int s = 0; s < 8; ++s) {
-                    const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) {
-                        uint32_t k0, k1;
-                        cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
-                        mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
-                        if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                for (int i = 0; i < 4; ++i) {
+                    const uint4 v = __ldg(src + i);
+                    if (kPacked) {
+                        // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
+                        qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
+                        qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
+                        qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
+                        qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
+                    } else {
+                        qa[hh][4 * i] = v.x;
+                        qa[hh][4 * i + 1] = v.y;
+                        qa[hh][4 * i + 2] = v.z;
+                        qa[hh][4 * i + 3] = v.w;
                     }
                 }
             } else {
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    uint32_t kb[16];
-                    cur[nt].template expand<W>(c, kb);
+                for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+            }
+        }
+        if constexpr (kSharedA) {
+            // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
 #pragma unroll
-                    for (int s = 0; s < 8; ++s) {
-                        mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
-                                 kb[2 * s], kb[2 * s + 1]);
-                        if (H > 2)
-                            mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
-                                     kb[2 * s], kb[2 * s + 1]);
-                    }
+            for (int s = 0; s < 8; ++s) {
+                if ((s >> 1) == warp) {
+                    qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
+                    qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
                 }
             }
-        };
-        bool wide = false;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
-        if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
-        else scores(std::false_type{});
-        // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
-        // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
-        __syncwarp();
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                uint2 pr;
-                pr.x = head_products(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                pr.y = head_products(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
-                const int kk = nt * 8 + 2 * c + e;
-                *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+            __syncthreads();
+            if (!valid(it)) return;
+        }
+
+        // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
+        // the tile's key0 < L) and is zeroed. (32-bit entry ids: key0 < L <= N < 2^31.)
+        const PageDiv pd(kPacked ? static_cast<uint32_t>(p.page_size) : 2u);
+        auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
+            if constexpr (!kPacked) {
+                const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
+                const bool ok = j < static_cast<uint32_t>(L);
+                ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
+                if (!ok) ks.zero();
             }
-        __syncwarp();
-        const int64_t j = key0 + lane;
-        if (j < n) {
-            // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
-            // but are not added).
-            const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
-            float sum = 0.f;
-            auto add_heads = [&](auto all) {
+        };
+        // Packed rows: lane l finds the page and row of entry key0 + l (slot < 2^32, page bytes <
+        // 2^32: the launcher checks), copies its scale word and hands the row's address to the lanes
+        // that copy its 16-byte slices. Entries past L read row kbase; their scores are not written.
+        const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
+        const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
+        const uint32_t psize = static_cast<uint32_t>(p.page_size);
+        auto stage = [&](int64_t key0, int buf) {
+            const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
+            const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
+            const uint32_t page = pd.div(slot);
+            const uint32_t r = slot - page * psize;
+            const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
+            const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
+            cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
+                      reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
 #pragma unroll
-                for (int q8 = 0; q8 < 4; ++q8) {
-                    const uint4 v = row[q8];
-                    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+            for (int nt = 0; nt < 4; ++nt) {
+                const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
+                const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
+                const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
+                dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
+                                      reinterpret_cast<const void*>(src), true);
+            }
+            dsv41_ptx::cp_async_commit();
+        };
+        int buf = 0;
+        if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
+        while (valid(it)) {
+            const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
+            const int next = it + step;
+            KeySlice<KF> cur[4];
+            if constexpr (kPacked) {
+                dsv41_ptx::cp_async_wait_all();
+                __syncwarp();  // the scale words were copied by other lanes
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
-                        if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                for (int nt = 0; nt < 4; ++nt) {
+                    cur[nt].d = kst_d[warp][buf][nt][lane];
+                    cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
+                }
+                if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
+                buf ^= 1;
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
+            }
+            float acc[4][2][4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
+            // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
+            auto scores = [&](auto wide) {
+                constexpr bool W = decltype(wide)::value;
+                if constexpr (kSharedA) {
+                    // Per k-step: the A fragments from shared memory, 2 B registers per tile.
+                    uint32_t sc[4], sc2[4];
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
+#pragma unroll
+                    for (int s = 0; s < 8; ++s) {
+                        const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
+#pragma unroll
+                        for (int nt = 0; nt < 4; ++nt) {
+                            uint32_t k0, k1;
+                            cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
+                            mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
+                            if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) {
+                        uint32_t kb[16];
+                        cur[nt].template expand<W>(c, kb);
+#pragma unroll
+                        for (int s = 0; s < 8; ++s) {
+                            mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
+                                     kb[2 * s], kb[2 * s + 1]);
+                            if (H > 2)
+                                mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
+                                         kb[2 * s], kb[2 * s + 1]);
+                        }
                     }
                 }
             };
-            if (H == 32) add_heads(std::true_type{});
-            else add_heads(std::false_type{});
-            bool ok = j < L;
-            if (ok && allowed) {
-                const int64_t b = j / p.allowed_block;
-                ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+            bool wide = false;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
+            if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
+            else scores(std::false_type{});
+            // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
+            // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
+            __syncwarp();
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    uint2 pr;
+                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                    const int kk = nt * 8 + 2 * c + e;
+                    *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+                }
+            __syncwarp();
+            const int64_t j = key0 + lane;
+            if (j < n) {
+                // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
+                // but are not added).
+                const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
+                float sum = 0.f;
+                auto add_heads = [&](auto all) {
+#pragma unroll
+                    for (int q8 = 0; q8 < 4; ++q8) {
+                        const uint4 v = row[q8];
+                        const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                            if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                        }
+                    }
+                };
+                if (H == 32) add_heads(std::true_type{});
+                else add_heads(std::false_type{});
+                bool ok = j < L;
+                if (ok && allowed) {
+                    const int64_t b = j / p.allowed_block;
+                    ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+                }
+                const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                out[j] = static_cast<uint16_t>(v);
+                if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hs[order_bin(v)], 1u);
             }
-            out[j] = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+            it = next;
         }
-        it = next;
+    };
+    span();
+    flush();
+}
+
+// One CTA per token (group of TQ tokens) and chunk of iters x WARPS / TQ warp iterations.
+template <int KF, int TQ, bool RELU>
+__global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
+    indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : threadIdx.x / 32);
+    if (t >= p.num_tokens) return;  // CTA-uniform when TQ = 1
+    const int n_it = iters * (WARPS / TQ);
+    score_span<KF, TQ, RELU>(p, t, static_cast<int64_t>(blockIdx.y) * KT * n_it, n_it);
+}
+
+// Balanced decode (TQ = 1, T <= BAL_MAX_T): a grid of resident CTAs; the visible units (128
+// entries: one iteration of each warp) of all tokens are laid end to end and CTA c takes the
+// c-th G-th of them (at most a few tokens' spans), so that no wave is left half full and a CTA
+// sets up a token's queries once or twice instead of once per 2048 keys. Entries past a token's
+// last visible unit are filled with -inf by CTA t mod G.
+constexpr int BAL_MIN_T = 64;
+constexpr int BAL_MAX_T = 1024;
+constexpr int UNIT = KT * WARPS;
+template <int KF>
+__global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
+    indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p) {
+    __shared__ uint32_t pre[BAL_MAX_T + 1];  // pre[t] = visible units of the tokens before t
+    __shared__ uint32_t wsum[WARPS];
+    constexpr int PER = BAL_MAX_T / THREADS;
+    const int T = p.num_tokens;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    uint32_t u[PER], local = 0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int t = tid * PER + i;
+        u[i] = t < T ? static_cast<uint32_t>((token_extent(p, t).L + UNIT - 1) / UNIT) : 0u;
+        local += u[i];
+    }
+    uint32_t incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    uint32_t run = incl - local, total = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        run += w < warp ? wsum[w] : 0u;
+        total += wsum[w];
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        pre[tid * PER + i] = run;
+        run += u[i];
+    }
+    if (tid == 0) pre[BAL_MAX_T] = total;
+    __syncthreads();
+    // Entries from the last visible unit's end: -inf (those below Lv count in bin 0).
+    const int64_t n = p.num_cols;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        int64_t j0 = static_cast<int64_t>(pre[t + 1] - pre[t]) * UNIT;
+        j0 = j0 < n ? j0 : n;
+        const int64_t Lv = token_extent(p, t).Lv;
+        uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
+        uint32_t cnt = 0;
+        for (int64_t j = j0 + tid; j < n; j += THREADS) {
+            out[j] = BF16_NEG_INF;
+            cnt += j < Lv;
+        }
+        if (p.hist && cnt) atomicAdd(p.hist + static_cast<int64_t>(t) * HIST_BINS + NEG_INF_BIN, cnt);
+    }
+    // This CTA's units [a, a1) of the concatenation.
+    uint32_t a = static_cast<uint32_t>(static_cast<uint64_t>(total) * blockIdx.x / gridDim.x);
+    const uint32_t a1 = static_cast<uint32_t>(static_cast<uint64_t>(total) * (blockIdx.x + 1) / gridDim.x);
+    int lo = 0, hi = T;  // the token t with pre[t] <= a < pre[t + 1]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (pre[mid] <= a) lo = mid;
+        else hi = mid;
+    }
+    int t = lo;
+    bool first = true;
+    while (a < a1) {
+        while (pre[t + 1] <= a) ++t;
+        const uint32_t u0 = a - pre[t];
+        const uint32_t u1 = (a1 < pre[t + 1] ? a1 : pre[t + 1]) - pre[t];
+        if (!first) __syncthreads();  // the previous span's warps are done with the shared buffers
+        first = false;
+        score_span<KF, 1, true>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
+        a = pre[t] + u1;
     }
 }
 
@@ -458,7 +638,24 @@ __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMas
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <int KF, int TQ>
+// Resident CTAs of the balanced kernel (SMs x CTAs per SM), once per process and instance.
+template <int KF>
+int balanced_grid() {
+    static const int g = [] {
+        int dev = 0, sms = 0, per = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(hist_smem<1>())) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF>, THREADS,
+                                                          hist_smem<1>()) != cudaSuccess)
+            return 0;
+        return sms * per;
+    }();
+    return g;
+}
+
+template <int KF, int TQ, bool RELU = false>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
     // (decode of few queries): aim at >= 1024 CTAs.
@@ -470,7 +667,23 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    // The histogram's dynamic shared memory (the packed prefill kernel exceeds 48 KB with it).
+    static const cudaError_t attr = cudaFuncSetAttribute(
+        indexer_scores_kernel<KF, TQ, RELU>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(hist_smem<TQ>()));
+    if (attr != cudaSuccess) return static_cast<int>(attr);
+    indexer_scores_kernel<KF, TQ, RELU><<<grid, THREADS, p.hist ? hist_smem<TQ>() : 0, stream>>>(p, static_cast<int>(iters));
+    return static_cast<int>(cudaGetLastError());
+}
+
+// The balanced kernel; the (token, chunk) grid when the device query behind its size failed.
+template <int KF>
+int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    const int g = balanced_grid<KF>();
+    if (g <= 0) {
+        (void)cudaGetLastError();  // the failed query's error is not this launch's
+        return launch<KF, 1, true>(p, stream);
+    }
+    indexer_scores_balanced_kernel<KF><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -489,7 +702,7 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
     if (!aligned16(p->q) || !aligned16(p->keys) || !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     // Prefill over shared keys: 4 tokens per CTA share the key loads; otherwise one token.
-    const bool shared = p->key_base == nullptr && p->num_tokens >= 4 * 132;
+    const bool shared = p->key_base == nullptr && p->num_tokens >= DSV41_INDEXER_SHARED_KEY_TOKENS;
     if (p->key_format == DSV41_INDEX_KEYS_BF16) {
         if (p->key_row_stride % 8) return DSV41_ERR_ALIGNMENT;
         return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
@@ -499,7 +712,12 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
-        return shared ? launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
+        if (shared) return launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s);
+        // Decode batches: the balanced kernel (resident CTAs, equal shares of the visible entries;
+        // measured at B = 64 and 256). Small batches keep the (token, chunk) grid.
+        if (p->num_tokens >= BAL_MIN_T && p->num_tokens <= BAL_MAX_T)
+            return launch_balanced<DSV41_INDEX_KEYS_MXFP4>(*p, s);
+        return launch<DSV41_INDEX_KEYS_MXFP4, 1, true>(*p, s);
     }
     return DSV41_ERR_QUANT;
 }

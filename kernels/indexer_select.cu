@@ -6,16 +6,20 @@
 //
 // Design: exact radix selection on the 16-bit order keys of the bf16 scores (u = bits | 0x8000
 // for positive, ~bits for negative: larger u = larger score, total order as f32::total_cmp),
-// one CTA of 512 threads per token, no sorting:
-//   1. histogram of the high byte of every element's key (shared atomics), a warp scan finds
-//      the byte b1 of the k-th largest key;
-//   2. histogram of the low byte among keys with high byte b1 gives the k-th largest key u*,
-//      the count above it and `need` = how many elements equal to u* are taken (the lowest ids);
-//   3. each warp counts (> u*, == u*) over its contiguous segment, a scan over the warps gives
-//      every warp its first output position and its first rank among the ties; each warp then
-//      walks its segment in id order (8 elements per lane per step, warp scans) and writes the
-//      selected ids, so the output is ascending without a sort; the tail is filled with -1.
-// When the row has <= k elements, step 1-2 are skipped (all are taken). Element keys are
+// one CTA of 512 threads per token, no sorting; digits of 11 (high) and 5 (low) bits:
+//   1. a 2048-bin histogram of the high digits of the row's keys - given by the caller (built
+//      by the scores kernel while its scores were in registers) or one pass with shared atomics;
+//      a block scan finds the digit b1 of the k-th largest key;
+//   2. one pass: each warp walks its contiguous segment, counts the keys above digit b1, builds
+//      a private 32-bin histogram of the low digits of those in b1 and an ordered list of its
+//      candidates (digit >= b1); the summed low histogram gives the k-th largest key u*, the
+//      count above it and `need` = how many elements equal to u* are taken (the lowest ids), and
+//      each warp's counts (> u*, == u*) come from its own histogram; a scan over the warps gives
+//      every warp its first output position and its first rank among the ties;
+//   3. each warp walks its candidate list (or, when it overflowed, its segment again) in id
+//      order with warp scans and writes the selected ids, so the output is ascending without a
+//      sort; the tail is filled with -1.
+// When the row has <= k elements, step 1 is skipped (b1 = 0: all are taken). Element keys are
 // recomputed from the scores in every pass (the rows of one decode batch stay in L2).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -30,6 +34,13 @@ constexpr int WARPS = THREADS / 32;
 constexpr uint32_t NEG_INF_KEY = 0x007F;  // key of bf16 -inf (0xFF80)
 constexpr uint32_t PINNED_KEY = 0xFFFF;   // above every real key (+inf is 0xFF80; 0xFFFF is a NaN)
 constexpr uint32_t ABSENT = 0xFFFFFFFFu; // element past the row
+constexpr uint32_t LIST = 384;           // candidate-list entries per warp
+// Radix digits of a 16-bit order key u: the high digit u >> LO_BITS (DSV41_SELECT_HIST_BINS bins,
+// the histogram the scores kernel can build) and the low digit u & (LO_BINS - 1).
+constexpr int LO_BITS = 5;
+constexpr int LO_BINS = 1 << LO_BITS;
+constexpr int HI_BINS = DSV41_SELECT_HIST_BINS;
+static_assert(HI_BINS << LO_BITS == 65536, "digits of a 16-bit key");
 
 __device__ __forceinline__ uint32_t order_key(uint16_t bits) {
     return (bits & 0x8000u) ? (~static_cast<uint32_t>(bits) & 0xFFFFu) : (static_cast<uint32_t>(bits) | 0x8000u);
@@ -93,27 +104,47 @@ __device__ __forceinline__ uint32_t warp_exclusive(uint32_t v, int lane, uint32_
     return x - v;
 }
 
-// Finds, in a 256-bin histogram (warp 0), the bin b holding the `want`-th largest element:
-// count(bins > b) < want <= count(bins >= b). Writes b and count(bins > b).
-__device__ __forceinline__ void find_bin(const uint32_t* hist, uint32_t want, int lane, uint32_t* bin, uint32_t* above) {
-    // Lane l owns bins 255 - 8l - i (i = 0..7), i.e. lanes in descending bin order.
-    uint32_t cnt[8], local = 0;
+// Finds the bin b holding the `want`-th largest element of a histogram in shared memory:
+// count(bins > b) < want <= count(bins >= b); writes b and count(bins > b). High digit (HI_BINS
+// bins): all threads, thread x owning bins HI_BINS - 1 - 4x - i (i = 0..3, descending), a block
+// scan. Every thread must call it; the result is in *bin / *above after the caller's barrier.
+__device__ __forceinline__ void find_hi_bin(const uint32_t* hist, uint32_t want, uint32_t* wsum, uint32_t* bin,
+                                            uint32_t* above) {
+    static_assert(HI_BINS == 4 * THREADS, "4 bins per thread");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t cnt[4], local = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        cnt[i] = hist[255 - 8 * lane - i];
+    for (int i = 0; i < 4; ++i) {
+        cnt[i] = hist[HI_BINS - 1 - 4 * threadIdx.x - i];
         local += cnt[i];
     }
-    uint32_t total;
-    uint32_t before = warp_exclusive(local, lane, total);
+    uint32_t wtotal;
+    uint32_t before = warp_exclusive(local, lane, wtotal);
+    if (lane == 0) wsum[warp] = wtotal;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) before += w < warp ? wsum[w] : 0u;
     if (before < want && before + local >= want) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < 4; ++i) {
             if (before < want && before + cnt[i] >= want) {
-                *bin = 255 - 8 * lane - i;
+                *bin = HI_BINS - 1 - 4 * threadIdx.x - i;
                 *above = before;
             }
             before += cnt[i];
         }
+    }
+}
+
+// The same for the low digit (LO_BINS = 32 bins, warp 0: lane l owns bin 31 - l).
+__device__ __forceinline__ void find_lo_bin(const uint32_t* hist, uint32_t want, int lane, uint32_t* bin,
+                                            uint32_t* above) {
+    const uint32_t cnt = hist[LO_BINS - 1 - lane];
+    uint32_t total;
+    const uint32_t before = warp_exclusive(cnt, lane, total);
+    if (before < want && before + cnt >= want) {
+        *bin = LO_BINS - 1 - lane;
+        *above = before;
     }
 }
 
@@ -142,9 +173,14 @@ __device__ __forceinline__ void for_each_key(const Row& r, F f) {
     }
 }
 
+// U2: 256-element groups pass 2 loads before using any. BLK: blocks mode (p.mode == DSV41_SELECT_BLOCKS), a template parameter so that the top-k
+// instance carries no block-maximum code (64 registers: 2 CTAs of 512 threads per SM).
+template <bool BLK, int U2>
 __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
-    __shared__ uint32_t hist[256];
-    __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS];
+    __shared__ __align__(16) uint32_t hist[HI_BINS];  // 16-byte copies of the given histogram
+    __shared__ uint32_t whist[WARPS][LO_BINS];  // per-warp low-digit histograms of pass 2
+    __shared__ uint32_t clist[WARPS][LIST];     // per-warp candidates: (offset in segment) << 16 | key
+    __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS], wsum[WARPS];
     __shared__ uint32_t s_bin, s_above, s_total;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t t = blockIdx.x;
@@ -154,64 +190,147 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
     Row r;
     r.s = reinterpret_cast<const uint16_t*>(p.scores) + t * p.score_row_stride;
     r.L = L;
-    r.blocks = p.mode == DSV41_SELECT_BLOCKS;
+    r.blocks = BLK;
     r.block = p.block;
     r.n = r.blocks ? (L + p.block - 1) / p.block : L;
     r.pinned = r.blocks && L >= 1 ? (L - 1) / p.block : -1;
     const uint32_t k = static_cast<uint32_t>(p.k);
     int64_t* out = p.out + t * p.out_row_stride;
+    const bool big = r.n > static_cast<int64_t>(k);
 
-    // Threshold: select key > thr, and the first `need` (in id order) of key == thr.
-    uint32_t thr = 0, need = 0xFFFFFFFFu;
-    if (r.n > static_cast<int64_t>(k)) {
-        // Pass 1: high byte.
-        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
+    // Pass 1 (only when the row has more than k elements): the high digit b1 of the k-th
+    // largest key, from the caller's histogram (fused into the scores kernel) or a pass over
+    // the row.
+    uint32_t b1 = 0, above1 = 0;
+    if (big) {
+        if (p.hist && !r.blocks) {
+            const uint4* h = reinterpret_cast<const uint4*>(p.hist + t * HI_BINS);
+            for (int i = threadIdx.x; i < HI_BINS / 4; i += THREADS) reinterpret_cast<uint4*>(hist)[i] = h[i];
+        } else {
+            for (int i = threadIdx.x; i < HI_BINS; i += THREADS) hist[i] = 0;
+            __syncthreads();
+            for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> LO_BITS], 1u); });
+        }
         __syncthreads();
-        for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> 8], 1u); });
+        find_hi_bin(hist, k, wsum, &s_bin, &s_above);
         __syncthreads();
-        if (warp == 0) find_bin(hist, k, lane, &s_bin, &s_above);
-        __syncthreads();
-        const uint32_t b1 = s_bin, above1 = s_above;
-        __syncthreads();
-        // Pass 2: low byte within bin b1.
-        for (int i = threadIdx.x; i < 256; i += THREADS) hist[i] = 0;
-        __syncthreads();
-        for_each_key<2>(r, [&](uint32_t u) {
-            if ((u >> 8) == b1) atomicAdd(&hist[u & 0xFF], 1u);
-        });
-        __syncthreads();
-        if (warp == 0) find_bin(hist, k - above1, lane, &s_bin, &s_above);
-        __syncthreads();
-        thr = (b1 << 8) | s_bin;
-        need = k - above1 - s_above;
-    }
-    if (r.blocks && thr <= NEG_INF_KEY) {
-        thr = NEG_INF_KEY;  // keep only blocks > -inf
-        need = 0;
+        b1 = s_bin;
+        above1 = s_above;
     }
 
-    // Pass 3a: per-warp counts over contiguous segments (multiples of 256 elements).
+    // Pass 2: each warp walks its contiguous segment (a multiple of 256 elements) once: counts
+    // the keys whose high digit is above b1, a private histogram of the low digits of those in
+    // bin b1, and an ordered list of the candidates (high digit >= b1: every selected key is
+    // one), so that pass 3 need not read the row again unless a list overflows. (Short rows:
+    // b1 = 0.)
     const int64_t seg = ((r.n + WARPS - 1) / WARPS + 255) / 256 * 256;
     const int64_t w0 = warp * seg, w1 = (w0 + seg < r.n ? w0 + seg : r.n);
-    uint32_t gt = 0, eq = 0;
-    for (int64_t e0 = w0 + 8 * lane; e0 < w1; e0 += 256) {
-        uint32_t kk[8];
-        load8(r, e0, kk);
+    uint32_t* wh = whist[warp];
+    wh[lane] = 0;
+    __syncwarp();
+    const bool lists = seg <= 65536;  // offsets in 16 bits
+    uint32_t gt_hi = 0, n_list = 0;
+    for (int64_t base = w0; base < w1; base += U2 * 256) {
+        // Score rows: U2 raw 16-byte groups in flight (4 registers each); the keys are made at use.
+        uint4 raw[U2];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if (kk[i] == ABSENT) continue;
-            gt += kk[i] > thr;
-            eq += kk[i] == thr;
+        for (int u = 0; u < U2; ++u) {
+            const int64_t e0 = base + 256 * u + 8 * lane;
+            if (!r.blocks && e0 + 8 <= w1) raw[u] = *reinterpret_cast<const uint4*>(r.s + e0);
+        }
+#pragma unroll
+        for (int u = 0; u < U2; ++u) {
+            const int64_t e0 = base + 256 * u + 8 * lane;
+            uint32_t kk[8];
+            if (!r.blocks && e0 + 8 <= w1) {
+                const uint32_t wd[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    kk[2 * i] = order_key(static_cast<uint16_t>(wd[i] & 0xFFFF));
+                    kk[2 * i + 1] = order_key(static_cast<uint16_t>(wd[i] >> 16));
+                }
+            } else if (e0 < w1) {
+                load8(r, e0, kk);  // w1 is r.n or a multiple of 256: no element past it
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) kk[i] = ABSENT;
+            }
+            uint32_t cm = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t key = kk[i];
+                if (key == ABSENT) continue;
+                const uint32_t hi = key >> LO_BITS;
+                gt_hi += hi > b1;
+                if (hi == b1) atomicAdd(&wh[key & (LO_BINS - 1)], 1u);
+                cm |= static_cast<uint32_t>(hi >= b1) << i;
+            }
+            if (lists && __any_sync(0xFFFFFFFFu, cm != 0)) {
+                uint32_t total;
+                uint32_t at = n_list + warp_exclusive(__popc(cm), lane, total);
+                if (n_list + total <= LIST) {
+                    const uint32_t off0 = static_cast<uint32_t>(e0 - w0);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        if ((cm >> i) & 1u) clist[warp][at++] = ((off0 + i) << 16) | kk[i];
+                }
+                n_list += total;
+            }
         }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
-        eq += __shfl_xor_sync(0xFFFFFFFFu, eq, o);
+    for (int o = 16; o > 0; o >>= 1) gt_hi += __shfl_xor_sync(0xFFFFFFFFu, gt_hi, o);
+    __syncthreads();
+    // Threshold: select key > thr, and the first `need` (in id order) of key == thr.
+    uint32_t thr = 0, need = 0xFFFFFFFFu;
+    if (big) {
+        // The row's low-digit histogram of bin b1 = the sum of the warps'.
+        if (threadIdx.x < LO_BINS) {
+            uint32_t sum = 0;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) sum += whist[w][threadIdx.x];
+            hist[threadIdx.x] = sum;
+        }
+        __syncthreads();
+        if (warp == 0) find_lo_bin(hist, k - above1, lane, &s_bin, &s_above);
+        __syncthreads();
+        thr = (b1 << LO_BITS) | s_bin;
+        need = k - above1 - s_above;
     }
-    if (lane == 0) {
-        warp_gt[warp] = gt;
-        warp_eq[warp] = eq;
+    // Blocks: keep only blocks > -inf. If that moves thr out of digit b1 (only -inf / NaN keys
+    // are <= NEG_INF_KEY), the warps' counts are redone by a walk.
+    bool recount = false;
+    if (r.blocks && thr <= NEG_INF_KEY) {
+        recount = (NEG_INF_KEY >> LO_BITS) != b1;
+        thr = NEG_INF_KEY;
+        need = 0;
+    }
+    if (recount) {
+        uint32_t gt = 0;
+        for (int64_t e0 = w0 + 8 * lane; e0 < w1; e0 += 256) {
+            uint32_t kk[8];
+            load8(r, e0, kk);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) gt += kk[i] != ABSENT && kk[i] > thr;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
+        if (lane == 0) {
+            warp_gt[warp] = gt;
+            warp_eq[warp] = 0;
+        }
+    } else {
+        // The warp's counts (> thr, == thr) from its histogram: thr's high digit is b1.
+        const uint32_t lo = thr & (LO_BINS - 1);
+        const uint32_t v = wh[lane];
+        uint32_t gt = static_cast<uint32_t>(lane) > lo ? v : 0u;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) gt += __shfl_xor_sync(0xFFFFFFFFu, gt, o);
+        const uint32_t eq = __shfl_sync(0xFFFFFFFFu, v, lo);
+        if (lane == 0) {
+            warp_gt[warp] = gt_hi + gt;
+            warp_eq[warp] = eq;
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -227,42 +346,59 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
     }
     __syncthreads();
 
-    // Pass 3b: ordered compaction of the warp's segment.
+    // Pass 3: ordered compaction of the warp's selected ids.
     uint32_t pos = warp_out[warp], rank = warp_rank[warp];
-    for (int64_t base = w0; base < w1; base += 256) {
-        const int64_t e0 = base + 8 * lane;
-        uint32_t kk[8];
-        if (e0 < w1) {
-            load8(r, e0, kk);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) kk[i] = ABSENT;
+    if (lists && n_list <= LIST && !recount) {
+        // From the candidate list (in id order), 32 at a time.
+        for (uint32_t c0 = 0; c0 < n_list; c0 += 32) {
+            const uint32_t ci = c0 + lane;
+            const uint32_t e = ci < n_list ? clist[warp][ci] : 0u;
+            const uint32_t key = e & 0xFFFF;
+            const bool in = ci < n_list;
+            const uint32_t eqb = __ballot_sync(0xFFFFFFFFu, in && key == thr);
+            const uint32_t below = (1u << lane) - 1u;
+            const bool sel = in && (key > thr || (key == thr && rank + __popc(eqb & below) < need));
+            const uint32_t selb = __ballot_sync(0xFFFFFFFFu, sel);
+            if (sel) out[pos + __popc(selb & below)] = w0 + (e >> 16);
+            pos += __popc(selb);
+            rank += __popc(eqb);
         }
-        uint32_t eqm = 0, gtm = 0;
+    } else {
+        for (int64_t base = w0; base < w1; base += 256) {
+            const int64_t e0 = base + 8 * lane;
+            uint32_t kk[8];
+            if (e0 < w1) {
+                load8(r, e0, kk);
+            } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if (kk[i] == ABSENT) continue;
-            gtm |= static_cast<uint32_t>(kk[i] > thr) << i;
-            eqm |= static_cast<uint32_t>(kk[i] == thr) << i;
-        }
-        uint32_t eq_total;
-        const uint32_t eq_before = rank + warp_exclusive(__popc(eqm), lane, eq_total);
-        // Selected: all of gtm, and the eq elements whose rank among ties is < need.
-        uint32_t selm = gtm, er = eq_before;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if ((eqm >> i) & 1u) {
-                if (er < need) selm |= 1u << i;
-                ++er;
+                for (int i = 0; i < 8; ++i) kk[i] = ABSENT;
             }
-        }
-        uint32_t sel_total;
-        uint32_t at = pos + warp_exclusive(__popc(selm), lane, sel_total);
+            uint32_t eqm = 0, gtm = 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if ((selm >> i) & 1u) out[at++] = e0 + i;
-        pos += sel_total;
-        rank += eq_total;
+            for (int i = 0; i < 8; ++i) {
+                if (kk[i] == ABSENT) continue;
+                gtm |= static_cast<uint32_t>(kk[i] > thr) << i;
+                eqm |= static_cast<uint32_t>(kk[i] == thr) << i;
+            }
+            uint32_t eq_total;
+            const uint32_t eq_before = rank + warp_exclusive(__popc(eqm), lane, eq_total);
+            // Selected: all of gtm, and the eq elements whose rank among ties is < need.
+            uint32_t selm = gtm, er = eq_before;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if ((eqm >> i) & 1u) {
+                    if (er < need) selm |= 1u << i;
+                    ++er;
+                }
+            }
+            uint32_t sel_total;
+            uint32_t at = pos + warp_exclusive(__popc(selm), lane, sel_total);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if ((selm >> i) & 1u) out[at++] = e0 + i;
+            pos += sel_total;
+            rank += eq_total;
+        }
     }
     __syncthreads();
     for (int64_t i = s_total + threadIdx.x; i < p.k; i += THREADS) out[i] = -1;
@@ -283,6 +419,10 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (p->num_tokens == 0) return DSV41_OK;
     if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
-    indexer_select_kernel<<<p->num_tokens, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->mode == DSV41_SELECT_BLOCKS)
+        indexer_select_kernel<true, 1><<<p->num_tokens, THREADS, 0, s>>>(*p);
+    else
+        indexer_select_kernel<false, 2><<<p->num_tokens, THREADS, 0, s>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }

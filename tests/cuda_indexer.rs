@@ -12,6 +12,10 @@
 //! rows drawn from a handful of values or all equal are tested on purpose; both sides use
 //! "descending score, ties → lower id", so the sets must agree exactly.
 //!
+//! `index_select` is checked with and without the fused first histogram (built by the scores
+//! kernel) against the CPU, on ties at a histogram bin edge, −inf (masked, past-cache) entries
+//! completing the top-k, short rows and the prefill and balanced decode kernels.
+//!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_indexer`.
 
@@ -19,8 +23,8 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::indexer::{CandidateShape, Candidates};
 use deepseek_v41::cuda::{
-    candidate_blocks, index_select, index_select_with_scratch, index_topk, masked_index_scores, IndexKeys, KeySource,
-    PackedLayout, Visibility,
+    candidate_blocks, index_select, index_select_with_options, index_select_with_scratch, index_topk, masked_index_scores,
+    IndexKeys, KeySource, PackedLayout, SelectOptions, Visibility,
 };
 use deepseek_v41::quant::fake_quant::{fake_quant, QatFormat};
 use deepseek_v41::quant::packed::pack_row;
@@ -418,6 +422,204 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     assert_ids_equal("batched decode over packed keys", &got.topk, &want.topk)?;
     let g = ids(&got.topk)?;
     ensure!(g[3][..100] == (0..100).collect::<Vec<i64>>()[..] && g[3][100] == -1, "short context: every visible entry");
+    Ok(())
+}
+
+/// `index_select` on the GPU with the fused first histogram (the default) and without it, with
+/// scratch budgets `scratches`, must give the CPU reference's top-k ids exactly. Returns those ids.
+#[allow(clippy::too_many_arguments)]
+fn select_both_ways(
+    dev: &Device,
+    what: &str,
+    q: &Tensor,
+    w: &Tensor,
+    cpu_src: &KeySource,
+    gpu_src: &KeySource,
+    k: usize,
+    consume: Option<(&Candidates, &Candidates)>,
+    scratches: &[usize],
+) -> Result<Vec<Vec<i64>>> {
+    let want = index_select(q, w, cpu_src, k, consume.map(|c| c.0), None)?;
+    let (qg, wg) = (q.to_device(dev)?, w.to_device(dev)?);
+    for &scratch_bytes in scratches {
+        for fused_histogram in [true, false] {
+            poison(dev, q.dim(0)? * k.max(2048))?;
+            let opts = SelectOptions { scratch_bytes, fused_histogram };
+            let got = index_select_with_options(&qg, &wg, gpu_src, k, consume.map(|c| c.1), None, &opts)?;
+            assert_ids_equal(&format!("{what} (fused {fused_histogram}, scratch {scratch_bytes})"), &got.topk, &want.topk)?;
+        }
+    }
+    ids(&want.topk)
+}
+
+/// The fused histogram in batched decode: fresh random keys per query (one packed and one bf16
+/// cache), visibility 0 / 1 / < k / = k / > k, a query whose rows end 352 entries into its 4000
+/// visible ones (3648 −inf entries past the cache, counted in bin 0: the top-k must take 160 of
+/// them, lowest ids first), and the same with a consumer's candidate mask that leaves fewer than
+/// k finite scores (the rest of the top-k are masked −inf entries, lowest ids first).
+#[test]
+fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(31);
+    let (h, nk, k) = (32, 4000, 512);
+    let counts: Vec<u32> = vec![4000, 3999, 513, 512, 100, 1, 0, 4000];
+    let b = counts.len();
+    let rows = (b - 1) * nk + 352; // whole pages of 64: the packed cache holds exactly these rows
+    let keys = fq(&mut rng, &[rows, D])?;
+    let (cache, layout) = pack(&keys, 64, &dev)?;
+    let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
+    let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
+    let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let kg = keys.to_device(&dev)?;
+    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
+    // Consumer mask: 8 blocks of 16 entries per query (128 finite scores at most).
+    let (block, n_keep) = (16usize, 8usize);
+    // (Kept rows as the Candidates contract has them: ascending, distinct, −1 padded.)
+    let mut kept = Vec::with_capacity(b * n_keep);
+    for _ in 0..b {
+        let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(nk / block) as i64).collect();
+        row.sort_unstable();
+        row.dedup();
+        row.resize(n_keep, -1);
+        kept.extend(row);
+    }
+    let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
+    let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
+    for (name, src) in [("packed", &packed), ("bf16 rows", &rows_src)] {
+        let g = select_both_ways(&dev, &format!("decode {name}"), &q, &w, &cpu, src, k, None, &[1 << 28, 2 * 4000 * 3])?;
+        ensure!(g[6].iter().all(|&i| i == -1), "visible 0: all -1");
+        ensure!(g[5][0] == 0 && g[5][1..].iter().all(|&i| i == -1), "visible 1: [0, -1, ..]");
+        ensure!(g[4][..100] == (0..100).collect::<Vec<i64>>()[..] && g[4][100] == -1, "visible 100: all of them");
+        // The last query: 352 finite scores, then −inf past the cache: 352..511 complete the top-k.
+        ensure!(g[7] == (0..512).collect::<Vec<i64>>(), "past-cache query: its 352 finite entries, then the lowest -inf ids");
+        let gm = select_both_ways(&dev, &format!("decode {name} masked"), &q, &w, &cpu, src, k, Some((&c_cpu, &c_gpu)), &[1 << 28])?;
+        ensure!(gm[0].len() == k && gm[0].iter().all(|&i| i >= 0), "masked: still k ids (masked -inf entries fill up)");
+    }
+    Ok(())
+}
+
+/// A decode batch of 70 queries over packed keys (the balanced scores kernel takes batches of 64
+/// to 1024 queries): fresh random keys per query, visibility from 0 to N, a query whose rows end
+/// inside its visible entries (past the cache: −inf),
+/// scores bit-exact and top-k ids identical to the CPU, fused and not.
+#[test]
+fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(34);
+    let (b, h, nk, k) = (70usize, 32usize, 1500usize, 512usize);
+    // The last query's rows end ~300 entries in; whole pages of 64, so the packed cache holds
+    // exactly these rows.
+    let rows = ((b - 1) * nk + 300).div_ceil(64) * 64;
+    let inside = rows - (b - 1) * nk;
+    let keys = fq(&mut rng, &[rows, D])?;
+    let (cache, layout) = pack(&keys, 64, &dev)?;
+    let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
+    let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
+    let counts: Vec<u32> = (0..b)
+        .map(|i| match i {
+            0 => 0,
+            1 => 1,
+            2 => 511,
+            3 => 512,
+            _ if i == b - 1 => nk as u32,
+            _ => rng.below(nk + 1) as u32,
+        })
+        .collect();
+    let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let want = masked_index_scores(&q, &w, &cpu, None)?;
+    poison(&dev, b * nk)?;
+    let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
+    assert_scores_exact("balanced decode batch", &got, &want)?;
+    let g = bits(&got)?;
+    ensure!(g[(b - 1) * nk + inside..].iter().all(|&x| x == 0xff80), "past the cache: -inf");
+    ensure!(g[(b - 1) * nk..(b - 1) * nk + inside].iter().all(|&x| x != 0xff80), "inside the cache: finite");
+    let ids = select_both_ways(&dev, "balanced decode batch", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * 1504 * 9])?;
+    ensure!(ids[0].iter().all(|&i| i == -1) && ids[1][0] == 0, "visible 0 / 1");
+    Ok(())
+}
+
+/// Ties at a bin edge: one head, q = e0 and w = 1, so a score is max(K[j, 0], 0) exactly; the keys
+/// take the values 12, 6, 3 and 2.0 (the lowest value of its first-digit bin [2, 2.5): the
+/// k-th largest key sits on the bin's lower edge) above 1.5, 1 and 0 (lower bins): 450 scores
+/// above 2.0 and 300 ties at 2.0, of which the 62 lowest ids
+/// complete the top 512. A second query sees a prefix (12 345 entries), a third has all keys equal
+/// (every warp's candidate list overflows: the selection walks its row segment again).
+#[test]
+fn fused_histogram_select_with_ties_at_a_bin_edge() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(32);
+    let (n, k) = (20_000usize, 512usize);
+    let mut first = vec![0f32; 2 * n];
+    let mut plan: Vec<f32> = [(12.0, 100), (6.0, 150), (3.0, 200), (2.0, 300)]
+        .iter()
+        .flat_map(|&(v, c)| std::iter::repeat(v).take(c))
+        .collect();
+    plan.resize(n, 0.0);
+    for (j, v) in plan.iter_mut().enumerate().skip(750) {
+        *v = [1.5, 1.0, -1.0][j % 3];
+    }
+    for i in (1..n).rev() {
+        plan.swap(i, rng.below(i + 1));
+    }
+    first[..n].copy_from_slice(&plan);
+    first[n..].iter_mut().for_each(|v| *v = 2.0); // region 2: all equal
+    let mut kv = vec![0f32; 2 * n * D];
+    for (j, &v) in first.iter().enumerate() {
+        kv[j * D] = v;
+    }
+    let keys = Tensor::from_vec(kv, (2 * n, D), &Device::Cpu)?.to_dtype(DType::BF16)?;
+    let (cache, layout) = pack(&keys, 64, &dev)?;
+    let cache_cpu = cache.to_device(&Device::Cpu)?;
+    let mut qv = vec![0f32; 3 * D];
+    for t in 0..3 {
+        qv[t * D] = 1.0;
+    }
+    let q = Tensor::from_vec(qv, (3, 1, D), &Device::Cpu)?.to_dtype(DType::BF16)?;
+    let w = Tensor::ones((3, 1), DType::F32, &Device::Cpu)?;
+    let bases = [0u32, 0, n as u32];
+    let counts = [n as u32, 12_345, n as u32];
+    let (base_c, vis_c) = (Tensor::new(&bases[..], &Device::Cpu)?, Tensor::new(&counts[..], &Device::Cpu)?);
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let cpu = KeySource { keys: IndexKeys::Packed { cache: &cache_cpu, layout }, base: Some(&base_c), entries: n, visibility: Visibility::Counts(&vis_c) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+    // The data are what the test claims: exact scores, 62 of 300 ties at 2.0 taken.
+    let s = masked_index_scores(&q, &w, &cpu, None)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    ensure!(s[0].iter().zip(&plan).all(|(&a, &v)| a == v.max(0.0)), "scores are max(K[j, 0], 0)");
+    let g = select_both_ways(&dev, "ties at a bin edge", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    let twos: Vec<i64> = (0..n).filter(|&j| plan[j] == 2.0).map(|j| j as i64).collect();
+    let taken: Vec<i64> = g[0].iter().copied().filter(|&j| plan[j as usize] == 2.0).collect();
+    ensure!(taken[..] == twos[..62], "ties at 2.0: the 62 lowest ids, got {} of them", taken.len());
+    ensure!(g[2] == (0..k as i64).collect::<Vec<_>>(), "all equal: ids 0..k");
+    // Bf16 rows of the same keys score identically.
+    let kg = keys.to_device(&dev)?;
+    let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..gsrc };
+    select_both_ways(&dev, "ties at a bin edge, bf16 rows", &q, &w, &cpu, &rows_src, k, None, &[1 << 28])?;
+    Ok(())
+}
+
+/// The fused histogram in a prefill over one sequence's shared keys: 600 queries (the 4-tokens-
+/// per-CTA kernel) with causal visibility from 500 to 799 entries around k = 512 (−1 padding
+/// below), and the same in chunks of 128 queries (one token per CTA, a memset per chunk).
+#[test]
+fn fused_histogram_select_in_a_causal_prefill() -> Result<()> {
+    let mut rng = Rng(33);
+    let dev = gpu();
+    let (t, h, n, k) = (600usize, 32usize, 1100usize, 512usize);
+    let (q, w, keys) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?, fq(&mut rng, &[n, D])?);
+    let start = 999;
+    let cpu = KeySource::sequence(IndexKeys::Rows(&keys), start, 2)?;
+    let (cache, layout) = pack(&keys, 64, &dev)?;
+    let gsrc = KeySource::sequence(IndexKeys::Packed { cache: &cache, layout }, start, 2)?;
+    let gsrc = KeySource { entries: n, ..gsrc };
+    let stride = n.div_ceil(8) * 8;
+    let g = select_both_ways(&dev, "causal prefill", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * stride * 128])?;
+    ensure!(g[0][..500] == (0..500).collect::<Vec<i64>>()[..] && g[0][500] == -1, "500 visible: all, then -1");
     Ok(())
 }
 

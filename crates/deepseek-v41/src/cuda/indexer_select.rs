@@ -5,10 +5,26 @@
 //! [`SCORE_SCRATCH_BYTES`] (`[C, N]` bf16 for a chunk of C queries), and per chunk the
 //! selection kernel reduces them to `[C, k]` ids, so `[T, N]` is never materialised for long
 //! prefills. CPU path: the reference ([`crate::attention::indexer::reference_selection`]).
+//!
+//! **Fused first pass.** The top-k is a radix selection on 16-bit order keys of the bf16 scores
+//! (digits of 11 and 5 bits) whose first pass is a 2048-bin histogram of the keys' high digits
+//! over each query's visible entries. By default ([`SelectOptions::fused_histogram`]) the scores
+//! kernel builds that histogram while its scores are still in registers (shared-memory bins,
+//! flushed to a `[C, 2048]` u32 buffer with atomics; the buffer is zeroed by a memset per
+//! chunk), and the selection kernel starts from it instead of reading all scores once more.
+//! It is applied to decode-shaped chunks only (per-query key bases, or fewer than 528 queries:
+//! one query per CTA); a prefill chunk over one sequence's keys (4 queries per CTA) builds it in
+//! the selection kernel, where it is cheaper (measured in `docs/perf.md`, "Indexer round 4").
+//! Masked and invisible-but-counted entries (−inf, e.g. rows past the cache) land in the −inf
+//! bin exactly as the selection's own pass bins them, so both paths select the same ids. The candidate-block
+//! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
+//! [`super::masked_index_scores`] + [`super::index_topk`] take the un-fused path.
 
 use std::ffi::c_void;
 
+use candle_core::cuda_backend::cudarc::driver::result::memset_d8_async;
 use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
+use candle_core::cuda_backend::WrapErr;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
 use half::bf16;
@@ -21,6 +37,10 @@ use crate::attention::indexer::{reference_selection, CandidateShape, Candidates,
 
 /// Most bytes of the per-chunk score scratch (`[C, N]` bf16) of [`index_select`].
 pub const SCORE_SCRATCH_BYTES: usize = 256 << 20;
+
+/// Bins of the top-k's first histogram (`DSV41_SELECT_HIST_BINS`: the high 11 bits of a 16-bit
+/// order key).
+const HIST_BINS: usize = 2048;
 
 /// Index scores, top-k and candidate blocks of T queries, on `q`'s device.
 ///
@@ -36,7 +56,8 @@ pub const SCORE_SCRATCH_BYTES: usize = 256 << 20;
 /// Returns [`Selection`]: `topk` `[T, k]` i64 (entry ids ascending, −1 padded; the best
 /// `min(k, L_t)` visible entries, ties → lower id) and, with `publish`, `candidates.kept`
 /// `[T, n_keep]` i64 (block ids ascending, −1 padded), both on `q`'s device. Identical to the CPU
-/// reference whenever the scores are (see [`super::masked_index_scores`]).
+/// reference whenever the scores are (see [`super::masked_index_scores`]). Runs with
+/// [`SelectOptions::default`] (the fused first histogram for decode-shaped chunks).
 pub fn index_select(
     q: &Tensor,
     w: &Tensor,
@@ -59,7 +80,39 @@ pub fn index_select_with_scratch(
     publish: Option<CandidateShape>,
     scratch_bytes: usize,
 ) -> Result<Selection> {
+    let opts = SelectOptions { scratch_bytes, ..SelectOptions::default() };
+    index_select_with_options(q, w, src, k, consume, publish, &opts)
+}
+
+/// How [`index_select_with_options`] runs on a CUDA device (the results never depend on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelectOptions {
+    /// Most bytes of the per-chunk score scratch (at least one query row is used).
+    pub scratch_bytes: usize,
+    /// Build the top-k's first histogram in the scores kernel for decode-shaped chunks (see the
+    /// module doc); `false`: always in the selection kernel (one more read of the scores).
+    pub fused_histogram: bool,
+}
+
+impl Default for SelectOptions {
+    /// [`SCORE_SCRATCH_BYTES`], fused histogram.
+    fn default() -> Self {
+        Self { scratch_bytes: SCORE_SCRATCH_BYTES, fused_histogram: true }
+    }
+}
+
+/// [`index_select`] with explicit [`SelectOptions`]; same arguments, same result.
+pub fn index_select_with_options(
+    q: &Tensor,
+    w: &Tensor,
+    src: &KeySource,
+    k: usize,
+    consume: Option<&Candidates>,
+    publish: Option<CandidateShape>,
+    opts: &SelectOptions,
+) -> Result<Selection> {
     const OP: &str = "index_select";
+    let scratch_bytes = opts.scratch_bytes;
     let (t, _, _) = check_queries(OP, q, w)?;
     src.check(OP, t, q.device())?;
     if let Some(c) = consume {
@@ -90,14 +143,29 @@ pub fn index_select_with_scratch(
         let mut scratch = unsafe { dev.alloc::<bf16>(chunk * stride)? };
         let mut topk = unsafe { dev.alloc::<i64>(t * k)? };
         let mut kept = if n_keep > 0 { Some(unsafe { dev.alloc::<i64>(t * n_keep)? }) } else { None };
+        // The fused histogram for decode-shaped chunks (one query per CTA in the scores kernel).
+        // SAFETY: zeroed per chunk below before the scores kernel adds to it.
+        let fuse = opts.fused_histogram && (src.base.is_some() || chunk < ffi::INDEXER_SHARED_KEY_TOKENS);
+        let mut hist = if fuse { Some(unsafe { dev.alloc::<u32>(chunk * HIST_BINS)? }) } else { None };
         {
             let (s_p, _g0) = scratch.device_ptr_mut(stream);
             let (t_p, _g1) = topk.device_ptr_mut(stream);
             let kept_p = kept.as_mut().map(|kp| kp.device_ptr_mut(stream));
+            let hist_p = hist.as_mut().map(|h| h.device_ptr_mut(stream));
             for t0 in (0..t).step_by(chunk) {
                 let tc = chunk.min(t - t0);
+                let h_p = match &hist_p {
+                    Some((h, _)) => {
+                        // SAFETY: the first tc x HIST_BINS u32 of the buffer, on the stream its pointer
+                        // was taken for (ordered before the scores kernel below).
+                        unsafe { memset_d8_async(*h, 0, tc * HIST_BINS * 4, stream.cu_stream()) }.w()?;
+                        *h as *mut u32
+                    }
+                    None => std::ptr::null_mut(),
+                };
                 let sp = ffi::IndexerScoresParams {
                     scores: s_p as *mut c_void,
+                    hist: h_p,
                     score_row_stride: stride as i64,
                     ..token_chunk(base, t0, tc)
                 };
@@ -105,6 +173,7 @@ pub fn index_select_with_scratch(
                 let sel = ffi::IndexerSelectParams {
                     scores: s_p as *const c_void,
                     visible: sp.visible,
+                    hist: h_p,
                     out: (t_p as *mut i64).wrapping_add(t0 * k),
                     score_row_stride: stride as i64,
                     out_row_stride: k as i64,
@@ -119,6 +188,7 @@ pub fn index_select_with_scratch(
                 launch_select(&sel, SelectMode::TopK, stream)?;
                 if let (Some(shape), Some((kp, _))) = (publish, kept_p.as_ref()) {
                     let blocks = ffi::IndexerSelectParams {
+                        hist: std::ptr::null(),
                         out: (*kp as *mut i64).wrapping_add(t0 * n_keep),
                         out_row_stride: n_keep as i64,
                         k: n_keep as i32,
@@ -131,6 +201,7 @@ pub fn index_select_with_scratch(
         // The scratch is freed on drop after being used on this stream (candle's allocator
         // orders the free after the queued work).
         drop(scratch);
+        drop(hist);
         let topk = CudaStorage::wrap_cuda_slice(topk, dev.clone());
         let kept = kept.map(|kp| CudaStorage::wrap_cuda_slice(kp, dev.clone()));
         Ok((topk, kept))

@@ -82,6 +82,7 @@ fn select_rows(scores: &Tensor, visibility: &Visibility, k: usize, mode: SelectM
         let p = ffi::IndexerSelectParams {
             scores: s_p as *const c_void,
             visible: v_p,
+            hist: std::ptr::null(),
             out: o_p as *mut i64,
             score_row_stride: row_stride.max(8) as i64,
             out_row_stride: k as i64,

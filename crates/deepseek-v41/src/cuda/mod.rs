@@ -17,7 +17,9 @@
 //!   the log-sum-exp; [`sparse_attention_two_source`] is its bf16-rows shorthand.
 //! * [`index_select`]: the lightning indexer (spec §6.3–§6.4): index scores over bf16 or packed
 //!   MXFP4 key rows ([`masked_index_scores`]), top-k ([`index_topk`]) and candidate blocks
-//!   ([`candidate_blocks`]) in one chunked, memory-bounded call.
+//!   ([`candidate_blocks`]) in one chunked, memory-bounded call; [`index_select_with_options`]
+//!   chooses the scratch size and whether the top-k's first histogram is built by the scores
+//!   kernel ([`SelectOptions`]).
 //! * [`split_sinkhorn_device`]: the mHC coefficient split (Sinkhorn) in one launch, bit for bit
 //!   the Candle op sequence it replaces on a CUDA device.
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
@@ -53,7 +55,7 @@ pub use compressed_insert::compressed_insert;
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
 pub use indexer_scores::masked_index_scores;
-pub use indexer_select::{index_select, index_select_with_scratch, SCORE_SCRATCH_BYTES};
+pub use indexer_select::{index_select, index_select_with_options, index_select_with_scratch, SelectOptions, SCORE_SCRATCH_BYTES};
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
