@@ -95,10 +95,10 @@ struct Args {
     /// `half`: every other sequence closes a compressor group this step; `all`: every sequence.
     #[arg(long, default_value = "half")]
     closing: String,
-    /// Also time the step replayed from a CUDA graph. Off by default: on the H200 (2026-11-29)
-    /// the replay hit CUDA_ERROR_ILLEGAL_ADDRESS, which poisons the context — the step's small
-    /// per-call host→device uploads (cos/sin, slots, counts) are captured as copies from host
-    /// buffers that are freed after capture. Needs persistent upload buffers first.
+    /// Also time the step replayed from a CUDA graph (with Candle's host-upload cache on, see
+    /// `run_format`). Off by default: a failed replay poisons the CUDA context, so it runs last
+    /// in a separate invocation (session 5: without the upload cache the replay hit
+    /// CUDA_ERROR_ILLEGAL_ADDRESS).
     #[arg(long)]
     graph: bool,
     /// Run only the sanity check of every (B, format) on the CPU (the ops' reference paths; a
@@ -515,6 +515,12 @@ fn run_format(step: &Step, timer: &Timer, args: &Args, w_bytes: f64) -> Result<R
     let mut graph = None;
     let mut phase_graph = [None; 5];
     if args.graph {
+        // Candle uploads the dims / strides of strided ops from host memory on every call; in a
+        // capture such an upload would be recorded as a copy from a host buffer freed right
+        // after (replay then reads garbage: CUDA_ERROR_ILLEGAL_ADDRESS). With Candle's upload
+        // cache on, the warm-up call before each capture stores those small uploads on the
+        // device and the capture reuses them (an uncached upload during capture is an error).
+        let _uploads = step.s.x.device().as_cuda_device()?.enable_cuda_graph_htod_cache();
         let report = |what: &str, r: Result<f64>| match r {
             Ok(v) => Some(v),
             Err(e) => {
