@@ -62,6 +62,7 @@
 
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_indexer.h"
+#include "include/dsv41_warp.cuh"
 
 namespace dsv41_ix {
 
@@ -565,12 +566,7 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
         u[i] = t < T ? static_cast<uint32_t>((token_extent(p, t).L + UNIT - 1) / UNIT) : 0u;
         local += u[i];
     }
-    uint32_t incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-        if (lane >= o) incl += y;
-    }
+    const uint32_t incl = dsv41_warp::inclusive_sum(local, lane);
     if (lane == 31) wsum[warp] = incl;
     __syncthreads();
     uint32_t run = incl - local, total = 0;

@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "include/dsv41_indexer.h"
+#include "include/dsv41_warp.cuh"
 
 namespace dsv41_sel {
 
@@ -94,12 +95,7 @@ __device__ __forceinline__ void load8(const Row& r, int64_t e0, uint32_t (&k)[8]
 
 // Exclusive prefix sum over the warp's lanes; returns the exclusive value, `total` = the sum.
 __device__ __forceinline__ uint32_t warp_exclusive(uint32_t v, int lane, uint32_t& total) {
-    uint32_t x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, x, o);
-        if (lane >= o) x += y;
-    }
+    const uint32_t x = dsv41_warp::inclusive_sum(v, lane);
     total = __shfl_sync(0xFFFFFFFFu, x, 31);
     return x - v;
 }

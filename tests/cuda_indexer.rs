@@ -23,7 +23,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::indexer::{CandidateShape, Candidates};
 use deepseek_v41::cuda::{
-    candidate_blocks, index_select, index_select_with_options, index_select_with_scratch, index_topk, masked_index_scores,
+    candidate_blocks, index_select, index_select_with_options, index_topk, masked_index_scores,
     IndexKeys, KeySource, PackedLayout, SelectOptions, Visibility,
 };
 use deepseek_v41::quant::fake_quant::{fake_quant, QatFormat};
@@ -392,7 +392,8 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     let gsrc = KeySource::sequence(IndexKeys::Rows(&kg), start, 2)?;
     for scratch in [1usize << 28, 2 * 3008 * 7] {
         poison(&dev, t * k)?;
-        let got = index_select_with_scratch(&qg, &wg, &gsrc, k, None, Some(shape), scratch)?;
+        let opts = SelectOptions { scratch_bytes: scratch, ..SelectOptions::default() };
+        let got = index_select_with_options(&qg, &wg, &gsrc, k, None, Some(shape), &opts)?;
         assert_ids_equal(&format!("select topk (scratch {scratch})"), &got.topk, &want.topk)?;
         let (gc, wc) = (got.candidates.as_ref().unwrap(), want.candidates.as_ref().unwrap());
         assert_ids_equal("select candidate blocks", &gc.kept, &wc.kept)?;
@@ -402,7 +403,8 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     let wc = want.candidates.unwrap();
     let want2 = index_select(&q2, &w2, &cpu_src, k, Some(&wc), None)?;
     let gc = Candidates { block: wc.block, kept: wc.kept.to_device(&dev)? };
-    let got2 = index_select_with_scratch(&q2.to_device(&dev)?, &w2.to_device(&dev)?, &gsrc, k, Some(&gc), None, 2 * 3008 * 3)?;
+    let opts2 = SelectOptions { scratch_bytes: 2 * 3008 * 3, ..SelectOptions::default() };
+    let got2 = index_select_with_options(&q2.to_device(&dev)?, &w2.to_device(&dev)?, &gsrc, k, Some(&gc), None, &opts2)?;
     assert_ids_equal("consumer topk", &got2.topk, &want2.topk)?;
     ensure!(got2.candidates.is_none(), "a consumer publishes nothing");
     // Batched decode over packed keys: each query its own keys.

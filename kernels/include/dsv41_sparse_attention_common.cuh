@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "dsv41_attn_rows.cuh"
+#include "dsv41_warp.cuh"
 #include "dsv41_hopper.cuh"
 #include "dsv41_numerics.cuh"
 #include "dsv41_sparse_attention.h"
@@ -121,12 +122,7 @@ struct ValidIndices {
             v[i] = 4 * lane + i < n ? cnt_s[4 * lane + i] : 0;
             s += v[i];
         }
-        int incl = s;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int x = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += x;
-        }
+        const int incl = dsv41_warp::inclusive_sum(s, lane);
         int run = incl - s;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {

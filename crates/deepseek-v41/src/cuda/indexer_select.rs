@@ -66,28 +66,14 @@ pub fn index_select(
     consume: Option<&Candidates>,
     publish: Option<CandidateShape>,
 ) -> Result<Selection> {
-    index_select_with_scratch(q, w, src, k, consume, publish, SCORE_SCRATCH_BYTES)
-}
-
-/// [`index_select`] with a score scratch of at most `scratch_bytes` (at least one query row):
-/// smaller budgets process the queries in more chunks, with identical results.
-pub fn index_select_with_scratch(
-    q: &Tensor,
-    w: &Tensor,
-    src: &KeySource,
-    k: usize,
-    consume: Option<&Candidates>,
-    publish: Option<CandidateShape>,
-    scratch_bytes: usize,
-) -> Result<Selection> {
-    let opts = SelectOptions { scratch_bytes, ..SelectOptions::default() };
-    index_select_with_options(q, w, src, k, consume, publish, &opts)
+    index_select_with_options(q, w, src, k, consume, publish, &SelectOptions::default())
 }
 
 /// How [`index_select_with_options`] runs on a CUDA device (the results never depend on it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SelectOptions {
-    /// Most bytes of the per-chunk score scratch (at least one query row is used).
+    /// Most bytes of the per-chunk score scratch (at least one query row is used): smaller
+    /// budgets process the queries in more chunks, with identical results.
     pub scratch_bytes: usize,
     /// Build the top-k's first histogram in the scores kernel for decode-shaped chunks (see the
     /// module doc); `false`: always in the selection kernel (one more read of the scores).

@@ -55,7 +55,7 @@ pub use compressed_insert::compressed_insert;
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
 pub use indexer_scores::masked_index_scores;
-pub use indexer_select::{index_select, index_select_with_options, index_select_with_scratch, SelectOptions, SCORE_SCRATCH_BYTES};
+pub use indexer_select::{index_select, index_select_with_options, SelectOptions, SCORE_SCRATCH_BYTES};
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
