@@ -44,8 +44,6 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
-#include <stdlib.h>
-
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -259,7 +257,7 @@ __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
-template <Norm N, int V = 0, class P, class F>
+template <Norm N, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
@@ -281,47 +279,18 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     auto checked = [&](uint32_t b, Row128In& r) {
         r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
     };
-    if constexpr (V >= 2) {
-        // Unrolled by two: the two buffers swap roles, no copy of the prefetched set.
-        Row128In r0, r1;
-        load_row128(a, min(4 * base + row, T - 1), r0);
-        for (;;) {
-            uint32_t next = base + round_sets;
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), r1);
-            checked(base, r0);
-            finish(r0, static_cast<const float*>(w), g, j);
-            if (next >= sets) break;
-            base = next;
-            next = base + round_sets;
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), r0);
-            checked(base, r1);
-            finish(r1, static_cast<const float*>(w), g, j);
-            if (next >= sets) break;
-            base = next;
-        }
-    } else {
-        Row128In cur;
-        load_row128(a, min(4 * base + row, T - 1), cur);
-        for (;;) {
-            const uint32_t next = base + round_sets;
-            Row128In nxt;
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
-            checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j);
-            if (next >= sets) break;
-            base = next;
-            cur = nxt;
-        }
+    Row128In cur;
+    load_row128(a, min(4 * base + row, T - 1), cur);
+    for (;;) {
+        const uint32_t next = base + round_sets;
+        Row128In nxt;
+        if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        checked(base, cur);
+        finish(cur, static_cast<const float*>(w), g, j);
+        if (next >= sets) break;
+        base = next;
+        cur = nxt;
     }
-}
-
-// Host: the measurement switch DSV41_ROW128_VARIANT of run 12 (read once; unset: 0).
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
 }
 
 // Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
