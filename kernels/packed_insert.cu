@@ -17,8 +17,9 @@
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
 // quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
-// (q3_codes4: 4 codes per 16 bits; one pair-or-element branch per row set), stored by each lane
-// (2 bytes per 4-element chunk) and the 4 scale bytes as one word. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
+// (q3_codes4_raw: 4 codes per 16 bits; one pair-or-element branch per row set), stored by each
+// lane (2 bytes per 4-element chunk) and the 4 scale bytes as one word; power-of-two pages with
+// 32-bit slots take a shift-and-mask store path. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
 // pages) take packed_b512_kernel: the row stays in its loaded bf16 pairs, the e2m1 codes come
 // from comparisons with the block's scaled tie points (q2_codes8, no quotient), the scale byte
 // and value from the hardware e4m3 conversions (q2_scale_hw), the slots arrive by cp.async;
@@ -160,14 +161,25 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
 }
 
 // Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
-// block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4) are bytes
+// block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw) are bytes
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
 // row's 64 code bytes are written by its 8 lanes, 16 contiguous bytes per chunk and store
 // instruction), and lane 0 of the group stores the row's 4 scale bytes as one word. (Run 10
 // staged the codes in shared memory for one 8-byte store per lane: ~13 more instructions per
 // row set and two warp barriers; the direct stores measured 0.5 points faster in run 11.)
-template <Norm N>
+// P32 (packed_e_page32, chosen by the launcher): slots that fit 32 bits in power-of-two pages of
+// at most 2^24 rows take the page and row by one shift and one mask, with 32-bit offsets inside
+// the page; other layouts take page_and_row. With the unmasked codes (the 16-bit stores drop the
+// high half) this cut ~20 instructions per row set and measured +1.8 / +2.5 points at G = 32768 /
+// 65536 (docs/perf.md, Run 12).
+inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
+    const uint32_t ps = static_cast<uint32_t>(p.page_size);
+    return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull;
+}
+template <Norm N, bool P32>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
+    const uint32_t ps = static_cast<uint32_t>(p.page_size);
+    const int page_shift = __ffs(p.page_size) - 1;
     row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j) {
         uint32_t h[8], amax2[2];
         compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
@@ -175,7 +187,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) code[m] = q3_codes4(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
+            for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
         } else {  // a block scale above 2^119: the f32 element path
             Row128H8 hh;
@@ -187,21 +199,34 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
             scales = c.scales;
         }
         if (r.slot >= 0) {
-            int64_t page, row;
-            page_and_row(r.slot, p.page_size, page, row);
-            uint8_t* base = p.cache + page * p.page_stride;
+            if constexpr (P32) {
+                const uint32_t s = static_cast<uint32_t>(r.slot), row = s & (ps - 1);
+                uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
+                uint8_t* d = base + (row * 64 + 2 * j);
 #pragma unroll
-            for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(base + row * 64 + 16 * m + 2 * j) = static_cast<uint16_t>(code[m]);
-            if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
+                for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(d + 16 * m) = static_cast<uint16_t>(code[m]);
+                if (j == 0) *reinterpret_cast<uint32_t*>(base + (ps * 64 + row * 4)) = scales;
+            } else {
+                int64_t page, row;
+                page_and_row(r.slot, p.page_size, page, row);
+                uint8_t* base = p.cache + page * p.page_stride;
+#pragma unroll
+                for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(base + row * 64 + 16 * m + 2 * j) = static_cast<uint16_t>(code[m]);
+                if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
+            }
         }
     });
 }
 
+template <Norm N, bool P32>
+int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
+}
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N><<<row128_grid<packed_e_row128_kernel<N>>(sets), kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
+    return packed_e_page32(p) ? launch_packed_e_row128_p<N, true>(p, s) : launch_packed_e_row128_p<N, false>(p, s);
 }
 
 // Format B rows of the V4.1 compressed-cache shape (D = 512, R = 64, no norm, power-of-two

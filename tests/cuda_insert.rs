@@ -573,7 +573,8 @@ fn packed_compressed_rows_format_b() -> Result<()> {
 #[test]
 fn packed_index_rows_format_e() -> Result<()> {
     check_packed(53, QatFormat::Fp4Ue8m0B32, 128, 64, 3, 150, true)?; // 68 B rows with k_norm
-    check_packed(54, QatFormat::Fp4Ue8m0B32, 128, 4, 2, 7, true)
+    check_packed(54, QatFormat::Fp4Ue8m0B32, 128, 4, 2, 7, true)?;
+    check_packed(60, QatFormat::Fp4Ue8m0B32, 128, 12, 5, 50, true) // pages of 12: the division store path
 }
 
 #[test]

@@ -639,10 +639,12 @@ DSV41_HD Q3Pair q3_pair_from_bits2(uint32_t sb2, bool hi) {
 // of both words meet at bytes 0, 2 (w0) and 1, 3 (w1), one prmt replicates the four bf16 sign
 // bits into bytes in that order (bit 3 of each kept), and one shift-add folds the high bytes
 // down. Checked for every bf16 value in each of the 4 positions and every k in [-126, 119].
-DSV41_HD uint32_t q3_codes4(uint32_t w0, uint32_t w1, Q3Pair p) {
+// q3_codes4_raw: the same in the low 16 bits, the high 16 bits unspecified (for 16-bit stores).
+DSV41_HD uint32_t q3_codes4_raw(uint32_t w0, uint32_t w1, Q3Pair p) {
     const uint32_t v = (q3_mag_pair(w0, p) + (q3_mag_pair(w1, p) << 8)) | (prmt(w0, w1, 0xfbd9u) & 0x08080808u);
-    return (v + (v >> 12)) & 0xffffu;
+    return v + (v >> 12);
 }
+DSV41_HD uint32_t q3_codes4(uint32_t w0, uint32_t w1, Q3Pair p) { return q3_codes4_raw(w0, w1, p) & 0xffffu; }
 
 // bf16 pairs: the RN bf16 rounding of two f32 as one bf16x2 word (low half = lo).
 __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
