@@ -65,11 +65,7 @@ impl RowStore {
 
     /// How the rows are stored.
     pub fn storage(&self) -> CacheStorage {
-        if self.packing.is_some() {
-            CacheStorage::Packed
-        } else {
-            CacheStorage::Bf16
-        }
+        CacheStorage::of(self.packing.as_ref())
     }
 
     /// The whole storage: `[capacity, width]` rows in the store's dtype (bf16 storage), or the
@@ -108,10 +104,7 @@ impl RowStore {
     pub fn rows(&self) -> Result<Tensor> {
         match &self.packing {
             None => self.buf.narrow(0, 0, self.len),
-            Some(p) => p
-                .unpack(&self.buf, &(0..self.len).collect::<Vec<_>>())?
-                .to_dtype(self.dtype)?
-                .to_device(self.buf.device()),
+            Some(p) => p.unpack_rows(&self.buf, 0..self.len, self.dtype),
         }
     }
 }

@@ -81,6 +81,15 @@ impl CacheStorage {
         }
     }
 
+    /// The storage a cache with this packing has (`None`: bf16 rows).
+    pub(crate) fn of(packing: Option<&Packing>) -> Self {
+        if packing.is_some() {
+            Self::Packed
+        } else {
+            Self::Bf16
+        }
+    }
+
     /// The packing of a cache of `kind` with rows of `width` values: `None` for bf16 rows.
     /// Errors for packed storage without the `cuda` feature, or when `width` does not fit the
     /// format's block.
@@ -123,7 +132,12 @@ impl Packing {
         match *self {}
     }
 
-    pub(crate) fn unpack(&self, _cache: &candle_core::Tensor, _slots: &[usize]) -> Result<candle_core::Tensor> {
+    pub(crate) fn unpack_rows(
+        &self,
+        _cache: &candle_core::Tensor,
+        _slots: std::ops::Range<usize>,
+        _dtype: candle_core::DType,
+    ) -> Result<candle_core::Tensor> {
         match *self {}
     }
 }

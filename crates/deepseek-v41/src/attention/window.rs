@@ -67,20 +67,13 @@ impl WindowCache {
     pub fn ring_rows(&self) -> Result<Tensor> {
         match &self.packing {
             None => Ok(self.ring.clone()),
-            Some(p) => p
-                .unpack(&self.ring, &(0..self.window).collect::<Vec<_>>())?
-                .to_dtype(self.dtype)?
-                .to_device(self.ring.device()),
+            Some(p) => p.unpack_rows(&self.ring, 0..self.window, self.dtype),
         }
     }
 
     /// How the ring stores its rows.
     pub fn storage(&self) -> CacheStorage {
-        if self.packing.is_some() {
-            CacheStorage::Packed
-        } else {
-            CacheStorage::Bf16
-        }
+        CacheStorage::of(self.packing.as_ref())
     }
 
     fn check_rows(&self, op: &str) -> Result<()> {

@@ -40,10 +40,7 @@ impl WindowSource {
     pub fn call_rows(&self) -> Result<Tensor> {
         match &self.packing {
             None => self.kv.narrow(0, self.first_row, self.tokens),
-            Some(p) => {
-                let slots: Vec<usize> = (self.first_row..self.first_row + self.tokens).collect();
-                p.unpack(&self.kv, &slots)?.to_dtype(DType::BF16)?.to_device(self.kv.device())
-            }
+            Some(p) => p.unpack_rows(&self.kv, self.first_row..self.first_row + self.tokens, DType::BF16),
         }
     }
 }

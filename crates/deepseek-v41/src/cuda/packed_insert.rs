@@ -158,6 +158,12 @@ impl PackedLayout {
         Tensor::from_vec(out, (slots.len(), self.head_dim), &Device::Cpu)
     }
 
+    /// Slots `slots` of `cache` as `[n, head_dim]` rows in `dtype` on the cache's device:
+    /// [`PackedLayout::unpack`] (a host round trip, exact) for reading a packed cache back.
+    pub fn unpack_rows(&self, cache: &Tensor, slots: std::ops::Range<usize>, dtype: DType) -> Result<Tensor> {
+        self.unpack(cache, &slots.collect::<Vec<_>>())?.to_dtype(dtype)?.to_device(cache.device())
+    }
+
     pub(crate) fn check_cache(&self, cache: &Tensor, op: &str) -> Result<usize> {
         if cache.dtype() != DType::U8
             || cache.rank() != 2

@@ -128,10 +128,7 @@ impl KvRows<'_> {
     pub fn to_bf16(self) -> Result<Tensor> {
         match self {
             Self::Bf16(t) => Ok(t.clone()),
-            Self::Packed(t, l) => {
-                let slots: Vec<usize> = (0..self.num_rows()?).collect();
-                l.unpack(t, &slots)?.to_dtype(DType::BF16)?.to_device(t.device())
-            }
+            Self::Packed(t, l) => l.unpack_rows(t, 0..self.num_rows()?, DType::BF16),
         }
     }
 }
