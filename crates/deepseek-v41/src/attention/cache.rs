@@ -109,6 +109,45 @@ impl RowStore {
     }
 }
 
+/// What the device ops read of a [`RowStore`]: its `[len, width]` rows (bf16 storage), or all of
+/// its `[pages, page_bytes]` u8 packed pages (packed storage; the index lists name slots `< len`).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+pub(crate) enum StoredRows {
+    Rows(Tensor),
+    Packed(Tensor, Packing),
+}
+
+#[cfg(feature = "cuda")]
+impl StoredRows {
+    /// As a source of the sparse attention ([`crate::cuda::SparseAttentionInputs`]).
+    pub(crate) fn kv_rows(&self) -> crate::cuda::KvRows<'_> {
+        match self {
+            Self::Rows(rows) => crate::cuda::KvRows::Bf16(rows),
+            Self::Packed(pages, layout) => crate::cuda::KvRows::Packed(pages, *layout),
+        }
+    }
+
+    /// As the key cache of the index scores ([`crate::cuda::index_select`]).
+    pub(crate) fn index_keys(&self) -> crate::cuda::IndexKeys<'_> {
+        match self {
+            Self::Rows(rows) => crate::cuda::IndexKeys::Rows(rows),
+            Self::Packed(pages, layout) => crate::cuda::IndexKeys::Packed { cache: pages, layout: *layout },
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl RowStore {
+    /// The store as the device ops read it ([`StoredRows`]; bf16 rows are a view, no copy).
+    pub(crate) fn stored_rows(&self) -> Result<StoredRows> {
+        Ok(match self.packing {
+            None => StoredRows::Rows(self.rows()?),
+            Some(p) => StoredRows::Packed(self.buf.clone(), p),
+        })
+    }
+}
+
 // ---- In-place appends for the device path (issue 6, layer helper) ----------------------------
 
 impl RowStore {

@@ -235,15 +235,8 @@ impl Indexer {
             .then_some(CandidateShape { block: self.cand_block_size, n_keep: self.cand_blocks });
         #[cfg(feature = "cuda")]
         if crate::cuda::fused_kernels(x.device()) {
-            let rows;
-            let cache = match keys.packing() {
-                Some(layout) => crate::cuda::IndexKeys::Packed { cache: keys.buffer(), layout },
-                None => {
-                    rows = keys.rows()?;
-                    crate::cuda::IndexKeys::Rows(&rows)
-                }
-            };
-            return crate::cuda::select_on_device(&q, &w, cache, keys.len(), positions, self.ratio, self.topk, consume, publish);
+            let stored = keys.stored_rows()?;
+            return crate::cuda::select_on_device(&q, &w, stored.index_keys(), keys.len(), positions, self.ratio, self.topk, consume, publish);
         }
         let visible: Vec<usize> = positions.iter().map(|&p| (p + 1) / self.ratio).collect();
         reference_selection(index_scores(&q, &w, &keys.rows()?)?, &visible, self.topk, consume, publish, x.device())

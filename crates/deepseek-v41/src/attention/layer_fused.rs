@@ -26,7 +26,6 @@ use crate::attention::cache::SequenceCache;
 use crate::attention::compressor::Compressor;
 use crate::attention::indexer::IndexKeyProjection;
 use crate::attention::sparse_attention::sparse_attention_kv_rows;
-use crate::cuda::KvRows;
 use super::Attention;
 use crate::config::AttentionRole;
 
@@ -106,10 +105,7 @@ impl Attention {
                 if cache.is_tracing() {
                     cache.record(|| format!("L{l}.topk"), &selected);
                 }
-                let store = &cache.source(kv_source)?.compressed;
-                // bf16 rows: the appended rows; packed: all pages (the indices name entries < len).
-                let rows = if store.packing().is_some() { store.buffer().clone() } else { store.rows()? };
-                Some((rows, store.packing(), selected))
+                Some((cache.source(kv_source)?.compressed.stored_rows()?, selected))
             }
         };
         cache.layer_mut(l)?.next_pos = start + t;
@@ -118,8 +114,7 @@ impl Attention {
         let scale = (self.head_dim as f32).powf(-0.5);
         let none = window.indices.narrow(1, 0, 0)?;
         let (extra, idx_extra) = match &selected {
-            Some((rows, None, idx)) => (KvRows::Bf16(rows), idx),
-            Some((pages, Some(p), idx)) => (KvRows::Packed(pages, *p), idx),
+            Some((rows, idx)) => (rows.kv_rows(), idx),
             None => (window.kv_rows(), &none),
         };
         let o = sparse_attention_kv_rows(&q, window.kv_rows(), &window.indices, extra, idx_extra, &self.attn_sink, scale)?;

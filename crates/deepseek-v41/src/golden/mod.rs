@@ -203,7 +203,7 @@ pub fn check_set(root: impl AsRef<Path>, device: &Device) -> Result<Report> {
 }
 
 /// [`check_set`] with the attention caches of the model runs in `storage` (packed: cases with
-/// QAT off still run bf16 caches, see `runner::check_case_with`).
+/// QAT off still run bf16 caches, see `runner::check_case`).
 pub fn check_set_with(root: impl AsRef<Path>, device: &Device, storage: crate::attention::CacheStorage) -> Result<Report> {
     let set = GoldenSet::open(root)?;
     let mut report = Report::default();
@@ -216,7 +216,7 @@ pub fn check_set_with(root: impl AsRef<Path>, device: &Device, storage: crate::a
     for dir in &set.cases {
         let case = set.load_case(dir, &Device::Cpu)?;
         let token_map = set.token_map(&case)?;
-        runner::check_case_with(&case, token_map.as_ref(), device, storage, &mut report)?;
+        runner::check_case(&case, token_map.as_ref(), device, storage, &mut report)?;
     }
     Ok(report)
 }

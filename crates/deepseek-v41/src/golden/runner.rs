@@ -70,11 +70,6 @@ fn is_metadata(name: &str) -> bool {
     name.ends_with("_margin")
 }
 
-/// Checks one case (bf16 caches).
-pub fn check_case(case: &Case, token_map: Option<&TokenMap>, device: &Device, report: &mut Report) -> Result<()> {
-    check_case_with(case, token_map, device, CacheStorage::Bf16, report)
-}
-
 /// The cache storage a case runs with when `requested`: packed storage only where the case
 /// fake-quantizes its caches (the packed formats ARE that quantization); a case with QAT off
 /// runs bf16 caches (noted on stdout).
@@ -86,20 +81,21 @@ fn case_storage(case: &Case, requested: CacheStorage) -> CacheStorage {
     requested
 }
 
-/// [`check_case`] with the attention caches in `storage` (both runs).
-pub fn check_case_with(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage, report: &mut Report) -> Result<()> {
+/// Checks one case: the teacher-forced attention run (where the case has every layer's
+/// `attn_in`) and the end-to-end model run, both with the attention caches in `storage`.
+pub fn check_case(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage, report: &mut Report) -> Result<()> {
     let storage = case_storage(case, storage);
     let n_layers = case.config.num_hidden_layers;
     let teacher = (0..n_layers).all(|l| case.golden.contains_key(&format!("L{l}.attn_in")));
     if teacher {
-        match run_attention_teacher_forced_calls_with(case, &case.inputs.calls, device, storage) {
+        match run_attention_teacher_forced(case, &case.inputs.calls, device, storage) {
             Ok(produced) => {
                 compare_produced(case, &produced, Regime::TeacherForced, report)?;
             }
             Err(e) => report.add(run_error(&format!("{}/teacher_forced", case.name), &e)),
         }
     }
-    let compared = match run_model_with(case, token_map, device, storage) {
+    let compared = match run_model(case, token_map, device, storage) {
         Ok(produced) => compare_produced(case, &produced, Regime::EndToEnd, report)?,
         Err(e) => {
             report.add(run_error(&format!("{}/end_to_end", case.name), &e));
@@ -154,20 +150,11 @@ fn sorted(m: &HashMap<String, Tensor>) -> Vec<(&String, &Tensor)> {
     v
 }
 
-/// Replays the case's calls through every layer's attention fed with the golden `attn_in`.
-pub fn run_attention_teacher_forced(case: &Case, device: &Device) -> Result<Produced> {
-    run_attention_teacher_forced_calls(case, &case.inputs.calls, device)
-}
-
-/// As [`run_attention_teacher_forced`] with another chunking of the same tokens (`calls`
-/// contiguous from position 0 within the case's golden `attn_in` rows).
-pub fn run_attention_teacher_forced_calls(case: &Case, calls: &[super::Call], device: &Device) -> Result<Produced> {
-    run_attention_teacher_forced_calls_with(case, calls, device, CacheStorage::Bf16)
-}
-
-/// [`run_attention_teacher_forced_calls`] on a cache in `storage` (packed: the case must
+/// Replays `calls` (the case's own, `&case.inputs.calls`, or another chunking of the same tokens:
+/// contiguous from position 0 within the case's golden `attn_in` rows) through every layer's
+/// attention fed with the golden `attn_in`, on a cache in `storage` (packed: the case must
 /// fake-quantize its caches, else the layers return an error).
-pub fn run_attention_teacher_forced_calls_with(case: &Case, calls: &[super::Call], device: &Device, storage: CacheStorage) -> Result<Produced> {
+pub fn run_attention_teacher_forced(case: &Case, calls: &[super::Call], device: &Device, storage: CacheStorage) -> Result<Produced> {
     let cfg = &case.config;
     let numerics = case_numerics(case);
     let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
@@ -195,13 +182,9 @@ pub fn run_attention_teacher_forced_calls_with(case: &Case, calls: &[super::Call
     Ok(produced)
 }
 
-/// Runs the whole model over the case's calls and collects every traced tensor and cache state.
-pub fn run_model(case: &Case, token_map: Option<&TokenMap>, device: &Device) -> Result<Produced> {
-    run_model_with(case, token_map, device, CacheStorage::Bf16)
-}
-
-/// [`run_model`] with the attention caches in `storage`.
-pub fn run_model_with(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage) -> Result<Produced> {
+/// Runs the whole model over the case's calls with the attention caches in `storage` and
+/// collects every traced tensor and cache state.
+pub fn run_model(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage) -> Result<Produced> {
     let cfg = &case.config;
     let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
     let model = Model::new(cfg, case_numerics(case), token_map.cloned(), vb)?;
