@@ -44,6 +44,8 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
+#include <stdlib.h>
+
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -52,6 +54,9 @@ constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) ro
 // Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
 // caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
 constexpr int kRow128BlocksPerSm = 4;
+// Measurement variant 4: one block of 1024 threads per SM instead of 4 of 256.
+constexpr int row128_threads(int v) { return v == 4 ? 1024 : kInsertThreads; }
+constexpr int row128_blocks(int v) { return v == 4 ? 1 : kRow128BlocksPerSm; }
 
 // One row's inputs in a lane's registers (chunks as loaded).
 struct Row128In {
@@ -232,16 +237,35 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
+// Streaming loads with cache hints (measurement variant 2): no L1 allocation, L2 fetches of
+// 256-byte blocks (a row set's 4 rows are 1 KB contiguous; cos / sin rows 128 B each).
+__device__ __forceinline__ void ld_nc_stream(uint2& v, const void* p) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+}
+__device__ __forceinline__ float2 ld_nc_stream_f32x2(const float* p) {
+    float2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
 // Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
+template <int V = 0>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
     const char* src = a.src + tc * a.row_bytes;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
+    for (int m = 0; m < 4; ++m) {
+        if constexpr (V == 2) ld_nc_stream(r.raw[m], src + 64 * m);
+        else ld_nc(r.raw[m], src + 64 * m);
+    }
     const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        if constexpr (V == 2) {
+            r.cos[h] = ld_nc_stream_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+            r.sin[h] = ld_nc_stream_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        } else {
+            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        }
     }
     r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
@@ -257,58 +281,121 @@ __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
-template <Norm N, class P, class F>
+template <Norm N, int V = 0, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
     const int warp = threadIdx.x / 32;
     const uint32_t T = static_cast<uint32_t>(p.num_tokens);
     const uint32_t sets = (T + 3) / 4;
-    const uint32_t round_sets = gridDim.x * kInsertWarps;
-    uint32_t base = blockIdx.x * kInsertWarps;  // block-uniform, as every branch below
+    constexpr int kWarps = row128_threads(V) / 32;
+    const uint32_t round_sets = gridDim.x * kWarps;
+    uint32_t base = blockIdx.x * kWarps;  // block-uniform, as every branch below
     // The norm weights, once per block, in shared memory (registers are the scarce resource).
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
-    if constexpr (N == Norm::Weighted) {
-        if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
-        __syncthreads();
-    }
-    if (base >= sets) return;
-    const Row128Src a = row128_src(p, j);
-    const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
-    // slot in [0, S) (one unsigned compare) of a token < T, else -1
-    auto checked = [&](uint32_t b, Row128In& r) {
-        r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
-    };
-    Row128In cur;
-    load_row128(a, min(4 * base + row, T - 1), cur);
-    for (;;) {
-        const uint32_t next = base + round_sets;
-        Row128In nxt;
+    if constexpr (V >= 3) {
+        // The first two sets' loads are issued before the weights' load and the barrier, so that
+        // the block's start does not wait for the weights first.
+        const uint32_t row = 4 * warp + g;
+        auto checked = [&](uint32_t b, Row128In& r) {
+            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
+        };
+        if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
+        const Row128Src a = row128_src(p, j);
+        Row128In cur, nxt;
+        load_row128(a, min(4 * base + row, T - 1), cur);
+        uint32_t next = base + round_sets;
         if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
-        checked(base, cur);
-        finish(cur, static_cast<const float*>(w), g, j);
-        if (next >= sets) break;
-        base = next;
-        cur = nxt;
+        if constexpr (N == Norm::Weighted) {
+            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+            __syncthreads();
+        }
+        for (;;) {
+            checked(base, cur);
+            finish(cur, static_cast<const float*>(w), g, j);
+            if (next >= sets) break;
+            base = next;
+            cur = nxt;
+            next = base + round_sets;
+            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        }
+    } else if constexpr (V >= 1) {
+        // The first set's loads are issued before the weights' load and the barrier (the loop
+        // as variant 0).
+        if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
+        const Row128Src a = row128_src(p, j);
+        const uint32_t row = 4 * warp + g;
+        auto checked = [&](uint32_t b, Row128In& r) {
+            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
+        };
+        Row128In cur;
+        load_row128<V>(a, min(4 * base + row, T - 1), cur);
+        if constexpr (N == Norm::Weighted) {
+            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+            __syncthreads();
+        }
+        for (;;) {
+            const uint32_t next = base + round_sets;
+            Row128In nxt;
+            if (next < sets) load_row128<V>(a, min(4 * next + row, T - 1), nxt);
+            checked(base, cur);
+            finish(cur, static_cast<const float*>(w), g, j);
+            if (next >= sets) break;
+            base = next;
+            cur = nxt;
+        }
+    } else {
+        if constexpr (N == Norm::Weighted) {
+            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+            __syncthreads();
+        }
+        if (base >= sets) return;
+        const Row128Src a = row128_src(p, j);
+        const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
+        // slot in [0, S) (one unsigned compare) of a token < T, else -1
+        auto checked = [&](uint32_t b, Row128In& r) {
+            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
+        };
+        Row128In cur;
+        load_row128(a, min(4 * base + row, T - 1), cur);
+        for (;;) {
+            const uint32_t next = base + round_sets;
+            Row128In nxt;
+            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+            checked(base, cur);
+            finish(cur, static_cast<const float*>(w), g, j);
+            if (next >= sets) break;
+            base = next;
+            cur = nxt;
+        }
     }
+}
+
+// Host: the measurement switch DSV41_ROW128_VARIANT of run 13 (read once; unset: 0).
+inline int row128_variant() {
+    static const int v = [] {
+        const char* e = getenv("DSV41_ROW128_VARIANT");
+        return e ? atoi(e) : 0;
+    }();
+    return v;
 }
 
 // Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
 // blocks of `Kernel` resident on the device at once (queried once per kernel; if the query
 // fails, the plain count — the loop is correct for any grid).
-template <auto Kernel>
+template <auto Kernel, int kThreads = kInsertThreads>
 unsigned row128_grid(int64_t sets) {
     static const int64_t resident = [] {
         int dev = 0, sms = 0, per_sm = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kInsertThreads, 0) != cudaSuccess) {
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0) != cudaSuccess) {
             (void)cudaGetLastError();  // not this launch's error
             return int64_t{0};
         }
         return static_cast<int64_t>(sms) * per_sm;
     }();
-    const int64_t needed = (sets + kInsertWarps - 1) / kInsertWarps;
+    const int64_t needed = (sets + kThreads / 32 - 1) / (kThreads / 32);
     return static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed);
 }
 
