@@ -44,9 +44,9 @@ static __device__ __noinline__ Row128H8 q3_fake_quant_element8(Row128H8 hh, uint
 // 2^119 takes the f32 element path for that row.
 template <Quant Q, int V>
 __global__ void __launch_bounds__(row128_threads(V), row128_blocks(V)) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
-    row128_loop<Norm::Weighted, V>(p, [&](const Row128In& r, const float* w, int, int j) {
+    row128_loop<Norm::Weighted, V>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        compute_row128<Norm::Weighted, V == 5 ? 1 : V == 6 ? 2 : 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
         if constexpr (Q != Quant::None) {
             const Q3Blocks qb = q3_blocks_row128(amax2);
             if (qb.pairs_ok) {
@@ -82,6 +82,8 @@ int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
         case 2: return launch_row128_v<Q, 2>(p, s);
         case 3: return launch_row128_v<Q, 3>(p, s);
         case 4: return launch_row128_v<Q, 4>(p, s);
+        case 5: return launch_row128_v<Q, 5>(p, s);
+        case 6: return launch_row128_v<Q, 6>(p, s);
         default: return launch_row128_v<Q, 0>(p, s);
     }
 }

@@ -180,9 +180,9 @@ template <Norm N, bool P32, int V>
 __global__ void __launch_bounds__(row128_threads(V), row128_blocks(V)) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const int page_shift = __ffs(p.page_size) - 1;
-    row128_loop<N, V>(p, [&](const Row128In& r, const float* w, int, int j) {
+    row128_loop<N, V>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        compute_row128<N, V == 5 ? 1 : V == 6 ? 2 : 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
@@ -231,6 +231,8 @@ int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
         case 2: return launch_packed_e_row128_v<N, P32, 2>(p, s);
         case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
         case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
+        case 5: return launch_packed_e_row128_v<N, P32, 5>(p, s);
+        case 6: return launch_packed_e_row128_v<N, P32, 6>(p, s);
         default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
     }
 }

@@ -115,9 +115,16 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //     is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out of line).
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
-template <Norm N>
+// Measurement variants 5 / 6: `prefetch()` (the loads of the warp's next row set) is called
+// once, after the vote on the row's values (PF = 1: the row set's data has arrived) or at the
+// end (PF = 2); PF = 0: never (the loop issued the loads before).
+struct Row128NoPrefetch {
+    __device__ void operator()() const {}
+};
+template <Norm N, int PF = 0, class Pf = Row128NoPrefetch>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
-                                               uint32_t (&h)[8], uint32_t (&amax2)[2]) {
+                                               uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch = Pf{}) {
+    if constexpr (N == Norm::None && PF == 1) prefetch();
     float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -131,6 +138,7 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
         for (int k = 1; k < 16; ++k) mn = fminf(mn, fabsf(x[k]));
         const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
+        if constexpr (PF == 1) prefetch();
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
         if (fast) {
 #pragma unroll
@@ -202,6 +210,7 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         a = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 2));
         amax2[i] = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 4));
     }
+    if constexpr (PF == 2) prefetch();
 }
 
 // The Q3 scale bits of the row's 4 blocks from compute_row128's amax2 (q3_scale_bits2), and
@@ -293,7 +302,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     uint32_t base = blockIdx.x * kWarps;  // block-uniform, as every branch below
     // The norm weights, once per block, in shared memory (registers are the scarce resource).
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
-    if constexpr (V >= 3) {
+    if constexpr (V == 3 || V == 4) {
         // The first two sets' loads are issued before the weights' load and the barrier, so that
         // the block's start does not wait for the weights first.
         const uint32_t row = 4 * warp + g;
@@ -312,12 +321,38 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         }
         for (;;) {
             checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j);
+            finish(cur, static_cast<const float*>(w), g, j, Row128NoPrefetch{});
             if (next >= sets) break;
             base = next;
             cur = nxt;
             next = base + round_sets;
             if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        }
+    } else if constexpr (V >= 5) {
+        // The first set's loads before the weights' barrier (as variant 1); the next set's loads
+        // are issued by finish through its prefetch argument (compute_row128's PF).
+        if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
+        const Row128Src a = row128_src(p, j);
+        const uint32_t row = 4 * warp + g;
+        auto checked = [&](uint32_t b, Row128In& r) {
+            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
+        };
+        Row128In cur;
+        load_row128(a, min(4 * base + row, T - 1), cur);
+        if constexpr (N == Norm::Weighted) {
+            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+            __syncthreads();
+        }
+        for (;;) {
+            const uint32_t next = base + round_sets;
+            Row128In nxt;
+            checked(base, cur);
+            finish(cur, static_cast<const float*>(w), g, j, [&] {
+                if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+            });
+            if (next >= sets) break;
+            base = next;
+            cur = nxt;
         }
     } else if constexpr (V >= 1) {
         // The first set's loads are issued before the weights' load and the barrier (the loop
@@ -339,7 +374,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
             Row128In nxt;
             if (next < sets) load_row128<V>(a, min(4 * next + row, T - 1), nxt);
             checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j);
+            finish(cur, static_cast<const float*>(w), g, j, Row128NoPrefetch{});
             if (next >= sets) break;
             base = next;
             cur = nxt;
@@ -363,7 +398,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
             Row128In nxt;
             if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
             checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j);
+            finish(cur, static_cast<const float*>(w), g, j, Row128NoPrefetch{});
             if (next >= sets) break;
             base = next;
             cur = nxt;

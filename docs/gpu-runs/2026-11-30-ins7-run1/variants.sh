@@ -25,10 +25,14 @@ for v in ${TEST_VARIANTS:-}; do
     DSV41_ROW128_VARIANT=$v timeout 40 "$W/t" --test-threads=1 > "$OUT/var-tests-$v.log" 2>&1
     echo "== tests variant $v: exit $? $(grep 'test result' "$OUT/var-tests-$v.log")" | tee -a "$SUM"
 done
+# time guard: skip a step when fewer than its timeout's seconds are left before DEADLINE (script seconds)
+DEADLINE="${DEADLINE:-105}"
+have() { (( DEADLINE - SECONDS >= $1 )); }
 ONLY="index_key packed E prefill T=65536,index_key packed E ratio 1,index_key_insert Q3 prefill T=65536,index_key_insert Q3 ratio 1,index_key packed E prefill T=16384"
-for rep in $(seq 1 ${REPS:-2}); do
+for rep in $(seq ${REP_FROM:-1} ${REPS:-2}); do
     for v in ${VARIANTS:-0 1 2 3}; do
-        DSV41_ROW128_VARIANT=$v timeout 30 "$W/b" --no-baseline --only "$ONLY" > "$OUT/var-bench-$rep-$v.log" 2>&1
+        have 12 || { echo "== bench rep $rep variant $v: skipped (time)" | tee -a "$SUM"; continue; }
+        DSV41_ROW128_VARIANT=$v timeout 12 "$W/b" --no-baseline --only "$ONLY" > "$OUT/var-bench-$rep-$v.log" 2>&1
         echo "== bench rep $rep variant $v: exit $?" | tee -a "$SUM"
         grep -E "prefill|ratio" "$OUT/var-bench-$rep-$v.log" | cut -c1-120 | sed "s/^/v$v r$rep /" | tee -a "$SUM"
     done
@@ -48,8 +52,9 @@ for c in /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu "$(command -v
     if [[ -n "$c" && -x "$c" ]]; then NCU="$c"; break; fi
 done
 for v in ${NCU_VARIANTS:-}; do
+    have 40 || { echo "== ncu variant $v: skipped (time)" | tee -a "$SUM"; continue; }
     echo "== ncu ($NCU) DSV41_ROW128_VARIANT=$v" >> "$OUT/ncu.log"
-    DSV41_ROW128_VARIANT=$v timeout "${NCU_TIMEOUT:-30}" "$NCU" -k regex:packed_e_row128 -s 1 -c 1 -o "$W/rep$v" \
+    DSV41_ROW128_VARIANT=$v timeout "${NCU_TIMEOUT:-30}" "$NCU" -k regex:packed_e_row128 -c 1 -o "$W/rep$v" \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section SourceCounters --section LaunchStats \
         "$W/b" --no-baseline --only "index_key packed E prefill T=65536" >> "$OUT/ncu.log" 2>&1
