@@ -176,13 +176,14 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull;
 }
-template <Norm N, bool P32, int V>
-__global__ void __launch_bounds__(row128_threads(V), row128_blocks(V)) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
+template <Norm N, bool P32>
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const int page_shift = __ffs(p.page_size) - 1;
-    row128_loop<N, V>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
+    row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<N, V == 5 ? 1 : V == 6 ? 2 : 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
+        compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        prefetch();  // the next set's loads (row128_loop)
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
@@ -218,23 +219,11 @@ __global__ void __launch_bounds__(row128_threads(V), row128_blocks(V)) packed_e_
     });
 }
 
-template <Norm N, bool P32, int V>
-int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>, row128_threads(V)>(sets), row128_threads(V), 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
 template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {
-        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
-        case 2: return launch_packed_e_row128_v<N, P32, 2>(p, s);
-        case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
-        case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
-        case 5: return launch_packed_e_row128_v<N, P32, 5>(p, s);
-        case 6: return launch_packed_e_row128_v<N, P32, 6>(p, s);
-        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
-    }
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {

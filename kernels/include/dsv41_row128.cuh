@@ -23,9 +23,17 @@
 //     whose cos/sin are one float2 load each.
 //
 // Scheduling: a persistent grid (as many blocks as are resident at once); each warp walks its
-// row sets with a stride and issues the loads of its next set (into registers) before computing
+// row sets with a stride and issues the loads of its next set (into registers) while it computes
 // the current one, so every warp has a set in flight while it computes. Set and token indices
-// are 32-bit and the lane's source pointers are set up once (row128_loop).
+// are 32-bit and the lane's source pointers are set up once (row128_loop). The loads of a
+// warp's first set are issued before the block loads the norm weights and waits at its barrier,
+// and those of its next set only once the current set's norm is done (finish calls `prefetch`
+// after compute_row128; ptxas hoists the loads up to the block maxima's shuffles, i.e. to just
+// after the norm's quotient in the weighted kernels): the first sets' data, which every warp
+// waits for, then reaches the SMs sooner, and the later sets' loads still have the rest of a
+// set's compute to arrive (docs/perf.md, Run 13, format E at G = 32768: 7.64 µs with the
+// weights first, 7.32 µs with the first set's loads before them, 7.08 µs with the next set's
+// loads after the norm as well, 7.90 µs with both sets' loads before the barrier).
 //
 // Values as bf16 pairs: after the norm and RoPE (f32, as the CPU) each pair of elements is
 // rounded to bf16 by one conversion and the Q3 fake quant / e2m1 codes work on the pairs in the
@@ -44,8 +52,6 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
-#include <stdlib.h>
-
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -54,9 +60,6 @@ constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) ro
 // Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
 // caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
 constexpr int kRow128BlocksPerSm = 4;
-// Measurement variant 4: one block of 1024 threads per SM instead of 4 of 256.
-constexpr int row128_threads(int v) { return v == 4 ? 1024 : kInsertThreads; }
-constexpr int row128_blocks(int v) { return v == 4 ? 1 : kRow128BlocksPerSm; }
 
 // One row's inputs in a lane's registers (chunks as loaded).
 struct Row128In {
@@ -115,16 +118,9 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //     is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out of line).
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
-// Measurement variants 5 / 6: `prefetch()` (the loads of the warp's next row set) is called
-// once, after the vote on the row's values (PF = 1: the row set's data has arrived) or at the
-// end (PF = 2); PF = 0: never (the loop issued the loads before).
-struct Row128NoPrefetch {
-    __device__ void operator()() const {}
-};
-template <Norm N, int PF = 0, class Pf = Row128NoPrefetch>
+template <Norm N>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
-                                               uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch = Pf{}) {
-    if constexpr (N == Norm::None && PF == 1) prefetch();
+                                               uint32_t (&h)[8], uint32_t (&amax2)[2]) {
     float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -138,7 +134,6 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
         for (int k = 1; k < 16; ++k) mn = fminf(mn, fabsf(x[k]));
         const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
-        if constexpr (PF == 1) prefetch();
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
         if (fast) {
 #pragma unroll
@@ -210,7 +205,6 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         a = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 2));
         amax2[i] = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 4));
     }
-    if constexpr (PF == 2) prefetch();
 }
 
 // The Q3 scale bits of the row's 4 blocks from compute_row128's amax2 (q3_scale_bits2), and
@@ -246,43 +240,26 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
-// Streaming loads with cache hints (measurement variant 2): no L1 allocation, L2 fetches of
-// 256-byte blocks (a row set's 4 rows are 1 KB contiguous; cos / sin rows 128 B each).
-__device__ __forceinline__ void ld_nc_stream(uint2& v, const void* p) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-}
-__device__ __forceinline__ float2 ld_nc_stream_f32x2(const float* p) {
-    float2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
-    return v;
-}
 // Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
-template <int V = 0>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
     const char* src = a.src + tc * a.row_bytes;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        if constexpr (V == 2) ld_nc_stream(r.raw[m], src + 64 * m);
-        else ld_nc(r.raw[m], src + 64 * m);
-    }
+    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
     const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        if constexpr (V == 2) {
-            r.cos[h] = ld_nc_stream_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-            r.sin[h] = ld_nc_stream_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
-        } else {
-            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
-        }
+        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
     }
     r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
-// The loop of a row-128 kernel: `finish(row, w, g, j)` runs for every row of the warp's sets
-// (rows past T included, with row.slot = -1: finish stores only when slot >= 0), with `w` the
-// norm weights in shared memory (Norm::Weighted) for compute_row128. All lanes of the warp call
-// finish together (it may use warp shuffles / __syncwarp).
+// The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
+// warp's sets (rows past T included, with row.slot = -1: finish stores only when slot >= 0), with
+// `w` the norm weights in shared memory (Norm::Weighted) for compute_row128. All lanes of the warp
+// call finish together (it may use warp shuffles / __syncwarp), and finish calls `prefetch()`
+// (the loads of the warp's next set, if any) exactly once, after compute_row128 (see Scheduling
+// above).
 //
 // Block b handles the rounds of 8 consecutive sets starting at set 8 (b + k * gridDim.x), warp w
 // set 8 (...) + w of each; every branch of the loop depends on the block and the parameters
@@ -290,147 +267,59 @@ __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
-template <Norm N, int V = 0, class P, class F>
+template <Norm N, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
     const int warp = threadIdx.x / 32;
     const uint32_t T = static_cast<uint32_t>(p.num_tokens);
     const uint32_t sets = (T + 3) / 4;
-    constexpr int kWarps = row128_threads(V) / 32;
-    const uint32_t round_sets = gridDim.x * kWarps;
-    uint32_t base = blockIdx.x * kWarps;  // block-uniform, as every branch below
+    const uint32_t round_sets = gridDim.x * kInsertWarps;
+    uint32_t base = blockIdx.x * kInsertWarps;  // block-uniform, as every branch below
     // The norm weights, once per block, in shared memory (registers are the scarce resource).
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
-    if constexpr (V == 3 || V == 4) {
-        // The first two sets' loads are issued before the weights' load and the barrier, so that
-        // the block's start does not wait for the weights first.
-        const uint32_t row = 4 * warp + g;
-        auto checked = [&](uint32_t b, Row128In& r) {
-            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
-        };
-        if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
-        const Row128Src a = row128_src(p, j);
-        Row128In cur, nxt;
-        load_row128(a, min(4 * base + row, T - 1), cur);
-        uint32_t next = base + round_sets;
-        if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
-        if constexpr (N == Norm::Weighted) {
-            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
-            __syncthreads();
-        }
-        for (;;) {
-            checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j, Row128NoPrefetch{});
-            if (next >= sets) break;
-            base = next;
-            cur = nxt;
-            next = base + round_sets;
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
-        }
-    } else if constexpr (V >= 5) {
-        // The first set's loads before the weights' barrier (as variant 1); the next set's loads
-        // are issued by finish through its prefetch argument (compute_row128's PF).
-        if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
-        const Row128Src a = row128_src(p, j);
-        const uint32_t row = 4 * warp + g;
-        auto checked = [&](uint32_t b, Row128In& r) {
-            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
-        };
-        Row128In cur;
-        load_row128(a, min(4 * base + row, T - 1), cur);
-        if constexpr (N == Norm::Weighted) {
-            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
-            __syncthreads();
-        }
-        for (;;) {
-            const uint32_t next = base + round_sets;
-            Row128In nxt;
-            checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j, [&] {
-                if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
-            });
-            if (next >= sets) break;
-            base = next;
-            cur = nxt;
-        }
-    } else if constexpr (V >= 1) {
-        // The first set's loads are issued before the weights' load and the barrier (the loop
-        // as variant 0).
-        if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
-        const Row128Src a = row128_src(p, j);
-        const uint32_t row = 4 * warp + g;
-        auto checked = [&](uint32_t b, Row128In& r) {
-            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
-        };
-        Row128In cur;
-        load_row128<V>(a, min(4 * base + row, T - 1), cur);
-        if constexpr (N == Norm::Weighted) {
-            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
-            __syncthreads();
-        }
-        for (;;) {
-            const uint32_t next = base + round_sets;
-            Row128In nxt;
-            if (next < sets) load_row128<V>(a, min(4 * next + row, T - 1), nxt);
-            checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j, Row128NoPrefetch{});
-            if (next >= sets) break;
-            base = next;
-            cur = nxt;
-        }
-    } else {
-        if constexpr (N == Norm::Weighted) {
-            if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
-            __syncthreads();
-        }
-        if (base >= sets) return;
-        const Row128Src a = row128_src(p, j);
-        const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
-        // slot in [0, S) (one unsigned compare) of a token < T, else -1
-        auto checked = [&](uint32_t b, Row128In& r) {
-            r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
-        };
-        Row128In cur;
-        load_row128(a, min(4 * base + row, T - 1), cur);
-        for (;;) {
-            const uint32_t next = base + round_sets;
-            Row128In nxt;
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
-            checked(base, cur);
-            finish(cur, static_cast<const float*>(w), g, j, Row128NoPrefetch{});
-            if (next >= sets) break;
-            base = next;
-            cur = nxt;
-        }
+    if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
+    const Row128Src a = row128_src(p, j);
+    const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
+    // slot in [0, S) (one unsigned compare) of a token < T, else -1
+    auto checked = [&](uint32_t b, Row128In& r) {
+        r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
+    };
+    Row128In cur;
+    load_row128(a, min(4 * base + row, T - 1), cur);  // before the weights' barrier
+    if constexpr (N == Norm::Weighted) {
+        if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+        __syncthreads();
     }
-}
-
-// Host: the measurement switch DSV41_ROW128_VARIANT of run 13 (read once; unset: 0).
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
+    for (;;) {
+        const uint32_t next = base + round_sets;
+        Row128In nxt;
+        checked(base, cur);
+        finish(cur, static_cast<const float*>(w), g, j, [&] {
+            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        });
+        if (next >= sets) break;
+        base = next;
+        cur = nxt;
+    }
 }
 
 // Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
 // blocks of `Kernel` resident on the device at once (queried once per kernel; if the query
 // fails, the plain count — the loop is correct for any grid).
-template <auto Kernel, int kThreads = kInsertThreads>
+template <auto Kernel>
 unsigned row128_grid(int64_t sets) {
     static const int64_t resident = [] {
         int dev = 0, sms = 0, per_sm = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0) != cudaSuccess) {
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kInsertThreads, 0) != cudaSuccess) {
             (void)cudaGetLastError();  // not this launch's error
             return int64_t{0};
         }
         return static_cast<int64_t>(sms) * per_sm;
     }();
-    const int64_t needed = (sets + kThreads / 32 - 1) / (kThreads / 32);
+    const int64_t needed = (sets + kInsertWarps - 1) / kInsertWarps;
     return static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed);
 }
 
