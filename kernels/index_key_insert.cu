@@ -44,9 +44,10 @@ static __device__ __noinline__ Row128H8 q3_fake_quant_element8(Row128H8 hh, uint
 // 2^119 takes the f32 element path for that row.
 template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
-    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j) {
+    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         compute_row128<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        prefetch();  // the next set's loads (row128_loop)
         if constexpr (Q != Quant::None) {
             const Q3Blocks qb = q3_blocks_row128(amax2);
             if (qb.pairs_ok) {

@@ -180,9 +180,10 @@ template <Norm N, bool P32>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const int page_shift = __ffs(p.page_size) - 1;
-    row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j) {
+    row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        prefetch();  // the next set's loads (row128_loop)
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {

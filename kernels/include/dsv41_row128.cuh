@@ -23,9 +23,17 @@
 //     whose cos/sin are one float2 load each.
 //
 // Scheduling: a persistent grid (as many blocks as are resident at once); each warp walks its
-// row sets with a stride and issues the loads of its next set (into registers) before computing
+// row sets with a stride and issues the loads of its next set (into registers) while it computes
 // the current one, so every warp has a set in flight while it computes. Set and token indices
-// are 32-bit and the lane's source pointers are set up once (row128_loop).
+// are 32-bit and the lane's source pointers are set up once (row128_loop). The loads of a
+// warp's first set are issued before the block loads the norm weights and waits at its barrier,
+// and those of its next set only once the current set's norm is done (finish calls `prefetch`
+// after compute_row128; ptxas hoists the loads up to the block maxima's shuffles, i.e. to just
+// after the norm's quotient in the weighted kernels): the first sets' data, which every warp
+// waits for, then reaches the SMs sooner, and the later sets' loads still have the rest of a
+// set's compute to arrive (docs/perf.md, Run 13, format E at G = 32768: 7.64 µs with the
+// weights first, 7.32 µs with the first set's loads before them, 7.08 µs with the next set's
+// loads after the norm as well, 7.90 µs with both sets' loads before the barrier).
 //
 // Values as bf16 pairs: after the norm and RoPE (f32, as the CPU) each pair of elements is
 // rounded to bf16 by one conversion and the Q3 fake quant / e2m1 codes work on the pairs in the
@@ -246,10 +254,12 @@ __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row
     r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
-// The loop of a row-128 kernel: `finish(row, w, g, j)` runs for every row of the warp's sets
-// (rows past T included, with row.slot = -1: finish stores only when slot >= 0), with `w` the
-// norm weights in shared memory (Norm::Weighted) for compute_row128. All lanes of the warp call
-// finish together (it may use warp shuffles / __syncwarp).
+// The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
+// warp's sets (rows past T included, with row.slot = -1: finish stores only when slot >= 0), with
+// `w` the norm weights in shared memory (Norm::Weighted) for compute_row128. All lanes of the warp
+// call finish together (it may use warp shuffles / __syncwarp), and finish calls `prefetch()`
+// (the loads of the warp's next set, if any) exactly once, after compute_row128 (see Scheduling
+// above).
 //
 // Block b handles the rounds of 8 consecutive sets starting at set 8 (b + k * gridDim.x), warp w
 // set 8 (...) + w of each; every branch of the loop depends on the block and the parameters
@@ -268,11 +278,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     uint32_t base = blockIdx.x * kInsertWarps;  // block-uniform, as every branch below
     // The norm weights, once per block, in shared memory (registers are the scarce resource).
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
-    if constexpr (N == Norm::Weighted) {
-        if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
-        __syncthreads();
-    }
-    if (base >= sets) return;
+    if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
     const Row128Src a = row128_src(p, j);
     const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
     // slot in [0, S) (one unsigned compare) of a token < T, else -1
@@ -280,13 +286,18 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
     };
     Row128In cur;
-    load_row128(a, min(4 * base + row, T - 1), cur);
+    load_row128(a, min(4 * base + row, T - 1), cur);  // before the weights' barrier
+    if constexpr (N == Norm::Weighted) {
+        if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
+        __syncthreads();
+    }
     for (;;) {
         const uint32_t next = base + round_sets;
         Row128In nxt;
-        if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
         checked(base, cur);
-        finish(cur, static_cast<const float*>(w), g, j);
+        finish(cur, static_cast<const float*>(w), g, j, [&] {
+            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        });
         if (next >= sets) break;
         base = next;
         cur = nxt;
