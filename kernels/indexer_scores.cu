@@ -57,6 +57,8 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include <type_traits>
 
@@ -167,6 +169,16 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
         sc = sb * 0x10001u;
         sc2 = one ? 0x3F803F80u : ue8m0_bf16x2(e);
     }
+    // The same when the warp checked that e <= 128 (WIDE = false): sc = 2^(e-1) without a select.
+    template <bool WIDE>
+    __device__ __forceinline__ void scales_for(int c, uint32_t& sc, uint32_t& sc2) const {
+        if constexpr (WIDE) {
+            scales(c, sc, sc2);
+        } else {
+            sc = scale_byte(c) * 0x00800080u + 0x3F003F00u;  // ((e + 126) << 7) in both halves
+            sc2 = 0x3F803F80u;
+        }
+    }
     // k-step s (0..7): registers 2s, 2s + 1 of the order above.
     template <bool WIDE>
     __device__ __forceinline__ void step(int s, uint32_t sc, uint32_t sc2, uint32_t& k0, uint32_t& k1) const {
@@ -203,6 +215,20 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
         r = *reinterpret_cast<uint32_t*>(&s);
     }
     return bf16x2_mul(r, w2);
+}
+
+// V_F32P: the products of two accumulator entries (heads h, h + 1) as two f32 words (bf16 in the
+// high half): relu(bf16(a)) pairs times (w << 16) with the half swapped in; the low halves are
+// relu(bf16(a)) * +0 = +0 unless relu(bf16(a)) is inf or NaN.
+__device__ __forceinline__ void f32_products(float a0, float a1, uint32_t wz0, uint32_t wz1, uint32_t& o0,
+                                             uint32_t& o1) {
+    uint32_t r;
+    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(a1), "f"(a0));
+    const __nv_bfloat162 rb = *reinterpret_cast<__nv_bfloat162*>(&r);
+    const __nv_bfloat162 lo = __hmul2(__low2bfloat162(rb), *reinterpret_cast<const __nv_bfloat162*>(&wz0));
+    const __nv_bfloat162 hi = __hmul2(__high2bfloat162(rb), *reinterpret_cast<const __nv_bfloat162*>(&wz1));
+    o0 = *reinterpret_cast<const uint32_t*>(&lo);
+    o1 = *reinterpret_cast<const uint32_t*>(&hi);
 }
 
 // The top-k's first histogram (dsv41_indexer.h): bin = order key >> 5 of a bf16 score.
@@ -248,14 +274,24 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 // of 32 keys from entry chunk0 (TQ = 1: warp w takes iterations w, w + 4, ...). Every warp of
 // the CTA calls it with the same arguments (TQ = 1: it holds a CTA barrier).
 // RELU: the ReLU in the f32 -> bf16x2 conversion (packed decode kernels, where it was measured).
-template <int KF, int TQ, bool RELU>
+// Experiment switches (V bits, balanced decode kernel only; DSV41_IX_VAR at run time).
+constexpr int V_NOH2 = 1;  // both m-tiles' MMAs for every H (no H > 2 predicate, no zeroed accumulators)
+constexpr int V_F32P = 2;  // products stored as f32 words (bf16 in the high half) by bf16x2 multiplies
+constexpr int V_EPI = 4;   // 32-bit entry ids in the epilogue, cheaper histogram bin, hoisted pointers
+constexpr int V_PAIR = 8;  // key staging by lane pairs (own rows, one address exchange)
+constexpr int V_SC = 16;   // scale multipliers of the common path without selects; pointers held in registers
+constexpr int F32P_STRIDE = 36;  // f32 words per key row of the f32 product buffer (144 B: conflict-free)
+
+template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
                                            const int n_it) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
     constexpr bool kSharedA = kPacked && TQ == 1;
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
-    __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
+    __shared__ __align__(16) uint16_t prod[(V & V_F32P) ? 1 : WARPS][32 * PROD_STRIDE];
+    // V_F32P: [32 keys][F32P_STRIDE] f32 words per warp.
+    __shared__ __align__(16) uint32_t prod32[(V & V_F32P) ? WARPS : 1][(V & V_F32P) ? 32 * F32P_STRIDE : 4];
     // kSharedA: qsh[s][m][lane] = the lane's A fragment of k-step s, m-tile m.
     __shared__ __align__(16) uint4 qsh[kSharedA ? 8 : 1][2][32];
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
@@ -274,8 +310,15 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
     const int H = p.num_heads;
-    uint16_t* pw = prod[warp];
+    uint16_t* pw = prod[(V & V_F32P) ? 0 : warp];
+    uint32_t* pw32 = prod32[(V & V_F32P) ? warp : 0];
     uint32_t* hs = hdyn + (TQ == 1 ? 0 : warp * HIST_BINS);
+    uint32_t hs_addr = dsv41_ptx::smem_addr(hs);
+    if constexpr ((V & V_SC) != 0) {
+        // Held in registers instead of recomputed per iteration (the compiler's choice otherwise).
+        asm volatile("" : "+r"(hs_addr));
+        asm volatile("" : "+l"(out));
+    }
     const bool hist = p.hist != nullptr;
     if (hist) {
         if constexpr (TQ == 1) {
@@ -329,7 +372,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
         // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
         // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
-        uint32_t qa[4][16], w2[2];
+        // V_F32P: wz[hh] = the weight of head 4g + hh in the high half (low half +0).
+        uint32_t qa[4][16], w2[2], wz[4];
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
             uint32_t wb[2];
@@ -337,6 +381,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             for (int e = 0; e < 2; ++e) {
                 const int h = 4 * g + 2 * m + e;
                 wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
+                wz[2 * m + e] = wb[e] << 16;
             }
             w2[m] = wb[0] | (wb[1] << 16);
         }
@@ -406,16 +451,35 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
             cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
                       reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
+            if constexpr ((V & V_PAIR) != 0) {
+                // Lanes 2m, 2m + 1 copy rows 2m, 2m + 1 (32-byte halves: copy i = row 2m + (i >> 1),
+                // 16-byte chunk 2 (i & 1) + (lane & 1)) to the swizzled slots of pair_slot().
+                const uint32_t b = lane & 1, m = lane >> 1;
+                const uint32_t olo = __shfl_xor_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), 1);
+                const uint32_t ohi = __shfl_xor_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), 1);
+                const uint64_t other = (static_cast<uint64_t>(ohi) << 32) | olo;
+                const uint64_t rowa = (b ? other : row) + 16u * b, rowb = (b ? row : other) + 16u * b;
+                const uint32_t dst = dsv41_ptx::smem_addr(&kst_d[warp][buf][0][0]) + 128u * m + 16u * b;
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
-                const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
-                const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
-                dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
-                                      reinterpret_cast<const void*>(src), true);
+                for (uint32_t i = 0; i < 4; ++i)
+                    dsv41_ptx::cp_async16(dst + 32u * (i ^ (m & 3u)),
+                                          reinterpret_cast<const void*>(((i >> 1) ? rowb : rowa) + 32u * (i & 1u)), true);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
+                    const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
+                    const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
+                    dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
+                                          reinterpret_cast<const void*>(src), true);
+                }
             }
             dsv41_ptx::cp_async_commit();
         };
+        // V_PAIR: the slot of (key nt * 8 + g, chunk c) in a staging buffer, minus nt * 32: key k,
+        // chunk c at (k >> 1) * 8 + ((4 (k & 1) + c) ^ (2 (k >> 1) & 7)) (no bank conflicts in
+        // either the copies or these reads).
+        const int pslot = (g >> 1) * 8 + ((4 * (g & 1) + c) ^ (g & 6));
         int buf = 0;
         if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
         while (valid(it)) {
@@ -427,7 +491,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 __syncwarp();  // the scale words were copied by other lanes
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
-                    cur[nt].d = kst_d[warp][buf][nt][lane];
+                    cur[nt].d = (V & V_PAIR) ? (&kst_d[warp][buf][0][0])[nt * 32 + pslot] : kst_d[warp][buf][nt][lane];
                     cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
                 }
                 if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
@@ -450,7 +514,10 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     // Per k-step: the A fragments from shared memory, 2 B registers per tile.
                     uint32_t sc[4], sc2[4];
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
+                    for (int nt = 0; nt < 4; ++nt) {
+                        if constexpr ((V & V_SC) != 0) cur[nt].template scales_for<W>(c, sc[nt], sc2[nt]);
+                        else cur[nt].scales(c, sc[nt], sc2[nt]);
+                    }
 #pragma unroll
                     for (int s = 0; s < 8; ++s) {
                         const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
@@ -459,7 +526,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                             uint32_t k0, k1;
                             cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
                             mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
-                            if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                            if ((V & V_NOH2) || H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
                         }
                     }
                 } else {
@@ -485,46 +552,108 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             else scores(std::false_type{});
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
             // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
+            // V_F32P: as f32 words pw32[key * F32P_STRIDE + h] (16 B per key and lane).
             __syncwarp();
+            if constexpr ((V & V_F32P) != 0) {
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
+                for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    uint2 pr;
-                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
-                    const int kk = nt * 8 + 2 * c + e;
-                    *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
-                }
-            __syncwarp();
-            const int64_t j = key0 + lane;
-            if (j < n) {
-                // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
-                // but are not added).
-                const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
-                float sum = 0.f;
-                auto add_heads = [&](auto all) {
-#pragma unroll
-                    for (int q8 = 0; q8 < 4; ++q8) {
-                        const uint4 v = row[q8];
-                        const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
-                            if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
-                        }
+                    for (int e = 0; e < 2; ++e) {
+                        uint4 pr;
+                        f32_products(acc[nt][0][e], acc[nt][0][2 + e], wz[0], wz[1], pr.x, pr.y);
+                        f32_products(acc[nt][1][e], acc[nt][1][2 + e], wz[2], wz[3], pr.z, pr.w);
+                        const int kk = nt * 8 + 2 * c + e;
+                        *reinterpret_cast<uint4*>(pw32 + kk * F32P_STRIDE + 4 * g) = pr;
                     }
-                };
-                if (H == 32) add_heads(std::true_type{});
-                else add_heads(std::false_type{});
-                bool ok = j < L;
-                if (ok && allowed) {
-                    const int64_t b = j / p.allowed_block;
-                    ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        uint2 pr;
+                        pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                        pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                        const int kk = nt * 8 + 2 * c + e;
+                        *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+                    }
+            }
+            __syncwarp();
+            // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
+            // but are not added).
+            auto head_sum = [&]() {
+                float sum = 0.f;
+                if constexpr ((V & V_F32P) != 0) {
+                    // The words are the products' f32 values unless a product is not finite (its
+                    // low half is then NaN: 0 * inf): a sum that is not finite is redone from the
+                    // high halves alone.
+                    const uint4* row = reinterpret_cast<const uint4*>(pw32 + lane * F32P_STRIDE);
+                    auto add_words = [&](auto all, uint32_t mask) {
+#pragma unroll
+                        for (int q4 = 0; q4 < 8; ++q4) {
+                            const uint4 v = row[q4];
+                            const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                            for (int i = 0; i < 4; ++i)
+                                if (decltype(all)::value || 4 * q4 + i < H)
+                                    sum = __fadd_rn(sum, __uint_as_float(ws[i] & mask));
+                        }
+                    };
+                    if (H == 32) add_words(std::true_type{}, 0xFFFFFFFFu);
+                    else add_words(std::false_type{}, 0xFFFFFFFFu);
+                    if (!(fabsf(sum) < INFINITY)) {
+                        sum = 0.f;
+                        add_words(std::false_type{}, 0xFFFF0000u);
+                    }
+                } else {
+                    const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
+                    auto add_heads = [&](auto all) {
+#pragma unroll
+                        for (int q8 = 0; q8 < 4; ++q8) {
+                            const uint4 v = row[q8];
+                            const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                            for (int i = 0; i < 8; ++i) {
+                                const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                                if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                            }
+                        }
+                    };
+                    if (H == 32) add_heads(std::true_type{});
+                    else add_heads(std::false_type{});
                 }
-                const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
-                out[j] = static_cast<uint16_t>(v);
-                if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hs[order_bin(v)], 1u);
+                return sum;
+            };
+            if constexpr ((V & V_EPI) != 0) {
+                // 32-bit entry ids (j < N < 2^31); order bin * 4 = ((v ^ (sign ? ~0 : 0x8000)) >> 3) & 0x1FFC.
+                const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
+                if (j < static_cast<uint32_t>(n)) {
+                    const float sum = head_sum();
+                    bool ok = j < static_cast<uint32_t>(L);
+                    if (ok && allowed) {
+                        const uint32_t b = j / static_cast<uint32_t>(p.allowed_block);
+                        ok = b < 32ull * static_cast<uint64_t>(p.allowed_words) && ((allowed[b / 32] >> (b % 32)) & 1u);
+                    }
+                    const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                    out[j] = static_cast<uint16_t>(v);
+                    if (hist && j < Lv) {
+                        const uint32_t sg = static_cast<uint32_t>(static_cast<int32_t>(v << 16) >> 31);
+                        const uint32_t off = ((v ^ (sg | 0x8000u)) >> 3) & 0x1FFCu;
+                        asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(hs_addr + off) : "memory");
+                    }
+                }
+            } else {
+                const int64_t j = key0 + lane;
+                if (j < n) {
+                    const float sum = head_sum();
+                    bool ok = j < L;
+                    if (ok && allowed) {
+                        const int64_t b = j / p.allowed_block;
+                        ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+                    }
+                    const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                    out[j] = static_cast<uint16_t>(v);
+                    if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hs[order_bin(v)], 1u);
+                }
             }
             it = next;
         }
@@ -551,7 +680,7 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
 constexpr int BAL_MIN_T = 64;
 constexpr int BAL_MAX_T = 1024;
 constexpr int UNIT = KT * WARPS;
-template <int KF>
+template <int KF, int V = 0>
 __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
     indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p) {
     __shared__ uint32_t pre[BAL_MAX_T + 1];  // pre[t] = visible units of the tokens before t
@@ -613,7 +742,7 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
         const uint32_t u1 = (a1 < pre[t + 1] ? a1 : pre[t + 1]) - pre[t];
         if (!first) __syncthreads();  // the previous span's warps are done with the shared buffers
         first = false;
-        score_span<KF, 1, true>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
+        score_span<KF, 1, true, V>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
         a = pre[t] + u1;
     }
 }
@@ -635,17 +764,18 @@ __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMas
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Resident CTAs of the balanced kernel (SMs x CTAs per SM), once per process and instance.
-template <int KF>
+template <int KF, int V>
 int balanced_grid() {
     static const int g = [] {
         int dev = 0, sms = 0, per = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(hist_smem<1>())) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF>, THREADS,
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, V>, THREADS,
                                                           hist_smem<1>()) != cudaSuccess)
             return 0;
+        if (getenv("DSV41_IX_VAR")) fprintf(stderr, "indexer balanced kernel V=%d: %d SMs x %d CTAs\n", V, sms, per);
         return sms * per;
     }();
     return g;
@@ -672,15 +802,33 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
 }
 
 // The balanced kernel; the (token, chunk) grid when the device query behind its size failed.
-template <int KF>
-int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    const int g = balanced_grid<KF>();
+template <int KF, int V>
+int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    const int g = balanced_grid<KF, V>();
     if (g <= 0) {
         (void)cudaGetLastError();  // the failed query's error is not this launch's
         return launch<KF, 1, true>(p, stream);
     }
-    indexer_scores_balanced_kernel<KF><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
+    indexer_scores_balanced_kernel<KF, V><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
+}
+// Experiment switch DSV41_IX_VAR (V bits, read once).
+template <int KF>
+int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    static const int var = [] {
+        const char* e = getenv("DSV41_IX_VAR");
+        return e ? atoi(e) & 31 : 0;
+    }();
+    switch (var) {
+#define DSV41_IX_CASE(v) \
+    case v:              \
+        return launch_balanced_v<KF, v>(p, stream);
+        DSV41_IX_CASE(1) DSV41_IX_CASE(2) DSV41_IX_CASE(4) DSV41_IX_CASE(6) DSV41_IX_CASE(7) DSV41_IX_CASE(8)
+        DSV41_IX_CASE(15) DSV41_IX_CASE(16) DSV41_IX_CASE(17) DSV41_IX_CASE(20) DSV41_IX_CASE(21) DSV41_IX_CASE(22)
+        DSV41_IX_CASE(23) DSV41_IX_CASE(31)
+#undef DSV41_IX_CASE
+    }
+    return launch_balanced_v<KF, 0>(p, stream);
 }
 
 }  // namespace dsv41_ix
