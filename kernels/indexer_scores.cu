@@ -217,20 +217,6 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
-// V_F32P: the products of two accumulator entries (heads h, h + 1) as two f32 words (bf16 in the
-// high half): relu(bf16(a)) pairs times (w << 16) with the half swapped in; the low halves are
-// relu(bf16(a)) * +0 = +0 unless relu(bf16(a)) is inf or NaN.
-__device__ __forceinline__ void f32_products(float a0, float a1, uint32_t wz0, uint32_t wz1, uint32_t& o0,
-                                             uint32_t& o1) {
-    uint32_t r;
-    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(a1), "f"(a0));
-    const __nv_bfloat162 rb = *reinterpret_cast<__nv_bfloat162*>(&r);
-    const __nv_bfloat162 lo = __hmul2(__low2bfloat162(rb), *reinterpret_cast<const __nv_bfloat162*>(&wz0));
-    const __nv_bfloat162 hi = __hmul2(__high2bfloat162(rb), *reinterpret_cast<const __nv_bfloat162*>(&wz1));
-    o0 = *reinterpret_cast<const uint32_t*>(&lo);
-    o1 = *reinterpret_cast<const uint32_t*>(&hi);
-}
-
 // The top-k's first histogram (dsv41_indexer.h): bin = order key >> 5 of a bf16 score.
 constexpr int HIST_BINS = DSV41_SELECT_HIST_BINS;
 constexpr uint32_t NEG_INF_BIN = (~static_cast<uint32_t>(BF16_NEG_INF) & 0xFFFFu) >> 5;
@@ -276,11 +262,11 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 // RELU: the ReLU in the f32 -> bf16x2 conversion (packed decode kernels, where it was measured).
 // Experiment switches (V bits, balanced decode kernel only; DSV41_IX_VAR at run time).
 constexpr int V_NOH2 = 1;  // both m-tiles' MMAs for every H (no H > 2 predicate, no zeroed accumulators)
-constexpr int V_F32P = 2;  // products stored as f32 words (bf16 in the high half) by bf16x2 multiplies
-constexpr int V_EPI = 4;   // 32-bit entry ids in the epilogue, cheaper histogram bin, hoisted pointers
-constexpr int V_PAIR = 8;  // key staging by lane pairs (own rows, one address exchange)
-constexpr int V_SC = 16;   // scale multipliers of the common path without selects; pointers held in registers
-constexpr int F32P_STRIDE = 36;  // f32 words per key row of the f32 product buffer (144 B: conflict-free)
+constexpr int V_EPI = 2;   // 32-bit entry ids in the epilogue, cheaper histogram bin
+constexpr int V_SC = 4;    // scale multipliers of the common path without selects
+constexpr int V_REG = 8;   // lane, shared-memory addresses and the score row offset held in registers
+constexpr int V_SPEC = 16; // H = 32 and no allowed mask as compile-time facts (chosen at launch)
+constexpr int V_PRED = 32; // epilogue without branches: every lane sums its key's heads, predicated store
 
 template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -289,9 +275,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     constexpr bool kSharedA = kPacked && TQ == 1;
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
-    __shared__ __align__(16) uint16_t prod[(V & V_F32P) ? 1 : WARPS][32 * PROD_STRIDE];
-    // V_F32P: [32 keys][F32P_STRIDE] f32 words per warp.
-    __shared__ __align__(16) uint32_t prod32[(V & V_F32P) ? WARPS : 1][(V & V_F32P) ? 32 * F32P_STRIDE : 4];
+    __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
     // kSharedA: qsh[s][m][lane] = the lane's A fragment of k-step s, m-tile m.
     __shared__ __align__(16) uint4 qsh[kSharedA ? 8 : 1][2][32];
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
@@ -299,7 +283,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
     // With p.hist: the histogram of the token's scores (dynamic, hist_smem<TQ>() bytes).
     extern __shared__ uint32_t hdyn[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int warp_r = threadIdx.x / 32, lane_r = threadIdx.x % 32;
+    if constexpr ((V & V_REG) != 0) {
+        // Held in registers (otherwise recomputed from SR_TID per iteration, a variable-latency read).
+        asm volatile("" : "+r"(warp_r));
+        asm volatile("" : "+r"(lane_r));
+    }
+    const int warp = warp_r, lane = lane_r;
     const int g = lane / 4, c = lane % 4;
     const int step = TQ == 1 ? WARPS : 1;
     const int first = TQ == 1 ? warp : 0;
@@ -307,18 +297,15 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     const Extent ext = token_extent(p, t);
     const int64_t L = ext.L, kbase = ext.kbase;
     const uint32_t Lv = static_cast<uint32_t>(ext.Lv);  // the top-k's visible entries (histogram)
-    uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
-    const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
-    const int H = p.num_heads;
-    uint16_t* pw = prod[(V & V_F32P) ? 0 : warp];
-    uint32_t* pw32 = prod32[(V & V_F32P) ? warp : 0];
+    int64_t out_off = t * p.score_row_stride;
+    if constexpr ((V & V_REG) != 0) asm volatile("" : "+l"(out_off));  // held, not recomputed per iteration
+    uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + out_off;
+    const uint32_t* allowed = (V & V_SPEC) ? nullptr : (p.allowed ? p.allowed + t * p.allowed_words : nullptr);
+    const int H = (V & V_SPEC) ? 32 : p.num_heads;
+    uint16_t* pw = prod[warp];
     uint32_t* hs = hdyn + (TQ == 1 ? 0 : warp * HIST_BINS);
     uint32_t hs_addr = dsv41_ptx::smem_addr(hs);
-    if constexpr ((V & V_SC) != 0) {
-        // Held in registers instead of recomputed per iteration (the compiler's choice otherwise).
-        asm volatile("" : "+r"(hs_addr));
-        asm volatile("" : "+l"(out));
-    }
+    if constexpr ((V & V_REG) != 0) asm volatile("" : "+r"(hs_addr));
     const bool hist = p.hist != nullptr;
     if (hist) {
         if constexpr (TQ == 1) {
@@ -372,8 +359,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         // m-tile 0; slots 2, 3: of m-tile 1), so that a lane's C fragments hold heads 4g..4g+3 of
         // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
         // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
-        // V_F32P: wz[hh] = the weight of head 4g + hh in the high half (low half +0).
-        uint32_t qa[4][16], w2[2], wz[4];
+        uint32_t qa[4][16], w2[2];
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
             uint32_t wb[2];
@@ -381,7 +367,6 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             for (int e = 0; e < 2; ++e) {
                 const int h = 4 * g + 2 * m + e;
                 wb[e] = h < H ? static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(p.w[t * H + h]))) : 0u;
-                wz[2 * m + e] = wb[e] << 16;
             }
             w2[m] = wb[0] | (wb[1] << 16);
         }
@@ -442,6 +427,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
         const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
         const uint32_t psize = static_cast<uint32_t>(p.page_size);
+        // Shared addresses of this lane's staging slots in buffer 0 (cp.async destinations).
+        uint32_t kst_s_addr = dsv41_ptx::smem_addr(&kst_s[kPacked ? warp : 0][0][lane]);
+        uint32_t kst_d_addr = dsv41_ptx::smem_addr(&kst_d[kPacked ? warp : 0][0][0][lane]);
+        if constexpr ((V & V_REG) != 0) {
+            asm volatile("" : "+r"(kst_s_addr));
+            asm volatile("" : "+r"(kst_d_addr));
+        }
         auto stage = [&](int64_t key0, int buf) {
             const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
             const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
@@ -449,39 +441,24 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             const uint32_t r = slot - page * psize;
             const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
             const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
-            cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
+            cp_async4((V & V_REG) ? kst_s_addr + buf * static_cast<uint32_t>(sizeof(kst_s[0][0]))
+                                  : dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
                       reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
-            if constexpr ((V & V_PAIR) != 0) {
-                // Lanes 2m, 2m + 1 copy rows 2m, 2m + 1 (32-byte halves: copy i = row 2m + (i >> 1),
-                // 16-byte chunk 2 (i & 1) + (lane & 1)) to the swizzled slots of pair_slot().
-                const uint32_t b = lane & 1, m = lane >> 1;
-                const uint32_t olo = __shfl_xor_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), 1);
-                const uint32_t ohi = __shfl_xor_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), 1);
-                const uint64_t other = (static_cast<uint64_t>(ohi) << 32) | olo;
-                const uint64_t rowa = (b ? other : row) + 16u * b, rowb = (b ? row : other) + 16u * b;
-                const uint32_t dst = dsv41_ptx::smem_addr(&kst_d[warp][buf][0][0]) + 128u * m + 16u * b;
 #pragma unroll
-                for (uint32_t i = 0; i < 4; ++i)
-                    dsv41_ptx::cp_async16(dst + 32u * (i ^ (m & 3u)),
-                                          reinterpret_cast<const void*>(((i >> 1) ? rowb : rowa) + 32u * (i & 1u)), true);
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                    const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
-                    const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
-                    const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
-                    dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
-                                          reinterpret_cast<const void*>(src), true);
-                }
+            for (int nt = 0; nt < 4; ++nt) {
+                const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
+                const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
+                const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
+                dsv41_ptx::cp_async16((V & V_REG) ? kst_d_addr + buf * static_cast<uint32_t>(sizeof(kst_d[0][0])) + nt * 512u
+                                                  : dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
+                                      reinterpret_cast<const void*>(src), true);
             }
             dsv41_ptx::cp_async_commit();
         };
-        // V_PAIR: the slot of (key nt * 8 + g, chunk c) in a staging buffer, minus nt * 32: key k,
-        // chunk c at (k >> 1) * 8 + ((4 (k & 1) + c) ^ (2 (k >> 1) & 7)) (no bank conflicts in
-        // either the copies or these reads).
-        const int pslot = (g >> 1) * 8 + ((4 * (g & 1) + c) ^ (g & 6));
         int buf = 0;
         if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
+        // V_REG: this lane's score of the current iteration (a loop-carried pointer).
+        uint16_t* optr = out + chunk0 + static_cast<int64_t>(it) * KT + lane;
         while (valid(it)) {
             const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
             const int next = it + step;
@@ -491,7 +468,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 __syncwarp();  // the scale words were copied by other lanes
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
-                    cur[nt].d = (V & V_PAIR) ? (&kst_d[warp][buf][0][0])[nt * 32 + pslot] : kst_d[warp][buf][nt][lane];
+                    cur[nt].d = kst_d[warp][buf][nt][lane];
                     cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
                 }
                 if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
@@ -552,94 +529,65 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             else scores(std::false_type{});
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
             // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
-            // V_F32P: as f32 words pw32[key * F32P_STRIDE + h] (16 B per key and lane).
             __syncwarp();
-            if constexpr ((V & V_F32P) != 0) {
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
+            for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        uint4 pr;
-                        f32_products(acc[nt][0][e], acc[nt][0][2 + e], wz[0], wz[1], pr.x, pr.y);
-                        f32_products(acc[nt][1][e], acc[nt][1][2 + e], wz[2], wz[3], pr.z, pr.w);
-                        const int kk = nt * 8 + 2 * c + e;
-                        *reinterpret_cast<uint4*>(pw32 + kk * F32P_STRIDE + 4 * g) = pr;
-                    }
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        uint2 pr;
-                        pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                        pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
-                        const int kk = nt * 8 + 2 * c + e;
-                        *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
-                    }
-            }
+                for (int e = 0; e < 2; ++e) {
+                    uint2 pr;
+                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
+                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                    const int kk = nt * 8 + 2 * c + e;
+                    *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+                }
             __syncwarp();
             // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
             // but are not added).
             auto head_sum = [&]() {
                 float sum = 0.f;
-                if constexpr ((V & V_F32P) != 0) {
-                    // The words are the products' f32 values unless a product is not finite (its
-                    // low half is then NaN: 0 * inf): a sum that is not finite is redone from the
-                    // high halves alone.
-                    const uint4* row = reinterpret_cast<const uint4*>(pw32 + lane * F32P_STRIDE);
-                    auto add_words = [&](auto all, uint32_t mask) {
+                const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
+                auto add_heads = [&](auto all) {
 #pragma unroll
-                        for (int q4 = 0; q4 < 8; ++q4) {
-                            const uint4 v = row[q4];
-                            const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+                    for (int q8 = 0; q8 < 4; ++q8) {
+                        const uint4 v = row[q8];
+                        const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                            for (int i = 0; i < 4; ++i)
-                                if (decltype(all)::value || 4 * q4 + i < H)
-                                    sum = __fadd_rn(sum, __uint_as_float(ws[i] & mask));
+                        for (int i = 0; i < 8; ++i) {
+                            const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
+                            if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
                         }
-                    };
-                    if (H == 32) add_words(std::true_type{}, 0xFFFFFFFFu);
-                    else add_words(std::false_type{}, 0xFFFFFFFFu);
-                    if (!(fabsf(sum) < INFINITY)) {
-                        sum = 0.f;
-                        add_words(std::false_type{}, 0xFFFF0000u);
                     }
-                } else {
-                    const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
-                    auto add_heads = [&](auto all) {
-#pragma unroll
-                        for (int q8 = 0; q8 < 4; ++q8) {
-                            const uint4 v = row[q8];
-                            const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                            for (int i = 0; i < 8; ++i) {
-                                const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
-                                if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
-                            }
-                        }
-                    };
-                    if (H == 32) add_heads(std::true_type{});
-                    else add_heads(std::false_type{});
-                }
+                };
+                if (H == 32) add_heads(std::true_type{});
+                else add_heads(std::false_type{});
                 return sum;
             };
             if constexpr ((V & V_EPI) != 0) {
                 // 32-bit entry ids (j < N < 2^31); order bin * 4 = ((v ^ (sign ? ~0 : 0x8000)) >> 3) & 0x1FFC.
                 const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
-                if (j < static_cast<uint32_t>(n)) {
-                    const float sum = head_sum();
+                auto finish = [&](float sum) {
                     bool ok = j < static_cast<uint32_t>(L);
                     if (ok && allowed) {
                         const uint32_t b = j / static_cast<uint32_t>(p.allowed_block);
                         ok = b < 32ull * static_cast<uint64_t>(p.allowed_words) && ((allowed[b / 32] >> (b % 32)) & 1u);
                     }
                     const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
-                    out[j] = static_cast<uint16_t>(v);
-                    if (hist && j < Lv) {
+                    if (!(V & V_PRED) || j < static_cast<uint32_t>(n)) {
+                        if constexpr ((V & V_REG) != 0) *optr = static_cast<uint16_t>(v);
+                        else out[j] = static_cast<uint16_t>(v);
+                    }
+                    if (hist && j < Lv) {  // Lv <= n
                         const uint32_t sg = static_cast<uint32_t>(static_cast<int32_t>(v << 16) >> 31);
                         const uint32_t off = ((v ^ (sg | 0x8000u)) >> 3) & 0x1FFCu;
                         asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(hs_addr + off) : "memory");
                     }
+                };
+                if constexpr ((V & V_PRED) != 0) {
+                    // Every lane's key row of the product buffer was written (keys past N or L
+                    // hold products of row key_base[t]): no branch around the sum.
+                    finish(head_sum());
+                } else if (j < static_cast<uint32_t>(n)) {
+                    finish(head_sum());
                 }
             } else {
                 const int64_t j = key0 + lane;
@@ -656,6 +604,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 }
             }
             it = next;
+            optr += step * KT;
         }
     };
     span();
@@ -812,23 +761,25 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     indexer_scores_balanced_kernel<KF, V><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
-// Experiment switch DSV41_IX_VAR (V bits, read once).
+// Experiment switch DSV41_IX_VAR (V bits, read once; default all); V_SPEC only where it holds.
+template <int KF, int V>
+int launch_balanced_spec(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    if ((V & V_SPEC) && (p.num_heads != 32 || p.allowed)) return launch_balanced_v<KF, V & ~V_SPEC>(p, stream);
+    return launch_balanced_v<KF, V>(p, stream);
+}
 template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     static const int var = [] {
         const char* e = getenv("DSV41_IX_VAR");
-        return e ? atoi(e) & 31 : 0;
+        return e ? atoi(e) : 63;
     }();
     switch (var) {
-#define DSV41_IX_CASE(v) \
-    case v:              \
-        return launch_balanced_v<KF, v>(p, stream);
-        DSV41_IX_CASE(1) DSV41_IX_CASE(2) DSV41_IX_CASE(4) DSV41_IX_CASE(6) DSV41_IX_CASE(7) DSV41_IX_CASE(8)
-        DSV41_IX_CASE(15) DSV41_IX_CASE(16) DSV41_IX_CASE(17) DSV41_IX_CASE(20) DSV41_IX_CASE(21) DSV41_IX_CASE(22)
-        DSV41_IX_CASE(23) DSV41_IX_CASE(31)
-#undef DSV41_IX_CASE
+        case 7: return launch_balanced_spec<KF, 7>(p, stream);
+        case 15: return launch_balanced_spec<KF, 15>(p, stream);
+        case 23: return launch_balanced_spec<KF, 23>(p, stream);
+        case 31: return launch_balanced_spec<KF, 31>(p, stream);
+        default: return launch_balanced_spec<KF, 63>(p, stream);
     }
-    return launch_balanced_v<KF, 0>(p, stream);
 }
 
 }  // namespace dsv41_ix

@@ -547,34 +547,23 @@ fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
 }
 
 /// The balanced decode kernel (batches of 64+ queries) on the cases of the test above: H = 32 / 7 /
-/// 2, rows scaled by 2^-40..2^40 (scale bytes on both sides of 128: the warp-wide two-multiply
-/// path), a page size that is not a power of two, and dot products past the f32 range: query 5's
-/// head 0 and its keys are made positive, the head scaled by 2^80 and its keys alternately by
-/// 2^40 (the dot product overflows to +inf in any summation order: score +inf, as on the CPU)
-/// and 2^-40 (finite).
+/// 2 (the kernel compiled for H = 32 without a mask, and its general form), rows scaled by
+/// 2^-40..2^40 (scale bytes on both sides of 128: the warp-wide two-multiply path), page sizes
+/// that are not powers of two, a query with nothing visible, and with H = 32 a consumer mask
+/// (blocks of 8 entries) as well.
 #[test]
-fn balanced_decode_with_few_heads_wide_scales_and_overflow() -> Result<()> {
+fn balanced_decode_with_few_heads_wide_scales_and_masks() -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(41);
-    for &(h, page, n) in &[(32usize, 20usize, 301usize), (7, 12, 77), (2, 4, 45)] {
+    for &(h, page, n, masked) in &[(32usize, 20usize, 301usize, false), (32, 20, 301, true), (7, 12, 77, false), (2, 4, 45, false)] {
         let b = 66;
         let rows = b * n;
         let bases: Vec<u32> = (0..b as u32).map(|i| i * n as u32).collect();
-        let counts: Vec<u32> = (0..b).map(|i| if i == 1 { 0 } else if i == 5 { n as u32 } else { (n - rng.below(40)) as u32 }).collect();
-        let mut kv = fq(&mut rng, &[rows, D])?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        for (r, row) in kv.iter_mut().enumerate() {
-            let (abs, e) = if r / n == 5 { (true, if r % 2 == 0 { 40 } else { -40 }) } else { (false, rng.below(81) as i32 - 40) };
-            for x in row.iter_mut() {
-                *x = if abs { x.abs() } else { *x } * 2f32.powi(e);
-            }
-        }
-        let keys = Tensor::new(kv, &Device::Cpu)?.to_dtype(DType::BF16)?;
-        let mut qs = fq(&mut rng, &[b, h, D])?.to_dtype(DType::F32)?.to_vec3::<f32>()?;
-        for x in qs[5][0].iter_mut() {
-            *x = x.abs() * 2f32.powi(80);
-        }
-        let q = Tensor::new(qs, &Device::Cpu)?.to_dtype(DType::BF16)?;
-        let w = weights(&mut rng, b, h)?;
+        let counts: Vec<u32> = (0..b).map(|i| if i == 1 { 0 } else { (n - rng.below(40)) as u32 }).collect();
+        let k = fq(&mut rng, &[rows, D])?;
+        let pow: Vec<f32> = (0..rows).map(|_| 2f32.powi(rng.below(81) as i32 - 40)).collect();
+        let keys = k.to_dtype(DType::F32)?.broadcast_mul(&Tensor::from_vec(pow, (rows, 1), &Device::Cpu)?)?.to_dtype(DType::BF16)?;
+        let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
         let (cache, layout) = pack(&keys, page, &dev)?;
         let cache_cpu = cache.to_device(&Device::Cpu)?;
         let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
@@ -585,18 +574,27 @@ fn balanced_decode_with_few_heads_wide_scales_and_overflow() -> Result<()> {
             entries: n,
             visibility: Visibility::Counts(&vis_c),
         };
-        let want = masked_index_scores(&q, &w, &cpu_src, None)?;
+        let (block, n_keep) = (8usize, 12usize);
+        let mut kept = Vec::with_capacity(b * n_keep);
+        for _ in 0..b {
+            let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(n.div_ceil(block)) as i64).collect();
+            row.sort_unstable();
+            row.dedup();
+            row.resize(n_keep, -1);
+            kept.extend(row);
+        }
+        let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
+        let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
+        let want = masked_index_scores(&q, &w, &cpu_src, masked.then_some(&c_cpu))?;
         poison(&dev, b * n)?;
         let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
-        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
-        let what = format!("balanced H{h} page {page} N{n}");
+        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, masked.then_some(&c_gpu))?;
+        let what = format!("balanced H{h} page {page} N{n} masked {masked}");
         assert_scores_exact(&what, &got, &want)?;
-        // Query 5: +inf (w > 0) or -inf (w < 0, or masked) on the even rows, finite on the odd.
-        let g = bits(&want)?;
-        let row5 = &g[5 * n..6 * n];
-        ensure!(row5.iter().step_by(2).all(|&x| x & 0x7fff == 0x7f80), "{what}: the scaled keys must give infinite scores");
-        ensure!(row5.iter().skip(1).step_by(2).all(|&x| x & 0x7f80 != 0x7f80), "{what}: the others finite ones");
-        ensure!(g.iter().all(|&x| x & 0x7fff <= 0x7f80), "{what}: no NaN scores");
+        let g = bits(&got)?;
+        ensure!(g[n..2 * n].iter().all(|&x| x == 0xff80), "{what}: visible 0 must give -inf");
+        let finite = g.iter().filter(|&&x| x & 0x7f80 != 0x7f80).count();
+        ensure!(finite > if masked { b } else { (b - 1) * (n - 40) }, "{what}: {finite} finite scores");
     }
     Ok(())
 }
