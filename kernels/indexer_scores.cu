@@ -60,7 +60,7 @@
 // iteration (S2R / constant reads), the head sum of every lane without a branch (a predicated
 // store), and for H = 32 without a mask (the model's decode) a copy compiled for exactly that.
 // Nsight Compute (B = 256, fused histogram): ~601 instead of ~648 SASS instructions per warp
-// iteration, -2.4 % cycles; the kernel is latency-bound (fixed-latency dependencies and dispatch
+// iteration, -2.9 % cycles; the kernel is latency-bound (fixed-latency dependencies and dispatch
 // stalls at ~60 % issue), not issue-bound. Tried and dropped: products stored as f32 words
 // (HMUL2 with a swapped-in half; 12 fewer instructions but +25 % shared wavefronts: no faster),
 // key staging by lane pairs (no fewer instructions).
@@ -309,9 +309,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     const Extent ext = token_extent(p, t);
     const int64_t L = ext.L, kbase = ext.kbase;
     const uint32_t Lv = static_cast<uint32_t>(ext.Lv);  // the top-k's visible entries (histogram)
-    int64_t out_off = t * p.score_row_stride;
-    if constexpr ((V & V_REG) != 0) asm volatile("" : "+l"(out_off));  // held, not recomputed per iteration
-    uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + out_off;
+    uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = (V & V_SPEC) ? nullptr : (p.allowed ? p.allowed + t * p.allowed_words : nullptr);
     const int H = (V & V_SPEC) ? 32 : p.num_heads;
     uint16_t* pw = prod[warp];
