@@ -51,8 +51,19 @@
 // order_key >> 5 (dsv41_indexer.h) of a shared-memory histogram (dynamic; one per CTA for
 // TQ = 1, whose warps share the token, one per warp for TQ = 4), which the CTA adds to the
 // token's global histogram with atomics (non-empty bins) when its span is done.
-// Balanced decode (experiment switch, see indexer_scores_balanced_kernel): resident CTAs taking
-// equal shares of all tokens' visible entries instead of a (token, chunk) grid.
+// Balanced decode (indexer_scores_balanced_kernel, packed decode batches of 64..1024 queries):
+// resident CTAs taking equal shares of all tokens' visible entries instead of a (token, chunk)
+// grid. Its code-generation options (V_BAL, round 5; no numeric change): both m-tiles' MMAs for
+// every H (rows >= H are zero; their heads are not summed), the common path's scale multiplier
+// without a select, 32-bit entry ids and a 4-instruction histogram bin in the epilogue, lane,
+// staging addresses and a loop-carried score pointer held in registers instead of recomputed per
+// iteration (S2R / constant reads), the head sum of every lane without a branch (a predicated
+// store), and for H = 32 without a mask (the model's decode) a copy compiled for exactly that.
+// Nsight Compute (B = 256, fused histogram): ~601 instead of ~648 SASS instructions per warp
+// iteration, -2.9 % cycles; the kernel is latency-bound (fixed-latency dependencies and dispatch
+// stalls at ~60 % issue), not issue-bound. Tried and dropped: products stored as f32 words
+// (HMUL2 with a swapped-in half; 12 fewer instructions but +25 % shared wavefronts: no faster),
+// key staging by lane pairs (no fewer instructions).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -167,6 +178,16 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
         sc = sb * 0x10001u;
         sc2 = one ? 0x3F803F80u : ue8m0_bf16x2(e);
     }
+    // The same when the warp checked that e <= 128 (WIDE = false): sc = 2^(e-1) without a select.
+    template <bool WIDE>
+    __device__ __forceinline__ void scales_for(int c, uint32_t& sc, uint32_t& sc2) const {
+        if constexpr (WIDE) {
+            scales(c, sc, sc2);
+        } else {
+            sc = scale_byte(c) * 0x00800080u + 0x3F003F00u;  // ((e + 126) << 7) in both halves
+            sc2 = 0x3F803F80u;
+        }
+    }
     // k-step s (0..7): registers 2s, 2s + 1 of the order above.
     template <bool WIDE>
     __device__ __forceinline__ void step(int s, uint32_t sc, uint32_t sc2, uint32_t& k0, uint32_t& k1) const {
@@ -248,7 +269,18 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 // of 32 keys from entry chunk0 (TQ = 1: warp w takes iterations w, w + 4, ...). Every warp of
 // the CTA calls it with the same arguments (TQ = 1: it holds a CTA barrier).
 // RELU: the ReLU in the f32 -> bf16x2 conversion (packed decode kernels, where it was measured).
-template <int KF, int TQ, bool RELU>
+// Code-generation options of score_span (bits of V; same numerics in every form). The balanced
+// decode kernel uses all of them (V_BAL, measured in round 5); the grid kernels keep V = 0 (their
+// code as measured before).
+constexpr int V_NOH2 = 1;  // both m-tiles' MMAs for every H (no H > 2 predicate, no zeroed accumulators)
+constexpr int V_EPI = 2;   // 32-bit entry ids in the epilogue, cheaper histogram bin
+constexpr int V_SC = 4;    // scale multipliers of the common path without selects
+constexpr int V_REG = 8;   // lane and staging addresses held in registers, a loop-carried score pointer
+constexpr int V_SPEC = 16; // H = 32 and no allowed mask as compile-time facts (chosen at launch)
+constexpr int V_PRED = 32; // epilogue without branches around the head sum, predicated store
+constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
+
+template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
                                            const int n_it) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
@@ -263,7 +295,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
     // With p.hist: the histogram of the token's scores (dynamic, hist_smem<TQ>() bytes).
     extern __shared__ uint32_t hdyn[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int warp_r = threadIdx.x / 32, lane_r = threadIdx.x % 32;
+    if constexpr ((V & V_REG) != 0) {
+        // Held in registers (otherwise recomputed from SR_TID per iteration, a variable-latency read).
+        asm volatile("" : "+r"(warp_r));
+        asm volatile("" : "+r"(lane_r));
+    }
+    const int warp = warp_r, lane = lane_r;
     const int g = lane / 4, c = lane % 4;
     const int step = TQ == 1 ? WARPS : 1;
     const int first = TQ == 1 ? warp : 0;
@@ -272,10 +310,12 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     const int64_t L = ext.L, kbase = ext.kbase;
     const uint32_t Lv = static_cast<uint32_t>(ext.Lv);  // the top-k's visible entries (histogram)
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
-    const uint32_t* allowed = p.allowed ? p.allowed + t * p.allowed_words : nullptr;
-    const int H = p.num_heads;
+    const uint32_t* allowed = (V & V_SPEC) ? nullptr : (p.allowed ? p.allowed + t * p.allowed_words : nullptr);
+    const int H = (V & V_SPEC) ? 32 : p.num_heads;
     uint16_t* pw = prod[warp];
     uint32_t* hs = hdyn + (TQ == 1 ? 0 : warp * HIST_BINS);
+    uint32_t hs_addr = dsv41_ptx::smem_addr(hs);
+    if constexpr ((V & V_REG) != 0) asm volatile("" : "+r"(hs_addr));
     const bool hist = p.hist != nullptr;
     if (hist) {
         if constexpr (TQ == 1) {
@@ -397,6 +437,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
         const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
         const uint32_t psize = static_cast<uint32_t>(p.page_size);
+        // Shared addresses of this lane's staging slots in buffer 0 (cp.async destinations).
+        uint32_t kst_s_addr = dsv41_ptx::smem_addr(&kst_s[kPacked ? warp : 0][0][lane]);
+        uint32_t kst_d_addr = dsv41_ptx::smem_addr(&kst_d[kPacked ? warp : 0][0][0][lane]);
+        if constexpr ((V & V_REG) != 0) {
+            asm volatile("" : "+r"(kst_s_addr));
+            asm volatile("" : "+r"(kst_d_addr));
+        }
         auto stage = [&](int64_t key0, int buf) {
             const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
             const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
@@ -404,20 +451,24 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             const uint32_t r = slot - page * psize;
             const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
             const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
-            cp_async4(dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
+            cp_async4((V & V_REG) ? kst_s_addr + buf * static_cast<uint32_t>(sizeof(kst_s[0][0]))
+                                  : dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
                       reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
                 const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
                 const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
                 const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
-                dsv41_ptx::cp_async16(dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
+                dsv41_ptx::cp_async16((V & V_REG) ? kst_d_addr + buf * static_cast<uint32_t>(sizeof(kst_d[0][0])) + nt * 512u
+                                                  : dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
                                       reinterpret_cast<const void*>(src), true);
             }
             dsv41_ptx::cp_async_commit();
         };
         int buf = 0;
         if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
+        // V_REG: this lane's score of the current iteration (a loop-carried pointer).
+        uint16_t* optr = out + chunk0 + static_cast<int64_t>(it) * KT + lane;
         while (valid(it)) {
             const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
             const int next = it + step;
@@ -450,7 +501,10 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     // Per k-step: the A fragments from shared memory, 2 B registers per tile.
                     uint32_t sc[4], sc2[4];
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) cur[nt].scales(c, sc[nt], sc2[nt]);
+                    for (int nt = 0; nt < 4; ++nt) {
+                        if constexpr ((V & V_SC) != 0) cur[nt].template scales_for<W>(c, sc[nt], sc2[nt]);
+                        else cur[nt].scales(c, sc[nt], sc2[nt]);
+                    }
 #pragma unroll
                     for (int s = 0; s < 8; ++s) {
                         const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
@@ -459,7 +513,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                             uint32_t k0, k1;
                             cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
                             mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
-                            if (H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                            if ((V & V_NOH2) || H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
                         }
                     }
                 } else {
@@ -497,12 +551,11 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
                 }
             __syncwarp();
-            const int64_t j = key0 + lane;
-            if (j < n) {
-                // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
-                // but are not added).
-                const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
+            // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
+            // but are not added).
+            auto head_sum = [&]() {
                 float sum = 0.f;
+                const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
                 auto add_heads = [&](auto all) {
 #pragma unroll
                     for (int q8 = 0; q8 < 4; ++q8) {
@@ -517,16 +570,51 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 };
                 if (H == 32) add_heads(std::true_type{});
                 else add_heads(std::false_type{});
-                bool ok = j < L;
-                if (ok && allowed) {
-                    const int64_t b = j / p.allowed_block;
-                    ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+                return sum;
+            };
+            if constexpr ((V & V_EPI) != 0) {
+                // 32-bit entry ids (j < N < 2^31); order bin * 4 = ((v ^ (sign ? ~0 : 0x8000)) >> 3) & 0x1FFC.
+                const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
+                auto finish = [&](float sum) {
+                    bool ok = j < static_cast<uint32_t>(L);
+                    if (ok && allowed) {
+                        const uint32_t b = j / static_cast<uint32_t>(p.allowed_block);
+                        ok = b < 32ull * static_cast<uint64_t>(p.allowed_words) && ((allowed[b / 32] >> (b % 32)) & 1u);
+                    }
+                    const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                    if (!(V & V_PRED) || j < static_cast<uint32_t>(n)) {
+                        if constexpr ((V & V_REG) != 0) *optr = static_cast<uint16_t>(v);
+                        else out[j] = static_cast<uint16_t>(v);
+                    }
+                    if (hist && j < Lv) {  // Lv <= n
+                        const uint32_t sg = static_cast<uint32_t>(static_cast<int32_t>(v << 16) >> 31);
+                        const uint32_t off = ((v ^ (sg | 0x8000u)) >> 3) & 0x1FFCu;
+                        asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(hs_addr + off) : "memory");
+                    }
+                };
+                if constexpr ((V & V_PRED) != 0) {
+                    // Every lane's key row of the product buffer was written (keys past N or L
+                    // hold products of row key_base[t]): no branch around the sum.
+                    finish(head_sum());
+                } else if (j < static_cast<uint32_t>(n)) {
+                    finish(head_sum());
                 }
-                const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
-                out[j] = static_cast<uint16_t>(v);
-                if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hs[order_bin(v)], 1u);
+            } else {
+                const int64_t j = key0 + lane;
+                if (j < n) {
+                    const float sum = head_sum();
+                    bool ok = j < L;
+                    if (ok && allowed) {
+                        const int64_t b = j / p.allowed_block;
+                        ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
+                    }
+                    const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                    out[j] = static_cast<uint16_t>(v);
+                    if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hs[order_bin(v)], 1u);
+                }
             }
             it = next;
+            optr += step * KT;
         }
     };
     span();
@@ -551,7 +639,7 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
 constexpr int BAL_MIN_T = 64;
 constexpr int BAL_MAX_T = 1024;
 constexpr int UNIT = KT * WARPS;
-template <int KF>
+template <int KF, int V = 0>
 __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
     indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p) {
     __shared__ uint32_t pre[BAL_MAX_T + 1];  // pre[t] = visible units of the tokens before t
@@ -613,7 +701,7 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
         const uint32_t u1 = (a1 < pre[t + 1] ? a1 : pre[t + 1]) - pre[t];
         if (!first) __syncthreads();  // the previous span's warps are done with the shared buffers
         first = false;
-        score_span<KF, 1, true>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
+        score_span<KF, 1, true, V>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
         a = pre[t] + u1;
     }
 }
@@ -635,15 +723,15 @@ __global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMas
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Resident CTAs of the balanced kernel (SMs x CTAs per SM), once per process and instance.
-template <int KF>
+template <int KF, int V>
 int balanced_grid() {
     static const int g = [] {
         int dev = 0, sms = 0, per = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(hist_smem<1>())) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF>, THREADS,
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, V>, THREADS,
                                                           hist_smem<1>()) != cudaSuccess)
             return 0;
         return sms * per;
@@ -672,15 +760,21 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
 }
 
 // The balanced kernel; the (token, chunk) grid when the device query behind its size failed.
-template <int KF>
-int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    const int g = balanced_grid<KF>();
+template <int KF, int V>
+int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    const int g = balanced_grid<KF, V>();
     if (g <= 0) {
         (void)cudaGetLastError();  // the failed query's error is not this launch's
         return launch<KF, 1, true>(p, stream);
     }
-    indexer_scores_balanced_kernel<KF><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
+    indexer_scores_balanced_kernel<KF, V><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
+}
+// The balanced kernel compiled for H = 32 without a mask (the model's decode), else its general form.
+template <int KF>
+int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL>(p, stream);
+    return launch_balanced_v<KF, V_BAL & ~V_SPEC>(p, stream);
 }
 
 }  // namespace dsv41_ix

@@ -546,6 +546,59 @@ fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
     Ok(())
 }
 
+/// The balanced decode kernel (batches of 64+ queries) on the cases of the test above: H = 32 / 7 /
+/// 2 (the kernel compiled for H = 32 without a mask, and its general form), rows scaled by
+/// 2^-40..2^40 (scale bytes on both sides of 128: the warp-wide two-multiply path), page sizes
+/// that are not powers of two, a query with nothing visible, and with H = 32 a consumer mask
+/// (blocks of 8 entries) as well.
+#[test]
+fn balanced_decode_with_few_heads_wide_scales_and_masks() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(41);
+    for &(h, page, n, masked) in &[(32usize, 20usize, 301usize, false), (32, 20, 301, true), (7, 12, 77, false), (2, 4, 45, false)] {
+        let b = 66;
+        let rows = b * n;
+        let bases: Vec<u32> = (0..b as u32).map(|i| i * n as u32).collect();
+        let counts: Vec<u32> = (0..b).map(|i| if i == 1 { 0 } else { (n - rng.below(40)) as u32 }).collect();
+        let k = fq(&mut rng, &[rows, D])?;
+        let pow: Vec<f32> = (0..rows).map(|_| 2f32.powi(rng.below(81) as i32 - 40)).collect();
+        let keys = k.to_dtype(DType::F32)?.broadcast_mul(&Tensor::from_vec(pow, (rows, 1), &Device::Cpu)?)?.to_dtype(DType::BF16)?;
+        let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
+        let (cache, layout) = pack(&keys, page, &dev)?;
+        let cache_cpu = cache.to_device(&Device::Cpu)?;
+        let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
+        let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+        let cpu_src = KeySource {
+            keys: IndexKeys::Packed { cache: &cache_cpu, layout },
+            base: Some(&base_c),
+            entries: n,
+            visibility: Visibility::Counts(&vis_c),
+        };
+        let (block, n_keep) = (8usize, 12usize);
+        let mut kept = Vec::with_capacity(b * n_keep);
+        for _ in 0..b {
+            let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(n.div_ceil(block)) as i64).collect();
+            row.sort_unstable();
+            row.dedup();
+            row.resize(n_keep, -1);
+            kept.extend(row);
+        }
+        let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
+        let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
+        let want = masked_index_scores(&q, &w, &cpu_src, masked.then_some(&c_cpu))?;
+        poison(&dev, b * n)?;
+        let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, masked.then_some(&c_gpu))?;
+        let what = format!("balanced H{h} page {page} N{n} masked {masked}");
+        assert_scores_exact(&what, &got, &want)?;
+        let g = bits(&got)?;
+        ensure!(g[n..2 * n].iter().all(|&x| x == 0xff80), "{what}: visible 0 must give -inf");
+        let finite = g.iter().filter(|&&x| x & 0x7f80 != 0x7f80).count();
+        ensure!(finite > if masked { b } else { (b - 1) * (n - 40) }, "{what}: {finite} finite scores");
+    }
+    Ok(())
+}
+
 /// Ties at a bin edge: one head, q = e0 and w = 1, so a score is max(K[j, 0], 0) exactly; the keys
 /// take the values 12, 6, 3 and 2.0 (the lowest value of its first-digit bin [2, 2.5): the
 /// k-th largest key sits on the bin's lower edge) above 1.5, 1 and 0 (lower bins): 450 scores
