@@ -1,0 +1,358 @@
+// indexer_topk: the top-k of index-score rows of at most 64K entries (spec §6.3 step 7,
+// §0.1b.2; the decode shape: 64K packed keys per sequence at 128K context), with the CPU
+// reference's rules (`attention::indexer::top_k`): descending score, ties towards the lower id,
+// -inf entries eligible (visibility alone decides), output ascending, -1 padded. Launched by
+// dsv41_indexer_select (kernels/indexer_select.cu) for top-k launches with N <= TOPK_MAX_N and
+// k <= TOPK_MAX_K; longer rows, larger k and candidate blocks take indexer_select_kernel.
+//
+// Design: one CTA of 512 threads per row, one read of the row in the common case. Keys are the
+// 16-bit order keys of dsv41_select.cuh (high digit: 11 bits, low digit: 5 bits).
+//   0. A threshold digit b such that every key of the k largest has digit >= b: with the caller's
+//      histogram (fused into the scores kernel) the exact digit b1 of the k-th largest key (a
+//      block scan); without it, from a sample of 512 groups of 8 entries spread over the row (the
+//      whole row when it has <= 4096 entries: then exact as well): the digit of the sample's
+//      R-th largest key, R = 2 k S / n + 16 (S = sampled entries; twice the expected count of
+//      the top-k in the sample plus a margin, so that a row with fewer than k keys of digit >= b
+//      is a >10-sigma event for unstructured rows; such rows are still exact, see 3).
+//   1. One pass over the row, 8-entry groups (16-byte loads, U per thread in flight, the first U
+//      issued before step 0): the keys of a group are made two per 32-bit word (bits ^ (neg ?
+//      0xFFFF : 0x8000) per half) and tested with a u16x2 max against b << 5; groups with a hit
+//      append their candidates (key << 16 | id) to a shared list through a shared counter, and
+//      add them to a histogram: of the low digits of those in digit b1 (b exact) or of their
+//      high digits (sampled b).
+//   2. Sampled b: the candidates' high-digit histogram is exact for the digits >= b, so a block
+//      scan gives b1 and the count above it, and one walk of the list the low digits in b1. Then
+//      u* (the k-th largest key), `need` (how many keys equal to u* are taken: the lowest ids).
+//   3. The list's keys > u* and == u* set bits in two bitmaps of the row (64K bits each), and
+//      each thread emits the ids of 4 words after a block scan of the words' counts: the output
+//      is ascending without a sort, and the ties are ranked by id.
+//   Fallback, exact for any row: when the list overflows (e.g. rows of equal scores) or the
+//   sample's b was too high (fewer than k candidates), the digits come from full passes over the
+//   row (a 2048-bin histogram with shared atomics unless b was exact; the low digits in b1) and
+//   the bitmaps from a third pass, one 32-entry word per thread step.
+// Rows with <= k visible entries take all of them (ids 0..L-1) without reading the scores.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "include/dsv41_indexer.h"
+#include "include/dsv41_select.cuh"
+
+namespace dsv41_topk {
+
+using namespace dsv41_select;
+
+constexpr int THREADS = 512;
+constexpr int WARPS = THREADS / 32;
+constexpr int MAX_N = DSV41_TOPK_MAX_N;  // entries per row: ids in 16 bits, bitmaps of MAX_N bits
+constexpr int WORDS = MAX_N / 32;
+constexpr int CAP = 4096;                // candidate-list entries
+constexpr int SAMPLE_GROUPS = THREADS;   // 8-entry groups sampled when no histogram is given
+static_assert(WORDS == 4 * THREADS, "4 bitmap words per thread");
+static_assert(DSV41_TOPK_MAX_K <= CAP, "k candidates fit the list");
+
+// The order keys of the two bf16 halves of a word, as the halves of a word.
+__device__ __forceinline__ uint32_t keys2(uint32_t w) {
+    const uint32_t neg = (w >> 15) & 0x00010001u;
+    return w ^ (neg * 0x7FFFu + 0x80008000u);
+}
+
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if __CUDA_ARCH__ >= 900
+    uint32_t d;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+#else
+    return __vmaxu2(a, b);
+#endif
+}
+
+// Group g (entries 8g .. 8g+7) of a row of n entries; entries past the row read as 0xFFFF (key 0).
+__device__ __forceinline__ uint4 load_group(const uint16_t* s, int64_t n, int64_t g) {
+    const int64_t e0 = 8 * g;
+    if (e0 + 8 <= n) return *reinterpret_cast<const uint4*>(s + e0);
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = e0 + 2 * i < n ? s[e0 + 2 * i] : 0xFFFFu;
+        const uint32_t hi = e0 + 2 * i + 1 < n ? s[e0 + 2 * i + 1] : 0xFFFFu;
+        w[i] = lo | (hi << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ void group_keys(const uint4 v, uint32_t (&k)[4]) {
+    k[0] = keys2(v.x);
+    k[1] = keys2(v.y);
+    k[2] = keys2(v.z);
+    k[3] = keys2(v.w);
+}
+
+__device__ __forceinline__ uint32_t key_at(const uint32_t (&k)[4], int i) { return (k[i / 2] >> (16 * (i & 1))) & 0xFFFFu; }
+
+// Mask of the group's entries inside the row.
+__device__ __forceinline__ uint32_t valid_mask(int64_t n, int64_t g) {
+    const int64_t left = n - 8 * g;
+    return left >= 8 ? 0xFFu : (left <= 0 ? 0u : (1u << left) - 1u);
+}
+
+// Exclusive block prefix sums of a and c (every thread calls; wa / wc: WARPS words each, not
+// reused before the caller's next barrier).
+__device__ __forceinline__ void block_exclusive2(uint32_t a, uint32_t c, uint32_t* wa, uint32_t* wc, uint32_t& ea,
+                                                 uint32_t& ec) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t xa = dsv41_warp::inclusive_sum(a, lane), xc = dsv41_warp::inclusive_sum(c, lane);
+    if (lane == 31) {
+        wa[warp] = xa;
+        wc[warp] = xc;
+    }
+    __syncthreads();
+    uint32_t pa = 0, pc = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        pa += w < warp ? wa[w] : 0u;
+        pc += w < warp ? wc[w] : 0u;
+    }
+    ea = pa + xa - a;
+    ec = pc + xc - c;
+}
+
+// U: 8-entry groups per thread in flight in the main pass.
+template <int U>
+__global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
+    __shared__ __align__(16) uint32_t hist[HI_BINS];  // given / sampled / candidates' high digits
+    __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
+    __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
+    __shared__ uint32_t cand[CAP];                    // key << 16 | id
+    __shared__ uint32_t lohist[LO_BINS];
+    __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
+    __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n;
+    const int x = threadIdx.x;
+    const int64_t t = blockIdx.x;
+    int64_t n = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
+    n = n < p.num_cols ? n : p.num_cols;
+    const uint32_t k = static_cast<uint32_t>(p.k);
+    int64_t* out = p.out + t * p.out_row_stride;
+    if (n <= static_cast<int64_t>(k)) {
+        for (int64_t i = x; i < k; i += THREADS) out[i] = i < n ? i : -1;
+        return;
+    }
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(p.scores) + t * p.score_row_stride;
+    const int64_t G = (n + 7) / 8;
+
+    reinterpret_cast<uint4*>(gbits)[x] = make_uint4(0, 0, 0, 0);
+    reinterpret_cast<uint4*>(ebits)[x] = make_uint4(0, 0, 0, 0);
+    if (x < LO_BINS) lohist[x] = 0;
+    if (x == 0) s_n = 0;
+    // The main pass's first groups, in flight during step 0.
+    uint4 raw[U] = {};
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int64_t g = x + static_cast<int64_t>(THREADS) * u;
+        if (g < G) raw[u] = load_group(s, n, g);
+    }
+
+    // Step 0: the threshold digit b; exact: b is b1 (the k-th largest key's digit).
+    uint32_t b1 = 0, above1 = 0;
+    bool exact;
+    if (p.hist) {
+        reinterpret_cast<uint4*>(hist)[x] = reinterpret_cast<const uint4*>(p.hist + t * HI_BINS)[x];
+        __syncthreads();
+        find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
+        exact = true;
+    } else {
+        reinterpret_cast<uint4*>(hist)[x] = make_uint4(0, 0, 0, 0);
+        exact = G <= SAMPLE_GROUPS;
+        __syncthreads();
+        const int64_t g = exact ? x : x * G / SAMPLE_GROUPS;
+        if (g < G) {
+            uint32_t kk[4];
+            group_keys(load_group(s, n, g), kk);
+            const uint32_t m = valid_mask(n, g);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if ((m >> i) & 1u) atomicAdd(&hist[key_at(kk, i) >> LO_BITS], 1u);
+        }
+        __syncthreads();
+        // Sampled entries: all n, or SAMPLE_GROUPS full groups (x * G / 512 < G - 1 for G > 512).
+        const uint64_t sampled = exact ? static_cast<uint64_t>(n) : 8ull * SAMPLE_GROUPS;
+        const uint64_t r = 2ull * k * sampled / static_cast<uint64_t>(n) + 16;
+        const uint32_t want = exact ? k : static_cast<uint32_t>(r < sampled ? r : sampled);
+        find_hi_bin<THREADS>(hist, want, wsum, &s_bin, &s_above);
+    }
+    __syncthreads();
+    const uint32_t b = s_bin;
+    if (exact) {
+        b1 = b;
+        above1 = s_above;
+    } else {
+        // hist now collects the candidates' high digits.
+        reinterpret_cast<uint4*>(hist)[x] = make_uint4(0, 0, 0, 0);
+        __syncthreads();
+    }
+
+    // Step 1: candidates = keys of digit >= b.
+    const uint32_t tau = b << LO_BITS;
+    const uint32_t tau1 = tau == 0 ? 0u : (tau - 1) * 0x00010001u;
+    for (int64_t g0 = 0; g0 < G; g0 += static_cast<int64_t>(THREADS) * U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int64_t g = g0 + x + static_cast<int64_t>(THREADS) * u;
+            if (g >= G) continue;
+            uint32_t kk[4];
+            group_keys(raw[u], kk);
+            const uint32_t mx = max_u16x2(max_u16x2(kk[0], kk[1]), max_u16x2(kk[2], kk[3]));
+            if (tau != 0 && max_u16x2(mx, tau1) == tau1) continue;
+            uint32_t m = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) m |= static_cast<uint32_t>(key_at(kk, i) >= tau) << i;
+            m &= valid_mask(n, g);
+            if (m == 0) continue;
+            uint32_t at = atomicAdd(&s_n, static_cast<uint32_t>(__popc(m)));
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (!((m >> i) & 1u)) continue;
+                const uint32_t key = key_at(kk, i);
+                if (at < CAP) cand[at] = (key << 16) | static_cast<uint32_t>(8 * g + i);
+                ++at;
+                if (!exact)
+                    atomicAdd(&hist[key >> LO_BITS], 1u);
+                else if ((key >> LO_BITS) == b1)
+                    atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+            }
+        }
+        const int64_t gn = g0 + static_cast<int64_t>(THREADS) * U;
+        if (gn < G) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int64_t g = gn + x + static_cast<int64_t>(THREADS) * u;
+                if (g < G) raw[u] = load_group(s, n, g);
+            }
+        }
+    }
+    __syncthreads();
+    const uint32_t nc = s_n;
+    // Uniform over the CTA: the list overflowed, or the sampled b was above b1.
+    const bool fallback = nc > CAP || nc < k;
+
+    // Step 2: b1 (sampled b), the low digits in b1.
+    if (!exact) {
+        if (nc < k) {
+            // The row's whole high-digit histogram (else the candidates' one is exact for the
+            // digits >= b, which hold the k largest).
+            reinterpret_cast<uint4*>(hist)[x] = make_uint4(0, 0, 0, 0);
+            __syncthreads();
+            for (int64_t g = x; g < G; g += THREADS) {
+                uint32_t kk[4];
+                group_keys(load_group(s, n, g), kk);
+                const uint32_t m = valid_mask(n, g);
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if ((m >> i) & 1u) atomicAdd(&hist[key_at(kk, i) >> LO_BITS], 1u);
+            }
+            __syncthreads();
+        }
+        find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
+        __syncthreads();
+        b1 = s_bin;
+        above1 = s_above;
+        if (fallback) {
+            for (int64_t g = x; g < G; g += THREADS) {
+                uint32_t kk[4];
+                group_keys(load_group(s, n, g), kk);
+                const uint32_t m = valid_mask(n, g);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const uint32_t key = key_at(kk, i);
+                    if (((m >> i) & 1u) && (key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+                }
+            }
+        } else {
+            for (uint32_t i = x; i < nc; i += THREADS) {
+                const uint32_t key = cand[i] >> 16;
+                if ((key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+            }
+        }
+        __syncthreads();
+    }
+    if (x < 32) find_lo_bin(lohist, k - above1, x, &s_lo, &s_lo_above);
+    __syncthreads();
+    const uint32_t thr = (b1 << LO_BITS) | s_lo;
+    const uint32_t need = k - above1 - s_lo_above;  // keys == thr taken, the lowest ids
+
+    // Step 3: bitmaps of the keys > thr and == thr.
+    if (!fallback) {
+        for (uint32_t i = x; i < nc; i += THREADS) {
+            const uint32_t e = cand[i], key = e >> 16, id = e & 0xFFFFu;
+            if (key > thr)
+                atomicOr(&gbits[id >> 5], 1u << (id & 31));
+            else if (key == thr)
+                atomicOr(&ebits[id >> 5], 1u << (id & 31));
+        }
+    } else {
+        for (int64_t w = x; w < (n + 31) / 32; w += THREADS) {
+            uint32_t gw = 0, ew = 0;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int64_t g = 4 * w + q;
+                uint32_t kk[4];
+                group_keys(load_group(s, n, g), kk);
+                const uint32_t m = valid_mask(n, g);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const uint32_t key = key_at(kk, i), bit = ((m >> i) & 1u) << (8 * q + i);
+                    gw |= key > thr ? bit : 0u;
+                    ew |= key == thr ? bit : 0u;
+                }
+            }
+            gbits[w] = gw;
+            ebits[w] = ew;
+        }
+    }
+    __syncthreads();
+    // Emit: thread x owns words 4x .. 4x+3; position = (> thr before) + min(== thr before, need).
+    const uint4 gv = reinterpret_cast<const uint4*>(gbits)[x];
+    const uint4 ev = reinterpret_cast<const uint4*>(ebits)[x];
+    const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, ew[4] = {ev.x, ev.y, ev.z, ev.w};
+    uint32_t gc = 0, ec = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        gc += __popc(gw[i]);
+        ec += __popc(ew[i]);
+    }
+    uint32_t g_before, e_before;
+    block_exclusive2(gc, ec, wsum, wsum2, g_before, e_before);
+    uint32_t pos = g_before + (e_before < need ? e_before : need);
+    uint32_t rem = e_before < need ? need - e_before : 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t sel = gw[i], eq = ew[i];
+        const uint32_t c = __popc(eq);
+        if (c <= rem) {
+            rem -= c;
+        } else {
+            // Keep the lowest `rem` ties of the word.
+            eq = rem == 0 ? 0u : eq;
+            while (static_cast<uint32_t>(__popc(eq)) > rem) eq &= ~(0x80000000u >> __clz(eq));
+            rem = 0;
+        }
+        sel |= eq;
+        while (sel) {
+            out[pos++] = 128 * x + 32 * i + (__ffs(sel) - 1);
+            sel &= sel - 1;
+        }
+    }
+}
+
+}  // namespace dsv41_topk
+
+bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream, int unroll) {
+    using namespace dsv41_topk;
+    if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
+    if (unroll == 8)
+        indexer_topk_kernel<8><<<p.num_tokens, THREADS, 0, stream>>>(p);
+    else if (unroll == 2)
+        indexer_topk_kernel<2><<<p.num_tokens, THREADS, 0, stream>>>(p);
+    else
+        indexer_topk_kernel<4><<<p.num_tokens, THREADS, 0, stream>>>(p);
+    return true;
+}
