@@ -56,16 +56,6 @@ __device__ __forceinline__ uint32_t keys2(uint32_t w) {
     return w ^ (neg * 0x7FFFu + 0x80008000u);
 }
 
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
-#if __CUDA_ARCH__ >= 900
-    uint32_t d;
-    asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-#else
-    return __vmaxu2(a, b);
-#endif
-}
-
 // Group g (entries 8g .. 8g+7) of a row of n entries; entries past the row read as 0xFFFF (key 0).
 __device__ __forceinline__ uint4 load_group(const uint16_t* s, int64_t n, int64_t g) {
     const int64_t e0 = 8 * g;
@@ -116,16 +106,94 @@ __device__ __forceinline__ void block_exclusive2(uint32_t a, uint32_t c, uint32_
     ec = pc + xc - c;
 }
 
+// Mask (0xFFFF per 16-bit half) of the halves of a word of two bf16 scores whose order key is
+// >= tau. FLOAT: one bf16x2 compare "x >= f or unordered" against f = tau's bf16 (tau_bits2: its
+// bits in both halves; tau must be a number): exact for numbers except -0 when f = +0, and true
+// for every NaN, so the true keys >= tau are all included and the false positives (-0, negative
+// NaNs) are removed by the caller. Else: order-key compares.
+template <bool FLOAT>
+__device__ __forceinline__ uint32_t ge_mask(uint32_t w, uint32_t tau, uint32_t tau_bits2) {
+    if (FLOAT) {
+        uint32_t d;
+        asm("set.geu.u32.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(w), "r"(tau_bits2));
+        return d;
+    }
+    const uint32_t kw = keys2(w);
+    return ((kw & 0xFFFFu) >= tau ? 0x0000FFFFu : 0u) | ((kw >> 16) >= tau ? 0xFFFF0000u : 0u);
+}
+
+// Entries of a group as mask bits: entry 2j + h (word j, half h) is bit j + 16 h.
+__device__ __forceinline__ uint32_t group_bits(int64_t n, int64_t g) {
+    const int64_t left = n - 8 * g;
+    if (left >= 8) return 0x000F000Fu;
+    uint32_t v = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v |= e < left ? 1u << ((e >> 1) + 16 * (e & 1)) : 0u;
+    return v;
+}
+
+// Step 1 of the kernel: appends (key << 16 | id) of every entry whose key is >= tau (and a few
+// false positives, counted in *bad) to `cand` (first CAP; *count = all). raw: the thread's first
+// U groups (x + THREADS u), loaded by the caller. Warp-aggregated: one shared atomic per warp
+// and batch of U groups.
+template <bool FLOAT, int U>
+__device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (&raw)[U], uint32_t tau, uint32_t tau_bits2,
+                                        uint32_t* cand, uint32_t* count, uint32_t* bad) {
+    const int x = threadIdx.x, lane = x % 32;
+    uint32_t nbad = 0;
+    for (int g0 = 0; g0 < G; g0 += THREADS * U) {
+        uint32_t bits[U], c = 0;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + x + THREADS * u;
+            const uint32_t m0 = ge_mask<FLOAT>(raw[u].x, tau, tau_bits2), m1 = ge_mask<FLOAT>(raw[u].y, tau, tau_bits2);
+            const uint32_t m2 = ge_mask<FLOAT>(raw[u].z, tau, tau_bits2), m3 = ge_mask<FLOAT>(raw[u].w, tau, tau_bits2);
+            uint32_t v = (m0 & 0x00010001u) | (m1 & 0x00020002u) | (m2 & 0x00040004u) | (m3 & 0x00080008u);
+            if (8 * g + 8 > n) v &= g < G ? group_bits(n, g) : 0u;
+            bits[u] = v;
+            c += __popc(v);
+        }
+        if (__any_sync(0xFFFFFFFFu, c != 0)) {
+            uint32_t total;
+            uint32_t at = warp_exclusive(c, lane, total);
+            uint32_t base = 0;
+            if (lane == 0) base = atomicAdd(count, total);
+            at += __shfl_sync(0xFFFFFFFFu, base, 0);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint32_t g = g0 + x + THREADS * u;
+                for (uint32_t v = bits[u]; v; v &= v - 1) {
+                    const uint32_t bit = __ffs(v) - 1, j = bit & 15u, h = bit >> 4;
+                    const uint32_t w01 = (j & 1u) ? raw[u].y : raw[u].x, w23 = (j & 1u) ? raw[u].w : raw[u].z;
+                    const uint32_t key = (keys2((j & 2u) ? w23 : w01) >> (16 * h)) & 0xFFFFu;
+                    cand[at < CAP ? at : CAP] = (key << 16) | (8 * g + 2 * j + h);  // past CAP: a spare slot
+                    ++at;
+                    if (FLOAT) nbad += key < tau;
+                }
+            }
+        }
+        const int gn = g0 + THREADS * U;
+        if (gn < G) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int g = gn + x + THREADS * u;
+                if (g < G) raw[u] = load_group(s, n, g);
+            }
+        }
+    }
+    if (nbad) atomicAdd(bad, nbad);
+}
+
 // U: 8-entry groups per thread in flight in the main pass.
 template <int U>
 __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // given / sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
     __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
-    __shared__ uint32_t cand[CAP];                    // key << 16 | id
+    __shared__ uint32_t cand[CAP + 1];                // key << 16 | id (+ a spare slot)
     __shared__ uint32_t lohist[LO_BINS];
     __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
-    __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n;
+    __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n, s_bad;
     const int x = threadIdx.x;
     const int64_t t = blockIdx.x;
     int64_t n = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
@@ -142,7 +210,10 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     reinterpret_cast<uint4*>(gbits)[x] = make_uint4(0, 0, 0, 0);
     reinterpret_cast<uint4*>(ebits)[x] = make_uint4(0, 0, 0, 0);
     if (x < LO_BINS) lohist[x] = 0;
-    if (x == 0) s_n = 0;
+    if (x == 0) {
+        s_n = 0;
+        s_bad = 0;
+    }
     // The main pass's first groups, in flight during step 0.
     uint4 raw[U] = {};
 #pragma unroll
@@ -190,55 +261,40 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
         __syncthreads();
     }
 
-    // Step 1: candidates = keys of digit >= b.
+    // Step 1: candidates = keys of digit >= b (every key >= tau).
     const uint32_t tau = b << LO_BITS;
-    const uint32_t tau1 = tau == 0 ? 0u : (tau - 1) * 0x00010001u;
-    for (int64_t g0 = 0; g0 < G; g0 += static_cast<int64_t>(THREADS) * U) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int64_t g = g0 + x + static_cast<int64_t>(THREADS) * u;
-            if (g >= G) continue;
-            uint32_t kk[4];
-            group_keys(raw[u], kk);
-            const uint32_t mx = max_u16x2(max_u16x2(kk[0], kk[1]), max_u16x2(kk[2], kk[3]));
-            if (tau != 0 && max_u16x2(mx, tau1) == tau1) continue;
-            uint32_t m = 0;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) m |= static_cast<uint32_t>(key_at(kk, i) >= tau) << i;
-            m &= valid_mask(n, g);
-            if (m == 0) continue;
-            uint32_t at = atomicAdd(&s_n, static_cast<uint32_t>(__popc(m)));
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                if (!((m >> i) & 1u)) continue;
-                const uint32_t key = key_at(kk, i);
-                if (at < CAP) cand[at] = (key << 16) | static_cast<uint32_t>(8 * g + i);
-                ++at;
-                if (!exact)
-                    atomicAdd(&hist[key >> LO_BITS], 1u);
-                else if ((key >> LO_BITS) == b1)
-                    atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
-            }
-        }
-        const int64_t gn = g0 + static_cast<int64_t>(THREADS) * U;
-        if (gn < G) {
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int64_t g = gn + x + static_cast<int64_t>(THREADS) * u;
-                if (g < G) raw[u] = load_group(s, n, g);
-            }
-        }
-    }
+    const uint32_t tau_bits = tau >= 0x8000u ? (tau & 0x7FFFu) : (~tau & 0xFFFFu);
+    if (tau >= 0x0080u && tau <= 0xFF80u)  // tau is a number: bf16 compares
+        collect<true, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n, &s_bad);
+    else  // tau's bf16 is a NaN: order-key compares
+        collect<false, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n, &s_bad);
     __syncthreads();
     const uint32_t nc = s_n;
-    // Uniform over the CTA: the list overflowed, or the sampled b was above b1.
-    const bool fallback = nc > CAP || nc < k;
+    // Uniform over the CTA: the list overflowed, or the sampled b was above b1 (fewer than k keys
+    // >= tau; the list's false positives, keys < tau, do not count).
+    const bool fallback = nc > CAP || nc - s_bad < k;
 
     // Step 2: b1 (sampled b), the low digits in b1.
-    if (!exact) {
-        if (nc < k) {
-            // The row's whole high-digit histogram (else the candidates' one is exact for the
-            // digits >= b, which hold the k largest).
+    if (!fallback) {
+        if (!exact) {
+            // The candidates' high digits: exact for the digits >= b, which hold the k largest.
+            for (uint32_t i = x; i < nc; i += THREADS) {
+                const uint32_t key = cand[i] >> 16;
+                if (key >= tau) atomicAdd(&hist[key >> LO_BITS], 1u);
+            }
+            __syncthreads();
+            find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
+            __syncthreads();
+            b1 = s_bin;
+            above1 = s_above;
+        }
+        for (uint32_t i = x; i < nc; i += THREADS) {
+            const uint32_t key = cand[i] >> 16;
+            if ((key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+        }
+    } else {
+        if (!exact) {
+            // The row's whole high-digit histogram.
             reinterpret_cast<uint4*>(hist)[x] = make_uint4(0, 0, 0, 0);
             __syncthreads();
             for (int64_t g = x; g < G; g += THREADS) {
@@ -250,30 +306,23 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
                     if ((m >> i) & 1u) atomicAdd(&hist[key_at(kk, i) >> LO_BITS], 1u);
             }
             __syncthreads();
+            find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
+            __syncthreads();
+            b1 = s_bin;
+            above1 = s_above;
         }
-        find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
-        __syncthreads();
-        b1 = s_bin;
-        above1 = s_above;
-        if (fallback) {
-            for (int64_t g = x; g < G; g += THREADS) {
-                uint32_t kk[4];
-                group_keys(load_group(s, n, g), kk);
-                const uint32_t m = valid_mask(n, g);
+        for (int64_t g = x; g < G; g += THREADS) {
+            uint32_t kk[4];
+            group_keys(load_group(s, n, g), kk);
+            const uint32_t m = valid_mask(n, g);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const uint32_t key = key_at(kk, i);
-                    if (((m >> i) & 1u) && (key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
-                }
-            }
-        } else {
-            for (uint32_t i = x; i < nc; i += THREADS) {
-                const uint32_t key = cand[i] >> 16;
-                if ((key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t key = key_at(kk, i);
+                if (((m >> i) & 1u) && (key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
             }
         }
-        __syncthreads();
     }
+    __syncthreads();
     if (x < 32) find_lo_bin(lohist, k - above1, x, &s_lo, &s_lo_above);
     __syncthreads();
     const uint32_t thr = (b1 << LO_BITS) | s_lo;

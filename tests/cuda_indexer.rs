@@ -431,7 +431,7 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     Ok(())
 }
 
-/// `index_select` on the GPU with the fused first histogram (the default) and without it, with
+/// `index_select` on the GPU with the fused first histogram and without it (the default), with
 /// scratch budgets `scratches`, must give the CPU reference's top-k ids exactly. Returns those ids.
 #[allow(clippy::too_many_arguments)]
 fn select_both_ways(
