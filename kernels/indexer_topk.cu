@@ -132,15 +132,14 @@ __device__ __forceinline__ uint32_t group_bits(int64_t n, int64_t g) {
     return v;
 }
 
-// Step 1 of the kernel: appends (key << 16 | id) of every entry whose key is >= tau (and a few
-// false positives, counted in *bad) to `cand` (first CAP; *count = all). raw: the thread's first
-// U groups (x + THREADS u), loaded by the caller. Warp-aggregated: one shared atomic per warp
-// and batch of U groups.
+// Step 1 of the kernel: appends (bf16 bits << 16 | id) of every entry whose key is >= tau (and
+// the compare's false positives) to `cand` (*count = all; only valid when <= CAP). raw: the
+// thread's first U groups (x + THREADS u), loaded by the caller. Warp-aggregated: one shared
+// atomic per warp and batch of U groups.
 template <bool FLOAT, int U>
 __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (&raw)[U], uint32_t tau, uint32_t tau_bits2,
-                                        uint32_t* cand, uint32_t* count, uint32_t* bad) {
+                                        uint32_t* cand, uint32_t* count) {
     const int x = threadIdx.x, lane = x % 32;
-    uint32_t nbad = 0;
     for (int g0 = 0; g0 < G; g0 += THREADS * U) {
         uint32_t bits[U], c = 0;
 #pragma unroll
@@ -165,10 +164,10 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
                 for (uint32_t v = bits[u]; v; v &= v - 1) {
                     const uint32_t bit = __ffs(v) - 1, j = bit & 15u, h = bit >> 4;
                     const uint32_t w01 = (j & 1u) ? raw[u].y : raw[u].x, w23 = (j & 1u) ? raw[u].w : raw[u].z;
-                    const uint32_t key = (keys2((j & 2u) ? w23 : w01) >> (16 * h)) & 0xFFFFu;
-                    cand[at < CAP ? at : CAP] = (key << 16) | (8 * g + 2 * j + h);  // past CAP: a spare slot
+                    const uint32_t bf = h ? ((j & 2u) ? w23 : w01) >> 16 : ((j & 2u) ? w23 : w01) & 0xFFFFu;
+                    // Past CAP the list wraps: it is then not used (fallback).
+                    cand[at & (CAP - 1)] = (bf << 16) | (8 * g + 2 * j + h);
                     ++at;
-                    if (FLOAT) nbad += key < tau;
                 }
             }
         }
@@ -181,7 +180,6 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
             }
         }
     }
-    if (nbad) atomicAdd(bad, nbad);
 }
 
 // U: 8-entry groups per thread in flight in the main pass.
@@ -190,7 +188,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // given / sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
     __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
-    __shared__ uint32_t cand[CAP + 1];                // key << 16 | id (+ a spare slot)
+    __shared__ uint32_t cand[CAP];                    // bf16 bits << 16 | id
     __shared__ uint32_t lohist[LO_BINS];
     __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
     __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n, s_bad;
@@ -265,34 +263,42 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     const uint32_t tau = b << LO_BITS;
     const uint32_t tau_bits = tau >= 0x8000u ? (tau & 0x7FFFu) : (~tau & 0xFFFFu);
     if (tau >= 0x0080u && tau <= 0xFF80u)  // tau is a number: bf16 compares
-        collect<true, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n, &s_bad);
+        collect<true, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n);
     else  // tau's bf16 is a NaN: order-key compares
-        collect<false, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n, &s_bad);
+        collect<false, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n);
     __syncthreads();
     const uint32_t nc = s_n;
-    // Uniform over the CTA: the list overflowed, or the sampled b was above b1 (fewer than k keys
-    // >= tau; the list's false positives, keys < tau, do not count).
-    const bool fallback = nc > CAP || nc - s_bad < k;
+    // Uniform over the CTA: the list overflowed, or (below) the sampled b was above b1: fewer
+    // than k keys >= tau (the list's false positives, keys < tau, do not count).
+    bool fallback = nc > CAP;
 
     // Step 2: b1 (sampled b), the low digits in b1.
     if (!fallback) {
-        if (!exact) {
-            // The candidates' high digits: exact for the digits >= b, which hold the k largest.
-            for (uint32_t i = x; i < nc; i += THREADS) {
-                const uint32_t key = cand[i] >> 16;
-                if (key >= tau) atomicAdd(&hist[key >> LO_BITS], 1u);
-            }
-            __syncthreads();
+        // One walk of the list: false positives; the candidates' high digits (sampled b: exact
+        // for the digits >= b, which hold the k largest) or the low digits in b1.
+        for (uint32_t i = x; i < nc; i += THREADS) {
+            const uint32_t key = order_key(static_cast<uint16_t>(cand[i] >> 16));
+            if (key < tau)
+                atomicAdd(&s_bad, 1u);
+            else if (!exact)
+                atomicAdd(&hist[key >> LO_BITS], 1u);
+            else if ((key >> LO_BITS) == b1)
+                atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+        }
+        __syncthreads();
+        fallback = nc - s_bad < k;
+        if (!fallback && !exact) {
             find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
             __syncthreads();
             b1 = s_bin;
             above1 = s_above;
+            for (uint32_t i = x; i < nc; i += THREADS) {
+                const uint32_t key = order_key(static_cast<uint16_t>(cand[i] >> 16));
+                if ((key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+            }
         }
-        for (uint32_t i = x; i < nc; i += THREADS) {
-            const uint32_t key = cand[i] >> 16;
-            if ((key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
-        }
-    } else {
+    }
+    if (fallback) {
         if (!exact) {
             // The row's whole high-digit histogram.
             reinterpret_cast<uint4*>(hist)[x] = make_uint4(0, 0, 0, 0);
@@ -331,7 +337,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     // Step 3: bitmaps of the keys > thr and == thr.
     if (!fallback) {
         for (uint32_t i = x; i < nc; i += THREADS) {
-            const uint32_t e = cand[i], key = e >> 16, id = e & 0xFFFFu;
+            const uint32_t e = cand[i], key = order_key(static_cast<uint16_t>(e >> 16)), id = e & 0xFFFFu;
             if (key > thr)
                 atomicOr(&gbits[id >> 5], 1u << (id & 31));
             else if (key == thr)
