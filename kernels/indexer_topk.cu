@@ -7,29 +7,31 @@
 //
 // Design: one CTA of 512 threads per row, one read of the row in the common case. Keys are the
 // 16-bit order keys of dsv41_select.cuh (high digit: 11 bits, low digit: 5 bits).
-//   0. A threshold digit b such that every key of the k largest has digit >= b: with the caller's
-//      histogram (fused into the scores kernel) the exact digit b1 of the k-th largest key (a
-//      block scan); without it, from a sample of 512 groups of 8 entries spread over the row (the
-//      whole row when it has <= 4096 entries: then exact as well): the digit of the sample's
-//      R-th largest key, R = 2 k S / n + 16 (S = sampled entries; twice the expected count of
-//      the top-k in the sample plus a margin, so that a row with fewer than k keys of digit >= b
-//      is a >10-sigma event for unstructured rows; such rows are still exact, see 3).
+//   0. A threshold key tau <= the k-th largest key: with the caller's histogram (fused into the
+//      scores kernel) tau = b1 << 5, b1 the exact digit of the k-th largest key (a block scan);
+//      without it, from a sample of 512 groups of 8 entries spread over the row (the whole row
+//      when it has <= 4096 entries: then exact as well, tau = b1 << 5): the sample's R-th largest
+//      key (digit by a block scan, low digit by a warp scan), R = 2 k S / n + 16 (S = sampled
+//      entries: twice the expected count of the top k in the sample plus a margin, so that a
+//      row with fewer than k keys >= tau is a >10-sigma event for unstructured rows; such rows
+//      are still exact, see the fallback).
 //   1. One pass over the row, 8-entry groups (16-byte loads, U per thread in flight, the first U
-//      issued before step 0): the keys of a group are made two per 32-bit word (bits ^ (neg ?
-//      0xFFFF : 0x8000) per half) and tested with a u16x2 max against b << 5; groups with a hit
-//      append their candidates (key << 16 | id) to a shared list through a shared counter, and
-//      add them to a histogram: of the low digits of those in digit b1 (b exact) or of their
-//      high digits (sampled b).
-//   2. Sampled b: the candidates' high-digit histogram is exact for the digits >= b, so a block
-//      scan gives b1 and the count above it, and one walk of the list the low digits in b1. Then
-//      u* (the k-th largest key), `need` (how many keys equal to u* are taken: the lowest ids).
+//      issued before step 0): one bf16x2 compare "x >= f(tau) or unordered" per word (exact up
+//      to -0 and NaN false positives, removed later; order-key compares when f(tau) is a NaN)
+//      gives each lane its candidates, and the warp appends them (bf16 bits << 16 | id) to a
+//      shared list after a warp scan and one shared atomic per batch of U groups.
+//   2. A walk of the list drops the false positives and builds the low-digit histogram of the
+//      keys in digit b1 (exact tau) or the candidates' high-digit histogram (sampled tau: exact
+//      for the keys >= tau, so a block scan gives b1 and the count above it, then a second walk
+//      the low digits in b1). Then u* (the k-th largest key) and `need` (how many keys equal to
+//      u* are taken: the lowest ids).
 //   3. The list's keys > u* and == u* set bits in two bitmaps of the row (64K bits each), and
 //      each thread emits the ids of 4 words after a block scan of the words' counts: the output
 //      is ascending without a sort, and the ties are ranked by id.
 //   Fallback, exact for any row: when the list overflows (e.g. rows of equal scores) or the
-//   sample's b was too high (fewer than k candidates), the digits come from full passes over the
-//   row (a 2048-bin histogram with shared atomics unless b was exact; the low digits in b1) and
-//   the bitmaps from a third pass, one 32-entry word per thread step.
+//   sampled tau was too high (fewer than k keys >= tau), the digits come from full passes over
+//   the row (a 2048-bin histogram with shared atomics unless tau was exact; the low digits in b1)
+//   and the bitmaps from a third pass, one 32-entry word per thread step.
 // Rows with <= k visible entries take all of them (ids 0..L-1) without reading the scores.
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -189,7 +191,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
     __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
     __shared__ uint32_t cand[CAP];                    // bf16 bits << 16 | id
-    __shared__ uint32_t lohist[LO_BINS];
+    __shared__ uint32_t lohist[LO_BINS], slo[LO_BINS];
     __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
     __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n, s_bad;
     const int x = threadIdx.x;
@@ -233,23 +235,37 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
         exact = G <= SAMPLE_GROUPS;
         __syncthreads();
         const int64_t g = exact ? x : x * G / SAMPLE_GROUPS;
+        uint32_t kk[4] = {0, 0, 0, 0}, m = 0;
         if (g < G) {
-            uint32_t kk[4];
             group_keys(load_group(s, n, g), kk);
-            const uint32_t m = valid_mask(n, g);
+            m = valid_mask(n, g);
 #pragma unroll
             for (int i = 0; i < 8; ++i)
                 if ((m >> i) & 1u) atomicAdd(&hist[key_at(kk, i) >> LO_BITS], 1u);
         }
+        if (x < LO_BINS) slo[x] = 0;
         __syncthreads();
         // Sampled entries: all n, or SAMPLE_GROUPS full groups (x * G / 512 < G - 1 for G > 512).
         const uint64_t sampled = exact ? static_cast<uint64_t>(n) : 8ull * SAMPLE_GROUPS;
         const uint64_t r = 2ull * k * sampled / static_cast<uint64_t>(n) + 16;
         const uint32_t want = exact ? k : static_cast<uint32_t>(r < sampled ? r : sampled);
         find_hi_bin<THREADS>(hist, want, wsum, &s_bin, &s_above);
+        __syncthreads();
+        if (!exact) {
+            // The sample's want-th largest key itself: its low digit among the sample's keys in
+            // digit s_bin.
+            const uint32_t sb = s_bin;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (((m >> i) & 1u) && (key_at(kk, i) >> LO_BITS) == sb) atomicAdd(&slo[key_at(kk, i) & (LO_BINS - 1)], 1u);
+            __syncthreads();
+            if (x < 32) find_lo_bin(slo, want - s_above, x, &s_lo, &s_lo_above);
+        }
     }
     __syncthreads();
     const uint32_t b = s_bin;
+    // Candidates: keys >= tau (exact: tau = b1 << 5; sampled: the sample's want-th largest key).
+    const uint32_t tau = exact ? b << LO_BITS : (b << LO_BITS) | s_lo;
     if (exact) {
         b1 = b;
         above1 = s_above;
@@ -259,10 +275,9 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
         __syncthreads();
     }
 
-    // Step 1: candidates = keys of digit >= b (every key >= tau).
-    const uint32_t tau = b << LO_BITS;
+    // Step 1: the candidates.
     const uint32_t tau_bits = tau >= 0x8000u ? (tau & 0x7FFFu) : (~tau & 0xFFFFu);
-    if (tau >= 0x0080u && tau <= 0xFF80u)  // tau is a number: bf16 compares
+    if (tau >= 0x007Fu && tau <= 0xFF80u)  // tau is a number: bf16 compares
         collect<true, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n);
     else  // tau's bf16 is a NaN: order-key compares
         collect<false, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n);
@@ -274,8 +289,8 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 
     // Step 2: b1 (sampled b), the low digits in b1.
     if (!fallback) {
-        // One walk of the list: false positives; the candidates' high digits (sampled b: exact
-        // for the digits >= b, which hold the k largest) or the low digits in b1.
+        // One walk of the list: false positives; the candidates' high digits (sampled tau: exact
+        // for the keys >= tau, which hold the k largest) or the low digits in b1.
         for (uint32_t i = x; i < nc; i += THREADS) {
             const uint32_t key = order_key(static_cast<uint16_t>(cand[i] >> 16));
             if (key < tau)
@@ -294,7 +309,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
             above1 = s_above;
             for (uint32_t i = x; i < nc; i += THREADS) {
                 const uint32_t key = order_key(static_cast<uint16_t>(cand[i] >> 16));
-                if ((key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
+                if (key >= tau && (key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
             }
         }
     }

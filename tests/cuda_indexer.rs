@@ -634,7 +634,9 @@ fn fused_histogram_select_in_a_causal_prefill() -> Result<()> {
 /// scores (bf16: many ties), a handful of values, all equal (the candidate list overflows: the
 /// exact fallback), −inf stretches, a row whose sample sees 100 values of 4.0 at the sampled
 /// groups' first entries (sampled threshold above the k-th key: fewer than k candidates, the
-/// fallback again), and descending scores (every entry of the first k ids a candidate). Lengths:
+/// fallback again), descending scores (every entry of the first k ids a candidate), zeros of both
+/// signs around the k-th key (a threshold of +0: −0 passes the bf16 compare and must be dropped)
+/// and NaNs of both signs (ordered as `f32::total_cmp`: positive ones first). Lengths:
 /// 64K, 64K − 1 (a partial 8-entry group), 4096 (the sample is the whole row), 4097, 40 000 and
 /// 600 (not a multiple of 32), k + 1, k and below; k = 512, 1, 2048 (the kernel's largest) and
 /// 2049 (the general kernel).
@@ -643,7 +645,7 @@ fn one_read_topk_kernel_on_64k_rows_matches_the_reference() -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(41);
     let n = 65_536usize;
-    let kinds = 6;
+    let kinds = 8;
     let mut v = Vec::with_capacity(kinds * n);
     for kind in 0..kinds {
         for j in 0..n {
@@ -666,7 +668,22 @@ fn one_read_topk_kernel_on_64k_rows_matches_the_reference() -> Result<()> {
                         0.1 * rng.normal()
                     }
                 }
-                _ => 1000.0 - j as f32 * 0.01,
+                5 => 1000.0 - j as f32 * 0.01,
+                // ~0.5 % positive, ~1.8 % each +0 and −0, the rest negative: a sampled threshold
+                // of exactly +0, whose bf16 compare also passes the −0 entries (false positives).
+                6 => match rng.below(1000) {
+                    0..=4 => rng.normal().abs() + 0.5,
+                    5..=22 => 0.0,
+                    23..=40 => -0.0,
+                    _ => -(rng.normal().abs() + 0.5),
+                },
+                // NaNs: positive ones (above +inf in the total order: in the top k) and negative
+                // ones (below −inf).
+                _ => match rng.below(1000) {
+                    0 => f32::NAN,
+                    1..=9 => -f32::NAN,
+                    _ => rng.normal(),
+                },
             };
             v.push(bf16::from_f32(x));
         }
