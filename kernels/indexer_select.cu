@@ -359,12 +359,12 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     // Experiment switch (session 6): DSV41_SEL_VAR = 1: this file's kernel for every launch (main
-    // before session 6); 2 / 3: the one-read top-k kernel with 8 / 2 loads in flight (default 4).
+    // before session 6); others: variants of the one-read top-k kernel (dsv41_topk_launch).
     static const int var = [] {
         const char* v = getenv("DSV41_SEL_VAR");
         return v ? atoi(v) : 0;
     }();
-    if (var != 1 && dsv41_topk_launch(*p, s, var == 2 ? 8 : var == 3 ? 2 : 4)) return static_cast<int>(cudaGetLastError());
+    if (var != 1 && dsv41_topk_launch(*p, s, var)) return static_cast<int>(cudaGetLastError());
     if (p->mode == DSV41_SELECT_BLOCKS)
         indexer_select_kernel<true, 1><<<p->num_tokens, THREADS, 0, s>>>(*p);
     else

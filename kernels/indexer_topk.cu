@@ -138,7 +138,7 @@ __device__ __forceinline__ uint32_t group_bits(int64_t n, int64_t g) {
 // the compare's false positives) to `cand` (*count = all; only valid when <= CAP). raw: the
 // thread's first U groups (x + THREADS u), loaded by the caller. Warp-aggregated: one shared
 // atomic per warp and batch of U groups.
-template <bool FLOAT, int U>
+template <bool FLOAT, int U, bool PIPE>
 __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (&raw)[U], uint32_t tau, uint32_t tau_bits2,
                                         uint32_t* cand, uint32_t* count) {
     const int x = threadIdx.x, lane = x % 32;
@@ -153,6 +153,16 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
             if (8 * g + 8 > n) v &= g < G ? group_bits(n, g) : 0u;
             bits[u] = v;
             c += __popc(v);
+        }
+        // PIPE: the next groups are loaded before this batch's candidates are written.
+        const int gn = g0 + THREADS * U;
+        uint4 nxt[U];
+        if (PIPE && gn < G) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int g = gn + x + THREADS * u;
+                nxt[u] = g < G ? load_group(s, n, g) : raw[u];
+            }
         }
         if (__any_sync(0xFFFFFFFFu, c != 0)) {
             uint32_t total;
@@ -173,19 +183,22 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
                 }
             }
         }
-        const int gn = g0 + THREADS * U;
         if (gn < G) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int g = gn + x + THREADS * u;
-                if (g < G) raw[u] = load_group(s, n, g);
+                if (PIPE)
+                    raw[u] = nxt[u];
+                else if (g < G)
+                    raw[u] = load_group(s, n, g);
             }
         }
     }
 }
 
-// U: 8-entry groups per thread in flight in the main pass.
-template <int U>
+// U: 8-entry groups per thread in flight in the main pass; PIPE: the next U loaded before the
+// current candidates are written (2U groups live).
+template <int U, bool PIPE>
 __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // given / sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
@@ -278,9 +291,9 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     // Step 1: the candidates.
     const uint32_t tau_bits = tau >= 0x8000u ? (tau & 0x7FFFu) : (~tau & 0xFFFFu);
     if (tau >= 0x007Fu && tau <= 0xFF80u)  // tau is a number: bf16 compares
-        collect<true, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n);
+        collect<true, U, PIPE>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n);
     else  // tau's bf16 is a NaN: order-key compares
-        collect<false, U>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n);
+        collect<false, U, PIPE>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n);
     __syncthreads();
     const uint32_t nc = s_n;
     // Uniform over the CTA: the list overflowed, or (below) the sampled b was above b1: fewer
@@ -415,14 +428,15 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 
 }  // namespace dsv41_topk
 
-bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream, int unroll) {
+bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream, int variant) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    if (unroll == 8)
-        indexer_topk_kernel<8><<<p.num_tokens, THREADS, 0, stream>>>(p);
-    else if (unroll == 2)
-        indexer_topk_kernel<2><<<p.num_tokens, THREADS, 0, stream>>>(p);
-    else
-        indexer_topk_kernel<4><<<p.num_tokens, THREADS, 0, stream>>>(p);
+    switch (variant) {
+        case 2: indexer_topk_kernel<8, false><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
+        case 3: indexer_topk_kernel<2, false><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
+        case 4: indexer_topk_kernel<2, true><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
+        case 5: indexer_topk_kernel<4, true><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
+        default: indexer_topk_kernel<4, false><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
+    }
     return true;
 }
