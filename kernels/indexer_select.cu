@@ -24,7 +24,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 #include "include/dsv41_select.cuh"
@@ -358,13 +357,8 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    // Experiment switch (session 6): DSV41_SEL_VAR = 1: this file's kernel for every launch (main
-    // before session 6); others: variants of the one-read top-k kernel (dsv41_topk_launch).
-    static const int var = [] {
-        const char* v = getenv("DSV41_SEL_VAR");
-        return v ? atoi(v) : 0;
-    }();
-    if (var != 1 && dsv41_topk_launch(*p, s, var)) return static_cast<int>(cudaGetLastError());
+    // Top-k of rows of at most 64K entries: kernels/indexer_topk.cu.
+    if (dsv41_topk_launch(*p, s)) return static_cast<int>(cudaGetLastError());
     if (p->mode == DSV41_SELECT_BLOCKS)
         indexer_select_kernel<true, 1><<<p->num_tokens, THREADS, 0, s>>>(*p);
     else

@@ -15,8 +15,9 @@
 //      entries: twice the expected count of the top k in the sample plus a margin, so that a
 //      row with fewer than k keys >= tau is a >10-sigma event for unstructured rows; such rows
 //      are still exact, see the fallback).
-//   1. One pass over the row, 8-entry groups (16-byte loads, U per thread in flight, the first U
-//      issued before step 0): one bf16x2 compare "x >= f(tau) or unordered" per word (exact up
+//   1. One pass over the row in batches of U = 4 8-entry groups per thread (16-byte loads; the
+//      first batch issued before step 0, each next one before the current batch's candidates
+//      are written: up to 2U loads in flight): one bf16x2 compare "x >= f(tau) or unordered" per word (exact up
 //      to -0 and NaN false positives, removed later; order-key compares when f(tau) is a NaN)
 //      gives each lane its candidates, and the warp appends them (bf16 bits << 16 | id) to a
 //      shared list after a warp scan and one shared atomic per batch of U groups.
@@ -49,6 +50,7 @@ constexpr int MAX_N = DSV41_TOPK_MAX_N;  // entries per row: ids in 16 bits, bit
 constexpr int WORDS = MAX_N / 32;
 constexpr int CAP = 4096;                // candidate-list entries
 constexpr int SAMPLE_GROUPS = THREADS;   // 8-entry groups sampled when no histogram is given
+constexpr int U = 4;                     // 8-entry groups per thread and batch of the main pass
 static_assert(WORDS == 4 * THREADS, "4 bitmap words per thread");
 static_assert(DSV41_TOPK_MAX_K <= CAP, "k candidates fit the list");
 
@@ -138,7 +140,7 @@ __device__ __forceinline__ uint32_t group_bits(int64_t n, int64_t g) {
 // the compare's false positives) to `cand` (*count = all; only valid when <= CAP). raw: the
 // thread's first U groups (x + THREADS u), loaded by the caller. Warp-aggregated: one shared
 // atomic per warp and batch of U groups.
-template <bool FLOAT, int U, bool PIPE>
+template <bool FLOAT>
 __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (&raw)[U], uint32_t tau, uint32_t tau_bits2,
                                         uint32_t* cand, uint32_t* count) {
     const int x = threadIdx.x, lane = x % 32;
@@ -154,10 +156,10 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
             bits[u] = v;
             c += __popc(v);
         }
-        // PIPE: the next groups are loaded before this batch's candidates are written.
+        // The next groups are loaded before this batch's candidates are written.
         const int gn = g0 + THREADS * U;
         uint4 nxt[U];
-        if (PIPE && gn < G) {
+        if (gn < G) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int g = gn + x + THREADS * u;
@@ -185,20 +187,11 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
         }
         if (gn < G) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int g = gn + x + THREADS * u;
-                if (PIPE)
-                    raw[u] = nxt[u];
-                else if (g < G)
-                    raw[u] = load_group(s, n, g);
-            }
+            for (int u = 0; u < U; ++u) raw[u] = nxt[u];
         }
     }
 }
 
-// U: 8-entry groups per thread in flight in the main pass; PIPE: the next U loaded before the
-// current candidates are written (2U groups live).
-template <int U, bool PIPE>
 __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // given / sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
@@ -291,9 +284,9 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     // Step 1: the candidates.
     const uint32_t tau_bits = tau >= 0x8000u ? (tau & 0x7FFFu) : (~tau & 0xFFFFu);
     if (tau >= 0x007Fu && tau <= 0xFF80u)  // tau is a number: bf16 compares
-        collect<true, U, PIPE>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n);
+        collect<true>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, tau_bits * 0x00010001u, cand, &s_n);
     else  // tau's bf16 is a NaN: order-key compares
-        collect<false, U, PIPE>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n);
+        collect<false>(s, static_cast<int>(n), static_cast<int>(G), raw, tau, 0u, cand, &s_n);
     __syncthreads();
     const uint32_t nc = s_n;
     // Uniform over the CTA: the list overflowed, or (below) the sampled b was above b1: fewer
@@ -428,15 +421,9 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 
 }  // namespace dsv41_topk
 
-bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream, int variant) {
+bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    switch (variant) {
-        case 2: indexer_topk_kernel<8, false><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
-        case 3: indexer_topk_kernel<2, false><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
-        case 4: indexer_topk_kernel<2, true><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
-        case 5: indexer_topk_kernel<4, true><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
-        default: indexer_topk_kernel<4, false><<<p.num_tokens, THREADS, 0, stream>>>(p); break;
-    }
+    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p);
     return true;
 }

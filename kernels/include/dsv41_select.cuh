@@ -81,6 +81,5 @@ __device__ __forceinline__ void find_lo_bin(const uint32_t* hist, uint32_t want,
 
 // Launches kernels/indexer_topk.cu's kernel for a validated top-k launch whose rows fit it
 // (N <= DSV41_TOPK_MAX_N, k <= DSV41_TOPK_MAX_K) and returns true; false (nothing launched)
-// otherwise. `variant` (experiment switch DSV41_SEL_VAR): 16-byte loads in flight per thread in
-// its main pass: 4 (0, default), 8 (2), 2 (3), 2 and 4 double-buffered (4, 5).
-bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream, int variant);
+// otherwise.
+bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream);
