@@ -14,15 +14,15 @@
 //! [`SelectOptions::fused_histogram`]: shared-memory bins flushed to a `[C, 2048]` u32 buffer
 //! with atomics; the buffer is zeroed by a memset per chunk) or from a sample of 4096 entries of
 //! the row (exact fallbacks cover rows where the sample misleads). Since session 6 the sample is
-//! the default: the fused histogram saves the selection kernel only the sample (~1 µs) but costs
-//! the issue-bound scores kernel ~16 µs at B = 256 (measured in `docs/perf.md`, "Indexer
-//! selection (session 6, helper sel6)"). When enabled it is applied to decode-shaped chunks only
-//! (per-query key bases, or fewer than 528 queries: one query per CTA); a prefill chunk over one
-//! sequence's keys (4 queries per CTA) never uses it. Masked and invisible-but-counted entries
-//! (−inf, e.g. rows past the cache) land in the −inf bin exactly as the selection's own passes
-//! bin them, so both paths select the same ids. The candidate-block selection (`publish`) always
-//! builds its own histogram (of block maxima). The separate ops [`super::masked_index_scores`] +
-//! [`super::index_topk`] take the un-fused path.
+//! the default: the fused histogram saves the selection kernel ~3 µs at B = 256 but costs the
+//! issue-bound scores kernel more, so `index_select` was 3–15 µs faster without it (packed keys;
+//! `docs/perf.md`, "Indexer selection (session 6, helper sel6)"). When enabled it is applied to
+//! decode-shaped chunks only (per-query key bases, or fewer than 528 queries: one query per CTA);
+//! a prefill chunk over one sequence's keys (4 queries per CTA) never uses it. Masked and
+//! invisible-but-counted entries (−inf, e.g. rows past the cache) land in the −inf bin exactly
+//! as the selection's own passes bin them, so both paths select the same ids. The candidate-block
+//! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
+//! [`super::masked_index_scores`] + [`super::index_topk`] take the un-fused path.
 
 use std::ffi::c_void;
 
