@@ -2,7 +2,7 @@
 # sel6 run: the selection kernels per experiment switch (DSV41_SEL_VAR: 0 = one-read top-k kernel,
 # 4 loads in flight; 1 = main's kernel for every launch (same-run reference); 2 / 3 = one-read
 # kernel with 8 / 2 loads in flight): tests, bench_indexer, Nsight Compute kernel durations, memcheck.
-# Usage: OUT=$OUT [SELVARS="1 0 2 3 1 0"] [TESTVARS="1 2 3"] [NCUVARS="0 1"] [MEMCHECK=1] bash gpu-extra/sel6/variants.sh
+# Usage: OUT=$OUT [SELVARS="1 0 2 3 1 0"] [TESTVARS="1 2 3"] [NCUVARS="0 1 2"] [MEMCHECK=1] bash gpu-extra/sel6/variants.sh
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-$HERE/out}"; mkdir -p "$OUT"
@@ -29,18 +29,18 @@ for v in ${SELVARS-1 0 2 3 1 0}; do
   DSV41_SEL_VAR=$v timeout 30 "$W/bench_indexer" $BARGS >> "$VL" 2>&1; say "bench var $v: exit $? (t=$(el)s)"
 done
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-for v in ${NCUVARS-0 1}; do
+for v in ${NCUVARS-0 1 2}; do
   # Kernel durations of every selection launch (7 per measurement: top-k, select, unfused per B and keys).
   DSV41_SEL_VAR=$v timeout 25 "$NCU" --clock-control none --cache-control none --csv --kernel-name regex:'indexer_(topk|select)_kernel' \
     --metrics gpu__time_duration.sum,launch__grid_size,dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
-    "$W/bench_indexer" --no-baseline --batches 1,64,256 --prefill 64 --reps 1 --warmup 1 --rep-ms 0.1 > "$OUT/ncu-var$v.csv" 2>&1
+    "$W/bench_indexer" --no-baseline --batches 1,64,256 --prefill 4096 --reps 1 --warmup 1 --rep-ms 0.1 > "$OUT/ncu-var$v.csv" 2>&1
   say "ncu var $v: exit $? (t=$(el)s)"
 done
 if [[ -n "${NCU_DETAIL-1}" ]]; then
-  # B = 256 mxfp4 launches 21..27 = top-k (sampled), 28..34 = select (fused histogram); 25..29 profiled.
+  # B = 256 mxfp4 launches 21..27 = top-k (sampled), 28..34 = select (fused histogram).
   timeout 25 "$NCU" --clock-control none --cache-control none --kernel-name regex:'indexer_(topk|select)_kernel' --launch-skip 25 --launch-count 5 \
      --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis \
-     "$W/bench_indexer" --no-baseline --batches 256 --prefill 64 --reps 1 --warmup 1 --rep-ms 0.1 > "$OUT/ncu-detail.log" 2>&1
+     "$W/bench_indexer" --no-baseline --batches 256 --prefill 4096 --reps 1 --warmup 1 --rep-ms 0.1 > "$OUT/ncu-detail.log" 2>&1
   say "ncu detail: exit $? (t=$(el)s)"
 fi
 if [[ "${MEMCHECK:-0}" == 1 ]]; then
