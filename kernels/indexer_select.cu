@@ -3,6 +3,9 @@
 // candidate_blocks}`): descending score, ties towards the lower id, -inf entries eligible for the
 // top-k (visibility alone decides -1), candidate blocks = block max with the newest visible
 // entry's block pinned to +inf and only blocks > -inf kept; outputs ascending, -1 padded.
+// Top-k launches whose rows fit kernels/indexer_topk.cu (N <= 64K, k <= 2048: the decode shape)
+// go there (dsv41_indexer_select below); this file's kernel takes the candidate blocks, longer
+// rows and larger k.
 //
 // Design: exact radix selection on the 16-bit order keys of the bf16 scores (u = bits | 0x8000
 // for positive, ~bits for negative: larger u = larger score, total order as f32::total_cmp),
