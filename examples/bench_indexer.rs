@@ -4,9 +4,10 @@
 //! MXFP4 rows (68 B).
 //!
 //! * Decode: B = 1, 64, 256 queries, each sequence with its OWN 64K keys (one cache, per-query
-//!   base row): scores alone, top-k alone (on precomputed scores), both (`index_select`, whose
-//!   default builds the top-k's first histogram inside the scores kernel for decode-shaped
-//!   chunks), and both without that fusion (`SelectOptions::fused_histogram = false`).
+//!   base row): scores alone, top-k alone (on precomputed scores), both (`index_select`) with the
+//!   top-k's first histogram built inside the scores kernel (`select_us`,
+//!   `SelectOptions::fused_histogram = true`) and without that fusion (`unfused_us`, the
+//!   default since session 6).
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
 //!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k).
 //!
@@ -88,6 +89,7 @@ fn main() -> Result<()> {
         "B", "keys", "scores_us", "GB/s", "TFLOP/s", "topk_us", "select_us", "unfused_us", "%HBM", "%peak", "candle_scores_us"
     );
     let unfused = SelectOptions { fused_histogram: false, ..SelectOptions::default() };
+    let fused = SelectOptions { fused_histogram: true, ..SelectOptions::default() };
     for &b in &args.batches {
         let (bf, packed, layout) = caches(b * KEYS, &dev)?;
         let q = Tensor::randn(0f32, 1.0, (b, HEADS, DIM), &dev)?.to_dtype(DType::BF16)?;
@@ -111,7 +113,7 @@ fn main() -> Result<()> {
                 Ok(())
             })?;
             let tsel = timer.calls(|| {
-                index_select(&q, &w, &src, TOPK, None, None)?;
+                index_select_with_options(&q, &w, &src, TOPK, None, None, &fused)?;
                 Ok(())
             })?;
             let tun = timer.calls(|| {

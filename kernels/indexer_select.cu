@@ -3,6 +3,9 @@
 // candidate_blocks}`): descending score, ties towards the lower id, -inf entries eligible for the
 // top-k (visibility alone decides -1), candidate blocks = block max with the newest visible
 // entry's block pinned to +inf and only blocks > -inf kept; outputs ascending, -1 padded.
+// Top-k launches whose rows fit kernels/indexer_topk.cu (N <= 64K, k <= 2048: the decode shape)
+// go there (dsv41_indexer_select below); this file's kernel takes the candidate blocks, longer
+// rows and larger k.
 //
 // Design: exact radix selection on the 16-bit order keys of the bf16 scores (u = bits | 0x8000
 // for positive, ~bits for negative: larger u = larger score, total order as f32::total_cmp),
@@ -26,9 +29,11 @@
 #include <stdint.h>
 
 #include "include/dsv41_indexer.h"
-#include "include/dsv41_warp.cuh"
+#include "include/dsv41_select.cuh"
 
 namespace dsv41_sel {
+
+using namespace dsv41_select;
 
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
@@ -36,16 +41,6 @@ constexpr uint32_t NEG_INF_KEY = 0x007F;  // key of bf16 -inf (0xFF80)
 constexpr uint32_t PINNED_KEY = 0xFFFF;   // above every real key (+inf is 0xFF80; 0xFFFF is a NaN)
 constexpr uint32_t ABSENT = 0xFFFFFFFFu; // element past the row
 constexpr uint32_t LIST = 384;           // candidate-list entries per warp
-// Radix digits of a 16-bit order key u: the high digit u >> LO_BITS (DSV41_SELECT_HIST_BINS bins,
-// the histogram the scores kernel can build) and the low digit u & (LO_BINS - 1).
-constexpr int LO_BITS = 5;
-constexpr int LO_BINS = 1 << LO_BITS;
-constexpr int HI_BINS = DSV41_SELECT_HIST_BINS;
-static_assert(HI_BINS << LO_BITS == 65536, "digits of a 16-bit key");
-
-__device__ __forceinline__ uint32_t order_key(uint16_t bits) {
-    return (bits & 0x8000u) ? (~static_cast<uint32_t>(bits) & 0xFFFFu) : (static_cast<uint32_t>(bits) | 0x8000u);
-}
 
 struct Row {
     const uint16_t* s;  // the token's scores
@@ -90,57 +85,6 @@ __device__ __forceinline__ void load8(const Row& r, int64_t e0, uint32_t (&k)[8]
             }
             k[i] = m;
         }
-    }
-}
-
-// Exclusive prefix sum over the warp's lanes; returns the exclusive value, `total` = the sum.
-__device__ __forceinline__ uint32_t warp_exclusive(uint32_t v, int lane, uint32_t& total) {
-    const uint32_t x = dsv41_warp::inclusive_sum(v, lane);
-    total = __shfl_sync(0xFFFFFFFFu, x, 31);
-    return x - v;
-}
-
-// Finds the bin b holding the `want`-th largest element of a histogram in shared memory:
-// count(bins > b) < want <= count(bins >= b); writes b and count(bins > b). High digit (HI_BINS
-// bins): all threads, thread x owning bins HI_BINS - 1 - 4x - i (i = 0..3, descending), a block
-// scan. Every thread must call it; the result is in *bin / *above after the caller's barrier.
-__device__ __forceinline__ void find_hi_bin(const uint32_t* hist, uint32_t want, uint32_t* wsum, uint32_t* bin,
-                                            uint32_t* above) {
-    static_assert(HI_BINS == 4 * THREADS, "4 bins per thread");
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    uint32_t cnt[4], local = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        cnt[i] = hist[HI_BINS - 1 - 4 * threadIdx.x - i];
-        local += cnt[i];
-    }
-    uint32_t wtotal;
-    uint32_t before = warp_exclusive(local, lane, wtotal);
-    if (lane == 0) wsum[warp] = wtotal;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) before += w < warp ? wsum[w] : 0u;
-    if (before < want && before + local >= want) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (before < want && before + cnt[i] >= want) {
-                *bin = HI_BINS - 1 - 4 * threadIdx.x - i;
-                *above = before;
-            }
-            before += cnt[i];
-        }
-    }
-}
-
-// The same for the low digit (LO_BINS = 32 bins, warp 0: lane l owns bin 31 - l).
-__device__ __forceinline__ void find_lo_bin(const uint32_t* hist, uint32_t want, int lane, uint32_t* bin,
-                                            uint32_t* above) {
-    const uint32_t cnt = hist[LO_BINS - 1 - lane];
-    uint32_t total;
-    const uint32_t before = warp_exclusive(cnt, lane, total);
-    if (before < want && before + cnt >= want) {
-        *bin = LO_BINS - 1 - lane;
-        *above = before;
     }
 }
 
@@ -208,7 +152,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
             for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> LO_BITS], 1u); });
         }
         __syncthreads();
-        find_hi_bin(hist, k, wsum, &s_bin, &s_above);
+        find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
         __syncthreads();
         b1 = s_bin;
         above1 = s_above;
@@ -416,6 +360,8 @@ extern "C" int dsv41_indexer_select(const Dsv41IndexerSelectParams* p, size_t pa
     if (!p->out || (p->num_cols > 0 && !p->scores)) return DSV41_ERR_NULL;
     if (p->num_cols > 0 && !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    // Top-k of rows of at most 64K entries: kernels/indexer_topk.cu.
+    if (dsv41_topk_launch(*p, s)) return static_cast<int>(cudaGetLastError());
     if (p->mode == DSV41_SELECT_BLOCKS)
         indexer_select_kernel<true, 1><<<p->num_tokens, THREADS, 0, s>>>(*p);
     else

@@ -1,5 +1,5 @@
 //! GPU tests of the lightning-indexer kernels (`kernels/indexer_scores.cu`,
-//! `kernels/indexer_select.cu`) through `deepseek_v41::cuda::{masked_index_scores, index_topk,
+//! `kernels/indexer_select.cu`, `kernels/indexer_topk.cu`) through `deepseek_v41::cuda::{masked_index_scores, index_topk,
 //! candidate_blocks, index_select}` against their CPU paths (the crate's reference
 //! `attention::indexer::{index_scores, top_k, candidate_blocks}`).
 //!
@@ -11,6 +11,10 @@
 //! must be identical, including TIES: bf16 rows of 70K random values hold many equal scores, and
 //! rows drawn from a handful of values or all equal are tested on purpose; both sides use
 //! "descending score, ties → lower id", so the sets must agree exactly.
+//!
+//! The one-read top-k kernel (`kernels/indexer_topk.cu`, rows of at most 64K entries) is checked on
+//! 64K rows with its fallbacks (overflowing candidate lists, a sampled threshold above the k-th
+//! key) and length edges.
 //!
 //! `index_select` is checked with and without the fused first histogram (built by the scores
 //! kernel) against the CPU, on ties at a histogram bin edge, −inf (masked, past-cache) entries
@@ -427,7 +431,7 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     Ok(())
 }
 
-/// `index_select` on the GPU with the fused first histogram (the default) and without it, with
+/// `index_select` on the GPU with the fused first histogram and without it (the default), with
 /// scratch budgets `scratches`, must give the CPU reference's top-k ids exactly. Returns those ids.
 #[allow(clippy::too_many_arguments)]
 fn select_both_ways(
@@ -675,6 +679,117 @@ fn fused_histogram_select_in_a_causal_prefill() -> Result<()> {
     let stride = n.div_ceil(8) * 8;
     let g = select_both_ways(&dev, "causal prefill", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * stride * 128])?;
     ensure!(g[0][..500] == (0..500).collect::<Vec<i64>>()[..] && g[0][500] == -1, "500 visible: all, then -1");
+    Ok(())
+}
+
+/// Rows of the one-read top-k kernel (`kernels/indexer_topk.cu`, rows of at most 64K entries):
+/// kinds of rows x visible lengths x k, `index_topk` on the GPU against the CPU. Kinds: normal
+/// scores (bf16: many ties), a handful of values, all equal (the candidate list overflows: the
+/// exact fallback), −inf stretches, a row whose sample sees 100 values of 4.0 at the sampled
+/// groups' first entries (sampled threshold above the k-th key: fewer than k candidates, the
+/// fallback again), descending scores (every entry of the first k ids a candidate), zeros of both
+/// signs around the k-th key (a threshold of +0: −0 passes the bf16 compare and must be dropped)
+/// and positive NaNs (ordered as `f32::total_cmp`: first; they pass the compare as unordered).
+/// Lengths:
+/// 64K, 64K − 1 (a partial 8-entry group), 4096 (the sample is the whole row), 4097, 40 000 and
+/// 600 (not a multiple of 32), k + 1, k and below; k = 512, 1, 2048 (the kernel's largest) and
+/// 2049 (the general kernel).
+#[test]
+fn one_read_topk_kernel_on_64k_rows_matches_the_reference() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(41);
+    let n = 65_536usize;
+    let kinds = 8;
+    let mut v = Vec::with_capacity(kinds * n);
+    for kind in 0..kinds {
+        for j in 0..n {
+            let x = match kind {
+                0 => rng.normal(),
+                1 => [0.25, -0.5, 1.0, 3.0][rng.below(4)],
+                2 => 1.5,
+                3 => {
+                    if (j / 1000) % 2 == 0 {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.01 * rng.normal()
+                    }
+                }
+                // Sampled groups of a 64K row: 8 * (x * 8192 / 512) = 128 x.
+                4 => {
+                    if j % 128 == 0 && j / 128 < 100 {
+                        4.0
+                    } else {
+                        0.1 * rng.normal()
+                    }
+                }
+                5 => 1000.0 - j as f32 * 0.01,
+                // ~0.5 % positive, ~1.8 % each +0 and −0, the rest negative: a sampled threshold
+                // of exactly +0, whose bf16 compare also passes the −0 entries (false positives).
+                6 => match rng.below(1000) {
+                    0..=4 => rng.normal().abs() + 0.5,
+                    5..=22 => 0.0,
+                    23..=40 => -0.0,
+                    _ => -(rng.normal().abs() + 0.5),
+                },
+                // Positive NaNs (above +inf in the total order: in the top k). Negative NaNs are
+                // left out: the reference masks invisible entries with −inf, which `total_cmp`
+                // ranks above a negative NaN, so it pads with −1 where the kernels (this one and
+                // indexer_select.cu's) take the visible negative NaNs (sel6 run 2).
+                _ => match rng.below(1000) {
+                    0..=9 => f32::NAN,
+                    _ => rng.normal(),
+                },
+            };
+            v.push(bf16::from_f32(x));
+        }
+    }
+    let scores = Tensor::from_vec(v, (kinds, n), &Device::Cpu)?;
+    let sg = scores.to_device(&dev)?;
+    for &k in &[512usize, 1, 2048, 2049] {
+        for &len in &[n, n - 1, 4096, 4097, 40_000, 600, k + 1, k, k.saturating_sub(7).max(1)] {
+            let counts = vec![len as u32; kinds];
+            let vis_c = Tensor::new(counts.as_slice(), &Device::Cpu)?;
+            let want = index_topk(&scores, &Visibility::Counts(&vis_c), k)?;
+            poison(&dev, kinds * k)?;
+            let got = index_topk(&sg, &Visibility::Counts(&vis_c.to_device(&dev)?), k)?;
+            assert_ids_equal(&format!("one-read top-k L{len} k{k}"), &got, &want)?;
+            if len > k {
+                let g = ids(&got)?;
+                ensure!(g[2] == (0..k as i64).collect::<Vec<_>>(), "all equal: ids 0..k");
+                ensure!(g[5] == (0..k as i64).collect::<Vec<_>>(), "descending: ids 0..k");
+            }
+        }
+    }
+    // A batch of mixed lengths and the causal rule (rows of 1 .. 64K entries).
+    let causal = Visibility::Causal { start: n - kinds, ratio: 1 };
+    assert_ids_equal("one-read top-k causal", &index_topk(&sg, &causal, 512)?, &index_topk(&scores, &causal, 512)?)?;
+    Ok(())
+}
+
+/// `index_select` on 64K keys per query (the decode shape of a 128K context), fused histogram
+/// and sampled threshold both against the CPU: bf16 rows shared by the queries, visible 64K,
+/// 64K − 1, 4097 and 40 000, and a query with zero head weights (every score 0: all equal, the
+/// fused path's candidate list overflows).
+#[test]
+fn select_on_64k_keys_fused_and_sampled_match_the_cpu() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(42);
+    let (h, n, k) = (4usize, 65_536usize, 512usize);
+    let counts = [n as u32, n as u32 - 1, 4097, 40_000, n as u32];
+    let b = counts.len();
+    let keys = fq(&mut rng, &[n, D])?;
+    let q = fq(&mut rng, &[b, h, D])?;
+    let mut wv = weights(&mut rng, b, h)?.to_vec2::<f32>()?;
+    wv[b - 1].iter_mut().for_each(|x| *x = 0.0);
+    let w = Tensor::new(wv, &Device::Cpu)?;
+    let bases = vec![0u32; b];
+    let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(&counts[..], &Device::Cpu)?);
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: n, visibility: Visibility::Counts(&vis_c) };
+    let kg = keys.to_device(&dev)?;
+    let gsrc = KeySource { keys: IndexKeys::Rows(&kg), base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+    let g = select_both_ways(&dev, "64K keys", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    ensure!(g[b - 1] == (0..k as i64).collect::<Vec<_>>(), "zero weights: all scores 0, ids 0..k");
     Ok(())
 }
 

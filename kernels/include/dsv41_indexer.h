@@ -74,6 +74,10 @@ typedef struct {
 // 0x8000 for a clear sign bit, ~bits (16 bits) otherwise. The selection is a radix selection on
 // u: an 11-bit high digit u >> 5 (DSV41_SELECT_HIST_BINS bins; -inf: bin 3) and a 5-bit low digit.
 #define DSV41_SELECT_HIST_BINS 2048
+// Top-k launches with N <= DSV41_TOPK_MAX_N and k <= DSV41_TOPK_MAX_K run the one-read kernel of
+// kernels/indexer_topk.cu; the others (and candidate blocks) kernels/indexer_select.cu's.
+#define DSV41_TOPK_MAX_N 65536
+#define DSV41_TOPK_MAX_K 2048
 //
 // Selection modes of dsv41_indexer_select.
 enum Dsv41SelectMode {

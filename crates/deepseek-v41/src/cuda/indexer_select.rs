@@ -6,17 +6,21 @@
 //! selection kernel reduces them to `[C, k]` ids, so `[T, N]` is never materialised for long
 //! prefills. CPU path: the reference ([`crate::attention::indexer::reference_selection`]).
 //!
-//! **Fused first pass.** The top-k is a radix selection on 16-bit order keys of the bf16 scores
-//! (digits of 11 and 5 bits) whose first pass is a 2048-bin histogram of the keys' high digits
-//! over each query's visible entries. By default ([`SelectOptions::fused_histogram`]) the scores
-//! kernel builds that histogram while its scores are still in registers (shared-memory bins,
-//! flushed to a `[C, 2048]` u32 buffer with atomics; the buffer is zeroed by a memset per
-//! chunk), and the selection kernel starts from it instead of reading all scores once more.
-//! It is applied to decode-shaped chunks only (per-query key bases, or fewer than 528 queries:
-//! one query per CTA); a prefill chunk over one sequence's keys (4 queries per CTA) builds it in
-//! the selection kernel, where it is cheaper (measured in `docs/perf.md`, "Indexer round 4").
-//! Masked and invisible-but-counted entries (−inf, e.g. rows past the cache) land in the −inf
-//! bin exactly as the selection's own pass bins them, so both paths select the same ids. The candidate-block
+//! **Top-k threshold.** The top-k is a radix selection on 16-bit order keys of the bf16 scores
+//! (digits of 11 and 5 bits). For rows of at most 64K entries (the decode shape) the selection
+//! kernel reads each row once: it first needs a digit below which no key of the top k lies,
+//! which it takes either from a 2048-bin histogram of the keys' high digits built by the scores
+//! kernel while its scores are still in registers (the *fused histogram*,
+//! [`SelectOptions::fused_histogram`]: shared-memory bins flushed to a `[C, 2048]` u32 buffer
+//! with atomics; the buffer is zeroed by a memset per chunk) or from a sample of 4096 entries of
+//! the row (exact fallbacks cover rows where the sample misleads). Since session 6 the sample is
+//! the default: the fused histogram saves the selection kernel ~3 µs at B = 256 but costs the
+//! issue-bound scores kernel more, so `index_select` was 3–15 µs faster without it (packed keys;
+//! `docs/perf.md`, "Indexer selection (session 6, helper sel6)"). When enabled it is applied to
+//! decode-shaped chunks only (per-query key bases, or fewer than 528 queries: one query per CTA);
+//! a prefill chunk over one sequence's keys (4 queries per CTA) never uses it. Masked and
+//! invisible-but-counted entries (−inf, e.g. rows past the cache) land in the −inf bin exactly
+//! as the selection's own passes bin them, so both paths select the same ids. The candidate-block
 //! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
 //! [`super::masked_index_scores`] + [`super::index_topk`] take the un-fused path.
 
@@ -57,7 +61,7 @@ const HIST_BINS: usize = 2048;
 /// `min(k, L_t)` visible entries, ties → lower id) and, with `publish`, `candidates.kept`
 /// `[T, n_keep]` i64 (block ids ascending, −1 padded), both on `q`'s device. Identical to the CPU
 /// reference whenever the scores are (see [`super::masked_index_scores`]). Runs with
-/// [`SelectOptions::default`] (the fused first histogram for decode-shaped chunks).
+/// [`SelectOptions::default`].
 pub fn index_select(
     q: &Tensor,
     w: &Tensor,
@@ -76,14 +80,15 @@ pub struct SelectOptions {
     /// budgets process the queries in more chunks, with identical results.
     pub scratch_bytes: usize,
     /// Build the top-k's first histogram in the scores kernel for decode-shaped chunks (see the
-    /// module doc); `false`: always in the selection kernel (one more read of the scores).
+    /// module doc); `false` (the default): the selection kernel takes its threshold from a
+    /// sample of each row (rows of at most 64K entries) or its own histogram pass.
     pub fused_histogram: bool,
 }
 
 impl Default for SelectOptions {
-    /// [`SCORE_SCRATCH_BYTES`], fused histogram.
+    /// [`SCORE_SCRATCH_BYTES`], no fused histogram.
     fn default() -> Self {
-        Self { scratch_bytes: SCORE_SCRATCH_BYTES, fused_histogram: true }
+        Self { scratch_bytes: SCORE_SCRATCH_BYTES, fused_histogram: false }
     }
 }
 

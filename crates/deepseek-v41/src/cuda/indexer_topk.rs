@@ -1,8 +1,11 @@
 //! Top-k and candidate blocks of index-score rows on the GPU (spec §6.3 step 7, §6.4,
-//! §0.1b.2): `kernels/indexer_select.cu`, an exact radix selection on the bf16 scores with the
-//! CPU reference's rules ([`crate::attention::indexer::top_k`],
-//! [`crate::attention::indexer::candidate_blocks`]): descending score, ties towards the lower id,
-//! outputs ascending and −1 padded. The CPU path is that reference.
+//! §0.1b.2): exact radix selections on the bf16 scores with the CPU reference's rules
+//! ([`crate::attention::indexer::top_k`], [`crate::attention::indexer::candidate_blocks`]):
+//! descending score, ties towards the lower id, outputs ascending and −1 padded. The CPU path is
+//! that reference. Kernels: the top-k of rows of at most 64K entries with k ≤ 2048 (the decode
+//! shape) reads each row once (`kernels/indexer_topk.cu`: a threshold from the fused histogram or
+//! a sample of the row, a shared candidate list, id bitmaps for the ordered output, exact
+//! fallbacks); longer rows, larger k and the candidate blocks take `kernels/indexer_select.cu`.
 
 use std::ffi::c_void;
 
