@@ -77,6 +77,39 @@ fn pack(keys: &Tensor, page_size: usize, dev: &Device) -> Result<(Tensor, Packed
     Ok((Tensor::from_vec(bytes, (pages, layout.page_bytes()), &Device::Cpu)?.to_device(dev)?, layout))
 }
 
+/// Keys of `rows` fake-quantized rows, each scaled by a power of two in 2^-40..2^40 (scale bytes
+/// on both sides of 128), packed in pages of `page` on the GPU, with per-query key bases and
+/// visible counts: the sources of the same queries on the CPU and on the GPU.
+struct WideScaledKeys {
+    cache: Tensor,
+    cache_cpu: Tensor,
+    layout: PackedLayout,
+    base_c: Tensor,
+    vis_c: Tensor,
+    base_g: Tensor,
+    vis_g: Tensor,
+}
+
+impl WideScaledKeys {
+    fn new(rng: &mut Rng, rows: usize, page: usize, bases: &[u32], counts: &[u32], dev: &Device) -> Result<Self> {
+        let k = fq(rng, &[rows, D])?;
+        let pow: Vec<f32> = (0..rows).map(|_| 2f32.powi(rng.below(81) as i32 - 40)).collect();
+        let keys = k.to_dtype(DType::F32)?.broadcast_mul(&Tensor::from_vec(pow, (rows, 1), &Device::Cpu)?)?.to_dtype(DType::BF16)?;
+        let (cache, layout) = pack(&keys, page, dev)?;
+        let cache_cpu = cache.to_device(&Device::Cpu)?;
+        let (base_c, vis_c) = (Tensor::new(bases, &Device::Cpu)?, Tensor::new(counts, &Device::Cpu)?);
+        let (base_g, vis_g) = (base_c.to_device(dev)?, vis_c.to_device(dev)?);
+        Ok(Self { cache, cache_cpu, layout, base_c, vis_c, base_g, vis_g })
+    }
+
+    /// The source of `n` entries per query: on the CPU, or on the GPU.
+    fn source(&self, n: usize, gpu: bool) -> KeySource<'_> {
+        let (cache, base, vis) =
+            if gpu { (&self.cache, &self.base_g, &self.vis_g) } else { (&self.cache_cpu, &self.base_c, &self.vis_c) };
+        KeySource { keys: IndexKeys::Packed { cache, layout: self.layout }, base: Some(base), entries: n, visibility: Visibility::Counts(vis) }
+    }
+}
+
 /// Allocates and frees poisoned buffers so fresh outputs likely reuse them.
 fn poison(dev: &Device, elems: usize) -> Result<()> {
     let a = Tensor::full(f32::NAN, elems, dev)?.to_dtype(DType::BF16)?;
@@ -225,24 +258,11 @@ fn packed_keys_with_wide_scales_odd_pages_and_head_counts() -> Result<()> {
         let rows = 4 * n + 3; // capacity rounds up to whole pages; the last query runs past it
         let bases: Vec<u32> = vec![0, n as u32, 2 * n as u32 + 1, 3 * n as u32, (rows - n / 2) as u32];
         let counts: Vec<u32> = vec![n as u32, (n - 31) as u32, 0, 33, n as u32];
-        let k = fq(&mut rng, &[rows, D])?;
-        let pow: Vec<f32> = (0..rows).map(|_| 2f32.powi(rng.below(81) as i32 - 40)).collect();
-        let keys = k.to_dtype(DType::F32)?.broadcast_mul(&Tensor::from_vec(pow, (rows, 1), &Device::Cpu)?)?.to_dtype(DType::BF16)?;
+        let keys = WideScaledKeys::new(&mut rng, rows, page, &bases, &counts, &dev)?;
         let (q, w) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?);
-        let (cache, layout) = pack(&keys, page, &dev)?;
-        let cache_cpu = cache.to_device(&Device::Cpu)?;
-        let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
-        let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-        let cpu_src = KeySource {
-            keys: IndexKeys::Packed { cache: &cache_cpu, layout },
-            base: Some(&base_c),
-            entries: n,
-            visibility: Visibility::Counts(&vis_c),
-        };
-        let want = masked_index_scores(&q, &w, &cpu_src, None)?;
+        let want = masked_index_scores(&q, &w, &keys.source(n, false), None)?;
         poison(&dev, t * n)?;
-        let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
-        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
+        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &keys.source(n, true), None)?;
         let what = format!("H{h} page {page} N{n}");
         assert_scores_exact(&what, &got, &want)?;
         // Entries whose slot lies past the cache's capacity are -inf (never read).
@@ -254,9 +274,9 @@ fn packed_keys_with_wide_scales_odd_pages_and_head_counts() -> Result<()> {
         ensure!(last[..inside].iter().all(|&b| b != 0xff80 && b & 0x7f80 != 0x7f80), "{what}: slots inside must be finite");
         ensure!(g[2 * n..3 * n].iter().all(|&b| b == 0xff80), "{what}: visible 0 must give -inf");
         // The wide scales really reach both sides of 2^1 (scale byte 128).
-        let sc = cache_cpu.flatten_all()?.to_vec1::<u8>()?;
+        let sc = keys.cache_cpu.flatten_all()?.to_vec1::<u8>()?;
         let scale_bytes: Vec<u8> = (0..rows.div_ceil(page))
-            .flat_map(|pg| sc[pg * layout.page_bytes() + page * 64..][..page * 4].to_vec())
+            .flat_map(|pg| sc[pg * keys.layout.page_bytes() + page * 64..][..page * 4].to_vec())
             .collect();
         ensure!(scale_bytes.iter().any(|&e| e > 140) && scale_bytes.iter().any(|&e| e < 100), "{what}: scales not wide");
     }
@@ -564,20 +584,8 @@ fn balanced_decode_with_few_heads_wide_scales_and_masks() -> Result<()> {
         let rows = b * n;
         let bases: Vec<u32> = (0..b as u32).map(|i| i * n as u32).collect();
         let counts: Vec<u32> = (0..b).map(|i| if i == 1 { 0 } else { (n - rng.below(40)) as u32 }).collect();
-        let k = fq(&mut rng, &[rows, D])?;
-        let pow: Vec<f32> = (0..rows).map(|_| 2f32.powi(rng.below(81) as i32 - 40)).collect();
-        let keys = k.to_dtype(DType::F32)?.broadcast_mul(&Tensor::from_vec(pow, (rows, 1), &Device::Cpu)?)?.to_dtype(DType::BF16)?;
+        let keys = WideScaledKeys::new(&mut rng, rows, page, &bases, &counts, &dev)?;
         let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
-        let (cache, layout) = pack(&keys, page, &dev)?;
-        let cache_cpu = cache.to_device(&Device::Cpu)?;
-        let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
-        let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-        let cpu_src = KeySource {
-            keys: IndexKeys::Packed { cache: &cache_cpu, layout },
-            base: Some(&base_c),
-            entries: n,
-            visibility: Visibility::Counts(&vis_c),
-        };
         let (block, n_keep) = (8usize, 12usize);
         let mut kept = Vec::with_capacity(b * n_keep);
         for _ in 0..b {
@@ -589,10 +597,9 @@ fn balanced_decode_with_few_heads_wide_scales_and_masks() -> Result<()> {
         }
         let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
         let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
-        let want = masked_index_scores(&q, &w, &cpu_src, masked.then_some(&c_cpu))?;
+        let want = masked_index_scores(&q, &w, &keys.source(n, false), masked.then_some(&c_cpu))?;
         poison(&dev, b * n)?;
-        let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
-        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, masked.then_some(&c_gpu))?;
+        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &keys.source(n, true), masked.then_some(&c_gpu))?;
         let what = format!("balanced H{h} page {page} N{n} masked {masked}");
         assert_scores_exact(&what, &got, &want)?;
         let g = bits(&got)?;
