@@ -176,20 +176,28 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull;
 }
-template <Norm N, bool P32>
-__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
+// Run-14 variants V >= 1 take the page shift, row mask and scale-region offset (page_size * 64) of
+// P32 as kernel arguments (per-launch constants in the constant bank, not recomputed per set).
+template <Norm N, bool P32, int V>
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
+                                                                                            const uint32_t page_shift_arg,
+                                                                                            const uint32_t page_mask_arg,
+                                                                                            const uint32_t scale_off_arg) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
-    const int page_shift = __ffs(p.page_size) - 1;
+    const int page_shift = V >= 1 ? static_cast<int>(page_shift_arg) : __ffs(p.page_size) - 1;
+    const uint32_t page_mask = V >= 1 ? page_mask_arg : ps - 1;
+    const uint32_t scale_off = V >= 1 ? scale_off_arg : ps * 64;
     row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        prefetch();  // the next set's loads (row128_loop)
+        row128_prefetch_at<V, kAfterCompute>(prefetch);  // the next set's loads (row128_loop)
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
+            row128_prefetch_at<V, kAfterCodes>(prefetch);
         } else {  // a block scale above 2^119: the f32 element path
             Row128H8 hh;
 #pragma unroll
@@ -198,15 +206,16 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = c.code[m];
             scales = c.scales;
+            row128_prefetch_at<V, kAfterCodes>(prefetch);
         }
         if (r.slot >= 0) {
             if constexpr (P32) {
-                const uint32_t s = static_cast<uint32_t>(r.slot), row = s & (ps - 1);
+                const uint32_t s = static_cast<uint32_t>(r.slot), row = s & page_mask;
                 uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
                 uint8_t* d = base + (row * 64 + 2 * j);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(d + 16 * m) = static_cast<uint16_t>(code[m]);
-                if (j == 0) *reinterpret_cast<uint32_t*>(base + (ps * 64 + row * 4)) = scales;
+                if (j == 0) *reinterpret_cast<uint32_t*>(base + (scale_off + row * 4)) = scales;
             } else {
                 int64_t page, row;
                 page_and_row(r.slot, p.page_size, page, row);
@@ -216,14 +225,28 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                 if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
             }
         }
+        row128_prefetch_at<V, kAfterStores>(prefetch);
     });
 }
 
+template <Norm N, bool P32, int V>
+int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    const uint32_t ps = static_cast<uint32_t>(p.page_size);
+    const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;
+    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
+        p, shift, ps - 1, ps * 64);
+    return static_cast<int>(cudaGetLastError());
+}
 template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
+    switch (row128_variant()) {
+        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
+        case 2: return launch_packed_e_row128_v<N, P32, 2>(p, s);
+        case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
+        case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
+        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
+    }
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
