@@ -87,6 +87,7 @@ int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
         case 2: return launch_row128_v<Q, 2>(p, s);
         case 3: return launch_row128_v<Q, 3>(p, s);
         case 4: return launch_row128_v<Q, 4>(p, s);
+        case 5: return launch_row128_v<Q, 5>(p, s);
         default: return launch_row128_v<Q, 0>(p, s);
     }
 }

@@ -245,6 +245,7 @@ int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
         case 2: return launch_packed_e_row128_v<N, P32, 2>(p, s);
         case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
         case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
+        case 5: return launch_packed_e_row128_v<N, P32, 5>(p, s);
         default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
     }
 }
