@@ -179,7 +179,7 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
 // Run-14 variants V >= 1 take the page shift, row mask and scale-region offset (page_size * 64) of
 // P32 as kernel arguments (per-launch constants in the constant bank, not recomputed per set).
 template <Norm N, bool P32, int V>
-__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
+__global__ void __launch_bounds__(kInsertThreads, V == 6 ? 3 : kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift_arg,
                                                                                             const uint32_t page_mask_arg,
                                                                                             const uint32_t scale_off_arg) {
@@ -246,6 +246,7 @@ int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
         case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
         case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
         case 5: return launch_packed_e_row128_v<N, P32, 5>(p, s);
+        case 6: return launch_packed_e_row128_v<N, P32, 6>(p, s);
         default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
     }
 }

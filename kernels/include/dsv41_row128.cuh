@@ -274,11 +274,12 @@ inline int row128_variant() {
 // Where finish issues the next set's loads, per variant: prefetch(PARTS) for PARTS in 1, 2, 3.
 //   0, 1: all after compute_row128; 2: all after the codes / fake quant (inside the pair and element
 //   branches); 3: all after the stores; 4: rows + slot after compute_row128, cos/sin after the codes;
-//   5: cos/sin after compute_row128, rows + slot after the codes.
+//   5: cos/sin after compute_row128, rows + slot after the codes; 6 (format E: 1 with 3 blocks per SM):
+//   as 0.
 enum Row128At { kAfterCompute = 0, kAfterCodes = 1, kAfterStores = 2 };
 template <int V, int AT, class F>
 __device__ __forceinline__ void row128_prefetch_at(F&& prefetch) {
-    constexpr int parts = V <= 1   ? (AT == kAfterCompute ? 3 : 0)
+    constexpr int parts = V <= 1 || V >= 6 ? (AT == kAfterCompute ? 3 : 0)
                           : V == 2 ? (AT == kAfterCodes ? 3 : 0)
                           : V == 3 ? (AT == kAfterStores ? 3 : 0)
                           : V == 4 ? (AT == kAfterCompute ? 1 : AT == kAfterCodes ? 2 : 0)
