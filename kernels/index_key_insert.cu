@@ -42,18 +42,17 @@ static __device__ __noinline__ Row128H8 q3_fake_quant_element8(Row128H8 hh, uint
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
 // 2^119 takes the f32 element path for that row.
-template <Quant Q, int V>
+template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         compute_row128<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        row128_prefetch_at<V, kAfterCompute>(prefetch);  // the next set's loads (row128_loop)
+        prefetch();  // the next set's loads (row128_loop)
         if constexpr (Q != Quant::None) {
             const Q3Blocks qb = q3_blocks_row128(amax2);
             if (qb.pairs_ok) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) h[i] = q3_fake_quant_pair(h[i], q3_pair_from_bits2(qb.sb[i / 4], (i / 2) & 1));
-                row128_prefetch_at<V, kAfterCodes>(prefetch);
             } else {  // the element path, out of line
                 Row128H8 hh;
 #pragma unroll
@@ -61,35 +60,21 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
                 hh = q3_fake_quant_element8(hh, amax2[0], amax2[1]);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) h[i] = hh.h[i];
-                row128_prefetch_at<V, kAfterCodes>(prefetch);
             }
-        } else {
-            row128_prefetch_at<V, kAfterCodes>(prefetch);
         }
         if (r.slot >= 0) {
             __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.cache) + r.slot * p.cache_row_stride + 4 * j;
 #pragma unroll
             for (int m = 0; m < 4; ++m) *reinterpret_cast<uint2*>(dst + 32 * m) = make_uint2(h[2 * m], h[2 * m + 1]);
         }
-        row128_prefetch_at<V, kAfterStores>(prefetch);
     });
 }
 
-template <Quant Q, int V>
-int launch_row128_v(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q, V>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
-    index_key_insert_row128_kernel<Q, V><<<grid, kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {  // variant 1 changes format E only: the same kernel as 0 here
-        case 2: return launch_row128_v<Q, 2>(p, s);
-        case 3: return launch_row128_v<Q, 3>(p, s);
-        case 4: return launch_row128_v<Q, 4>(p, s);
-        case 5: return launch_row128_v<Q, 5>(p, s);
-        default: return launch_row128_v<Q, 0>(p, s);
-    }
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace dsv41

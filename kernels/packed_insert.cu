@@ -176,28 +176,25 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull;
 }
-// Run-14 variants V >= 1 take the page shift, row mask and scale-region offset (page_size * 64) of
-// P32 as kernel arguments (per-launch constants in the constant bank, not recomputed per set).
-template <Norm N, bool P32, int V>
-__global__ void __launch_bounds__(kInsertThreads, V == 6 ? 3 : kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
-                                                                                            const uint32_t page_shift_arg,
-                                                                                            const uint32_t page_mask_arg,
-                                                                                            const uint32_t scale_off_arg) {
-    const uint32_t ps = static_cast<uint32_t>(p.page_size);
-    const int page_shift = V >= 1 ? static_cast<int>(page_shift_arg) : __ffs(p.page_size) - 1;
-    const uint32_t page_mask = V >= 1 ? page_mask_arg : ps - 1;
-    const uint32_t scale_off = V >= 1 ? scale_off_arg : ps * 64;
+// page_shift = log2(page_size), page_mask = page_size - 1, scale_off = page_size * 64 (used by P32
+// only): per-launch constants as kernel arguments, read from the constant bank where used; computed
+// in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
+// registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
+template <Norm N, bool P32>
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
+                                                                                            const uint32_t page_shift,
+                                                                                            const uint32_t page_mask,
+                                                                                            const uint32_t scale_off) {
     row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        row128_prefetch_at<V, kAfterCompute>(prefetch);  // the next set's loads (row128_loop)
+        prefetch();  // the next set's loads (row128_loop)
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
-            row128_prefetch_at<V, kAfterCodes>(prefetch);
         } else {  // a block scale above 2^119: the f32 element path
             Row128H8 hh;
 #pragma unroll
@@ -206,7 +203,6 @@ __global__ void __launch_bounds__(kInsertThreads, V == 6 ? 3 : kRow128BlocksPerS
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = c.code[m];
             scales = c.scales;
-            row128_prefetch_at<V, kAfterCodes>(prefetch);
         }
         if (r.slot >= 0) {
             if constexpr (P32) {
@@ -225,30 +221,17 @@ __global__ void __launch_bounds__(kInsertThreads, V == 6 ? 3 : kRow128BlocksPerS
                 if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
             }
         }
-        row128_prefetch_at<V, kAfterStores>(prefetch);
     });
 }
 
-template <Norm N, bool P32, int V>
-int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    const uint32_t ps = static_cast<uint32_t>(p.page_size);
-    const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;
-    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
-        p, shift, ps - 1, ps * 64);
-    return static_cast<int>(cudaGetLastError());
-}
 template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {
-        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
-        case 2: return launch_packed_e_row128_v<N, P32, 2>(p, s);
-        case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
-        case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
-        case 5: return launch_packed_e_row128_v<N, P32, 5>(p, s);
-        case 6: return launch_packed_e_row128_v<N, P32, 6>(p, s);
-        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
-    }
+    const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
+    const uint32_t ps = static_cast<uint32_t>(p.page_size);
+    const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
+        p, shift, ps - 1, ps * 64);
+    return static_cast<int>(cudaGetLastError());
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {

@@ -52,8 +52,6 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
-#include <stdlib.h>
-
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -243,48 +241,17 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
 // Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
-// PARTS (run-14 split): 1 = the row and the slot, 2 = cos/sin, 3 = all (in this order).
-template <int PARTS = 3>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
-    if constexpr ((PARTS & 1) != 0) {
-        const char* src = a.src + tc * a.row_bytes;
+    const char* src = a.src + tc * a.row_bytes;
 #pragma unroll
-        for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
-    }
-    if constexpr ((PARTS & 2) != 0) {
-        const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
+    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
+    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
-        }
+    for (int h = 0; h < 2; ++h) {
+        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
     }
-    if constexpr ((PARTS & 1) != 0)
-        r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
-}
-
-// Run-14 measurement switch DSV41_ROW128_VARIANT (host, read once; unset: 0 = main's kernels).
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
-}
-// Where finish issues the next set's loads, per variant: prefetch(PARTS) for PARTS in 1, 2, 3.
-//   0, 1: all after compute_row128; 2: all after the codes / fake quant (inside the pair and element
-//   branches); 3: all after the stores; 4: rows + slot after compute_row128, cos/sin after the codes;
-//   5: cos/sin after compute_row128, rows + slot after the codes; 6 (format E: 1 with 3 blocks per SM):
-//   as 0.
-enum Row128At { kAfterCompute = 0, kAfterCodes = 1, kAfterStores = 2 };
-template <int V, int AT, class F>
-__device__ __forceinline__ void row128_prefetch_at(F&& prefetch) {
-    constexpr int parts = V <= 1 || V >= 6 ? (AT == kAfterCompute ? 3 : 0)
-                          : V == 2 ? (AT == kAfterCodes ? 3 : 0)
-                          : V == 3 ? (AT == kAfterStores ? 3 : 0)
-                          : V == 4 ? (AT == kAfterCompute ? 1 : AT == kAfterCodes ? 2 : 0)
-                                   : (AT == kAfterCompute ? 2 : AT == kAfterCodes ? 1 : 0);
-    if constexpr (parts != 0) prefetch(std::integral_constant<int, parts>{});
+    r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
 // The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
@@ -328,8 +295,8 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         const uint32_t next = base + round_sets;
         Row128In nxt;
         checked(base, cur);
-        finish(cur, static_cast<const float*>(w), g, j, [&](auto parts) {
-            if (next < sets) load_row128<decltype(parts)::value>(a, min(4 * next + row, T - 1), nxt);
+        finish(cur, static_cast<const float*>(w), g, j, [&] {
+            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
         });
         if (next >= sets) break;
         base = next;
