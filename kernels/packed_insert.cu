@@ -176,10 +176,15 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull;
 }
+// page_shift = log2(page_size), page_mask = page_size - 1, scale_off = page_size * 64 (used by P32
+// only): per-launch constants as kernel arguments, read from the constant bank where used; computed
+// in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
+// registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
 template <Norm N, bool P32>
-__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p) {
-    const uint32_t ps = static_cast<uint32_t>(p.page_size);
-    const int page_shift = __ffs(p.page_size) - 1;
+__global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
+                                                                                            const uint32_t page_shift,
+                                                                                            const uint32_t page_mask,
+                                                                                            const uint32_t scale_off) {
     row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
@@ -201,12 +206,12 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
         }
         if (r.slot >= 0) {
             if constexpr (P32) {
-                const uint32_t s = static_cast<uint32_t>(r.slot), row = s & (ps - 1);
+                const uint32_t s = static_cast<uint32_t>(r.slot), row = s & page_mask;
                 uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
                 uint8_t* d = base + (row * 64 + 2 * j);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(d + 16 * m) = static_cast<uint16_t>(code[m]);
-                if (j == 0) *reinterpret_cast<uint32_t*>(base + (ps * 64 + row * 4)) = scales;
+                if (j == 0) *reinterpret_cast<uint32_t*>(base + (scale_off + row * 4)) = scales;
             } else {
                 int64_t page, row;
                 page_and_row(r.slot, p.page_size, page, row);
@@ -222,7 +227,10 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
 template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
-    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(p);
+    const uint32_t ps = static_cast<uint32_t>(p.page_size);
+    const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
+        p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
 }
 template <Norm N>
