@@ -152,10 +152,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
             for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> LO_BITS], 1u); });
         }
         __syncthreads();
-        find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
-        __syncthreads();
-        b1 = s_bin;
-        above1 = s_above;
+        find_hi_bin_all<THREADS>(hist, k, wsum, &s_bin, &s_above, b1, above1);
     }
 
     // Pass 2: each warp walks its contiguous segment (a multiple of 256 elements) once: counts

@@ -309,10 +309,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
         __syncthreads();
         fallback = nc - s_bad < k;
         if (!fallback && !exact) {
-            find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
-            __syncthreads();
-            b1 = s_bin;
-            above1 = s_above;
+            find_hi_bin_all<THREADS>(hist, k, wsum, &s_bin, &s_above, b1, above1);
             for (uint32_t i = x; i < nc; i += THREADS) {
                 const uint32_t key = order_key(static_cast<uint16_t>(cand[i] >> 16));
                 if (key >= tau && (key >> LO_BITS) == b1) atomicAdd(&lohist[key & (LO_BINS - 1)], 1u);
@@ -333,10 +330,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
                     if ((m >> i) & 1u) atomicAdd(&hist[key_at(kk, i) >> LO_BITS], 1u);
             }
             __syncthreads();
-            find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
-            __syncthreads();
-            b1 = s_bin;
-            above1 = s_above;
+            find_hi_bin_all<THREADS>(hist, k, wsum, &s_bin, &s_above, b1, above1);
         }
         for (int64_t g = x; g < G; g += THREADS) {
             uint32_t kk[4];

@@ -65,6 +65,17 @@ __device__ __forceinline__ void find_hi_bin(const uint32_t* hist, uint32_t want,
     }
 }
 
+// find_hi_bin followed by the barrier that publishes its result: every thread gets the bin in
+// `bin` and count(bins > bin) in `above` (s_bin / s_above: the shared words it goes through).
+template <int THREADS>
+__device__ __forceinline__ void find_hi_bin_all(const uint32_t* hist, uint32_t want, uint32_t* wsum, uint32_t* s_bin,
+                                                uint32_t* s_above, uint32_t& bin, uint32_t& above) {
+    find_hi_bin<THREADS>(hist, want, wsum, s_bin, s_above);
+    __syncthreads();
+    bin = *s_bin;
+    above = *s_above;
+}
+
 // The same for the low digit (LO_BINS = 32 bins, one warp: lane l owns bin 31 - l).
 __device__ __forceinline__ void find_lo_bin(const uint32_t* hist, uint32_t want, int lane, uint32_t* bin,
                                             uint32_t* above) {
