@@ -110,6 +110,22 @@ impl WideScaledKeys {
     }
 }
 
+/// Random kept-candidate rows as the `Candidates` contract has them (ascending, distinct, −1
+/// padded): `t` rows of at most `n_keep` of `n_blocks` blocks of `block` entries, on the CPU and on
+/// `dev`.
+fn random_candidates(rng: &mut Rng, t: usize, n_keep: usize, n_blocks: usize, block: usize, dev: &Device) -> Result<(Candidates, Candidates)> {
+    let mut kept = Vec::with_capacity(t * n_keep);
+    for _ in 0..t {
+        let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(n_blocks) as i64).collect();
+        row.sort_unstable();
+        row.dedup();
+        row.resize(n_keep, -1);
+        kept.extend(row);
+    }
+    let kept = Tensor::from_vec(kept, (t, n_keep), &Device::Cpu)?;
+    Ok((Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(dev)? }))
+}
+
 /// Allocates and frees poisoned buffers so fresh outputs likely reuse them.
 fn poison(dev: &Device, elems: usize) -> Result<()> {
     let a = Tensor::full(f32::NAN, elems, dev)?.to_dtype(DType::BF16)?;
@@ -503,17 +519,7 @@ fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Resul
     let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
     // Consumer mask: 8 blocks of 16 entries per query (128 finite scores at most).
     let (block, n_keep) = (16usize, 8usize);
-    // (Kept rows as the Candidates contract has them: ascending, distinct, −1 padded.)
-    let mut kept = Vec::with_capacity(b * n_keep);
-    for _ in 0..b {
-        let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(nk / block) as i64).collect();
-        row.sort_unstable();
-        row.dedup();
-        row.resize(n_keep, -1);
-        kept.extend(row);
-    }
-    let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
-    let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
+    let (c_cpu, c_gpu) = random_candidates(&mut rng, b, n_keep, nk / block, block, &dev)?;
     for (name, src) in [("packed", &packed), ("bf16 rows", &rows_src)] {
         let g = select_both_ways(&dev, &format!("decode {name}"), &q, &w, &cpu, src, k, None, &[1 << 28, 2 * 4000 * 3])?;
         ensure!(g[6].iter().all(|&i| i == -1), "visible 0: all -1");
@@ -587,16 +593,7 @@ fn balanced_decode_with_few_heads_wide_scales_and_masks() -> Result<()> {
         let keys = WideScaledKeys::new(&mut rng, rows, page, &bases, &counts, &dev)?;
         let (q, w) = (fq(&mut rng, &[b, h, D])?, weights(&mut rng, b, h)?);
         let (block, n_keep) = (8usize, 12usize);
-        let mut kept = Vec::with_capacity(b * n_keep);
-        for _ in 0..b {
-            let mut row: Vec<i64> = (0..n_keep).map(|_| rng.below(n.div_ceil(block)) as i64).collect();
-            row.sort_unstable();
-            row.dedup();
-            row.resize(n_keep, -1);
-            kept.extend(row);
-        }
-        let kept = Tensor::from_vec(kept, (b, n_keep), &Device::Cpu)?;
-        let (c_cpu, c_gpu) = (Candidates { block, kept: kept.clone() }, Candidates { block, kept: kept.to_device(&dev)? });
+        let (c_cpu, c_gpu) = random_candidates(&mut rng, b, n_keep, n.div_ceil(block), block, &dev)?;
         let want = masked_index_scores(&q, &w, &keys.source(n, false), masked.then_some(&c_cpu))?;
         poison(&dev, b * n)?;
         let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &keys.source(n, true), masked.then_some(&c_gpu))?;
