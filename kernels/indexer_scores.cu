@@ -1,7 +1,7 @@
 // indexer_scores: lightning-indexer scores (spec §6.3, §0.1b.1) of T queries against an
 // index-key cache of bf16 rows or packed MXFP4 68 B rows (§7.2 E), with the visibility rule and
-// an optional allowed-block mask (candidate consumers, §6.4); plus the kernel that turns kept
-// candidate blocks into that mask.
+// an optional allowed-block mask (candidate consumers, §6.4; built from the kept candidate blocks
+// by kernels/indexer_allowed_mask.cu).
 //
 //   S[t, j] = bf16( sum_h bf16( relu(bf16(q[t,h] . K[j])) * w[t,h] ) )     (h ascending, f32 sum)
 //
@@ -706,20 +706,6 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
     }
 }
 
-__global__ void __launch_bounds__(256) allowed_mask_kernel(const Dsv41IndexerMaskParams p) {
-    extern __shared__ uint32_t bits[];
-    const int64_t t = blockIdx.x;
-    for (int i = threadIdx.x; i < p.words; i += blockDim.x) bits[i] = 0u;
-    __syncthreads();
-    const int64_t* row = p.blocks + t * p.n_blocks;
-    for (int i = threadIdx.x; i < p.n_blocks; i += blockDim.x) {
-        const int64_t b = row[i];
-        if (b >= 0 && b < 32LL * p.words) atomicOr(&bits[b / 32], 1u << (b % 32));
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < p.words; i += blockDim.x) p.allowed[t * p.words + i] = bits[i];
-}
-
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Resident CTAs of the balanced kernel (SMs x CTAs per SM), once per process and instance.
@@ -810,14 +796,4 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         return launch<DSV41_INDEX_KEYS_MXFP4, 1, true>(*p, s);
     }
     return DSV41_ERR_QUANT;
-}
-
-extern "C" int dsv41_indexer_allowed_mask(const Dsv41IndexerMaskParams* p, size_t params_size, void* stream) {
-    using namespace dsv41_ix;
-    if (params_size != sizeof(Dsv41IndexerMaskParams)) return DSV41_ERR_PARAMS_SIZE;
-    if (p->num_tokens < 0 || p->n_blocks < 0 || p->words < 1 || p->words > 12288) return DSV41_ERR_SHAPE;
-    if (p->num_tokens == 0) return DSV41_OK;
-    if (!p->allowed || (p->n_blocks > 0 && !p->blocks)) return DSV41_ERR_NULL;
-    allowed_mask_kernel<<<p->num_tokens, 256, sizeof(uint32_t) * p->words, static_cast<cudaStream_t>(stream)>>>(*p);
-    return static_cast<int>(cudaGetLastError());
 }

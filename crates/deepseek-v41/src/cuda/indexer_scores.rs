@@ -137,7 +137,8 @@ pub(crate) fn cpu_scores(q: &Tensor, w: &Tensor, src: &KeySource) -> Result<Vec<
     Ok(out)
 }
 
-/// The allowed-block bitmask `[T, words]` u32 of published candidates over `entries` entries.
+/// The allowed-block bitmask `[T, words]` u32 of published candidates over `entries` entries
+/// (`kernels/indexer_allowed_mask.cu`).
 pub(crate) fn allowed_mask(c: &Candidates, entries: usize) -> Result<Tensor> {
     const OP: &str = "indexer allowed mask";
     let (t, n_blocks) = c.kept.dims2()?;
