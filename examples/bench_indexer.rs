@@ -5,7 +5,9 @@
 //!
 //! * Decode: B = 1, 64, 256 queries, each sequence with its OWN 64K keys (one cache, per-query
 //!   base row): scores alone, top-k alone (on precomputed scores), both (`index_select`,
-//!   `select_us`).
+//!   `select_us`). The queries are fake-quantized with Q3 (e2m1 x UE8M0 per 32-block, spec §2.3)
+//!   as the model's index queries are (since session 7; the packed-key kernel takes its integer
+//!   MMAs for such queries, `kernels/include/dsv41_ix_int8.cuh`).
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
 //!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k).
 //!
@@ -23,7 +25,7 @@ use clap::Parser;
 use deepseek_v41::cuda::{
     index_select, index_topk, masked_index_scores, IndexKeys, KeySource, PackedLayout, Visibility,
 };
-use deepseek_v41::quant::fake_quant::QatFormat;
+use deepseek_v41::quant::fake_quant::{fake_quant, QatFormat};
 
 #[path = "support/bench.rs"]
 mod bench;
@@ -87,7 +89,7 @@ fn main() -> Result<()> {
     );
     for &b in &args.batches {
         let (bf, packed, layout) = caches(b * KEYS, &dev)?;
-        let q = Tensor::randn(0f32, 1.0, (b, HEADS, DIM), &dev)?.to_dtype(DType::BF16)?;
+        let q = fake_quant(&Tensor::randn(0f32, 1.0, (b, HEADS, DIM), &dev)?, QatFormat::Fp4Ue8m0B32)?.to_dtype(DType::BF16)?;
         let w = (Tensor::randn(0f32, 0.05, (b, HEADS), &dev)?.to_dtype(DType::BF16)?.to_dtype(DType::F32))?;
         let bases: Vec<u32> = (0..b as u32).map(|i| i * KEYS as u32).collect();
         let base = Tensor::new(bases.as_slice(), &dev)?;

@@ -64,11 +64,13 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <type_traits>
 
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_indexer.h"
+#include "include/dsv41_ix_int8.cuh"
 #include "include/dsv41_warp.cuh"
 
 namespace dsv41_ix {
@@ -260,6 +262,10 @@ constexpr int V_REG = 8;   // lane and staging addresses held in registers, a lo
 constexpr int V_SPEC = 16; // H = 32 and no allowed mask as compile-time facts (chosen at launch)
 constexpr int V_PRED = 32; // epilogue without branches around the head sum, predicated store
 constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
+// Integer MMAs (s8 queries x s8 keys, dsv41_ix_int8.cuh) for tokens whose q is exactly s8 x 2^Eq_h
+// per head and warp iterations whose 32 keys' block scales span <= 3 each (packed decode with
+// the A fragments in shared memory only; same results, exactly).
+constexpr int V_I8 = 64;
 
 template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -271,6 +277,9 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
     // kSharedA: qsh[s][m][lane] = the lane's A fragment of k-step s, m-tile m.
     __shared__ __align__(16) uint4 qsh[kSharedA ? 8 : 1][2][32];
+    // V_I8: qsh8[s][m][lane] = the lane's s8 A fragment of k32-step s, m-tile m.
+    constexpr bool kI8 = kSharedA && (V & V_I8) != 0;
+    __shared__ __align__(16) uint4 qsh8[kI8 ? 4 : 1][2][32];
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
@@ -347,6 +356,10 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
             }
         }
+        // V_I8: whether the token takes the integer MMAs, and the scaled weights w2i[m] (w_h * 2^Eq_h,
+        // bf16x2).
+        bool tok_i8 = false;
+        uint32_t w2i[2] = {0u, 0u};
         if constexpr (kSharedA) {
             // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
 #pragma unroll
@@ -356,7 +369,11 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
                 }
             }
-            __syncthreads();
+            if constexpr (kI8) {
+                tok_i8 = dsv41_ix_i8::int8_queries(p, t, H, qa, qsh8, w2i);
+            } else {
+                __syncthreads();
+            }
             if (!valid(it)) return;
         }
 
@@ -413,6 +430,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
             const int next = it + step;
             KeySlice<KF> cur[4];
+            uint32_t s_own = 0u;  // V_I8: the scale word of this lane's key key0 + lane
             if constexpr (kPacked) {
                 dsv41_ptx::cp_async_wait_all();
                 __syncwarp();  // the scale words were copied by other lanes
@@ -421,6 +439,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     cur[nt].d = kst_d[warp][buf][nt][lane];
                     cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
                 }
+                if constexpr (kI8) s_own = kst_s[warp][buf][lane];
                 if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
                 buf ^= 1;
             } else {
@@ -472,11 +491,62 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     }
                 }
             };
-            bool wide = false;
+            // V_I8: the integer MMAs when the token's q converted and every key of the warp has
+            // block scales spanning <= 3 (Emin_j = its smallest scale byte, within the bounds).
+            bool use_i8 = false;
+            uint32_t emin = 0u;
+            if constexpr (kI8) {
+                using namespace dsv41_ix_i8;
+                uint32_t emax;
+                byte_range(s_own, emin, emax);
+                const bool kok = emax - emin <= 3u && emin + EXP_BOUND >= 128u && emin <= 128u + EXP_BOUND;
+                use_i8 = __all_sync(0xFFFFFFFFu, tok_i8 && kok);
+            }
+            if constexpr (kI8) {
+                if (use_i8) {
+                    // Tables of the lane's (key nt * 8 + g, block c); its Emin from the key's lane.
+                    dsv41_ix_i8::Lut lut[4];
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
-            if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
-            else scores(std::false_type{});
+                    for (int nt = 0; nt < 4; ++nt)
+                        lut[nt].set(cur[nt].scale_byte(c) - __shfl_sync(0xFFFFFFFFu, emin, nt * 8 + g));
+                    int acci[4][2][4];
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                            for (int r = 0; r < 4; ++r) acci[nt][mt][r] = static_cast<int>(dsv41_ix_i8::MAGIC_BITS);
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) {
+                        const uint4 a0 = qsh8[s][0][lane], a1 = qsh8[s][1][lane];
+#pragma unroll
+                        for (int nt = 0; nt < 4; ++nt) {
+                            const uint32_t wd[4] = {cur[nt].d.x, cur[nt].d.y, cur[nt].d.z, cur[nt].d.w};
+                            uint32_t b0, b1;
+                            lut[nt].expand(wd[s], b0, b1);
+                            dsv41_ix_i8::mma_s8(acci[nt][0], a0.x, a0.y, a0.z, a0.w, b0, b1);
+                            dsv41_ix_i8::mma_s8(acci[nt][1], a1.x, a1.y, a1.z, a1.w, b0, b1);
+                        }
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                            for (int r = 0; r < 4; ++r)
+                                acc[nt][mt][r] = __int_as_float(acci[nt][mt][r]) - dsv41_ix_i8::MAGIC;
+                }
+            }
+            if (!use_i8) {
+                bool wide = false;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
+                if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
+                else scores(std::false_type{});
+            }
+            // The products' weights, and the power of two the head sum is scaled by (V_I8).
+            const uint32_t wp0 = use_i8 ? w2i[0] : w2[0], wp1 = use_i8 ? w2i[1] : w2[1];
+            const float kscale = use_i8 ? dsv41_ix_i8::exp2i(static_cast<int>(emin) - 128) : 1.f;
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
             // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
             __syncwarp();
@@ -485,8 +555,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     uint2 pr;
-                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], wp0);
+                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], wp1);
                     const int kk = nt * 8 + 2 * c + e;
                     *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
                 }
@@ -530,7 +600,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 if constexpr ((V & V_PRED) != 0) {
                     // Every lane's key row of the product buffer was written (keys past N or L
                     // hold products of row key_base[t]): no branch around the sum.
-                    finish(head_sum());
+                    if constexpr (kI8) finish(head_sum() * kscale);
+                    else finish(head_sum());
                 } else if (j < static_cast<uint32_t>(n)) {
                     finish(head_sum());
                 }
@@ -677,11 +748,21 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     indexer_scores_balanced_kernel<KF, V><<<g, THREADS, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
+// Experiment switch (session 7): DSV41_IX_I8=0 disables the integer MMAs (V_I8).
+bool int8_enabled() {
+    static const bool on = [] {
+        const char* e = getenv("DSV41_IX_I8");
+        return !(e && e[0] == '0');
+    }();
+    return on;
+}
 // The balanced kernel compiled for H = 32 without a mask (the model's decode), else its general form.
 template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL>(p, stream);
-    return launch_balanced_v<KF, V_BAL & ~V_SPEC>(p, stream);
+    const bool spec = p.num_heads == 32 && !p.allowed;
+    if (int8_enabled())
+        return spec ? launch_balanced_v<KF, V_BAL | V_I8>(p, stream) : launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8>(p, stream);
+    return spec ? launch_balanced_v<KF, V_BAL>(p, stream) : launch_balanced_v<KF, V_BAL & ~V_SPEC>(p, stream);
 }
 
 }  // namespace dsv41_ix
