@@ -64,7 +64,6 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include <type_traits>
 
@@ -446,6 +445,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
             }
+            // (V_I8: also zeroed before the branch, dead in the integer path; zeroing in the bf16
+            // path or first MMAs from C = 0 instead spill with 128 registers.)
             float acc[4][2][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
@@ -748,21 +749,12 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     indexer_scores_balanced_kernel<KF, V><<<g, THREADS, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
-// Experiment switch (session 7): DSV41_IX_I8=0 disables the integer MMAs (V_I8).
-bool int8_enabled() {
-    static const bool on = [] {
-        const char* e = getenv("DSV41_IX_I8");
-        return !(e && e[0] == '0');
-    }();
-    return on;
-}
-// The balanced kernel compiled for H = 32 without a mask (the model's decode), else its general form.
+// The balanced kernel (with the integer MMAs) compiled for H = 32 without a mask (the model's
+// decode), else its general form.
 template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    const bool spec = p.num_heads == 32 && !p.allowed;
-    if (int8_enabled())
-        return spec ? launch_balanced_v<KF, V_BAL | V_I8>(p, stream) : launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8>(p, stream);
-    return spec ? launch_balanced_v<KF, V_BAL>(p, stream) : launch_balanced_v<KF, V_BAL & ~V_SPEC>(p, stream);
+    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL | V_I8>(p, stream);
+    return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8>(p, stream);
 }
 
 }  // namespace dsv41_ix
