@@ -60,6 +60,13 @@
 // issue-bound. Tried and dropped: products stored as f32 words (HMUL2 with a swapped-in half;
 // 12 fewer instructions but +25 % shared wavefronts: no faster), key staging by lane pairs (no
 // fewer instructions).
+// Integer MMAs (V_I8, session 7; the balanced kernel always): tokens whose q is exactly s8 x 2^Eq
+// per head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8
+// m16n8k32 IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the
+// numerics) with the same k permutation (word s of a lane's slice = k32-step s), else the bf16
+// path above; same scores bit for bit. B = 256: 573 instead of 611 warp instructions per
+// iteration, -3 % cycles; scan with top-k 579-586 us (docs/perf.md "Indexer round 6"). (On
+// sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -261,10 +268,7 @@ constexpr int V_REG = 8;   // lane and staging addresses held in registers, a lo
 constexpr int V_SPEC = 16; // H = 32 and no allowed mask as compile-time facts (chosen at launch)
 constexpr int V_PRED = 32; // epilogue without branches around the head sum, predicated store
 constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
-// Integer MMAs (s8 queries x s8 keys, dsv41_ix_int8.cuh) for tokens whose q is exactly s8 x 2^Eq_h
-// per head and warp iterations whose 32 keys' block scales span <= 3 each (packed decode with
-// the A fragments in shared memory only; same results, exactly).
-constexpr int V_I8 = 64;
+constexpr int V_I8 = 64;    // integer MMAs (header; kSharedA only)
 
 template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -445,8 +449,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
             }
-            // (V_I8: also zeroed before the branch, dead in the integer path; zeroing in the bf16
-            // path or first MMAs from C = 0 instead spill with 128 registers.)
+            // (V_I8: dead in the integer path; zeroing in the bf16 branch instead spills.)
             float acc[4][2][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
