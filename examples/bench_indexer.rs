@@ -4,10 +4,10 @@
 //! MXFP4 rows (68 B).
 //!
 //! * Decode: B = 1, 64, 256 queries, each sequence with its OWN 64K keys (one cache, per-query
-//!   base row): scores alone, top-k alone (on precomputed scores), both (`index_select`) with the
-//!   top-k's first histogram built inside the scores kernel (`select_us`,
-//!   `SelectOptions::fused_histogram = true`) and without that fusion (`unfused_us`, the
-//!   default since session 6).
+//!   base row): scores alone, top-k alone (on precomputed scores), both (`index_select`,
+//!   `select_us`). The queries are fake-quantized with Q3 (e2m1 x UE8M0 per 32-block, spec §2.3)
+//!   as the model's index queries are (since session 7; the packed-key kernel takes its integer
+//!   MMAs for such queries, `kernels/include/dsv41_ix_int8.cuh`).
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
 //!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k).
 //!
@@ -23,10 +23,9 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use clap::Parser;
 use deepseek_v41::cuda::{
-    index_select, index_select_with_options, index_topk, masked_index_scores, IndexKeys, KeySource, PackedLayout, SelectOptions,
-    Visibility,
+    index_select, index_topk, masked_index_scores, IndexKeys, KeySource, PackedLayout, Visibility,
 };
-use deepseek_v41::quant::fake_quant::QatFormat;
+use deepseek_v41::quant::fake_quant::{fake_quant, QatFormat};
 
 #[path = "support/bench.rs"]
 mod bench;
@@ -85,14 +84,12 @@ fn main() -> Result<()> {
     );
     println!("\n## decode (each sequence its own keys)");
     println!(
-        "{:<5} {:<7} {:>11} {:>8} {:>8} {:>10} {:>11} {:>13} {:>8} {:>7} {:>12}",
-        "B", "keys", "scores_us", "GB/s", "TFLOP/s", "topk_us", "select_us", "unfused_us", "%HBM", "%peak", "candle_scores_us"
+        "{:<5} {:<7} {:>11} {:>8} {:>8} {:>10} {:>11} {:>8} {:>7} {:>12}",
+        "B", "keys", "scores_us", "GB/s", "TFLOP/s", "topk_us", "select_us", "%HBM", "%peak", "candle_scores_us"
     );
-    let unfused = SelectOptions { fused_histogram: false, ..SelectOptions::default() };
-    let fused = SelectOptions { fused_histogram: true, ..SelectOptions::default() };
     for &b in &args.batches {
         let (bf, packed, layout) = caches(b * KEYS, &dev)?;
-        let q = Tensor::randn(0f32, 1.0, (b, HEADS, DIM), &dev)?.to_dtype(DType::BF16)?;
+        let q = fake_quant(&Tensor::randn(0f32, 1.0, (b, HEADS, DIM), &dev)?, QatFormat::Fp4Ue8m0B32)?.to_dtype(DType::BF16)?;
         let w = (Tensor::randn(0f32, 0.05, (b, HEADS), &dev)?.to_dtype(DType::BF16)?.to_dtype(DType::F32))?;
         let bases: Vec<u32> = (0..b as u32).map(|i| i * KEYS as u32).collect();
         let base = Tensor::new(bases.as_slice(), &dev)?;
@@ -113,11 +110,7 @@ fn main() -> Result<()> {
                 Ok(())
             })?;
             let tsel = timer.calls(|| {
-                index_select_with_options(&q, &w, &src, TOPK, None, None, &fused)?;
-                Ok(())
-            })?;
-            let tun = timer.calls(|| {
-                index_select_with_options(&q, &w, &src, TOPK, None, None, &unfused)?;
+                index_select(&q, &w, &src, TOPK, None, None)?;
                 Ok(())
             })?;
             let bytes = (b * KEYS * row_bytes + b * KEYS * 2) as f64;
@@ -135,13 +128,12 @@ fn main() -> Result<()> {
                 }
             };
             println!(
-                "{b:<5} {name:<7} {:>11.1} {:>8.0} {:>8.1} {:>10.1} {:>11.1} {:>13.1} {:>7.1}% {:>6.1}% {base_col}",
+                "{b:<5} {name:<7} {:>11.1} {:>8.0} {:>8.1} {:>10.1} {:>11.1} {:>7.1}% {:>6.1}% {base_col}",
                 ts * 1e3,
                 gbps,
                 tflops,
                 tk * 1e3,
                 tsel * 1e3,
-                tun * 1e3,
                 100.0 * gbps / HBM_READ_GBPS,
                 100.0 * tflops / BF16_TFLOPS
             );
@@ -149,7 +141,7 @@ fn main() -> Result<()> {
     }
 
     println!("\n## prefill chunk at the end of a {CONTEXT} context (one sequence, causal ratio 2)");
-    println!("{:<7} {:<7} {:>11} {:>9} {:>7} {:>12} {:>12}", "T", "keys", "select_ms", "TFLOP/s", "%peak", "Mtok/s", "unfused_ms");
+    println!("{:<7} {:<7} {:>11} {:>9} {:>7} {:>12}", "T", "keys", "select_ms", "TFLOP/s", "%peak", "Mtok/s");
     let (bf, packed, layout) = caches(KEYS, &dev)?;
     let slow = Timer { stream, warmup: 1, reps: 3, rep_ms: 1.0 };
     for &t in &args.prefill {
@@ -164,18 +156,13 @@ fn main() -> Result<()> {
                 index_select(&q, &w, &src, TOPK, None, None)?;
                 Ok(())
             })?;
-            let tun = slow.calls(|| {
-                index_select_with_options(&q, &w, &src, TOPK, None, None, &unfused)?;
-                Ok(())
-            })?;
             let tflops = tflops(flops, ts);
             println!(
-                "{t:<7} {name:<7} {:>11.2} {:>9.1} {:>6.1}% {:>12.3} {:>12.2}",
+                "{t:<7} {name:<7} {:>11.2} {:>9.1} {:>6.1}% {:>12.3}",
                 ts,
                 tflops,
                 100.0 * tflops / BF16_TFLOPS,
-                t as f64 / (ts * 1e-3) / 1e6,
-                tun
+                t as f64 / (ts * 1e-3) / 1e6
             );
         }
     }

@@ -46,24 +46,27 @@
 // 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
 // Entries j >= L_t (and those whose key row lies past the cache) are written as -inf without
 // any key read.
-// Top-k histogram (p.hist: index_select's fused first selection pass): every score written for
-// j < Lv_t (the selection's visible entries, including the -inf ones) adds 1 to bin
-// order_key >> 5 (dsv41_indexer.h) of a shared-memory histogram (dynamic; one per CTA for
-// TQ = 1, whose warps share the token, one per warp for TQ = 4), which the CTA adds to the
-// token's global histogram with atomics (non-empty bins) when its span is done.
 // Balanced decode (indexer_scores_balanced_kernel, packed decode batches of 64..1024 queries):
 // resident CTAs taking equal shares of all tokens' visible entries instead of a (token, chunk)
 // grid. Its code-generation options (V_BAL, round 5; no numeric change): both m-tiles' MMAs for
 // every H (rows >= H are zero; their heads are not summed), the common path's scale multiplier
-// without a select, 32-bit entry ids and a 4-instruction histogram bin in the epilogue, lane,
-// staging addresses and a loop-carried score pointer held in registers instead of recomputed per
-// iteration (S2R / constant reads), the head sum of every lane without a branch (a predicated
-// store), and for H = 32 without a mask (the model's decode) a copy compiled for exactly that.
-// Nsight Compute (B = 256, fused histogram): ~601 instead of ~648 SASS instructions per warp
-// iteration, -2.9 % cycles; the kernel is latency-bound (fixed-latency dependencies and dispatch
-// stalls at ~60 % issue), not issue-bound. Tried and dropped: products stored as f32 words
-// (HMUL2 with a swapped-in half; 12 fewer instructions but +25 % shared wavefronts: no faster),
-// key staging by lane pairs (no fewer instructions).
+// without a select, 32-bit entry ids in the epilogue, lane, staging addresses and a loop-carried
+// score pointer held in registers instead of recomputed per iteration (S2R / constant reads),
+// the head sum of every lane without a branch (a predicated store), and for H = 32 without a
+// mask (the model's decode) a copy compiled for exactly that.
+// Nsight Compute (B = 256, with the fused top-k histogram of sessions 5-6, removed in session
+// 7): ~601 instead of ~648 SASS instructions per warp iteration, -2.9 % cycles; the kernel is
+// latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue), not
+// issue-bound. Tried and dropped: products stored as f32 words (HMUL2 with a swapped-in half;
+// 12 fewer instructions but +25 % shared wavefronts: no faster), key staging by lane pairs (no
+// fewer instructions).
+// Integer MMAs (V_I8, session 7; the balanced kernel always): tokens whose q is exactly s8 x 2^Eq
+// per head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8
+// m16n8k32 IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the
+// numerics) with the same k permutation (word s of a lane's slice = k32-step s), else the bf16
+// path above; same scores bit for bit. B = 256: 573 instead of 611 warp instructions per
+// iteration, -3 % cycles; scan with top-k 579-586 us (docs/perf.md "Indexer round 6"). (On
+// sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -73,6 +76,7 @@
 
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_indexer.h"
+#include "include/dsv41_ix_int8.cuh"
 #include "include/dsv41_warp.cuh"
 
 namespace dsv41_ix {
@@ -226,37 +230,22 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
-// The top-k's first histogram (dsv41_indexer.h): bin = order key >> 5 of a bf16 score.
-constexpr int HIST_BINS = DSV41_SELECT_HIST_BINS;
-constexpr uint32_t NEG_INF_BIN = (~static_cast<uint32_t>(BF16_NEG_INF) & 0xFFFFu) >> 5;
-__device__ __forceinline__ uint32_t order_bin(uint32_t bits) {
-    const uint32_t u = (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
-    return u >> 5;
-}
-// Dynamic shared memory of the histogram: one per CTA (TQ = 1: its warps share the token), one
-// per warp (TQ = 4).
-template <int TQ>
-constexpr size_t hist_smem() {
-    return sizeof(uint32_t) * HIST_BINS * (TQ == 1 ? 1 : WARPS);
-}
-
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
 // Decode over packed keys (A fragments in shared memory): 4 CTAs per SM (<= 128 registers);
 // otherwise 3 (<= 170 registers: the A fragments alone take 64).
-// Visible entries of token t (the top-k's L_t, for the histogram) and those with a key row (L_t
-// clamped to the rows past key_base[t]: entries past the cache count as invisible).
+// Entries of token t with a key row (the visible L_t clamped to the rows past key_base[t]:
+// entries past the cache count as invisible) and its first key row.
 struct Extent {
-    int64_t L, Lv, kbase;
+    int64_t L, kbase;
 };
 __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p, int64_t t) {
     const int64_t n = p.num_cols;
     int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
     L = L < n ? L : n;
     Extent e;
-    e.Lv = L;
     e.kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
     // Afterwards every j < L has a key row (kbase + j < num_key_rows), and row kbase exists
     // whenever L >= 1.
@@ -273,12 +262,13 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 // decode kernel uses all of them (V_BAL, measured in round 5); the grid kernels keep V = 0 (their
 // code as measured before).
 constexpr int V_NOH2 = 1;  // both m-tiles' MMAs for every H (no H > 2 predicate, no zeroed accumulators)
-constexpr int V_EPI = 2;   // 32-bit entry ids in the epilogue, cheaper histogram bin
+constexpr int V_EPI = 2;   // 32-bit entry ids in the epilogue
 constexpr int V_SC = 4;    // scale multipliers of the common path without selects
 constexpr int V_REG = 8;   // lane and staging addresses held in registers, a loop-carried score pointer
 constexpr int V_SPEC = 16; // H = 32 and no allowed mask as compile-time facts (chosen at launch)
 constexpr int V_PRED = 32; // epilogue without branches around the head sum, predicated store
 constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
+constexpr int V_I8 = 64;    // integer MMAs (header; kSharedA only)
 
 template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -290,11 +280,12 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
     // kSharedA: qsh[s][m][lane] = the lane's A fragment of k-step s, m-tile m.
     __shared__ __align__(16) uint4 qsh[kSharedA ? 8 : 1][2][32];
+    // V_I8: qsh8[s][m][lane] = the lane's s8 A fragment of k32-step s, m-tile m.
+    constexpr bool kI8 = kSharedA && (V & V_I8) != 0;
+    __shared__ __align__(16) uint4 qsh8[kI8 ? 4 : 1][2][32];
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
-    // With p.hist: the histogram of the token's scores (dynamic, hist_smem<TQ>() bytes).
-    extern __shared__ uint32_t hdyn[];
     int warp_r = threadIdx.x / 32, lane_r = threadIdx.x % 32;
     if constexpr ((V & V_REG) != 0) {
         // Held in registers (otherwise recomputed from SR_TID per iteration, a variable-latency read).
@@ -308,60 +299,21 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     const int64_t n = p.num_cols;
     const Extent ext = token_extent(p, t);
     const int64_t L = ext.L, kbase = ext.kbase;
-    const uint32_t Lv = static_cast<uint32_t>(ext.Lv);  // the top-k's visible entries (histogram)
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = (V & V_SPEC) ? nullptr : (p.allowed ? p.allowed + t * p.allowed_words : nullptr);
     const int H = (V & V_SPEC) ? 32 : p.num_heads;
     uint16_t* pw = prod[warp];
-    uint32_t* hs = hdyn + (TQ == 1 ? 0 : warp * HIST_BINS);
-    uint32_t hs_addr = dsv41_ptx::smem_addr(hs);
-    if constexpr ((V & V_REG) != 0) asm volatile("" : "+r"(hs_addr));
-    const bool hist = p.hist != nullptr;
-    if (hist) {
-        if constexpr (TQ == 1) {
-            for (int i = threadIdx.x; i < HIST_BINS; i += THREADS) hs[i] = 0u;
-            __syncthreads();
-        } else {
-            for (int i = lane; i < HIST_BINS; i += 32) hs[i] = 0u;
-            __syncwarp();
-        }
-    }
-    // Adds the histogram to the token's (global atomics, non-empty bins only). TQ = 1: a CTA
-    // barrier (every warp calls it once, at the end).
-    auto flush = [&]() {
-        if (!hist) return;
-        uint32_t* gh = p.hist + t * HIST_BINS;
-        if constexpr (TQ == 1) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < HIST_BINS; i += THREADS) {
-                const uint32_t v = hs[i];
-                if (v) atomicAdd(gh + i, v);
-            }
-        } else {
-            __syncwarp();
-            for (int i = lane; i < HIST_BINS; i += 32) {
-                const uint32_t v = hs[i];
-                if (v) atomicAdd(gh + i, v);
-            }
-        }
-    };
 
-    // Entries past L: -inf without reading keys (those below Lv, past the cache, are histogram
-    // entries too: the -inf bin).
-    uint32_t past = 0;
+    // Entries past L: -inf without reading keys.
     for (int it = first; it < n_it; it += step) {
         const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
         if (key0 >= n) break;
-        if (key0 >= L && key0 + lane < n) {
-            out[key0 + lane] = BF16_NEG_INF;
-            past += static_cast<uint32_t>(key0 + lane) < Lv;
-        }
+        if (key0 >= L && key0 + lane < n) out[key0 + lane] = BF16_NEG_INF;
     }
-    if (hist && past) atomicAdd(&hs[NEG_INF_BIN], past);
     auto valid = [&](int it) { return it < n_it && chunk0 + static_cast<int64_t>(it) * KT < L; };
     int it = first;
     // Everything from the A fragments on; a warp without work returns from it early (TQ = 1:
-    // after the A-fragment barrier), so that every warp reaches the histogram flush.
+    // after the A-fragment barrier).
     auto span = [&]() {
         if (!kSharedA && !valid(it)) return;
 
@@ -407,6 +359,10 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
             }
         }
+        // V_I8: whether the token takes the integer MMAs, and the scaled weights w2i[m] (w_h * 2^Eq_h,
+        // bf16x2).
+        bool tok_i8 = false;
+        uint32_t w2i[2] = {0u, 0u};
         if constexpr (kSharedA) {
             // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
 #pragma unroll
@@ -416,7 +372,11 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
                 }
             }
-            __syncthreads();
+            if constexpr (kI8) {
+                tok_i8 = dsv41_ix_i8::int8_queries(p, t, H, qa, qsh8, w2i);
+            } else {
+                __syncthreads();
+            }
             if (!valid(it)) return;
         }
 
@@ -473,6 +433,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
             const int next = it + step;
             KeySlice<KF> cur[4];
+            uint32_t s_own = 0u;  // V_I8: the scale word of this lane's key key0 + lane
             if constexpr (kPacked) {
                 dsv41_ptx::cp_async_wait_all();
                 __syncwarp();  // the scale words were copied by other lanes
@@ -481,12 +442,14 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     cur[nt].d = kst_d[warp][buf][nt][lane];
                     cur[nt].s4 = kst_s[warp][buf][nt * 8 + g];
                 }
+                if constexpr (kI8) s_own = kst_s[warp][buf][lane];
                 if (valid(next)) stage(chunk0 + static_cast<int64_t>(next) * KT, buf ^ 1);
                 buf ^= 1;
             } else {
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
             }
+            // (V_I8: dead in the integer path; zeroing in the bf16 branch instead spills.)
             float acc[4][2][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
@@ -532,11 +495,62 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     }
                 }
             };
-            bool wide = false;
+            // V_I8: the integer MMAs when the token's q converted and every key of the warp has
+            // block scales spanning <= 3 (Emin_j = its smallest scale byte, within the bounds).
+            bool use_i8 = false;
+            uint32_t emin = 0u;
+            if constexpr (kI8) {
+                using namespace dsv41_ix_i8;
+                uint32_t emax;
+                byte_range(s_own, emin, emax);
+                const bool kok = emax - emin <= 3u && emin + EXP_BOUND >= 128u && emin <= 128u + EXP_BOUND;
+                use_i8 = __all_sync(0xFFFFFFFFu, tok_i8 && kok);
+            }
+            if constexpr (kI8) {
+                if (use_i8) {
+                    // Tables of the lane's (key nt * 8 + g, block c); its Emin from the key's lane.
+                    dsv41_ix_i8::Lut lut[4];
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
-            if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
-            else scores(std::false_type{});
+                    for (int nt = 0; nt < 4; ++nt)
+                        lut[nt].set(cur[nt].scale_byte(c) - __shfl_sync(0xFFFFFFFFu, emin, nt * 8 + g));
+                    int acci[4][2][4];
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                            for (int r = 0; r < 4; ++r) acci[nt][mt][r] = static_cast<int>(dsv41_ix_i8::MAGIC_BITS);
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) {
+                        const uint4 a0 = qsh8[s][0][lane], a1 = qsh8[s][1][lane];
+#pragma unroll
+                        for (int nt = 0; nt < 4; ++nt) {
+                            const uint32_t wd[4] = {cur[nt].d.x, cur[nt].d.y, cur[nt].d.z, cur[nt].d.w};
+                            uint32_t b0, b1;
+                            lut[nt].expand(wd[s], b0, b1);
+                            dsv41_ix_i8::mma_s8(acci[nt][0], a0.x, a0.y, a0.z, a0.w, b0, b1);
+                            dsv41_ix_i8::mma_s8(acci[nt][1], a1.x, a1.y, a1.z, a1.w, b0, b1);
+                        }
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                            for (int r = 0; r < 4; ++r)
+                                acc[nt][mt][r] = __int_as_float(acci[nt][mt][r]) - dsv41_ix_i8::MAGIC;
+                }
+            }
+            if (!use_i8) {
+                bool wide = false;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
+                if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
+                else scores(std::false_type{});
+            }
+            // The products' weights, and the power of two the head sum is scaled by (V_I8).
+            const uint32_t wp0 = use_i8 ? w2i[0] : w2[0], wp1 = use_i8 ? w2i[1] : w2[1];
+            const float kscale = use_i8 ? dsv41_ix_i8::exp2i(static_cast<int>(emin) - 128) : 1.f;
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
             // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
             __syncwarp();
@@ -545,8 +559,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     uint2 pr;
-                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], w2[0]);
-                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], w2[1]);
+                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], wp0);
+                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], wp1);
                     const int kk = nt * 8 + 2 * c + e;
                     *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
                 }
@@ -573,7 +587,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 return sum;
             };
             if constexpr ((V & V_EPI) != 0) {
-                // 32-bit entry ids (j < N < 2^31); order bin * 4 = ((v ^ (sign ? ~0 : 0x8000)) >> 3) & 0x1FFC.
+                // 32-bit entry ids (j < N < 2^31).
                 const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
                 auto finish = [&](float sum) {
                     bool ok = j < static_cast<uint32_t>(L);
@@ -586,16 +600,12 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                         if constexpr ((V & V_REG) != 0) *optr = static_cast<uint16_t>(v);
                         else out[j] = static_cast<uint16_t>(v);
                     }
-                    if (hist && j < Lv) {  // Lv <= n
-                        const uint32_t sg = static_cast<uint32_t>(static_cast<int32_t>(v << 16) >> 31);
-                        const uint32_t off = ((v ^ (sg | 0x8000u)) >> 3) & 0x1FFCu;
-                        asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(hs_addr + off) : "memory");
-                    }
                 };
                 if constexpr ((V & V_PRED) != 0) {
                     // Every lane's key row of the product buffer was written (keys past N or L
                     // hold products of row key_base[t]): no branch around the sum.
-                    finish(head_sum());
+                    if constexpr (kI8) finish(head_sum() * kscale);
+                    else finish(head_sum());
                 } else if (j < static_cast<uint32_t>(n)) {
                     finish(head_sum());
                 }
@@ -610,7 +620,6 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     }
                     const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
                     out[j] = static_cast<uint16_t>(v);
-                    if (hist && static_cast<uint32_t>(j) < Lv) atomicAdd(&hs[order_bin(v)], 1u);
                 }
             }
             it = next;
@@ -618,7 +627,6 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         }
     };
     span();
-    flush();
 }
 
 // One CTA per token (group of TQ tokens) and chunk of iters x WARPS / TQ warp iterations.
@@ -670,19 +678,13 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
     }
     if (tid == 0) pre[BAL_MAX_T] = total;
     __syncthreads();
-    // Entries from the last visible unit's end: -inf (those below Lv count in bin 0).
+    // Entries from the last visible unit's end: -inf.
     const int64_t n = p.num_cols;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         int64_t j0 = static_cast<int64_t>(pre[t + 1] - pre[t]) * UNIT;
         j0 = j0 < n ? j0 : n;
-        const int64_t Lv = token_extent(p, t).Lv;
         uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
-        uint32_t cnt = 0;
-        for (int64_t j = j0 + tid; j < n; j += THREADS) {
-            out[j] = BF16_NEG_INF;
-            cnt += j < Lv;
-        }
-        if (p.hist && cnt) atomicAdd(p.hist + static_cast<int64_t>(t) * HIST_BINS + NEG_INF_BIN, cnt);
+        for (int64_t j = j0 + tid; j < n; j += THREADS) out[j] = BF16_NEG_INF;
     }
     // This CTA's units [a, a1) of the concatenation.
     uint32_t a = static_cast<uint32_t>(static_cast<uint64_t>(total) * blockIdx.x / gridDim.x);
@@ -715,10 +717,8 @@ int balanced_grid() {
         int dev = 0, sms = 0, per = 0;
         if (cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-            cudaFuncSetAttribute(indexer_scores_balanced_kernel<KF, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(hist_smem<1>())) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, V>, THREADS,
-                                                          hist_smem<1>()) != cudaSuccess)
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, indexer_scores_balanced_kernel<KF, V>, THREADS, 0) !=
+                cudaSuccess)
             return 0;
         return sms * per;
     }();
@@ -737,11 +737,7 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    // The histogram's dynamic shared memory (the packed prefill kernel exceeds 48 KB with it).
-    static const cudaError_t attr = cudaFuncSetAttribute(
-        indexer_scores_kernel<KF, TQ, RELU>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(hist_smem<TQ>()));
-    if (attr != cudaSuccess) return static_cast<int>(attr);
-    indexer_scores_kernel<KF, TQ, RELU><<<grid, THREADS, p.hist ? hist_smem<TQ>() : 0, stream>>>(p, static_cast<int>(iters));
+    indexer_scores_kernel<KF, TQ, RELU><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -753,14 +749,15 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
         (void)cudaGetLastError();  // the failed query's error is not this launch's
         return launch<KF, 1, true>(p, stream);
     }
-    indexer_scores_balanced_kernel<KF, V><<<g, THREADS, p.hist ? hist_smem<1>() : 0, stream>>>(p);
+    indexer_scores_balanced_kernel<KF, V><<<g, THREADS, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
-// The balanced kernel compiled for H = 32 without a mask (the model's decode), else its general form.
+// The balanced kernel (with the integer MMAs) compiled for H = 32 without a mask (the model's
+// decode), else its general form.
 template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL>(p, stream);
-    return launch_balanced_v<KF, V_BAL & ~V_SPEC>(p, stream);
+    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL | V_I8>(p, stream);
+    return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8>(p, stream);
 }
 
 }  // namespace dsv41_ix

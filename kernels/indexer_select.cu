@@ -10,9 +10,8 @@
 // Design: exact radix selection on the 16-bit order keys of the bf16 scores (u = bits | 0x8000
 // for positive, ~bits for negative: larger u = larger score, total order as f32::total_cmp),
 // one CTA of 512 threads per token, no sorting; digits of 11 (high) and 5 (low) bits:
-//   1. a 2048-bin histogram of the high digits of the row's keys - given by the caller (built
-//      by the scores kernel while its scores were in registers) or one pass with shared atomics;
-//      a block scan finds the digit b1 of the k-th largest key;
+//   1. a 2048-bin histogram of the high digits of the row's keys (one pass with shared
+//      atomics); a block scan finds the digit b1 of the k-th largest key;
 //   2. one pass: each warp walks its contiguous segment, counts the keys above digit b1, builds
 //      a private 32-bin histogram of the low digits of those in b1 and an ordered list of its
 //      candidates (digit >= b1); the summed low histogram gives the k-th largest key u*, the
@@ -117,7 +116,7 @@ __device__ __forceinline__ void for_each_key(const Row& r, F f) {
 // instance carries no block-maximum code (64 registers: 2 CTAs of 512 threads per SM).
 template <bool BLK, int U2>
 __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41IndexerSelectParams p) {
-    __shared__ __align__(16) uint32_t hist[HI_BINS];  // 16-byte copies of the given histogram
+    __shared__ __align__(16) uint32_t hist[HI_BINS];  // high-digit histogram of pass 1
     __shared__ uint32_t whist[WARPS][LO_BINS];  // per-warp low-digit histograms of pass 2
     __shared__ uint32_t clist[WARPS][LIST];     // per-warp candidates: (offset in segment) << 16 | key
     __shared__ uint32_t warp_gt[WARPS], warp_eq[WARPS], warp_out[WARPS], warp_rank[WARPS], wsum[WARPS];
@@ -139,18 +138,12 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_select_kernel(const Dsv41I
     const bool big = r.n > static_cast<int64_t>(k);
 
     // Pass 1 (only when the row has more than k elements): the high digit b1 of the k-th
-    // largest key, from the caller's histogram (fused into the scores kernel) or a pass over
-    // the row.
+    // largest key, from a pass over the row.
     uint32_t b1 = 0, above1 = 0;
     if (big) {
-        if (p.hist && !r.blocks) {
-            const uint4* h = reinterpret_cast<const uint4*>(p.hist + t * HI_BINS);
-            for (int i = threadIdx.x; i < HI_BINS / 4; i += THREADS) reinterpret_cast<uint4*>(hist)[i] = h[i];
-        } else {
-            for (int i = threadIdx.x; i < HI_BINS; i += THREADS) hist[i] = 0;
-            __syncthreads();
-            for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> LO_BITS], 1u); });
-        }
+        for (int i = threadIdx.x; i < HI_BINS; i += THREADS) hist[i] = 0;
+        __syncthreads();
+        for_each_key<2>(r, [&](uint32_t u) { atomicAdd(&hist[u >> LO_BITS], 1u); });
         __syncthreads();
         find_hi_bin_all<THREADS>(hist, k, wsum, &s_bin, &s_above, b1, above1);
     }

@@ -7,10 +7,9 @@
 //
 // Design: one CTA of 512 threads per row, one read of the row in the common case. Keys are the
 // 16-bit order keys of dsv41_select.cuh (high digit: 11 bits, low digit: 5 bits).
-//   0. A threshold key tau <= the k-th largest key: with the caller's histogram (fused into the
-//      scores kernel) tau = b1 << 5, b1 the exact digit of the k-th largest key (a block scan);
-//      without it, from a sample of 512 groups of 8 entries spread over the row (the whole row
-//      when it has <= 4096 entries: then exact as well, tau = b1 << 5): the sample's R-th largest
+//   0. A threshold key tau <= the k-th largest key, from a sample of 512 groups of 8 entries
+//      spread over the row (the whole row when it has <= 4096 entries: then exact, tau = b1 << 5,
+//      b1 the digit of the k-th largest key): the sample's R-th largest
 //      key (digit by a block scan, low digit by a warp scan), R = 2 k S / n + 16 (S = sampled
 //      entries: twice the expected count of the top k in the sample plus a margin, so that a
 //      row with fewer than k keys >= tau is a >10-sigma event for unstructured rows; such rows
@@ -49,7 +48,7 @@ constexpr int WARPS = THREADS / 32;
 constexpr int MAX_N = DSV41_TOPK_MAX_N;  // entries per row: ids in 16 bits, bitmaps of MAX_N bits
 constexpr int WORDS = MAX_N / 32;
 constexpr int CAP = 4096;                // candidate-list entries
-constexpr int SAMPLE_GROUPS = THREADS;   // 8-entry groups sampled when no histogram is given
+constexpr int SAMPLE_GROUPS = THREADS;   // 8-entry groups sampled for the threshold
 constexpr int U = 4;                     // 8-entry groups per thread and batch of the main pass
 static_assert(WORDS == 4 * THREADS, "4 bitmap words per thread");
 static_assert(DSV41_TOPK_MAX_K <= CAP, "k candidates fit the list");
@@ -193,7 +192,7 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
 }
 
 __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
-    __shared__ __align__(16) uint32_t hist[HI_BINS];  // given / sampled / candidates' high digits
+    __shared__ __align__(16) uint32_t hist[HI_BINS];  // sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
     __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
     __shared__ uint32_t cand[CAP];                    // bf16 bits << 16 | id
@@ -230,16 +229,10 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 
     // Step 0: the threshold digit b; exact: b is b1 (the k-th largest key's digit).
     uint32_t b1 = 0, above1 = 0;
-    bool exact;
-    if (p.hist) {
-        reinterpret_cast<uint4*>(hist)[x] = reinterpret_cast<const uint4*>(p.hist + t * HI_BINS)[x];
-        __syncthreads();
-        find_hi_bin<THREADS>(hist, k, wsum, &s_bin, &s_above);
-        exact = true;
-    } else {
-        reinterpret_cast<uint4*>(hist)[x] = make_uint4(0, 0, 0, 0);
-        exact = G <= SAMPLE_GROUPS;
-        __syncthreads();
+    const bool exact = G <= SAMPLE_GROUPS;
+    reinterpret_cast<uint4*>(hist)[x] = make_uint4(0, 0, 0, 0);
+    __syncthreads();
+    {
         const int64_t g = exact ? x : x * G / SAMPLE_GROUPS;
         uint32_t kk[4] = {0, 0, 0, 0}, m = 0;
         if (g < G) {

@@ -16,9 +16,9 @@
 //! 64K rows with its fallbacks (overflowing candidate lists, a sampled threshold above the k-th
 //! key) and length edges.
 //!
-//! `index_select` is checked with and without the fused first histogram (built by the scores
-//! kernel) against the CPU, on ties at a histogram bin edge, −inf (masked, past-cache) entries
-//! completing the top-k, short rows and the prefill and balanced decode kernels.
+//! `index_select` is checked against the CPU (with several score-scratch budgets) on ties at a
+//! histogram bin edge, −inf (masked, past-cache) entries completing the top-k, short rows and the
+//! prefill and balanced decode kernels.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_indexer`.
@@ -335,10 +335,10 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     Ok(())
 }
 
-/// `index_select` on the GPU with the fused first histogram and without it (the default), with
-/// scratch budgets `scratches`, must give the CPU reference's top-k ids exactly. Returns those ids.
+/// `index_select` on the GPU with scratch budgets `scratches` must give the CPU reference's top-k
+/// ids exactly. Returns those ids.
 #[allow(clippy::too_many_arguments)]
-fn select_both_ways(
+fn select_with_scratches(
     dev: &Device,
     what: &str,
     q: &Tensor,
@@ -352,23 +352,21 @@ fn select_both_ways(
     let want = index_select(q, w, cpu_src, k, consume.map(|c| c.0), None)?;
     let (qg, wg) = (q.to_device(dev)?, w.to_device(dev)?);
     for &scratch_bytes in scratches {
-        for fused_histogram in [true, false] {
-            poison(dev, q.dim(0)? * k.max(2048))?;
-            let opts = SelectOptions { scratch_bytes, fused_histogram };
-            let got = index_select_with_options(&qg, &wg, gpu_src, k, consume.map(|c| c.1), None, &opts)?;
-            assert_ids_equal(&format!("{what} (fused {fused_histogram}, scratch {scratch_bytes})"), &got.topk, &want.topk)?;
-        }
+        poison(dev, q.dim(0)? * k.max(2048))?;
+        let opts = SelectOptions { scratch_bytes };
+        let got = index_select_with_options(&qg, &wg, gpu_src, k, consume.map(|c| c.1), None, &opts)?;
+        assert_ids_equal(&format!("{what} (scratch {scratch_bytes})"), &got.topk, &want.topk)?;
     }
     ids(&want.topk)
 }
 
-/// The fused histogram in batched decode: fresh random keys per query (one packed and one bf16
+/// `index_select` in batched decode: fresh random keys per query (one packed and one bf16
 /// cache), visibility 0 / 1 / < k / = k / > k, a query whose rows end 352 entries into its 4000
-/// visible ones (3648 −inf entries past the cache, counted in bin 0: the top-k must take 160 of
+/// visible ones (3648 −inf entries past the cache: the top-k must take 160 of
 /// them, lowest ids first), and the same with a consumer's candidate mask that leaves fewer than
 /// k finite scores (the rest of the top-k are masked −inf entries, lowest ids first).
 #[test]
-fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Result<()> {
+fn select_in_batched_decode_with_masks_and_short_rows() -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(31);
     let (h, nk, k) = (32, 4000, 512);
@@ -389,13 +387,13 @@ fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Resul
     let (block, n_keep) = (16usize, 8usize);
     let (c_cpu, c_gpu) = random_candidates(&mut rng, b, n_keep, nk / block, block, &dev)?;
     for (name, src) in [("packed", &packed), ("bf16 rows", &rows_src)] {
-        let g = select_both_ways(&dev, &format!("decode {name}"), &q, &w, &cpu, src, k, None, &[1 << 28, 2 * 4000 * 3])?;
+        let g = select_with_scratches(&dev, &format!("decode {name}"), &q, &w, &cpu, src, k, None, &[1 << 28, 2 * 4000 * 3])?;
         ensure!(g[6].iter().all(|&i| i == -1), "visible 0: all -1");
         ensure!(g[5][0] == 0 && g[5][1..].iter().all(|&i| i == -1), "visible 1: [0, -1, ..]");
         ensure!(g[4][..100] == (0..100).collect::<Vec<i64>>()[..] && g[4][100] == -1, "visible 100: all of them");
         // The last query: 352 finite scores, then −inf past the cache: 352..511 complete the top-k.
         ensure!(g[7] == (0..512).collect::<Vec<i64>>(), "past-cache query: its 352 finite entries, then the lowest -inf ids");
-        let gm = select_both_ways(&dev, &format!("decode {name} masked"), &q, &w, &cpu, src, k, Some((&c_cpu, &c_gpu)), &[1 << 28])?;
+        let gm = select_with_scratches(&dev, &format!("decode {name} masked"), &q, &w, &cpu, src, k, Some((&c_cpu, &c_gpu)), &[1 << 28])?;
         ensure!(gm[0].len() == k && gm[0].iter().all(|&i| i >= 0), "masked: still k ids (masked -inf entries fill up)");
     }
     Ok(())
@@ -404,7 +402,7 @@ fn fused_histogram_select_in_batched_decode_with_masks_and_short_rows() -> Resul
 /// A decode batch of 70 queries over packed keys (the balanced scores kernel takes batches of 64
 /// to 1024 queries): fresh random keys per query, visibility from 0 to N, a query whose rows end
 /// inside its visible entries (past the cache: −inf),
-/// scores bit-exact and top-k ids identical to the CPU, fused and not.
+/// scores bit-exact and top-k ids identical to the CPU.
 #[test]
 fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
     let dev = gpu();
@@ -439,7 +437,7 @@ fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
     let g = bits(&got)?;
     ensure!(g[(b - 1) * nk + inside..].iter().all(|&x| x == 0xff80), "past the cache: -inf");
     ensure!(g[(b - 1) * nk..(b - 1) * nk + inside].iter().all(|&x| x != 0xff80), "inside the cache: finite");
-    let ids = select_both_ways(&dev, "balanced decode batch", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * 1504 * 9])?;
+    let ids = select_with_scratches(&dev, "balanced decode batch", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * 1504 * 9])?;
     ensure!(ids[0].iter().all(|&i| i == -1) && ids[1][0] == 0, "visible 0 / 1");
     Ok(())
 }
@@ -482,7 +480,7 @@ fn balanced_decode_with_few_heads_wide_scales_and_masks() -> Result<()> {
 /// complete the top 512. A second query sees a prefix (12 345 entries), a third has all keys equal
 /// (every warp's candidate list overflows: the selection walks its row segment again).
 #[test]
-fn fused_histogram_select_with_ties_at_a_bin_edge() -> Result<()> {
+fn select_with_ties_at_a_bin_edge() -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(32);
     let (n, k) = (20_000usize, 512usize);
@@ -522,7 +520,7 @@ fn fused_histogram_select_with_ties_at_a_bin_edge() -> Result<()> {
     // The data are what the test claims: exact scores, 62 of 300 ties at 2.0 taken.
     let s = masked_index_scores(&q, &w, &cpu, None)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     ensure!(s[0].iter().zip(&plan).all(|(&a, &v)| a == v.max(0.0)), "scores are max(K[j, 0], 0)");
-    let g = select_both_ways(&dev, "ties at a bin edge", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    let g = select_with_scratches(&dev, "ties at a bin edge", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
     let twos: Vec<i64> = (0..n).filter(|&j| plan[j] == 2.0).map(|j| j as i64).collect();
     let taken: Vec<i64> = g[0].iter().copied().filter(|&j| plan[j as usize] == 2.0).collect();
     ensure!(taken[..] == twos[..62], "ties at 2.0: the 62 lowest ids, got {} of them", taken.len());
@@ -530,15 +528,15 @@ fn fused_histogram_select_with_ties_at_a_bin_edge() -> Result<()> {
     // Bf16 rows of the same keys score identically.
     let kg = keys.to_device(&dev)?;
     let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..gsrc };
-    select_both_ways(&dev, "ties at a bin edge, bf16 rows", &q, &w, &cpu, &rows_src, k, None, &[1 << 28])?;
+    select_with_scratches(&dev, "ties at a bin edge, bf16 rows", &q, &w, &cpu, &rows_src, k, None, &[1 << 28])?;
     Ok(())
 }
 
-/// The fused histogram in a prefill over one sequence's shared keys: 600 queries (the 4-tokens-
+/// `index_select` in a prefill over one sequence's shared keys: 600 queries (the 4-tokens-
 /// per-CTA kernel) with causal visibility from 500 to 799 entries around k = 512 (−1 padding
-/// below), and the same in chunks of 128 queries (one token per CTA, a memset per chunk).
+/// below), and the same in chunks of 128 queries (one token per CTA).
 #[test]
-fn fused_histogram_select_in_a_causal_prefill() -> Result<()> {
+fn select_in_a_causal_prefill() -> Result<()> {
     let mut rng = Rng(33);
     let dev = gpu();
     let (t, h, n, k) = (600usize, 32usize, 1100usize, 512usize);
@@ -549,7 +547,7 @@ fn fused_histogram_select_in_a_causal_prefill() -> Result<()> {
     let gsrc = KeySource::sequence(IndexKeys::Packed { cache: &cache, layout }, start, 2)?;
     let gsrc = KeySource { entries: n, ..gsrc };
     let stride = n.div_ceil(8) * 8;
-    let g = select_both_ways(&dev, "causal prefill", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * stride * 128])?;
+    let g = select_with_scratches(&dev, "causal prefill", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * stride * 128])?;
     ensure!(g[0][..500] == (0..500).collect::<Vec<i64>>()[..] && g[0][500] == -1, "500 visible: all, then -1");
     Ok(())
 }
@@ -638,12 +636,12 @@ fn one_read_topk_kernel_on_64k_rows_matches_the_reference() -> Result<()> {
     Ok(())
 }
 
-/// `index_select` on 64K keys per query (the decode shape of a 128K context), fused histogram
-/// and sampled threshold both against the CPU: bf16 rows shared by the queries, visible 64K,
+/// `index_select` on 64K keys per query (the decode shape of a 128K context; the one-read top-k
+/// with a sampled threshold) against the CPU: bf16 rows shared by the queries, visible 64K,
 /// 64K − 1, 4097 and 40 000, and a query with zero head weights (every score 0: all equal, the
-/// fused path's candidate list overflows).
+/// candidate list overflows).
 #[test]
-fn select_on_64k_keys_fused_and_sampled_match_the_cpu() -> Result<()> {
+fn select_on_64k_keys_matches_the_cpu() -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(42);
     let (h, n, k) = (4usize, 65_536usize, 512usize);
@@ -660,7 +658,7 @@ fn select_on_64k_keys_fused_and_sampled_match_the_cpu() -> Result<()> {
     let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: n, visibility: Visibility::Counts(&vis_c) };
     let kg = keys.to_device(&dev)?;
     let gsrc = KeySource { keys: IndexKeys::Rows(&kg), base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
-    let g = select_both_ways(&dev, "64K keys", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    let g = select_with_scratches(&dev, "64K keys", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
     ensure!(g[b - 1] == (0..k as i64).collect::<Vec<_>>(), "zero weights: all scores 0, ids 0..k");
     Ok(())
 }

@@ -31,8 +31,6 @@ enum Dsv41IndexKeyFormat {
 // Launches without key_base of at least DSV41_INDEXER_SHARED_KEY_TOKENS tokens (prefill over one
 // sequence's keys) score 4 tokens per CTA; all others one token per CTA (decode shapes).
 #define DSV41_INDEXER_SHARED_KEY_TOKENS 528
-// With `hist`: hist[t, b] += #{ j < L_t : order_key(S[t, j]) >> 5 == b } (order_key below), the
-// first histogram pass of the top-k over the same L_t entries, masked and past-cache ones included.
 typedef struct {
     const void* q;             // bf16 [T, H, D], contiguous
     const float* w;            // f32 [T, H], contiguous (bf16-exact head weights)
@@ -41,8 +39,6 @@ typedef struct {
     const uint32_t* visible;   // u32 [T] visible entries of token t, or NULL (causal rule)
     const uint32_t* allowed;   // u32 [T, allowed_words] bitmask of allowed blocks, or NULL (all)
     void* scores;              // bf16 [T, N], row t at scores + t * score_row_stride
-    uint32_t* hist;            // u32 [T, DSV41_SELECT_HIST_BINS] or NULL: ZEROED by the caller; the
-                               // kernel adds the top-k's first histogram of token t's L_t scores
     int64_t key_row_stride;    // bf16: elements between rows (multiple of 8); mxfp4: page bytes (< 2^32)
     int64_t num_key_rows;      // R: rows (bf16) or slots (mxfp4, < 2^32) the cache holds
     int64_t score_row_stride;  // elements (multiple of 8, >= N)
@@ -93,8 +89,6 @@ enum Dsv41SelectMode {
 typedef struct {
     const void* scores;        // bf16 [T, N], row t at scores + t * score_row_stride
     const uint32_t* visible;   // u32 [T] or NULL (causal rule, as in the scores params)
-    const uint32_t* hist;      // u32 [T, DSV41_SELECT_HIST_BINS] or NULL: top-k mode only, each row's
-                               // first histogram (from the scores kernel); NULL: the kernel builds it
     int64_t* out;              // i64 [T, k], row t at out + t * out_row_stride
     int64_t score_row_stride;  // elements (multiple of 8)
     int64_t out_row_stride;    // elements

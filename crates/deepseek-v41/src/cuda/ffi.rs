@@ -213,9 +213,6 @@ pub(crate) struct IndexerScoresParams {
     pub allowed: *const u32,
     /// bf16 `[T, N]`, row stride `score_row_stride` elements.
     pub scores: *mut c_void,
-    /// u32 `[T, 2048]` zeroed by the caller, or null: the kernel adds each token's top-k
-    /// first-digit histogram (the fused first pass of the selection).
-    pub hist: *mut u32,
     pub key_row_stride: i64,
     pub num_key_rows: i64,
     pub score_row_stride: i64,
@@ -254,9 +251,6 @@ pub(crate) struct IndexerSelectParams {
     pub scores: *const c_void,
     /// u32 `[T]` visible entries per token, or null (causal rule).
     pub visible: *const u32,
-    /// u32 `[T, 2048]` first-digit histograms of the rows (top-k mode; from the scores
-    /// kernel's `hist`), or null (the kernel builds them).
-    pub hist: *const u32,
     /// i64 `[T, k]`, row stride `out_row_stride` elements.
     pub out: *mut i64,
     pub score_row_stride: i64,
@@ -273,9 +267,6 @@ pub(crate) struct IndexerSelectParams {
 /// `DSV41_INDEX_KEYS_BF16` / `DSV41_INDEX_KEYS_MXFP4`.
 pub(crate) const INDEX_KEYS_BF16: i32 = 0;
 pub(crate) const INDEX_KEYS_MXFP4: i32 = 1;
-/// `DSV41_INDEXER_SHARED_KEY_TOKENS`: scores launches without key bases of at least this many
-/// tokens take the 4-tokens-per-CTA prefill kernel.
-pub(crate) const INDEXER_SHARED_KEY_TOKENS: usize = 528;
 /// `DSV41_SELECT_TOPK` / `DSV41_SELECT_BLOCKS`.
 pub(crate) const SELECT_TOPK: i32 = 0;
 pub(crate) const SELECT_BLOCKS: i32 = 1;

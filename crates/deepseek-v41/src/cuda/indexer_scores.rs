@@ -238,7 +238,6 @@ pub(crate) fn with_score_params<R>(
         visible: vis_p,
         allowed: mask_p,
         scores: std::ptr::null_mut(),
-        hist: std::ptr::null_mut(),
         key_row_stride: row_stride,
         num_key_rows: src.keys.rows()? as i64,
         score_row_stride: 0,

@@ -8,27 +8,17 @@
 //!
 //! **Top-k threshold.** The top-k is a radix selection on 16-bit order keys of the bf16 scores
 //! (digits of 11 and 5 bits). For rows of at most 64K entries (the decode shape) the selection
-//! kernel reads each row once: it first needs a digit below which no key of the top k lies,
-//! which it takes either from a 2048-bin histogram of the keys' high digits built by the scores
-//! kernel while its scores are still in registers (the *fused histogram*,
-//! [`SelectOptions::fused_histogram`]: shared-memory bins flushed to a `[C, 2048]` u32 buffer
-//! with atomics; the buffer is zeroed by a memset per chunk) or from a sample of 4096 entries of
-//! the row (exact fallbacks cover rows where the sample misleads). Since session 6 the sample is
-//! the default: the fused histogram saves the selection kernel ~3 µs at B = 256 but costs the
-//! issue-bound scores kernel more, so `index_select` was 3–15 µs faster without it (packed keys;
-//! `docs/perf.md`, "Indexer selection (session 6, helper sel6)"). When enabled it is applied to
-//! decode-shaped chunks only (per-query key bases, or fewer than 528 queries: one query per CTA);
-//! a prefill chunk over one sequence's keys (4 queries per CTA) never uses it. Masked and
-//! invisible-but-counted entries (−inf, e.g. rows past the cache) land in the −inf bin exactly
-//! as the selection's own passes bin them, so both paths select the same ids. The candidate-block
-//! selection (`publish`) always builds its own histogram (of block maxima). The separate ops
-//! [`super::masked_index_scores`] + [`super::index_topk`] take the un-fused path.
+//! kernel reads each row once: it first takes a digit below which no key of the top k lies from
+//! a sample of 4096 entries of the row (exact fallbacks cover rows where the sample misleads).
+//! (Sessions 5–6 also had a *fused histogram*, the first digit histogram built by the scores
+//! kernel; it cost the scores kernel more than it saved the selection and was removed in session
+//! 7: `docs/perf.md`, "Indexer selection (session 6, helper sel6)".) The candidate-block
+//! selection (`publish`) builds its own histogram (of block maxima). The separate ops
+//! [`super::masked_index_scores`] + [`super::index_topk`] run the same kernels.
 
 use std::ffi::c_void;
 
-use candle_core::cuda_backend::cudarc::driver::result::memset_d8_async;
 use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
-use candle_core::cuda_backend::WrapErr;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
 use half::bf16;
@@ -41,10 +31,6 @@ use crate::attention::indexer::{reference_selection, CandidateShape, Candidates,
 
 /// Most bytes of the per-chunk score scratch (`[C, N]` bf16) of [`index_select`].
 pub const SCORE_SCRATCH_BYTES: usize = 256 << 20;
-
-/// Bins of the top-k's first histogram (`DSV41_SELECT_HIST_BINS`: the high 11 bits of a 16-bit
-/// order key).
-const HIST_BINS: usize = 2048;
 
 /// Index scores, top-k and candidate blocks of T queries, on `q`'s device.
 ///
@@ -79,16 +65,12 @@ pub struct SelectOptions {
     /// Most bytes of the per-chunk score scratch (at least one query row is used): smaller
     /// budgets process the queries in more chunks, with identical results.
     pub scratch_bytes: usize,
-    /// Build the top-k's first histogram in the scores kernel for decode-shaped chunks (see the
-    /// module doc); `false` (the default): the selection kernel takes its threshold from a
-    /// sample of each row (rows of at most 64K entries) or its own histogram pass.
-    pub fused_histogram: bool,
 }
 
 impl Default for SelectOptions {
-    /// [`SCORE_SCRATCH_BYTES`], no fused histogram.
+    /// [`SCORE_SCRATCH_BYTES`].
     fn default() -> Self {
-        Self { scratch_bytes: SCORE_SCRATCH_BYTES, fused_histogram: false }
+        Self { scratch_bytes: SCORE_SCRATCH_BYTES }
     }
 }
 
@@ -134,29 +116,14 @@ pub fn index_select_with_options(
         let mut scratch = unsafe { dev.alloc::<bf16>(chunk * stride)? };
         let mut topk = unsafe { dev.alloc::<i64>(t * k)? };
         let mut kept = if n_keep > 0 { Some(unsafe { dev.alloc::<i64>(t * n_keep)? }) } else { None };
-        // The fused histogram for decode-shaped chunks (one query per CTA in the scores kernel).
-        // SAFETY: zeroed per chunk below before the scores kernel adds to it.
-        let fuse = opts.fused_histogram && (src.base.is_some() || chunk < ffi::INDEXER_SHARED_KEY_TOKENS);
-        let mut hist = if fuse { Some(unsafe { dev.alloc::<u32>(chunk * HIST_BINS)? }) } else { None };
         {
             let (s_p, _g0) = scratch.device_ptr_mut(stream);
             let (t_p, _g1) = topk.device_ptr_mut(stream);
             let kept_p = kept.as_mut().map(|kp| kp.device_ptr_mut(stream));
-            let hist_p = hist.as_mut().map(|h| h.device_ptr_mut(stream));
             for t0 in (0..t).step_by(chunk) {
                 let tc = chunk.min(t - t0);
-                let h_p = match &hist_p {
-                    Some((h, _)) => {
-                        // SAFETY: the first tc x HIST_BINS u32 of the buffer, on the stream its pointer
-                        // was taken for (ordered before the scores kernel below).
-                        unsafe { memset_d8_async(*h, 0, tc * HIST_BINS * 4, stream.cu_stream()) }.w()?;
-                        *h as *mut u32
-                    }
-                    None => std::ptr::null_mut(),
-                };
                 let sp = ffi::IndexerScoresParams {
                     scores: s_p as *mut c_void,
-                    hist: h_p,
                     score_row_stride: stride as i64,
                     ..token_chunk(base, t0, tc)
                 };
@@ -164,7 +131,6 @@ pub fn index_select_with_options(
                 let sel = ffi::IndexerSelectParams {
                     scores: s_p as *const c_void,
                     visible: sp.visible,
-                    hist: h_p,
                     out: (t_p as *mut i64).wrapping_add(t0 * k),
                     score_row_stride: stride as i64,
                     out_row_stride: k as i64,
@@ -179,7 +145,6 @@ pub fn index_select_with_options(
                 launch_select(&sel, SelectMode::TopK, stream)?;
                 if let (Some(shape), Some((kp, _))) = (publish, kept_p.as_ref()) {
                     let blocks = ffi::IndexerSelectParams {
-                        hist: std::ptr::null(),
                         out: (*kp as *mut i64).wrapping_add(t0 * n_keep),
                         out_row_stride: n_keep as i64,
                         k: n_keep as i32,
@@ -192,7 +157,6 @@ pub fn index_select_with_options(
         // The scratch is freed on drop after being used on this stream (candle's allocator
         // orders the free after the queued work).
         drop(scratch);
-        drop(hist);
         let topk = CudaStorage::wrap_cuda_slice(topk, dev.clone());
         let kept = kept.map(|kp| CudaStorage::wrap_cuda_slice(kp, dev.clone()));
         Ok((topk, kept))

@@ -3,8 +3,8 @@
 //! ([`crate::attention::indexer::top_k`], [`crate::attention::indexer::candidate_blocks`]):
 //! descending score, ties towards the lower id, outputs ascending and −1 padded. The CPU path is
 //! that reference. Kernels: the top-k of rows of at most 64K entries with k ≤ 2048 (the decode
-//! shape) reads each row once (`kernels/indexer_topk.cu`: a threshold from the fused histogram or
-//! a sample of the row, a shared candidate list, id bitmaps for the ordered output, exact
+//! shape) reads each row once (`kernels/indexer_topk.cu`: a threshold from a sample of the row,
+//! a shared candidate list, id bitmaps for the ordered output, exact
 //! fallbacks); longer rows, larger k and the candidate blocks take `kernels/indexer_select.cu`.
 
 use std::ffi::c_void;
@@ -85,7 +85,6 @@ fn select_rows(scores: &Tensor, visibility: &Visibility, k: usize, mode: SelectM
         let p = ffi::IndexerSelectParams {
             scores: s_p as *const c_void,
             visible: v_p,
-            hist: std::ptr::null(),
             out: o_p as *mut i64,
             score_row_stride: row_stride.max(8) as i64,
             out_row_stride: k as i64,
