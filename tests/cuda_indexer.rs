@@ -442,6 +442,53 @@ fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
     Ok(())
 }
 
+/// The balanced decode kernel's integer tensor-core path and its fallbacks to the bf16 path, in
+/// one batch of 66 queries: Q3 queries whose 32-blocks' scales span 6 (dims block b times 2^(2b):
+/// not s8 integers, so the token takes the bf16 path), tokens whose head weights are 2^45 times
+/// larger (past the path's exponent bounds), keys whose blocks' scales span 6 (block b times
+/// 2^(-2b): not s8, so the warp iteration takes the bf16 path) next to ordinary tokens and keys;
+/// scores bit-exact and top-k ids identical to the CPU. (The spreads point opposite ways so that
+/// no query-key product spans much more than 2^6 across blocks: within that the f32 sums are exact in
+/// any order, see kernels/indexer_scores.cu.)
+#[test]
+fn balanced_decode_integer_path_and_its_fallbacks_match_the_cpu() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(43);
+    let (b, h, nk, k) = (66usize, 32usize, 700usize, 512usize);
+    let rows = b * nk;
+    let spread = |t: Tensor, pick: &dyn Fn(usize) -> bool, step: i32| -> Result<Tensor> {
+        let dims = t.dims().to_vec();
+        let mut v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        for (i, row) in v.chunks_mut(D).enumerate() {
+            if pick(i) {
+                row.iter_mut().enumerate().for_each(|(d, x)| *x *= 2f32.powi(step * (d / 32) as i32));
+            }
+        }
+        Ok(Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(DType::BF16)?)
+    };
+    // Key row r spread when r % 7 == 0; query token t (its h head rows) spread when t % 3 == 0.
+    let keys = spread(fq(&mut rng, &[rows, D])?, &|r| r % 7 == 0, -2)?;
+    let q = spread(fq(&mut rng, &[b, h, D])?, &|r| (r / h) % 3 == 0, 2)?;
+    let big_w: Vec<f32> = (0..b * h).map(|i| if (i / h) % 5 == 1 { 2f32.powi(45) } else { 1.0 }).collect();
+    let w = (weights(&mut rng, b, h)? * Tensor::from_vec(big_w, (b, h), &Device::Cpu)?)?;
+    let (cache, layout) = pack(&keys, 64, &dev)?;
+    let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
+    let counts: Vec<u32> = (0..b).map(|_| (nk - rng.below(60)) as u32).collect();
+    let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
+    let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let want = masked_index_scores(&q, &w, &cpu, None)?;
+    let g = bits(&want)?;
+    let finite = g.iter().filter(|&&x| x & 0x7f80 != 0x7f80 && x & 0x7fff != 0).count();
+    ensure!(finite > b * (nk - 60) / 2, "the data must give mostly finite nonzero scores, got {finite}");
+    poison(&dev, b * nk)?;
+    let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
+    assert_scores_exact("integer path and fallbacks", &got, &want)?;
+    select_with_scratches(&dev, "integer path and fallbacks", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    Ok(())
+}
+
 /// The balanced decode kernel (batches of 64+ queries) on the cases of the test above: H = 32 / 7 /
 /// 2 (the kernel compiled for H = 32 without a mask, and its general form), rows scaled by
 /// 2^-40..2^40 (scale bytes on both sides of 128: the warp-wide two-multiply path), page sizes
