@@ -36,6 +36,7 @@
 // Rows with <= k visible entries take all of them (ids 0..L-1) without reading the scores.
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 #include "include/dsv41_select.cuh"
@@ -192,7 +193,7 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
     }
 }
 
-__global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
+__global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p, int trigger) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // given / sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
     __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
@@ -200,6 +201,10 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     __shared__ uint32_t lohist[LO_BINS], slo[LO_BINS];
     __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
     __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n, s_bad;
+    // Experiment (DSV41_TOPK_TRIGGER=1, docs/perf.md "Round 8"): let the next kernel of the
+    // stream launch now if it uses programmatic dependent launch (it waits in
+    // griddepcontrol.wait for this grid's completion before reading its output).
+    if (trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const int x = threadIdx.x;
     const int64_t t = blockIdx.x;
     int64_t n = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
@@ -418,6 +423,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p);
+    const char* tr = getenv("DSV41_TOPK_TRIGGER");
+    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p, tr && tr[0] == '1');
     return true;
 }

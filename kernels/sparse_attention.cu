@@ -549,7 +549,14 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    // Experiments (docs/perf.md "Round 8"): DSV41_SPARSE_ATTENTION_HS bits 16 / 32 / 128 the
+    // head-split kernel's early window tiles / its input reads before griddepcontrol.wait / bulk
+    // stores of the out rows;
+    // DSV41_SPARSE_ATTENTION_PDL=0 launches without programmatic dependent launch (mode bit 6).
+    const char* hs = getenv("DSV41_SPARSE_ATTENTION_HS");
+    const char* pdl = getenv("DSV41_SPARSE_ATTENTION_PDL");
+    const int no_pdl = pdl && pdl[0] == '0';
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (hs ? (atoi(hs) & 176) : 0) | (no_pdl ? 64 : 0);
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {
@@ -585,14 +592,14 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // (it waits in griddepcontrol.wait before touching global memory).
     attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[nattr].val.programmaticStreamSerializationAllowed = 1;
-    ++nattr;
+    if (!no_pdl) ++nattr;
     cfg.attrs = attr;
     cfg.numAttrs = nattr;
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
     }
-    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode);
+    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode & 7);
     if (e != cudaSuccess) return static_cast<int>(e);
     e = cudaGetLastError();
     if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);

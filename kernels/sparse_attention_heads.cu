@@ -77,7 +77,7 @@ static_assert(HS * OUT_STRIDE <= 2 * TILEB, "out rows fit the stages");
 constexpr int TRACE_SLOTS = 40;
 // Phase timestamps of CTA (0, 0), thread 0: [0] start, [1] indices loaded, [2] compaction done,
 // [3] end, [4 + j] rows of tile j arrived, [20 + j] tile j done (j < 16); tile 1: [36] S^T
-// done, [37] softmax done (P^T written).
+// done, [37] softmax done (P^T written); [38] kernel entry (before griddepcontrol.wait).
 __device__ long long g_trace_heads[TRACE_SLOTS];
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
@@ -99,23 +99,70 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     // mode: bit 0 trace, bit 2 skip the gather (diagnostic; bit 1, skip the products, does not
     // apply: the products have no run-time conditions, which keeps them asynchronous).
     const bool skip_gather = mode & 4;
+    // Prologue variants (launcher switch DSV41_SPARSE_ATTENTION_HS, measured in docs/perf.md
+    // "Round 8"): bit 7 (128) TMA bulk stores of the out rows, bit 4 (16) early window tiles, bit 5 (32) the work that reads only q, the sink,
+    // the window index list and the window rows goes before griddepcontrol.wait (chain contract
+    // in the launcher's comment).
+    const bool early = (mode & 16) && p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
+    const bool pre = mode & 32;
     const bool tracer = (mode & 1) && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace_heads[slot] = clock64();
     };
-    grid_dep_wait();  // everything below may read what the previous kernel wrote
-    grid_dep_launch();
-    stamp(0);
-    if (tid == 0) {
+    stamp(38);
+    if (tid == CONSUMERS) {  // the producer's first thread: the early window tiles arrive on them
         mbar_init(bar_full, PROD_THREADS);  // one arrival per producer thread
         mbar_init(bar_full + 8, PROD_THREADS);
         mbar_init(bar_empty, CONSUMERS / 32);  // one arrival per consumer warp
         mbar_init(bar_empty + 8, CONSUMERS / 32);
     }
-    // 1. Indices (all threads); q and the sink (consumers) while the index loads are in flight.
+    auto load_q = [&]() {
+        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK);
+    };
+    // Early window tiles (producer warpgroup): the compacted list starts with the window's valid
+    // entries in order, so when the first NE = 64 min(Kw / 64, 2) window entries are all valid
+    // they are the first NE entries of the list, and tiles 0 .. NE / 64 - 1 (one per stage) can
+    // be gathered before the compaction. Producer thread i loads entry i (issued first, checked
+    // while the compaction's own loads are in flight); the bar.red over the producer warpgroup
+    // says whether all are valid and orders the entries written to ent_s (the compaction later
+    // writes the same values there).
+    const int ptid = tid - CONSUMERS;
+    const int ne = early ? min(p.kw / BLK, 2) * BLK : 0;
+    int64_t wraw = -1;
+    int etiles = 0;
+    auto early_load = [&]() {
+        if (!consumer && ptid < ne) {
+            const int64_t k = static_cast<int64_t>(t) * p.kw + ptid;
+            wraw = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(p.idx_window) + k)
+                                      : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p.idx_window) + k));
+        }
+    };
+    auto early_gather = [&]() {
+        if (consumer || ne == 0) return;
+        const bool ok = ptid >= ne || (wraw >= 0 && wraw < p.num_window_rows);
+        if (ptid < ne && ok) ent_s[ptid] = static_cast<uint32_t>(wraw);
+        if (bar_red_and(2, PROD_THREADS, ok)) {
+            produce_tiles(p, sbase + SM_K, ent_s, ne, bar_full, bar_empty, ptid, skip_gather);
+            etiles = ne / BLK;
+        }
+    };
+    if (pre) {
+        load_q();
+        early_load();
+        early_gather();
+    }
+    grid_dep_wait();  // everything below may read what the previous kernel wrote
+    grid_dep_launch();
+    stamp(0);
+    // 1. Indices (all threads); q and the sink (consumers), the early window tiles (producers)
+    // while the index loads are in flight.
+    if (!pre) early_load();
     ValidIndices vi;
     vi.load_and_count(p, t, tid, cnt_s, [&]() {
-        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK);
+        if (!pre) {
+            load_q();
+            early_gather();
+        }
     });
     __syncthreads();
     stamp(1);
@@ -126,7 +173,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     __syncthreads();
     const int ntiles = (count + BLK - 1) / BLK;
     if (!consumer) {
-        produce_tiles(p, sbase + SM_K, ent_s, count, bar_full, bar_empty, tid - CONSUMERS, skip_gather);
+        produce_tiles(p, sbase + SM_K, ent_s, count, bar_full, bar_empty, ptid, skip_gather, etiles);
         return;
     }
     stamp(2);
@@ -283,9 +330,21 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
             const int mat = lane >> 3, i = 2 * ip + (mat >> 1), hf = mat & 1;
             stmatrix_x4_trans(outb + (8 * i + (lane & 7)) * OUT_STRIDE + (64 * mb + 16 * w + 8 * hf) * 2, r[0], r[1], r[2], r[3]);
         }
+    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
+    if (mode & 128) {
+        // Variant (DSV41_SPARSE_ATTENTION_HS bit 7): one TMA bulk store per out row (1 KB).
+        fence_proxy_async();  // the stmatrix rows (generic proxy) are read by the bulk copies
+        consumer_sync();
+        if (tid < nh) {
+            bulk_store_global(orow + tid * D, outb + tid * OUT_STRIDE, D * 2);
+            bulk_commit();
+            bulk_wait_read();
+        }
+        stamp(3);
+        return;
+    }
     consumer_sync();
     // The CTA's out rows are contiguous: 16-byte stores.
-    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
     const int items = nh * (D / 8);
     const unsigned char* outp = smem + SM_K;
 #pragma unroll 4
@@ -302,7 +361,8 @@ void print_trace(cudaStream_t stream, int dev) {
         cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
         return;
     const double us = 1e3 / khz;
-    fprintf(stderr, "sparse_attention head-split trace (CTA 0): indices %.2f | compaction %.2f us", (h[1] - h[0]) * us, (h[2] - h[0]) * us);
+    fprintf(stderr, "sparse_attention head-split trace (CTA 0): entry -> wait done %.2f | indices %.2f | compaction %.2f us",
+            (h[0] - h[38]) * us, (h[1] - h[0]) * us, (h[2] - h[0]) * us);
     long long prev = h[2];
     for (int j = 0; j < 16 && h[20 + j] > prev; ++j) {
         fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[20 + j] - prev) * us, (h[4 + j] - prev) * us);
@@ -337,12 +397,12 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = (mode & 64) ? 0 : 1;  // mode bit 6: no programmatic dependent launch (experiment)
     if (mode & 1) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
     }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode);
+    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & ~64);
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);

@@ -85,6 +85,15 @@ __device__ __forceinline__ void bulk_copy_to_cluster(uint32_t dst, uint32_t src,
                  "r"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
+// TMA bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from this CTA's
+// shared memory to global memory, in a bulk async-group of the issuing thread (commit with
+// bulk_commit; bulk_wait_read waits until the sources of its groups were read, so the shared
+// memory may be reused or the CTA may exit).
+__device__ __forceinline__ void bulk_store_global(void* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>
@@ -94,6 +103,18 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 // attribute) / let the next grid launch once every CTA of this one got here.
 __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Named barrier `id` of `n` threads (a multiple of 32) that also ANDs `pred` over them (bar.red):
+// true iff every participating thread passed true. Orders the participants' shared memory
+// accesses like bar.sync.
+__device__ __forceinline__ bool bar_red_and(int id, int n, bool pred) {
+    int r;
+    asm volatile(
+        "{\n .reg .pred pi, po;\n setp.ne.s32 pi, %1, 0;\n bar.red.and.pred po, %2, %3, pi;\n selp.s32 %0, 1, 0, po;\n}\n"
+        : "=r"(r)
+        : "r"(static_cast<int>(pred)), "r"(id), "r"(n)
+        : "memory");
+    return r != 0;
+}
 
 // Four 8 x 8 b16 matrices of a warp, stored transposed (stmatrix .trans): register k of lane l
 // holds row l / 4, columns 2 (l % 4) .. +1 of matrix k (the mma / wgmma accumulator fragment after

@@ -153,9 +153,10 @@ struct ValidIndices {
 // its copies, expands its slots to bf16 in place (dsv41_attn_rows.cuh), then arrives. 16 groups
 // of 8 threads, group gr takes rows gr, gr + 16, gr + 32, gr + 48, thread q of it chunk q of each
 // 128-byte plane segment (one warp instruction reads four rows' 128-byte segments); rows past the
-// tile's end are zero-filled. `skip_gather` (diagnostic) issues no copies.
+// tile's end are zero-filled. `skip_gather` (diagnostic) issues no copies. Tiles before `first`
+// were produced by an earlier call (the head-split kernel's early window tiles).
 __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& p, uint32_t stages, const uint32_t* ent_s, int nrows,
-                                              uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather) {
+                                              uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather, int first = 0) {
     using namespace dsv41_ptx;
     const int ntiles = (nrows + BLK - 1) / BLK;
     const int gr = ptid >> 3, q = ptid & 7;
@@ -165,7 +166,7 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
     auto copy16 = [&](uint32_t dst, const void* src) {
         if (!skip_gather) cp_async16_l2(dst, src, true);
     };
-    for (int j = 0; j < ntiles; ++j) {
+    for (int j = first; j < ntiles; ++j) {
         const int st = j & 1;
         if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
         const int base = j * BLK;
