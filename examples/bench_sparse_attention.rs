@@ -25,6 +25,12 @@
 //!   dequantized in the kernel), B = 1, 64, 256 (default, all-heads and head-split kernels): GB/s
 //!   counted with the packed row sizes.
 //!
+//! * In-stream decode B = 64 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
+//!   indexer's real top-k kernel as the producer of the extra index lists; the attention's share
+//!   = pair - top-k alone, with and without programmatic dependent launch, next to the
+//!   standalone figures above (which are back-to-back calls of the attention alone: its rows
+//!   largely stay in L2 between calls), and the attention after an L2 flush.
+//!
 //! Run: `cargo run --release --features cuda --example bench_sparse_attention` (needs a GPU).
 
 use std::time::Instant;
@@ -281,9 +287,10 @@ const TOPK_N: usize = 32 * 1024;
 /// median): the producer alone, the pair, and the attention's share = pair - producer alone;
 /// plus the attention alone on the top-k's (fixed) indices. Variants: the attention without /
 /// with programmatic dependent launch, the top-k kernel letting its dependents launch at its
-/// start (DSV41_TOPK_TRIGGER) or not, and the head-split kernel's prologue variants
-/// (DSV41_SPARSE_ATTENTION_HS bits: 16 early window tiles, 32 their reads before
-/// griddepcontrol.wait, 128 bulk stores of the out rows).
+/// start (the default) or not (DSV41_TOPK_TRIGGER=0), and the head-split kernel's prologue
+/// variants (DSV41_SPARSE_ATTENTION_HS = 16 without its pre-wait L2 prefetch, 128 without its
+/// tile-2 prefetch, 144 without both = main's prologue, 32 with its q and window reads before
+/// griddepcontrol.wait: sound only when they are two kernels old, as here).
 fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor) -> Result<()> {
     let b = 64;
     let pb = decode_problem(dev, pool, b)?;
@@ -303,13 +310,41 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
     })?;
     println!("  attention alone on the top-k's indices (Auto, PDL): {:.2} us", alone * 1e3);
     let variants = [
-        ("no PDL", "0", "0"),
+        ("no PDL, no prefetch", "0", "144"),
+        ("PDL, no prefetch", "1", "144"),
         ("PDL", "1", "0"),
-        ("PDL, early window", "1", "16"),
-        ("PDL, early window + pre-wait reads", "1", "48"),
-        ("PDL, early window + bulk out", "1", "144"),
-        ("PDL, early + pre-wait + bulk out", "1", "176"),
+        ("PDL, no pre-wait prefetch", "1", "16"),
+        ("PDL, no tile-2 prefetch", "1", "128"),
+        ("PDL, pre-wait reads", "1", "32"),
     ];
+    // Calibration: the attention after a kernel that streams 2 x 96 MB through L2 (nothing of
+    // the attention's inputs stays there), minus that kernel alone.
+    let junk = Tensor::ones(24 << 20, DType::F32, dev)?;
+    let (thrash, _) = timer.time(|| {
+        junk.affine(1.0, 1.0)?;
+        Ok(())
+    })?;
+    for (name, hs) in [("", "0"), (", no prefetch", "144")] {
+        let (cold, _) = with_env(&[("DSV41_SPARSE_ATTENTION_HS", hs)], || {
+            timer.time(|| {
+                junk.affine(1.0, 1.0)?;
+                attn(&idx)?;
+                Ok(())
+            })
+        })?;
+        println!(
+            "  attention after an L2 flush (96 MB copy){name}: pair {:.2} us - flush alone {:.2} us = {:.2} us",
+            cold * 1e3,
+            thrash * 1e3,
+            (cold - thrash) * 1e3
+        );
+    }
+    if args.trace {
+        traced("  after an L2 flush", || {
+            junk.affine(1.0, 1.0)?;
+            attn(&idx).map(|_| ())
+        })?;
+    }
     for trig in ["0", "1"] {
         let (prod, _) = with_env(&[("DSV41_TOPK_TRIGGER", trig)], || {
             timer.time(|| {
@@ -440,11 +475,10 @@ fn main() -> Result<()> {
         if b == 64 {
             // Head-split prologue variants and the launch without PDL (experiment switches).
             for (name, var, val) in [
-                ("early window", "DSV41_SPARSE_ATTENTION_HS", "16"),
-                ("early+pre-wait", "DSV41_SPARSE_ATTENTION_HS", "48"),
-                ("bulk out", "DSV41_SPARSE_ATTENTION_HS", "128"),
-                ("early+bulk", "DSV41_SPARSE_ATTENTION_HS", "144"),
-                ("early+pre+bulk", "DSV41_SPARSE_ATTENTION_HS", "176"),
+                ("no pre-wait prefetch", "DSV41_SPARSE_ATTENTION_HS", "16"),
+                ("no tile-2 prefetch", "DSV41_SPARSE_ATTENTION_HS", "128"),
+                ("no prefetch", "DSV41_SPARSE_ATTENTION_HS", "144"),
+                ("pre-wait reads", "DSV41_SPARSE_ATTENTION_HS", "32"),
                 ("no PDL", "DSV41_SPARSE_ATTENTION_PDL", "0"),
             ] {
                 with_env(&[(var, val)], || report(&timer, &args, &format!("decode B=64 hs {name}"), &pb, &sink, head_split, false))?;

@@ -73,7 +73,27 @@
 //        sums its S slots (local reads) and writes bf16 out.
 // Launch: programmatic dependent launch (griddepcontrol): the grid may be scheduled while the
 // previous kernel of the stream finishes; every thread waits (griddepcontrol.wait) before its
-// first global access, and the CTAs allow the next grid to launch at once.
+// first global read (the head-split kernel issues L2 prefetches before it, see there), and the
+// CTAs allow the next grid to launch right after their wait.
+// Chain contract (what may be read before griddepcontrol.wait). A grid launched with the
+// attribute may start as soon as every CTA of the previous grid in the stream executed
+// griddepcontrol.launch_dependents or exited: while that grid runs, before its writes are
+// visible; griddepcontrol.wait returns once all prerequisite grids completed and their writes
+// are visible. If every kernel of the stream either is launched without the attribute, or calls
+// griddepcontrol.wait before griddepcontrol.launch_dependents (in this crate: the two sparse
+// attention kernels are the only ones launched with it and both wait first; indexer_topk.cu is
+// launched without it and triggers at its start; the crate's other kernels and Candle's never
+// trigger; library kernels such as cuBLAS's are outside this knowledge), then when
+// grid N + 1 starts, grid N has started, and grid N started only after grid N - 1 completed
+// (launched without the attribute: ordinary stream order; with it: it triggers only after its
+// own wait). So grid N + 1 may read before its wait what grid N - 1 and earlier wrote, never
+// what grid N writes. The kernel cannot know which grid wrote an input: reading q, the sink or
+// the window before the wait is sound only where the caller knows they come from two or more
+// kernels back. In the layer's decode step (attention/layer_fused.rs) that holds after a
+// computed top-k (selection kernels follow the inserts and the q RoPE) but not for window-only
+// layers or reused top-k lists, whose predecessor may be the window insert; so the kernels read
+// nothing before the wait (DSV41_SPARSE_ATTENTION_HS=32 measures the reads there, docs/perf.md
+// "Round 8"). L2 prefetches are sound anywhere: they deliver no data.
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
@@ -549,9 +569,10 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    // Experiments (docs/perf.md "Round 8"): DSV41_SPARSE_ATTENTION_HS bits 16 / 32 / 128 the
-    // head-split kernel's early window tiles / its input reads before griddepcontrol.wait / bulk
-    // stores of the out rows;
+    // Experiments (docs/perf.md "Round 8"): DSV41_SPARSE_ATTENTION_HS bits of the head-split
+    // kernel: 16 without its pre-wait L2 prefetch, 128 without its tile-2 prefetch, 32 with its
+    // q / window reads before griddepcontrol.wait (sound only under the chain contract above,
+    // when the caller knows those inputs are two kernels old);
     // DSV41_SPARSE_ATTENTION_PDL=0 launches without programmatic dependent launch (mode bit 6).
     const char* hs = getenv("DSV41_SPARSE_ATTENTION_HS");
     const char* pdl = getenv("DSV41_SPARSE_ATTENTION_PDL");

@@ -85,15 +85,12 @@ __device__ __forceinline__ void bulk_copy_to_cluster(uint32_t dst, uint32_t src,
                  "r"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-// TMA bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from this CTA's
-// shared memory to global memory, in a bulk async-group of the issuing thread (commit with
-// bulk_commit; bulk_wait_read waits until the sources of its groups were read, so the shared
-// memory may be reused or the CTA may exit).
-__device__ __forceinline__ void bulk_store_global(void* dst, uint32_t src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+// L2 prefetch of `bytes` (a multiple of 16) of global memory at `src` (16-byte aligned); no
+// data reaches the thread, so it is harmless on memory another grid is still writing (L2 is
+// the point of coherence).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>

@@ -154,9 +154,12 @@ struct ValidIndices {
 // of 8 threads, group gr takes rows gr, gr + 16, gr + 32, gr + 48, thread q of it chunk q of each
 // 128-byte plane segment (one warp instruction reads four rows' 128-byte segments); rows past the
 // tile's end are zero-filled. `skip_gather` (diagnostic) issues no copies. Tiles before `first`
-// were produced by an earlier call (the head-split kernel's early window tiles).
+// were produced by an earlier call (the head-split kernel's pre-wait window tiles, an
+// experiment). `prefetch_third` (bf16 rows): right after tile 1's copies, an L2 prefetch of tile
+// 2's rows.
 __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& p, uint32_t stages, const uint32_t* ent_s, int nrows,
-                                              uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather, int first = 0) {
+                                              uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather, int first = 0,
+                                              bool prefetch_third = false) {
     using namespace dsv41_ptx;
     const int ntiles = (nrows + BLK - 1) / BLK;
     const int gr = ptid >> 3, q = ptid & 7;
@@ -191,6 +194,10 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
         }
         if (!any_packed) {
             cp_async_mbar_arrive(bar_full + 8 * st);
+            // Tile 2 waits for stage 0 (tile 0 consumed): its rows go to L2 now (one 1 KB bulk
+            // prefetch per row by threads 0..63), so its gather then reads L2.
+            if (prefetch_third && j == 1 && ptid < BLK && 2 * BLK + ptid < nrows)
+                prefetch_l2_bulk(row_ptr(p, ent_s[2 * BLK + ptid]), D * 2);
             continue;
         }
         // (Measured slower, session 4 lead run 2: a second tile's copies in flight together
