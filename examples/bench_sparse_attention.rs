@@ -287,10 +287,7 @@ const TOPK_N: usize = 32 * 1024;
 /// median): the producer alone, the pair, and the attention's share = pair - producer alone;
 /// plus the attention alone on the top-k's (fixed) indices. Variants: the attention without /
 /// with programmatic dependent launch, the top-k kernel letting its dependents launch at its
-/// start (the default) or not (DSV41_TOPK_TRIGGER=0), and the head-split kernel's prologue
-/// variants (DSV41_SPARSE_ATTENTION_HS = 16 without its pre-wait L2 prefetch, 128 without its
-/// tile-2 prefetch, 144 without both = main's prologue, 32 with its q and window reads before
-/// griddepcontrol.wait: sound only when they are two kernels old, as here).
+/// start (the default) or not (DSV41_TOPK_TRIGGER=0); and the attention after an L2 flush.
 fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor) -> Result<()> {
     let b = 64;
     let pb = decode_problem(dev, pool, b)?;
@@ -309,14 +306,6 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
         Ok(())
     })?;
     println!("  attention alone on the top-k's indices (Auto, PDL): {:.2} us", alone * 1e3);
-    let variants = [
-        ("no PDL, no prefetch", "0", "144"),
-        ("PDL, no prefetch", "1", "144"),
-        ("PDL", "1", "0"),
-        ("PDL, no pre-wait prefetch", "1", "16"),
-        ("PDL, no tile-2 prefetch", "1", "128"),
-        ("PDL, pre-wait reads", "1", "32"),
-    ];
     // Calibration: the attention after a kernel that streams 2 x 96 MB through L2 (nothing of
     // the attention's inputs stays there), minus that kernel alone.
     let junk = Tensor::ones(24 << 20, DType::F32, dev)?;
@@ -324,21 +313,17 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
         junk.affine(1.0, 1.0)?;
         Ok(())
     })?;
-    for (name, hs) in [("", "0"), (", no prefetch", "144")] {
-        let (cold, _) = with_env(&[("DSV41_SPARSE_ATTENTION_HS", hs)], || {
-            timer.time(|| {
-                junk.affine(1.0, 1.0)?;
-                attn(&idx)?;
-                Ok(())
-            })
-        })?;
-        println!(
-            "  attention after an L2 flush (96 MB copy){name}: pair {:.2} us - flush alone {:.2} us = {:.2} us",
-            cold * 1e3,
-            thrash * 1e3,
-            (cold - thrash) * 1e3
-        );
-    }
+    let (cold, _) = timer.time(|| {
+        junk.affine(1.0, 1.0)?;
+        attn(&idx)?;
+        Ok(())
+    })?;
+    println!(
+        "  attention after an L2 flush (96 MB copy): pair {:.2} us - flush alone {:.2} us = {:.2} us",
+        cold * 1e3,
+        thrash * 1e3,
+        (cold - thrash) * 1e3
+    );
     if args.trace {
         traced("  after an L2 flush", || {
             junk.affine(1.0, 1.0)?;
@@ -353,8 +338,8 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
             })
         })?;
         println!("  top-k alone (trigger={trig}): {:.2} us", prod * 1e3);
-        for (name, pdl, hs) in variants {
-            let env = [("DSV41_TOPK_TRIGGER", trig), ("DSV41_SPARSE_ATTENTION_PDL", pdl), ("DSV41_SPARSE_ATTENTION_HS", hs)];
+        for (name, pdl) in [("no PDL", "0"), ("PDL", "1")] {
+            let env = [("DSV41_TOPK_TRIGGER", trig), ("DSV41_SPARSE_ATTENTION_PDL", pdl)];
             let (pair, _) = with_env(&env, || {
                 timer.time(|| {
                     attn(&topk()?)?;
@@ -473,16 +458,10 @@ fn main() -> Result<()> {
         report(&timer, &args, &format!("decode B={b} all-heads"), &pb, &sink, all_heads, false)?;
         report(&timer, &args, &format!("decode B={b} head-split"), &pb, &sink, head_split, false)?;
         if b == 64 {
-            // Head-split prologue variants and the launch without PDL (experiment switches).
-            for (name, var, val) in [
-                ("no pre-wait prefetch", "DSV41_SPARSE_ATTENTION_HS", "16"),
-                ("no tile-2 prefetch", "DSV41_SPARSE_ATTENTION_HS", "128"),
-                ("no prefetch", "DSV41_SPARSE_ATTENTION_HS", "144"),
-                ("pre-wait reads", "DSV41_SPARSE_ATTENTION_HS", "32"),
-                ("no PDL", "DSV41_SPARSE_ATTENTION_PDL", "0"),
-            ] {
-                with_env(&[(var, val)], || report(&timer, &args, &format!("decode B=64 hs {name}"), &pb, &sink, head_split, false))?;
-            }
+            // The launch without programmatic dependent launch (comparison switch).
+            with_env(&[("DSV41_SPARSE_ATTENTION_PDL", "0")], || {
+                report(&timer, &args, "decode B=64 head-split no PDL", &pb, &sink, head_split, false)
+            })?;
             for s in [1usize, 2, 3, 4] {
                 let opts = SparseAttentionOptions { num_splits: Some(s), ..auto };
                 report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, opts, false)?;

@@ -34,6 +34,10 @@
 //   the row (a 2048-bin histogram with shared atomics unless tau was exact; the low digits in b1)
 //   and the bitmaps from a third pass, one 32-entry word per thread step.
 // Rows with <= k visible entries take all of them (ids 0..L-1) without reading the scores.
+// Launch: without programmatic dependent launch, but the kernel lets its dependents launch at its
+// start (griddepcontrol.launch_dependents): in a decode step the sparse attention follows, its CTAs
+// start on the SMs this grid leaves free and wait in griddepcontrol.wait for this grid's output
+// (docs/perf.md "Round 8"; chain contract in kernels/sparse_attention.cu).
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>

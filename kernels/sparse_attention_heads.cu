@@ -36,14 +36,16 @@
 // rounded to bf16 relative to the block's running max); only the f32 orders of the dot
 // products, tensor-core sums and denominators differ.
 // Launch: programmatic dependent launch as the all-heads kernel (chain contract in
-// kernels/sparse_attention.cu). Before its griddepcontrol.wait a CTA initialises its mbarriers
-// and prefetches into L2 (cp.async.bulk.prefetch.L2) its 32 q rows and the rows of its token's
-// first 128 window entries (read through L2 for their addresses only): sound whatever the
-// previous grid writes, and in a decode step it overlaps the indexer's top-k, which triggers
-// its dependents at its start (docs/perf.md "Round 8": the attention's in-stream share at
-// B = 64 fell from 41.2 to x.x us). Diagnostics: mode bit 0 traces CTA (0, 0)
-// (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does not apply); experiment
-// switches: DSV41_SPARSE_ATTENTION_HS (launcher).
+// kernels/sparse_attention.cu: nothing is read before griddepcontrol.wait). Diagnostics: mode
+// bit 0 traces CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does
+// not apply).
+// Prologue variants measured in round 8 (docs/perf.md, "Round 8"), none kept: the window tiles
+// gathered by the producer before the compaction (slower: issuing 128 KB of cp.async delays the
+// producer's share of the compaction, 29.5 vs 26.8 us); L2 prefetches (cp.async.bulk.prefetch.L2)
+// of the CTA's q rows and first 128 window rows before griddepcontrol.wait, and of tile 2's
+// rows after tile 1's copies (no gain standalone or in-stream); TMA bulk stores of the out rows
+// (no gain); the q copies and the window tiles' gather before the wait (-1.8 us in-stream behind
+// the top-k, but sound only with the caller's guarantee, see the chain contract).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -84,7 +86,7 @@ static_assert(HS * OUT_STRIDE <= 2 * TILEB, "out rows fit the stages");
 constexpr int TRACE_SLOTS = 40;
 // Phase timestamps of CTA (0, 0), thread 0: [0] start, [1] indices loaded, [2] compaction done,
 // [3] end, [4 + j] rows of tile j arrived, [20 + j] tile j done (j < 16); tile 1: [36] S^T
-// done, [37] softmax done (P^T written); [38] kernel entry (before griddepcontrol.wait).
+// done, [37] softmax done (P^T written).
 __device__ long long g_trace_heads[TRACE_SLOTS];
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
@@ -106,79 +108,23 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     // mode: bit 0 trace, bit 2 skip the gather (diagnostic; bit 1, skip the products, does not
     // apply: the products have no run-time conditions, which keeps them asynchronous).
     const bool skip_gather = mode & 4;
-    // Before griddepcontrol.wait (the previous grid may still run and write): the mbarriers,
-    // and L2 prefetches of what this CTA reads first — its q rows, its token's window index row
-    // and the rows of the first 128 window entries (tiles 0 and 1 when the window is full). A
-    // prefetch delivers no data to the thread, so it is sound whatever the previous grid writes;
-    // the window entries are read for their addresses only, through L2 (ld.global.cg: nothing
-    // stale stays in L1), and clamped to the source. (After the compaction the producer also
-    // prefetches tile 2's rows: produce_tiles.) Switches (DSV41_SPARSE_ATTENTION_HS, experiments,
-    // docs/perf.md "Round 8"): bit 7 (128) no tile-2 prefetch; bit 4 (16) no pre-wait prefetch; bit 5 (32) instead the q
-    // copies, the window entries and the gather of the window tiles themselves before the wait,
-    // which is sound only under the chain contract of the launcher's comment when the caller
-    // knows q, the sink, the window index list and the window rows were written two or more
-    // kernels earlier (never what the previous kernel writes).
-    const bool prefetch = !(mode & 48) && p.window_format == DSV41_KV_BF16;
-    const bool pre = (mode & 32) && p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
     const bool tracer = (mode & 1) && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace_heads[slot] = clock64();
     };
-    stamp(38);
-    if (tid == CONSUMERS) {  // the producer's first thread: the pre-wait window tiles arrive on them
+    grid_dep_wait();  // everything below may read what the previous kernel wrote
+    grid_dep_launch();
+    stamp(0);
+    if (tid == 0) {
         mbar_init(bar_full, PROD_THREADS);  // one arrival per producer thread
         mbar_init(bar_full + 8, PROD_THREADS);
         mbar_init(bar_empty, CONSUMERS / 32);  // one arrival per consumer warp
         mbar_init(bar_empty + 8, CONSUMERS / 32);
     }
-    const int ptid = tid - CONSUMERS;
-    const int nwin = p.num_window_rows > 0 ? min(p.kw, 2 * BLK) : 0;  // window entries of the first two tiles
-    auto window_entry = [&](int i) -> int64_t {  // entry i of token t's window list, through L2
-        const int64_t k = static_cast<int64_t>(t) * p.kw + i;
-        return p.index_bytes == 8 ? __ldcg(static_cast<const long long*>(p.idx_window) + k)
-                                  : static_cast<int64_t>(__ldcg(static_cast<const int32_t*>(p.idx_window) + k));
-    };
-    if (prefetch) {
-        if (consumer && tid < nh)
-            prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride +
-                                 static_cast<int64_t>(h0 + tid) * p.q_head_stride,
-                             D * 2);
-        if (!consumer && ptid < nwin) {
-            const int64_t s = window_entry(ptid);
-            const int64_t row = s < 0 ? 0 : (s >= p.num_window_rows ? p.num_window_rows - 1 : s);
-            prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.kv_window) + row * p.window_row_stride, D * 2);
-        }
-    }
-    auto load_q = [&]() {
-        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK);
-    };
-    // Pre-wait window tiles (bit 5): the compacted list starts with the window's valid entries in
-    // order, so when the first NE = 64 min(Kw / 64, 2) window entries are all valid they are the
-    // first NE entries of the list, and tiles 0 .. NE / 64 - 1 (one per stage) can be gathered
-    // before the compaction. Producer thread i reads entry i; the bar.red over the producer
-    // warpgroup says whether all are valid and orders the entries written to ent_s (the
-    // compaction later writes the same values there).
-    int etiles = 0;
-    if (pre) {
-        load_q();
-        const int ne = min(p.kw / BLK, 2) * BLK;
-        if (!consumer && ne > 0) {
-            const int64_t s = ptid < ne ? window_entry(ptid) : 0;
-            const bool ok = ptid >= ne || (s >= 0 && s < p.num_window_rows);
-            if (ptid < ne && ok) ent_s[ptid] = static_cast<uint32_t>(s);
-            if (bar_red_and(2, PROD_THREADS, ok)) {
-                produce_tiles(p, sbase + SM_K, ent_s, ne, bar_full, bar_empty, ptid, skip_gather);
-                etiles = ne / BLK;
-            }
-        }
-    }
-    grid_dep_wait();  // everything below may read what the previous kernel wrote
-    grid_dep_launch();
-    stamp(0);
     // 1. Indices (all threads); q and the sink (consumers) while the index loads are in flight.
     ValidIndices vi;
     vi.load_and_count(p, t, tid, cnt_s, [&]() {
-        if (!pre) load_q();
+        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK);
     });
     __syncthreads();
     stamp(1);
@@ -189,7 +135,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     __syncthreads();
     const int ntiles = (count + BLK - 1) / BLK;
     if (!consumer) {
-        produce_tiles(p, sbase + SM_K, ent_s, count, bar_full, bar_empty, ptid, skip_gather, etiles, !(mode & 128));
+        produce_tiles(p, sbase + SM_K, ent_s, count, bar_full, bar_empty, tid - CONSUMERS, skip_gather);
         return;
     }
     stamp(2);
@@ -346,9 +292,9 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
             const int mat = lane >> 3, i = 2 * ip + (mat >> 1), hf = mat & 1;
             stmatrix_x4_trans(outb + (8 * i + (lane & 7)) * OUT_STRIDE + (64 * mb + 16 * w + 8 * hf) * 2, r[0], r[1], r[2], r[3]);
         }
-    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
     consumer_sync();
     // The CTA's out rows are contiguous: 16-byte stores.
+    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
     const int items = nh * (D / 8);
     const unsigned char* outp = smem + SM_K;
 #pragma unroll 4
@@ -365,8 +311,7 @@ void print_trace(cudaStream_t stream, int dev) {
         cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
         return;
     const double us = 1e3 / khz;
-    fprintf(stderr, "sparse_attention head-split trace (CTA 0): entry -> wait done %.2f | indices %.2f | compaction %.2f us",
-            (h[0] - h[38]) * us, (h[1] - h[0]) * us, (h[2] - h[0]) * us);
+    fprintf(stderr, "sparse_attention head-split trace (CTA 0): indices %.2f | compaction %.2f us", (h[1] - h[0]) * us, (h[2] - h[0]) * us);
     long long prev = h[2];
     for (int j = 0; j < 16 && h[20 + j] > prev; ++j) {
         fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[20 + j] - prev) * us, (h[4 + j] - prev) * us);
@@ -401,12 +346,12 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = (mode & 64) ? 0 : 1;  // mode bit 6: no programmatic dependent launch (experiment)
+    cfg.numAttrs = (mode & 64) ? 0 : 1;  // mode bit 6: no programmatic dependent launch (comparison)
     if (mode & 1) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
     }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & ~64);
+    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & 7);
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);

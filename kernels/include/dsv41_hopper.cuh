@@ -85,12 +85,6 @@ __device__ __forceinline__ void bulk_copy_to_cluster(uint32_t dst, uint32_t src,
                  "r"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-// L2 prefetch of `bytes` (a multiple of 16) of global memory at `src` (16-byte aligned); no
-// data reaches the thread, so it is harmless on memory another grid is still writing (L2 is
-// the point of coherence).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 template <int R>
@@ -100,18 +94,6 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 // attribute) / let the next grid launch once every CTA of this one got here.
 __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-// Named barrier `id` of `n` threads (a multiple of 32) that also ANDs `pred` over them (bar.red):
-// true iff every participating thread passed true. Orders the participants' shared memory
-// accesses like bar.sync.
-__device__ __forceinline__ bool bar_red_and(int id, int n, bool pred) {
-    int r;
-    asm volatile(
-        "{\n .reg .pred pi, po;\n setp.ne.s32 pi, %1, 0;\n bar.red.and.pred po, %2, %3, pi;\n selp.s32 %0, 1, 0, po;\n}\n"
-        : "=r"(r)
-        : "r"(static_cast<int>(pred)), "r"(id), "r"(n)
-        : "memory");
-    return r != 0;
-}
 
 // Four 8 x 8 b16 matrices of a warp, stored transposed (stmatrix .trans): register k of lane l
 // holds row l / 4, columns 2 (l % 4) .. +1 of matrix k (the mma / wgmma accumulator fragment after

@@ -153,13 +153,9 @@ struct ValidIndices {
 // its copies, expands its slots to bf16 in place (dsv41_attn_rows.cuh), then arrives. 16 groups
 // of 8 threads, group gr takes rows gr, gr + 16, gr + 32, gr + 48, thread q of it chunk q of each
 // 128-byte plane segment (one warp instruction reads four rows' 128-byte segments); rows past the
-// tile's end are zero-filled. `skip_gather` (diagnostic) issues no copies. Tiles before `first`
-// were produced by an earlier call (the head-split kernel's pre-wait window tiles, an
-// experiment). `prefetch_third` (bf16 rows): right after tile 1's copies, an L2 prefetch of tile
-// 2's rows.
+// tile's end are zero-filled. `skip_gather` (diagnostic) issues no copies.
 __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& p, uint32_t stages, const uint32_t* ent_s, int nrows,
-                                              uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather, int first = 0,
-                                              bool prefetch_third = false) {
+                                              uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather) {
     using namespace dsv41_ptx;
     const int ntiles = (nrows + BLK - 1) / BLK;
     const int gr = ptid >> 3, q = ptid & 7;
@@ -169,7 +165,7 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
     auto copy16 = [&](uint32_t dst, const void* src) {
         if (!skip_gather) cp_async16_l2(dst, src, true);
     };
-    for (int j = first; j < ntiles; ++j) {
+    for (int j = 0; j < ntiles; ++j) {
         const int st = j & 1;
         if (j >= 2) mbar_wait(bar_empty + 8 * st, ((j >> 1) - 1) & 1);
         const int base = j * BLK;
@@ -194,10 +190,6 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
         }
         if (!any_packed) {
             cp_async_mbar_arrive(bar_full + 8 * st);
-            // Tile 2 waits for stage 0 (tile 0 consumed): its rows go to L2 now (one 1 KB bulk
-            // prefetch per row by threads 0..63), so its gather then reads L2.
-            if (prefetch_third && j == 1 && ptid < BLK && 2 * BLK + ptid < nrows)
-                prefetch_l2_bulk(row_ptr(p, ent_s[2 * BLK + ptid]), D * 2);
             continue;
         }
         // (Measured slower, session 4 lead run 2: a second tile's copies in flight together
