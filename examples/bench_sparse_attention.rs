@@ -25,6 +25,12 @@
 //!   dequantized in the kernel), B = 1, 64, 256 (default, all-heads and head-split kernels): GB/s
 //!   counted with the packed row sizes.
 //!
+//! * In-stream decode B = 64 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
+//!   indexer's real top-k kernel as the producer of the extra index lists; the attention's share
+//!   = pair - top-k alone, with and without programmatic dependent launch, next to the
+//!   standalone figures above (which are back-to-back calls of the attention alone: its rows
+//!   largely stay in L2 between calls), and the attention after an L2 flush.
+//!
 //! Run: `cargo run --release --features cuda --example bench_sparse_attention` (needs a GPU).
 
 use std::time::Instant;
@@ -34,8 +40,8 @@ use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use deepseek_v41::cuda::{
-    sparse_attention_two_source, sparse_attention_two_source_with, KvRows, PackedLayout, SparseAttentionInputs,
-    SparseAttentionKernel, SparseAttentionOptions,
+    index_topk, sparse_attention_two_source, sparse_attention_two_source_with, KvRows, PackedLayout, SparseAttentionInputs,
+    SparseAttentionKernel, SparseAttentionOptions, Visibility,
 };
 use deepseek_v41::quant::QatFormat;
 
@@ -257,6 +263,107 @@ fn report_packed(
     Ok(())
 }
 
+/// `f` with the environment variables `vars` set (the launchers' experiment switches), removed
+/// afterwards.
+fn with_env<T>(vars: &[(&str, &str)], f: impl FnOnce() -> Result<T>) -> Result<T> {
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+    let r = f();
+    for (k, _) in vars {
+        std::env::remove_var(k);
+    }
+    r
+}
+
+/// Score entries per row of the in-stream producer (the compressed keys of a 128K-token
+/// context at compression ratio 4).
+const TOPK_N: usize = 32 * 1024;
+
+/// In-stream decode B = 64: repeated [producer -> attention] pairs on one stream, the producer
+/// being the real top-k of the indexer (`index_topk` of `[64, TOPK_N]` bf16 scores, k = 512,
+/// one CTA per row) whose output is the attention's extra index list (as in the layer's decode
+/// step, where the attention follows the selection). Timed like every case (behind a blocker,
+/// median): the producer alone, the pair, and the attention's share = pair - producer alone;
+/// plus the attention alone on the top-k's (fixed) indices. Variants: the attention without /
+/// with programmatic dependent launch, the top-k kernel letting its dependents launch at its
+/// start (the default) or not (DSV41_TOPK_TRIGGER=0); and the attention after an L2 flush.
+fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor) -> Result<()> {
+    let b = 64;
+    let pb = decode_problem(dev, pool, b)?;
+    let scores = Tensor::randn(0f32, 1.0, (b, TOPK_N), dev)?.to_dtype(DType::BF16)?;
+    let vis = Visibility::Causal { start: TOPK_N, ratio: 1 };
+    let scale = (HEAD_DIM as f32).powf(-0.5);
+    let opts = SparseAttentionOptions::default();
+    let attn = |ic: &Tensor| sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, pool, ic, sink, scale, opts);
+    let topk = || index_topk(&scores, &vis, TOPK);
+    let idx = topk()?;
+    let (want, _) = attn(&idx)?;
+    let want = want.to_dtype(DType::F32)?;
+    println!("in-stream B=64: producer = index_topk of [64, {TOPK_N}] bf16 scores, k = {TOPK} (its output is the attention's extra list)");
+    let (alone, _) = timer.time(|| {
+        attn(&idx)?;
+        Ok(())
+    })?;
+    println!("  attention alone on the top-k's indices (Auto, PDL): {:.2} us", alone * 1e3);
+    // Calibration: the attention after a kernel that streams 2 x 96 MB through L2 (nothing of
+    // the attention's inputs stays there), minus that kernel alone.
+    let junk = Tensor::ones(24 << 20, DType::F32, dev)?;
+    let (thrash, _) = timer.time(|| {
+        junk.affine(1.0, 1.0)?;
+        Ok(())
+    })?;
+    let (cold, _) = timer.time(|| {
+        junk.affine(1.0, 1.0)?;
+        attn(&idx)?;
+        Ok(())
+    })?;
+    println!(
+        "  attention after an L2 flush (96 MB copy): pair {:.2} us - flush alone {:.2} us = {:.2} us",
+        cold * 1e3,
+        thrash * 1e3,
+        (cold - thrash) * 1e3
+    );
+    if args.trace {
+        traced("  after an L2 flush", || {
+            junk.affine(1.0, 1.0)?;
+            attn(&idx).map(|_| ())
+        })?;
+    }
+    for trig in ["0", "1"] {
+        let (prod, _) = with_env(&[("DSV41_TOPK_TRIGGER", trig)], || {
+            timer.time(|| {
+                topk()?;
+                Ok(())
+            })
+        })?;
+        println!("  top-k alone (trigger={trig}): {:.2} us", prod * 1e3);
+        for (name, pdl) in [("no PDL", "0"), ("PDL", "1")] {
+            let env = [("DSV41_TOPK_TRIGGER", trig), ("DSV41_SPARSE_ATTENTION_PDL", pdl)];
+            let (pair, _) = with_env(&env, || {
+                timer.time(|| {
+                    attn(&topk()?)?;
+                    Ok(())
+                })
+            })?;
+            // The pair's result against the attention on the fixed indices (bitwise expected).
+            let diff = with_env(&env, || {
+                let (o, _) = attn(&topk()?)?;
+                Ok((o.to_dtype(DType::F32)? - &want)?.abs()?.max_all()?.to_scalar::<f32>()?)
+            })?;
+            println!(
+                "  pair top-k(trigger={trig}) -> attention [{name}]: pair {:.2} us, attention's share {:.2} us (max |diff| {diff})",
+                pair * 1e3,
+                (pair - prod) * 1e3
+            );
+            if args.trace && trig == "1" {
+                with_env(&env, || traced(&format!("  pair trigger=1 [{name}]"), || attn(&topk()?).map(|_| ())))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One call with the launcher's phase trace of CTA 0 (printed on stderr).
 fn traced(label: &str, f: impl FnOnce() -> candle_core::Result<()>) -> Result<()> {
     eprint!("{label}: ");
@@ -351,6 +458,10 @@ fn main() -> Result<()> {
         report(&timer, &args, &format!("decode B={b} all-heads"), &pb, &sink, all_heads, false)?;
         report(&timer, &args, &format!("decode B={b} head-split"), &pb, &sink, head_split, false)?;
         if b == 64 {
+            // The launch without programmatic dependent launch (comparison switch).
+            with_env(&[("DSV41_SPARSE_ATTENTION_PDL", "0")], || {
+                report(&timer, &args, "decode B=64 head-split no PDL", &pb, &sink, head_split, false)
+            })?;
             for s in [1usize, 2, 3, 4] {
                 let opts = SparseAttentionOptions { num_splits: Some(s), ..auto };
                 report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, opts, false)?;
@@ -369,6 +480,7 @@ fn main() -> Result<()> {
             }
         }
     }
+    in_stream(&timer, &args, &dev, &pool, &sink)?;
     // Sanity: the default entry point agrees with the explicit one (same launcher choice).
     {
         let pb = decode_problem(&dev, &pool, 4)?;

@@ -33,8 +33,13 @@
 //   the row (a 2048-bin histogram with shared atomics unless tau was exact; the low digits in b1)
 //   and the bitmaps from a third pass, one 32-entry word per thread step.
 // Rows with <= k visible entries take all of them (ids 0..L-1) without reading the scores.
+// Launch: without programmatic dependent launch, but the kernel lets its dependents launch at its
+// start (griddepcontrol.launch_dependents): in a decode step the sparse attention follows, its CTAs
+// start on the SMs this grid leaves free and wait in griddepcontrol.wait for this grid's output
+// (docs/perf.md "Round 8"; chain contract in kernels/sparse_attention.cu).
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "include/dsv41_indexer.h"
 #include "include/dsv41_select.cuh"
@@ -191,7 +196,7 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
     }
 }
 
-__global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
+__global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p, int trigger) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
     __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
@@ -199,6 +204,13 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     __shared__ uint32_t lohist[LO_BINS], slo[LO_BINS];
     __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
     __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n, s_bad;
+    // Programmatic dependent launch: the next kernel of the stream may launch now if it was
+    // launched with the attribute (the sparse attention kernels: they read this grid's output
+    // only after griddepcontrol.wait, which returns once this grid completed). This kernel is
+    // launched without the attribute, so it starts only after the previous grid completed: the
+    // chain contract of kernels/sparse_attention.cu holds. `trigger` = 0 only for the bench's
+    // comparison (DSV41_TOPK_TRIGGER=0).
+    if (trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const int x = threadIdx.x;
     const int64_t t = blockIdx.x;
     int64_t n = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
@@ -411,6 +423,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p);
+    const char* tr = getenv("DSV41_TOPK_TRIGGER");
+    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p, !(tr && tr[0] == '0'));
     return true;
 }

@@ -73,7 +73,32 @@
 //        sums its S slots (local reads) and writes bf16 out.
 // Launch: programmatic dependent launch (griddepcontrol): the grid may be scheduled while the
 // previous kernel of the stream finishes; every thread waits (griddepcontrol.wait) before its
-// first global access, and the CTAs allow the next grid to launch at once.
+// first global access, and the CTAs allow the next grid to launch at once. In a decode step the
+// attention follows the indexer's top-k, which lets its dependents launch at its start
+// (kernels/indexer_topk.cu): the attention's CTAs then start on the SMs the top-k leaves free
+// and wait there (docs/perf.md "Round 8": its in-stream share at B = 64 fell by ~4 us).
+// Chain contract (what a kernel could read before its griddepcontrol.wait). A grid launched with
+// the attribute may start as soon as every CTA of the previous grid in the stream executed
+// griddepcontrol.launch_dependents or exited: while that grid runs, before its writes are
+// visible; griddepcontrol.wait returns once all prerequisite grids completed and their writes
+// are visible. If every kernel of the stream either is launched without the attribute, or calls
+// griddepcontrol.wait before griddepcontrol.launch_dependents (in this crate: the two sparse
+// attention kernels are the only ones launched with it and both wait first; indexer_topk.cu is
+// launched without it and triggers at its start; the crate's other kernels and Candle's never
+// trigger; library kernels such as cuBLAS's are outside this knowledge), then when grid N + 1
+// starts, grid N has started, and grid N started only after grid N - 1 completed (launched
+// without the attribute: ordinary stream order; with it: it triggers only after its own wait).
+// So grid N + 1 could read before its wait what grid N - 1 and earlier wrote, never what grid N
+// writes. A kernel cannot know which grid wrote an input, so such reads need the caller's
+// guarantee. In the layer's decode step (attention/layer_fused.rs) q, the sink, the window
+// index list and the window rows are two or more kernels old after a computed top-k (the
+// selection's kernels follow the inserts and the q RoPE), but not in window-only layers or with
+// a reused top-k list, where the attention's predecessor may be the window insert. So both
+// kernels read nothing before the wait. (Measured, round 8: the head-split kernel with its q
+// copies and the gather of its two window tiles before the wait saved another ~1.8 us of the
+// in-stream share; a sound variant, L2 prefetches of the same data before the wait, saved
+// nothing. A caller flag "inputs are two kernels old" would be the way to use the former.)
+// Experiment switch: DSV41_SPARSE_ATTENTION_PDL=0 launches both kernels without the attribute.
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
@@ -549,7 +574,11 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
+    // DSV41_SPARSE_ATTENTION_PDL=0: no programmatic dependent launch (comparison; mode bit 6,
+    // read by the launches only).
+    const char* pdl = getenv("DSV41_SPARSE_ATTENTION_PDL");
+    const int no_pdl = pdl && pdl[0] == '0';
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (no_pdl ? 64 : 0);
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {
@@ -585,14 +614,14 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // (it waits in griddepcontrol.wait before touching global memory).
     attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[nattr].val.programmaticStreamSerializationAllowed = 1;
-    ++nattr;
+    if (!no_pdl) ++nattr;
     cfg.attrs = attr;
     cfg.numAttrs = nattr;
     if (trace) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
     }
-    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode);
+    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode & 7);
     if (e != cudaSuccess) return static_cast<int>(e);
     e = cudaGetLastError();
     if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);

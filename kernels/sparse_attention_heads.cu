@@ -35,8 +35,17 @@
 // Numerics: those of the all-heads kernel with one split (the reference's 64-row blocks, p
 // rounded to bf16 relative to the block's running max); only the f32 orders of the dot
 // products, tensor-core sums and denominators differ.
-// Launch: programmatic dependent launch as the all-heads kernel. Diagnostics: mode bit 0 traces
-// CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does not apply).
+// Launch: programmatic dependent launch as the all-heads kernel (chain contract in
+// kernels/sparse_attention.cu: nothing is read before griddepcontrol.wait). Diagnostics: mode
+// bit 0 traces CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does
+// not apply).
+// Prologue variants measured in round 8 (docs/perf.md, "Round 8"), none kept: the window tiles
+// gathered by the producer before the compaction (slower: issuing 128 KB of cp.async delays the
+// producer's share of the compaction, 29.5 vs 26.8 us); L2 prefetches (cp.async.bulk.prefetch.L2)
+// of the CTA's q rows and first 128 window rows before griddepcontrol.wait, and of tile 2's
+// rows after tile 1's copies (no gain standalone or in-stream); TMA bulk stores of the out rows
+// (no gain); the q copies and the window tiles' gather before the wait (-1.8 us in-stream behind
+// the top-k, but sound only with the caller's guarantee, see the chain contract).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -337,12 +346,12 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = (mode & 64) ? 0 : 1;  // mode bit 6: no programmatic dependent launch (comparison)
     if (mode & 1) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
     }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode);
+    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & 7);
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);
