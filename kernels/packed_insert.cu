@@ -180,21 +180,22 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
 // in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
 // registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
-template <Norm N, bool P32>
+template <Norm N, bool P32, int V>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift,
                                                                                             const uint32_t page_mask,
                                                                                             const uint32_t scale_off) {
-    row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
+    row128_loop<N, V>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch, auto at_compute) {
         uint32_t h[8], amax2[2];
-        compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        prefetch();  // the next set's loads (row128_loop)
+        compute_row128<N, V>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        prefetch(at_compute);  // the next set's loads (row128_loop)
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
+            if constexpr ((V & 16) != 0) prefetch(std::integral_constant<int, 2>{});
         } else {  // a block scale above 2^119: the f32 element path
             Row128H8 hh;
 #pragma unroll
@@ -203,6 +204,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = c.code[m];
             scales = c.scales;
+            if constexpr ((V & 16) != 0) prefetch(std::integral_constant<int, 2>{});
         }
         if (r.slot >= 0) {
             if constexpr (P32) {
@@ -211,7 +213,11 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                 uint8_t* d = base + (row * 64 + 2 * j);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(d + 16 * m) = static_cast<uint16_t>(code[m]);
-                if (j == 0) *reinterpret_cast<uint32_t*>(base + (scale_off + row * 4)) = scales;
+                if constexpr ((V & 64) != 0) {  // (ins9) lane 0's d is base + row * 64: the scales at d + scale_off - 60 row
+                    if (j == 0) *reinterpret_cast<uint32_t*>(d + (scale_off - row * 60)) = scales;
+                } else {
+                    if (j == 0) *reinterpret_cast<uint32_t*>(base + (scale_off + row * 4)) = scales;
+                }
             } else {
                 int64_t page, row;
                 page_and_row(r.slot, p.page_size, page, row);
@@ -224,14 +230,28 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-template <Norm N, bool P32>
-int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+template <Norm N, bool P32, int V>
+int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
-    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
+    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
+}
+template <Norm N, bool P32>
+int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+    switch (row128_variant()) {
+        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
+        case 8: return launch_packed_e_row128_v<N, P32, 8>(p, s);
+        case 32: return launch_packed_e_row128_v<N, P32, 32>(p, s);
+        case 96: return launch_packed_e_row128_v<N, P32, 96>(p, s);
+        case 97: return launch_packed_e_row128_v<N, P32, 97>(p, s);
+        case 225: return launch_packed_e_row128_v<N, P32, 225>(p, s);
+        case 353: return launch_packed_e_row128_v<N, P32, 353>(p, s);
+        case 361: return launch_packed_e_row128_v<N, P32, 361>(p, s);
+        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
+    }
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {

@@ -52,6 +52,10 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
+#include <stdlib.h>
+
+#include <type_traits>
+
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -118,7 +122,7 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //     is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out of line).
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
-template <Norm N>
+template <Norm N, int V = 0>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2]) {
     float x[16];
@@ -130,12 +134,35 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
     }
     if constexpr (N != Norm::None) {
-        float mn = fabsf(x[0]);
+        float mn;
+        if constexpr ((V & 1) != 0) {  // two chains (fminf is associative and commutative, NaNs included)
+            float t0 = fabsf(x[0]), t1 = fabsf(x[8]);
 #pragma unroll
-        for (int k = 1; k < 16; ++k) mn = fminf(mn, fabsf(x[k]));
+            for (int k = 1; k < 8; ++k) {
+                t0 = fminf(t0, fabsf(x[k]));
+                t1 = fminf(t1, fabsf(x[k + 8]));
+            }
+            mn = fminf(t0, t1);
+        } else {
+            mn = fabsf(x[0]);
+#pragma unroll
+            for (int k = 1; k < 16; ++k) mn = fminf(mn, fabsf(x[k]));
+        }
         const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
-        if (fast) {
+        if constexpr ((V & 128) != 0) {  // the FMA form first (no dependence on the vote), replaced if !fast
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = __fmul_rn(x[c], x[c]);
+#pragma unroll
+                for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
+            }
+            if (!fast) {
+                const Row128F4 q = row128_squares_slow(row128_f16(x));
+#pragma unroll
+                for (int c = 0; c < 4; ++c) p[c] = q.v[c];
+            }
+        } else if (fast) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 p[c] = __fmul_rn(x[c], x[c]);
@@ -147,12 +174,25 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
             for (int c = 0; c < 4; ++c) p[c] = q.v[c];
         }
-        const bool b1 = (threadIdx.x & 2u) != 0, b2 = (threadIdx.x & 4u) != 0;  // bits 1, 2 of j
+        const bool b1 = (V & 2) != 0 ? (j & 2) != 0 : (threadIdx.x & 2u) != 0;  // bits 1, 2 of j
+        const bool b2 = (V & 2) != 0 ? (j & 4) != 0 : (threadIdx.x & 4u) != 0;
         // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
-        const float q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
-        const float q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
-        // j ^ 4 (L ^ 16): keep c = 2 b1 + b2.
-        float t = __fadd_rn(b2 ? q1 : q0, __shfl_xor_sync(kFullMask, b2 ? q0 : q1, 4));
+        float q0, q1, t;
+        if constexpr ((V & 256) != 0) {  // (ins9) selects by bit masks of the lane index (0 or ~0)
+            const uint32_t m1 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 30) >> 31);
+            const uint32_t m2 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 29) >> 31);
+            auto sel = [](uint32_t m, float a, float b) {  // m ? a : b
+                return __uint_as_float((__float_as_uint(a) & m) | (__float_as_uint(b) & ~m));
+            };
+            q0 = __fadd_rn(sel(m1, p[2], p[0]), __shfl_xor_sync(kFullMask, sel(m1, p[0], p[2]), 2));
+            q1 = __fadd_rn(sel(m1, p[3], p[1]), __shfl_xor_sync(kFullMask, sel(m1, p[1], p[3]), 2));
+            t = __fadd_rn(sel(m2, q1, q0), __shfl_xor_sync(kFullMask, sel(m2, q0, q1), 4));
+        } else {
+            q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
+            q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
+            // j ^ 4 (L ^ 16): keep c = 2 b1 + b2.
+            t = __fadd_rn(b2 ? q1 : q0, __shfl_xor_sync(kFullMask, b2 ? q0 : q1, 4));
+        }
         t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 1));  // j ^ 1 (L ^ 4): the column sum S_c
         t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 4));  // c ^ 1 (L ^ 1): S0 + S1 or S2 + S3
         const float sum = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 2));  // c ^ 2 (L ^ 2)
@@ -191,6 +231,12 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
             am[m] = fmaxf(fmaxf(fabsf(x[4 * m]), fabsf(x[4 * m + 1])), fmaxf(fabsf(x[4 * m + 2]), fabsf(x[4 * m + 3])));
         } else {  // RoPE pairs 16 (m - 2) + 2 j and + 1 of the bf16 values
             float v[4] = {bf16x2_lo(a), bf16x2_hi(a), bf16x2_lo(b), bf16x2_hi(b)};
+            if constexpr ((V & 32) != 0 && N != Norm::None) {
+                // (ins9) each value rounded to bf16 by one conversion into the high half of a word
+                // whose low half is +0: that word is the rounded value as an f32 (no unpacking).
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(pack_bf16x2_rn(0.0f, x[4 * m + i]));
+            }
             rotate_pair(v[0], v[1], r.cos[m - 2].x, r.sin[m - 2].x);
             rotate_pair(v[2], v[3], r.cos[m - 2].y, r.sin[m - 2].y);
             am[m] = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
@@ -241,17 +287,45 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
 // Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
+// PARTS (ins9 experiments): 1 = the row, 2 = cos / sin, 4 = the slot.
+template <int PARTS = 7>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
-    const char* src = a.src + tc * a.row_bytes;
+    if constexpr ((PARTS & 1) != 0) {
+        const char* src = a.src + tc * a.row_bytes;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
-    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
     }
-    r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
+    if constexpr ((PARTS & 2) != 0) {
+        const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        }
+    }
+    if constexpr ((PARTS & 4) != 0) r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
+}
+
+// Variant 4 bit (ins9): the same loads with the base pointers read from the kernel parameters
+// (constant bank) at each set, and only the lane's byte offset 8 j held, so that fewer registers
+// are live during a set's compute.
+template <int PARTS, class P>
+__device__ __forceinline__ void load_row128_params(const P& p, uint32_t j8, uint32_t tc, Row128In& r) {
+    if constexpr ((PARTS & 1) != 0) {
+        const char* src = reinterpret_cast<const char*>(p.src) +
+                          (static_cast<uint64_t>(tc) * (2 * static_cast<uint64_t>(p.src_row_stride)) + j8);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
+    }
+    if constexpr ((PARTS & 2) != 0) {
+        const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4) + j8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(reinterpret_cast<const char*>(p.cos) + cs + 64 * h));
+            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(reinterpret_cast<const char*>(p.sin) + cs + 64 * h));
+        }
+    }
+    if constexpr ((PARTS & 4) != 0) r.slot = ld_nc_s64(p.slots + tc);
 }
 
 // The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
@@ -267,7 +341,7 @@ __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
-template <Norm N, class P, class F>
+template <Norm N, int V = 0, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
@@ -285,8 +359,18 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     auto checked = [&](uint32_t b, Row128In& r) {
         r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
     };
+    const uint32_t j8 = 8 * j;
+    // ins9 variant bits: 4 = pointers from the parameters, 8 = the next slot after the stores,
+    // 16 = the next cos / sin after the codes (finish calls prefetch(2) there).
+    auto load = [&](auto parts, uint32_t tc, Row128In& r) {
+        constexpr int kParts = decltype(parts)::value;
+        if constexpr ((V & 4) != 0) load_row128_params<kParts>(p, j8, tc, r);
+        else load_row128<kParts>(a, tc, r);
+    };
+    using AtCompute = std::integral_constant<int, 7 & ((V & 8) ? ~4 : 7) & ((V & 16) ? ~2 : 7)>;
+    using Slot = std::integral_constant<int, 4>;
     Row128In cur;
-    load_row128(a, min(4 * base + row, T - 1), cur);  // before the weights' barrier
+    load(std::integral_constant<int, 7>{}, min(4 * base + row, T - 1), cur);  // before the weights' barrier
     if constexpr (N == Norm::Weighted) {
         if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
         __syncthreads();
@@ -295,13 +379,23 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         const uint32_t next = base + round_sets;
         Row128In nxt;
         checked(base, cur);
-        finish(cur, static_cast<const float*>(w), g, j, [&] {
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
-        });
+        finish(cur, static_cast<const float*>(w), g, j, [&](auto parts) {
+            if (next < sets) load(parts, min(4 * next + row, T - 1), nxt);
+        }, AtCompute{});
         if (next >= sets) break;
+        if constexpr ((V & 8) != 0) load(Slot{}, min(4 * next + row, T - 1), nxt);
         base = next;
         cur = nxt;
     }
+}
+
+// Host (experiment switch, helper ins9): the row-128 variant from DSV41_ROW128_VARIANT (0 = main).
+inline int row128_variant() {
+    static const int v = [] {
+        const char* e = getenv("DSV41_ROW128_VARIANT");
+        return e ? atoi(e) : 0;
+    }();
+    return v;
 }
 
 // Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
