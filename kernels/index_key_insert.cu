@@ -76,13 +76,15 @@ int launch_row128_v(const Dsv41RowInsertParams& p, cudaStream_t s) {
     index_key_insert_row128_kernel<Q, V><<<grid, kInsertThreads, 0, s>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
-// (ins9 experiment switch) the compute_row128 bits of DSV41_ROW128_VARIANT: 1, 32, 128.
+// (ins9 experiment switch) the compute_row128 bits of DSV41_ROW128_VARIANT: 1, 32, 128, 256, 512.
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    switch (row128_variant() & 161) {
-        case 32: return launch_row128_v<Q, 32>(p, s);
-        case 33: return launch_row128_v<Q, 33>(p, s);
+    switch (row128_variant() & 929) {
         case 161: return launch_row128_v<Q, 161>(p, s);
+        case 289: return launch_row128_v<Q, 289>(p, s);
+        case 417: return launch_row128_v<Q, 417>(p, s);
+        case 545: return launch_row128_v<Q, 545>(p, s);
+        case 801: return launch_row128_v<Q, 801>(p, s);
         default: return launch_row128_v<Q, 0>(p, s);
     }
 }

@@ -191,7 +191,20 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
         prefetch(at_compute);  // the next set's loads (row128_loop)
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
-        if (qb.pairs_ok) {
+        if constexpr ((V & 2048) != 0) {  // (ins9) the pair codes on the hot path, the element path if !pairs_ok
+#pragma unroll
+            for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
+            scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
+            if (!qb.pairs_ok) {
+                Row128H8 hh;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) hh.h[i] = h[i];
+                const PackedECodes c = packed_e_codes_element(hh, amax2[0], amax2[1]);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) code[m] = c.code[m];
+                scales = c.scales;
+            }
+        } else if (qb.pairs_ok) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
@@ -242,14 +255,14 @@ int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
 template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     switch (row128_variant()) {
-        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
-        case 8: return launch_packed_e_row128_v<N, P32, 8>(p, s);
-        case 32: return launch_packed_e_row128_v<N, P32, 32>(p, s);
-        case 96: return launch_packed_e_row128_v<N, P32, 96>(p, s);
-        case 97: return launch_packed_e_row128_v<N, P32, 97>(p, s);
         case 225: return launch_packed_e_row128_v<N, P32, 225>(p, s);
         case 353: return launch_packed_e_row128_v<N, P32, 353>(p, s);
-        case 361: return launch_packed_e_row128_v<N, P32, 361>(p, s);
+        case 481: return launch_packed_e_row128_v<N, P32, 481>(p, s);
+        case 609: return launch_packed_e_row128_v<N, P32, 609>(p, s);
+        case 865: return launch_packed_e_row128_v<N, P32, 865>(p, s);
+        case 2273: return launch_packed_e_row128_v<N, P32, 2273>(p, s);
+        case 2529: return launch_packed_e_row128_v<N, P32, 2529>(p, s);
+        case 2913: return launch_packed_e_row128_v<N, P32, 2913>(p, s);
         default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
     }
 }

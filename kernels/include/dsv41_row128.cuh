@@ -150,7 +150,14 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         }
         const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
-        if constexpr ((V & 128) != 0) {  // the FMA form first (no dependence on the vote), replaced if !fast
+        if constexpr ((V & 512) != 0) {  // the FMA form (the two-rounding sum is formed below if !fast)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                p[c] = __fmul_rn(x[c], x[c]);
+#pragma unroll
+                for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
+            }
+        } else if constexpr ((V & 128) != 0) {  // the FMA form first (no dependence on the vote), replaced if !fast
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 p[c] = __fmul_rn(x[c], x[c]);
@@ -174,30 +181,77 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
             for (int c = 0; c < 4; ++c) p[c] = q.v[c];
         }
-        const bool b1 = (V & 2) != 0 ? (j & 2) != 0 : (threadIdx.x & 2u) != 0;  // bits 1, 2 of j
-        const bool b2 = (V & 2) != 0 ? (j & 4) != 0 : (threadIdx.x & 4u) != 0;
-        // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
-        float q0, q1, t;
-        if constexpr ((V & 256) != 0) {  // (ins9) selects by bit masks of the lane index (0 or ~0)
-            const uint32_t m1 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 30) >> 31);
-            const uint32_t m2 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 29) >> 31);
-            auto sel = [](uint32_t m, float a, float b) {  // m ? a : b
-                return __uint_as_float((__float_as_uint(a) & m) | (__float_as_uint(b) & ~m));
-            };
-            q0 = __fadd_rn(sel(m1, p[2], p[0]), __shfl_xor_sync(kFullMask, sel(m1, p[0], p[2]), 2));
-            q1 = __fadd_rn(sel(m1, p[3], p[1]), __shfl_xor_sync(kFullMask, sel(m1, p[1], p[3]), 2));
-            t = __fadd_rn(sel(m2, q1, q0), __shfl_xor_sync(kFullMask, sel(m2, q0, q1), 4));
+        auto reduce = [&](const float (&p)[4]) {
+            const bool b1 = (V & 2) != 0 ? (j & 2) != 0 : (threadIdx.x & 2u) != 0;  // bits 1, 2 of j
+            const bool b2 = (V & 2) != 0 ? (j & 4) != 0 : (threadIdx.x & 4u) != 0;
+            // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
+            float q0, q1, t;
+            if constexpr ((V & 256) != 0) {  // (ins9) selects by bit masks of the lane index (0 or ~0)
+                const uint32_t m1 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 30) >> 31);
+                const uint32_t m2 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 29) >> 31);
+                auto sel = [](uint32_t m, float a, float b) {  // m ? a : b
+                    return __uint_as_float((__float_as_uint(a) & m) | (__float_as_uint(b) & ~m));
+                };
+                q0 = __fadd_rn(sel(m1, p[2], p[0]), __shfl_xor_sync(kFullMask, sel(m1, p[0], p[2]), 2));
+                q1 = __fadd_rn(sel(m1, p[3], p[1]), __shfl_xor_sync(kFullMask, sel(m1, p[1], p[3]), 2));
+                t = __fadd_rn(sel(m2, q1, q0), __shfl_xor_sync(kFullMask, sel(m2, q0, q1), 4));
+            } else {
+                q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
+                q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
+                // j ^ 4 (L ^ 16): keep c = 2 b1 + b2.
+                t = __fadd_rn(b2 ? q1 : q0, __shfl_xor_sync(kFullMask, b2 ? q0 : q1, 4));
+            }
+            t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 1));  // j ^ 1 (L ^ 4): the column sum S_c
+            t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 4));  // c ^ 1 (L ^ 1): S0 + S1 or S2 + S3
+            return __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 2));  // c ^ 2 (L ^ 2)
+        };
+        float sum;
+        if constexpr ((V & 512) != 0) {  // (ins9) the FMA squares' sum first, the two-rounding one if !fast
+            sum = reduce(p);
+            if (!fast) {
+                const Row128F4 q = row128_squares_slow(row128_f16(x));
+                float ps[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) ps[c] = q.v[c];
+                sum = reduce(ps);
+            }
         } else {
-            q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
-            q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
-            // j ^ 4 (L ^ 16): keep c = 2 b1 + b2.
-            t = __fadd_rn(b2 ? q1 : q0, __shfl_xor_sync(kFullMask, b2 ? q0 : q1, 4));
+            sum = reduce(p);
         }
-        t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 1));  // j ^ 1 (L ^ 4): the column sum S_c
-        t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 4));  // c ^ 1 (L ^ 1): S0 + S1 or S2 + S3
-        const float sum = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 2));  // c ^ 2 (L ^ 2)
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
-        if (fast && norm_div_row_ok(rr)) {
+        if constexpr ((V & 1024) != 0) {  // (ins9) the division-free quotient and the weights on the hot path,
+            // the IEEE quotients (from the loaded row again) if the tests fail
+            auto weigh = [&](float (&v)[16]) {
+                if constexpr (N == Norm::Weighted) {
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) {
+                        const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
+                        v[4 * m] = __fmul_rn(v[4 * m], wv.x);
+                        v[4 * m + 1] = __fmul_rn(v[4 * m + 1], wv.y);
+                        v[4 * m + 2] = __fmul_rn(v[4 * m + 2], wv.z);
+                        v[4 * m + 3] = __fmul_rn(v[4 * m + 3], wv.w);
+                    }
+                }
+            };
+            const float y = __frcp_rn(rr);
+#pragma unroll
+            for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
+            weigh(x);
+            if (!(fast && norm_div_row_ok(rr))) {
+                float x0[16];
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    x0[4 * m] = bf16x2_lo(r.raw[m].x);
+                    x0[4 * m + 1] = bf16x2_hi(r.raw[m].x);
+                    x0[4 * m + 2] = bf16x2_lo(r.raw[m].y);
+                    x0[4 * m + 3] = bf16x2_hi(r.raw[m].y);
+                }
+                const Row128F16 q = row128_divide_slow(row128_f16(x0), rr);
+#pragma unroll
+                for (int k = 0; k < 16; ++k) x[k] = q.v[k];
+                weigh(x);
+            }
+        } else if (fast && norm_div_row_ok(rr)) {
             const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
@@ -206,7 +260,7 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
         }
-        if constexpr (N == Norm::Weighted) {
+        if constexpr (N == Norm::Weighted && (V & 1024) == 0) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
