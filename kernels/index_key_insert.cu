@@ -76,15 +76,20 @@ int launch_row128_v(const Dsv41RowInsertParams& p, cudaStream_t s) {
     index_key_insert_row128_kernel<Q, V><<<grid, kInsertThreads, 0, s>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
-// (ins9 experiment switch) the compute_row128 bits of DSV41_ROW128_VARIANT: 1, 32, 128, 256, 512.
+// (ins9 experiment switch) the compute_row128 bits of DSV41_ROW128_VARIANT: 1, 32, 128, 256, 512, 4096, 8192.
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    switch (row128_variant() & 929) {
+    switch (row128_variant() & 13217) {
         case 161: return launch_row128_v<Q, 161>(p, s);
-        case 289: return launch_row128_v<Q, 289>(p, s);
         case 417: return launch_row128_v<Q, 417>(p, s);
         case 545: return launch_row128_v<Q, 545>(p, s);
-        case 801: return launch_row128_v<Q, 801>(p, s);
+        case 4257: return launch_row128_v<Q, 4257>(p, s);
+        case 4641: return launch_row128_v<Q, 4641>(p, s);
+        case 4897: return launch_row128_v<Q, 4897>(p, s);
+        case 8353: return launch_row128_v<Q, 8353>(p, s);
+        case 12449: return launch_row128_v<Q, 12449>(p, s);
+        case 12833: return launch_row128_v<Q, 12833>(p, s);
+        case 13089: return launch_row128_v<Q, 13089>(p, s);
         default: return launch_row128_v<Q, 0>(p, s);
     }
 }

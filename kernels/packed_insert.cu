@@ -256,13 +256,20 @@ template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     switch (row128_variant()) {
         case 225: return launch_packed_e_row128_v<N, P32, 225>(p, s);
-        case 353: return launch_packed_e_row128_v<N, P32, 353>(p, s);
         case 481: return launch_packed_e_row128_v<N, P32, 481>(p, s);
         case 609: return launch_packed_e_row128_v<N, P32, 609>(p, s);
-        case 865: return launch_packed_e_row128_v<N, P32, 865>(p, s);
         case 2273: return launch_packed_e_row128_v<N, P32, 2273>(p, s);
         case 2529: return launch_packed_e_row128_v<N, P32, 2529>(p, s);
-        case 2913: return launch_packed_e_row128_v<N, P32, 2913>(p, s);
+        case 4321: return launch_packed_e_row128_v<N, P32, 4321>(p, s);
+        case 6369: return launch_packed_e_row128_v<N, P32, 6369>(p, s);
+        case 4705: return launch_packed_e_row128_v<N, P32, 4705>(p, s);
+        case 7009: return launch_packed_e_row128_v<N, P32, 7009>(p, s);
+        case 12513: return launch_packed_e_row128_v<N, P32, 12513>(p, s);
+        case 14561: return launch_packed_e_row128_v<N, P32, 14561>(p, s);
+        case 12897: return launch_packed_e_row128_v<N, P32, 12897>(p, s);
+        case 15201: return launch_packed_e_row128_v<N, P32, 15201>(p, s);
+        case 8417: return launch_packed_e_row128_v<N, P32, 8417>(p, s);
+        case 10465: return launch_packed_e_row128_v<N, P32, 10465>(p, s);
         default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
     }
 }

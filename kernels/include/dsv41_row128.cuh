@@ -182,6 +182,18 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
             for (int c = 0; c < 4; ++c) p[c] = q.v[c];
         }
         auto reduce = [&](const float (&p)[4]) {
+            if constexpr ((V & 4096) != 0) {
+                // (ins9) a full butterfly over j (L ^ 8, L ^ 16, L ^ 4: xor 2, 4, 1, all four columns
+                // each) then c ^ 1, c ^ 2 in the lane: 3 shuffle latencies instead of 5, the same sums
+                float s[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], 2));
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[c] = __fadd_rn(s[c], __shfl_xor_sync(kFullMask, s[c], 4));
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[c] = __fadd_rn(s[c], __shfl_xor_sync(kFullMask, s[c], 1));
+                return __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
+            }
             const bool b1 = (V & 2) != 0 ? (j & 2) != 0 : (threadIdx.x & 2u) != 0;  // bits 1, 2 of j
             const bool b2 = (V & 2) != 0 ? (j & 4) != 0 : (threadIdx.x & 4u) != 0;
             // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
@@ -218,8 +230,34 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         } else {
             sum = reduce(p);
         }
-        const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
-        if constexpr ((V & 1024) != 0) {  // (ins9) the division-free quotient and the weights on the hot path,
+        const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), eps);
+        if constexpr ((V & 8192) != 0) {
+            // (ins9) sqrt and reciprocal by the fast paths of __fsqrt_rn / __frcp_rn written out (the
+            // same MUFU approximations and correction steps), valid where their range tests hold:
+            // ms in [2^-101, 2^127) (sqrt_ok), and r in [2^-60, 2^60) (norm_div_row_ok, inside the
+            // reciprocal's fast range); one branch for both tests and the quotient's. Where a test
+            // fails, r = __fsqrt_rn(ms) and the IEEE quotients: the same values (the division-free
+            // quotient is the correctly rounded one wherever it is taken).
+            float rs;
+            asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(rs) : "f"(ms));
+            const float s0 = __fmul_rn(ms, rs), hr = __fmul_rn(rs, 0.5f);
+            const float rq = __fmaf_rn(__fmaf_rn(-s0, s0, ms), hr, s0);
+            const bool sqrt_ok = __float_as_uint(ms) - 0x0d000000u <= 0x727fffffu;
+            if (fast && sqrt_ok && norm_div_row_ok(rq)) {
+                float y0;
+                asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(rq));
+                const float y = __fmaf_rn(y0, -__fmaf_rn(y0, rq, -1.0f), y0);
+#pragma unroll
+                for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rq, y);
+            } else {
+                const Row128F16 q = row128_divide_slow(row128_f16(x), __fsqrt_rn(ms));
+#pragma unroll
+                for (int k = 0; k < 16; ++k) x[k] = q.v[k];
+            }
+        }
+        const float rr = (V & 8192) != 0 ? 0.0f : __fsqrt_rn(ms);
+        if constexpr ((V & 8192) != 0) {
+        } else if constexpr ((V & 1024) != 0) {  // (ins9) the division-free quotient and the weights on the hot path,
             // the IEEE quotients (from the loaded row again) if the tests fail
             auto weigh = [&](float (&v)[16]) {
                 if constexpr (N == Norm::Weighted) {
