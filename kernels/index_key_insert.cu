@@ -42,12 +42,12 @@ static __device__ __noinline__ Row128H8 q3_fake_quant_element8(Row128H8 hh, uint
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
 // 2^119 takes the f32 element path for that row.
-template <Quant Q, int V>
+template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
-    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch, auto all) {
+    row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<Norm::Weighted, V>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        prefetch(all);  // the next set's loads (row128_loop)
+        compute_row128<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        prefetch();  // the next set's loads (row128_loop)
         if constexpr (Q != Quant::None) {
             const Q3Blocks qb = q3_blocks_row128(amax2);
             if (qb.pairs_ok) {
@@ -70,28 +70,11 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
     });
 }
 
-template <Quant Q, int V>
-int launch_row128_v(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q, V>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
-    index_key_insert_row128_kernel<Q, V><<<grid, kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
-// (ins9 experiment switch) the compute_row128 bits of DSV41_ROW128_VARIANT: 1, 32, 128, 256, 512, 4096, 8192.
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    switch (row128_variant() & 13217) {
-        case 161: return launch_row128_v<Q, 161>(p, s);
-        case 417: return launch_row128_v<Q, 417>(p, s);
-        case 545: return launch_row128_v<Q, 545>(p, s);
-        case 4257: return launch_row128_v<Q, 4257>(p, s);
-        case 4641: return launch_row128_v<Q, 4641>(p, s);
-        case 4897: return launch_row128_v<Q, 4897>(p, s);
-        case 8353: return launch_row128_v<Q, 8353>(p, s);
-        case 12449: return launch_row128_v<Q, 12449>(p, s);
-        case 12833: return launch_row128_v<Q, 12833>(p, s);
-        case 13089: return launch_row128_v<Q, 13089>(p, s);
-        default: return launch_row128_v<Q, 0>(p, s);
-    }
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace dsv41

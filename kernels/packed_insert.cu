@@ -164,7 +164,8 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
 // block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw) are bytes
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
 // row's 64 code bytes are written by its 8 lanes, 16 contiguous bytes per chunk and store
-// instruction), and lane 0 of the group stores the row's 4 scale bytes as one word. (Run 10
+// instruction), and lane 0 of the group stores the row's 4 scale bytes as one word (at its code
+// address plus page_size * 64 - 60 row). (Run 10
 // staged the codes in shared memory for one 8-byte store per lane: ~13 more instructions per
 // row set and two warp barriers; the direct stores measured 0.5 points faster in run 11.)
 // P32 (packed_e_page32, chosen by the launcher): slots that fit 32 bits in power-of-two pages of
@@ -180,35 +181,21 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
 // in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
 // registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
-template <Norm N, bool P32, int V>
+template <Norm N, bool P32>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift,
                                                                                             const uint32_t page_mask,
                                                                                             const uint32_t scale_off) {
-    row128_loop<N, V>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch, auto at_compute) {
+    row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<N, V>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        prefetch(at_compute);  // the next set's loads (row128_loop)
+        compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
+        prefetch();  // the next set's loads (row128_loop)
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
-        if constexpr ((V & 2048) != 0) {  // (ins9) the pair codes on the hot path, the element path if !pairs_ok
+        if (qb.pairs_ok) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
-            if (!qb.pairs_ok) {
-                Row128H8 hh;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) hh.h[i] = h[i];
-                const PackedECodes c = packed_e_codes_element(hh, amax2[0], amax2[1]);
-#pragma unroll
-                for (int m = 0; m < 4; ++m) code[m] = c.code[m];
-                scales = c.scales;
-            }
-        } else if (qb.pairs_ok) {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
-            scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
-            if constexpr ((V & 16) != 0) prefetch(std::integral_constant<int, 2>{});
         } else {  // a block scale above 2^119: the f32 element path
             Row128H8 hh;
 #pragma unroll
@@ -217,7 +204,6 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
 #pragma unroll
             for (int m = 0; m < 4; ++m) code[m] = c.code[m];
             scales = c.scales;
-            if constexpr ((V & 16) != 0) prefetch(std::integral_constant<int, 2>{});
         }
         if (r.slot >= 0) {
             if constexpr (P32) {
@@ -226,11 +212,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                 uint8_t* d = base + (row * 64 + 2 * j);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(d + 16 * m) = static_cast<uint16_t>(code[m]);
-                if constexpr ((V & 64) != 0) {  // (ins9) lane 0's d is base + row * 64: the scales at d + scale_off - 60 row
-                    if (j == 0) *reinterpret_cast<uint32_t*>(d + (scale_off - row * 60)) = scales;
-                } else {
-                    if (j == 0) *reinterpret_cast<uint32_t*>(base + (scale_off + row * 4)) = scales;
-                }
+                if (j == 0) *reinterpret_cast<uint32_t*>(d + (scale_off - row * 60)) = scales;  // d = base + row * 64
             } else {
                 int64_t page, row;
                 page_and_row(r.slot, p.page_size, page, row);
@@ -243,35 +225,14 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-template <Norm N, bool P32, int V>
-int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+template <Norm N, bool P32>
+int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
-    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
-}
-template <Norm N, bool P32>
-int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {
-        case 225: return launch_packed_e_row128_v<N, P32, 225>(p, s);
-        case 481: return launch_packed_e_row128_v<N, P32, 481>(p, s);
-        case 609: return launch_packed_e_row128_v<N, P32, 609>(p, s);
-        case 2273: return launch_packed_e_row128_v<N, P32, 2273>(p, s);
-        case 2529: return launch_packed_e_row128_v<N, P32, 2529>(p, s);
-        case 4321: return launch_packed_e_row128_v<N, P32, 4321>(p, s);
-        case 6369: return launch_packed_e_row128_v<N, P32, 6369>(p, s);
-        case 4705: return launch_packed_e_row128_v<N, P32, 4705>(p, s);
-        case 7009: return launch_packed_e_row128_v<N, P32, 7009>(p, s);
-        case 12513: return launch_packed_e_row128_v<N, P32, 12513>(p, s);
-        case 14561: return launch_packed_e_row128_v<N, P32, 14561>(p, s);
-        case 12897: return launch_packed_e_row128_v<N, P32, 12897>(p, s);
-        case 15201: return launch_packed_e_row128_v<N, P32, 15201>(p, s);
-        case 8417: return launch_packed_e_row128_v<N, P32, 8417>(p, s);
-        case 10465: return launch_packed_e_row128_v<N, P32, 10465>(p, s);
-        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
-    }
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {

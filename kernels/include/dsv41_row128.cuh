@@ -15,8 +15,8 @@
 //   * the norm's sum of squares lane-local first: candle's AVX2 order needs, for every L in
 //     [0, 32), p[L] = ((v[L] + v[32+L]) + v[64+L]) + v[96+L] (v = squares), and lane j holds
 //     exactly L = 4 j + c; the warp_sum_candle_avx_order butterfly over L (xor 8, 16, 4, 1, 2)
-//     becomes xor 2, 4, 1 over j (shuffles inside the group) then c ^ 1, c ^ 2, done as a
-//     reduce-scatter (compute_row128);
+//     becomes xor 2, 4, 1 over j (shuffles inside the group, all four columns c at once) then
+//     c ^ 1, c ^ 2 inside the lane (compute_row128);
 //   * quant block m (32 elements) = chunk m of the group's 8 lanes: amax by xor 1, 2, 4, two
 //     blocks per shuffle as bf16 pairs;
 //   * the RoPE pairs of dims [64, 128) lane-local: chunks 2 and 3, pairs 16 (m-2) + 2 j + {0, 1},
@@ -52,10 +52,6 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
-#include <stdlib.h>
-
-#include <type_traits>
-
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -110,19 +106,24 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 // amax2[0] holds the Q3 block maxima of blocks 0 (low half) and 1, amax2[1] of blocks 2 and 3:
 // the group's max of the rounded |values| floored at 6 * 2^-126 (kQ3AmaxFloor2; an all-NaN block
 // gives the floor, as the CPU's NaN-ignoring fold from 0 and the floor do).
-//   * Norm: a warp whose lanes all have |x| >= 2^-64 (the test of the division-free quotient,
-//     taken first) sums the squares by FMA: x^2 of such a bf16 x (8 significant bits) is exact in
-//     f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); other warps take the
-//     two-rounding form (out of line). The partial sums p[c] (L = 4 j + c) are reduced as a
-//     reduce-scatter: lanes j, j ^ 2 exchange two of the four column sums each way (each keeps
-//     two), j ^ 4 one, then j ^ 1 completes the column sum S_c of c = 2 b1 + b2 (b1, b2: bits 1
-//     and 2 of j), and j ^ 4, j ^ 2 form (S0 + S1) + (S2 + S3): 6 shuffles instead of 12, each
-//     addition one of candle's butterfly (commutativity aside). The mean's `+ 0` and the `* 1` of
-//     the eps step are identities here (the sum is >= +0 or NaN) and are left out. The quotient
-//     is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out of line).
+//   * Norm: the squares are summed by FMA: x^2 of a bf16 x with |x| >= 2^-64 (8 significant
+//     bits) is exact in f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); a
+//     warp in which some lane has a smaller |x| (the vote, also the test of the division-free
+//     quotient; the lane's min |x| in two chains of 8) replaces them by the two-rounding form (out
+//     of line). The FMA form is computed before the vote's result is known, so the vote is off
+//     the dependence chain. The partial sums p[c] (L = 4 j + c) are reduced by a butterfly over j
+//     with all four columns per level (xor 2, 4, 1: 12 shuffles in 3 dependent levels) and then
+//     (S0 + S1) + (S2 + S3) in the lane, each addition one of candle's butterfly (commutativity
+//     aside). (Run 11's reduce-scatter needed 6 shuffles but 5 dependent levels and the lane
+//     selects; the shorter chain measured faster, docs/perf.md Run 15.) The mean's `+ 0` and
+//     the `* 1` of the eps step are identities here (the sum is >= +0 or NaN) and are left out.
+//     The quotient is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out
+//     of line).
+//   * RoPE: the normed values of chunks 2, 3 are rounded to bf16 by one conversion each into the
+//     high half of a word with a +0 low half, which is the rounded value as an f32.
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
-template <Norm N, int V = 0>
+template <Norm N>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2]) {
     float x[16];
@@ -134,162 +135,38 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
     }
     if constexpr (N != Norm::None) {
-        float mn;
-        if constexpr ((V & 1) != 0) {  // two chains (fminf is associative and commutative, NaNs included)
-            float t0 = fabsf(x[0]), t1 = fabsf(x[8]);
+        // min |x| in two chains of 8 (fminf is associative and commutative, NaNs included)
+        float mn0 = fabsf(x[0]), mn1 = fabsf(x[8]);
 #pragma unroll
-            for (int k = 1; k < 8; ++k) {
-                t0 = fminf(t0, fabsf(x[k]));
-                t1 = fminf(t1, fabsf(x[k + 8]));
-            }
-            mn = fminf(t0, t1);
-        } else {
-            mn = fabsf(x[0]);
-#pragma unroll
-            for (int k = 1; k < 16; ++k) mn = fminf(mn, fabsf(x[k]));
+        for (int k = 1; k < 8; ++k) {
+            mn0 = fminf(mn0, fabsf(x[k]));
+            mn1 = fminf(mn1, fabsf(x[k + 8]));
         }
-        const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
+        const bool fast = __all_sync(kFullMask, norm_div_x_ok(fminf(mn0, mn1)));
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
-        if constexpr ((V & 512) != 0) {  // the FMA form (the two-rounding sum is formed below if !fast)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                p[c] = __fmul_rn(x[c], x[c]);
+        for (int c = 0; c < 4; ++c) {  // the FMA form first (not waiting for the vote) ...
+            p[c] = __fmul_rn(x[c], x[c]);
 #pragma unroll
-                for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
-            }
-        } else if constexpr ((V & 128) != 0) {  // the FMA form first (no dependence on the vote), replaced if !fast
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                p[c] = __fmul_rn(x[c], x[c]);
-#pragma unroll
-                for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
-            }
-            if (!fast) {
-                const Row128F4 q = row128_squares_slow(row128_f16(x));
-#pragma unroll
-                for (int c = 0; c < 4; ++c) p[c] = q.v[c];
-            }
-        } else if (fast) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                p[c] = __fmul_rn(x[c], x[c]);
-#pragma unroll
-                for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
-            }
-        } else {
+            for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
+        }
+        if (!fast) {  // ... replaced by the two-rounding form where the vote fails
             const Row128F4 q = row128_squares_slow(row128_f16(x));
 #pragma unroll
             for (int c = 0; c < 4; ++c) p[c] = q.v[c];
         }
-        auto reduce = [&](const float (&p)[4]) {
-            if constexpr ((V & 4096) != 0) {
-                // (ins9) a full butterfly over j (L ^ 8, L ^ 16, L ^ 4: xor 2, 4, 1, all four columns
-                // each) then c ^ 1, c ^ 2 in the lane: 3 shuffle latencies instead of 5, the same sums
-                float s[4];
+        // Butterfly over j with all four columns: xor 2 (L ^ 8), 4 (L ^ 16), 1 (L ^ 4), then c ^ 1
+        // (L ^ 1) and c ^ 2 (L ^ 2) in the lane.
+        float sc[4];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) s[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], 2));
+        for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], 2));
 #pragma unroll
-                for (int c = 0; c < 4; ++c) s[c] = __fadd_rn(s[c], __shfl_xor_sync(kFullMask, s[c], 4));
+        for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 4));
 #pragma unroll
-                for (int c = 0; c < 4; ++c) s[c] = __fadd_rn(s[c], __shfl_xor_sync(kFullMask, s[c], 1));
-                return __fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3]));
-            }
-            const bool b1 = (V & 2) != 0 ? (j & 2) != 0 : (threadIdx.x & 2u) != 0;  // bits 1, 2 of j
-            const bool b2 = (V & 2) != 0 ? (j & 4) != 0 : (threadIdx.x & 4u) != 0;
-            // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
-            float q0, q1, t;
-            if constexpr ((V & 256) != 0) {  // (ins9) selects by bit masks of the lane index (0 or ~0)
-                const uint32_t m1 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 30) >> 31);
-                const uint32_t m2 = static_cast<uint32_t>(static_cast<int32_t>(threadIdx.x << 29) >> 31);
-                auto sel = [](uint32_t m, float a, float b) {  // m ? a : b
-                    return __uint_as_float((__float_as_uint(a) & m) | (__float_as_uint(b) & ~m));
-                };
-                q0 = __fadd_rn(sel(m1, p[2], p[0]), __shfl_xor_sync(kFullMask, sel(m1, p[0], p[2]), 2));
-                q1 = __fadd_rn(sel(m1, p[3], p[1]), __shfl_xor_sync(kFullMask, sel(m1, p[1], p[3]), 2));
-                t = __fadd_rn(sel(m2, q1, q0), __shfl_xor_sync(kFullMask, sel(m2, q0, q1), 4));
-            } else {
-                q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
-                q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
-                // j ^ 4 (L ^ 16): keep c = 2 b1 + b2.
-                t = __fadd_rn(b2 ? q1 : q0, __shfl_xor_sync(kFullMask, b2 ? q0 : q1, 4));
-            }
-            t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 1));  // j ^ 1 (L ^ 4): the column sum S_c
-            t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 4));  // c ^ 1 (L ^ 1): S0 + S1 or S2 + S3
-            return __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 2));  // c ^ 2 (L ^ 2)
-        };
-        float sum;
-        if constexpr ((V & 512) != 0) {  // (ins9) the FMA squares' sum first, the two-rounding one if !fast
-            sum = reduce(p);
-            if (!fast) {
-                const Row128F4 q = row128_squares_slow(row128_f16(x));
-                float ps[4];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) ps[c] = q.v[c];
-                sum = reduce(ps);
-            }
-        } else {
-            sum = reduce(p);
-        }
-        const float ms = __fadd_rn(__fmul_rn(sum, inv_dim), eps);
-        if constexpr ((V & 8192) != 0) {
-            // (ins9) sqrt and reciprocal by the fast paths of __fsqrt_rn / __frcp_rn written out (the
-            // same MUFU approximations and correction steps), valid where their range tests hold:
-            // ms in [2^-101, 2^127) (sqrt_ok), and r in [2^-60, 2^60) (norm_div_row_ok, inside the
-            // reciprocal's fast range); one branch for both tests and the quotient's. Where a test
-            // fails, r = __fsqrt_rn(ms) and the IEEE quotients: the same values (the division-free
-            // quotient is the correctly rounded one wherever it is taken).
-            float rs;
-            asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(rs) : "f"(ms));
-            const float s0 = __fmul_rn(ms, rs), hr = __fmul_rn(rs, 0.5f);
-            const float rq = __fmaf_rn(__fmaf_rn(-s0, s0, ms), hr, s0);
-            const bool sqrt_ok = __float_as_uint(ms) - 0x0d000000u <= 0x727fffffu;
-            if (fast && sqrt_ok && norm_div_row_ok(rq)) {
-                float y0;
-                asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(rq));
-                const float y = __fmaf_rn(y0, -__fmaf_rn(y0, rq, -1.0f), y0);
-#pragma unroll
-                for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rq, y);
-            } else {
-                const Row128F16 q = row128_divide_slow(row128_f16(x), __fsqrt_rn(ms));
-#pragma unroll
-                for (int k = 0; k < 16; ++k) x[k] = q.v[k];
-            }
-        }
-        const float rr = (V & 8192) != 0 ? 0.0f : __fsqrt_rn(ms);
-        if constexpr ((V & 8192) != 0) {
-        } else if constexpr ((V & 1024) != 0) {  // (ins9) the division-free quotient and the weights on the hot path,
-            // the IEEE quotients (from the loaded row again) if the tests fail
-            auto weigh = [&](float (&v)[16]) {
-                if constexpr (N == Norm::Weighted) {
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) {
-                        const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
-                        v[4 * m] = __fmul_rn(v[4 * m], wv.x);
-                        v[4 * m + 1] = __fmul_rn(v[4 * m + 1], wv.y);
-                        v[4 * m + 2] = __fmul_rn(v[4 * m + 2], wv.z);
-                        v[4 * m + 3] = __fmul_rn(v[4 * m + 3], wv.w);
-                    }
-                }
-            };
-            const float y = __frcp_rn(rr);
-#pragma unroll
-            for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
-            weigh(x);
-            if (!(fast && norm_div_row_ok(rr))) {
-                float x0[16];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    x0[4 * m] = bf16x2_lo(r.raw[m].x);
-                    x0[4 * m + 1] = bf16x2_hi(r.raw[m].x);
-                    x0[4 * m + 2] = bf16x2_lo(r.raw[m].y);
-                    x0[4 * m + 3] = bf16x2_hi(r.raw[m].y);
-                }
-                const Row128F16 q = row128_divide_slow(row128_f16(x0), rr);
-#pragma unroll
-                for (int k = 0; k < 16; ++k) x[k] = q.v[k];
-                weigh(x);
-            }
-        } else if (fast && norm_div_row_ok(rr)) {
+        for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 1));
+        const float sum = __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
+        const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
+        if (fast && norm_div_row_ok(rr)) {
             const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
@@ -298,7 +175,7 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
         }
-        if constexpr (N == Norm::Weighted && (V & 1024) == 0) {
+        if constexpr (N == Norm::Weighted) {
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
@@ -323,9 +200,9 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
             am[m] = fmaxf(fmaxf(fabsf(x[4 * m]), fabsf(x[4 * m + 1])), fmaxf(fabsf(x[4 * m + 2]), fabsf(x[4 * m + 3])));
         } else {  // RoPE pairs 16 (m - 2) + 2 j and + 1 of the bf16 values
             float v[4] = {bf16x2_lo(a), bf16x2_hi(a), bf16x2_lo(b), bf16x2_hi(b)};
-            if constexpr ((V & 32) != 0 && N != Norm::None) {
-                // (ins9) each value rounded to bf16 by one conversion into the high half of a word
-                // whose low half is +0: that word is the rounded value as an f32 (no unpacking).
+            if constexpr (N != Norm::None) {
+                // Each value rounded to bf16 by one conversion into the high half of a word whose low
+                // half is +0: that word is the rounded value as an f32 (no pack and unpack).
 #pragma unroll
                 for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(pack_bf16x2_rn(0.0f, x[4 * m + i]));
             }
@@ -379,45 +256,17 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
 // Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
-// PARTS (ins9 experiments): 1 = the row, 2 = cos / sin, 4 = the slot.
-template <int PARTS = 7>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
-    if constexpr ((PARTS & 1) != 0) {
-        const char* src = a.src + tc * a.row_bytes;
+    const char* src = a.src + tc * a.row_bytes;
 #pragma unroll
-        for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
-    }
-    if constexpr ((PARTS & 2) != 0) {
-        const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
+    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
+    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
-        }
+    for (int h = 0; h < 2; ++h) {
+        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
     }
-    if constexpr ((PARTS & 4) != 0) r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
-}
-
-// Variant 4 bit (ins9): the same loads with the base pointers read from the kernel parameters
-// (constant bank) at each set, and only the lane's byte offset 8 j held, so that fewer registers
-// are live during a set's compute.
-template <int PARTS, class P>
-__device__ __forceinline__ void load_row128_params(const P& p, uint32_t j8, uint32_t tc, Row128In& r) {
-    if constexpr ((PARTS & 1) != 0) {
-        const char* src = reinterpret_cast<const char*>(p.src) +
-                          (static_cast<uint64_t>(tc) * (2 * static_cast<uint64_t>(p.src_row_stride)) + j8);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
-    }
-    if constexpr ((PARTS & 2) != 0) {
-        const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4) + j8;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(reinterpret_cast<const char*>(p.cos) + cs + 64 * h));
-            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(reinterpret_cast<const char*>(p.sin) + cs + 64 * h));
-        }
-    }
-    if constexpr ((PARTS & 4) != 0) r.slot = ld_nc_s64(p.slots + tc);
+    r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
 // The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
@@ -433,7 +282,7 @@ __device__ __forceinline__ void load_row128_params(const P& p, uint32_t j8, uint
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
-template <Norm N, int V = 0, class P, class F>
+template <Norm N, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
@@ -451,18 +300,8 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     auto checked = [&](uint32_t b, Row128In& r) {
         r.slot = 4 * b + row < T && static_cast<uint64_t>(r.slot) < static_cast<uint64_t>(p.num_slots) ? r.slot : -1;
     };
-    const uint32_t j8 = 8 * j;
-    // ins9 variant bits: 4 = pointers from the parameters, 8 = the next slot after the stores,
-    // 16 = the next cos / sin after the codes (finish calls prefetch(2) there).
-    auto load = [&](auto parts, uint32_t tc, Row128In& r) {
-        constexpr int kParts = decltype(parts)::value;
-        if constexpr ((V & 4) != 0) load_row128_params<kParts>(p, j8, tc, r);
-        else load_row128<kParts>(a, tc, r);
-    };
-    using AtCompute = std::integral_constant<int, 7 & ((V & 8) ? ~4 : 7) & ((V & 16) ? ~2 : 7)>;
-    using Slot = std::integral_constant<int, 4>;
     Row128In cur;
-    load(std::integral_constant<int, 7>{}, min(4 * base + row, T - 1), cur);  // before the weights' barrier
+    load_row128(a, min(4 * base + row, T - 1), cur);  // before the weights' barrier
     if constexpr (N == Norm::Weighted) {
         if (threadIdx.x < 128) w[threadIdx.x] = ld_nc_f32(p.norm_weight + threadIdx.x);
         __syncthreads();
@@ -471,23 +310,13 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         const uint32_t next = base + round_sets;
         Row128In nxt;
         checked(base, cur);
-        finish(cur, static_cast<const float*>(w), g, j, [&](auto parts) {
-            if (next < sets) load(parts, min(4 * next + row, T - 1), nxt);
-        }, AtCompute{});
+        finish(cur, static_cast<const float*>(w), g, j, [&] {
+            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        });
         if (next >= sets) break;
-        if constexpr ((V & 8) != 0) load(Slot{}, min(4 * next + row, T - 1), nxt);
         base = next;
         cur = nxt;
     }
-}
-
-// Host (experiment switch, helper ins9): the row-128 variant from DSV41_ROW128_VARIANT (0 = main).
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
 }
 
 // Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
