@@ -164,7 +164,8 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
 // block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw) are bytes
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
 // row's 64 code bytes are written by its 8 lanes, 16 contiguous bytes per chunk and store
-// instruction), and lane 0 of the group stores the row's 4 scale bytes as one word. (Run 10
+// instruction), and lane 0 of the group stores the row's 4 scale bytes as one word (at its code
+// address plus page_size * 64 - 60 row). (Run 10
 // staged the codes in shared memory for one 8-byte store per lane: ~13 more instructions per
 // row set and two warp barriers; the direct stores measured 0.5 points faster in run 11.)
 // P32 (packed_e_page32, chosen by the launcher): slots that fit 32 bits in power-of-two pages of
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                 uint8_t* d = base + (row * 64 + 2 * j);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(d + 16 * m) = static_cast<uint16_t>(code[m]);
-                if (j == 0) *reinterpret_cast<uint32_t*>(base + (scale_off + row * 4)) = scales;
+                if (j == 0) *reinterpret_cast<uint32_t*>(d + (scale_off - row * 60)) = scales;  // d = base + row * 64
             } else {
                 int64_t page, row;
                 page_and_row(r.slot, p.page_size, page, row);

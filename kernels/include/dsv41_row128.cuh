@@ -15,8 +15,8 @@
 //   * the norm's sum of squares lane-local first: candle's AVX2 order needs, for every L in
 //     [0, 32), p[L] = ((v[L] + v[32+L]) + v[64+L]) + v[96+L] (v = squares), and lane j holds
 //     exactly L = 4 j + c; the warp_sum_candle_avx_order butterfly over L (xor 8, 16, 4, 1, 2)
-//     becomes xor 2, 4, 1 over j (shuffles inside the group) then c ^ 1, c ^ 2, done as a
-//     reduce-scatter (compute_row128);
+//     becomes xor 2, 4, 1 over j (shuffles inside the group, all four columns c at once) then
+//     c ^ 1, c ^ 2 inside the lane (compute_row128);
 //   * quant block m (32 elements) = chunk m of the group's 8 lanes: amax by xor 1, 2, 4, two
 //     blocks per shuffle as bf16 pairs;
 //   * the RoPE pairs of dims [64, 128) lane-local: chunks 2 and 3, pairs 16 (m-2) + 2 j + {0, 1},
@@ -106,16 +106,21 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 // amax2[0] holds the Q3 block maxima of blocks 0 (low half) and 1, amax2[1] of blocks 2 and 3:
 // the group's max of the rounded |values| floored at 6 * 2^-126 (kQ3AmaxFloor2; an all-NaN block
 // gives the floor, as the CPU's NaN-ignoring fold from 0 and the floor do).
-//   * Norm: a warp whose lanes all have |x| >= 2^-64 (the test of the division-free quotient,
-//     taken first) sums the squares by FMA: x^2 of such a bf16 x (8 significant bits) is exact in
-//     f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); other warps take the
-//     two-rounding form (out of line). The partial sums p[c] (L = 4 j + c) are reduced as a
-//     reduce-scatter: lanes j, j ^ 2 exchange two of the four column sums each way (each keeps
-//     two), j ^ 4 one, then j ^ 1 completes the column sum S_c of c = 2 b1 + b2 (b1, b2: bits 1
-//     and 2 of j), and j ^ 4, j ^ 2 form (S0 + S1) + (S2 + S3): 6 shuffles instead of 12, each
-//     addition one of candle's butterfly (commutativity aside). The mean's `+ 0` and the `* 1` of
-//     the eps step are identities here (the sum is >= +0 or NaN) and are left out. The quotient
-//     is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out of line).
+//   * Norm: the squares are summed by FMA: x^2 of a bf16 x with |x| >= 2^-64 (8 significant
+//     bits) is exact in f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); a
+//     warp in which some lane has a smaller |x| (the vote, also the test of the division-free
+//     quotient; the lane's min |x| in two chains of 8) replaces them by the two-rounding form (out
+//     of line). The FMA form is computed before the vote's result is known, so the vote is off
+//     the dependence chain. The partial sums p[c] (L = 4 j + c) are reduced by a butterfly over j
+//     with all four columns per level (xor 2, 4, 1: 12 shuffles in 3 dependent levels) and then
+//     (S0 + S1) + (S2 + S3) in the lane, each addition one of candle's butterfly (commutativity
+//     aside). (Run 11's reduce-scatter needed 6 shuffles but 5 dependent levels and the lane
+//     selects; the shorter chain measured faster, docs/perf.md Run 15.) The mean's `+ 0` and
+//     the `* 1` of the eps step are identities here (the sum is >= +0 or NaN) and are left out.
+//     The quotient is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out
+//     of line).
+//   * RoPE: the normed values of chunks 2, 3 are rounded to bf16 by one conversion each into the
+//     high half of a word with a +0 low half, which is the rounded value as an f32.
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
 template <Norm N>
@@ -130,32 +135,36 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
     }
     if constexpr (N != Norm::None) {
-        float mn = fabsf(x[0]);
+        // min |x| in two chains of 8 (fminf is associative and commutative, NaNs included)
+        float mn0 = fabsf(x[0]), mn1 = fabsf(x[8]);
 #pragma unroll
-        for (int k = 1; k < 16; ++k) mn = fminf(mn, fabsf(x[k]));
-        const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
+        for (int k = 1; k < 8; ++k) {
+            mn0 = fminf(mn0, fabsf(x[k]));
+            mn1 = fminf(mn1, fabsf(x[k + 8]));
+        }
+        const bool fast = __all_sync(kFullMask, norm_div_x_ok(fminf(mn0, mn1)));
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
-        if (fast) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                p[c] = __fmul_rn(x[c], x[c]);
+        for (int c = 0; c < 4; ++c) {  // the FMA form first (not waiting for the vote) ...
+            p[c] = __fmul_rn(x[c], x[c]);
 #pragma unroll
-                for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
-            }
-        } else {
+            for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
+        }
+        if (!fast) {  // ... replaced by the two-rounding form where the vote fails
             const Row128F4 q = row128_squares_slow(row128_f16(x));
 #pragma unroll
             for (int c = 0; c < 4; ++c) p[c] = q.v[c];
         }
-        const bool b1 = (threadIdx.x & 2u) != 0, b2 = (threadIdx.x & 4u) != 0;  // bits 1, 2 of j
-        // j ^ 2 (L ^ 8): keep c = 2 b1 + {0, 1}, send the other two.
-        const float q0 = __fadd_rn(b1 ? p[2] : p[0], __shfl_xor_sync(kFullMask, b1 ? p[0] : p[2], 2));
-        const float q1 = __fadd_rn(b1 ? p[3] : p[1], __shfl_xor_sync(kFullMask, b1 ? p[1] : p[3], 2));
-        // j ^ 4 (L ^ 16): keep c = 2 b1 + b2.
-        float t = __fadd_rn(b2 ? q1 : q0, __shfl_xor_sync(kFullMask, b2 ? q0 : q1, 4));
-        t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 1));  // j ^ 1 (L ^ 4): the column sum S_c
-        t = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 4));  // c ^ 1 (L ^ 1): S0 + S1 or S2 + S3
-        const float sum = __fadd_rn(t, __shfl_xor_sync(kFullMask, t, 2));  // c ^ 2 (L ^ 2)
+        // Butterfly over j with all four columns: xor 2 (L ^ 8), 4 (L ^ 16), 1 (L ^ 4), then c ^ 1
+        // (L ^ 1) and c ^ 2 (L ^ 2) in the lane.
+        float sc[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], 2));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 4));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 1));
+        const float sum = __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
         if (fast && norm_div_row_ok(rr)) {
             const float y = __frcp_rn(rr);
@@ -191,6 +200,12 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
             am[m] = fmaxf(fmaxf(fabsf(x[4 * m]), fabsf(x[4 * m + 1])), fmaxf(fabsf(x[4 * m + 2]), fabsf(x[4 * m + 3])));
         } else {  // RoPE pairs 16 (m - 2) + 2 j and + 1 of the bf16 values
             float v[4] = {bf16x2_lo(a), bf16x2_hi(a), bf16x2_lo(b), bf16x2_hi(b)};
+            if constexpr (N != Norm::None) {
+                // Each value rounded to bf16 by one conversion into the high half of a word whose low
+                // half is +0: that word is the rounded value as an f32 (no pack and unpack).
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(pack_bf16x2_rn(0.0f, x[4 * m + i]));
+            }
             rotate_pair(v[0], v[1], r.cos[m - 2].x, r.sin[m - 2].x);
             rotate_pair(v[2], v[3], r.cos[m - 2].y, r.sin[m - 2].y);
             am[m] = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
