@@ -49,7 +49,7 @@ struct Args {
     /// Prefill lengths of the window-only layer.
     #[arg(long, value_delimiter = ',', default_value = "4096,8192,16384,32768")]
     prefill: Vec<usize>,
-    /// Prefill lengths of the compressed layer (its selection still runs through the host).
+    /// Prefill lengths of the compressed (ratio-2) layer, selection on the device.
     #[arg(long, value_delimiter = ',', default_value = "4096")]
     prefill_compressed: Vec<usize>,
     /// Prefill lengths at which the whole layer is also run in plain Candle ops.
