@@ -52,6 +52,8 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
+#include <cstdlib>
+
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -123,9 +125,16 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //     high half of a word with a +0 low half, which is the rounded value as an f32.
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
-template <Norm N>
+// (ins10 experiment switch, DSV41_ROW128_VARIANT bits V) 1: `prefetch` (the next set's loads) at the
+// end of the division's branches (after the quotient; with 2 after the weights' multiply), else at
+// the end; 2: the weights' shared-memory loads and multiply inside the division's branches, the
+// loads before the reciprocal; 4: the min |x| by a tree (depth 4); 8 (with 1): only the row and the
+// slot in the branches, cos / sin at the end.
+template <Norm N, int V = 0, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
-                                               uint32_t (&h)[8], uint32_t (&amax2)[2]) {
+                                               uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
+    // with bit 1: the parts loaded in the division's branches (8: cos / sin at the end)
+    constexpr int kEarlyParts = (V & 8) != 0 ? 5 : 7;
     float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -136,13 +145,24 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
     }
     if constexpr (N != Norm::None) {
         // min |x| in two chains of 8 (fminf is associative and commutative, NaNs included)
-        float mn0 = fabsf(x[0]), mn1 = fabsf(x[8]);
+        float mn;
+        if constexpr ((V & 4) != 0) {  // (ins10) a tree: 8, 4, 2, 1
+            float t[8];
 #pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            mn0 = fminf(mn0, fabsf(x[k]));
-            mn1 = fminf(mn1, fabsf(x[k + 8]));
+            for (int k = 0; k < 8; ++k) t[k] = fminf(fabsf(x[k]), fabsf(x[k + 8]));
+#pragma unroll
+            for (int k = 0; k < 4; ++k) t[k] = fminf(t[k], t[k + 4]);
+            mn = fminf(fminf(t[0], t[2]), fminf(t[1], t[3]));
+        } else {
+            float mn0 = fabsf(x[0]), mn1 = fabsf(x[8]);
+#pragma unroll
+            for (int k = 1; k < 8; ++k) {
+                mn0 = fminf(mn0, fabsf(x[k]));
+                mn1 = fminf(mn1, fabsf(x[k + 8]));
+            }
+            mn = fminf(mn0, mn1);
         }
-        const bool fast = __all_sync(kFullMask, norm_div_x_ok(fminf(mn0, mn1)));
+        const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
 #pragma unroll
         for (int c = 0; c < 4; ++c) {  // the FMA form first (not waiting for the vote) ...
@@ -166,24 +186,44 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 1));
         const float sum = __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
+        constexpr bool kWeightsEarly = N == Norm::Weighted && (V & 2) != 0;
+        // x[k] * w[k] (Norm::Weighted), the weights as loaded by row128_weights
+        auto weigh = [&](const float4 (&wv)[4]) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                x[4 * m] = __fmul_rn(x[4 * m], wv[m].x);
+                x[4 * m + 1] = __fmul_rn(x[4 * m + 1], wv[m].y);
+                x[4 * m + 2] = __fmul_rn(x[4 * m + 2], wv[m].z);
+                x[4 * m + 3] = __fmul_rn(x[4 * m + 3], wv[m].w);
+            }
+        };
+        auto load_w = [&](float4 (&wv)[4]) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) wv[m] = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
+        };
         if (fast && norm_div_row_ok(rr)) {
+            float4 wv[4];
+            if constexpr (kWeightsEarly) load_w(wv);
             const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
+            if constexpr (kWeightsEarly) weigh(wv);
+            if constexpr ((V & 1) != 0) prefetch(std::integral_constant<int, kEarlyParts>{});
         } else {
             const Row128F16 q = row128_divide_slow(row128_f16(x), rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
-        }
-        if constexpr (N == Norm::Weighted) {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
-                x[4 * m] = __fmul_rn(x[4 * m], wv.x);
-                x[4 * m + 1] = __fmul_rn(x[4 * m + 1], wv.y);
-                x[4 * m + 2] = __fmul_rn(x[4 * m + 2], wv.z);
-                x[4 * m + 3] = __fmul_rn(x[4 * m + 3], wv.w);
+            if constexpr (kWeightsEarly) {
+                float4 wv[4];
+                load_w(wv);
+                weigh(wv);
             }
+            if constexpr ((V & 1) != 0) prefetch(std::integral_constant<int, kEarlyParts>{});
+        }
+        if constexpr (N == Norm::Weighted && !kWeightsEarly) {
+            float4 wv[4];
+            load_w(wv);
+            weigh(wv);
         }
     }
     float am[4];
@@ -220,6 +260,8 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         a = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 2));
         amax2[i] = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 4));
     }
+    if constexpr ((V & 1) == 0 || N == Norm::None) prefetch(std::integral_constant<int, 7>{});
+    else if constexpr (kEarlyParts != 7) prefetch(std::integral_constant<int, 7 & ~kEarlyParts>{});
 }
 
 // The Q3 scale bits of the row's 4 blocks from compute_row128's amax2 (q3_scale_bits2), and
@@ -256,17 +298,24 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
 // Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
+// (ins10) Parts: 1 the row, 2 cos / sin, 4 the slot.
+template <int Parts = 7>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
     const char* src = a.src + tc * a.row_bytes;
+    if constexpr ((Parts & 1) != 0) {
 #pragma unroll
-    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
-    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
     }
-    r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
+    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
+    if constexpr ((Parts & 2) != 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        }
+    }
+    if constexpr ((Parts & 4) != 0)
+        r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
 // The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
@@ -310,13 +359,22 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         const uint32_t next = base + round_sets;
         Row128In nxt;
         checked(base, cur);
-        finish(cur, static_cast<const float*>(w), g, j, [&] {
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        finish(cur, static_cast<const float*>(w), g, j, [&](auto parts) {
+            if (next < sets) load_row128<decltype(parts)::value>(a, min(4 * next + row, T - 1), nxt);
         });
         if (next >= sets) break;
         base = next;
         cur = nxt;
     }
+}
+
+// (ins10 experiment switch) DSV41_ROW128_VARIANT, read once: the bits V of compute_row128.
+inline int row128_variant() {
+    static const int v = [] {
+        const char* e = getenv("DSV41_ROW128_VARIANT");
+        return e ? atoi(e) : 0;
+    }();
+    return v;
 }
 
 // Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
