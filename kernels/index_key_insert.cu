@@ -42,11 +42,11 @@ static __device__ __noinline__ Row128H8 q3_fake_quant_element8(Row128H8 hh, uint
 // The D = 128, R = 64 path: grid = row128_grid, block = 256 threads (8 warps, 4 keys per warp
 // and row set). Q3 on bf16 pairs (q3_fake_quant_pair); a lane whose row has a block scale above
 // 2^119 takes the f32 element path for that row.
-template <Quant Q, int V>
+template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<Norm::Weighted, V>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);  // + next loads
+        compute_row128<Norm::Weighted, kRow128TreeMin | kRow128EarlyRows>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);  // + next loads
         if constexpr (Q != Quant::None) {
             const Q3Blocks qb = q3_blocks_row128(amax2);
             if (qb.pairs_ok) {
@@ -69,29 +69,11 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_
     });
 }
 
-template <Quant Q, int V>
-int launch_row128_v(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q, V>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
-    index_key_insert_row128_kernel<Q, V><<<grid, kInsertThreads, 0, s>>>(p);
-    return static_cast<int>(cudaGetLastError());
-}
-// (ins10 experiment switch) the bits of DSV41_ROW128_VARIANT (compute_row128).
 template <Quant Q>
 int launch_row128(const Dsv41RowInsertParams& p, cudaStream_t s) {
-    switch (row128_variant() & 15) {
-        case 1: return launch_row128_v<Q, 1>(p, s);
-        case 2: return launch_row128_v<Q, 2>(p, s);
-        case 3: return launch_row128_v<Q, 3>(p, s);
-        case 4: return launch_row128_v<Q, 4>(p, s);
-        case 5: return launch_row128_v<Q, 5>(p, s);
-        case 6: return launch_row128_v<Q, 6>(p, s);
-        case 7: return launch_row128_v<Q, 7>(p, s);
-        case 9: return launch_row128_v<Q, 9>(p, s);
-        case 11: return launch_row128_v<Q, 11>(p, s);
-        case 13: return launch_row128_v<Q, 13>(p, s);
-        case 15: return launch_row128_v<Q, 15>(p, s);
-        default: return launch_row128_v<Q, 0>(p, s);
-    }
+    const unsigned grid = row128_grid<index_key_insert_row128_kernel<Q>>((static_cast<int64_t>(p.num_tokens) + 3) / 4);
+    index_key_insert_row128_kernel<Q><<<grid, kInsertThreads, 0, s>>>(p);
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace dsv41

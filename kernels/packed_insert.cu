@@ -233,21 +233,15 @@ int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
 }
-// (ins10 experiment switch) the bits of DSV41_ROW128_VARIANT (compute_row128).
+// (ins10 experiment switch) DSV41_ROW128_VARIANT = compute_row128's options O.
 template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    switch (row128_variant() & 15) {
-        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
+    switch (row128_variant()) {
         case 2: return launch_packed_e_row128_v<N, P32, 2>(p, s);
         case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
-        case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
-        case 5: return launch_packed_e_row128_v<N, P32, 5>(p, s);
         case 6: return launch_packed_e_row128_v<N, P32, 6>(p, s);
-        case 7: return launch_packed_e_row128_v<N, P32, 7>(p, s);
-        case 9: return launch_packed_e_row128_v<N, P32, 9>(p, s);
-        case 11: return launch_packed_e_row128_v<N, P32, 11>(p, s);
-        case 13: return launch_packed_e_row128_v<N, P32, 13>(p, s);
-        case 15: return launch_packed_e_row128_v<N, P32, 15>(p, s);
+        case 10: return launch_packed_e_row128_v<N, P32, 10>(p, s);
+        case 14: return launch_packed_e_row128_v<N, P32, 14>(p, s);
         default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
     }
 }

@@ -125,16 +125,21 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //     high half of a word with a +0 low half, which is the rounded value as an f32.
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
-// (ins10 experiment switch, DSV41_ROW128_VARIANT bits V) 1: `prefetch` (the next set's loads) at the
-// end of the division's branches (after the quotient; with 2 after the weights' multiply), else at
-// the end; 2: the weights' shared-memory loads and multiply inside the division's branches, the
-// loads before the reciprocal; 4: the min |x| by a tree (depth 4); 8 (with 1): only the row and the
-// slot in the branches, cos / sin at the end.
-template <Norm N, int V = 0, class Pf>
+// Schedule options of compute_row128 (bit set O), all with the same results:
+//   kRow128TreeMin: the min |x| of the vote by a tree (depth 4) instead of two chains of 8;
+//   kRow128EarlyRows: the next set's row and slot loads (prefetch) at the end of the division's
+//   branches, right after the quotient (ahead of the weights' shared-memory loads), cos / sin at
+//   the end; without it every load at the end (ptxas hoists them to after the weights' multiply).
+// (ins10 experiment bits, with kRow128EarlyRows: 4 = the slot at the end too, 8 = early only in the
+// division-free branch, the IEEE branch's at the end.)
+constexpr int kRow128TreeMin = 1;
+constexpr int kRow128EarlyRows = 2;
+template <Norm N, int O, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
-    // with bit 1: the parts loaded in the division's branches (8: cos / sin at the end)
-    constexpr int kEarlyParts = (V & 8) != 0 ? 5 : 7;
+    constexpr bool kEarly = N != Norm::None && (O & kRow128EarlyRows) != 0;
+    constexpr int kEarlyParts = (O & 4) != 0 ? 1 : 5;  // prefetch parts: 1 the row, 2 cos / sin, 4 the slot
+    bool early_done = false;
     float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -146,7 +151,7 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
     if constexpr (N != Norm::None) {
         // min |x| in two chains of 8 (fminf is associative and commutative, NaNs included)
         float mn;
-        if constexpr ((V & 4) != 0) {  // (ins10) a tree: 8, 4, 2, 1
+        if constexpr ((O & kRow128TreeMin) != 0) {  // a tree: 8, 4, 2, 1
             float t[8];
 #pragma unroll
             for (int k = 0; k < 8; ++k) t[k] = fminf(fabsf(x[k]), fabsf(x[k + 8]));
@@ -186,44 +191,32 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 1));
         const float sum = __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
-        constexpr bool kWeightsEarly = N == Norm::Weighted && (V & 2) != 0;
-        // x[k] * w[k] (Norm::Weighted), the weights as loaded by row128_weights
-        auto weigh = [&](const float4 (&wv)[4]) {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                x[4 * m] = __fmul_rn(x[4 * m], wv[m].x);
-                x[4 * m + 1] = __fmul_rn(x[4 * m + 1], wv[m].y);
-                x[4 * m + 2] = __fmul_rn(x[4 * m + 2], wv[m].z);
-                x[4 * m + 3] = __fmul_rn(x[4 * m + 3], wv[m].w);
-            }
-        };
-        auto load_w = [&](float4 (&wv)[4]) {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) wv[m] = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
-        };
         if (fast && norm_div_row_ok(rr)) {
-            float4 wv[4];
-            if constexpr (kWeightsEarly) load_w(wv);
             const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
-            if constexpr (kWeightsEarly) weigh(wv);
-            if constexpr ((V & 1) != 0) prefetch(std::integral_constant<int, kEarlyParts>{});
+            if constexpr (kEarly) {
+                prefetch(std::integral_constant<int, kEarlyParts>{});
+                early_done = true;
+            }
         } else {
             const Row128F16 q = row128_divide_slow(row128_f16(x), rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
-            if constexpr (kWeightsEarly) {
-                float4 wv[4];
-                load_w(wv);
-                weigh(wv);
+            if constexpr (kEarly && (O & 8) == 0) {
+                prefetch(std::integral_constant<int, kEarlyParts>{});
+                early_done = true;
             }
-            if constexpr ((V & 1) != 0) prefetch(std::integral_constant<int, kEarlyParts>{});
         }
-        if constexpr (N == Norm::Weighted && !kWeightsEarly) {
-            float4 wv[4];
-            load_w(wv);
-            weigh(wv);
+        if constexpr (N == Norm::Weighted) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float4 wv = *reinterpret_cast<const float4*>(w + 32 * m + 4 * j);
+                x[4 * m] = __fmul_rn(x[4 * m], wv.x);
+                x[4 * m + 1] = __fmul_rn(x[4 * m + 1], wv.y);
+                x[4 * m + 2] = __fmul_rn(x[4 * m + 2], wv.z);
+                x[4 * m + 3] = __fmul_rn(x[4 * m + 3], wv.w);
+            }
         }
     }
     float am[4];
@@ -260,8 +253,14 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         a = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 2));
         amax2[i] = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 4));
     }
-    if constexpr ((V & 1) == 0 || N == Norm::None) prefetch(std::integral_constant<int, 7>{});
-    else if constexpr (kEarlyParts != 7) prefetch(std::integral_constant<int, 7 & ~kEarlyParts>{});
+    if constexpr (!kEarly) {
+        prefetch(std::integral_constant<int, 7>{});
+    } else {
+        if constexpr ((O & 8) != 0) {
+            if (!early_done) prefetch(std::integral_constant<int, kEarlyParts>{});
+        }
+        prefetch(std::integral_constant<int, 7 & ~kEarlyParts>{});
+    }
 }
 
 // The Q3 scale bits of the row's 4 blocks from compute_row128's amax2 (q3_scale_bits2), and
