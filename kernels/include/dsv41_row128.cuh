@@ -27,13 +27,13 @@
 // the current one, so every warp has a set in flight while it computes. Set and token indices
 // are 32-bit and the lane's source pointers are set up once (row128_loop). The loads of a
 // warp's first set are issued before the block loads the norm weights and waits at its barrier,
-// and those of its next set only once the current set's norm is done (finish calls `prefetch`
-// after compute_row128; ptxas hoists the loads up to the block maxima's shuffles, i.e. to just
-// after the norm's quotient in the weighted kernels): the first sets' data, which every warp
-// waits for, then reaches the SMs sooner, and the later sets' loads still have the rest of a
-// set's compute to arrive (docs/perf.md, Run 13, format E at G = 32768: 7.64 µs with the
-// weights first, 7.32 µs with the first set's loads before them, 7.08 µs with the next set's
-// loads after the norm as well, 7.90 µs with both sets' loads before the barrier).
+// and those of its next set only once the current set's norm is done (compute_row128 calls
+// `prefetch` at its end, ptxas hoists the loads up to just after the weights' multiply; with
+// kRow128EarlyRows the row and slot loads right after the quotient, see there): the first sets'
+// data, which every warp waits for, then reaches the SMs sooner, and the later sets' loads still
+// have the rest of a set's compute to arrive (docs/perf.md, Run 13, format E at G = 32768:
+// 7.64 µs with the weights first, 7.32 µs with the first set's loads before them, 7.08 µs with
+// the next set's loads after the norm as well, 7.90 µs with both sets' loads before the barrier).
 //
 // Values as bf16 pairs: after the norm and RoPE (f32, as the CPU) each pair of elements is
 // rounded to bf16 by one conversion and the Q3 fake quant / e2m1 codes work on the pairs in the
@@ -52,8 +52,6 @@
 // path for every bf16 value and scale (kernels/check/quant_exhaustive.cu), so the results are
 // bit-identical to the one-warp-per-row kernels and to the CPU reference.
 #pragma once
-#include <cstdlib>
-
 #include "dsv41_row.cuh"
 
 namespace dsv41 {
@@ -62,6 +60,9 @@ constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) ro
 // Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
 // caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
 constexpr int kRow128BlocksPerSm = 4;
+
+// The parts of a row set's loads (load_row128, the `prefetch` of row128_loop).
+constexpr int kRow128LoadRow = 1, kRow128LoadCosSin = 2, kRow128LoadSlot = 4, kRow128LoadAll = 7;
 
 // One row's inputs in a lane's registers (chunks as loaded).
 struct Row128In {
@@ -126,20 +127,20 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
 // Schedule options of compute_row128 (bit set O), all with the same results:
-//   kRow128TreeMin: the min |x| of the vote by a tree (depth 4) instead of two chains of 8;
+//   kRow128TreeMin: the vote's min |x| by a tree (depth 4) instead of two chains of 8;
 //   kRow128EarlyRows: the next set's row and slot loads (prefetch) at the end of the division's
 //   branches, right after the quotient (ahead of the weights' shared-memory loads), cos / sin at
-//   the end; without it every load at the end (ptxas hoists them to after the weights' multiply).
-// (ins10 experiment bits, with kRow128EarlyRows: 4 = the slot at the end too, 8 = early only in the
-// division-free branch, the IEEE branch's at the end.)
+//   the end; without it all of the next set's loads at the end (ptxas hoists them up to just
+//   after the weights' multiply).
+// The bf16 index keys take both (docs/perf.md, Run 16: 7.09 -> 6.87 us at G = 32768, 86.0 -> 88.8 %
+// of 4.17 TB/s), format E neither (each was slower there: 6.74 -> 6.81 / 6.87 us).
 constexpr int kRow128TreeMin = 1;
 constexpr int kRow128EarlyRows = 2;
 template <Norm N, int O, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
     constexpr bool kEarly = N != Norm::None && (O & kRow128EarlyRows) != 0;
-    constexpr int kEarlyParts = (O & 4) != 0 ? 1 : 5;  // prefetch parts: 1 the row, 2 cos / sin, 4 the slot
-    bool early_done = false;
+    using EarlyParts = std::integral_constant<int, kRow128LoadRow | kRow128LoadSlot>;
     float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -195,18 +196,12 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
             const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
-            if constexpr (kEarly) {
-                prefetch(std::integral_constant<int, kEarlyParts>{});
-                early_done = true;
-            }
+            if constexpr (kEarly) prefetch(EarlyParts{});
         } else {
             const Row128F16 q = row128_divide_slow(row128_f16(x), rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
-            if constexpr (kEarly && (O & 8) == 0) {
-                prefetch(std::integral_constant<int, kEarlyParts>{});
-                early_done = true;
-            }
+            if constexpr (kEarly) prefetch(EarlyParts{});
         }
         if constexpr (N == Norm::Weighted) {
 #pragma unroll
@@ -253,14 +248,8 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         a = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 2));
         amax2[i] = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 4));
     }
-    if constexpr (!kEarly) {
-        prefetch(std::integral_constant<int, 7>{});
-    } else {
-        if constexpr ((O & 8) != 0) {
-            if (!early_done) prefetch(std::integral_constant<int, kEarlyParts>{});
-        }
-        prefetch(std::integral_constant<int, 7 & ~kEarlyParts>{});
-    }
+    if constexpr (kEarly) prefetch(std::integral_constant<int, kRow128LoadCosSin>{});
+    else prefetch(std::integral_constant<int, kRow128LoadAll>{});
 }
 
 // The Q3 scale bits of the row's 4 blocks from compute_row128's amax2 (q3_scale_bits2), and
@@ -296,33 +285,33 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
-// Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
-// (ins10) Parts: 1 the row, 2 cos / sin, 4 the slot.
-template <int Parts = 7>
+// Issues the lane's loads of token tc (< T) into r (the Parts of it, kRow128Load*); r.slot is the
+// slot as loaded (checked at use).
+template <int Parts = kRow128LoadAll>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
     const char* src = a.src + tc * a.row_bytes;
-    if constexpr ((Parts & 1) != 0) {
+    if constexpr ((Parts & kRow128LoadRow) != 0) {
 #pragma unroll
         for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
     }
     const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
-    if constexpr ((Parts & 2) != 0) {
+    if constexpr ((Parts & kRow128LoadCosSin) != 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
             r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
         }
     }
-    if constexpr ((Parts & 4) != 0)
+    if constexpr ((Parts & kRow128LoadSlot) != 0)
         r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
 // The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
 // warp's sets (rows past T included, with row.slot = -1: finish stores only when slot >= 0), with
 // `w` the norm weights in shared memory (Norm::Weighted) for compute_row128. All lanes of the warp
-// call finish together (it may use warp shuffles / __syncwarp), and finish calls `prefetch()`
-// (the loads of the warp's next set, if any) exactly once, after compute_row128 (see Scheduling
-// above).
+// call finish together (it may use warp shuffles / __syncwarp), and finish has each part of
+// `prefetch(parts)` (the loads of the warp's next set, if any; parts an integral_constant of
+// kRow128Load* bits) issued exactly once, by compute_row128 (see Scheduling above).
 //
 // Block b handles the rounds of 8 consecutive sets starting at set 8 (b + k * gridDim.x), warp w
 // set 8 (...) + w of each; every branch of the loop depends on the block and the parameters
@@ -365,15 +354,6 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         base = next;
         cur = nxt;
     }
-}
-
-// (ins10 experiment switch) DSV41_ROW128_VARIANT, read once: the bits V of compute_row128.
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
 }
 
 // Host: blocks of a persistent row-128 grid: enough for `sets` row sets, at most the number of
