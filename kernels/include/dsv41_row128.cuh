@@ -109,19 +109,19 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 // amax2[0] holds the Q3 block maxima of blocks 0 (low half) and 1, amax2[1] of blocks 2 and 3:
 // the group's max of the rounded |values| floored at 6 * 2^-126 (kQ3AmaxFloor2; an all-NaN block
 // gives the floor, as the CPU's NaN-ignoring fold from 0 and the floor do).
-//   * Norm: the squares are summed by FMA: x^2 of a bf16 x with |x| >= 2^-64 (8 significant
-//     bits) is exact in f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); a
-//     warp in which some lane has a smaller |x| (the vote, also the test of the division-free
-//     quotient; the lane's min |x| in two chains of 8) replaces them by the two-rounding form (out
-//     of line). The FMA form is computed before the vote's result is known, so the vote is off
-//     the dependence chain. The partial sums p[c] (L = 4 j + c) are reduced by a butterfly over j
-//     with all four columns per level (xor 2, 4, 1: 12 shuffles in 3 dependent levels) and then
-//     (S0 + S1) + (S2 + S3) in the lane, each addition one of candle's butterfly (commutativity
-//     aside). (Run 11's reduce-scatter needed 6 shuffles but 5 dependent levels and the lane
-//     selects; the shorter chain measured faster, docs/perf.md Run 15.) The mean's `+ 0` and
-//     the `* 1` of the eps step are identities here (the sum is >= +0 or NaN) and are left out.
-//     The quotient is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out
-//     of line).
+//   * Norm: the squares are summed by FMA: x^2 of a bf16 x with |x| >= 2^-64 (8 significant bits)
+//     is exact in f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); a warp in
+//     which some lane has a smaller |x| (the vote, also the test of the division-free quotient;
+//     the lane's min |x| in two chains of 8, or a tree with kRow128TreeMin) replaces them by the
+//     two-rounding form (out of line). The FMA form is computed before the vote's result is known,
+//     so the vote is off the dependence chain. The partial sums p[c] (L = 4 j + c) are reduced by
+//     a butterfly over j with all four columns per level (xor 2, 4, 1: 12 shuffles in 3 dependent
+//     levels) and then (S0 + S1) + (S2 + S3) in the lane, each addition one of candle's butterfly
+//     (commutativity aside). (Run 11's reduce-scatter needed 6 shuffles but 5 dependent levels and
+//     the lane selects; the shorter chain measured faster, docs/perf.md Run 15.) The mean's `+ 0`
+//     and the `* 1` of the eps step are identities here (the sum is >= +0 or NaN) and are left
+//     out. The quotient is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE
+//     (out of line).
 //   * RoPE: the normed values of chunks 2, 3 are rounded to bf16 by one conversion each into the
 //     high half of a word with a +0 low half, which is the rounded value as an f32.
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
@@ -150,7 +150,7 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
     }
     if constexpr (N != Norm::None) {
-        // min |x| in two chains of 8 (fminf is associative and commutative, NaNs included)
+        // min |x| in two chains of 8 or a tree (fminf is associative and commutative, NaNs included)
         float mn;
         if constexpr ((O & kRow128TreeMin) != 0) {  // a tree: 8, 4, 2, 1
             float t[8];
