@@ -46,8 +46,9 @@ template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<Norm::Weighted>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        prefetch();  // the next set's loads (row128_loop)
+        // the norm etc., and the next set's loads (rows and slot right after the quotient, Run 16)
+        compute_row128<Norm::Weighted, kRow128TreeMin | kRow128EarlyRows>(r, w, p.norm_eps, p.norm_inv_dim, j, h,
+                                                                          amax2, prefetch);
         if constexpr (Q != Quant::None) {
             const Q3Blocks qb = q3_blocks_row128(amax2);
             if (qb.pairs_ok) {

@@ -188,8 +188,8 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                                                                                             const uint32_t scale_off) {
     row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        compute_row128<N>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2);
-        prefetch();  // the next set's loads (row128_loop)
+        // the norm etc., then the next set's loads (no early rows / tree min: slower here, Run 16)
+        compute_row128<N, 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {

@@ -27,13 +27,13 @@
 // the current one, so every warp has a set in flight while it computes. Set and token indices
 // are 32-bit and the lane's source pointers are set up once (row128_loop). The loads of a
 // warp's first set are issued before the block loads the norm weights and waits at its barrier,
-// and those of its next set only once the current set's norm is done (finish calls `prefetch`
-// after compute_row128; ptxas hoists the loads up to the block maxima's shuffles, i.e. to just
-// after the norm's quotient in the weighted kernels): the first sets' data, which every warp
-// waits for, then reaches the SMs sooner, and the later sets' loads still have the rest of a
-// set's compute to arrive (docs/perf.md, Run 13, format E at G = 32768: 7.64 µs with the
-// weights first, 7.32 µs with the first set's loads before them, 7.08 µs with the next set's
-// loads after the norm as well, 7.90 µs with both sets' loads before the barrier).
+// and those of its next set only once the current set's norm is done (compute_row128 calls
+// `prefetch` at its end, ptxas hoists the loads up to just after the weights' multiply; with
+// kRow128EarlyRows the row and slot loads right after the quotient, see there): the first sets'
+// data, which every warp waits for, then reaches the SMs sooner, and the later sets' loads still
+// have the rest of a set's compute to arrive (docs/perf.md, Run 13, format E at G = 32768:
+// 7.64 µs with the weights first, 7.32 µs with the first set's loads before them, 7.08 µs with
+// the next set's loads after the norm as well, 7.90 µs with both sets' loads before the barrier).
 //
 // Values as bf16 pairs: after the norm and RoPE (f32, as the CPU) each pair of elements is
 // rounded to bf16 by one conversion and the Q3 fake quant / e2m1 codes work on the pairs in the
@@ -60,6 +60,9 @@ constexpr int kRow128Rope = 64;  // the rope_dim of this path (dims [64, 128) ro
 // Resident blocks per SM the kernels are compiled for (__launch_bounds__): 4 x 256 threads
 // caps them at 64 registers (without it they take 80, 3 blocks), more warps to hide latency.
 constexpr int kRow128BlocksPerSm = 4;
+
+// The parts of a row set's loads (load_row128, the `prefetch` of row128_loop).
+constexpr int kRow128LoadRow = 1, kRow128LoadCosSin = 2, kRow128LoadSlot = 4, kRow128LoadAll = 7;
 
 // One row's inputs in a lane's registers (chunks as loaded).
 struct Row128In {
@@ -106,26 +109,38 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 // amax2[0] holds the Q3 block maxima of blocks 0 (low half) and 1, amax2[1] of blocks 2 and 3:
 // the group's max of the rounded |values| floored at 6 * 2^-126 (kQ3AmaxFloor2; an all-NaN block
 // gives the floor, as the CPU's NaN-ignoring fold from 0 and the floor do).
-//   * Norm: the squares are summed by FMA: x^2 of a bf16 x with |x| >= 2^-64 (8 significant
-//     bits) is exact in f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); a
-//     warp in which some lane has a smaller |x| (the vote, also the test of the division-free
-//     quotient; the lane's min |x| in two chains of 8) replaces them by the two-rounding form (out
-//     of line). The FMA form is computed before the vote's result is known, so the vote is off
-//     the dependence chain. The partial sums p[c] (L = 4 j + c) are reduced by a butterfly over j
-//     with all four columns per level (xor 2, 4, 1: 12 shuffles in 3 dependent levels) and then
-//     (S0 + S1) + (S2 + S3) in the lane, each addition one of candle's butterfly (commutativity
-//     aside). (Run 11's reduce-scatter needed 6 shuffles but 5 dependent levels and the lane
-//     selects; the shorter chain measured faster, docs/perf.md Run 15.) The mean's `+ 0` and
-//     the `* 1` of the eps step are identities here (the sum is >= +0 or NaN) and are left out.
-//     The quotient is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE (out
-//     of line).
+//   * Norm: the squares are summed by FMA: x^2 of a bf16 x with |x| >= 2^-64 (8 significant bits)
+//     is exact in f32 (its lowest bit is >= 2^-142), so fma(x, x, p) = RN(p + RN(x^2)); a warp in
+//     which some lane has a smaller |x| (the vote, also the test of the division-free quotient;
+//     the lane's min |x| in two chains of 8, or a tree with kRow128TreeMin) replaces them by the
+//     two-rounding form (out of line). The FMA form is computed before the vote's result is known,
+//     so the vote is off the dependence chain. The partial sums p[c] (L = 4 j + c) are reduced by
+//     a butterfly over j with all four columns per level (xor 2, 4, 1: 12 shuffles in 3 dependent
+//     levels) and then (S0 + S1) + (S2 + S3) in the lane, each addition one of candle's butterfly
+//     (commutativity aside). (Run 11's reduce-scatter needed 6 shuffles but 5 dependent levels and
+//     the lane selects; the shorter chain measured faster, docs/perf.md Run 15.) The mean's `+ 0`
+//     and the `* 1` of the eps step are identities here (the sum is >= +0 or NaN) and are left
+//     out. The quotient is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE
+//     (out of line).
 //   * RoPE: the normed values of chunks 2, 3 are rounded to bf16 by one conversion each into the
 //     high half of a word with a +0 low half, which is the rounded value as an f32.
 //   * Block maxima: a lane's max of |value| per chunk in f32 (before rounding), two chunks packed
 //     into one bf16 pair word (RN), then max.bf16x2 over the group (xor 1 with the floor, 2, 4).
-template <Norm N>
+// Schedule options of compute_row128 (bit set O), all with the same results:
+//   kRow128TreeMin: the vote's min |x| by a tree (depth 4) instead of two chains of 8;
+//   kRow128EarlyRows: the next set's row and slot loads (prefetch) at the end of the division's
+//   branches, right after the quotient (ahead of the weights' shared-memory loads), cos / sin at
+//   the end; without it all of the next set's loads at the end (ptxas hoists them up to just
+//   after the weights' multiply).
+// The bf16 index keys take both (docs/perf.md, Run 16: 7.09 -> 6.87 us at G = 32768, 86.0 -> 88.8 %
+// of 4.17 TB/s), format E neither (each was slower there: 6.74 -> 6.81 / 6.87 us).
+constexpr int kRow128TreeMin = 1;
+constexpr int kRow128EarlyRows = 2;
+template <Norm N, int O, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
-                                               uint32_t (&h)[8], uint32_t (&amax2)[2]) {
+                                               uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
+    constexpr bool kEarly = N != Norm::None && (O & kRow128EarlyRows) != 0;
+    using EarlyParts = std::integral_constant<int, kRow128LoadRow | kRow128LoadSlot>;
     float x[16];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -135,14 +150,25 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         x[4 * m + 3] = bf16x2_hi(r.raw[m].y);
     }
     if constexpr (N != Norm::None) {
-        // min |x| in two chains of 8 (fminf is associative and commutative, NaNs included)
-        float mn0 = fabsf(x[0]), mn1 = fabsf(x[8]);
+        // min |x| in two chains of 8 or a tree (fminf is associative and commutative, NaNs included)
+        float mn;
+        if constexpr ((O & kRow128TreeMin) != 0) {  // a tree: 8, 4, 2, 1
+            float t[8];
 #pragma unroll
-        for (int k = 1; k < 8; ++k) {
-            mn0 = fminf(mn0, fabsf(x[k]));
-            mn1 = fminf(mn1, fabsf(x[k + 8]));
+            for (int k = 0; k < 8; ++k) t[k] = fminf(fabsf(x[k]), fabsf(x[k + 8]));
+#pragma unroll
+            for (int k = 0; k < 4; ++k) t[k] = fminf(t[k], t[k + 4]);
+            mn = fminf(fminf(t[0], t[2]), fminf(t[1], t[3]));
+        } else {
+            float mn0 = fabsf(x[0]), mn1 = fabsf(x[8]);
+#pragma unroll
+            for (int k = 1; k < 8; ++k) {
+                mn0 = fminf(mn0, fabsf(x[k]));
+                mn1 = fminf(mn1, fabsf(x[k + 8]));
+            }
+            mn = fminf(mn0, mn1);
         }
-        const bool fast = __all_sync(kFullMask, norm_div_x_ok(fminf(mn0, mn1)));
+        const bool fast = __all_sync(kFullMask, norm_div_x_ok(mn));
         float p[4];  // p[c] = partial sum of L = 4 j + c, sequential over the chunks
 #pragma unroll
         for (int c = 0; c < 4; ++c) {  // the FMA form first (not waiting for the vote) ...
@@ -170,10 +196,12 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
             const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
+            if constexpr (kEarly) prefetch(EarlyParts{});
         } else {
             const Row128F16 q = row128_divide_slow(row128_f16(x), rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
+            if constexpr (kEarly) prefetch(EarlyParts{});
         }
         if constexpr (N == Norm::Weighted) {
 #pragma unroll
@@ -220,6 +248,8 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         a = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 2));
         amax2[i] = bf16x2_max(a, __shfl_xor_sync(kFullMask, a, 4));
     }
+    if constexpr (kEarly) prefetch(std::integral_constant<int, kRow128LoadCosSin>{});
+    else prefetch(std::integral_constant<int, kRow128LoadAll>{});
 }
 
 // The Q3 scale bits of the row's 4 blocks from compute_row128's amax2 (q3_scale_bits2), and
@@ -255,26 +285,33 @@ __device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
             reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
             reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
 }
-// Issues the lane's loads of token tc (< T) into r; r.slot is the slot as loaded (checked at use).
+// Issues the lane's loads of token tc (< T) into r (the Parts of it, kRow128Load*); r.slot is the
+// slot as loaded (checked at use).
+template <int Parts = kRow128LoadAll>
 __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
     const char* src = a.src + tc * a.row_bytes;
+    if constexpr ((Parts & kRow128LoadRow) != 0) {
 #pragma unroll
-    for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
-    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
-        r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
     }
-    r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
+    const uint64_t cs = static_cast<uint64_t>(tc) * (kRow128Rope / 2 * 4);
+    if constexpr ((Parts & kRow128LoadCosSin) != 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            r.cos[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.cos + cs + 64 * h));
+            r.sin[h] = ld_nc_f32x2(reinterpret_cast<const float*>(a.sin + cs + 64 * h));
+        }
+    }
+    if constexpr ((Parts & kRow128LoadSlot) != 0)
+        r.slot = ld_nc_s64(reinterpret_cast<const int64_t*>(a.slots + static_cast<uint64_t>(tc) * 8));
 }
 
 // The loop of a row-128 kernel: `finish(row, w, g, j, prefetch)` runs for every row of the
 // warp's sets (rows past T included, with row.slot = -1: finish stores only when slot >= 0), with
 // `w` the norm weights in shared memory (Norm::Weighted) for compute_row128. All lanes of the warp
-// call finish together (it may use warp shuffles / __syncwarp), and finish calls `prefetch()`
-// (the loads of the warp's next set, if any) exactly once, after compute_row128 (see Scheduling
-// above).
+// call finish together (it may use warp shuffles / __syncwarp), and finish has each part of
+// `prefetch(parts)` (the loads of the warp's next set, if any; parts an integral_constant of
+// kRow128Load* bits) issued exactly once, by compute_row128 (see Scheduling above).
 //
 // Block b handles the rounds of 8 consecutive sets starting at set 8 (b + k * gridDim.x), warp w
 // set 8 (...) + w of each; every branch of the loop depends on the block and the parameters
@@ -310,8 +347,8 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
         const uint32_t next = base + round_sets;
         Row128In nxt;
         checked(base, cur);
-        finish(cur, static_cast<const float*>(w), g, j, [&] {
-            if (next < sets) load_row128(a, min(4 * next + row, T - 1), nxt);
+        finish(cur, static_cast<const float*>(w), g, j, [&](auto parts) {
+            if (next < sets) load_row128<decltype(parts)::value>(a, min(4 * next + row, T - 1), nxt);
         });
         if (next >= sets) break;
         base = next;
