@@ -67,13 +67,24 @@
 // path above; same scores bit for bit. B = 256: 573 instead of 611 warp instructions per
 // iteration, -3 % cycles; scan with top-k 579-586 us (docs/perf.md "Indexer round 6"). (On
 // sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
+// Epilogue (V_EPI8 = V_EA | V_UPK, session 7, helper idx8; the balanced kernel): the product
+// buffer's store and load addresses held in registers as 32-bit shared addresses (no per-iteration
+// generic-to-shared address recomputation) and the score's bf16 from one F2FP and a select (V_EA:
+// 128 instead of 136 epilogue instructions per warp iteration); in the head sum each bf16 product
+// becomes its f32 by one bf16x2 FMA, x (high half; low half broadcast for the other product) times
+// (0, 1.0) plus +0, on the FMA pipe instead of an IMAD / LOP3 pair's ALU share (V_UPK: the ALU pipe
+// was the busiest). Exact for every finite product (the high half is the value, the low half +0; a
+// -0 product becomes +0, which the head sum from +0 cannot tell apart; the integer path's products
+// are always finite); an infinite product turns the f32 into a NaN, so a score that is +-inf on the
+// CPU (|score| beyond the bf16 range) comes out NaN. Nsight Compute, B = 256: -1.4 % instructions,
+// -3.5 % cycles (docs/perf.md "Indexer round 7"). Tried and dropped there: work stealing between
+// the balanced kernel's CTAs (no warps idle at the end: 16.0 instead of 12.8 active per SM, but
+// +11 % instructions and +13 % cycles); zeroing the f32 accumulators only in the bf16 branch spills.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "include/dsv41_hopper.cuh"
@@ -290,12 +301,11 @@ constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
 constexpr int V_I8 = 64;    // integer MMAs (header; kSharedA only)
 constexpr int V_EA = 128;   // epilogue: product-buffer addresses held in registers (32-bit shared), lean store
 constexpr int V_UPK = 256;  // epilogue: bf16 -> f32 of the products by bf16x2 FMAs with 1.0 (FMA pipe, not ALU)
-constexpr int V_Z = 512;    // f32 accumulators zeroed in the bf16 branch only (one register array for both paths)
-constexpr int V_DYN = 1024; // balanced kernel: work stealing between CTAs (see balanced_dynamic)
+constexpr int V_EPI8 = V_EA | V_UPK;  // the balanced kernel's epilogue since session 7 (idx8)
 
 template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
-                                           const int n_it, const bool fresh = true) {
+                                           const int n_it) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
     constexpr bool kSharedA = kPacked && TQ == 1;
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
@@ -306,11 +316,6 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     // V_I8: qsh8[s][m][lane] = the lane's s8 A fragment of k32-step s, m-tile m.
     constexpr bool kI8 = kSharedA && (V & V_I8) != 0;
     __shared__ __align__(16) uint4 qsh8[kI8 ? 4 : 1][2][32];
-    // V_DYN (fresh = false: the CTA's previous span was the same token): the token's w2i and tok_i8,
-    // saved by warp 0 of its fresh span.
-    constexpr bool kDyn = kI8 && (V & V_DYN) != 0;
-    __shared__ uint32_t w2i_sh[kDyn ? 32 : 1][2];
-    __shared__ int tok_sh;
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
@@ -360,67 +365,52 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             }
             w2[m] = wb[0] | (wb[1] << 16);
         }
+#pragma unroll
+        for (int hh = 0; hh < 4; ++hh) {
+            const int h = 4 * g + hh;
+            if (h < H) {
+                const uint4* src =
+                    reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const uint4 v = __ldg(src + i);
+                    if (kPacked) {
+                        // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
+                        qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
+                        qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
+                        qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
+                        qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
+                    } else {
+                        qa[hh][4 * i] = v.x;
+                        qa[hh][4 * i + 1] = v.y;
+                        qa[hh][4 * i + 2] = v.z;
+                        qa[hh][4 * i + 3] = v.w;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+            }
+        }
         // V_I8: whether the token takes the integer MMAs, and the scaled weights w2i[m] (w_h * 2^Eq_h,
         // bf16x2).
         bool tok_i8 = false;
         uint32_t w2i[2] = {0u, 0u};
-        if (kDyn && !fresh) {
-            // The token's A fragments are in shared memory already (V_DYN).
-            w2i[0] = w2i_sh[lane][0];
-            w2i[1] = w2i_sh[lane][1];
-            tok_i8 = tok_sh != 0;
+        if constexpr (kSharedA) {
+            // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                if ((s >> 1) == warp) {
+                    qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
+                    qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
+                }
+            }
+            if constexpr (kI8) {
+                tok_i8 = dsv41_ix_i8::int8_queries(p, t, H, qa, qsh8, w2i);
+            } else {
+                __syncthreads();
+            }
             if (!valid(it)) return;
-        } else {
-    #pragma unroll
-            for (int hh = 0; hh < 4; ++hh) {
-                const int h = 4 * g + hh;
-                if (h < H) {
-                    const uint4* src =
-                        reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
-    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const uint4 v = __ldg(src + i);
-                        if (kPacked) {
-                            // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
-                            qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
-                            qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
-                            qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
-                            qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
-                        } else {
-                            qa[hh][4 * i] = v.x;
-                            qa[hh][4 * i + 1] = v.y;
-                            qa[hh][4 * i + 2] = v.z;
-                            qa[hh][4 * i + 3] = v.w;
-                        }
-                    }
-                } else {
-    #pragma unroll
-                    for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
-                }
-            }
-            if constexpr (kSharedA) {
-                {
-                    // Warp w stores k-steps 2w, 2w + 1 (all warps hold the same token's fragments).
-    #pragma unroll
-                    for (int s = 0; s < 8; ++s) {
-                        if ((s >> 1) == warp) {
-                            qsh[s][0][lane] = make_uint4(qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1]);
-                            qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
-                        }
-                    }
-                    if constexpr (kI8) {
-                        tok_i8 = dsv41_ix_i8::int8_queries(p, t, H, qa, qsh8, w2i);
-                        if (kDyn && warp == 0) {
-                            w2i_sh[lane][0] = w2i[0];
-                            w2i_sh[lane][1] = w2i[1];
-                            if (lane == 0) tok_sh = tok_i8 ? 1 : 0;
-                        }
-                    } else {
-                        __syncthreads();
-                    }
-                }
-                if (!valid(it)) return;
-            }
         }
 
         // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
@@ -499,17 +489,14 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
             }
-            // (V_I8: dead in the integer path; zeroing in the bf16 branch instead spills, unless V_Z.)
+            // (V_I8: dead in the integer path; zeroing in the bf16 branch instead spills.)
             float acc[4][2][4];
-            auto zero_acc = [&]() {
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
+            for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
+                for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
-            };
-            if constexpr ((V & V_Z) == 0) zero_acc();
+                    for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
             // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
             auto scores = [&](auto wide) {
                 constexpr bool W = decltype(wide)::value;
@@ -595,7 +582,6 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 }
             }
             if (!use_i8) {
-                if constexpr ((V & V_Z) != 0) zero_acc();
                 bool wide = false;
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) wide |= cur[nt].wide_scale(c);
@@ -725,141 +711,9 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
 constexpr int BAL_MIN_T = 64;
 constexpr int BAL_MAX_T = 1024;
 constexpr int UNIT = KT * WARPS;
-// V_DYN: per launch slot and CTA range one 64-bit claim word (low half: units claimed from the
-// front by the range's CTA, high half: from the back by other CTAs), reset by the owner at its start.
-constexpr int DYN_SLOTS = 16;
-constexpr int DYN_MAX_G = 1024;
-__device__ unsigned long long g_dyn_claims[DYN_SLOTS][DYN_MAX_G];
-
-// V_DYN: CTA c first claims chunks of its own range [total c / G, total (c + 1) / G) from the front
-// (a third of what is left, at least 4 units); when it is used up, the CTA takes chunks from the back
-// of the range with the most units left (a quarter, at least 2), until no range has any. Every claim
-// is one atomicAdd whose old value gives the claimed interval exactly (front and back claims never
-// overlap and meet without a gap), so every unit is scored once by a claim made after its range's reset;
-// claims made on a stale word before the owner's reset can only score units twice (same values).
-// Consecutive chunks of one token keep its A fragments in shared memory (score_span fresh = false).
-template <int KF, int V>
-__device__ __forceinline__ void balanced_dynamic(const Dsv41IndexerScoresParams& p, const uint32_t* pre, const int slot) {
-    // Thread 0's state (victim range, units wanted next), the claimed chunk [lo, hi), the token whose
-    // A fragments are in shared memory, the scan's per-warp best: in shared memory, so that little
-    // stays live in registers across the scoring loop.
-    __shared__ uint32_t victim_sh, want_sh, claim_sh[2];
-    __shared__ int cur_t_sh;
-    __shared__ unsigned long long best_sh[WARPS];
-    const int tid = threadIdx.x;
-    if (tid == 0) {
-        const uint32_t total = pre[BAL_MAX_T], G = gridDim.x, me = blockIdx.x;
-        atomicExch(&g_dyn_claims[slot][me], 0ull);
-        victim_sh = me;
-        const uint32_t len = static_cast<uint32_t>(static_cast<uint64_t>(total) * (me + 1) / G) -
-                             static_cast<uint32_t>(static_cast<uint64_t>(total) * me / G);
-        want_sh = (len + 2) / 3;
-        cur_t_sh = -1;
-    }
-    for (;;) {
-        // Thread 0 claims a chunk of the current range (empty when it is used up).
-        if (tid == 0) {
-            const uint32_t total = pre[BAL_MAX_T], G = gridDim.x, me = blockIdx.x;
-            const uint32_t victim = victim_sh, want = want_sh;
-            const uint32_t r0 = static_cast<uint32_t>(static_cast<uint64_t>(total) * victim / G);
-            const uint32_t len = static_cast<uint32_t>(static_cast<uint64_t>(total) * (victim + 1) / G) - r0;
-            unsigned long long* w = &g_dyn_claims[slot][victim];
-            uint32_t lo = 0, hi = 0;
-            if (victim == me) {
-                const uint32_t amt = want > 4u ? want : 4u;
-                const unsigned long long old = atomicAdd(w, static_cast<unsigned long long>(amt));
-                const uint32_t f = static_cast<uint32_t>(old), b = static_cast<uint32_t>(old >> 32);
-                const uint32_t end = b < len ? len - b : 0u;
-                if (f < end) {
-                    const uint32_t e = end - f > amt ? f + amt : end;
-                    lo = r0 + f;
-                    hi = r0 + e;
-                    want_sh = (end - e + 2) / 3;
-                }
-            } else {
-                const uint32_t amt = want > 2u ? want : 2u;
-                const unsigned long long old = atomicAdd(w, static_cast<unsigned long long>(amt) << 32);
-                const uint32_t f = static_cast<uint32_t>(old), b = static_cast<uint32_t>(old >> 32);
-                if (b < len) {
-                    const uint32_t e = len - b;
-                    const uint32_t st = e > f + amt ? e - amt : f;
-                    if (st < e) {
-                        lo = r0 + st;
-                        hi = r0 + e;
-                        want_sh = (st - f + 3) / 4;
-                    }
-                }
-            }
-            claim_sh[0] = lo;
-            claim_sh[1] = hi;
-        }
-        __syncthreads();
-        uint32_t lo = claim_sh[0];
-        if (lo >= claim_sh[1]) {
-            // The range is used up: find the one with the most units left (a racy snapshot).
-            const uint32_t total = pre[BAL_MAX_T], G = gridDim.x;
-            const int warp = tid / 32, lane = tid % 32;
-            unsigned long long best = 0ull;  // (units left << 32) | range
-            for (uint32_t r = tid; r < G; r += THREADS) {
-                const unsigned long long w = *reinterpret_cast<volatile unsigned long long*>(&g_dyn_claims[slot][r]);
-                const uint32_t r0 = static_cast<uint32_t>(static_cast<uint64_t>(total) * r / G);
-                const uint32_t len = static_cast<uint32_t>(static_cast<uint64_t>(total) * (r + 1) / G) - r0;
-                const uint32_t f = static_cast<uint32_t>(w), b = static_cast<uint32_t>(w >> 32);
-                const uint32_t left = f < len && b < len && f + b < len ? len - f - b : 0u;
-                const unsigned long long key = (static_cast<unsigned long long>(left) << 32) | r;
-                best = key > best ? key : best;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o /= 2) {
-                const unsigned long long x = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-                best = x > best ? x : best;
-            }
-            if (lane == 0) best_sh[warp] = best;
-            __syncthreads();
-            if (tid == 0) {
-                best = best_sh[0];
-#pragma unroll
-                for (int w = 1; w < WARPS; ++w) best = best_sh[w] > best ? best_sh[w] : best;
-                victim_sh = static_cast<uint32_t>(best);
-                want_sh = static_cast<uint32_t>((best >> 32) / 4);
-                claim_sh[1] = static_cast<uint32_t>(best >> 32);  // 0: nothing left anywhere
-            }
-            __syncthreads();
-            const bool done = claim_sh[1] == 0u;
-            __syncthreads();  // claim_sh and best_sh are rewritten next
-            if (done) return;
-            continue;
-        }
-        __syncthreads();  // everyone has read claim_sh (thread 0 may rewrite it after this chunk)
-        // Score the chunk's units [lo, hi), token by token.
-        for (;;) {
-            const uint32_t hi = claim_sh[1];
-            if (lo >= hi) break;
-            int t = cur_t_sh;
-            if (t < 0 || pre[t] > lo || lo >= pre[t + 1]) {
-                int a = 0, b = p.num_tokens;  // pre[a] <= lo < pre[b]
-                while (b - a > 1) {
-                    const int mid = (a + b) / 2;
-                    if (pre[mid] <= lo) a = mid;
-                    else b = mid;
-                }
-                t = a;
-            }
-            const uint32_t u0 = lo - pre[t];
-            const uint32_t u1 = (hi < pre[t + 1] ? hi : pre[t + 1]) - pre[t];
-            const bool fresh = t != cur_t_sh;
-            __syncthreads();  // cur_t_sh read by all; fresh: the previous token's warps are done with qsh
-            if (tid == 0) cur_t_sh = t;
-            score_span<KF, 1, true, V>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS, fresh);
-            lo = pre[t] + u1;
-        }
-        __syncthreads();  // claim_sh read by all before thread 0's next claim
-    }
-}
-
 template <int KF, int V = 0>
 __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
-    indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p, const int slot) {
+    indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p) {
     __shared__ uint32_t pre[BAL_MAX_T + 1];  // pre[t] = visible units of the tokens before t
     __shared__ uint32_t wsum[WARPS];
     constexpr int PER = BAL_MAX_T / THREADS;
@@ -895,10 +749,6 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
         j0 = j0 < n ? j0 : n;
         uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
         for (int64_t j = j0 + tid; j < n; j += THREADS) out[j] = BF16_NEG_INF;
-    }
-    if constexpr ((V & V_DYN) != 0) {
-        balanced_dynamic<KF, V>(p, pre, slot);
-        return;
     }
     // This CTA's units [a, a1) of the concatenation.
     uint32_t a = static_cast<uint32_t>(static_cast<uint64_t>(total) * blockIdx.x / gridDim.x);
@@ -959,44 +809,19 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
 template <int KF, int V>
 int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int g = balanced_grid<KF, V>();
-    if ((V & V_DYN) != 0 && g > DYN_MAX_G) return launch_balanced_v<KF, V & ~V_DYN>(p, stream);
     if (g <= 0) {
         (void)cudaGetLastError();  // the failed query's error is not this launch's
         return launch<KF, 1, true>(p, stream);
     }
-    int slot = 0;
-    if constexpr ((V & V_DYN) != 0) {
-        static std::atomic<unsigned> seq{0};
-        slot = static_cast<int>(seq.fetch_add(1, std::memory_order_relaxed) % DYN_SLOTS);
-    }
-    indexer_scores_balanced_kernel<KF, V><<<g, THREADS, 0, stream>>>(p, slot);
+    indexer_scores_balanced_kernel<KF, V><<<g, THREADS, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
 }
 // The balanced kernel (with the integer MMAs) compiled for H = 32 without a mask (the model's
 // decode), else its general form.
 template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    // EXPERIMENT (idx8): DSV41_IX_EPI = extra code-generation bits of the epilogue (V_EA / V_UPK / V_Z).
-    static const int epi = [] {
-        const char* e = getenv("DSV41_IX_EPI");
-        return e ? atoi(e) : 0;
-    }();
-    if (p.num_heads == 32 && !p.allowed) {
-        switch (epi) {
-            case V_EA: return launch_balanced_v<KF, V_BAL | V_I8 | V_EA>(p, stream);
-            case V_EA | V_UPK: return launch_balanced_v<KF, V_BAL | V_I8 | V_EA | V_UPK>(p, stream);
-            case V_DYN: return launch_balanced_v<KF, V_BAL | V_I8 | V_DYN>(p, stream);
-            case V_EA | V_UPK | V_DYN: return launch_balanced_v<KF, V_BAL | V_I8 | V_EA | V_UPK | V_DYN>(p, stream);
-            default: return launch_balanced_v<KF, V_BAL | V_I8>(p, stream);
-        }
-    }
-    switch (epi) {
-        case V_EA: return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8 | V_EA>(p, stream);
-        case V_EA | V_UPK: return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8 | V_EA | V_UPK>(p, stream);
-        case V_DYN: return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8 | V_DYN>(p, stream);
-        case V_EA | V_UPK | V_DYN: return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8 | V_EA | V_UPK | V_DYN>(p, stream);
-        default: return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8>(p, stream);
-    }
+    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL | V_I8 | V_EPI8>(p, stream);
+    return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8 | V_EPI8>(p, stream);
 }
 
 }  // namespace dsv41_ix
