@@ -67,6 +67,19 @@
 // path above; same scores bit for bit. B = 256: 573 instead of 611 warp instructions per
 // iteration, -3 % cycles; scan with top-k 579-586 us (docs/perf.md "Indexer round 6"). (On
 // sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
+// Epilogue (V_EPI8 = V_EA | V_UPK, session 7, helper idx8; the balanced kernel): the product
+// buffer's store and load addresses held in registers as 32-bit shared addresses (no per-iteration
+// generic-to-shared address recomputation) and the score's bf16 from one F2FP and a select (V_EA:
+// 128 instead of 136 epilogue instructions per warp iteration); in the head sum each bf16 product
+// becomes its f32 by one bf16x2 FMA, x (high half; low half broadcast for the other product) times
+// (0, 1.0) plus +0, on the FMA pipe instead of an IMAD / LOP3 pair's ALU share (V_UPK: the ALU pipe
+// was the busiest). Exact for every finite product (the high half is the value, the low half +0; a
+// -0 product becomes +0, which the head sum from +0 cannot tell apart; the integer path's products
+// are always finite); an infinite product turns the f32 into a NaN, so a score that is +-inf on the
+// CPU (|score| beyond the bf16 range) comes out NaN. Nsight Compute, B = 256: -1.4 % instructions,
+// -3.5 % cycles (docs/perf.md "Indexer round 7"). Tried and dropped there: work stealing between
+// the balanced kernel's CTAs (no warps idle at the end: 16.0 instead of 12.8 active per SM, but
+// +11 % instructions and +13 % cycles); zeroing the f32 accumulators only in the bf16 branch spills.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -230,6 +243,23 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
+// f32 value of the low / high bf16 half of a bf16x2 word by one bf16x2 FMA (V_UPK): x.lo (broadcast)
+// or x times (0, 1.0) plus +0: the high half is the value exactly (-0 becomes +0, which a sum from
+// +0 cannot tell apart), the low half +0.
+__device__ __forceinline__ float bf16_lo_f32(uint32_t x) {
+    uint32_t r;
+    asm("{\n .reg .b16 l, h;\n .reg .b32 a;\n mov.b32 {l, h}, %1;\n mov.b32 a, {l, l};\n"
+        " fma.rn.bf16x2 %0, a, %2, %3;\n}\n"
+        : "=r"(r)
+        : "r"(x), "r"(0x3F800000u), "r"(0u));
+    return __uint_as_float(r);
+}
+__device__ __forceinline__ float bf16_hi_f32(uint32_t x) {
+    uint32_t r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(x), "r"(0x3F800000u), "r"(0u));
+    return __uint_as_float(r);
+}
+
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -269,6 +299,9 @@ constexpr int V_SPEC = 16; // H = 32 and no allowed mask as compile-time facts (
 constexpr int V_PRED = 32; // epilogue without branches around the head sum, predicated store
 constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
 constexpr int V_I8 = 64;    // integer MMAs (header; kSharedA only)
+constexpr int V_EA = 128;   // epilogue: product-buffer addresses held in registers (32-bit shared), lean store
+constexpr int V_UPK = 256;  // epilogue: bf16 -> f32 of the products by bf16x2 FMAs with 1.0 (FMA pipe, not ALU)
+constexpr int V_EPI8 = V_EA | V_UPK;  // the balanced kernel's epilogue since session 7 (idx8)
 
 template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -403,6 +436,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         if constexpr ((V & V_REG) != 0) {
             asm volatile("" : "+r"(kst_s_addr));
             asm volatile("" : "+r"(kst_d_addr));
+        }
+        // V_EA: shared addresses of this lane's product stores (key 2c, heads 4g..) and of its key's row.
+        uint32_t prod_st = dsv41_ptx::smem_addr(pw + 2 * c * PROD_STRIDE + 4 * g);
+        uint32_t prod_ld = dsv41_ptx::smem_addr(pw + lane * PROD_STRIDE);
+        if constexpr ((V & V_EA) != 0) {
+            asm volatile("" : "+r"(prod_st));
+            asm volatile("" : "+r"(prod_ld));
         }
         auto stage = [&](int64_t key0, int buf) {
             const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
@@ -562,7 +602,14 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], wp0);
                     pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], wp1);
                     const int kk = nt * 8 + 2 * c + e;
-                    *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+                    if constexpr ((V & V_EA) != 0) {
+                        asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(
+                                         prod_st + static_cast<uint32_t>((nt * 8 + e) * PROD_STRIDE * 2)),
+                                     "r"(pr.x), "r"(pr.y)
+                                     : "memory");
+                    } else {
+                        *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
+                    }
                 }
             __syncwarp();
             // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
@@ -573,12 +620,22 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 auto add_heads = [&](auto all) {
 #pragma unroll
                     for (int q8 = 0; q8 < 4; ++q8) {
-                        const uint4 v = row[q8];
+                        uint4 v;
+                        if constexpr ((V & V_EA) != 0) {
+                            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                         : "r"(prod_ld + 16u * q8)
+                                         : "memory");
+                        } else {
+                            v = row[q8];
+                        }
                         const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                         for (int i = 0; i < 8; ++i) {
-                            const uint32_t b = (i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16);
-                            if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, __uint_as_float(b));
+                            float x;
+                            if constexpr ((V & V_UPK) != 0) x = (i & 1) ? bf16_hi_f32(ws[i / 2]) : bf16_lo_f32(ws[i / 2]);
+                            else x = __uint_as_float((i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16));
+                            if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, x);
                         }
                     }
                 };
@@ -595,7 +652,14 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                         const uint32_t b = j / static_cast<uint32_t>(p.allowed_block);
                         ok = b < 32ull * static_cast<uint64_t>(p.allowed_words) && ((allowed[b / 32] >> (b % 32)) & 1u);
                     }
-                    const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                    uint32_t v;
+                    if constexpr ((V & V_EA) != 0) {
+                        // bf16(sum) in the low half of one register (F2FP with a zero high half).
+                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(v) : "f"(0.f), "f"(sum));
+                        v = ok ? v : BF16_NEG_INF;
+                    } else {
+                        v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
+                    }
                     if (!(V & V_PRED) || j < static_cast<uint32_t>(n)) {
                         if constexpr ((V & V_REG) != 0) *optr = static_cast<uint16_t>(v);
                         else out[j] = static_cast<uint16_t>(v);
@@ -756,8 +820,8 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
 // decode), else its general form.
 template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL | V_I8>(p, stream);
-    return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8>(p, stream);
+    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL | V_I8 | V_EPI8>(p, stream);
+    return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8 | V_EPI8>(p, stream);
 }
 
 }  // namespace dsv41_ix
