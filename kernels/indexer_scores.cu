@@ -54,12 +54,7 @@
 // score pointer held in registers instead of recomputed per iteration (S2R / constant reads),
 // the head sum of every lane without a branch (a predicated store), and for H = 32 without a
 // mask (the model's decode) a copy compiled for exactly that.
-// Nsight Compute (B = 256, with the fused top-k histogram of sessions 5-6, removed in session
-// 7): ~601 instead of ~648 SASS instructions per warp iteration, -2.9 % cycles; the kernel is
-// latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue), not
-// issue-bound. Tried and dropped: products stored as f32 words (HMUL2 with a swapped-in half;
-// 12 fewer instructions but +25 % shared wavefronts: no faster), key staging by lane pairs (no
-// fewer instructions).
+// The kernel is latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
 // Integer MMAs (V_I8, session 7; the balanced kernel always): tokens whose q is exactly s8 x 2^Eq
 // per head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8
 // m16n8k32 IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the
@@ -67,19 +62,12 @@
 // path above; same scores bit for bit. B = 256: 573 instead of 611 warp instructions per
 // iteration, -3 % cycles; scan with top-k 579-586 us (docs/perf.md "Indexer round 6"). (On
 // sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
-// Epilogue (V_EPI8 = V_EA | V_UPK, session 7, helper idx8; the balanced kernel): the product
-// buffer's store and load addresses held in registers as 32-bit shared addresses (no per-iteration
-// generic-to-shared address recomputation) and the score's bf16 from one F2FP and a select (V_EA:
-// 128 instead of 136 epilogue instructions per warp iteration); in the head sum each bf16 product
-// becomes its f32 by one bf16x2 FMA, x (high half; low half broadcast for the other product) times
-// (0, 1.0) plus +0, on the FMA pipe instead of an IMAD / LOP3 pair's ALU share (V_UPK: the ALU pipe
-// was the busiest). Exact for every finite product (the high half is the value, the low half +0; a
-// -0 product becomes +0, which the head sum from +0 cannot tell apart; the integer path's products
-// are always finite); an infinite product turns the f32 into a NaN, so a score that is +-inf on the
-// CPU (|score| beyond the bf16 range) comes out NaN. Nsight Compute, B = 256: -1.4 % instructions,
-// -3.5 % cycles (docs/perf.md "Indexer round 7"). Tried and dropped there: work stealing between
-// the balanced kernel's CTAs (no warps idle at the end: 16.0 instead of 12.8 active per SM, but
-// +11 % instructions and +13 % cycles); zeroing the f32 accumulators only in the bf16 branch spills.
+// Epilogue (V_EPI8 = V_EA, session 7, helper idx8; the balanced kernel): the product buffer's
+// store and load addresses held in registers as 32-bit shared addresses (no per-iteration
+// generic-to-shared address recomputation) and the score's bf16 from one F2FP and a select (128
+// instead of 136 epilogue instructions per warp iteration; same results).
+// What was measured and not kept (f32 product words, lane-pair staging, bf16x2-FMA unpacking of
+// the products, work stealing, ...) is listed in docs/cuda.md, "indexer_scores: tried".
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -243,23 +231,6 @@ __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w
     return bf16x2_mul(r, w2);
 }
 
-// f32 value of the low / high bf16 half of a bf16x2 word by one bf16x2 FMA (V_UPK): x.lo (broadcast)
-// or x times (0, 1.0) plus +0: the high half is the value exactly (-0 becomes +0, which a sum from
-// +0 cannot tell apart), the low half +0.
-__device__ __forceinline__ float bf16_lo_f32(uint32_t x) {
-    uint32_t r;
-    asm("{\n .reg .b16 l, h;\n .reg .b32 a;\n mov.b32 {l, h}, %1;\n mov.b32 a, {l, l};\n"
-        " fma.rn.bf16x2 %0, a, %2, %3;\n}\n"
-        : "=r"(r)
-        : "r"(x), "r"(0x3F800000u), "r"(0u));
-    return __uint_as_float(r);
-}
-__device__ __forceinline__ float bf16_hi_f32(uint32_t x) {
-    uint32_t r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(x), "r"(0x3F800000u), "r"(0u));
-    return __uint_as_float(r);
-}
-
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -300,8 +271,7 @@ constexpr int V_PRED = 32; // epilogue without branches around the head sum, pre
 constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
 constexpr int V_I8 = 64;    // integer MMAs (header; kSharedA only)
 constexpr int V_EA = 128;   // epilogue: product-buffer addresses held in registers (32-bit shared), lean store
-constexpr int V_UPK = 256;  // epilogue: bf16 -> f32 of the products by bf16x2 FMAs with 1.0 (FMA pipe, not ALU)
-constexpr int V_EPI8 = V_EA | V_UPK;  // the balanced kernel's epilogue since session 7 (idx8)
+constexpr int V_EPI8 = V_EA;  // the balanced kernel's epilogue since session 7 (idx8; see the header)
 
 template <int KF, int TQ, bool RELU, int V = 0>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -632,9 +602,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                         const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                         for (int i = 0; i < 8; ++i) {
-                            float x;
-                            if constexpr ((V & V_UPK) != 0) x = (i & 1) ? bf16_hi_f32(ws[i / 2]) : bf16_lo_f32(ws[i / 2]);
-                            else x = __uint_as_float((i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16));
+                            const float x = __uint_as_float((i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16));
                             if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, x);
                         }
                     }
