@@ -181,7 +181,7 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
 // in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
 // registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
-template <Norm N, bool P32, int V>
+template <Norm N, bool P32>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift,
                                                                                             const uint32_t page_mask,
@@ -194,11 +194,9 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) {
+            for (int m = 0; m < 4; ++m) {  // the codes by integer steps (q3_codes4_raw_kc, Run 17)
                 const Q3Pair qp = q3_pair_from_bits2(qb.sb[m >> 1], m & 1);
-                if constexpr ((V & 4) != 0) code[m] = q3_codes4_raw_k2(h[2 * m], h[2 * m + 1], qp, q3_codes4_k_const2(qp));
-                else if constexpr ((V & 1) != 0) code[m] = q3_codes4_raw_k(h[2 * m], h[2 * m + 1], qp, q3_codes4_k_const(qp));
-                else code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], qp);
+                code[m] = q3_codes4_raw_kc(h[2 * m], h[2 * m + 1], qp, q3_codes4_kc(qp));
             }
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
         } else {  // a block scale above 2^119: the f32 element path
@@ -230,30 +228,14 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-template <Norm N, bool P32, int V>
-int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+template <Norm N, bool P32>
+int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
-    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
-}
-// (ins11 experiment switch) DSV41_ROW128_VARIANT, read once.
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
-}
-template <Norm N, bool P32>
-int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {
-        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
-        case 4: return launch_packed_e_row128_v<N, P32, 4>(p, s);
-        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
-    }
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {
