@@ -161,7 +161,7 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
 }
 
 // Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
-// block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw) are bytes
+// block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw_kc) are bytes
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
 // row's 64 code bytes are written by its 8 lanes, 16 contiguous bytes per chunk and store
 // instruction), and lane 0 of the group stores the row's 4 scale bytes as one word (at its code

@@ -354,8 +354,9 @@ static long check_q3_scale_bits2() {
     return bad;
 }
 
-// q3_codes4 / the low 16 bits of q3_codes4_raw (the format E kernel's form; q3_codes4_raw_kc: all 32 bits equal to q3_codes4_raw; 4 e2m1 codes of two
-// bf16 pairs as one 16-bit value) against quant_code of the f32 path for every bf16 x in each of the 4 positions (the other positions shifted permutations)
+// q3_codes4 / the low 16 bits of q3_codes4_raw (4 e2m1 codes of two bf16 pairs as one 16-bit
+// value; q3_codes4_raw_kc, the format E kernel's form, must equal q3_codes4_raw in all 32 bits)
+// against quant_code of the f32 path for every bf16 x in each of the 4 positions (the other positions shifted permutations)
 // and every k in [-126, 119]; also the squares of the norm's FMA path: x^2 exact in f32 for
 // every finite bf16 x with |x| >= 2^-64 (norm_div_x_ok), so fma(x, x, p) = RN(p + RN(x^2)).
 static long check_q3_codes4() {
