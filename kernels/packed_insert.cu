@@ -161,7 +161,7 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
 }
 
 // Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
-// block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw) are bytes
+// block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw_kc) are bytes
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
 // row's 64 code bytes are written by its 8 lanes, 16 contiguous bytes per chunk and store
 // instruction), and lane 0 of the group stores the row's 4 scale bytes as one word (at its code
@@ -194,7 +194,10 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) code[m] = q3_codes4_raw(h[2 * m], h[2 * m + 1], q3_pair_from_bits2(qb.sb[m >> 1], m & 1));
+            for (int m = 0; m < 4; ++m) {  // the codes by integer steps (q3_codes4_raw_kc, Run 17)
+                const Q3Pair qp = q3_pair_from_bits2(qb.sb[m >> 1], m & 1);
+                code[m] = q3_codes4_raw_kc(h[2 * m], h[2 * m + 1], qp, q3_codes4_kc(qp));
+            }
             scales = prmt(qb.sb[0] >> 7, qb.sb[1] >> 7, 0x6420u);  // bytes k + 127 of blocks 0..3
         } else {  // a block scale above 2^119: the f32 element path
             Row128H8 hh;

@@ -354,8 +354,9 @@ static long check_q3_scale_bits2() {
     return bad;
 }
 
-// q3_codes4 / the low 16 bits of q3_codes4_raw (the format E kernel's form; 4 e2m1 codes of two
-// bf16 pairs as one 16-bit value) against quant_code of the f32 path for every bf16 x in each of the 4 positions (the other positions shifted permutations)
+// q3_codes4 / the low 16 bits of q3_codes4_raw (4 e2m1 codes of two bf16 pairs as one 16-bit
+// value; q3_codes4_raw_kc, the format E kernel's form, must equal q3_codes4_raw in all 32 bits)
+// against quant_code of the f32 path for every bf16 x in each of the 4 positions (the other positions shifted permutations)
 // and every k in [-126, 119]; also the squares of the norm's FMA path: x^2 exact in f32 for
 // every finite bf16 x with |x| >= 2^-64 (norm_div_x_ok), so fma(x, x, p) = RN(p + RN(x^2)).
 static long check_q3_codes4() {
@@ -375,6 +376,11 @@ static long check_q3_codes4() {
                 const uint32_t raw = q3_codes4_raw(v[0] | (v[1] << 16), v[2] | (v[3] << 16), p);
                 const uint32_t got = q3_codes4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), p);
                 if ((raw & 0xffffu) != got) ++bad;
+                const uint32_t rk = q3_codes4_raw_kc(v[0] | (v[1] << 16), v[2] | (v[3] << 16), p, q3_codes4_kc(p));
+                if (rk != raw) {  // the integer-step form: the same 32 bits
+                    if (bad < 5) printf("Q3 codes4 kc form: k=%d x=%04x %04x %04x %04x: %08x vs %08x\n", k, v[0], v[1], v[2], v[3], rk, raw);
+                    ++bad;
+                }
                 uint32_t w = 0;
                 for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(want[v[i]]) << (4 * i);
                 if (got != w) {

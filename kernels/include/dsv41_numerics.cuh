@@ -645,6 +645,23 @@ DSV41_HD uint32_t q3_codes4_raw(uint32_t w0, uint32_t w1, Q3Pair p) {
     return v + (v >> 12);
 }
 DSV41_HD uint32_t q3_codes4(uint32_t w0, uint32_t w1, Q3Pair p) { return q3_codes4_raw(w0, w1, p) & 0xffffu; }
+// q3_codes4_raw with the magnitudes by integer steps on the bf16 bits (the same 32 bits; the
+// format E row-128 kernel's form). Per half: A = RN(64 m0 + a) with 0 <= a < 2 m0 lies in
+// [64 m0, 66 m0], so A - m0 = 0x300 + (A & 7) (the mantissa is at most 4), and (m0 - s2) >> 6 =
+// (m0 >> 6) - (s2 >> 6) (the low 7 bits of m0 and s2 are zero, m0 >= s2); hence q3_mag_pair =
+// A - m0 + (m0 >> 6) - K with K = 0x03000300 + (s2 >> 6). Both words at once, mod 2^32 (m1 = word
+// 1's m0; (m1 >> 6) << 8 = m1 << 2 as its low 6 bits are zero):
+//   mag0 + (mag1 << 8) = A0 - m0 + (m0 >> 6) + (A1 << 8) - 252 m1 - 257 K,
+// kc = 257 K per block (q3_codes4_kc): 4 integer steps per chunk and 2 per block instead of 7 per
+// chunk (docs/perf.md, Run 17). Checked against q3_codes4_raw, all 32 bits, for every bf16 value
+// in each of the 4 positions and every k in [-126, 119] (kernels/check/quant_exhaustive.cu).
+DSV41_HD uint32_t q3_codes4_kc(Q3Pair p) { return 257u * (0x03000300u + (p.s2 >> 6)); }
+DSV41_HD uint32_t q3_codes4_raw_kc(uint32_t w0, uint32_t w1, Q3Pair p, uint32_t kc) {
+    const Q3PairSteps t0 = q3_pair_steps(w0, p), t1 = q3_pair_steps(w1, p);
+    const uint32_t m = (t0.a_rounded - t0.m0 + (t1.a_rounded << 8) - 252u * t1.m0 - kc) + (t0.m0 >> 6);
+    const uint32_t v = m | (prmt(w0, w1, 0xfbd9u) & 0x08080808u);
+    return v + (v >> 12);
+}
 
 // bf16 pairs: the RN bf16 rounding of two f32 as one bf16x2 word (low half = lo).
 __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
