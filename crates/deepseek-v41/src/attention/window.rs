@@ -21,6 +21,10 @@ pub struct WindowCache {
     /// The dtype of [`WindowCache::ring_rows`].
     dtype: DType,
     packing: Option<Packing>,
+    /// The fused path's decode table (`window_fused.rs`, built at the first device decode step):
+    /// the decode token's ring slot and window indices are views of it, so a step uploads
+    /// nothing for them.
+    pub(super) decode_table: Option<Tensor>,
 }
 
 /// The window part of one call: the rows it can attend to and, per query, their indices.
@@ -52,7 +56,7 @@ impl WindowCache {
             None => Tensor::zeros((window, head_dim), dtype, device)?,
             Some(p) => p.zeros(window.div_ceil(p.page_size()), device)?,
         };
-        Ok(Self { ring, window, dtype, packing })
+        Ok(Self { ring, window, dtype, packing, decode_table: None })
     }
 
     /// The ring's storage: `[window, head_dim]` rows as the reference lays them out (slot =

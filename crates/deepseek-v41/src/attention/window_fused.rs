@@ -45,13 +45,23 @@ impl WindowSource {
     }
 }
 
-/// `[1, W]` i64: the ring slots `p mod W` of positions `max(0, p − W + 1) ..= p` ascending,
-/// −1 padded: what a decode token at `p` attends to in the ring.
-fn decode_indices(p: usize, w: usize, dev: &Device) -> Result<Tensor> {
-    let lo = p.saturating_sub(w - 1);
-    let mut idx: Vec<i64> = (lo..=p).map(|q| (q % w) as i64).collect();
-    idx.resize(w, -1);
-    Tensor::from_vec(idx, (1, w), dev)
+/// `[4W − 1]` i64 on `dev`: `[−1 × (W − 1), 0, 1, …, W − 1]` followed by `[0, …, W − 1, 0, …, W − 1]`,
+/// the table [`decode_views`] cuts a decode token's ring slot and window indices from.
+fn decode_table(w: usize, dev: &Device) -> Result<Tensor> {
+    let w = w as i64;
+    let table: Vec<i64> = (0..w - 1).map(|_| -1).chain(0..w).chain(0..w).chain(0..w).collect();
+    Tensor::from_vec(table, 4 * w as usize - 1, dev)
+}
+
+/// Views of [`decode_table`] for a decode token at position `p`: its ring slot `[1]` (`p mod W`)
+/// and its window indices `[1, W]` i64, the ring slots of positions `max(0, p − W + 1) ..= p` in
+/// ascending order, led by −1 for the missing positions while `p < W − 1` (the attention drops
+/// holes and keeps the order of the rest).
+fn decode_views(table: &Tensor, p: usize, w: usize) -> Result<(Tensor, Tensor)> {
+    let ring = 2 * w - 1; // where the two ring runs start
+    let slot = table.narrow(0, ring + p % w, 1)?;
+    let indices = if p + 1 < w { table.narrow(0, p, w)? } else { table.narrow(0, ring + (p + 1) % w, w)? };
+    Ok((slot, indices.reshape((1, w))?))
 }
 
 /// `[T, W]` i64: `d[t, k] = t + k − (W − 1)`, the k-th window position of query t relative to the
@@ -94,9 +104,8 @@ impl WindowCache {
         let w = self.window;
         let dev = self.ring.device().clone();
         if t == 1 {
-            let slot = Tensor::new(&[(start % w) as i64], &dev)?;
+            let (slot, indices) = self.decode_views(start)?;
             crate::cuda::window_insert(&self.ring, kv, cos, sin, &slot, fake_quant)?;
-            let indices = decode_indices(start, w, &dev)?;
             return Ok(WindowSource { kv: self.ring.clone(), packing: None, indices, first_row: start % w, tokens: 1 });
         }
         let base = start.saturating_sub(w - 1);
@@ -119,15 +128,29 @@ impl WindowCache {
         Ok(WindowSource { kv: buf, packing: None, indices, first_row: n_old, tokens: t })
     }
 
+    /// The decode token's ring slot and window indices at position `p` (see [`decode_views`]),
+    /// from the cache's decode table (built on the ring's device at the first call).
+    fn decode_views(&mut self, p: usize) -> Result<(Tensor, Tensor)> {
+        let w = self.window;
+        let table = match &self.decode_table {
+            Some(t) => t.clone(),
+            None => {
+                let t = decode_table(w, self.ring.device())?;
+                self.decode_table = Some(t.clone());
+                t
+            }
+        };
+        decode_views(&table, p, w)
+    }
+
     /// [`WindowCache::insert_fused`] for a packed (format A) ring.
     fn insert_packed(&mut self, p: PackedLayout, kv: &Tensor, start: usize, cos: &Tensor, sin: &Tensor) -> Result<WindowSource> {
         let t = kv.dim(0)?;
         let w = self.window;
         let dev = self.ring.device().clone();
         if t == 1 {
-            let slot = Tensor::new(&[(start % w) as i64], &dev)?;
+            let (slot, indices) = self.decode_views(start)?;
             crate::cuda::packed_insert(&self.ring, &p, kv, cos, sin, &slot, None)?;
-            let indices = decode_indices(start, w, &dev)?;
             return Ok(WindowSource { kv: self.ring.clone(), packing: Some(p), indices, first_row: start % w, tokens: 1 });
         }
         // The ring's pages, then the call's rows from slot `off`.
@@ -151,5 +174,31 @@ impl WindowCache {
         let ring_slots: Vec<i64> = (0..t).map(|i| if i + w >= t { ((start + i) % w) as i64 } else { -1 }).collect();
         crate::cuda::packed_insert(&self.ring, &p, kv, cos, sin, &Tensor::new(ring_slots, &dev)?, None)?;
         Ok(WindowSource { kv: buf, packing: Some(p), indices, first_row: off, tokens: t })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decode views name, for every position, what the definition says: the ring slots of
+    /// the last `min(p + 1, W)` positions in ascending order, −1 for the rest, and slot p mod W.
+    #[test]
+    fn decode_views_are_the_window_of_each_position() -> Result<()> {
+        for w in [1usize, 2, 5, 128] {
+            let table = decode_table(w, &Device::Cpu)?;
+            for p in 0..3 * w + 2 {
+                let (slot, indices) = decode_views(&table, p, w)?;
+                assert_eq!(slot.to_vec1::<i64>()?, vec![(p % w) as i64], "slot, W = {w}, p = {p}");
+                let got = indices.to_vec2::<i64>()?;
+                let lo = (p + 1).saturating_sub(w);
+                let valid: Vec<i64> = got[0].iter().copied().filter(|&i| i >= 0).collect();
+                let want: Vec<i64> = (lo..=p).map(|q| (q % w) as i64).collect();
+                assert_eq!(valid, want, "W = {w}, p = {p}: {:?}", got[0]);
+                assert_eq!(got[0].len(), w);
+                assert!(got[0].iter().all(|&i| i >= -1), "W = {w}, p = {p}: {:?}", got[0]);
+            }
+        }
+        Ok(())
     }
 }
