@@ -37,9 +37,8 @@
 //    slices (shuffles). Entries past L_t read row key_base[t] (their scores are never written).
 //  * Decode (one token per CTA, packed keys): the A fragments live in shared memory (8 KB per
 //    CTA, shared by its 4 warps) and are read per k-step (2 LDS.128), the slices dequantized per
-//    k-step: 105 registers, 4 CTAs (16 warps) per SM instead of 3 with 64 A registers per lane
-//    (more warps to hide latency; at 16 warps the kernel issues in ~65 % of the cycles, 20 warps
-//    measured no faster).
+//    k-step: <= 128 registers, 4 CTAs (16 warps) per SM instead of 3 with 64 A registers per lane
+//    (more warps to hide latency; 20 warps measured no faster).
 //  * bf16 keys and prefill over shared keys (4 tokens per CTA): A fragments in registers (64),
 //    3 CTAs per SM; bf16 rows are loaded per iteration (they stream at the HBM rate anyway).
 // The per-head products go through a per-warp shared buffer [32 keys][32 heads] so that lane i
@@ -47,26 +46,28 @@
 // 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
 // Entries j >= L_t (and those whose key row lies past the cache) are written as -inf without
 // any key read.
-// Balanced decode (indexer_scores_balanced_kernel, packed decode batches of 64..1024 queries):
-// resident CTAs taking equal shares of all tokens' visible entries instead of a (token, chunk)
-// grid. Its code-generation options (V_BAL, round 5; no numeric change): both m-tiles' MMAs for
-// every H (rows >= H are zero; their heads are not summed), the common path's scale multiplier
-// without a select, 32-bit entry ids in the epilogue, lane, staging addresses and a loop-carried
-// score pointer held in registers instead of recomputed per iteration (S2R / constant reads),
-// the head sum of every lane without a branch (a predicated store), and for H = 32 without a
-// mask (the model's decode) a copy compiled for exactly that.
-// The kernel is latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
-// Integer MMAs (V_I8, session 7; the balanced kernel always): tokens whose q is exactly s8 x 2^Eq
-// per head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8
-// m16n8k32 IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the
-// numerics) with the same k permutation (word s of a lane's slice = k32-step s), else the bf16
-// path above; same scores bit for bit. B = 256: 573 instead of 611 warp instructions per
-// iteration, -3 % cycles; scan with top-k 579-586 us (docs/perf.md "Indexer round 6"). (On
-// sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
-// Epilogue (V_EPI8 = V_EA, session 7, helper idx8; the balanced kernel): the product buffer's
-// store and load addresses held in registers as 32-bit shared addresses (no per-iteration
-// generic-to-shared address recomputation) and the score's bf16 from one F2FP and a select (128
-// instead of 136 epilogue instructions per warp iteration; same results).
+// Work distribution, the only difference between the kernels (one tile loop, score_span): a
+// (token, chunk) grid (indexer_scores_kernel: decode of < 64 queries, bf16 keys, prefill), or for
+// packed decode batches of 64..1024 queries resident CTAs taking equal shares of all tokens'
+// visible entries (indexer_scores_balanced_kernel).
+// One code form (session 8, helper idx9; the balanced kernel's options of rounds 5-7 in every
+// kernel, no numeric change): both m-tiles' MMAs for every H (rows >= H are zero; their heads are
+// not summed), the common path's scale multiplier without a select, 32-bit entry ids, the lane,
+// staging and product-buffer addresses (32-bit shared) and a loop-carried score pointer held in
+// registers (packed keys; with bf16 keys' 64 key registers they would spill), the head sum of
+// every lane without a branch (a predicated store), the score's bf16 from one F2FP and a select.
+// Compile-time options (V): V_SPEC, a copy for H = 32 without a mask (the model's); V_I8, below.
+// The kernels are latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
+// Integer MMAs (V_I8: every packed-key kernel; session 7 in the balanced kernel, session 8 in the
+// grid and prefill ones): tokens whose q is exactly s8 x 2^Eq per head (Q3 queries) and warp
+// iterations whose keys' block scales span <= 3 run s8 x s8 m16n8k32 IMMA (exact; 11
+// instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the numerics) with the same k
+// permutation (word s of a lane's slice = k32-step s), else the bf16 path above; same scores bit
+// for bit. The s8 A fragments live in shared memory (TQ = 1: 4 KB per CTA, converted by its 4
+// warps; TQ = 4: 4 KB per warp, each warp its own token); the prefill kernel's bf16 fallback
+// loads its A fragments again (not held across the loop). B = 256: 542 instead of 611 warp
+// instructions per iteration (docs/perf.md "Indexer round 6" to "round 8"). (On sm_90 mma.sync
+// e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
 // What was measured and not kept (f32 product words, lane-pair staging, bf16x2-FMA unpacking of
 // the products, work stealing, ...) is listed in docs/cuda.md, "indexer_scores: tried".
 #include <cuda_bf16.h>
@@ -141,6 +142,7 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 // its compile-time options (bits of V, chosen at launch; same numerics in every form):
 constexpr int V_SPEC = 1;  // H = 32 and no allowed mask as compile-time facts (the model's decode)
 constexpr int V_I8 = 2;    // packed keys: the integer MMAs (dsv41_ix_int8.cuh) with the bf16 fallbacks
+constexpr int V_BRK = 4;   // run-1 experiment only: integer-path scores doubled (the tests must fail)
 
 template <int KF, int TQ, int V>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -436,7 +438,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             }
             // The products' weights, and the power of two the head sum is scaled by (kI8).
             const uint32_t wp0 = use_i8 ? w2i[0] : w2[0], wp1 = use_i8 ? w2i[1] : w2[1];
-            const float kscale = use_i8 ? dsv41_ix_i8::exp2i(static_cast<int>(emin) - 128) : 1.f;
+            const float kscale = use_i8 ? dsv41_ix_i8::exp2i(static_cast<int>(emin) - 128 + ((V & V_BRK) ? 1 : 0)) : 1.f;
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
             // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
             __syncwarp();
@@ -577,7 +579,7 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
 
 // Experiment switch of helper idx9's run 1 (removed after it): DSV41_IX9 bits 1 = the grid decode
 // kernel without the integer MMAs, 2 = the prefill kernel without them, 4 = the grid kernel for
-// decode batches of 64..1024 too.
+// decode batches of 64..1024 too, 8 = V_BRK in the grid kernels (H = 32 without a mask).
 int ix9_switch() {
     static const int v = [] {
         const char* e = getenv("DSV41_IX9");
@@ -623,6 +625,7 @@ int launch_grid(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
 template <int KF, int TQ, bool I8>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     constexpr int V8 = I8 ? V_I8 : 0;
+    if (I8 && (ix9_switch() & 8) && p.num_heads == 32 && !p.allowed) return launch_grid<KF, TQ, V_SPEC | V8 | V_BRK>(p, stream);
     if (p.num_heads == 32 && !p.allowed) return launch_grid<KF, TQ, V_SPEC | V8>(p, stream);
     return launch_grid<KF, TQ, V8>(p, stream);
 }
