@@ -74,7 +74,6 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include <type_traits>
 
@@ -142,7 +141,6 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 // its compile-time options (bits of V, chosen at launch; same numerics in every form):
 constexpr int V_SPEC = 1;  // H = 32 and no allowed mask as compile-time facts (the model's decode)
 constexpr int V_I8 = 2;    // packed keys: the integer MMAs (dsv41_ix_int8.cuh) with the bf16 fallbacks
-constexpr int V_BRK = 4;   // run-1 experiment only: integer-path scores doubled (the tests must fail)
 
 template <int KF, int TQ, int V>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
@@ -151,15 +149,16 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     constexpr bool kSharedA = kPacked && TQ == 1;
     constexpr bool kI8 = kPacked && (V & V_I8) != 0;
     constexpr bool kSpec = (V & V_SPEC) != 0;
-    constexpr bool kReloadQ = kI8 && !kSharedA;
+    // (The integer path needs the CTA's shared A fragments; the prefill kernel with s8 fragments per
+    // warp was slower: docs/perf.md "Indexer round 8", the form measured in commit 74ed9c9.)
+    static_assert(!kI8 || kSharedA, "V_I8: packed keys, one token per CTA");
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
     // kSharedA: qsh[s][m][lane] = the lane's A fragment of k-step s, m-tile m.
     __shared__ __align__(16) uint4 qsh[kSharedA ? 8 : 1][2][32];
-    // kI8: qsh8[x][s][m][lane] = the lane's s8 A fragment of k32-step s, m-tile m; x = 0 (TQ = 1:
-    // the CTA's token) or the warp (TQ = 4: the warp's own token).
-    __shared__ __align__(16) uint4 qsh8[kI8 ? (TQ == 1 ? 1 : WARPS) : 1][kI8 ? 4 : 1][2][32];
+    // kI8: qsh8[s][m][lane] = the lane's s8 A fragment of k32-step s, m-tile m.
+    __shared__ __align__(16) uint4 qsh8[kI8 ? 4 : 1][2][32];
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
@@ -171,7 +170,6 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     }
     const int warp = warp_r, lane = lane_r;
     const int g = lane / 4, c = lane % 4;
-    const int qx = TQ == 1 ? 0 : warp;
     const int step = TQ == 1 ? WARPS : 1;
     const int first = TQ == 1 ? warp : 0;
     const int64_t n = p.num_cols;
@@ -200,11 +198,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
         // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
         uint32_t qa[4][16], w2[2];
-        // (kReloadQ, the prefill kernel's integer path: the bf16 fallback loads them again from an
-        // opaque address, so that they are not held across the loop: 64 registers.)
-        auto load_q = [&](uint32_t (&qa)[4][16], bool again) {
+        auto load_q = [&]() {
             const __nv_bfloat16* q0 = static_cast<const __nv_bfloat16*>(p.q);
-            if (again) asm volatile("" : "+l"(q0));
 #pragma unroll
             for (int hh = 0; hh < 4; ++hh) {
                 const int h = 4 * g + hh;
@@ -242,7 +237,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             }
             w2[m] = wb[0] | (wb[1] << 16);
         }
-        load_q(qa, false);
+        load_q();
         // kI8: whether the token takes the integer MMAs, and the scaled weights w2i[m] (w_h * 2^Eq_h,
         // bf16x2).
         bool tok_i8 = false;
@@ -256,11 +251,9 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
                 }
             }
-            if constexpr (kI8) tok_i8 = dsv41_ix_i8::int8_queries<false>(p, t, H, qa, qsh8[0], w2i);
+            if constexpr (kI8) tok_i8 = dsv41_ix_i8::int8_queries(p, t, H, qa, qsh8, w2i);
             else __syncthreads();
             if (!valid(it)) return;
-        } else if constexpr (kI8) {
-            tok_i8 = dsv41_ix_i8::int8_queries<true>(p, t, H, qa, qsh8[qx], w2i);
         }
 
         // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
@@ -364,26 +357,17 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                         }
                     }
                 } else {
-                    auto mma_regs = [&](const uint32_t(&qf)[4][16]) {
 #pragma unroll
-                        for (int nt = 0; nt < 4; ++nt) {
-                            uint32_t kb[16];
-                            cur[nt].template expand<W>(c, kb);
+                    for (int nt = 0; nt < 4; ++nt) {
+                        uint32_t kb[16];
+                        cur[nt].template expand<W>(c, kb);
 #pragma unroll
-                            for (int s = 0; s < 8; ++s) {
-                                mma_bf16(acc[nt][0], qf[0][2 * s], qf[1][2 * s], qf[0][2 * s + 1], qf[1][2 * s + 1],
-                                         kb[2 * s], kb[2 * s + 1]);
-                                mma_bf16(acc[nt][1], qf[2][2 * s], qf[3][2 * s], qf[2][2 * s + 1], qf[3][2 * s + 1],
-                                         kb[2 * s], kb[2 * s + 1]);
-                            }
+                        for (int s = 0; s < 8; ++s) {
+                            mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
+                                     kb[2 * s], kb[2 * s + 1]);
+                            mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
+                                     kb[2 * s], kb[2 * s + 1]);
                         }
-                    };
-                    if constexpr (kReloadQ) {
-                        uint32_t qf[4][16];
-                        load_q(qf, true);
-                        mma_regs(qf);
-                    } else {
-                        mma_regs(qa);
                     }
                 }
             };
@@ -411,7 +395,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                             for (int r = 0; r < 4; ++r) acci[nt][mt][r] = static_cast<int>(MAGIC_BITS);
 #pragma unroll
                     for (int s = 0; s < 4; ++s) {
-                        const uint4 a0 = qsh8[qx][s][0][lane], a1 = qsh8[qx][s][1][lane];
+                        const uint4 a0 = qsh8[s][0][lane], a1 = qsh8[s][1][lane];
 #pragma unroll
                         for (int nt = 0; nt < 4; ++nt) {
                             const uint32_t wd[4] = {cur[nt].d.x, cur[nt].d.y, cur[nt].d.z, cur[nt].d.w};
@@ -438,7 +422,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             }
             // The products' weights, and the power of two the head sum is scaled by (kI8).
             const uint32_t wp0 = use_i8 ? w2i[0] : w2[0], wp1 = use_i8 ? w2i[1] : w2[1];
-            const float kscale = use_i8 ? dsv41_ix_i8::exp2i(static_cast<int>(emin) - 128 + ((V & V_BRK) ? 1 : 0)) : 1.f;
+            const float kscale = use_i8 ? dsv41_ix_i8::exp2i(static_cast<int>(emin) - 128) : 1.f;
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
             // writes heads 4g..4g+3 of each of its keys at once (8 B; 2 wavefronts per warp).
             __syncwarp();
@@ -577,17 +561,6 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
     }
 }
 
-// Experiment switch of helper idx9's run 1 (removed after it): DSV41_IX9 bits 1 = the grid decode
-// kernel without the integer MMAs, 2 = the prefill kernel without them, 4 = the grid kernel for
-// decode batches of 64..1024 too, 8 = V_BRK in the grid kernels (H = 32 without a mask).
-int ix9_switch() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_IX9");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
-}
-
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Resident CTAs of the balanced kernel (SMs x CTAs per SM), once per process and instance.
@@ -620,14 +593,13 @@ int launch_grid(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     indexer_scores_kernel<KF, TQ, V><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
 }
-// The grid kernel compiled for H = 32 without a mask (the model's), else its general form; I8:
-// the integer MMAs (packed keys).
-template <int KF, int TQ, bool I8>
+// The grid kernel compiled for H = 32 without a mask (the model's), else its general form; the
+// bf16 path only (V_I8 in the grid decode kernel was slower at B = 1..32: docs/perf.md "Indexer
+// round 8").
+template <int KF, int TQ>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    constexpr int V8 = I8 ? V_I8 : 0;
-    if (I8 && (ix9_switch() & 8) && p.num_heads == 32 && !p.allowed) return launch_grid<KF, TQ, V_SPEC | V8 | V_BRK>(p, stream);
-    if (p.num_heads == 32 && !p.allowed) return launch_grid<KF, TQ, V_SPEC | V8>(p, stream);
-    return launch_grid<KF, TQ, V8>(p, stream);
+    if (p.num_heads == 32 && !p.allowed) return launch_grid<KF, TQ, V_SPEC>(p, stream);
+    return launch_grid<KF, TQ, 0>(p, stream);
 }
 
 // The balanced kernel; the (token, chunk) grid when the device query behind its size failed.
@@ -636,7 +608,7 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int g = balanced_grid<KF, V>();
     if (g <= 0) {
         (void)cudaGetLastError();  // the failed query's error is not this launch's
-        return launch<KF, 1, true>(p, stream);
+        return launch<KF, 1>(p, stream);
     }
     indexer_scores_balanced_kernel<KF, V><<<g, THREADS, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
@@ -667,22 +639,21 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
     const bool shared = p->key_base == nullptr && p->num_tokens >= DSV41_INDEXER_SHARED_KEY_TOKENS;
     if (p->key_format == DSV41_INDEX_KEYS_BF16) {
         if (p->key_row_stride % 8) return DSV41_ERR_ALIGNMENT;
-        return shared ? launch<DSV41_INDEX_KEYS_BF16, 4, false>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1, false>(*p, s);
+        return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);
     }
     if (p->key_format == DSV41_INDEX_KEYS_MXFP4) {
         if (p->num_key_rows > 0xFFFFFFFFll || p->key_row_stride > 0xFFFFFFFFll) return DSV41_ERR_SHAPE;
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
-        const int sw = ix9_switch();
-        if (shared) {
-            return (sw & 2) ? launch<DSV41_INDEX_KEYS_MXFP4, 4, false>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 4, true>(*p, s);
-        }
+        // Prefill and small decode batches: the grid kernel on the bf16 path (its integer path was
+        // slower: docs/perf.md "Indexer round 8").
+        if (shared) return launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s);
         // Decode batches: the balanced kernel (resident CTAs, equal shares of the visible entries;
         // measured at B = 64 and 256). Small batches keep the (token, chunk) grid.
-        if (p->num_tokens >= BAL_MIN_T && p->num_tokens <= BAL_MAX_T && !(sw & 4))
+        if (p->num_tokens >= BAL_MIN_T && p->num_tokens <= BAL_MAX_T)
             return launch_balanced<DSV41_INDEX_KEYS_MXFP4>(*p, s);
-        return (sw & 1) ? launch<DSV41_INDEX_KEYS_MXFP4, 1, false>(*p, s) : launch<DSV41_INDEX_KEYS_MXFP4, 1, true>(*p, s);
+        return launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
     }
     return DSV41_ERR_QUANT;
 }

@@ -111,15 +111,12 @@ __device__ __forceinline__ bool weight_ok(float w, int eq) {
            e + eq <= EXP_BOUND;
 }
 
-// The s8 A fragments of token t from its bf16 fragments qa [slot hh = head 4g + hh][register 4i
-// + p = dims (8i + p, 8i + p + 4) of the lane's 32-dim slice c]: qsh8[s][m][lane] = rows g, g + 8
-// of m-tile m (heads 4g + 2m, 4g + 2m + 1), dims 8s..8s+3 and 8s+4..8s+7 of the slice, for the
-// k32-steps s = 0..3; every lane gets the scaled weights w2i[m] of heads (4g + 2m, 4g + 2m + 1).
-// PER_WARP = false: one CTA of 4 warps, all holding the same token's qa; warp w converts step w,
-// a CTA barrier, the result (whether every head of the token converted exactly within the
-// bounds) is CTA-uniform. PER_WARP = true: the warp's own token and qsh8, all 4 steps, a warp
-// barrier, a warp-uniform result.
-template <bool PER_WARP>
+// The s8 A fragments of token t (one CTA of 4 warps, all holding the same bf16 fragments qa
+// [slot hh = head 4g + hh][register 4i + p = dims (8i + p, 8i + p + 4) of the lane's 32-dim
+// slice c]): warp w converts and stores k32-step w (qsh8[w][m][lane] = rows g, g + 8 of m-tile m
+// = heads 4g + 2m, 4g + 2m + 1, dims 8w..8w+3 and 8w+4..8w+7 of the slice); every lane gets the
+// scaled weights w2i[m] of heads (4g + 2m, 4g + 2m + 1). A CTA barrier; returns (CTA-uniform)
+// whether every head of the token converted exactly within the bounds.
 __device__ __forceinline__ bool int8_queries(const Dsv41IndexerScoresParams& p, int64_t t, int H, const uint32_t (&qa)[4][16],
                                              uint4 (&qsh8)[4][2][32], uint32_t (&w2i)[2]) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
@@ -152,7 +149,7 @@ __device__ __forceinline__ bool int8_queries(const Dsv41IndexerScoresParams& p, 
     }
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-        if (!PER_WARP && s != warp) continue;
+        if (s != warp) continue;
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
             uint32_t a[4];
@@ -171,12 +168,7 @@ __device__ __forceinline__ bool int8_queries(const Dsv41IndexerScoresParams& p, 
             qsh8[s][m][lane] = make_uint4(a[0], a[1], a[2], a[3]);
         }
     }
-    if constexpr (PER_WARP) {
-        __syncwarp();
-        return __all_sync(0xFFFFFFFFu, ok);
-    } else {
-        return __syncthreads_and(ok) != 0;
-    }
+    return __syncthreads_and(ok) != 0;
 }
 
 }  // namespace dsv41_ix_i8
