@@ -55,19 +55,21 @@
 // not summed), the common path's scale multiplier without a select, 32-bit entry ids, the lane,
 // staging and product-buffer addresses (32-bit shared) and a loop-carried score pointer held in
 // registers (packed keys; with bf16 keys' 64 key registers they would spill), the head sum of
-// every lane without a branch (a predicated store), the score's bf16 from one F2FP and a select.
+// every lane without a branch (a predicated store), the score's bf16 from one F2FP and a select
+// (the grid kernels: scores at B = 16 / 32 -4 %, prefill select -9 %; round 8).
 // Compile-time options (V): V_SPEC, a copy for H = 32 without a mask (the model's); V_I8, below.
 // The kernels are latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
-// Integer MMAs (V_I8: every packed-key kernel; session 7 in the balanced kernel, session 8 in the
-// grid and prefill ones): tokens whose q is exactly s8 x 2^Eq per head (Q3 queries) and warp
-// iterations whose keys' block scales span <= 3 run s8 x s8 m16n8k32 IMMA (exact; 11
-// instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the numerics) with the same k
-// permutation (word s of a lane's slice = k32-step s), else the bf16 path above; same scores bit
-// for bit. The s8 A fragments live in shared memory (TQ = 1: 4 KB per CTA, converted by its 4
-// warps; TQ = 4: 4 KB per warp, each warp its own token); the prefill kernel's bf16 fallback
-// loads its A fragments again (not held across the loop). B = 256: 542 instead of 611 warp
-// instructions per iteration (docs/perf.md "Indexer round 6" to "round 8"). (On sm_90 mma.sync
-// e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
+// Integer MMAs (V_I8, session 7; the balanced kernel): tokens whose q is exactly s8 x 2^Eq per
+// head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8 m16n8k32
+// IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the numerics)
+// with the same k permutation (word s of a lane's slice = k32-step s), else the bf16 path above;
+// same scores bit for bit. The s8 A fragments live in shared memory (4 KB per CTA, converted by
+// its 4 warps once per span). B = 256: 542 instead of 611 warp instructions per iteration. The
+// grid kernels keep the bf16 path (session 8, docs/perf.md "Indexer round 8"): with V_I8 the grid
+// decode kernel was 10 % slower at B = 1 and 2-4 % at B = 16 / 32 (a span of <= 16 iterations
+// per warp does not repay the conversion and its barrier), and the prefill kernel with s8
+// fragments per warp 10 % slower. (On sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits
+// F2FP -> f16 conversions + HMMA.16816.)
 // What was measured and not kept (f32 product words, lane-pair staging, bf16x2-FMA unpacking of
 // the products, work stealing, ...) is listed in docs/cuda.md, "indexer_scores: tried".
 #include <cuda_bf16.h>
