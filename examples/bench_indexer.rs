@@ -9,7 +9,9 @@
 //!   as the model's index queries are (since session 7; the packed-key kernel takes its integer
 //!   MMAs for such queries, `kernels/include/dsv41_ix_int8.cuh`).
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
-//!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k).
+//!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k); the
+//!   queries fake-quantized with Q3 as well (since session 8: the prefill kernel has the integer
+//!   MMAs too).
 //!
 //! Timing: `Timer::calls` of examples/support/bench.rs: CUDA events on candle's stream around
 //! back-to-back calls after a warm-up, median of `reps` repetitions. GB/s: key bytes read (+ q, w, scores written and read back by the top-k)
@@ -146,7 +148,7 @@ fn main() -> Result<()> {
     let slow = Timer { stream, warmup: 1, reps: 3, rep_ms: 1.0 };
     for &t in &args.prefill {
         let start = CONTEXT - t;
-        let q = Tensor::randn(0f32, 1.0, (t, HEADS, DIM), &dev)?.to_dtype(DType::BF16)?;
+        let q = fake_quant(&Tensor::randn(0f32, 1.0, (t, HEADS, DIM), &dev)?, QatFormat::Fp4Ue8m0B32)?.to_dtype(DType::BF16)?;
         let w = (Tensor::randn(0f32, 0.05, (t, HEADS), &dev)?.to_dtype(DType::BF16)?.to_dtype(DType::F32))?;
         let visible: f64 = (0..t).map(|i| (start + i).div_ceil(2).min(KEYS) as f64).sum();
         let flops = visible * (HEADS * DIM * 2) as f64;

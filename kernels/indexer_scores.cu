@@ -37,9 +37,8 @@
 //    slices (shuffles). Entries past L_t read row key_base[t] (their scores are never written).
 //  * Decode (one token per CTA, packed keys): the A fragments live in shared memory (8 KB per
 //    CTA, shared by its 4 warps) and are read per k-step (2 LDS.128), the slices dequantized per
-//    k-step: 105 registers, 4 CTAs (16 warps) per SM instead of 3 with 64 A registers per lane
-//    (more warps to hide latency; at 16 warps the kernel issues in ~65 % of the cycles, 20 warps
-//    measured no faster).
+//    k-step: <= 128 registers, 4 CTAs (16 warps) per SM instead of 3 with 64 A registers per lane
+//    (more warps to hide latency; 20 warps measured no faster).
 //  * bf16 keys and prefill over shared keys (4 tokens per CTA): A fragments in registers (64),
 //    3 CTAs per SM; bf16 rows are loaded per iteration (they stream at the HBM rate anyway).
 // The per-head products go through a per-warp shared buffer [32 keys][32 heads] so that lane i
@@ -47,26 +46,30 @@
 // 2048-key chunk; TQ = 4 (prefill sharing keys): 4 tokens, the same 512 keys (L1 reuse).
 // Entries j >= L_t (and those whose key row lies past the cache) are written as -inf without
 // any key read.
-// Balanced decode (indexer_scores_balanced_kernel, packed decode batches of 64..1024 queries):
-// resident CTAs taking equal shares of all tokens' visible entries instead of a (token, chunk)
-// grid. Its code-generation options (V_BAL, round 5; no numeric change): both m-tiles' MMAs for
-// every H (rows >= H are zero; their heads are not summed), the common path's scale multiplier
-// without a select, 32-bit entry ids in the epilogue, lane, staging addresses and a loop-carried
-// score pointer held in registers instead of recomputed per iteration (S2R / constant reads),
-// the head sum of every lane without a branch (a predicated store), and for H = 32 without a
-// mask (the model's decode) a copy compiled for exactly that.
-// The kernel is latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
-// Integer MMAs (V_I8, session 7; the balanced kernel always): tokens whose q is exactly s8 x 2^Eq
-// per head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8
-// m16n8k32 IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the
-// numerics) with the same k permutation (word s of a lane's slice = k32-step s), else the bf16
-// path above; same scores bit for bit. B = 256: 573 instead of 611 warp instructions per
-// iteration, -3 % cycles; scan with top-k 579-586 us (docs/perf.md "Indexer round 6"). (On
-// sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits F2FP -> f16 conversions + HMMA.16816.)
-// Epilogue (V_EPI8 = V_EA, session 7, helper idx8; the balanced kernel): the product buffer's
-// store and load addresses held in registers as 32-bit shared addresses (no per-iteration
-// generic-to-shared address recomputation) and the score's bf16 from one F2FP and a select (128
-// instead of 136 epilogue instructions per warp iteration; same results).
+// Work distribution, the only difference between the kernels (one tile loop, score_span): a
+// (token, chunk) grid (indexer_scores_kernel: decode of < 64 queries, bf16 keys, prefill), or for
+// packed decode batches of 64..1024 queries resident CTAs taking equal shares of all tokens'
+// visible entries (indexer_scores_balanced_kernel).
+// One code form (session 8, helper idx9; the balanced kernel's options of rounds 5-7 in every
+// kernel, no numeric change): both m-tiles' MMAs for every H (rows >= H are zero; their heads are
+// not summed), the common path's scale multiplier without a select, 32-bit entry ids, the lane,
+// staging and product-buffer addresses (32-bit shared) and a loop-carried score pointer held in
+// registers (packed keys; with bf16 keys' 64 key registers they would spill), the head sum of
+// every lane without a branch (a predicated store), the score's bf16 from one F2FP and a select
+// (the grid kernels: scores at B = 16 / 32 -4 %, prefill select -9 %; round 8).
+// Compile-time options (V): V_SPEC, a copy for H = 32 without a mask (the model's); V_I8, below.
+// The kernels are latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
+// Integer MMAs (V_I8, session 7; the balanced kernel): tokens whose q is exactly s8 x 2^Eq per
+// head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8 m16n8k32
+// IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the numerics)
+// with the same k permutation (word s of a lane's slice = k32-step s), else the bf16 path above;
+// same scores bit for bit. The s8 A fragments live in shared memory (4 KB per CTA, converted by
+// its 4 warps once per span). B = 256: 542 instead of 611 warp instructions per iteration. The
+// grid kernels keep the bf16 path (session 8, docs/perf.md "Indexer round 8"): with V_I8 the grid
+// decode kernel was 10 % slower at B = 1 and 2-4 % at B = 16 / 32 (a span of <= 16 iterations
+// per warp does not repay the conversion and its barrier), and the prefill kernel with s8
+// fragments per warp 10 % slower. (On sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits
+// F2FP -> f16 conversions + HMMA.16816.)
 // What was measured and not kept (f32 product words, lane-pair staging, bf16x2-FMA unpacking of
 // the products, work stealing, ...) is listed in docs/cuda.md, "indexer_scores: tried".
 #include <cuda_bf16.h>
@@ -102,19 +105,12 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2. RELU_CVT: the ReLU
-// in the f32 -> bf16x2 conversion (cvt.rn.relu: relu(bf16(x)) = bf16(relu(x)), rounding keeps the
-// sign; -0 becomes +0, which the head sum from +0 cannot tell apart).
-template <bool RELU_CVT>
+// Products bf16(relu(bf16(acc)) * w) of two accumulator entries as bf16x2, the ReLU in the f32 ->
+// bf16x2 conversion (cvt.rn.relu: relu(bf16(x)) = bf16(relu(x)), rounding keeps the sign; -0
+// becomes +0, which the head sum from +0 cannot tell apart).
 __device__ __forceinline__ uint32_t head_products(float a0, float a1, uint32_t w2) {
     uint32_t r;
-    if constexpr (RELU_CVT) {
-        asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(a1), "f"(a0));
-    } else {
-        __nv_bfloat162 s = __floats2bfloat162_rn(a0, a1);
-        s = __hmax2(s, __float2bfloat162_rn(0.f));
-        r = *reinterpret_cast<uint32_t*>(&s);
-    }
+    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(a1), "f"(a0));
     return bf16x2_mul(r, w2);
 }
 
@@ -142,41 +138,35 @@ __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p
 
 // Scores of token t (TQ = 1; TQ = 4: tokens t..t+3, one per warp) for the n_it warp iterations
 // of 32 keys from entry chunk0 (TQ = 1: warp w takes iterations w, w + 4, ...). Every warp of
-// the CTA calls it with the same arguments (TQ = 1: it holds a CTA barrier).
-// RELU: the ReLU in the f32 -> bf16x2 conversion (packed decode kernels, where it was measured).
-// Code-generation options of score_span (bits of V; same numerics in every form). The balanced
-// decode kernel uses all of them (V_BAL, measured in round 5); the grid kernels keep V = 0 (their
-// code as measured before).
-constexpr int V_NOH2 = 1;  // both m-tiles' MMAs for every H (no H > 2 predicate, no zeroed accumulators)
-constexpr int V_EPI = 2;   // 32-bit entry ids in the epilogue
-constexpr int V_SC = 4;    // scale multipliers of the common path without selects
-constexpr int V_REG = 8;   // lane and staging addresses held in registers, a loop-carried score pointer
-constexpr int V_SPEC = 16; // H = 32 and no allowed mask as compile-time facts (chosen at launch)
-constexpr int V_PRED = 32; // epilogue without branches around the head sum, predicated store
-constexpr int V_BAL = V_NOH2 | V_EPI | V_SC | V_REG | V_SPEC | V_PRED;
-constexpr int V_I8 = 64;    // integer MMAs (header; kSharedA only)
-constexpr int V_EA = 128;   // epilogue: product-buffer addresses held in registers (32-bit shared), lean store
-constexpr int V_EPI8 = V_EA;  // the balanced kernel's epilogue since session 7 (idx8; see the header)
+// the CTA calls it with the same arguments (TQ = 1: it holds a CTA barrier). One code form for
+// every kernel (the grid kernels and the balanced one differ only in how they hand out spans);
+// its compile-time options (bits of V, chosen at launch; same numerics in every form):
+constexpr int V_SPEC = 1;  // H = 32 and no allowed mask as compile-time facts (the model's decode)
+constexpr int V_I8 = 2;    // packed keys: the integer MMAs (dsv41_ix_int8.cuh) with the bf16 fallbacks
 
-template <int KF, int TQ, bool RELU, int V = 0>
+template <int KF, int TQ, int V>
 __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, const int64_t t, const int64_t chunk0,
                                            const int n_it) {
     constexpr bool kPacked = KF == DSV41_INDEX_KEYS_MXFP4;
     constexpr bool kSharedA = kPacked && TQ == 1;
+    constexpr bool kI8 = kPacked && (V & V_I8) != 0;
+    constexpr bool kSpec = (V & V_SPEC) != 0;
+    // (The integer path needs the CTA's shared A fragments; the prefill kernel with s8 fragments per
+    // warp was slower: docs/perf.md "Indexer round 8", the form measured in commit 74ed9c9.)
+    static_assert(!kI8 || kSharedA, "V_I8: packed keys, one token per CTA");
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
     __shared__ __align__(16) uint16_t prod[WARPS][32 * PROD_STRIDE];
     // kSharedA: qsh[s][m][lane] = the lane's A fragment of k-step s, m-tile m.
     __shared__ __align__(16) uint4 qsh[kSharedA ? 8 : 1][2][32];
-    // V_I8: qsh8[s][m][lane] = the lane's s8 A fragment of k32-step s, m-tile m.
-    constexpr bool kI8 = kSharedA && (V & V_I8) != 0;
+    // kI8: qsh8[s][m][lane] = the lane's s8 A fragment of k32-step s, m-tile m.
     __shared__ __align__(16) uint4 qsh8[kI8 ? 4 : 1][2][32];
     // Packed keys, per warp and buffer: the slices [tile][lane] and the 32 keys' scale words.
     __shared__ __align__(16) uint4 kst_d[kPacked ? WARPS : 1][2][4][32];
     __shared__ __align__(16) uint32_t kst_s[kPacked ? WARPS : 1][2][32];
+    // Warp and lane held in registers (not recomputed from SR_TID per iteration, a variable-latency read).
     int warp_r = threadIdx.x / 32, lane_r = threadIdx.x % 32;
-    if constexpr ((V & V_REG) != 0) {
-        // Held in registers (otherwise recomputed from SR_TID per iteration, a variable-latency read).
+    if constexpr (kPacked) {
         asm volatile("" : "+r"(warp_r));
         asm volatile("" : "+r"(lane_r));
     }
@@ -188,8 +178,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     const Extent ext = token_extent(p, t);
     const int64_t L = ext.L, kbase = ext.kbase;
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
-    const uint32_t* allowed = (V & V_SPEC) ? nullptr : (p.allowed ? p.allowed + t * p.allowed_words : nullptr);
-    const int H = (V & V_SPEC) ? 32 : p.num_heads;
+    const uint32_t* allowed = kSpec ? nullptr : (p.allowed ? p.allowed + t * p.allowed_words : nullptr);
+    const int H = kSpec ? 32 : p.num_heads;
     uint16_t* pw = prod[warp];
 
     // Entries past L: -inf without reading keys.
@@ -210,6 +200,35 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         // each of its keys; qa[hh][i] = dims (32c + 2i, +1) of that head (zero for heads >= H).
         // w2[m] = the weights of heads (4g + 2m, 4g + 2m + 1) as bf16x2.
         uint32_t qa[4][16], w2[2];
+        auto load_q = [&]() {
+            const __nv_bfloat16* q0 = static_cast<const __nv_bfloat16*>(p.q);
+#pragma unroll
+            for (int hh = 0; hh < 4; ++hh) {
+                const int h = 4 * g + hh;
+                if (h < H) {
+                    const uint4* src = reinterpret_cast<const uint4*>(q0 + (t * H + h) * D + 32 * c);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const uint4 v = __ldg(src + i);
+                        if (kPacked) {
+                            // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
+                            qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
+                            qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
+                            qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
+                            qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
+                        } else {
+                            qa[hh][4 * i] = v.x;
+                            qa[hh][4 * i + 1] = v.y;
+                            qa[hh][4 * i + 2] = v.z;
+                            qa[hh][4 * i + 3] = v.w;
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
+                }
+            }
+        };
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
             uint32_t wb[2];
@@ -220,34 +239,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             }
             w2[m] = wb[0] | (wb[1] << 16);
         }
-#pragma unroll
-        for (int hh = 0; hh < 4; ++hh) {
-            const int h = 4 * g + hh;
-            if (h < H) {
-                const uint4* src =
-                    reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.q) + (t * H + h) * D + 32 * c);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const uint4 v = __ldg(src + i);
-                    if (kPacked) {
-                        // The packed slices' dim order: register 4i + p = dims (8i + p, 8i + p + 4).
-                        qa[hh][4 * i] = __byte_perm(v.x, v.z, 0x5410);
-                        qa[hh][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);
-                        qa[hh][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);
-                        qa[hh][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);
-                    } else {
-                        qa[hh][4 * i] = v.x;
-                        qa[hh][4 * i + 1] = v.y;
-                        qa[hh][4 * i + 2] = v.z;
-                        qa[hh][4 * i + 3] = v.w;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < 16; ++i) qa[hh][i] = 0u;
-            }
-        }
-        // V_I8: whether the token takes the integer MMAs, and the scaled weights w2i[m] (w_h * 2^Eq_h,
+        load_q();
+        // kI8: whether the token takes the integer MMAs, and the scaled weights w2i[m] (w_h * 2^Eq_h,
         // bf16x2).
         bool tok_i8 = false;
         uint32_t w2i[2] = {0u, 0u};
@@ -260,11 +253,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                     qsh[s][1][lane] = make_uint4(qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1]);
                 }
             }
-            if constexpr (kI8) {
-                tok_i8 = dsv41_ix_i8::int8_queries(p, t, H, qa, qsh8, w2i);
-            } else {
-                __syncthreads();
-            }
+            if constexpr (kI8) tok_i8 = dsv41_ix_i8::int8_queries(p, t, H, qa, qsh8, w2i);
+            else __syncthreads();
             if (!valid(it)) return;
         }
 
@@ -285,17 +275,15 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
         const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
         const uint32_t psize = static_cast<uint32_t>(p.page_size);
-        // Shared addresses of this lane's staging slots in buffer 0 (cp.async destinations).
+        // Shared addresses (held in registers) of this lane's staging slots in buffer 0 (cp.async
+        // destinations), of its product stores (key 2c, heads 4g..) and of its key's product row.
         uint32_t kst_s_addr = dsv41_ptx::smem_addr(&kst_s[kPacked ? warp : 0][0][lane]);
         uint32_t kst_d_addr = dsv41_ptx::smem_addr(&kst_d[kPacked ? warp : 0][0][0][lane]);
-        if constexpr ((V & V_REG) != 0) {
-            asm volatile("" : "+r"(kst_s_addr));
-            asm volatile("" : "+r"(kst_d_addr));
-        }
-        // V_EA: shared addresses of this lane's product stores (key 2c, heads 4g..) and of its key's row.
         uint32_t prod_st = dsv41_ptx::smem_addr(pw + 2 * c * PROD_STRIDE + 4 * g);
         uint32_t prod_ld = dsv41_ptx::smem_addr(pw + lane * PROD_STRIDE);
-        if constexpr ((V & V_EA) != 0) {
+        if constexpr (kPacked) {  // (bf16 keys: 64 registers of key data per iteration; pinned, these spill)
+            asm volatile("" : "+r"(kst_s_addr));
+            asm volatile("" : "+r"(kst_d_addr));
             asm volatile("" : "+r"(prod_st));
             asm volatile("" : "+r"(prod_ld));
         }
@@ -306,29 +294,27 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             const uint32_t r = slot - page * psize;
             const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
             const uint64_t row = static_cast<uint64_t>(r) * 64u + pb;
-            cp_async4((V & V_REG) ? kst_s_addr + buf * static_cast<uint32_t>(sizeof(kst_s[0][0]))
-                                  : dsv41_ptx::smem_addr(&kst_s[warp][buf][lane]),
+            cp_async4(kst_s_addr + buf * static_cast<uint32_t>(sizeof(kst_s[0][0])),
                       reinterpret_cast<const void*>(static_cast<uint64_t>(r + 16u * psize) * 4u + pb));
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
                 const uint32_t lo = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row), nt * 8 + g);
                 const uint32_t hi = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(row >> 32), nt * 8 + g);
                 const uint64_t src = ((static_cast<uint64_t>(hi) << 32) | lo) + 16u * c;
-                dsv41_ptx::cp_async16((V & V_REG) ? kst_d_addr + buf * static_cast<uint32_t>(sizeof(kst_d[0][0])) + nt * 512u
-                                                  : dsv41_ptx::smem_addr(&kst_d[warp][buf][nt][lane]),
+                dsv41_ptx::cp_async16(kst_d_addr + buf * static_cast<uint32_t>(sizeof(kst_d[0][0])) + nt * 512u,
                                       reinterpret_cast<const void*>(src), true);
             }
             dsv41_ptx::cp_async_commit();
         };
         int buf = 0;
         if constexpr (kPacked) stage(chunk0 + static_cast<int64_t>(it) * KT, 0);
-        // V_REG: this lane's score of the current iteration (a loop-carried pointer).
+        // This lane's score of the current iteration (a loop-carried pointer).
         uint16_t* optr = out + chunk0 + static_cast<int64_t>(it) * KT + lane;
         while (valid(it)) {
             const int64_t key0 = chunk0 + static_cast<int64_t>(it) * KT;
             const int next = it + step;
             KeySlice<KF> cur[4];
-            uint32_t s_own = 0u;  // V_I8: the scale word of this lane's key key0 + lane
+            uint32_t s_own = 0u;  // kI8: the scale word of this lane's key key0 + lane
             if constexpr (kPacked) {
                 dsv41_ptx::cp_async_wait_all();
                 __syncwarp();  // the scale words were copied by other lanes
@@ -344,7 +330,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) fetch(cur[nt], key0, nt);
             }
-            // (V_I8: dead in the integer path; zeroing in the bf16 branch instead spills.)
+            // (kI8: dead in the integer path; zeroing in the bf16 branch instead spills.)
             float acc[4][2][4];
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
@@ -352,17 +338,15 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) acc[nt][mt][r] = 0.f;
-            // Dequantize and multiply the 4 n8 tiles; one straight-line section per scale range.
+            // Dequantize and multiply the 4 n8 tiles (both m-tiles for every H: rows >= H are zero,
+            // their heads are not summed); one straight-line section per scale range.
             auto scores = [&](auto wide) {
                 constexpr bool W = decltype(wide)::value;
                 if constexpr (kSharedA) {
                     // Per k-step: the A fragments from shared memory, 2 B registers per tile.
                     uint32_t sc[4], sc2[4];
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt) {
-                        if constexpr ((V & V_SC) != 0) cur[nt].template scales_for<W>(c, sc[nt], sc2[nt]);
-                        else cur[nt].scales(c, sc[nt], sc2[nt]);
-                    }
+                    for (int nt = 0; nt < 4; ++nt) cur[nt].template scales_for<W>(c, sc[nt], sc2[nt]);
 #pragma unroll
                     for (int s = 0; s < 8; ++s) {
                         const uint4 a0 = qsh[s][0][lane], a1 = qsh[s][1][lane];
@@ -371,7 +355,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                             uint32_t k0, k1;
                             cur[nt].template step<W>(s, sc[nt], sc2[nt], k0, k1);
                             mma_bf16(acc[nt][0], a0.x, a0.y, a0.z, a0.w, k0, k1);
-                            if ((V & V_NOH2) || H > 2) mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
+                            mma_bf16(acc[nt][1], a1.x, a1.y, a1.z, a1.w, k0, k1);
                         }
                     }
                 } else {
@@ -383,14 +367,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                         for (int s = 0; s < 8; ++s) {
                             mma_bf16(acc[nt][0], qa[0][2 * s], qa[1][2 * s], qa[0][2 * s + 1], qa[1][2 * s + 1],
                                      kb[2 * s], kb[2 * s + 1]);
-                            if (H > 2)
-                                mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
-                                         kb[2 * s], kb[2 * s + 1]);
+                            mma_bf16(acc[nt][1], qa[2][2 * s], qa[3][2 * s], qa[2][2 * s + 1], qa[3][2 * s + 1],
+                                     kb[2 * s], kb[2 * s + 1]);
                         }
                     }
                 }
             };
-            // V_I8: the integer MMAs when the token's q converted and every key of the warp has
+            // kI8: the integer MMAs when the token's q converted and every key of the warp has
             // block scales spanning <= 3 (Emin_j = its smallest scale byte, within the bounds).
             bool use_i8 = false;
             uint32_t emin = 0u;
@@ -400,21 +383,18 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 byte_range(s_own, emin, emax);
                 const bool kok = emax - emin <= 3u && emin + EXP_BOUND >= 128u && emin <= 128u + EXP_BOUND;
                 use_i8 = __all_sync(0xFFFFFFFFu, tok_i8 && kok);
-            }
-            if constexpr (kI8) {
                 if (use_i8) {
                     // Tables of the lane's (key nt * 8 + g, block c); its Emin from the key's lane.
-                    dsv41_ix_i8::Lut lut[4];
+                    Lut lut[4];
 #pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-                        lut[nt].set(cur[nt].scale_byte(c) - __shfl_sync(0xFFFFFFFFu, emin, nt * 8 + g));
+                    for (int nt = 0; nt < 4; ++nt) lut[nt].set(cur[nt].scale_byte(c) - __shfl_sync(0xFFFFFFFFu, emin, nt * 8 + g));
                     int acci[4][2][4];
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                            for (int r = 0; r < 4; ++r) acci[nt][mt][r] = static_cast<int>(dsv41_ix_i8::MAGIC_BITS);
+                            for (int r = 0; r < 4; ++r) acci[nt][mt][r] = static_cast<int>(MAGIC_BITS);
 #pragma unroll
                     for (int s = 0; s < 4; ++s) {
                         const uint4 a0 = qsh8[s][0][lane], a1 = qsh8[s][1][lane];
@@ -423,8 +403,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                             const uint32_t wd[4] = {cur[nt].d.x, cur[nt].d.y, cur[nt].d.z, cur[nt].d.w};
                             uint32_t b0, b1;
                             lut[nt].expand(wd[s], b0, b1);
-                            dsv41_ix_i8::mma_s8(acci[nt][0], a0.x, a0.y, a0.z, a0.w, b0, b1);
-                            dsv41_ix_i8::mma_s8(acci[nt][1], a1.x, a1.y, a1.z, a1.w, b0, b1);
+                            mma_s8(acci[nt][0], a0.x, a0.y, a0.z, a0.w, b0, b1);
+                            mma_s8(acci[nt][1], a1.x, a1.y, a1.z, a1.w, b0, b1);
                         }
                     }
 #pragma unroll
@@ -432,8 +412,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 #pragma unroll
                         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                            for (int r = 0; r < 4; ++r)
-                                acc[nt][mt][r] = __int_as_float(acci[nt][mt][r]) - dsv41_ix_i8::MAGIC;
+                            for (int r = 0; r < 4; ++r) acc[nt][mt][r] = __int_as_float(acci[nt][mt][r]) - MAGIC;
                 }
             }
             if (!use_i8) {
@@ -443,7 +422,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
                 if (__any_sync(0xFFFFFFFFu, wide)) scores(std::true_type{});
                 else scores(std::false_type{});
             }
-            // The products' weights, and the power of two the head sum is scaled by (V_I8).
+            // The products' weights, and the power of two the head sum is scaled by (kI8).
             const uint32_t wp0 = use_i8 ? w2i[0] : w2[0], wp1 = use_i8 ? w2i[1] : w2[1];
             const float kscale = use_i8 ? dsv41_ix_i8::exp2i(static_cast<int>(emin) - 128) : 1.f;
             // Per-head products (bf16) into the warp's buffer: pw[key * PROD_STRIDE + h]; a lane
@@ -453,92 +432,49 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    uint2 pr;
-                    pr.x = head_products<RELU>(acc[nt][0][e], acc[nt][0][2 + e], wp0);
-                    pr.y = head_products<RELU>(acc[nt][1][e], acc[nt][1][2 + e], wp1);
-                    const int kk = nt * 8 + 2 * c + e;
-                    if constexpr ((V & V_EA) != 0) {
-                        asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(
-                                         prod_st + static_cast<uint32_t>((nt * 8 + e) * PROD_STRIDE * 2)),
-                                     "r"(pr.x), "r"(pr.y)
-                                     : "memory");
-                    } else {
-                        *reinterpret_cast<uint2*>(pw + kk * PROD_STRIDE + 4 * g) = pr;
-                    }
+                    const uint32_t x = head_products(acc[nt][0][e], acc[nt][0][2 + e], wp0);
+                    const uint32_t y = head_products(acc[nt][1][e], acc[nt][1][2 + e], wp1);
+                    asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(
+                                     prod_st + static_cast<uint32_t>((nt * 8 + e) * PROD_STRIDE * 2)),
+                                 "r"(x), "r"(y)
+                                 : "memory");
                 }
             __syncwarp();
             // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
-            // but are not added).
-            auto head_sum = [&]() {
-                float sum = 0.f;
-                const uint4* row = reinterpret_cast<const uint4*>(pw + lane * PROD_STRIDE);
-                auto add_heads = [&](auto all) {
+            // but are not added). Every lane's key row of the product buffer was written (keys
+            // past N or L hold products of row key_base[t] or zero rows): no branch around it.
+            float sum = 0.f;
+            auto add_heads = [&](auto all) {
 #pragma unroll
-                    for (int q8 = 0; q8 < 4; ++q8) {
-                        uint4 v;
-                        if constexpr ((V & V_EA) != 0) {
-                            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                                         : "r"(prod_ld + 16u * q8)
-                                         : "memory");
-                        } else {
-                            v = row[q8];
-                        }
-                        const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+                for (int q8 = 0; q8 < 4; ++q8) {
+                    uint4 v;
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                 : "r"(prod_ld + 16u * q8)
+                                 : "memory");
+                    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            const float x = __uint_as_float((i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16));
-                            if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, x);
-                        }
+                    for (int i = 0; i < 8; ++i) {
+                        const float x = __uint_as_float((i & 1) ? (ws[i / 2] & 0xFFFF0000u) : (ws[i / 2] << 16));
+                        if (decltype(all)::value || 8 * q8 + i < H) sum = __fadd_rn(sum, x);
                     }
-                };
-                if (H == 32) add_heads(std::true_type{});
-                else add_heads(std::false_type{});
-                return sum;
+                }
             };
-            if constexpr ((V & V_EPI) != 0) {
-                // 32-bit entry ids (j < N < 2^31).
-                const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
-                auto finish = [&](float sum) {
-                    bool ok = j < static_cast<uint32_t>(L);
-                    if (ok && allowed) {
-                        const uint32_t b = j / static_cast<uint32_t>(p.allowed_block);
-                        ok = b < 32ull * static_cast<uint64_t>(p.allowed_words) && ((allowed[b / 32] >> (b % 32)) & 1u);
-                    }
-                    uint32_t v;
-                    if constexpr ((V & V_EA) != 0) {
-                        // bf16(sum) in the low half of one register (F2FP with a zero high half).
-                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(v) : "f"(0.f), "f"(sum));
-                        v = ok ? v : BF16_NEG_INF;
-                    } else {
-                        v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
-                    }
-                    if (!(V & V_PRED) || j < static_cast<uint32_t>(n)) {
-                        if constexpr ((V & V_REG) != 0) *optr = static_cast<uint16_t>(v);
-                        else out[j] = static_cast<uint16_t>(v);
-                    }
-                };
-                if constexpr ((V & V_PRED) != 0) {
-                    // Every lane's key row of the product buffer was written (keys past N or L
-                    // hold products of row key_base[t]): no branch around the sum.
-                    if constexpr (kI8) finish(head_sum() * kscale);
-                    else finish(head_sum());
-                } else if (j < static_cast<uint32_t>(n)) {
-                    finish(head_sum());
-                }
-            } else {
-                const int64_t j = key0 + lane;
-                if (j < n) {
-                    const float sum = head_sum();
-                    bool ok = j < L;
-                    if (ok && allowed) {
-                        const int64_t b = j / p.allowed_block;
-                        ok = b < 32LL * p.allowed_words && ((allowed[b / 32] >> (b % 32)) & 1u);
-                    }
-                    const uint32_t v = ok ? __bfloat16_as_ushort(__float2bfloat16_rn(sum)) : BF16_NEG_INF;
-                    out[j] = static_cast<uint16_t>(v);
-                }
+            if (H == 32) add_heads(std::true_type{});
+            else add_heads(std::false_type{});
+            if constexpr (kI8) sum *= kscale;
+            // 32-bit entry ids (j < N < 2^31); bf16(sum) in the low half of one register (F2FP with
+            // a zero high half); a predicated store.
+            const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
+            bool ok = j < static_cast<uint32_t>(L);
+            if (ok && allowed) {
+                const uint32_t b = j / static_cast<uint32_t>(p.allowed_block);
+                ok = b < 32ull * static_cast<uint64_t>(p.allowed_words) && ((allowed[b / 32] >> (b % 32)) & 1u);
             }
+            uint32_t v;
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(v) : "f"(0.f), "f"(sum));
+            v = ok ? v : BF16_NEG_INF;
+            if (j < static_cast<uint32_t>(n)) *optr = static_cast<uint16_t>(v);
             it = next;
             optr += step * KT;
         }
@@ -549,13 +485,13 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
 // One CTA per token (group of TQ tokens) and chunk of iters x WARPS / TQ warp iterations. Decode
 // over packed keys (A fragments in shared memory): 4 CTAs per SM (<= 128 registers); otherwise 3
 // (<= 170 registers: the A fragments alone take 64).
-template <int KF, int TQ, bool RELU>
+template <int KF, int TQ, int V>
 __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ == 1) ? 4 : 3)
     indexer_scores_kernel(const Dsv41IndexerScoresParams p, const int iters) {
     const int64_t t = static_cast<int64_t>(blockIdx.x) * TQ + (TQ == 1 ? 0 : threadIdx.x / 32);
     if (t >= p.num_tokens) return;  // CTA-uniform when TQ = 1
     const int n_it = iters * (WARPS / TQ);
-    score_span<KF, TQ, RELU>(p, t, static_cast<int64_t>(blockIdx.y) * KT * n_it, n_it);
+    score_span<KF, TQ, V>(p, t, static_cast<int64_t>(blockIdx.y) * KT * n_it, n_it);
 }
 
 // Balanced decode (TQ = 1, T <= BAL_MAX_T): a grid of resident CTAs; the visible units (128
@@ -566,7 +502,7 @@ __global__ void __launch_bounds__(THREADS, (KF == DSV41_INDEX_KEYS_MXFP4 && TQ =
 constexpr int BAL_MIN_T = 64;
 constexpr int BAL_MAX_T = 1024;
 constexpr int UNIT = KT * WARPS;
-template <int KF, int V = 0>
+template <int KF, int V>
 __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
     indexer_scores_balanced_kernel(const Dsv41IndexerScoresParams p) {
     __shared__ uint32_t pre[BAL_MAX_T + 1];  // pre[t] = visible units of the tokens before t
@@ -622,7 +558,7 @@ __global__ void __launch_bounds__(THREADS, KF == DSV41_INDEX_KEYS_MXFP4 ? 4 : 3)
         const uint32_t u1 = (a1 < pre[t + 1] ? a1 : pre[t + 1]) - pre[t];
         if (!first) __syncthreads();  // the previous span's warps are done with the shared buffers
         first = false;
-        score_span<KF, 1, true, V>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
+        score_span<KF, 1, V>(p, t, static_cast<int64_t>(u0) * UNIT, static_cast<int>(u1 - u0) * WARPS);
         a = pre[t] + u1;
     }
 }
@@ -644,8 +580,8 @@ int balanced_grid() {
     return g;
 }
 
-template <int KF, int TQ, bool RELU = false>
-int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+template <int KF, int TQ, int V>
+int launch_grid(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     // Iterations per warp: up to 16, fewer when the grid would be too small to fill the GPU
     // (decode of few queries): aim at >= 1024 CTAs.
     const int64_t groups = (p.num_tokens + TQ - 1) / TQ;
@@ -656,8 +592,16 @@ int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int64_t chunk = KT * iters * (WARPS / TQ);
     const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>((p.num_cols + chunk - 1) / chunk));
     if ((p.num_cols + chunk - 1) / chunk > 65535) return DSV41_ERR_SHAPE;
-    indexer_scores_kernel<KF, TQ, RELU><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
+    indexer_scores_kernel<KF, TQ, V><<<grid, THREADS, 0, stream>>>(p, static_cast<int>(iters));
     return static_cast<int>(cudaGetLastError());
+}
+// The grid kernel compiled for H = 32 without a mask (the model's), else its general form; the
+// bf16 path only (V_I8 in the grid decode kernel was slower at B = 1..32: docs/perf.md "Indexer
+// round 8").
+template <int KF, int TQ>
+int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
+    if (p.num_heads == 32 && !p.allowed) return launch_grid<KF, TQ, V_SPEC>(p, stream);
+    return launch_grid<KF, TQ, 0>(p, stream);
 }
 
 // The balanced kernel; the (token, chunk) grid when the device query behind its size failed.
@@ -666,7 +610,7 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     const int g = balanced_grid<KF, V>();
     if (g <= 0) {
         (void)cudaGetLastError();  // the failed query's error is not this launch's
-        return launch<KF, 1, true>(p, stream);
+        return launch<KF, 1>(p, stream);
     }
     indexer_scores_balanced_kernel<KF, V><<<g, THREADS, 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
@@ -675,8 +619,8 @@ int launch_balanced_v(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
 // decode), else its general form.
 template <int KF>
 int launch_balanced(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
-    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_BAL | V_I8 | V_EPI8>(p, stream);
-    return launch_balanced_v<KF, (V_BAL & ~V_SPEC) | V_I8 | V_EPI8>(p, stream);
+    if (p.num_heads == 32 && !p.allowed) return launch_balanced_v<KF, V_SPEC | V_I8>(p, stream);
+    return launch_balanced_v<KF, V_I8>(p, stream);
 }
 
 }  // namespace dsv41_ix
@@ -704,12 +648,14 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
         if (p->page_size < 4 || p->page_size % 4 || p->key_row_stride % 16 ||
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
+        // Prefill and small decode batches: the grid kernel on the bf16 path (its integer path was
+        // slower: docs/perf.md "Indexer round 8").
         if (shared) return launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s);
         // Decode batches: the balanced kernel (resident CTAs, equal shares of the visible entries;
         // measured at B = 64 and 256). Small batches keep the (token, chunk) grid.
         if (p->num_tokens >= BAL_MIN_T && p->num_tokens <= BAL_MAX_T)
             return launch_balanced<DSV41_INDEX_KEYS_MXFP4>(*p, s);
-        return launch<DSV41_INDEX_KEYS_MXFP4, 1, true>(*p, s);
+        return launch<DSV41_INDEX_KEYS_MXFP4, 1>(*p, s);
     }
     return DSV41_ERR_QUANT;
 }

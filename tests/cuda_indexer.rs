@@ -442,35 +442,42 @@ fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
     Ok(())
 }
 
-/// The balanced decode kernel's integer tensor-core path and its fallbacks to the bf16 path, in
-/// one batch of 66 queries: Q3 queries whose 32-blocks' scales span 6 (dims block b times 2^(2b):
-/// not s8 integers, so the token takes the bf16 path), tokens whose head weights are 2^45 times
-/// larger (past the path's exponent bounds), keys whose blocks' scales span 6 (block b times
-/// 2^(-2b): not s8, so the warp iteration takes the bf16 path) next to ordinary tokens and keys;
-/// scores bit-exact and top-k ids identical to the CPU. (The spreads point opposite ways so that
-/// no query-key product spans much more than 2^6 across blocks: within that the f32 sums are exact in
-/// any order, see kernels/indexer_scores.cu.)
-#[test]
-fn balanced_decode_integer_path_and_its_fallbacks_match_the_cpu() -> Result<()> {
-    let dev = gpu();
-    let mut rng = Rng(43);
-    let (b, h, nk, k) = (66usize, 32usize, 700usize, 512usize);
-    let rows = b * nk;
-    let spread = |t: Tensor, pick: &dyn Fn(usize) -> bool, step: i32| -> Result<Tensor> {
-        let dims = t.dims().to_vec();
-        let mut v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        for (i, row) in v.chunks_mut(D).enumerate() {
-            if pick(i) {
-                row.iter_mut().enumerate().for_each(|(d, x)| *x *= 2f32.powi(step * (d / 32) as i32));
-            }
+/// Rows (of `D` values) of `t` picked by `pick(row)` multiplied per 32-block: block b times 2^(step·b).
+fn spread_blocks(t: Tensor, pick: &dyn Fn(usize) -> bool, step: i32) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let mut v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    for (i, row) in v.chunks_mut(D).enumerate() {
+        if pick(i) {
+            row.iter_mut().enumerate().for_each(|(d, x)| *x *= 2f32.powi(step * (d / 32) as i32));
         }
-        Ok(Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(DType::BF16)?)
-    };
-    // Key row r spread when r % 7 == 0; query token t (its h head rows) spread when t % 3 == 0.
-    let keys = spread(fq(&mut rng, &[rows, D])?, &|r| r % 7 == 0, -2)?;
-    let q = spread(fq(&mut rng, &[b, h, D])?, &|r| (r / h) % 3 == 0, 2)?;
-    let big_w: Vec<f32> = (0..b * h).map(|i| if (i / h) % 5 == 1 { 2f32.powi(45) } else { 1.0 }).collect();
-    let w = (weights(&mut rng, b, h)? * Tensor::from_vec(big_w, (b, h), &Device::Cpu)?)?;
+    }
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(DType::BF16)?)
+}
+
+/// Q3 data for the integer tensor-core path and its fallbacks to the bf16 path: queries `[t, h,
+/// D]` whose token i has its 32-blocks' scales spread by 6 (block b times 2^(2b): not s8
+/// integers, so the token takes the bf16 path) when i % 3 == 0, head weights `[t, h]` 2^45 times
+/// larger (past the path's exponent bounds) when i % 5 == 1, and `rows` keys whose row r has its
+/// blocks spread by 6 the other way (not s8: a warp iteration of 32 keys that holds one takes the
+/// bf16 path) in runs of 96 rows (r / 96 % 3 == 1, so that other iterations of the same tokens
+/// take the integer path); the other tokens and keys are ordinary. (The spreads point opposite ways so that no
+/// query-key product spans much more than 2^6 across blocks: within that the f32 sums are exact in
+/// any order, see kernels/indexer_scores.cu.)
+fn integer_path_data(rng: &mut Rng, t: usize, h: usize, rows: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let keys = spread_blocks(fq(rng, &[rows, D])?, &|r| r / 96 % 3 == 1, -2)?;
+    let q = spread_blocks(fq(rng, &[t, h, D])?, &|r| (r / h) % 3 == 0, 2)?;
+    let big_w: Vec<f32> = (0..t * h).map(|i| if (i / h) % 5 == 1 { 2f32.powi(45) } else { 1.0 }).collect();
+    let w = (weights(rng, t, h)? * Tensor::from_vec(big_w, (t, h), &Device::Cpu)?)?;
+    Ok((q, w, keys))
+}
+
+/// A decode batch of `b` queries with their own `nk` keys each on [`integer_path_data`]: scores
+/// bit-exact and top-k ids identical to the CPU.
+fn decode_integer_path_case(seed: u64, b: usize, nk: usize, what: &str) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(seed);
+    let (h, k) = (32usize, 512usize);
+    let (q, w, keys) = integer_path_data(&mut rng, b, h, b * nk)?;
     let (cache, layout) = pack(&keys, 64, &dev)?;
     let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
     let counts: Vec<u32> = (0..b).map(|_| (nk - rng.below(60)) as u32).collect();
@@ -481,11 +488,54 @@ fn balanced_decode_integer_path_and_its_fallbacks_match_the_cpu() -> Result<()> 
     let want = masked_index_scores(&q, &w, &cpu, None)?;
     let g = bits(&want)?;
     let finite = g.iter().filter(|&&x| x & 0x7f80 != 0x7f80 && x & 0x7fff != 0).count();
-    ensure!(finite > b * (nk - 60) / 2, "the data must give mostly finite nonzero scores, got {finite}");
+    ensure!(finite > b * (nk - 60) / 2, "{what}: the data must give mostly finite nonzero scores, got {finite}");
     poison(&dev, b * nk)?;
     let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
-    assert_scores_exact("integer path and fallbacks", &got, &want)?;
-    select_with_scratches(&dev, "integer path and fallbacks", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    assert_scores_exact(what, &got, &want)?;
+    select_with_scratches(&dev, what, &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
+    Ok(())
+}
+
+/// The balanced decode kernel's integer tensor-core path and its fallbacks (one batch of 66
+/// queries, see [`integer_path_data`]).
+#[test]
+fn balanced_decode_integer_path_and_its_fallbacks_match_the_cpu() -> Result<()> {
+    decode_integer_path_case(43, 66, 700, "balanced: integer path and fallbacks")
+}
+
+/// The (token, chunk) grid kernel (decode batches below 64 queries; the bf16 path, its integer
+/// path was slower, docs/perf.md "Indexer round 8") on the same data: 7 queries and 5 with longer
+/// rows (every kind of token of [`integer_path_data`]).
+#[test]
+fn grid_decode_on_integer_path_data_matches_the_cpu() -> Result<()> {
+    decode_integer_path_case(44, 7, 700, "grid B=7 on integer-path data")?;
+    decode_integer_path_case(45, 5, 3000, "grid B=5 on integer-path data")
+}
+
+/// The prefill kernel (4 tokens per CTA sharing the keys: launches of >= 528 tokens without
+/// per-query bases; the bf16 path) on [`integer_path_data`]: 530 tokens (a last CTA with 2), causal ratio 2,
+/// H = 32 without a mask (the kernel compiled for it) and H = 7 with a consumer mask (its general
+/// form); scores bit-exact.
+#[test]
+fn prefill_on_integer_path_data_matches_the_cpu() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(46);
+    let (t, n, start) = (530usize, 650usize, 800usize);
+    for &(h, masked) in &[(32usize, false), (7, true)] {
+        let (q, w, keys) = integer_path_data(&mut rng, t, h, n)?;
+        let (cache, layout) = pack(&keys, 64, &dev)?;
+        let cpu = KeySource { entries: n, ..KeySource::sequence(IndexKeys::Rows(&keys), start, 2)? };
+        let gsrc = KeySource { entries: n, ..KeySource::sequence(IndexKeys::Packed { cache: &cache, layout }, start, 2)? };
+        let (block, n_keep) = (8usize, 40usize);
+        let (c_cpu, c_gpu) = random_candidates(&mut rng, t, n_keep, n.div_ceil(block), block, &dev)?;
+        let want = masked_index_scores(&q, &w, &cpu, masked.then_some(&c_cpu))?;
+        let what = format!("prefill H{h} masked {masked}");
+        let finite = bits(&want)?.iter().filter(|&&x| x & 0x7f80 != 0x7f80 && x & 0x7fff != 0).count();
+        ensure!(finite > if masked { t * 100 } else { t * 400 / 2 }, "{what}: {finite} finite nonzero scores");
+        poison(&dev, t * n)?;
+        let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, masked.then_some(&c_gpu))?;
+        assert_scores_exact(&what, &got, &want)?;
+    }
     Ok(())
 }
 

@@ -121,7 +121,7 @@ struct KeySlice<DSV41_INDEX_KEYS_MXFP4> {
     template <bool WIDE>
     __device__ __forceinline__ void expand(int c, uint32_t (&k)[16]) const {
         uint32_t sc, sc2;
-        scales(c, sc, sc2);
+        scales_for<WIDE>(c, sc, sc2);
 #pragma unroll
         for (int s = 0; s < 8; ++s) step<WIDE>(s, sc, sc2, k[2 * s], k[2 * s + 1]);
     }
