@@ -393,6 +393,52 @@ fn head_split_kernel_over_the_edge_cases() -> Result<()> {
 }
 
 #[test]
+fn head_split_ring_and_two_stage_loops_agree_bitwise() -> Result<()> {
+    // The head-split kernel's slot-ring loop (bf16 rows, the default) and its two-stage loop
+    // (DSV41_SPARSE_ATTENTION_RING=0, read per call) run the same products in the same orders:
+    // outputs and lse bitwise equal, over a B = 64 decode batch (lengths 0 / 1 / 129 / 511 / 512
+    // extra rows) and a 4096-index batch (fewer slots). (Another test running meanwhile may see
+    // the switch: it then runs the two-stage loop, which its own checks cover too.)
+    let dev = gpu();
+    let hs = SparseAttentionOptions { num_splits: None, kernel: SparseAttentionKernel::HeadSplit };
+    let cases: [(u64, usize, Vec<usize>, Vec<usize>, usize, usize); 2] = [
+        (110, 64, vec![128; 64], (0..64).map(|i| [512, 511, 129, 1, 0][i % 5]).collect(), 128, 512),
+        (111, 4, vec![2048, 1000, 0], vec![2048, 2048, 5], 2048, 2048),
+    ];
+    for (seed, h, wl, el, kw, kc) in cases {
+        let mut rng = Rng(seed);
+        let t = wl.len();
+        let (nw, nc) = (257usize, 1031usize);
+        let q = random_bf16(&mut rng, &[t, h, D], 1.5)?.to_device(&dev)?;
+        let kvw = random_bf16(&mut rng, &[nw, D], 1.0)?.to_device(&dev)?;
+        let kvc = random_bf16(&mut rng, &[nc, D], 1.0)?.to_device(&dev)?;
+        let iw = Tensor::from_vec(index_rows(&mut rng, &wl, kw, nw, 3), (t, kw), &dev)?;
+        let ic = Tensor::from_vec(index_rows(&mut rng, &el, kc, nc, 3), (t, kc), &dev)?;
+        let sink_v: Vec<f32> = (0..h).map(|_| 2.0 * rng.normal()).collect();
+        let sink = Tensor::new(sink_v.as_slice(), &dev)?;
+        let run = || -> Result<(Vec<bf16>, Vec<f32>)> {
+            let (o, l) = sparse_attention_two_source_with(&q, &kvw, &iw, &kvc, &ic, &sink, 0.05, hs)?;
+            Ok((o.flatten_all()?.to_vec1::<bf16>()?, l.flatten_all()?.to_vec1::<f32>()?))
+        };
+        let prev = std::env::var_os("DSV41_SPARSE_ATTENTION_RING");
+        std::env::remove_var("DSV41_SPARSE_ATTENTION_RING");
+        let ring = run();
+        std::env::set_var("DSV41_SPARSE_ATTENTION_RING", "0");
+        let two = run();
+        match prev {
+            Some(v) => std::env::set_var("DSV41_SPARSE_ATTENTION_RING", v),
+            None => std::env::remove_var("DSV41_SPARSE_ATTENTION_RING"),
+        }
+        let ((o1, l1), (o2, l2)) = (ring?, two?);
+        ensure!(o1.iter().all(|x| x.is_finite()), "seed {seed}: non-finite output");
+        let diff = o1.iter().zip(&o2).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        ensure!(diff == 0, "seed {seed}: {diff} of {} outputs differ between the ring and two-stage loops", o1.len());
+        ensure!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()), "seed {seed}: lse differs");
+    }
+    Ok(())
+}
+
+#[test]
 fn sink_changes_output_and_matches_lse_identity() -> Result<()> {
     // Negative control and identity: out(sink) = out(no sink) / (1 + e^{sink - lse}).
     let dev = gpu();
