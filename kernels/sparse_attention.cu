@@ -578,11 +578,11 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // read by the launches only).
     const char* pdl = getenv("DSV41_SPARSE_ATTENTION_PDL");
     const int no_pdl = pdl && pdl[0] == '0';
-    // DSV41_SPARSE_ATTENTION_RING=0: the head-split kernel's two-stage loop instead of the slot
-    // ring (comparison; mode bit 7, read by launch_head_split only).
+    // DSV41_SPARSE_ATTENTION_RING=1: the head-split kernel's slot-ring loop instead of the
+    // two-stage loop (experiment; mode bit 7, read by launch_head_split only).
     const char* rg = getenv("DSV41_SPARSE_ATTENTION_RING");
-    const int no_ring = rg && rg[0] == '0';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (no_pdl ? 64 : 0) | (no_ring ? 128 : 0);
+    const int ring = rg && rg[0] == '1';
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (no_pdl ? 64 : 0) | (ring ? 128 : 0);
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {

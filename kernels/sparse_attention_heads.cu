@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         if (j == 1) stamp(36);
         stage_scores(s, s_s, w, g, tq);
         consumer_sync();
-        softmax_tile(s_s, smem + SM_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den);
+        softmax_tile(s_s, smem + SM_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [](int, float) {});
         fence_proxy_async();  // the P^T tile is read by wgmma
         consumer_sync();
         // Rescale O by its heads' alpha, then O^T += V^T . P^T over all 4 k-steps (no run-time trip
@@ -288,11 +288,14 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const D
     float s[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    // S^T k-step ks (plane ks / 4) of the tile at `ts`.
-    auto s_step = [&](const TileSlots& ts, int ks) {
+    // S^T k-step ks (plane ks / 4) of the tile at `ts`; `z` (0 at run time) carries a data
+    // dependency on the softmax into the chunks issued inside it (ptxas would hoist them).
+    auto s_step = [&](const TileSlots& ts, int ks, uint32_t z) {
         const uint32_t sub = (ks & 3) * 32, pl = ks >> 2;
-        wg_m64n32k16<0, 0>(s, wg_desc(ts.addr(pl >> 1) + (pl & 1) * PLANE + sub, 16, 1024), wg_desc(sbase + SM_Q + pl * (HS * 128) + sub, 16, 1024));
+        wg_m64n32k16<0, 0>(s, wg_desc(ts.addr(pl >> 1) + (pl & 1) * PLANE + sub + z, 16, 1024),
+                           wg_desc(sbase + SM_Q + pl * (HS * 128) + sub, 16, 1024));
     };
+    const uint32_t zmask = static_cast<uint32_t>(mode) & 256u;  // never set: 0, unknown to ptxas
     TileSlots cur;
     cur.slots = slots, cur.bar_full = bar_full, cur.nslot = nslot;
     cur.locate(0);
@@ -307,7 +310,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const D
     wg_fence_regs<16>(s);
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) s_step(cur, ks);
+    for (int ks = 0; ks < D / 16; ++ks) s_step(cur, ks, 0);
     wg_commit();
     wg_wait_all();
     wg_fence_regs<16>(s);
@@ -315,60 +318,66 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const D
         const int nb = min(BLK, count - j * BLK);
         const bool more = j + 1 < ntiles;
         TileSlots nxt = cur;  // the last tile's "next" products read its own slots
-        if (more) nxt.locate(j + 1);
-        stage_scores(s, s_s, w, g, tq);
         if (more) {
+            nxt.advance();
 #pragma unroll
             for (int pr = 0; pr < 3; ++pr) mbar_wait(nxt.full(pr), nxt.parity(pr));
         }
-        fence_proxy_async();
+        fence_proxy_async();  // planes 0-5 of tile j + 1 are read by wgmma
+        stage_scores(s, s_s, w, g, tq);
         consumer_sync();
         if (j < 16) stamp(4 + j);
-        // S^T(j + 1), planes 0-5, in flight during the softmax.
+        // S^T(j + 1) over planes 0-5 in four chunks of 6 k-steps: one now, three inside the
+        // softmax (the issue of a wgmma stalls while ~5 are queued, so a chunk at a time).
         wg_fence_regs<16>(s);
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < 24; ++ks) s_step(nxt, ks);
-        wg_commit();
-        softmax_tile(s_s, smem + RG_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den);
+        for (int ks = 0; ks < 6; ++ks) s_step(nxt, ks, 0);
+        softmax_tile(s_s, smem + RG_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](int c, float v) {
+            const uint32_t z = __float_as_uint(v) & zmask;  // the softmax work so far precedes the chunk
+#pragma unroll
+            for (int ks = 6 * c; ks < 6 * c + 6; ++ks) s_step(nxt, ks, z);
+        });
         fence_proxy_async();  // the P^T tile is read by wgmma
         consumer_sync();
         if (j == 1) stamp(36);
+        // S^T(j + 1), planes 6-7, then one group for all of S^T(j + 1).
+        if (more) mbar_wait(nxt.full(3), nxt.parity(3));
+        fence_proxy_async();
+#pragma unroll
+        for (int ks = 24; ks < 32; ++ks) s_step(nxt, ks, 0);
+        wg_commit();
         rescale_o(o, alpha_s, tq);
         wg_fence_regs<128>(o);
         wg_fence();
-        // P.V(j): four groups of two m-blocks (m-block mb reads plane mb only).
+        // P.V(j): four groups of two m-blocks (m-block mb reads plane mb only); each slot of tile
+        // j goes back as its group completes (this warp's products; one arrival per warp). Pending
+        // groups, oldest first: S^T(j + 1), PV 0, PV 1, ...
+        auto pv_group = [&](int pr) {
 #pragma unroll
-        for (int pr = 0; pr < 4; ++pr) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int mb = 2 * pr + h;
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int kk = 0; kk < BLK / 16; ++kk)
-                    wg_m64n32k16<1, 0>(o + 16 * mb, wg_desc(cur.addr(pr) + h * PLANE + kk * 16 * 128, PLANE, 1024),
+                    wg_m64n32k16<1, 0>(o + 16 * (2 * pr + h), wg_desc(cur.addr(pr) + h * PLANE + kk * 16 * 128, PLANE, 1024),
                                        wg_desc(sbase + RG_P + kk * 32, 16, 1024));
-            }
             wg_commit();
-        }
-        // S^T(j + 1), planes 6-7.
-        if (more) mbar_wait(nxt.full(3), nxt.parity(3));
-        fence_proxy_async();
-        wg_fence();
-#pragma unroll
-        for (int ks = 24; ks < 32; ++ks) s_step(nxt, ks);
-        wg_commit();
-        if (j == 1) stamp(37);
-        // Pending groups, oldest first: S(0-5), PV pairs 0-3, S(6-7). Hand back each slot of tile
-        // j as its P.V group completes (this warp's products; one arrival per warp).
-        wg_wait<4>();
-        if (lane == 0) mbar_arrive(cur.full(0) + 8 * MAX_SLOTS);
-        wg_wait<3>();
-        if (lane == 0) mbar_arrive(cur.full(1) + 8 * MAX_SLOTS);
-        wg_wait<2>();
-        if (lane == 0) mbar_arrive(cur.full(2) + 8 * MAX_SLOTS);
+        };
+        auto hand_back = [&](int pr) {
+            if (lane == 0) mbar_arrive(cur.full(pr) + 8 * MAX_SLOTS);
+        };
+        pv_group(0);
+        pv_group(1);
         wg_wait<1>();
-        if (lane == 0) mbar_arrive(cur.full(3) + 8 * MAX_SLOTS);
+        hand_back(0);
+        pv_group(2);
+        wg_wait<1>();
+        hand_back(1);
+        pv_group(3);
+        if (j == 1) stamp(37);
+        wg_wait<1>();
+        hand_back(2);
         wg_wait<0>();
+        hand_back(3);
         wg_fence_regs<128>(o);
         wg_fence_regs<16>(s);
         cur = nxt;
@@ -409,11 +418,12 @@ void print_trace(cudaStream_t stream, int dev, bool ring) {
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
-    // The ring kernel for bf16 rows where at least MIN_SLOTS slots fit (mode bit 7: the two-stage
-    // kernel, comparison); packed rows take the two-stage kernel (its producer expands whole tiles).
+    // The ring kernel (mode bit 7, DSV41_SPARSE_ATTENTION_RING=1: an experiment) for bf16 rows where
+    // at least MIN_SLOTS slots fit; otherwise the two-stage kernel (packed rows always: its producer
+    // expands whole tiles).
     const bool bf16_rows = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
     const int nslot = min(MAX_SLOTS, (max_smem - ring_offset(ktot)) / SLOTB);
-    const bool ring = bf16_rows && !(mode & 128) && nslot >= MIN_SLOTS;
+    const bool ring = bf16_rows && (mode & 128) && nslot >= MIN_SLOTS;
     const size_t smem = ring ? static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB
                              : SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;

@@ -41,8 +41,11 @@ __device__ __forceinline__ void stage_scores(float (&s)[16], float* s_s, int w, 
 // past the tile's end (nb valid rows), tile max (the head's 4 lanes), m_new, bf16 p -> Pᵀ
 // [head][row] (two 16-byte stores into the 128-byte-swizzled tile at p_tile), the denominator,
 // alpha = e^{m_old - m_new} -> alpha_s[hw] (lanes l % 4 = 0). The caller fences and syncs.
+// `hook(i, v)` (i = 1, 2, 3) runs after the max, after half of the exponentials and after all of
+// them (v: a value computed by then); the ring kernel issues its next tile's products there.
+template <class Hook>
 __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_tile, float* alpha_s, float scale, int nb, int hw,
-                                             int rq, int lane, float& m_run, float& den) {
+                                             int rq, int lane, float& m_run, float& den, Hook hook) {
     float x[16];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -57,6 +60,7 @@ __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    hook(1, mx);
     const float mn = fmaxf(m_run, mx);
     const float alpha = expf(m_run - mn);
     m_run = mn;
@@ -64,11 +68,13 @@ __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_
     uint32_t pk[8];
 #pragma unroll
     for (int k = 0; k < 16; k += 2) {
+        if (k == 8) hook(2, sum);
         const float e0 = expf(x[k] - mn), e1 = expf(x[k + 1] - mn);
         sum += e0;
         sum += e1;
         pk[k >> 1] = pack_bf16x2_rn(e0, e1);
     }
+    hook(3, sum);
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     den = __fadd_rn(__fmul_rn(den, alpha), sum);
@@ -150,6 +156,10 @@ struct TileSlots {
     uint32_t slots, bar_full;
     int nslot;
     __device__ __forceinline__ void locate(int k) { s0 = (4 * k) % nslot, u0 = (4 * k) / nslot; }
+    __device__ __forceinline__ void advance() {  // to the next tile (4 positions on)
+        s0 += 4;
+        if (s0 >= nslot) s0 -= nslot, ++u0;
+    }
     __device__ __forceinline__ int slot(int pr) const { return s0 + pr < nslot ? s0 + pr : s0 + pr - nslot; }
     __device__ __forceinline__ uint32_t addr(int pr) const { return slots + static_cast<uint32_t>(slot(pr)) * (2 * PLANE); }
     __device__ __forceinline__ uint32_t full(int pr) const { return bar_full + 8 * slot(pr); }
