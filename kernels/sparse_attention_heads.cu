@@ -25,17 +25,19 @@
 //      O^T [512 dims, 32 heads] += V^T . P^T: per 16 rows 8 x m64n32k16 (A = the row tile read
 //        MN-major: dims are its M dimension, 64-dim planes; B = P^T), 128 f32 accumulators per
 //        thread: o[16 mb + 4 i + c] = dim 64 mb + 16 w + g + 8 (c / 2), head 8 i + 2 tq + c % 2.
-//      Two-stage kernel (packed rows, or DSV41_SPARSE_ATTENTION_RING=0): then the stage goes back
-//        to the producer, which meanwhile gathered tile j + 1 into the other stage (two 64 KB
-//        stages: q, the stages, P^T and S^T take ~180 KB; a third does not fit, so the softmax
-//        does not overlap the products).
-//      Ring kernel (bf16 rows, the default; head_split_ring_kernel below): the rows live in a
-//        ring of 8-11 slots of two 64-dim planes (16 KB) placed after the index entries (11 at
-//        640 indices: 2.75 tiles), each with its own full / empty mbarrier, so tile j + 1 is
-//        resident while tile j is consumed and S^T(j + 1) over its planes 0-5 runs on the tensor
-//        cores during softmax(j); P.V(j) is issued as four groups of two m-blocks (m-block mb
-//        reads plane mb only) and each slot goes back as its group completes, so the producer
-//        refills a slot ~1 us earlier. Same products and orders: bitwise the two-stage result.
+//      Then the stage goes back to the producer, which meanwhile gathered tile j + 1 into the
+//        other stage (two 64 KB stages: q, the stages, P^T and S^T take ~180 KB; a third does
+//        not fit, so the softmax does not overlap the products).
+//      Ring kernel (experiment, bf16 rows, DSV41_SPARSE_ATTENTION_RING=1; head_split_ring_kernel
+//        below, docs/perf.md "Round 9"): the rows live in a ring of 8-11 slots of two 64-dim
+//        planes (16 KB) after the index entries (11 at 640 indices: 2.75 tiles), each slot with
+//        its own full / empty mbarrier, so tile j + 1 is resident while tile j is consumed:
+//        S^T(j + 1) is issued in chunks inside softmax(j), P.V(j) as four groups of two m-blocks
+//        whose slots go back as each group completes. Same products and orders: bitwise the
+//        two-stage result. Measured slower standalone (tiles 1.8 vs 1.6 us: the softmax does not
+//        overlap the N = 32 products within one warpgroup) but ~4.5 us faster in-stream behind
+//        the top-k (not understood; DSV41_SPARSE_ATTENTION_PAD=1 asks the same shared memory for
+//        the two-stage kernel to tell whether the footprint explains it, not measured yet).
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
@@ -240,17 +242,20 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     stamp(3);
 }
 
-// The ring kernel (bf16 rows): the row tiles in a ring of nslot (MIN_SLOTS .. MAX_SLOTS) slots of
-// two planes (include/dsv41_sparse_attention_heads.cuh: TileSlots, produce_ring), so that tile
-// j + 1 is resident while tile j is consumed and the producer still has 3 / 4 of a tile in
-// flight. Per tile j (S^T of tile j complete on entry):
-//   stage S^T(j) | [wait for planes 0-5 of tile j + 1] barrier | issue S^T(j + 1) over planes
-//   0-5 | softmax(j) (overlaps those products) | barrier | rescale O, issue P.V(j) as four groups
-//   of two m-blocks (m-block mb reads only plane mb of tile j) | [wait for planes 6-7 of tile
-//   j + 1] issue S^T(j + 1) over them | as each P.V group completes, hand its slot back.
+// The ring kernel (experiment, bf16 rows, DSV41_SPARSE_ATTENTION_RING=1): the row tiles in a ring
+// of nslot (MIN_SLOTS .. MAX_SLOTS) slots of two planes (include/dsv41_sparse_attention_heads.cuh:
+// TileSlots, produce_ring), so that tile j + 1 is resident while tile j is consumed and the
+// producer still has 3 / 4 of a tile in flight. Per tile j (S^T of tile j complete on entry):
+//   [wait for planes 0-5 of tile j + 1] stage S^T(j), barrier | S^T(j + 1) over planes 0-5 in
+//   four chunks of 6 k-steps, one before and three inside softmax(j) (a wgmma issue stalls while
+//   ~5 are queued; a zero that ptxas cannot prove carries a data dependency on the softmax into
+//   each chunk, or ptxas hoists them) | barrier | [wait for planes 6-7 of tile j + 1] S^T(j + 1)
+//   over them | rescale O, P.V(j) as four groups of two m-blocks (m-block mb reads only plane mb
+//   of tile j), each slot of tile j handed back as its group completes.
 // The last tile issues its "next" S^T on its own slots (results unused), so no product is
 // conditional (ptxas would serialize them). Same products, same orders and the same softmax as
-// the two-stage kernel: the outputs are bitwise the same.
+// the two-stage kernel: the outputs are bitwise the same (test
+// head_split_ring_and_two_stage_loops_agree_bitwise). Measured: docs/perf.md "Round 9".
 __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -427,6 +432,8 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     const size_t smem = ring ? static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB
                              : SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
+    // Mode bit 9 (DSV41_SPARSE_ATTENTION_PAD=1, experiment): the two-stage kernel asks for all of it.
+    const size_t smem_launch = (mode & 512) && !ring ? static_cast<size_t>(max_smem) : smem;
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
         cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
@@ -437,7 +444,7 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1);
     cfg.blockDim = dim3(THREADS_ALL, 1, 1);
-    cfg.dynamicSmemBytes = smem;
+    cfg.dynamicSmemBytes = smem_launch;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -7,7 +7,8 @@
 //! blocks), i64 and i32 indices, forced KV splits 1, 2, 3, 5 and 8 (split boundaries inside
 //! and between the sources, empty splits), the 4096-index limit, and a batch of 264 tokens (the
 //! prefill configuration: one CTA per token). The head-split kernel (32 heads per CTA, no split)
-//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too).
+//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too); its
+//! slot-ring loop (an opt-in experiment) must match its two-stage loop bit for bit.
 //! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot
 //! products and of the tensor-core sums differs, which can flip a bf16-rounded probability;
 //! those stay within 2^-7 of the row's largest magnitude) of the crate reference for one split,
