@@ -7,8 +7,8 @@
 //! blocks), i64 and i32 indices, forced KV splits 1, 2, 3, 5 and 8 (split boundaries inside
 //! and between the sources, empty splits), the 4096-index limit, and a batch of 264 tokens (the
 //! prefill configuration: one CTA per token). The head-split kernel (32 heads per CTA, no split)
-//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too); its
-//! slot-ring loop (an opt-in experiment) must match its two-stage loop bit for bit.
+//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too). (Its
+//! slot-ring loop, an opt-in experiment, is compared with it in tests/cuda_sparse_attention_ring.rs.)
 //! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot
 //! products and of the tensor-core sums differs, which can flip a bf16-rounded probability;
 //! those stay within 2^-7 of the row's largest magnitude) of the crate reference for one split,
@@ -37,27 +37,9 @@ fn gpu() -> Device {
 #[allow(dead_code)]
 mod rng;
 use rng::Rng;
-
-fn random_bf16(rng: &mut Rng, shape: &[usize], amp: f32) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<bf16> = (0..n).map(|_| bf16::from_f32(amp * rng.normal())).collect();
-    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
-}
-
-/// `[T, K]` index rows: token t has `lens[t]` valid entries (random rows of `0..n`, some
-/// duplicated) followed by −1 padding, with `holes` of its valid slots replaced by −1.
-fn index_rows(rng: &mut Rng, lens: &[usize], k: usize, n: usize, holes: usize) -> Vec<i64> {
-    let mut v = vec![-1i64; lens.len() * k];
-    for (t, &len) in lens.iter().enumerate() {
-        for j in 0..len {
-            v[t * k + j] = if j > 0 && rng.below(16) == 0 { v[t * k + j - 1] } else { rng.below(n) as i64 };
-        }
-        for _ in 0..holes.min(len) {
-            v[t * k + rng.below(len)] = -1;
-        }
-    }
-    v
-}
+#[path = "support/sparse_attention_data.rs"]
+mod sparse_attention_data;
+use sparse_attention_data::{index_rows, random_bf16};
 
 /// Allocates and frees NaN buffers of the outputs' sizes so the op's fresh (uninitialized)
 /// outputs likely reuse NaN memory: an element the kernel fails to write shows up as NaN.
@@ -391,52 +373,6 @@ fn head_split_kernel_over_the_edge_cases() -> Result<()> {
     let (win, extra) = (&[2048usize, 1000, 0][..], &[2048usize, 2048, 5][..]);
     run_case(&Case { seed: 108, h: 4, win_lens: win, extra_lens: extra, kw: 2048, kc: 2048, holes: 30, kernel: hs, ..Case::default() })?;
     run_case(&Case { seed: 109, kernel: SparseAttentionKernel::AllHeads, ..Case::default() })
-}
-
-#[test]
-fn head_split_ring_and_two_stage_loops_agree_bitwise() -> Result<()> {
-    // The head-split kernel's slot-ring loop (bf16 rows, DSV41_SPARSE_ATTENTION_RING=1, read per
-    // call; an experiment) and its two-stage loop (the default) run the same products in the same orders:
-    // outputs and lse bitwise equal, over a B = 64 decode batch (lengths 0 / 1 / 129 / 511 / 512
-    // extra rows) and a 4096-index batch (fewer slots). (Another test running meanwhile may see
-    // the switch: it then runs the two-stage loop, which its own checks cover too.)
-    let dev = gpu();
-    let hs = SparseAttentionOptions { num_splits: None, kernel: SparseAttentionKernel::HeadSplit };
-    let cases: [(u64, usize, Vec<usize>, Vec<usize>, usize, usize); 2] = [
-        (110, 64, vec![128; 64], (0..64).map(|i| [512, 511, 129, 1, 0][i % 5]).collect(), 128, 512),
-        (111, 4, vec![2048, 1000, 0], vec![2048, 2048, 5], 2048, 2048),
-    ];
-    for (seed, h, wl, el, kw, kc) in cases {
-        let mut rng = Rng(seed);
-        let t = wl.len();
-        let (nw, nc) = (257usize, 1031usize);
-        let q = random_bf16(&mut rng, &[t, h, D], 1.5)?.to_device(&dev)?;
-        let kvw = random_bf16(&mut rng, &[nw, D], 1.0)?.to_device(&dev)?;
-        let kvc = random_bf16(&mut rng, &[nc, D], 1.0)?.to_device(&dev)?;
-        let iw = Tensor::from_vec(index_rows(&mut rng, &wl, kw, nw, 3), (t, kw), &dev)?;
-        let ic = Tensor::from_vec(index_rows(&mut rng, &el, kc, nc, 3), (t, kc), &dev)?;
-        let sink_v: Vec<f32> = (0..h).map(|_| 2.0 * rng.normal()).collect();
-        let sink = Tensor::new(sink_v.as_slice(), &dev)?;
-        let run = || -> Result<(Vec<bf16>, Vec<f32>)> {
-            let (o, l) = sparse_attention_two_source_with(&q, &kvw, &iw, &kvc, &ic, &sink, 0.05, hs)?;
-            Ok((o.flatten_all()?.to_vec1::<bf16>()?, l.flatten_all()?.to_vec1::<f32>()?))
-        };
-        let prev = std::env::var_os("DSV41_SPARSE_ATTENTION_RING");
-        std::env::set_var("DSV41_SPARSE_ATTENTION_RING", "1");
-        let ring = run();
-        std::env::set_var("DSV41_SPARSE_ATTENTION_RING", "0");
-        let two = run();
-        match prev {
-            Some(v) => std::env::set_var("DSV41_SPARSE_ATTENTION_RING", v),
-            None => std::env::remove_var("DSV41_SPARSE_ATTENTION_RING"),
-        }
-        let ((o1, l1), (o2, l2)) = (ring?, two?);
-        ensure!(o1.iter().all(|x| x.is_finite()), "seed {seed}: non-finite output");
-        let diff = o1.iter().zip(&o2).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-        ensure!(diff == 0, "seed {seed}: {diff} of {} outputs differ between the ring and two-stage loops", o1.len());
-        ensure!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()), "seed {seed}: lse differs");
-    }
-    Ok(())
 }
 
 #[test]
