@@ -578,7 +578,17 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // read by the launches only).
     const char* pdl = getenv("DSV41_SPARSE_ATTENTION_PDL");
     const int no_pdl = pdl && pdl[0] == '0';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (no_pdl ? 64 : 0);
+    // DSV41_SPARSE_ATTENTION_RING=1: the head-split kernel's slot-ring loop instead of the
+    // two-stage loop (experiment; mode bit 7, read by launch_head_split only).
+    const char* rg = getenv("DSV41_SPARSE_ATTENTION_RING");
+    const int ring = rg && rg[0] == '1';
+    // DSV41_SPARSE_ATTENTION_PAD=1: the head-split two-stage kernel asks for the whole shared memory
+    // (227 KB, as the ring kernel) instead of the ~176 KB it uses (experiment, not measured yet:
+    // in-stream behind the top-k the ring kernel ran ~4.5 us faster, see docs/perf.md "Round 9";
+    // mode bit 9, read by launch_head_split only).
+    const char* pad = getenv("DSV41_SPARSE_ATTENTION_PAD");
+    const int pad_smem = pad && pad[0] == '1';
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (no_pdl ? 64 : 0) | (ring ? 128 : 0) | (pad_smem ? 512 : 0);
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {

@@ -28,6 +28,16 @@
 //      Then the stage goes back to the producer, which meanwhile gathered tile j + 1 into the
 //        other stage (two 64 KB stages: q, the stages, P^T and S^T take ~180 KB; a third does
 //        not fit, so the softmax does not overlap the products).
+//      Ring kernel (experiment, bf16 rows, DSV41_SPARSE_ATTENTION_RING=1; head_split_ring_kernel
+//        below, docs/perf.md "Round 9"): the rows live in a ring of 8-11 slots of two 64-dim
+//        planes (16 KB) after the index entries (11 at 640 indices: 2.75 tiles), each slot with
+//        its own full / empty mbarrier, so tile j + 1 is resident while tile j is consumed:
+//        S^T(j + 1) is issued in chunks inside softmax(j), P.V(j) as four groups of two m-blocks
+//        whose slots go back as each group completes. Same products and orders: bitwise the
+//        two-stage result. Measured slower standalone (tiles 1.8 vs 1.6 us: the softmax does not
+//        overlap the N = 32 products within one warpgroup) but ~4.5 us faster in-stream behind
+//        the top-k (not understood; DSV41_SPARSE_ATTENTION_PAD=1 asks the same shared memory for
+//        the two-stage kernel to tell whether the footprint explains it, not measured yet).
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
@@ -55,22 +65,17 @@
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_sparse_attention.h"
 #include "include/dsv41_sparse_attention_common.cuh"
+#include "include/dsv41_sparse_attention_heads.cuh"
 
 namespace dsv41_sa {
 namespace heads {
 
 using namespace dsv41_ptx;
 
-constexpr int HS = 32;        // heads per CTA
-constexpr int CONSUMERS = 128;  // warpgroup 0; warpgroup 1 produces
-constexpr int THREADS_ALL = CONSUMERS + PROD_THREADS;
-static_assert(THREADS_ALL == IDX_THREADS, "every thread compacts the indices");
-
-// Shared memory map (bytes).
+// Shared memory map of the two-stage kernel (bytes).
 constexpr int SM_Q = 0;                        // bf16 [8 planes][32 heads][128 B]
 constexpr int SM_K = SM_Q + HS * D * 2;        // bf16 [2 stages][64 rows][512] (epilogue: bf16 out rows [32][OUT_STRIDE])
 constexpr int SM_P = SM_K + 2 * TILEB;         // bf16 [32 heads][64 rows], 128-byte swizzle
-constexpr int SP = BLK + 4;                    // row stride (f32) of the S^T staging tile
 constexpr int SM_S = SM_P + HS * BLK * 2;      // f32 [32 heads][SP]: S^T of a tile (softmax input)
 constexpr int SM_ALPHA = SM_S + HS * SP * 4;   // f32 [32 heads]: e^{m_old - m_new} of the tile
 constexpr int SM_FAC = SM_ALPHA + HS * 4;      // f32 [32 heads]: epilogue factors
@@ -79,25 +84,68 @@ constexpr int SM_CNT = SM_SINK + HS * 4;       // i32 [MAX_ROUNDS * 8] per-warp 
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
 constexpr int SM_BAR = SM_TOTAL + 16;          // u64 [4]: full[2], empty[2]
 constexpr int SM_ENT = SM_BAR + 32;            // u32 [valid rows]
-constexpr int OUT_STRIDE = D * 2 + 16;         // padded bf16 out row (conflict-free pair stores)
 static_assert(SM_K % 1024 == 0 && SM_P % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 static_assert(HS * OUT_STRIDE <= 2 * TILEB, "out rows fit the stages");
 
+// Shared memory map of the ring kernel (bytes): the same pieces without the stages, then the
+// slot ring after the index entries (its offset and slot count depend on the index count).
+constexpr int RG_P = SM_Q + HS * D * 2;        // bf16 [32 heads][64 rows], 128-byte swizzle
+constexpr int RG_S = RG_P + HS * BLK * 2;      // f32 [32 heads][SP]
+constexpr int RG_ALPHA = RG_S + HS * SP * 4;   // f32 [32 heads]
+constexpr int RG_FAC = RG_ALPHA + HS * 4;      // f32 [32 heads]
+constexpr int RG_SINK = RG_FAC + HS * 4;       // f32 [32 heads]
+constexpr int RG_CNT = RG_SINK + HS * 4;       // i32 [MAX_ROUNDS * 8]
+constexpr int RG_TOTAL = RG_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
+constexpr int MAX_SLOTS = 11;                  // 22 planes = 2.75 tiles
+constexpr int MIN_SLOTS = 8;                   // two whole tiles (tile j + 1 while tile j is consumed)
+constexpr int RG_BAR = RG_TOTAL + 16;          // u64 [MAX_SLOTS] full, then u64 [MAX_SLOTS] empty
+constexpr int RG_ENT = RG_BAR + 16 * MAX_SLOTS;  // u32 [valid rows]
+constexpr int SLOTB = 2 * PLANE;               // bytes per slot
+static_assert(RG_P % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
+static_assert(HS * OUT_STRIDE <= MIN_SLOTS * SLOTB, "out rows fit the slots");
+// Offset of the slot ring for ktot index entries (1024-byte aligned).
+__host__ __device__ constexpr int ring_offset(int ktot) { return (RG_ENT + 4 * (ktot > 0 ? ktot : 1) + 1023) / 1024 * 1024; }
+
 constexpr int TRACE_SLOTS = 40;
 // Phase timestamps of CTA (0, 0), thread 0: [0] start, [1] indices loaded, [2] compaction done,
-// [3] end, [4 + j] rows of tile j arrived, [20 + j] tile j done (j < 16); tile 1: [36] S^T
-// done, [37] softmax done (P^T written).
+// [3] end, [20 + j] tile j done (j < 16); two-stage kernel: [4 + j] rows of tile j arrived, tile
+// 1: [36] S^T done, [37] softmax done (P^T written); ring kernel: [4 + j] tile j's scores staged
+// and the next tile's first six planes in, tile 1: [36] softmax done, [37] products issued.
 __device__ long long g_trace_heads[TRACE_SLOTS];
 
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
+// The prologue of both kernels (all threads): the mbarriers (nbar full ones with PROD_THREADS
+// arrivals at bar_full, as many empty ones with one arrival per consumer warp at bar_empty), the
+// index compaction into ent_s while the consumers copy q and the sink. Returns the valid count.
+// `stamp(1)` marks the indices loaded.
+template <class Stamp>
+__device__ __forceinline__ int prologue(const Dsv41SparseAttentionParams& p, unsigned char* smem, uint32_t sbase, int cnt_off,
+                                        int total_off, int ent_off, uint32_t bar_full, uint32_t bar_empty, int nbar, int sink_off,
+                                        int t, int h0, int nh, int tid, int lane, int warp, bool consumer, Stamp stamp) {
+    int* cnt_s = reinterpret_cast<int*>(smem + cnt_off);
+    int* total_s = reinterpret_cast<int*>(smem + total_off);
+    if (tid < nbar) {
+        mbar_init(bar_full + 8 * tid, PROD_THREADS);  // one arrival per producer thread
+        mbar_init(bar_empty + 8 * tid, CONSUMERS / 32);  // one arrival per consumer warp
+    }
+    // Indices (all threads); q and the sink (consumers) while the index loads are in flight.
+    ValidIndices vi;
+    vi.load_and_count(p, t, tid, cnt_s, [&]() {
+        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + sink_off);
+    });
+    __syncthreads();
+    stamp(1);
+    if (warp == 0) vi.scan(cnt_s, total_s, lane);
+    __syncthreads();
+    const int count = *total_s;
+    vi.store(cnt_s, reinterpret_cast<uint32_t*>(smem + ent_off), 0, count, tid);
+    __syncthreads();
+    return count;
+}
 
 __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
     if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
-    int* cnt_s = reinterpret_cast<int*>(smem + SM_CNT);
-    int* total_s = reinterpret_cast<int*>(smem + SM_TOTAL);
-    uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
     const uint32_t bar_full = sbase + SM_BAR, bar_empty = sbase + SM_BAR + 16;
     // (The warp index through a shuffle: the compiler then knows the role branch is warp-uniform
     // and keeps the wgmma products of the consumer path asynchronous.)
@@ -115,34 +163,18 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
     stamp(0);
-    if (tid == 0) {
-        mbar_init(bar_full, PROD_THREADS);  // one arrival per producer thread
-        mbar_init(bar_full + 8, PROD_THREADS);
-        mbar_init(bar_empty, CONSUMERS / 32);  // one arrival per consumer warp
-        mbar_init(bar_empty + 8, CONSUMERS / 32);
-    }
-    // 1. Indices (all threads); q and the sink (consumers) while the index loads are in flight.
-    ValidIndices vi;
-    vi.load_and_count(p, t, tid, cnt_s, [&]() {
-        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK);
-    });
-    __syncthreads();
-    stamp(1);
-    if (warp == 0) vi.scan(cnt_s, total_s, lane);
-    __syncthreads();
-    const int count = *total_s;
-    vi.store(cnt_s, ent_s, 0, count, tid);
-    __syncthreads();
+    const int count = prologue(p, smem, sbase, SM_CNT, SM_TOTAL, SM_ENT, bar_full, bar_empty, 2, SM_SINK, t, h0, nh, tid, lane, warp, consumer, stamp);
     const int ntiles = (count + BLK - 1) / BLK;
     if (!consumer) {
-        produce_tiles(p, sbase + SM_K, ent_s, count, bar_full, bar_empty, tid - CONSUMERS, skip_gather);
+        produce_tiles(p, sbase + SM_K, reinterpret_cast<const uint32_t*>(smem + SM_ENT), count, bar_full, bar_empty, tid - CONSUMERS,
+                      skip_gather);
         return;
     }
     stamp(2);
 
-    // 2. Consumer warpgroup. Products: thread (g, tq) of warp w holds S^T / O^T fragments of
-    // heads 8 i + 2 tq (+1), i = 0..3. Softmax: lane l of warp w owns head hw = 8 w + l / 4 over
-    // rows rq = 16 (l % 4) .. +16 of each tile (its 4 lanes agree on m_run and den).
+    // Consumer warpgroup. Products: thread (g, tq) of warp w holds S^T / O^T fragments of heads
+    // 8 i + 2 tq (+1), i = 0..3. Softmax: lane l of warp w owns head hw = 8 w + l / 4 over rows
+    // rq = 16 (l % 4) .. +16 of each tile (its 4 lanes agree on m_run and den).
     const int g = lane >> 2, tq = lane & 3, w = warp;
     const int hw = 8 * w + (lane >> 2), rq = 16 * (lane & 3);
     float* s_s = reinterpret_cast<float*>(smem + SM_S);
@@ -180,65 +212,16 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         wg_wait_all();
         wg_fence_regs<16>(s);
         if (j == 1) stamp(36);
-        // S^T -> shared [head][row] (conflict-free: the row stride is 4 banks off per head).
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                s_s[(8 * i + 2 * tq + (c & 1)) * SP + 16 * w + g + 8 * (c >> 1)] = s[4 * i + c];
-                s[4 * i + c] = 0.f;
-            }
+        stage_scores(s, s_s, w, g, tq);
         consumer_sync();
-        // Head hw over rows rq .. +16: scale, mask rows past the tile's end, tile max (the 4
-        // lanes of the head), m_new, bf16 p -> P^T [head][row] (two 16-byte stores), denominator.
-        float x[16];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 v = *reinterpret_cast<const float4*>(s_s + hw * SP + rq + 4 * k);
-            x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            x[k] = rq + k < nb ? __fmul_rn(p.scale, x[k]) : -INFINITY;
-            mx = fmaxf(mx, x[k]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m_run, mx);
-        const float alpha = expf(m_run - mn);
-        m_run = mn;
-        float sum = 0.f;
-        uint32_t pk[8];
-#pragma unroll
-        for (int k = 0; k < 16; k += 2) {
-            const float e0 = expf(x[k] - mn), e1 = expf(x[k + 1] - mn);
-            sum += e0;
-            sum += e1;
-            pk[k >> 1] = pack_bf16x2_rn(e0, e1);
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        den = __fadd_rn(__fmul_rn(den, alpha), sum);
-        *reinterpret_cast<uint4*>(smem + SM_P + sw128(hw, rq >> 3)) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-        *reinterpret_cast<uint4*>(smem + SM_P + sw128(hw, (rq >> 3) + 1)) = make_uint4(pk[4], pk[5], pk[6], pk[7]);
-        if ((lane & 3) == 0) alpha_s[hw] = alpha;
+        softmax_tile(s_s, smem + SM_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [](int, float) {});
         fence_proxy_async();  // the P^T tile is read by wgmma
         consumer_sync();
         // Rescale O by its heads' alpha, then O^T += V^T . P^T over all 4 k-steps (no run-time trip
         // count: ptxas keeps the products asynchronous; rows past the tile's end have p = 0 and
         // zero-filled rows).
         if (j == 1) stamp(37);
-        float al[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 a2 = *reinterpret_cast<const float2*>(alpha_s + 8 * i + 2 * tq);
-            al[2 * i] = a2.x, al[2 * i + 1] = a2.y;
-        }
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-            for (int c = 0; c < 16; ++c) o[16 * mb + c] *= al[2 * (c >> 2) + (c & 1)];
+        rescale_o(o, alpha_s, tq);
         wg_fence_regs<128>(o);
         wg_fence();
 #pragma unroll
@@ -254,73 +237,184 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         if (lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
         if (j < 16) stamp(20 + j);
     }
+    epilogue(p, o, m_run, den, reinterpret_cast<const float*>(smem + SM_SINK), reinterpret_cast<float*>(smem + SM_FAC), smem + SM_K,
+             sbase + SM_K, t, h0, nh, count, hw, lane, w, tid);
+    stamp(3);
+}
 
-    // 3. Epilogue: per head the factor 1 / (den + e^{sink - m}) and the lse (lanes l % 4 = 0),
-    // as the all-heads kernel's merge with one split (bitwise the same factor for the same m, den).
-    cp_async_wait_all();  // the q copies are still in flight when there is no row
-    consumer_sync();  // the sink landed for every thread
-    float* fac_s = reinterpret_cast<float*>(smem + SM_FAC);
-    if ((lane & 3) == 0) {
-        const float big = fmaxf(M_FLOOR, m_run);
-        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
-        const float dall = __fadd_rn(wsum, expf(reinterpret_cast<const float*>(smem + SM_SINK)[hw] - big));
-        const bool ok = dall > 0.f && isfinite(dall);
-        fac_s[hw] = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
-        if (hw < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hw] = count > 0 ? big + logf(wsum) : -INFINITY;
+// The ring kernel (experiment, bf16 rows, DSV41_SPARSE_ATTENTION_RING=1): the row tiles in a ring
+// of nslot (MIN_SLOTS .. MAX_SLOTS) slots of two planes (include/dsv41_sparse_attention_heads.cuh:
+// TileSlots, produce_ring), so that tile j + 1 is resident while tile j is consumed and the
+// producer still has 3 / 4 of a tile in flight. Per tile j (S^T of tile j complete on entry):
+//   [wait for planes 0-5 of tile j + 1] stage S^T(j), barrier | S^T(j + 1) over planes 0-5 in
+//   four chunks of 6 k-steps, one before and three inside softmax(j) (a wgmma issue stalls while
+//   ~5 are queued; a zero that ptxas cannot prove carries a data dependency on the softmax into
+//   each chunk, or ptxas hoists them) | barrier | [wait for planes 6-7 of tile j + 1] S^T(j + 1)
+//   over them | rescale O, P.V(j) as four groups of two m-blocks (m-block mb reads only plane mb
+//   of tile j), each slot of tile j handed back as its group completes.
+// The last tile issues its "next" S^T on its own slots (results unused), so no product is
+// conditional (ptxas would serialize them). Same products, same orders and the same softmax as
+// the two-stage kernel: the outputs are bitwise the same (test
+// head_split_ring_and_two_stage_loops_agree_bitwise). Measured: docs/perf.md "Round 9".
+__global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sbase = smem_addr(smem);
+    if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
+    const uint32_t bar_full = sbase + RG_BAR, bar_empty = sbase + RG_BAR + 8 * MAX_SLOTS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const bool consumer = warp < CONSUMERS / 32;
+    const int t = blockIdx.x, h0 = blockIdx.y * HS;
+    const int nh = min(HS, p.num_heads - h0);
+    const bool skip_gather = mode & 4;
+    const bool tracer = (mode & 1) && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0;
+    auto stamp = [&](int slot) {
+        if (tracer) g_trace_heads[slot] = clock64();
+    };
+    const uint32_t slots = sbase + ring_offset(p.kw + p.kc);
+    grid_dep_wait();  // everything below may read what the previous kernel wrote
+    grid_dep_launch();
+    stamp(0);
+    const int count = prologue(p, smem, sbase, RG_CNT, RG_TOTAL, RG_ENT, bar_full, bar_empty, nslot, RG_SINK, t, h0, nh, tid, lane, warp, consumer, stamp);
+    const int ntiles = (count + BLK - 1) / BLK;
+    if (!consumer) {
+        produce_ring(p, slots, nslot, reinterpret_cast<const uint32_t*>(smem + RG_ENT), count, bar_full, bar_empty, tid - CONSUMERS,
+                     skip_gather);
+        return;
     }
+    stamp(2);
+    const int g = lane >> 2, tq = lane & 3, w = warp;
+    const int hw = 8 * w + (lane >> 2), rq = 16 * (lane & 3);
+    float* s_s = reinterpret_cast<float*>(smem + RG_S);
+    float* alpha_s = reinterpret_cast<float*>(smem + RG_ALPHA);
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m_run = M_FLOOR, den = 0.f;
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    // S^T k-step ks (plane ks / 4) of the tile at `ts`; `z` (0 at run time) carries a data
+    // dependency on the softmax into the chunks issued inside it (ptxas would hoist them).
+    auto s_step = [&](const TileSlots& ts, int ks, uint32_t z) {
+        const uint32_t sub = (ks & 3) * 32, pl = ks >> 2;
+        wg_m64n32k16<0, 0>(s, wg_desc(ts.addr(pl >> 1) + (pl & 1) * PLANE + sub + z, 16, 1024),
+                           wg_desc(sbase + SM_Q + pl * (HS * 128) + sub, 16, 1024));
+    };
+    const uint32_t zmask = static_cast<uint32_t>(mode) & 256u;  // never set: 0, unknown to ptxas
+    TileSlots cur;
+    cur.slots = slots, cur.bar_full = bar_full, cur.nslot = nslot;
+    cur.locate(0);
+    if (ntiles > 0) {
+#pragma unroll
+        for (int pr = 0; pr < 4; ++pr) mbar_wait(cur.full(pr), cur.parity(pr));
+    }
+    cp_async_wait_all();  // this thread's q copies
+    fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
     consumer_sync();
-    float fac[8];
+    // S^T of tile 0 (on uninitialised slots when there is no row: results unused).
+    wg_fence_regs<16>(s);
+    wg_fence();
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f2 = *reinterpret_cast<const float2*>(fac_s + 8 * i + 2 * tq);
-        fac[2 * i] = f2.x, fac[2 * i + 1] = f2.y;
-    }
-    // bf16 out rows [head][dim] into the stage tiles (all consumed), transposed by stmatrix:
-    // matrix (i, hf) of m-block mb = dims 64 mb + 16 w + 8 hf .. +8 of heads 8 i .. +8.
-    const uint32_t outb = sbase + SM_K;
-    auto scaled = [&](int idx, int k) { return __fadd_rn(0.f, __fmul_rn(o[idx], fac[k])); };
+    for (int ks = 0; ks < D / 16; ++ks) s_step(cur, ks, 0);
+    wg_commit();
+    wg_wait_all();
+    wg_fence_regs<16>(s);
+    for (int j = 0; j < ntiles; ++j) {
+        const int nb = min(BLK, count - j * BLK);
+        const bool more = j + 1 < ntiles;
+        TileSlots nxt = cur;  // the last tile's "next" products read its own slots
+        if (more) {
+            nxt.advance();
 #pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-        for (int ip = 0; ip < 2; ++ip) {
-            uint32_t r[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int i = 2 * ip + (k >> 1), base = 16 * mb + 4 * i + 2 * (k & 1);
-                r[k] = pack_bf16x2_rn(scaled(base, 2 * i), scaled(base + 1, 2 * i + 1));
-            }
-            const int mat = lane >> 3, i = 2 * ip + (mat >> 1), hf = mat & 1;
-            stmatrix_x4_trans(outb + (8 * i + (lane & 7)) * OUT_STRIDE + (64 * mb + 16 * w + 8 * hf) * 2, r[0], r[1], r[2], r[3]);
+            for (int pr = 0; pr < 3; ++pr) mbar_wait(nxt.full(pr), nxt.parity(pr));
         }
-    consumer_sync();
-    // The CTA's out rows are contiguous: 16-byte stores.
-    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
-    const int items = nh * (D / 8);
-    const unsigned char* outp = smem + SM_K;
-#pragma unroll 4
-    for (int c = tid; c < items; c += CONSUMERS)
-        *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(outp + (c >> 6) * OUT_STRIDE + (c & 63) * 16);
+        fence_proxy_async();  // planes 0-5 of tile j + 1 are read by wgmma
+        stage_scores(s, s_s, w, g, tq);
+        consumer_sync();
+        if (j < 16) stamp(4 + j);
+        // S^T(j + 1) over planes 0-5 in four chunks of 6 k-steps: one now, three inside the
+        // softmax (the issue of a wgmma stalls while ~5 are queued, so a chunk at a time).
+        wg_fence_regs<16>(s);
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 6; ++ks) s_step(nxt, ks, 0);
+        softmax_tile(s_s, smem + RG_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](int c, float v) {
+            const uint32_t z = __float_as_uint(v) & zmask;  // the softmax work so far precedes the chunk
+#pragma unroll
+            for (int ks = 6 * c; ks < 6 * c + 6; ++ks) s_step(nxt, ks, z);
+        });
+        fence_proxy_async();  // the P^T tile is read by wgmma
+        consumer_sync();
+        if (j == 1) stamp(36);
+        // S^T(j + 1), planes 6-7, then one group for all of S^T(j + 1).
+        if (more) mbar_wait(nxt.full(3), nxt.parity(3));
+        fence_proxy_async();
+#pragma unroll
+        for (int ks = 24; ks < 32; ++ks) s_step(nxt, ks, 0);
+        wg_commit();
+        rescale_o(o, alpha_s, tq);
+        wg_fence_regs<128>(o);
+        wg_fence();
+        // P.V(j): four groups of two m-blocks (m-block mb reads plane mb only); each slot of tile
+        // j goes back as its group completes (this warp's products; one arrival per warp). Pending
+        // groups, oldest first: S^T(j + 1), PV 0, PV 1, ...
+        auto pv_group = [&](int pr) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int kk = 0; kk < BLK / 16; ++kk)
+                    wg_m64n32k16<1, 0>(o + 16 * (2 * pr + h), wg_desc(cur.addr(pr) + h * PLANE + kk * 16 * 128, PLANE, 1024),
+                                       wg_desc(sbase + RG_P + kk * 32, 16, 1024));
+            wg_commit();
+        };
+        auto hand_back = [&](int pr) {
+            if (lane == 0) mbar_arrive(cur.full(pr) + 8 * MAX_SLOTS);
+        };
+        pv_group(0);
+        pv_group(1);
+        wg_wait<1>();
+        hand_back(0);
+        pv_group(2);
+        wg_wait<1>();
+        hand_back(1);
+        pv_group(3);
+        if (j == 1) stamp(37);
+        wg_wait<1>();
+        hand_back(2);
+        wg_wait<0>();
+        hand_back(3);
+        wg_fence_regs<128>(o);
+        wg_fence_regs<16>(s);
+        cur = nxt;
+        if (j < 16) stamp(20 + j);
+    }
+    epilogue(p, o, m_run, den, reinterpret_cast<const float*>(smem + RG_SINK), reinterpret_cast<float*>(smem + RG_FAC),
+             smem + (slots - sbase), slots, t, h0, nh, count, hw, lane, w, tid);
     stamp(3);
 }
 
 // Prints the phase timestamps of CTA (0, 0) (synchronises the stream).
-void print_trace(cudaStream_t stream, int dev) {
+void print_trace(cudaStream_t stream, int dev, bool ring) {
     long long h[TRACE_SLOTS] = {};
     int khz = 0;
     if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, g_trace_heads, sizeof(h)) != cudaSuccess ||
         cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
         return;
     const double us = 1e3 / khz;
-    fprintf(stderr, "sparse_attention head-split trace (CTA 0): indices %.2f | compaction %.2f us", (h[1] - h[0]) * us, (h[2] - h[0]) * us);
+    fprintf(stderr, "sparse_attention head-split%s trace (CTA 0): indices %.2f | compaction %.2f us", ring ? " ring" : "", (h[1] - h[0]) * us,
+            (h[2] - h[0]) * us);
     long long prev = h[2];
     for (int j = 0; j < 16 && h[20 + j] > prev; ++j) {
-        fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[20 + j] - prev) * us, (h[4 + j] - prev) * us);
+        fprintf(stderr, " | tile%d %.2f (%s %.2f)", j, (h[20 + j] - prev) * us, ring ? "staged" : "wait", (h[4 + j] - prev) * us);
         prev = h[20 + j];
     }
     fprintf(stderr, " | epilogue %.2f | total %.2f us", (h[3] - prev) * us, (h[3] - h[0]) * us);
-    if (h[37] > 0)
+    if (h[37] > 0 && !ring)
         fprintf(stderr, " (tile1 after its rows: S^T %.2f, softmax %.2f, P.V %.2f us)", (h[36] - h[5]) * us, (h[37] - h[36]) * us,
                 (h[21] - h[37]) * us);
+    if (h[37] > 0 && ring)
+        fprintf(stderr, " (tile1 after staged: softmax %.2f, issue %.2f, products+hand-back %.2f us)", (h[36] - h[5]) * us,
+                (h[37] - h[36]) * us, (h[21] - h[37]) * us);
     fprintf(stderr, "\n");
 }
 
@@ -329,18 +423,28 @@ void print_trace(cudaStream_t stream, int dev) {
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
-    const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
+    // The ring kernel (mode bit 7, DSV41_SPARSE_ATTENTION_RING=1: an experiment) for bf16 rows where
+    // at least MIN_SLOTS slots fit; otherwise the two-stage kernel (packed rows always: its producer
+    // expands whole tiles).
+    const bool bf16_rows = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
+    const int nslot = min(MAX_SLOTS, (max_smem - ring_offset(ktot)) / SLOTB);
+    const bool ring = bf16_rows && (mode & 128) && nslot >= MIN_SLOTS;
+    const size_t smem = ring ? static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB
+                             : SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
+    // Mode bit 9 (DSV41_SPARSE_ATTENTION_PAD=1, experiment): the two-stage kernel asks for all of it.
+    const size_t smem_launch = (mode & 512) && !ring ? static_cast<size_t>(max_smem) : smem;
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
-        const cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(head_split_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
         if (e != cudaSuccess) return static_cast<int>(e);
         configured_dev = dev;
     }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1);
     cfg.blockDim = dim3(THREADS_ALL, 1, 1);
-    cfg.dynamicSmemBytes = smem;
+    cfg.dynamicSmemBytes = smem_launch;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -351,9 +455,9 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
     }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & 7);
+    cudaError_t e = ring ? cudaLaunchKernelEx(&cfg, head_split_ring_kernel, p, mode & 7, nslot) : cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & 7);
     if (e == cudaSuccess) e = cudaGetLastError();
-    if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
+    if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev, ring);
     return static_cast<int>(e);
 }
 

@@ -7,7 +7,8 @@
 //! blocks), i64 and i32 indices, forced KV splits 1, 2, 3, 5 and 8 (split boundaries inside
 //! and between the sources, empty splits), the 4096-index limit, and a batch of 264 tokens (the
 //! prefill configuration: one CTA per token). The head-split kernel (32 heads per CTA, no split)
-//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too).
+//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too). (Its
+//! slot-ring loop, an opt-in experiment, is compared with it in tests/cuda_sparse_attention_ring.rs.)
 //! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot
 //! products and of the tensor-core sums differs, which can flip a bf16-rounded probability;
 //! those stay within 2^-7 of the row's largest magnitude) of the crate reference for one split,
@@ -36,27 +37,9 @@ fn gpu() -> Device {
 #[allow(dead_code)]
 mod rng;
 use rng::Rng;
-
-fn random_bf16(rng: &mut Rng, shape: &[usize], amp: f32) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<bf16> = (0..n).map(|_| bf16::from_f32(amp * rng.normal())).collect();
-    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
-}
-
-/// `[T, K]` index rows: token t has `lens[t]` valid entries (random rows of `0..n`, some
-/// duplicated) followed by −1 padding, with `holes` of its valid slots replaced by −1.
-fn index_rows(rng: &mut Rng, lens: &[usize], k: usize, n: usize, holes: usize) -> Vec<i64> {
-    let mut v = vec![-1i64; lens.len() * k];
-    for (t, &len) in lens.iter().enumerate() {
-        for j in 0..len {
-            v[t * k + j] = if j > 0 && rng.below(16) == 0 { v[t * k + j - 1] } else { rng.below(n) as i64 };
-        }
-        for _ in 0..holes.min(len) {
-            v[t * k + rng.below(len)] = -1;
-        }
-    }
-    v
-}
+#[path = "support/sparse_attention_data.rs"]
+mod sparse_attention_data;
+use sparse_attention_data::{index_rows, random_bf16};
 
 /// Allocates and frees NaN buffers of the outputs' sizes so the op's fresh (uninitialized)
 /// outputs likely reuse NaN memory: an element the kernel fails to write shows up as NaN.

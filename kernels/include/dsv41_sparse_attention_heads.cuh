@@ -1,0 +1,208 @@
+// The consumer steps of the head-split decode kernels (kernels/sparse_attention_heads.cu: the
+// two-stage kernel and the slot-ring kernel; the design and the fragment layouts are described
+// in that file's header comment): the Sᵀ staging, the per-tile softmax, the O rescale, the
+// epilogue, and the slot-ring producer. One definition for both kernels, so their numerics are
+// the same by construction.
+#pragma once
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "dsv41_hopper.cuh"
+#include "dsv41_sparse_attention_common.cuh"
+
+namespace dsv41_sa {
+namespace heads {
+
+using namespace dsv41_ptx;
+
+constexpr int HS = 32;          // heads per CTA
+constexpr int CONSUMERS = 128;  // warpgroup 0; warpgroup 1 produces
+constexpr int THREADS_ALL = CONSUMERS + PROD_THREADS;
+static_assert(THREADS_ALL == IDX_THREADS, "every thread compacts the indices");
+constexpr int SP = BLK + 4;             // row stride (f32) of the Sᵀ staging tile
+constexpr int OUT_STRIDE = D * 2 + 16;  // padded bf16 out row (conflict-free pair stores)
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
+
+// Sᵀ fragments -> shared [head][row] (conflict-free: the row stride is 4 banks off per head),
+// then the accumulators are zeroed (call only while no product is in flight).
+__device__ __forceinline__ void stage_scores(float (&s)[16], float* s_s, int w, int g, int tq) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            s_s[(8 * i + 2 * tq + (c & 1)) * SP + 16 * w + g + 8 * (c >> 1)] = s[4 * i + c];
+            s[4 * i + c] = 0.f;
+        }
+}
+
+// Softmax of head hw over rows rq .. +16 of the staged tile (after a barrier): scale, mask rows
+// past the tile's end (nb valid rows), tile max (the head's 4 lanes), m_new, bf16 p -> Pᵀ
+// [head][row] (two 16-byte stores into the 128-byte-swizzled tile at p_tile), the denominator,
+// alpha = e^{m_old - m_new} -> alpha_s[hw] (lanes l % 4 = 0). The caller fences and syncs.
+// `hook(i, v)` (i = 1, 2, 3) runs after the max, after half of the exponentials and after all of
+// them (v: a value computed by then); the ring kernel issues its next tile's products there.
+template <class Hook>
+__device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_tile, float* alpha_s, float scale, int nb, int hw,
+                                             int rq, int lane, float& m_run, float& den, Hook hook) {
+    float x[16];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float4 v = *reinterpret_cast<const float4*>(s_s + hw * SP + rq + 4 * k);
+        x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        x[k] = rq + k < nb ? __fmul_rn(scale, x[k]) : -INFINITY;
+        mx = fmaxf(mx, x[k]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    hook(1, mx);
+    const float mn = fmaxf(m_run, mx);
+    const float alpha = expf(m_run - mn);
+    m_run = mn;
+    float sum = 0.f;
+    uint32_t pk[8];
+#pragma unroll
+    for (int k = 0; k < 16; k += 2) {
+        if (k == 8) hook(2, sum);
+        const float e0 = expf(x[k] - mn), e1 = expf(x[k + 1] - mn);
+        sum += e0;
+        sum += e1;
+        pk[k >> 1] = pack_bf16x2_rn(e0, e1);
+    }
+    hook(3, sum);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    den = __fadd_rn(__fmul_rn(den, alpha), sum);
+    *reinterpret_cast<uint4*>(p_tile + sw128(hw, rq >> 3)) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+    *reinterpret_cast<uint4*>(p_tile + sw128(hw, (rq >> 3) + 1)) = make_uint4(pk[4], pk[5], pk[6], pk[7]);
+    if ((lane & 3) == 0) alpha_s[hw] = alpha;
+}
+
+// O rescale by its heads' alpha (o[16 mb + 4 i + c] belongs to head 8 i + 2 tq + c % 2).
+__device__ __forceinline__ void rescale_o(float (&o)[128], const float* alpha_s, int tq) {
+    float al[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 a2 = *reinterpret_cast<const float2*>(alpha_s + 8 * i + 2 * tq);
+        al[2 * i] = a2.x, al[2 * i + 1] = a2.y;
+    }
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int c = 0; c < 16; ++c) o[16 * mb + c] *= al[2 * (c >> 2) + (c & 1)];
+}
+
+// Epilogue (consumer warpgroup): per head the factor 1 / (den + e^{sink - m}) and the lse (lanes
+// l % 4 = 0), as the all-heads kernel's merge with one split (bitwise the same factor for the same
+// m, den); out = fl(O f) rounded to bf16, transposed by stmatrix into [head][dim] rows at
+// out_s / out_a (shared pointer / address, HS * OUT_STRIDE bytes, free), then 16-byte stores
+// (the CTA's out rows are contiguous).
+__device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, const float (&o)[128], float m_run, float den,
+                                         const float* sink_s, float* fac_s, const unsigned char* out_s, uint32_t out_a, int t,
+                                         int h0, int nh, int count, int hw, int lane, int w, int tid) {
+    const int tq = lane & 3;
+    cp_async_wait_all();  // the q copies are still in flight when there is no row
+    consumer_sync();      // the sink landed for every thread
+    if ((lane & 3) == 0) {
+        const float big = fmaxf(M_FLOOR, m_run);
+        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
+        const float dall = __fadd_rn(wsum, expf(sink_s[hw] - big));
+        const bool ok = dall > 0.f && isfinite(dall);
+        fac_s[hw] = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
+        if (hw < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hw] = count > 0 ? big + logf(wsum) : -INFINITY;
+    }
+    consumer_sync();
+    float fac[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f2 = *reinterpret_cast<const float2*>(fac_s + 8 * i + 2 * tq);
+        fac[2 * i] = f2.x, fac[2 * i + 1] = f2.y;
+    }
+    // Matrix (i, hf) of m-block mb = dims 64 mb + 16 w + 8 hf .. +8 of heads 8 i .. +8.
+    auto scaled = [&](int idx, int k) { return __fadd_rn(0.f, __fmul_rn(o[idx], fac[k])); };
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int ip = 0; ip < 2; ++ip) {
+            uint32_t r[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int i = 2 * ip + (k >> 1), base = 16 * mb + 4 * i + 2 * (k & 1);
+                r[k] = pack_bf16x2_rn(scaled(base, 2 * i), scaled(base + 1, 2 * i + 1));
+            }
+            const int mat = lane >> 3, i = 2 * ip + (mat >> 1), hf = mat & 1;
+            stmatrix_x4_trans(out_a + (8 * i + (lane & 7)) * OUT_STRIDE + (64 * mb + 16 * w + 8 * hf) * 2, r[0], r[1], r[2], r[3]);
+        }
+    consumer_sync();
+    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
+    const int items = nh * (D / 8);
+#pragma unroll 4
+    for (int c = tid; c < items; c += CONSUMERS)
+        *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(out_s + (c >> 6) * OUT_STRIDE + (c & 63) * 16);
+}
+
+// Slot ring (the ring kernel): the row tiles live in `nslot` slots of two 64-dim planes (16 KB,
+// one plane = PLANE bytes of the 128-byte-swizzled 64-row layout); pair pr (planes 2 pr, 2 pr + 1)
+// of tile k is ring position P = 4 k + pr, in slot P % nslot for its (P / nslot)-th use. Slot s has
+// a full mbarrier (bar_full + 8 s, PROD_THREADS arrivals) and an empty one (bar_empty + 8 s, one
+// arrival per consumer warp). The positions of a tile, with their full barriers and parities:
+struct TileSlots {
+    int s0, u0;  // slot and use of pair 0
+    uint32_t slots, bar_full;
+    int nslot;
+    __device__ __forceinline__ void locate(int k) { s0 = (4 * k) % nslot, u0 = (4 * k) / nslot; }
+    __device__ __forceinline__ void advance() {  // to the next tile (4 positions on)
+        s0 += 4;
+        if (s0 >= nslot) s0 -= nslot, ++u0;
+    }
+    __device__ __forceinline__ int slot(int pr) const { return s0 + pr < nslot ? s0 + pr : s0 + pr - nslot; }
+    __device__ __forceinline__ uint32_t addr(int pr) const { return slots + static_cast<uint32_t>(slot(pr)) * (2 * PLANE); }
+    __device__ __forceinline__ uint32_t full(int pr) const { return bar_full + 8 * slot(pr); }
+    __device__ __forceinline__ uint32_t parity(int pr) const { return (s0 + pr < nslot ? u0 : u0 + 1) & 1; }
+};
+
+// The ring producer (thread ptid = 0..127 of warpgroup 1; bf16 rows only): position P waits until
+// the consumers released the slot's previous use (position P - nslot), copies its two planes of
+// the tile's rows (16 groups of 8 threads as produce_tiles: group gr rows gr + 16 lr, thread q
+// chunk q; rows past the tile's end zero-filled) and arrives on the slot's full barrier once its
+// copies landed (no waiting here). `skip_gather` (diagnostic) issues no copies.
+__device__ __forceinline__ void produce_ring(const Dsv41SparseAttentionParams& p, uint32_t slots, int nslot, const uint32_t* ent_s,
+                                             int nrows, uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather) {
+    const int ntiles = (nrows + BLK - 1) / BLK;
+    const int gr = ptid >> 3, q = ptid & 7;
+    const __nv_bfloat16* src[4];
+    bool ok[4];
+    int s = 0, u = 0;
+    for (int pos = 0; pos < 4 * ntiles; ++pos) {
+        const int pr = pos & 3;
+        if (pr == 0) {
+            const int base = (pos >> 2) * BLK, nb = min(BLK, nrows - base);
+#pragma unroll
+            for (int lr = 0; lr < 4; ++lr) {
+                const int r = lr * 16 + gr;
+                ok[lr] = r < nb;
+                src[lr] = ok[lr] ? row_ptr(p, ent_s[base + r]) + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
+            }
+        }
+        if (u > 0) mbar_wait(bar_empty + 8 * s, (u - 1) & 1);
+        const uint32_t dst = slots + static_cast<uint32_t>(s) * (2 * PLANE);
+#pragma unroll
+        for (int lr = 0; lr < 4; ++lr) {
+            const int r = lr * 16 + gr;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (!skip_gather)
+                    cp_async16_l2(dst + h * PLANE + r * 128 + ((q ^ (r & 7)) << 4), src[lr] + (ok[lr] ? (2 * pr + h) * 64 : 0), ok[lr]);
+        }
+        cp_async_mbar_arrive(bar_full + 8 * s);
+        if (++s == nslot) s = 0, ++u;
+    }
+}
+
+}  // namespace heads
+}  // namespace dsv41_sa
