@@ -160,6 +160,28 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
     return c;
 }
 
+// P32's stores without a branch: the four 2-byte codes at d, d + 16, d + 32, d + 48 if slot_hi >= 0
+// (the slot's high word: slot >= 0), the scale word at ds if also j_bits == 0 (lane j = 0 of the
+// group; j_bits = threadIdx.x << 29). As predicated stores, ptxas has no branch around them (it
+// emits one with its convergence barrier, BSSY / BSYNC, for `if (slot >= 0)`).
+__device__ __forceinline__ void st_codes_scales_if(uint8_t* d, uint8_t* ds, const uint32_t (&code)[4], uint32_t scales,
+                                                   int32_t slot_hi, int32_t j_bits) {
+    asm volatile(
+        "{\n\t.reg .pred q, q0;\n\t"
+        "setp.ge.s32 q, %6, 0;\n\t"
+        "setp.eq.and.s32 q0, %7, 0, q;\n\t"
+        "@q st.global.b16 [%0], %2;\n\t"
+        "@q st.global.b16 [%0+16], %3;\n\t"
+        "@q st.global.b16 [%0+32], %4;\n\t"
+        "@q st.global.b16 [%0+48], %5;\n\t"
+        "@q0 st.global.b32 [%1], %8;\n\t}"
+        :
+        : "l"(d), "l"(ds), "h"(static_cast<unsigned short>(code[0])), "h"(static_cast<unsigned short>(code[1])),
+          "h"(static_cast<unsigned short>(code[2])), "h"(static_cast<unsigned short>(code[3])), "r"(slot_hi), "r"(j_bits),
+          "r"(scales)
+        : "memory");
+}
+
 // Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
 // block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw_kc) are bytes
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
@@ -181,7 +203,7 @@ inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
 // in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
 // registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
-template <Norm N, bool P32>
+template <Norm N, bool P32, int V>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift,
                                                                                             const uint32_t page_mask,
@@ -189,7 +211,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         // the norm etc., then the next set's loads (no early rows / tree min: slower here, Run 16)
-        compute_row128<N, 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
+        compute_row128<N, (V & 1) ? kRow128FastRoot : 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
@@ -208,7 +230,13 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
             for (int m = 0; m < 4; ++m) code[m] = c.code[m];
             scales = c.scales;
         }
-        if (r.slot >= 0) {
+        if constexpr (P32 && (V & 2) != 0) {
+            const uint32_t s = static_cast<uint32_t>(r.slot), row = s & page_mask;
+            uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
+            uint8_t* d = base + (row * 64 + 2 * j);
+            st_codes_scales_if(d, d + (scale_off - row * 60), code, scales, static_cast<int32_t>(static_cast<uint64_t>(r.slot) >> 32),
+                               static_cast<int32_t>(threadIdx.x << 29));
+        } else if (r.slot >= 0) {
             if constexpr (P32) {
                 const uint32_t s = static_cast<uint32_t>(r.slot), row = s & page_mask;
                 uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
@@ -228,14 +256,31 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-template <Norm N, bool P32>
-int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+template <Norm N, bool P32, int V>
+int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
-    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
+    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
+}
+// (ins12 experiment switch) DSV41_ROW128_VARIANT, read once: bit 1 = fast root, bit 2 = predicated stores.
+inline int row128_variant() {
+    static const int v = [] {
+        const char* e = getenv("DSV41_ROW128_VARIANT");
+        return e ? atoi(e) : 0;
+    }();
+    return v;
+}
+template <Norm N, bool P32>
+int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+    switch (row128_variant()) {
+        case 1: return launch_packed_e_row128_v<N, P32, 1>(p, s);
+        case 2: return launch_packed_e_row128_v<N, P32, 2>(p, s);
+        case 3: return launch_packed_e_row128_v<N, P32, 3>(p, s);
+        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
+    }
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {

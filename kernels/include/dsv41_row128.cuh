@@ -103,6 +103,39 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
     return x;
 }
 
+// The norm's root and reciprocal without ptxas's range branches (kRow128FastRoot). ptxas lowers
+// sqrt.rn.f32 / rcp.rn.f32 (__fsqrt_rn / __frcp_rn) to a MUFU estimate and one correction step
+// (the sequences below, instruction for instruction), taken when the argument's exponent is in
+// range, else a call to an out-of-line IEEE routine: a compare, a branch and a convergence barrier
+// (BSSY / BSYNC) in the hot path for each. Here the same fast sequences run unconditionally and
+// the range is tested once, on the root:
+//   * sqrt_rn_fast(v) = __fsqrt_rn(v) bit for bit for v in [2^-101, 2^128) (ptxas's fast range);
+//     for any v < 2^-101 (0, subnormal, negative, NaN, also +inf) it gives NaN or a value below
+//     2^-50, so row_ok_fast (r in [2^-50, 2^60)) fails and the caller takes __fsqrt_rn (the IEEE
+//     branch of compute_row128), which then also divides by IEEE division;
+//   * rcp_rn_fast(r) = __frcp_rn(r) bit for bit for r whose exponent field is in [3, 252], which
+//     row_ok_fast implies.
+// row_ok_fast is norm_div_row_ok on a sub-range, so the quotient stays exact (div_by_rcp).
+__device__ __forceinline__ float sqrt_rn_fast(float v) {
+    float r;
+    asm("{\n\t.reg .f32 e, h, n, t;\n\t"
+        "rsqrt.approx.ftz.f32 e, %1;\n\t"
+        "mul.ftz.f32 %0, %1, e;\n\t"       // s = v * rsqrt(v)
+        "mul.ftz.f32 h, e, 0f3F000000;\n\t" // h = rsqrt(v) / 2
+        "neg.f32 n, %0;\n\t"
+        "fma.rn.f32 t, n, %0, %1;\n\t"      // v - s * s
+        "fma.rn.f32 %0, t, h, %0;\n\t}"     // s + (v - s * s) * h
+        : "=f"(r)
+        : "f"(v));
+    return r;
+}
+__device__ __forceinline__ float rcp_rn_fast(float r) {
+    float y0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(r));
+    return __fmaf_rn(y0, -__fmaf_rn(y0, r, -1.0f), y0);  // y0 - (y0 r - 1) y0
+}
+__device__ __forceinline__ bool row_ok_fast(float r) { return __float_as_uint(r) - 0x26800000u < 0x5d800000u - 0x26800000u; }
+
 // x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE, each rounded to bf16 as
 // the CPU does, returned as bf16 pairs: h[2 m + i] holds elements 32 m + 4 j + 2 i and + 1 (low
 // half first). `w`: the norm weights [128] in shared memory (Norm::Weighted only).
@@ -134,8 +167,10 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //   after the weights' multiply).
 // The bf16 index keys take both (docs/perf.md, Run 16: 7.09 -> 6.87 us at G = 32768, 86.0 -> 88.8 %
 // of 4.17 TB/s), format E neither (each was slower there: 6.74 -> 6.81 / 6.87 us).
+//   kRow128FastRoot: the root and reciprocal by sqrt_rn_fast / rcp_rn_fast (see there).
 constexpr int kRow128TreeMin = 1;
 constexpr int kRow128EarlyRows = 2;
+constexpr int kRow128FastRoot = 4;
 template <Norm N, int O, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
@@ -191,14 +226,16 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
         for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 1));
         const float sum = __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
-        const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
-        if (fast && norm_div_row_ok(rr)) {
-            const float y = __frcp_rn(rr);
+        constexpr bool kFastRoot = (O & kRow128FastRoot) != 0;
+        const float v = __fadd_rn(__fmul_rn(sum, inv_dim), eps);
+        const float rr = kFastRoot ? sqrt_rn_fast(v) : __fsqrt_rn(v);
+        if (fast && (kFastRoot ? row_ok_fast(rr) : norm_div_row_ok(rr))) {
+            const float y = kFastRoot ? rcp_rn_fast(rr) : __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
             if constexpr (kEarly) prefetch(EarlyParts{});
         } else {
-            const Row128F16 q = row128_divide_slow(row128_f16(x), rr);
+            const Row128F16 q = row128_divide_slow(row128_f16(x), kFastRoot ? __fsqrt_rn(v) : rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
             if constexpr (kEarly) prefetch(EarlyParts{});
