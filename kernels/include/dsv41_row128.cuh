@@ -103,38 +103,17 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
     return x;
 }
 
-// The norm's root and reciprocal without ptxas's range branches (kRow128FastRoot). ptxas lowers
-// sqrt.rn.f32 / rcp.rn.f32 (__fsqrt_rn / __frcp_rn) to a MUFU estimate and one correction step
-// (the sequences below, instruction for instruction), taken when the argument's exponent is in
-// range, else a call to an out-of-line IEEE routine: a compare, a branch and a convergence barrier
-// (BSSY / BSYNC) in the hot path for each. Here the same fast sequences run unconditionally and
-// the range is tested once, on the root:
-//   * sqrt_rn_fast(v) = __fsqrt_rn(v) bit for bit for v in [2^-101, 2^128) (ptxas's fast range);
-//     for any v < 2^-101 (0, subnormal, negative, NaN, also +inf) it gives NaN or a value below
-//     2^-50, so row_ok_fast (r in [2^-50, 2^60)) fails and the caller takes __fsqrt_rn (the IEEE
-//     branch of compute_row128), which then also divides by IEEE division;
-//   * rcp_rn_fast(r) = __frcp_rn(r) bit for bit for r whose exponent field is in [3, 252], which
-//     row_ok_fast implies.
-// row_ok_fast is norm_div_row_ok on a sub-range, so the quotient stays exact (div_by_rcp).
-__device__ __forceinline__ float sqrt_rn_fast(float v) {
-    float r;
-    asm("{\n\t.reg .f32 e, h, n, t;\n\t"
-        "rsqrt.approx.ftz.f32 e, %1;\n\t"
-        "mul.ftz.f32 %0, %1, e;\n\t"       // s = v * rsqrt(v)
-        "mul.ftz.f32 h, e, 0f3F000000;\n\t" // h = rsqrt(v) / 2
-        "neg.f32 n, %0;\n\t"
-        "fma.rn.f32 t, n, %0, %1;\n\t"      // v - s * s
-        "fma.rn.f32 %0, t, h, %0;\n\t}"     // s + (v - s * s) * h
-        : "=f"(r)
-        : "f"(v));
-    return r;
-}
+// The reciprocal of the norm's root without ptxas's range branch (kRow128FastRcp). ptxas lowers
+// rcp.rn.f32 (__frcp_rn) to a MUFU estimate and one correction step (the sequence below,
+// instruction for instruction), taken when the argument's exponent field is in [1, 252], else a
+// call to an out-of-line IEEE routine: a range test, a branch and a convergence barrier (BSSY /
+// BSYNC) in the hot path. The division-free branch of compute_row128 runs only for r in
+// [2^-60, 2^60) (norm_div_row_ok), inside that range, so there rcp_rn_fast(r) = __frcp_rn(r).
 __device__ __forceinline__ float rcp_rn_fast(float r) {
     float y0;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(r));
     return __fmaf_rn(y0, -__fmaf_rn(y0, r, -1.0f), y0);  // y0 - (y0 r - 1) y0
 }
-__device__ __forceinline__ bool row_ok_fast(float r) { return __float_as_uint(r) - 0x26800000u < 0x5d800000u - 0x26800000u; }
 
 // x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE, each rounded to bf16 as
 // the CPU does, returned as bf16 pairs: h[2 m + i] holds elements 32 m + 4 j + 2 i and + 1 (low
@@ -167,10 +146,10 @@ __device__ __forceinline__ bool row_ok_fast(float r) { return __float_as_uint(r)
 //   after the weights' multiply).
 // The bf16 index keys take both (docs/perf.md, Run 16: 7.09 -> 6.87 us at G = 32768, 86.0 -> 88.8 %
 // of 4.17 TB/s), format E neither (each was slower there: 6.74 -> 6.81 / 6.87 us).
-//   kRow128FastRoot: the root and reciprocal by sqrt_rn_fast / rcp_rn_fast (see there).
+//   kRow128FastRcp: the reciprocal by rcp_rn_fast (see there).
 constexpr int kRow128TreeMin = 1;
 constexpr int kRow128EarlyRows = 2;
-constexpr int kRow128FastRoot = 4;
+constexpr int kRow128FastRcp = 4;
 template <Norm N, int O, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
@@ -226,16 +205,14 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
         for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 1));
         const float sum = __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
-        constexpr bool kFastRoot = (O & kRow128FastRoot) != 0;
-        const float v = __fadd_rn(__fmul_rn(sum, inv_dim), eps);
-        const float rr = kFastRoot ? sqrt_rn_fast(v) : __fsqrt_rn(v);
-        if (fast && (kFastRoot ? row_ok_fast(rr) : norm_div_row_ok(rr))) {
-            const float y = kFastRoot ? rcp_rn_fast(rr) : __frcp_rn(rr);
+        const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
+        if (fast && norm_div_row_ok(rr)) {
+            const float y = (O & kRow128FastRcp) != 0 ? rcp_rn_fast(rr) : __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
             if constexpr (kEarly) prefetch(EarlyParts{});
         } else {
-            const Row128F16 q = row128_divide_slow(row128_f16(x), kFastRoot ? __fsqrt_rn(v) : rr);
+            const Row128F16 q = row128_divide_slow(row128_f16(x), rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
             if constexpr (kEarly) prefetch(EarlyParts{});
@@ -309,24 +286,30 @@ __device__ __forceinline__ int q3_block_k_row128(const uint32_t (&amax2)[2], int
 
 // The lane's source pointers (its 8-byte column of every row), set up once per kernel so that a
 // token's addresses are one wide multiply-add each (32-bit token index: T < 2^31).
+template <class RB>
 struct Row128Src {
     const char* src;  // p.src + 4 j elements
     const char* cos;  // p.cos + 2 j floats
     const char* sin;
     const char* slots;
-    uint64_t row_bytes;  // 2 * src_row_stride
+    RB row_bytes;  // 2 * src_row_stride (uint64_t, or uint32_t with kRow128Rows32)
 };
-template <class P>
-__device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
+template <class RB, class P>
+__device__ __forceinline__ Row128Src<RB> row128_src(const P& p, int j) {
     return {reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(p.src) + 4 * j),
             reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
-            reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
+            reinterpret_cast<const char*>(p.slots), static_cast<RB>(2 * static_cast<uint64_t>(p.src_row_stride))};
 }
 // Issues the lane's loads of token tc (< T) into r (the Parts of it, kRow128Load*); r.slot is the
 // slot as loaded (checked at use).
-template <int Parts = kRow128LoadAll>
-__device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
-    const char* src = a.src + tc * a.row_bytes;
+template <int Parts = kRow128LoadAll, class RB>
+__device__ __forceinline__ void load_row128(const Row128Src<RB>& a, uint32_t tc, Row128In& r) {
+    const char* src;
+    if constexpr (sizeof(RB) == 4) {  // one IMAD.WIDE.U32 (written out: from C++ ptxas adds a zero high part)
+        asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(src) : "r"(tc), "r"(a.row_bytes), "l"(a.src));
+    } else {
+        src = a.src + tc * a.row_bytes;
+    }
     if constexpr ((Parts & kRow128LoadRow) != 0) {
 #pragma unroll
         for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
@@ -356,7 +339,11 @@ __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
-template <Norm N, class P, class F>
+// Loop options (bit set LO): kRow128Rows32: the source row stride in bytes as 32 bits (the
+// caller checks 2 * src_row_stride < 2^32), one IMAD.WIDE.U32 per row address instead of a
+// 64-bit product.
+constexpr int kRow128Rows32 = 1;
+template <Norm N, int LO = 0, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
@@ -368,7 +355,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     // The norm weights, once per block, in shared memory (registers are the scarce resource).
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
     if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
-    const Row128Src a = row128_src(p, j);
+    const auto a = row128_src<std::conditional_t<(LO & kRow128Rows32) != 0, uint32_t, uint64_t>>(p, j);
     const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
     // slot in [0, S) (one unsigned compare) of a token < T, else -1
     auto checked = [&](uint32_t b, Row128In& r) {
