@@ -160,42 +160,26 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
     return c;
 }
 
-// P32's stores without a branch (ptxas emits one with a convergence barrier, BSSY / BSYNC, around
-// `if (slot >= 0) { ... }`): the four 2-byte codes at d, d + 16, d + 32, d + 48 and the scale word
-// at ds as predicated st.global, if `store` (slot >= 0) and, for the scale word, `scale` (lane j = 0).
-template <bool kAllLanesScale>
+// P32's stores without a branch (for `if (slot >= 0) { ... }` ptxas emits one around them with a
+// convergence barrier, BSSY / BSYNC): the four 2-byte codes at d, d + 16, d + 32, d + 48 if slot_hi >= 0
+// (the slot's high word: slot >= 0) and the scale word at ds if also j_bits == 0 (lane j = 0 of the
+// group; j_bits = threadIdx.x << 29), as predicated st.global.
 __device__ __forceinline__ void st_codes_scales_if(uint8_t* d, uint8_t* ds, const uint32_t (&code)[4], uint32_t scales,
-                                                   int32_t slot_pred, int32_t j_bits) {
-    if constexpr (kAllLanesScale) {  // slot_pred = the slot's low word, 0xffffffff = none; every lane stores the scale word
-        asm volatile(
-            "{\n\t.reg .pred q;\n\t"
-            "setp.ne.s32 q, %6, -1;\n\t"
-            "@q st.global.b16 [%0], %2;\n\t"
-            "@q st.global.b16 [%0+16], %3;\n\t"
-            "@q st.global.b16 [%0+32], %4;\n\t"
-            "@q st.global.b16 [%0+48], %5;\n\t"
-            "@q st.global.b32 [%1], %7;\n\t}"
-            :
-            : "l"(d), "l"(ds), "h"(static_cast<unsigned short>(code[0])), "h"(static_cast<unsigned short>(code[1])),
-              "h"(static_cast<unsigned short>(code[2])), "h"(static_cast<unsigned short>(code[3])), "r"(slot_pred),
-              "r"(scales)
-            : "memory");
-    } else {  // slot_pred = the slot's high word (>= 0: store), j_bits = threadIdx.x << 29 (0: lane j = 0)
-        asm volatile(
-            "{\n\t.reg .pred q, q0;\n\t"
-            "setp.ge.s32 q, %6, 0;\n\t"
-            "setp.eq.and.s32 q0, %7, 0, q;\n\t"
-            "@q st.global.b16 [%0], %2;\n\t"
-            "@q st.global.b16 [%0+16], %3;\n\t"
-            "@q st.global.b16 [%0+32], %4;\n\t"
-            "@q st.global.b16 [%0+48], %5;\n\t"
-            "@q0 st.global.b32 [%1], %8;\n\t}"
-            :
-            : "l"(d), "l"(ds), "h"(static_cast<unsigned short>(code[0])), "h"(static_cast<unsigned short>(code[1])),
-              "h"(static_cast<unsigned short>(code[2])), "h"(static_cast<unsigned short>(code[3])), "r"(slot_pred),
-              "r"(j_bits), "r"(scales)
-            : "memory");
-    }
+                                                   int32_t slot_hi, int32_t j_bits) {
+    asm volatile(
+        "{\n\t.reg .pred q, q0;\n\t"
+        "setp.ge.s32 q, %6, 0;\n\t"
+        "setp.eq.and.s32 q0, %7, 0, q;\n\t"
+        "@q st.global.b16 [%0], %2;\n\t"
+        "@q st.global.b16 [%0+16], %3;\n\t"
+        "@q st.global.b16 [%0+32], %4;\n\t"
+        "@q st.global.b16 [%0+48], %5;\n\t"
+        "@q0 st.global.b32 [%1], %8;\n\t}"
+        :
+        : "l"(d), "l"(ds), "h"(static_cast<unsigned short>(code[0])), "h"(static_cast<unsigned short>(code[1])),
+          "h"(static_cast<unsigned short>(code[2])), "h"(static_cast<unsigned short>(code[3])), "r"(slot_hi), "r"(j_bits),
+          "r"(scales)
+        : "memory");
 }
 
 // Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
@@ -213,7 +197,13 @@ __device__ __forceinline__ void st_codes_scales_if(uint8_t* d, uint8_t* ds, cons
 // 65536 (docs/perf.md, Run 12).
 inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
-    return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull;
+    const uint64_t pages = (static_cast<uint64_t>(p.num_slots) + ps - 1) / ps;  // the cache's bytes below 2^32
+    return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull &&
+           pages * static_cast<uint64_t>(p.page_stride) <= 0xffffffffull;
+}
+// Whether the source rows' stride in bytes fits 32 bits (row128_loop's kRow128Rows32); else the generic kernel.
+inline bool packed_e_rows32(const Dsv41PackedInsertParams& p) {
+    return 2 * static_cast<uint64_t>(p.src_row_stride) <= 0xffffffffull;
 }
 // page_shift = log2(page_size), page_mask = page_size - 1, scale_off = page_size * 64 (used by P32
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
@@ -227,7 +217,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     row128_loop<N, (V & 4) ? kRow128Rows32 : 0>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         // the norm etc., then the next set's loads (no early rows / tree min: slower here, Run 16)
-        compute_row128<N, (V & 1) ? kRow128FastRcp : 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
+        compute_row128<N, 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
@@ -255,12 +245,8 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                 uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
                 d = base + (row * 64 + 2 * j);
             }
-            if constexpr ((V & 2) != 0)
-                st_codes_scales_if<true>(d, d + (scale_off - 2 * j - row * 60), code, scales, static_cast<int32_t>(s), 0);
-            else
-                st_codes_scales_if<false>(d, d + (scale_off - row * 60), code, scales,
-                                          static_cast<int32_t>(static_cast<uint64_t>(r.slot) >> 32),
-                                          static_cast<int32_t>(threadIdx.x << 29));
+            st_codes_scales_if(d, d + (scale_off - row * 60), code, scales, static_cast<int32_t>(static_cast<uint64_t>(r.slot) >> 32),
+                               static_cast<int32_t>(threadIdx.x << 29));
         } else if (r.slot >= 0) {
             int64_t page, row;
             page_and_row(r.slot, p.page_size, page, row);
@@ -281,9 +267,8 @@ int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
 }
-// (ins13 experiment switch) DSV41_ROW128_VARIANT, read once: bit 1 = fast reciprocal, 2 = scale word from
-// every lane (P32), 4 = 32-bit source row stride, 16 = 32-bit cache offsets (P32). Bits whose condition
-// fails for a call are cleared; other values run 0.
+// (ins13 run-2 switch) DSV41_ROW128_VARIANT, read once: unset / 0 = the candidate (V = 20: 32-bit source row
+// stride and cache offsets), 1 = V 0 (ins12's variant 2, the measured baseline), 2 = V 4, 3 = V 16.
 inline int row128_variant() {
     static const int v = [] {
         const char* e = getenv("DSV41_ROW128_VARIANT");
@@ -293,16 +278,11 @@ inline int row128_variant() {
 }
 template <Norm N, bool P32>
 int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    int v = row128_variant();
-    if ((2 * static_cast<uint64_t>(p.src_row_stride) >> 32) != 0) v &= ~4;
-    const uint64_t pages = (static_cast<uint64_t>(p.num_slots) + p.page_size - 1) / p.page_size;
-    if (pages * static_cast<uint64_t>(p.page_stride) > 0xffffffffull) v &= ~16;
-    switch (v) {
-#define DSV41_V(k) \
-    case k: return launch_packed_e_row128_v<N, P32, k>(p, s);
-        DSV41_V(1) DSV41_V(5) DSV41_V(17) DSV41_V(19) DSV41_V(21) DSV41_V(23)
-#undef DSV41_V
-        default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
+    switch (row128_variant()) {
+        case 1: return launch_packed_e_row128_v<N, P32, 0>(p, s);
+        case 2: return launch_packed_e_row128_v<N, P32, 4>(p, s);
+        case 3: return launch_packed_e_row128_v<N, P32, 16>(p, s);
+        default: return launch_packed_e_row128_v<N, P32, 20>(p, s);
     }
 }
 template <Norm N>
@@ -467,7 +447,7 @@ extern "C" int dsv41_packed_insert(const Dsv41PackedInsertParams* p, size_t para
             case DSV41_QUANT_FP4_E4M3_B16: return launch_packed<D, Quant::Fp4E4m3B16>(p, s);
             default:
                 if constexpr (D == 128) {
-                    if (row128_applies(*p))
+                    if (row128_applies(*p) && packed_e_rows32(*p))
                         return p->apply_norm ? launch_packed_e_row128<Norm::Weighted>(*p, s)
                                              : launch_packed_e_row128<Norm::None>(*p, s);
                 }

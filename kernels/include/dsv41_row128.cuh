@@ -103,18 +103,6 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
     return x;
 }
 
-// The reciprocal of the norm's root without ptxas's range branch (kRow128FastRcp). ptxas lowers
-// rcp.rn.f32 (__frcp_rn) to a MUFU estimate and one correction step (the sequence below,
-// instruction for instruction), taken when the argument's exponent field is in [1, 252], else a
-// call to an out-of-line IEEE routine: a range test, a branch and a convergence barrier (BSSY /
-// BSYNC) in the hot path. The division-free branch of compute_row128 runs only for r in
-// [2^-60, 2^60) (norm_div_row_ok), inside that range, so there rcp_rn_fast(r) = __frcp_rn(r).
-__device__ __forceinline__ float rcp_rn_fast(float r) {
-    float y0;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(r));
-    return __fmaf_rn(y0, -__fmaf_rn(y0, r, -1.0f), y0);  // y0 - (y0 r - 1) y0
-}
-
 // x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE, each rounded to bf16 as
 // the CPU does, returned as bf16 pairs: h[2 m + i] holds elements 32 m + 4 j + 2 i and + 1 (low
 // half first). `w`: the norm weights [128] in shared memory (Norm::Weighted only).
@@ -146,10 +134,8 @@ __device__ __forceinline__ float rcp_rn_fast(float r) {
 //   after the weights' multiply).
 // The bf16 index keys take both (docs/perf.md, Run 16: 7.09 -> 6.87 us at G = 32768, 86.0 -> 88.8 %
 // of 4.17 TB/s), format E neither (each was slower there: 6.74 -> 6.81 / 6.87 us).
-//   kRow128FastRcp: the reciprocal by rcp_rn_fast (see there).
 constexpr int kRow128TreeMin = 1;
 constexpr int kRow128EarlyRows = 2;
-constexpr int kRow128FastRcp = 4;
 template <Norm N, int O, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
@@ -207,7 +193,7 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
         const float sum = __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
         const float rr = __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_dim), eps));
         if (fast && norm_div_row_ok(rr)) {
-            const float y = (O & kRow128FastRcp) != 0 ? rcp_rn_fast(rr) : __frcp_rn(rr);
+            const float y = __frcp_rn(rr);
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
             if constexpr (kEarly) prefetch(EarlyParts{});
