@@ -17,9 +17,11 @@
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
 // quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
-// (q3_codes4_raw: 4 codes per 16 bits; one pair-or-element branch per row set), stored by each
+// (q3_codes4_raw_kc: 4 codes per 16 bits; one pair-or-element branch per row set), stored by each
 // lane (2 bytes per 4-element chunk) and the 4 scale bytes as one word; power-of-two pages with
-// 32-bit slots take a shift-and-mask store path. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
+// 32-bit slots in a cache below 4 GiB (P32) take a shift-and-mask store path with 32-bit offsets
+// and predicated stores (no branch around them), and the source rows are addressed with a
+// 32-bit row stride (one wide multiply-add per row). Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
 // pages) take packed_b512_kernel: the row stays in its loaded bf16 pairs, the e2m1 codes come
 // from comparisons with the block's scaled tie points (q2_codes8, no quotient), the scale byte
 // and value from the hardware e4m3 conversions (q2_scale_hw), the slots arrive by cp.async;
@@ -194,7 +196,13 @@ __device__ __forceinline__ void st_codes_scales_if(uint8_t* d, uint8_t* ds, cons
 // at most 2^24 rows take the page and row by one shift and one mask, with 32-bit offsets inside
 // the page; other layouts take page_and_row. With the unmasked codes (the 16-bit stores drop the
 // high half) this cut ~20 instructions per row set and measured +1.8 / +2.5 points at G = 32768 /
-// 65536 (docs/perf.md, Run 12).
+// 65536 (docs/perf.md, Run 12). P32 also requires the whole cache below 2^32 bytes, so that the
+// code address is the cache pointer plus one 32-bit offset page * page_stride + 64 row + 2 j (one
+// multiply-add and one 64-bit add instead of a 64-bit product), and P32 stores by predicated
+// st.global (st_codes_scales_if) instead of branching around the stores (ins12's variant 2,
+// docs/perf.md Run 19: 6.69 -> 6.64 us at G = 32768). With the 32-bit source row stride
+// (packed_e_rows32, kRow128Rows32) the 32-bit offsets measured 6.64 -> 6.62 us at G = 32768 and
+// 11.52 -> 11.45 us at G = 65536 (Run 19; either one alone was slower: 6.66 / 6.68 us).
 inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint64_t pages = (static_cast<uint64_t>(p.num_slots) + ps - 1) / ps;  // the cache's bytes below 2^32
@@ -209,12 +217,12 @@ inline bool packed_e_rows32(const Dsv41PackedInsertParams& p) {
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
 // in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
 // registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
-template <Norm N, bool P32, int V>
+template <Norm N, bool P32>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift,
                                                                                             const uint32_t page_mask,
                                                                                             const uint32_t scale_off) {
-    row128_loop<N, (V & 4) ? kRow128Rows32 : 0>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
+    row128_loop<N, kRow128Rows32>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         // the norm etc., then the next set's loads (no early rows / tree min: slower here, Run 16)
         compute_row128<N, 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
@@ -238,13 +246,8 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
         }
         if constexpr (P32) {
             const uint32_t s = static_cast<uint32_t>(r.slot), row = s & page_mask;
-            uint8_t* d;
-            if constexpr ((V & 16) != 0) {  // the whole cache below 2^32 bytes: 32-bit offsets
-                d = p.cache + ((s >> page_shift) * static_cast<uint32_t>(p.page_stride) + (row * 64 + 2 * j));
-            } else {
-                uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
-                d = base + (row * 64 + 2 * j);
-            }
+            // the whole cache below 2^32 bytes (packed_e_page32): 32-bit offsets
+            uint8_t* d = p.cache + ((s >> page_shift) * static_cast<uint32_t>(p.page_stride) + (row * 64 + 2 * j));
             st_codes_scales_if(d, d + (scale_off - row * 60), code, scales, static_cast<int32_t>(static_cast<uint64_t>(r.slot) >> 32),
                                static_cast<int32_t>(threadIdx.x << 29));
         } else if (r.slot >= 0) {
@@ -258,32 +261,14 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-template <Norm N, bool P32, int V>
-int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+template <Norm N, bool P32>
+int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
-    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
-}
-// (ins13 run-2 switch) DSV41_ROW128_VARIANT, read once: unset / 0 = the candidate (V = 20: 32-bit source row
-// stride and cache offsets), 1 = V 0 (ins12's variant 2, the measured baseline), 2 = V 4, 3 = V 16.
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
-}
-template <Norm N, bool P32>
-int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    switch (row128_variant()) {
-        case 1: return launch_packed_e_row128_v<N, P32, 0>(p, s);
-        case 2: return launch_packed_e_row128_v<N, P32, 4>(p, s);
-        case 3: return launch_packed_e_row128_v<N, P32, 16>(p, s);
-        default: return launch_packed_e_row128_v<N, P32, 20>(p, s);
-    }
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {

@@ -25,7 +25,8 @@
 // Scheduling: a persistent grid (as many blocks as are resident at once); each warp walks its
 // row sets with a stride and issues the loads of its next set (into registers) while it computes
 // the current one, so every warp has a set in flight while it computes. Set and token indices
-// are 32-bit and the lane's source pointers are set up once (row128_loop). The loads of a
+// are 32-bit and the lane's source pointers are set up once (row128_loop; with kRow128Rows32 also
+// the row stride as 32 bits). The loads of a
 // warp's first set are issued before the block loads the norm weights and waits at its barrier,
 // and those of its next set only once the current set's norm is done (compute_row128 calls
 // `prefetch` at its end, ptxas hoists the loads up to just after the weights' multiply; with
@@ -326,8 +327,9 @@ __device__ __forceinline__ void load_row128(const Row128Src<RB>& a, uint32_t tc,
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
 // Loop options (bit set LO): kRow128Rows32: the source row stride in bytes as 32 bits (the
-// caller checks 2 * src_row_stride < 2^32), one IMAD.WIDE.U32 per row address instead of a
-// 64-bit product.
+// caller checks 2 * src_row_stride < 2^32), one 32 x 32 -> 64-bit multiply-add per row address
+// instead of a 64-bit product (format E takes it, docs/perf.md Run 19; the bf16 index keys keep the
+// 64-bit product, not measured with it).
 constexpr int kRow128Rows32 = 1;
 template <Norm N, int LO = 0, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
