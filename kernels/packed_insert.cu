@@ -200,7 +200,7 @@ __device__ __forceinline__ void st_codes_scales_if(uint8_t* d, uint8_t* ds, cons
 // code address is the cache pointer plus one 32-bit offset page * page_stride + 64 row + 2 j (one
 // multiply-add and one 64-bit add instead of a 64-bit product), and P32 stores by predicated
 // st.global (st_codes_scales_if) instead of branching around the stores (ins12's variant 2,
-// docs/perf.md Run 19: 6.69 -> 6.64 us at G = 32768). With the 32-bit source row stride
+// docs/perf.md Run 19: 6.72 -> 6.64 us at G = 32768). With the 32-bit source row stride
 // (packed_e_rows32, kRow128Rows32) the 32-bit offsets measured 6.64 -> 6.62 us at G = 32768 and
 // 11.52 -> 11.45 us at G = 65536 (Run 19; either one alone was slower: 6.66 / 6.68 us).
 inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
