@@ -17,9 +17,11 @@
 // come from the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two per instruction) for
 // lanes without a NaN quotient. Format E rows of the V4.1 shape (D = 128, R = 64) take the
 // quarter-warp-per-row path of dsv41_row128.cuh, their e2m1 codes computed from bf16 pairs
-// (q3_codes4_raw: 4 codes per 16 bits; one pair-or-element branch per row set), stored by each
+// (q3_codes4_raw_kc: 4 codes per 16 bits; one pair-or-element branch per row set), stored by each
 // lane (2 bytes per 4-element chunk) and the 4 scale bytes as one word; power-of-two pages with
-// 32-bit slots take a shift-and-mask store path. Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
+// 32-bit slots in a cache below 4 GiB (P32) take a shift-and-mask store path with 32-bit offsets
+// and predicated stores (no branch around them), and the source rows are addressed with a
+// 32-bit row stride (one wide multiply-add per row). Format B rows of the V4.1 shape (D = 512, R = 64, no norm, power-of-two
 // pages) take packed_b512_kernel: the row stays in its loaded bf16 pairs, the e2m1 codes come
 // from comparisons with the block's scaled tie points (q2_codes8, no quotient), the scale byte
 // and value from the hardware e4m3 conversions (q2_scale_hw), the slots arrive by cp.async;
@@ -160,6 +162,28 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
     return c;
 }
 
+// P32's stores without a branch (for `if (slot >= 0) { ... }` ptxas emits one around them with a
+// convergence barrier, BSSY / BSYNC): the four 2-byte codes at d, d + 16, d + 32, d + 48 if slot_hi >= 0
+// (the slot's high word: slot >= 0) and the scale word at ds if also j_bits == 0 (lane j = 0 of the
+// group; j_bits = threadIdx.x << 29), as predicated st.global.
+__device__ __forceinline__ void st_codes_scales_if(uint8_t* d, uint8_t* ds, const uint32_t (&code)[4], uint32_t scales,
+                                                   int32_t slot_hi, int32_t j_bits) {
+    asm volatile(
+        "{\n\t.reg .pred q, q0;\n\t"
+        "setp.ge.s32 q, %6, 0;\n\t"
+        "setp.eq.and.s32 q0, %7, 0, q;\n\t"
+        "@q st.global.b16 [%0], %2;\n\t"
+        "@q st.global.b16 [%0+16], %3;\n\t"
+        "@q st.global.b16 [%0+32], %4;\n\t"
+        "@q st.global.b16 [%0+48], %5;\n\t"
+        "@q0 st.global.b32 [%1], %8;\n\t}"
+        :
+        : "l"(d), "l"(ds), "h"(static_cast<unsigned short>(code[0])), "h"(static_cast<unsigned short>(code[1])),
+          "h"(static_cast<unsigned short>(code[2])), "h"(static_cast<unsigned short>(code[3])), "r"(slot_hi), "r"(j_bits),
+          "r"(scales)
+        : "memory");
+}
+
 // Format E rows of the V4.1 shape (D = 128, R = 64; dsv41_row128.cuh): grid = row128_grid,
 // block = 256 threads. Lane j's codes of chunk m (4 elements, 16 bits by q3_codes4_raw_kc) are bytes
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
@@ -172,10 +196,22 @@ static __device__ __noinline__ PackedECodes packed_e_codes_element(Row128H8 hh, 
 // at most 2^24 rows take the page and row by one shift and one mask, with 32-bit offsets inside
 // the page; other layouts take page_and_row. With the unmasked codes (the 16-bit stores drop the
 // high half) this cut ~20 instructions per row set and measured +1.8 / +2.5 points at G = 32768 /
-// 65536 (docs/perf.md, Run 12).
+// 65536 (docs/perf.md, Run 12). P32 also requires the whole cache below 2^32 bytes, so that the
+// code address is the cache pointer plus one 32-bit offset page * page_stride + 64 row + 2 j (one
+// multiply-add and one 64-bit add instead of a 64-bit product), and P32 stores by predicated
+// st.global (st_codes_scales_if) instead of branching around the stores (ins12's variant 2,
+// docs/perf.md Run 19: 6.72 -> 6.64 us at G = 32768). With the 32-bit source row stride
+// (packed_e_rows32, kRow128Rows32) the 32-bit offsets measured 6.64 -> 6.62 us at G = 32768 and
+// 11.52 -> 11.45 us at G = 65536 (Run 19; either one alone was slower: 6.66 / 6.68 us).
 inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
-    return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull;
+    const uint64_t pages = (static_cast<uint64_t>(p.num_slots) + ps - 1) / ps;  // the cache's bytes below 2^32
+    return (ps & (ps - 1)) == 0 && ps <= (1u << 24) && static_cast<uint64_t>(p.num_slots) <= 0xffffffffull &&
+           pages * static_cast<uint64_t>(p.page_stride) <= 0xffffffffull;
+}
+// Whether the source rows' stride in bytes fits 32 bits (row128_loop's kRow128Rows32); else the generic kernel.
+inline bool packed_e_rows32(const Dsv41PackedInsertParams& p) {
+    return 2 * static_cast<uint64_t>(p.src_row_stride) <= 0xffffffffull;
 }
 // page_shift = log2(page_size), page_mask = page_size - 1, scale_off = page_size * 64 (used by P32
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
@@ -186,7 +222,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                                                                                             const uint32_t page_shift,
                                                                                             const uint32_t page_mask,
                                                                                             const uint32_t scale_off) {
-    row128_loop<N>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
+    row128_loop<N, kRow128Rows32>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         // the norm etc., then the next set's loads (no early rows / tree min: slower here, Run 16)
         compute_row128<N, 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
@@ -208,22 +244,19 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
             for (int m = 0; m < 4; ++m) code[m] = c.code[m];
             scales = c.scales;
         }
-        if (r.slot >= 0) {
-            if constexpr (P32) {
-                const uint32_t s = static_cast<uint32_t>(r.slot), row = s & page_mask;
-                uint8_t* base = p.cache + static_cast<uint64_t>(s >> page_shift) * static_cast<uint64_t>(p.page_stride);
-                uint8_t* d = base + (row * 64 + 2 * j);
+        if constexpr (P32) {
+            const uint32_t s = static_cast<uint32_t>(r.slot), row = s & page_mask;
+            // the whole cache below 2^32 bytes (packed_e_page32): 32-bit offsets
+            uint8_t* d = p.cache + ((s >> page_shift) * static_cast<uint32_t>(p.page_stride) + (row * 64 + 2 * j));
+            st_codes_scales_if(d, d + (scale_off - row * 60), code, scales, static_cast<int32_t>(static_cast<uint64_t>(r.slot) >> 32),
+                               static_cast<int32_t>(threadIdx.x << 29));
+        } else if (r.slot >= 0) {
+            int64_t page, row;
+            page_and_row(r.slot, p.page_size, page, row);
+            uint8_t* base = p.cache + page * p.page_stride;
 #pragma unroll
-                for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(d + 16 * m) = static_cast<uint16_t>(code[m]);
-                if (j == 0) *reinterpret_cast<uint32_t*>(d + (scale_off - row * 60)) = scales;  // d = base + row * 64
-            } else {
-                int64_t page, row;
-                page_and_row(r.slot, p.page_size, page, row);
-                uint8_t* base = p.cache + page * p.page_stride;
-#pragma unroll
-                for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(base + row * 64 + 16 * m + 2 * j) = static_cast<uint16_t>(code[m]);
-                if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
-            }
+            for (int m = 0; m < 4; ++m) *reinterpret_cast<uint16_t*>(base + row * 64 + 16 * m + 2 * j) = static_cast<uint16_t>(code[m]);
+            if (j == 0) *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(p.page_size) * 64 + row * 4) = scales;
         }
     });
 }
@@ -399,7 +432,7 @@ extern "C" int dsv41_packed_insert(const Dsv41PackedInsertParams* p, size_t para
             case DSV41_QUANT_FP4_E4M3_B16: return launch_packed<D, Quant::Fp4E4m3B16>(p, s);
             default:
                 if constexpr (D == 128) {
-                    if (row128_applies(*p))
+                    if (row128_applies(*p) && packed_e_rows32(*p))
                         return p->apply_norm ? launch_packed_e_row128<Norm::Weighted>(*p, s)
                                              : launch_packed_e_row128<Norm::None>(*p, s);
                 }

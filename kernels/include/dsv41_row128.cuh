@@ -25,7 +25,8 @@
 // Scheduling: a persistent grid (as many blocks as are resident at once); each warp walks its
 // row sets with a stride and issues the loads of its next set (into registers) while it computes
 // the current one, so every warp has a set in flight while it computes. Set and token indices
-// are 32-bit and the lane's source pointers are set up once (row128_loop). The loads of a
+// are 32-bit and the lane's source pointers are set up once (row128_loop; with kRow128Rows32 also
+// the row stride as 32 bits). The loads of a
 // warp's first set are issued before the block loads the norm weights and waits at its barrier,
 // and those of its next set only once the current set's norm is done (compute_row128 calls
 // `prefetch` at its end, ptxas hoists the loads up to just after the weights' multiply; with
@@ -272,24 +273,30 @@ __device__ __forceinline__ int q3_block_k_row128(const uint32_t (&amax2)[2], int
 
 // The lane's source pointers (its 8-byte column of every row), set up once per kernel so that a
 // token's addresses are one wide multiply-add each (32-bit token index: T < 2^31).
+template <class RB>
 struct Row128Src {
     const char* src;  // p.src + 4 j elements
     const char* cos;  // p.cos + 2 j floats
     const char* sin;
     const char* slots;
-    uint64_t row_bytes;  // 2 * src_row_stride
+    RB row_bytes;  // 2 * src_row_stride (uint64_t, or uint32_t with kRow128Rows32)
 };
-template <class P>
-__device__ __forceinline__ Row128Src row128_src(const P& p, int j) {
+template <class RB, class P>
+__device__ __forceinline__ Row128Src<RB> row128_src(const P& p, int j) {
     return {reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(p.src) + 4 * j),
             reinterpret_cast<const char*>(p.cos + 2 * j), reinterpret_cast<const char*>(p.sin + 2 * j),
-            reinterpret_cast<const char*>(p.slots), 2 * static_cast<uint64_t>(p.src_row_stride)};
+            reinterpret_cast<const char*>(p.slots), static_cast<RB>(2 * static_cast<uint64_t>(p.src_row_stride))};
 }
 // Issues the lane's loads of token tc (< T) into r (the Parts of it, kRow128Load*); r.slot is the
 // slot as loaded (checked at use).
-template <int Parts = kRow128LoadAll>
-__device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row128In& r) {
-    const char* src = a.src + tc * a.row_bytes;
+template <int Parts = kRow128LoadAll, class RB>
+__device__ __forceinline__ void load_row128(const Row128Src<RB>& a, uint32_t tc, Row128In& r) {
+    const char* src;
+    if constexpr (sizeof(RB) == 4) {  // one IMAD.WIDE.U32 (written out: from C++ ptxas adds a zero high part)
+        asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(src) : "r"(tc), "r"(a.row_bytes), "l"(a.src));
+    } else {
+        src = a.src + tc * a.row_bytes;
+    }
     if constexpr ((Parts & kRow128LoadRow) != 0) {
 #pragma unroll
         for (int m = 0; m < 4; ++m) ld_nc(r.raw[m], src + 64 * m);
@@ -319,7 +326,12 @@ __device__ __forceinline__ void load_row128(const Row128Src& a, uint32_t tc, Row
 // the compiler sees the warps converged at every shuffle and emits plain SHFL instructions
 // (with a per-warp exit it wraps each one in a convergence check). Set and token indices are
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
-template <Norm N, class P, class F>
+// Loop options (bit set LO): kRow128Rows32: the source row stride in bytes as 32 bits (the
+// caller checks 2 * src_row_stride < 2^32), one 32 x 32 -> 64-bit multiply-add per row address
+// instead of a 64-bit product (format E takes it, docs/perf.md Run 19; the bf16 index keys keep the
+// 64-bit product, not measured with it).
+constexpr int kRow128Rows32 = 1;
+template <Norm N, int LO = 0, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 3, j = lane & 7;
@@ -331,7 +343,7 @@ __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {
     // The norm weights, once per block, in shared memory (registers are the scarce resource).
     __shared__ __align__(16) float w[N == Norm::Weighted ? 128 : 4];
     if (base >= sets) return;  // block-uniform: the whole block leaves (no barrier reached)
-    const Row128Src a = row128_src(p, j);
+    const auto a = row128_src<std::conditional_t<(LO & kRow128Rows32) != 0, uint32_t, uint64_t>>(p, j);
     const uint32_t row = 4 * warp + g;  // the lane's row of a round: token 4 base + row
     // slot in [0, S) (one unsigned compare) of a token < T, else -1
     auto checked = [&](uint32_t b, Row128In& r) {
