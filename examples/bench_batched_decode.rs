@@ -58,7 +58,8 @@ use clap::Parser;
 use deepseek_v41::config::{AttentionRole, Config};
 use deepseek_v41::cuda::{
     compressed_insert, fake_quant_device, index_key_insert, index_select, packed_insert, q_rope_inplace, window_insert,
-    IndexKeys, KeySource, KvRows, PackedLayout, SparseAttentionInputs, SparseAttentionOptions, Visibility,
+    IndexKeys, KeySource, KvRows, PackedLayout, SparseAttentionInputs, SparseAttentionKernel, SparseAttentionOptions,
+    Visibility,
 };
 use deepseek_v41::quant::QatFormat;
 
@@ -105,6 +106,10 @@ struct Args {
     /// logic check of the composition without a GPU, e.g. `--cpu --batch 1,3 --context 1024`).
     #[arg(long)]
     cpu: bool,
+    /// The sparse attention kernel: `auto` (the launcher's choice) or `ring` (the head-split
+    /// kernel's slot-ring loop, `SparseAttentionKernel::HeadSplitRing`; bf16 rows).
+    #[arg(long, default_value = "auto")]
+    attention_kernel: String,
 }
 
 /// Tokens per page of the packed index-key pool.
@@ -298,6 +303,7 @@ struct Step<'a> {
     p: &'a Pools,
     s: &'a Inputs,
     fmt: CacheFormat,
+    kernel: SparseAttentionKernel,
 }
 
 impl Step<'_> {
@@ -397,7 +403,7 @@ impl Step<'_> {
             sink: &self.w.sink,
             scale: (self.w.hd as f32).powf(-0.5),
         };
-        Ok(inputs.forward(SparseAttentionOptions { num_splits: splits, ..Default::default() })?.0)
+        Ok(inputs.forward(SparseAttentionOptions { num_splits: splits, kernel: if splits.is_some() { SparseAttentionKernel::Auto } else { self.kernel } })?.0)
     }
 
     /// `[B, hidden]` bf16.
@@ -606,7 +612,12 @@ fn run_batch(
         mem_used_gib(dev)
     );
     for &fmt in fmts {
-        let step = Step { w, p: &pools, s: &s, fmt };
+        let kernel = match args.attention_kernel.as_str() {
+            "auto" => SparseAttentionKernel::Auto,
+            "ring" => SparseAttentionKernel::HeadSplitRing,
+            other => bail!("--attention-kernel: expected auto or ring, got {other}"),
+        };
+        let step = Step { w, p: &pools, s: &s, fmt, kernel };
         let Some(timer) = timer else {
             match sanity(&step) {
                 Ok(m) => println!("  sanity ({}): {m}", fmt.name()),

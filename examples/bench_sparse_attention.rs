@@ -27,7 +27,8 @@
 //!
 //! * In-stream decode B = 64 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
 //!   indexer's real top-k kernel as the producer of the extra index lists; the attention's share
-//!   = pair - top-k alone, with and without programmatic dependent launch, next to the
+//!   = pair - top-k alone, for the launcher's choice (the head-split two-stage loop) and the
+//!   head-split slot-ring loop (`SparseAttentionKernel::HeadSplitRing`), next to the
 //!   standalone figures above (which are back-to-back calls of the attention alone: its rows
 //!   largely stay in L2 between calls), and the attention after an L2 flush.
 //!
@@ -263,19 +264,6 @@ fn report_packed(
     Ok(())
 }
 
-/// `f` with the environment variables `vars` set (the launchers' experiment switches), removed
-/// afterwards.
-fn with_env<T>(vars: &[(&str, &str)], f: impl FnOnce() -> Result<T>) -> Result<T> {
-    for (k, v) in vars {
-        std::env::set_var(k, v);
-    }
-    let r = f();
-    for (k, _) in vars {
-        std::env::remove_var(k);
-    }
-    r
-}
-
 /// Score entries per row of the in-stream producer (the compressed keys of a 128K-token
 /// context at compression ratio 4).
 const TOPK_N: usize = 32 * 1024;
@@ -285,9 +273,10 @@ const TOPK_N: usize = 32 * 1024;
 /// one CTA per row) whose output is the attention's extra index list (as in the layer's decode
 /// step, where the attention follows the selection). Timed like every case (behind a blocker,
 /// median): the producer alone, the pair, and the attention's share = pair - producer alone;
-/// plus the attention alone on the top-k's (fixed) indices. Variants: the attention without /
-/// with programmatic dependent launch, the top-k kernel letting its dependents launch at its
-/// start (the default) or not (DSV41_TOPK_TRIGGER=0); and the attention after an L2 flush.
+/// plus the attention alone on the top-k's (fixed) indices, and after an L2 flush. Kernels: the
+/// launcher's choice and the head-split slot-ring loop. (The top-k lets its dependents launch at
+/// its start and the attention uses programmatic dependent launch; without them the share was
+/// ~4 µs larger: docs/perf.md "Round 8".)
 fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor) -> Result<()> {
     let b = 64;
     let pb = decode_problem(dev, pool, b)?;
@@ -330,35 +319,28 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
             attn(&idx).map(|_| ())
         })?;
     }
-    for trig in ["0", "1"] {
-        let (prod, _) = with_env(&[("DSV41_TOPK_TRIGGER", trig)], || {
-            timer.time(|| {
-                topk()?;
-                Ok(())
-            })
+    let (prod, _) = timer.time(|| {
+        topk()?;
+        Ok(())
+    })?;
+    println!("  top-k alone: {:.2} us", prod * 1e3);
+    let ring = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitRing, ..opts };
+    for (name, o) in [("Auto", opts), ("head-split ring", ring)] {
+        let attn = |ic: &Tensor| sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, pool, ic, sink, scale, o);
+        let (pair, _) = timer.time(|| {
+            attn(&topk()?)?;
+            Ok(())
         })?;
-        println!("  top-k alone (trigger={trig}): {:.2} us", prod * 1e3);
-        for (name, pdl) in [("no PDL", "0"), ("PDL", "1")] {
-            let env = [("DSV41_TOPK_TRIGGER", trig), ("DSV41_SPARSE_ATTENTION_PDL", pdl)];
-            let (pair, _) = with_env(&env, || {
-                timer.time(|| {
-                    attn(&topk()?)?;
-                    Ok(())
-                })
-            })?;
-            // The pair's result against the attention on the fixed indices (bitwise expected).
-            let diff = with_env(&env, || {
-                let (o, _) = attn(&topk()?)?;
-                Ok((o.to_dtype(DType::F32)? - &want)?.abs()?.max_all()?.to_scalar::<f32>()?)
-            })?;
-            println!(
-                "  pair top-k(trigger={trig}) -> attention [{name}]: pair {:.2} us, attention's share {:.2} us (max |diff| {diff})",
-                pair * 1e3,
-                (pair - prod) * 1e3
-            );
-            if args.trace && trig == "1" {
-                with_env(&env, || traced(&format!("  pair trigger=1 [{name}]"), || attn(&topk()?).map(|_| ())))?;
-            }
+        // The pair's result against the launcher's choice on the fixed indices (bitwise expected).
+        let (out, _) = attn(&topk()?)?;
+        let diff = (out.to_dtype(DType::F32)? - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        println!(
+            "  pair top-k -> attention [{name}]: pair {:.2} us, attention's share {:.2} us (max |diff| {diff})",
+            pair * 1e3,
+            (pair - prod) * 1e3
+        );
+        if args.trace {
+            traced(&format!("  pair [{name}]"), || attn(&topk()?).map(|_| ()))?;
         }
     }
     Ok(())
@@ -458,10 +440,8 @@ fn main() -> Result<()> {
         report(&timer, &args, &format!("decode B={b} all-heads"), &pb, &sink, all_heads, false)?;
         report(&timer, &args, &format!("decode B={b} head-split"), &pb, &sink, head_split, false)?;
         if b == 64 {
-            // The launch without programmatic dependent launch (comparison switch).
-            with_env(&[("DSV41_SPARSE_ATTENTION_PDL", "0")], || {
-                report(&timer, &args, "decode B=64 head-split no PDL", &pb, &sink, head_split, false)
-            })?;
+            let ring = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitRing, ..auto };
+            report(&timer, &args, "decode B=64 head-split ring", &pb, &sink, ring, false)?;
             for s in [1usize, 2, 3, 4] {
                 let opts = SparseAttentionOptions { num_splits: Some(s), ..auto };
                 report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, opts, false)?;

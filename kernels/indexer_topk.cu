@@ -196,7 +196,7 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
     }
 }
 
-__global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p, int trigger) {
+__global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
     __shared__ __align__(16) uint32_t ebits[WORDS];   // entries with key == u*
@@ -208,9 +208,9 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     // launched with the attribute (the sparse attention kernels: they read this grid's output
     // only after griddepcontrol.wait, which returns once this grid completed). This kernel is
     // launched without the attribute, so it starts only after the previous grid completed: the
-    // chain contract of kernels/sparse_attention.cu holds. `trigger` = 0 only for the bench's
-    // comparison (DSV41_TOPK_TRIGGER=0).
-    if (trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    // chain contract of kernels/sparse_attention.cu holds. (Without the trigger the attention's
+    // in-stream share at B = 64 was ~4 us larger: docs/perf.md "Round 8".)
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const int x = threadIdx.x;
     const int64_t t = blockIdx.x;
     int64_t n = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
@@ -423,7 +423,6 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    const char* tr = getenv("DSV41_TOPK_TRIGGER");
-    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p, !(tr && tr[0] == '0'));
+    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p);
     return true;
 }

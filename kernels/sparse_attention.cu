@@ -98,7 +98,6 @@
 // copies and the gather of its two window tiles before the wait saved another ~1.8 us of the
 // in-stream share; a sound variant, L2 prefetches of the same data before the wait, saved
 // nothing. A caller flag "inputs are two kernels old" would be the way to use the former.)
-// Experiment switch: DSV41_SPARSE_ATTENTION_PDL=0 launches both kernels without the attribute.
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
@@ -506,7 +505,7 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
 // tile on the producer, which the head-split kernel would do twice per token (docs/perf.md,
 // "Round 6").
 bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, int tiles, int sms) {
-    if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT;
+    if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT || p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_RING;
     if (p.num_splits > 0 || p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16) return false;
     return choose_splits(tokens_x_hblocks, tiles, sms) == 2;
 }
@@ -543,8 +542,8 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (p->num_tokens < 0 || p->num_heads < 0 || p->kw < 0 || p->kc < 0 || p->kw + p->kc > MAX_INDICES ||
         p->num_heads > 65535 * HB || (p->index_bytes != 4 && p->index_bytes != 8) || p->num_window_rows < 0 ||
         p->num_extra_rows < 0 || p->num_window_rows > 0x7fffffff || p->num_extra_rows > 0x7fffffff ||
-        p->num_splits < 0 || p->num_splits > MAX_SPLITS || p->kernel < DSV41_SA_KERNEL_AUTO || p->kernel > DSV41_SA_KERNEL_HEAD_SPLIT ||
-        (p->kernel == DSV41_SA_KERNEL_HEAD_SPLIT && p->num_splits > 1))
+        p->num_splits < 0 || p->num_splits > MAX_SPLITS || p->kernel < DSV41_SA_KERNEL_AUTO || p->kernel > DSV41_SA_KERNEL_HEAD_SPLIT_RING ||
+        (p->kernel >= DSV41_SA_KERNEL_HEAD_SPLIT && p->num_splits > 1))
         return DSV41_ERR_SHAPE;
     if (p->num_tokens == 0 || p->num_heads == 0) return DSV41_OK;
     if (!p->q || !p->sink || !p->out || !p->lse || (p->kw > 0 && (!p->kv_window || !p->idx_window)) ||
@@ -574,21 +573,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    // DSV41_SPARSE_ATTENTION_PDL=0: no programmatic dependent launch (comparison; mode bit 6,
-    // read by the launches only).
-    const char* pdl = getenv("DSV41_SPARSE_ATTENTION_PDL");
-    const int no_pdl = pdl && pdl[0] == '0';
-    // DSV41_SPARSE_ATTENTION_RING=1: the head-split kernel's slot-ring loop instead of the
-    // two-stage loop (experiment; mode bit 7, read by launch_head_split only).
-    const char* rg = getenv("DSV41_SPARSE_ATTENTION_RING");
-    const int ring = rg && rg[0] == '1';
-    // DSV41_SPARSE_ATTENTION_PAD=1: the head-split two-stage kernel asks for the whole shared memory
-    // (227 KB, as the ring kernel) instead of the ~176 KB it uses (experiment, not measured yet:
-    // in-stream behind the top-k the ring kernel ran ~4.5 us faster, see docs/perf.md "Round 9";
-    // mode bit 9, read by launch_head_split only).
-    const char* pad = getenv("DSV41_SPARSE_ATTENTION_PAD");
-    const int pad_smem = pad && pad[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 6) : 0) | (no_pdl ? 64 : 0) | (ring ? 128 : 0) | (pad_smem ? 512 : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 6) : 0);
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {
@@ -624,7 +609,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // (it waits in griddepcontrol.wait before touching global memory).
     attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[nattr].val.programmaticStreamSerializationAllowed = 1;
-    if (!no_pdl) ++nattr;
+    ++nattr;
     cfg.attrs = attr;
     cfg.numAttrs = nattr;
     if (trace) {

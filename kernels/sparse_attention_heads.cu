@@ -28,7 +28,7 @@
 //      Then the stage goes back to the producer, which meanwhile gathered tile j + 1 into the
 //        other stage (two 64 KB stages: q, the stages, P^T and S^T take ~180 KB; a third does
 //        not fit, so the softmax does not overlap the products).
-//      Ring kernel (experiment, bf16 rows, DSV41_SPARSE_ATTENTION_RING=1; head_split_ring_kernel
+//      Ring kernel (bf16 rows, chosen by the caller: DSV41_SA_KERNEL_HEAD_SPLIT_RING; head_split_ring_kernel
 //        below, docs/perf.md "Round 9"): the rows live in a ring of 8-11 slots of two 64-dim
 //        planes (16 KB) after the index entries (11 at 640 indices: 2.75 tiles), each slot with
 //        its own full / empty mbarrier, so tile j + 1 is resident while tile j is consumed:
@@ -36,8 +36,8 @@
 //        whose slots go back as each group completes. Same products and orders: bitwise the
 //        two-stage result. Measured slower standalone (tiles 1.8 vs 1.6 us: the softmax does not
 //        overlap the N = 32 products within one warpgroup) but ~4.5 us faster in-stream behind
-//        the top-k (not understood; DSV41_SPARSE_ATTENTION_PAD=1 asks the same shared memory for
-//        the two-stage kernel to tell whether the footprint explains it, not measured yet).
+//        the top-k (not understood; not the shared-memory footprint: the two-stage kernel
+//        launched with the ring's 227 KB measured the same in-stream, lead run 3 of session 8).
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     stamp(3);
 }
 
-// The ring kernel (experiment, bf16 rows, DSV41_SPARSE_ATTENTION_RING=1): the row tiles in a ring
+// The ring kernel (bf16 rows, DSV41_SA_KERNEL_HEAD_SPLIT_RING): the row tiles in a ring
 // of nslot (MIN_SLOTS .. MAX_SLOTS) slots of two planes (include/dsv41_sparse_attention_heads.cuh:
 // TileSlots, produce_ring), so that tile j + 1 is resident while tile j is consumed and the
 // producer still has 3 / 4 of a tile in flight. Per tile j (S^T of tile j complete on entry):
@@ -423,17 +423,15 @@ void print_trace(cudaStream_t stream, int dev, bool ring) {
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
-    // The ring kernel (mode bit 7, DSV41_SPARSE_ATTENTION_RING=1: an experiment) for bf16 rows where
+    // The ring kernel (the caller's choice, DSV41_SA_KERNEL_HEAD_SPLIT_RING) for bf16 rows where
     // at least MIN_SLOTS slots fit; otherwise the two-stage kernel (packed rows always: its producer
     // expands whole tiles).
     const bool bf16_rows = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
     const int nslot = min(MAX_SLOTS, (max_smem - ring_offset(ktot)) / SLOTB);
-    const bool ring = bf16_rows && (mode & 128) && nslot >= MIN_SLOTS;
+    const bool ring = bf16_rows && p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_RING && nslot >= MIN_SLOTS;
     const size_t smem = ring ? static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB
                              : SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
-    // Mode bit 9 (DSV41_SPARSE_ATTENTION_PAD=1, experiment): the two-stage kernel asks for all of it.
-    const size_t smem_launch = (mode & 512) && !ring ? static_cast<size_t>(max_smem) : smem;
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
         cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
@@ -444,13 +442,13 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1);
     cfg.blockDim = dim3(THREADS_ALL, 1, 1);
-    cfg.dynamicSmemBytes = smem_launch;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = (mode & 64) ? 0 : 1;  // mode bit 6: no programmatic dependent launch (comparison)
+    cfg.numAttrs = 1;
     if (mode & 1) {
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);

@@ -1,6 +1,5 @@
-//! Test data of the sparse attention GPU tests (`tests/cuda_sparse_attention.rs`,
-//! `tests/cuda_sparse_attention_ring.rs`): random bf16 tensors and index lists with padding,
-//! duplicates and holes.
+//! Test data of the sparse attention GPU tests (`tests/cuda_sparse_attention.rs`): random bf16
+//! tensors and index lists with padding, duplicates and holes.
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};

@@ -54,6 +54,12 @@ pub enum SparseAttentionKernel {
     /// 32 heads per CTA over all of the token's rows (rows as the tensor-core M dimension), no
     /// split and no merge; takes no `num_splits` above 1.
     HeadSplit,
+    /// [`SparseAttentionKernel::HeadSplit`] with its slot-ring loop: the next tile's rows stay
+    /// resident and its Sᵀ is issued during this tile's softmax. Bitwise the same results as
+    /// `HeadSplit` (bf16 rows; packed rows run `HeadSplit`'s loop). Measured at B = 64
+    /// (docs/perf.md "Round 9"): slower standalone (28.0 vs 25.5 µs) but ~4 µs faster right
+    /// after the indexer's top-k in the stream (28.8 vs 32.7 µs). Takes no `num_splits` above 1.
+    HeadSplitRing,
 }
 
 /// Tuning knobs of [`sparse_attention_two_source_with`]; they change the CUDA work split (and
@@ -164,8 +170,9 @@ impl SparseAttentionInputs<'_> {
             if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
                 candle_core::bail!("sparse_attention: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}")
             }
-            if s > 1 && options.kernel == SparseAttentionKernel::HeadSplit {
-                candle_core::bail!("sparse_attention: the head-split kernel does not split the rows, got num_splits {s}")
+            let head_split = matches!(options.kernel, SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitRing);
+            if s > 1 && head_split {
+                candle_core::bail!("sparse_attention: the head-split kernel ({:?}) does not split the rows, got num_splits {s}", options.kernel)
             }
         }
         if self.q.device().is_cuda() {
@@ -440,6 +447,7 @@ fn cuda_forward(x: &SparseAttentionInputs, options: SparseAttentionOptions) -> R
                 SparseAttentionKernel::Auto => ffi::SA_KERNEL_AUTO,
                 SparseAttentionKernel::AllHeads => ffi::SA_KERNEL_ALL_HEADS,
                 SparseAttentionKernel::HeadSplit => ffi::SA_KERNEL_HEAD_SPLIT,
+                SparseAttentionKernel::HeadSplitRing => ffi::SA_KERNEL_HEAD_SPLIT_RING,
             },
         };
         // SAFETY: every pointer comes from a storage read-locked (outputs: owned) for this call;
