@@ -217,7 +217,7 @@ inline bool packed_e_rows32(const Dsv41PackedInsertParams& p) {
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
 // in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
 // registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
-template <Norm N, bool P32, int V>
+template <Norm N, bool P32>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift,
                                                                                             const uint32_t page_mask,
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     row128_loop<N, kRow128Rows32>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
         // the norm etc., then the next set's loads (no early rows / tree min: slower here, Run 16)
-        compute_row128<N, V>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
+        compute_row128<N, 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
@@ -261,35 +261,14 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
     });
 }
 
-template <Norm N, bool P32, int V>
-int launch_packed_e_row128_v(const Dsv41PackedInsertParams& p, cudaStream_t s) {
+template <Norm N, bool P32>
+int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
     const int64_t sets = (static_cast<int64_t>(p.num_tokens) + 3) / 4;
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint32_t shift = ps ? static_cast<uint32_t>(__builtin_ctz(ps)) : 0u;  // log2 for P32's power-of-two pages
-    packed_e_row128_kernel<N, P32, V><<<row128_grid<packed_e_row128_kernel<N, P32, V>>(sets), kInsertThreads, 0, s>>>(
+    packed_e_row128_kernel<N, P32><<<row128_grid<packed_e_row128_kernel<N, P32>>(sets), kInsertThreads, 0, s>>>(
         p, shift, ps - 1, ps * 64);
     return static_cast<int>(cudaGetLastError());
-}
-// (ins14 experiment switch) DSV41_ROW128_VARIANT, read once: unset / 0 = main's kernels (compute_row128
-// option bits V = 0); 1 = V 4 + 8 + 16 (kRow128SlowNorm | kRow128FastRoot | kRow128FastRcp), 2 = V 4 + 8.
-inline int row128_variant() {
-    static const int v = [] {
-        const char* e = getenv("DSV41_ROW128_VARIANT");
-        return e ? atoi(e) : 0;
-    }();
-    return v;
-}
-template <Norm N, bool P32>
-int launch_packed_e_row128_p(const Dsv41PackedInsertParams& p, cudaStream_t s) {
-    if constexpr (N == Norm::None) {
-        return launch_packed_e_row128_v<N, P32, 0>(p, s);
-    } else {
-        switch (row128_variant()) {
-            case 1: return launch_packed_e_row128_v<N, P32, kRow128SlowNorm | kRow128FastRoot | kRow128FastRcp>(p, s);
-            case 2: return launch_packed_e_row128_v<N, P32, kRow128SlowNorm | kRow128FastRoot>(p, s);
-            default: return launch_packed_e_row128_v<N, P32, 0>(p, s);
-        }
-    }
 }
 template <Norm N>
 int launch_packed_e_row128(const Dsv41PackedInsertParams& p, cudaStream_t s) {

@@ -103,64 +103,6 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
     for (int k = 0; k < 16; ++k) x.v[k] = __fdiv_rn(x.v[k], r);
     return x;
 }
-// x / sqrt(v) by IEEE root and division (kRow128SlowNorm's per-row rare path).
-static __device__ __noinline__ Row128F16 row128_root_divide_slow(Row128F16 x, float v) {
-    const float r = __fsqrt_rn(v);
-#pragma unroll
-    for (int k = 0; k < 16; ++k) x.v[k] = __fdiv_rn(x.v[k], r);
-    return x;
-}
-// The butterfly of compute_row128's sum of squares (see there).
-__device__ __forceinline__ float row128_sum4(const float (&p)[4]) {
-    float sc[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(p[c], __shfl_xor_sync(kFullMask, p[c], 2));
-#pragma unroll
-    for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 4));
-#pragma unroll
-    for (int c = 0; c < 4; ++c) sc[c] = __fadd_rn(sc[c], __shfl_xor_sync(kFullMask, sc[c], 1));
-    return __fadd_rn(__fadd_rn(sc[0], sc[1]), __fadd_rn(sc[2], sc[3]));
-}
-// The whole norm quotient x / r of a warp whose vote failed (kRow128SlowNorm): two-rounding
-// squares, the same butterfly, __fsqrt_rn and IEEE quotients (all lanes of the warp call it).
-static __device__ __noinline__ Row128F16 row128_norm_slow(Row128F16 x, float inv_dim, float eps) {
-    float p[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        p[c] = __fmul_rn(x.v[c], x.v[c]);
-#pragma unroll
-        for (int m = 1; m < 4; ++m) p[c] = __fadd_rn(p[c], __fmul_rn(x.v[4 * m + c], x.v[4 * m + c]));
-    }
-    const float r = __fsqrt_rn(__fadd_rn(__fmul_rn(row128_sum4(p), inv_dim), eps));
-#pragma unroll
-    for (int k = 0; k < 16; ++k) x.v[k] = __fdiv_rn(x.v[k], r);
-    return x;
-}
-// kRow128FastRoot: ptxas's own fast paths of __fsqrt_rn / __frcp_rn, without their range tests
-// (ins12, docs/perf.md Run 18): sqrt_rn_fast(v) = __fsqrt_rn(v) bit for bit for v in
-// [2^-101, 2^128) (MUFU.RSQ, two FMUL.FTZ, two FFMA, as ptxas emits them); for any other v (0,
-// subnormal, negative, NaN, +inf) it gives NaN or a value below 2^-50, which fails row_ok_fast.
-// rcp_rn_fast(r) = __frcp_rn(r) bit for bit for r whose exponent field is in [3, 252], which
-// row_ok_fast (r in [2^-50, 2^60), a sub-range of norm_div_row_ok) implies.
-__device__ __forceinline__ float sqrt_rn_fast(float v) {
-    float r;
-    asm("{\n\t.reg .f32 e, h, n, t;\n\t"
-        "rsqrt.approx.ftz.f32 e, %1;\n\t"
-        "mul.ftz.f32 %0, %1, e;\n\t"        // s = v * rsqrt(v)
-        "mul.ftz.f32 h, e, 0f3F000000;\n\t"  // h = rsqrt(v) / 2
-        "neg.f32 n, %0;\n\t"
-        "fma.rn.f32 t, n, %0, %1;\n\t"       // v - s * s
-        "fma.rn.f32 %0, t, h, %0;\n\t}"      // s + (v - s * s) * h
-        : "=f"(r)
-        : "f"(v));
-    return r;
-}
-__device__ __forceinline__ float rcp_rn_fast(float r) {
-    float y0;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(r));
-    return __fmaf_rn(y0, -__fmaf_rn(y0, r, -1.0f), y0);  // y0 - (y0 r - 1) y0
-}
-__device__ __forceinline__ bool row_ok_fast(float r) { return __float_as_uint(r) - 0x26800000u < 0x5d800000u - 0x26800000u; }
 
 // x[4 m + c] = element 32 m + 4 j + c of the row after [norm] and RoPE, each rounded to bf16 as
 // the CPU does, returned as bf16 pairs: h[2 m + i] holds elements 32 m + 4 j + 2 i and + 1 (low
@@ -195,9 +137,6 @@ __device__ __forceinline__ bool row_ok_fast(float r) { return __float_as_uint(r)
 // of 4.17 TB/s), format E neither (each was slower there: 6.74 -> 6.81 / 6.87 us).
 constexpr int kRow128TreeMin = 1;
 constexpr int kRow128EarlyRows = 2;
-constexpr int kRow128SlowNorm = 4;
-constexpr int kRow128FastRoot = 8;
-constexpr int kRow128FastRcp = 16;
 template <Norm N, int O, class Pf>
 __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w, float eps, float inv_dim, int j,
                                                uint32_t (&h)[8], uint32_t (&amax2)[2], Pf&& prefetch) {
@@ -238,35 +177,6 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
             for (int m = 1; m < 4; ++m) p[c] = __fmaf_rn(x[4 * m + c], x[4 * m + c], p[c]);
         }
-        if constexpr ((O & kRow128SlowNorm) != 0) {
-            if (fast) {
-                const float v = __fadd_rn(__fmul_rn(row128_sum4(p), inv_dim), eps);
-                float rr;
-                bool ok;
-                if constexpr ((O & kRow128FastRoot) != 0) {
-                    rr = sqrt_rn_fast(v);
-                    ok = row_ok_fast(rr);
-                } else {
-                    rr = __fsqrt_rn(v);
-                    ok = norm_div_row_ok(rr);
-                }
-                if (ok) {
-                    const float y = (O & kRow128FastRcp) != 0 ? rcp_rn_fast(rr) : __frcp_rn(rr);
-#pragma unroll
-                    for (int k = 0; k < 16; ++k) x[k] = div_by_rcp(x[k], rr, y);
-                } else {
-                    const Row128F16 q = (O & kRow128FastRoot) != 0 ? row128_root_divide_slow(row128_f16(x), v)
-                                                                   : row128_divide_slow(row128_f16(x), rr);
-#pragma unroll
-                    for (int k = 0; k < 16; ++k) x[k] = q.v[k];
-                }
-            } else {
-                const Row128F16 q = row128_norm_slow(row128_f16(x), inv_dim, eps);
-#pragma unroll
-                for (int k = 0; k < 16; ++k) x[k] = q.v[k];
-            }
-            if constexpr (kEarly) prefetch(EarlyParts{});
-        } else {
         if (!fast) {  // ... replaced by the two-rounding form where the vote fails
             const Row128F4 q = row128_squares_slow(row128_f16(x));
 #pragma unroll
@@ -293,7 +203,6 @@ __device__ __forceinline__ void compute_row128(const Row128In& r, const float* w
 #pragma unroll
             for (int k = 0; k < 16; ++k) x[k] = q.v[k];
             if constexpr (kEarly) prefetch(EarlyParts{});
-        }
         }
         if constexpr (N == Norm::Weighted) {
 #pragma unroll
