@@ -300,7 +300,7 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     let gsrc = KeySource::sequence(IndexKeys::Rows(&kg), start, 2)?;
     for scratch in [1usize << 28, 2 * 3008 * 7] {
         poison(&dev, t * k)?;
-        let opts = SelectOptions { scratch_bytes: scratch, ..SelectOptions::default() };
+        let opts = SelectOptions { scratch_bytes: scratch };
         let got = index_select_with_options(&qg, &wg, &gsrc, k, None, Some(shape), &opts)?;
         assert_ids_equal(&format!("select topk (scratch {scratch})"), &got.topk, &want.topk)?;
         let (gc, wc) = (got.candidates.as_ref().unwrap(), want.candidates.as_ref().unwrap());
@@ -311,7 +311,7 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     let wc = want.candidates.unwrap();
     let want2 = index_select(&q2, &w2, &cpu_src, k, Some(&wc), None)?;
     let gc = Candidates { block: wc.block, kept: wc.kept.to_device(&dev)? };
-    let opts2 = SelectOptions { scratch_bytes: 2 * 3008 * 3, ..SelectOptions::default() };
+    let opts2 = SelectOptions { scratch_bytes: 2 * 3008 * 3 };
     let got2 = index_select_with_options(&q2.to_device(&dev)?, &w2.to_device(&dev)?, &gsrc, k, Some(&gc), None, &opts2)?;
     assert_ids_equal("consumer topk", &got2.topk, &want2.topk)?;
     ensure!(got2.candidates.is_none(), "a consumer publishes nothing");
@@ -465,7 +465,7 @@ fn spread_blocks(t: Tensor, pick: &dyn Fn(usize) -> bool, step: i32) -> Result<T
 /// any order, see kernels/indexer_scores.cu.)
 fn integer_path_data(rng: &mut Rng, t: usize, h: usize, rows: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let keys = spread_blocks(fq(rng, &[rows, D])?, &|r| r / 96 % 3 == 1, -2)?;
-    let q = spread_blocks(fq(rng, &[t, h, D])?, &|r| (r / h) % 3 == 0, 2)?;
+    let q = spread_blocks(fq(rng, &[t, h, D])?, &|r| (r / h).is_multiple_of(3), 2)?;
     let big_w: Vec<f32> = (0..t * h).map(|i| if (i / h) % 5 == 1 { 2f32.powi(45) } else { 1.0 }).collect();
     let w = (weights(rng, t, h)? * Tensor::from_vec(big_w, (t, h), &Device::Cpu)?)?;
     Ok((q, w, keys))
@@ -584,7 +584,7 @@ fn select_with_ties_at_a_bin_edge() -> Result<()> {
     let mut first = vec![0f32; 2 * n];
     let mut plan: Vec<f32> = [(12.0, 100), (6.0, 150), (3.0, 200), (2.0, 300)]
         .iter()
-        .flat_map(|&(v, c)| std::iter::repeat(v).take(c))
+        .flat_map(|&(v, c)| std::iter::repeat_n(v, c))
         .collect();
     plan.resize(n, 0.0);
     for (j, v) in plan.iter_mut().enumerate().skip(750) {

@@ -449,7 +449,9 @@ fn head_split_ring_and_two_stage_loops_agree_bitwise() -> Result<()> {
     // (fewer slots). Random data, −1 holes and padding, duplicates.
     let dev = gpu();
     let opts = |kernel| SparseAttentionOptions { num_splits: None, kernel };
-    let cases: [(u64, usize, Vec<usize>, Vec<usize>, usize, usize); 2] = [
+    // (seed, heads, window lengths, extra lengths, window columns, extra columns)
+    type RingCase = (u64, usize, Vec<usize>, Vec<usize>, usize, usize);
+    let cases: [RingCase; 2] = [
         (110, 64, vec![128; 64], (0..64).map(|i| [512, 511, 129, 1, 0][i % 5]).collect(), 128, 512),
         (111, 4, vec![2048, 1000, 0], vec![2048, 2048, 5], 2048, 2048),
     ];
