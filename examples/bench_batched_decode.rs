@@ -54,7 +54,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Module, Tensor};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use deepseek_v41::config::{AttentionRole, Config};
 use deepseek_v41::cuda::{
     compressed_insert, fake_quant_device, index_key_insert, index_select, packed_insert, q_rope_inplace, window_insert,
@@ -106,10 +106,27 @@ struct Args {
     /// logic check of the composition without a GPU, e.g. `--cpu --batch 1,3 --context 1024`).
     #[arg(long)]
     cpu: bool,
-    /// The sparse attention kernel: `auto` (the launcher's choice) or `ring` (the head-split
-    /// kernel's slot-ring loop, `SparseAttentionKernel::HeadSplitRing`; bf16 rows).
-    #[arg(long, default_value = "auto")]
-    attention_kernel: String,
+    /// The sparse attention kernel.
+    #[arg(long, value_enum, default_value_t = AttentionKernel::Auto)]
+    attention_kernel: AttentionKernel,
+}
+
+/// `--attention-kernel`: which [`SparseAttentionKernel`] the step's attention asks for.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum AttentionKernel {
+    /// The launcher's choice.
+    Auto,
+    /// The head-split kernel's slot-ring loop (`SparseAttentionKernel::HeadSplitRing`; bf16 rows).
+    Ring,
+}
+
+impl From<AttentionKernel> for SparseAttentionKernel {
+    fn from(k: AttentionKernel) -> Self {
+        match k {
+            AttentionKernel::Auto => SparseAttentionKernel::Auto,
+            AttentionKernel::Ring => SparseAttentionKernel::HeadSplitRing,
+        }
+    }
 }
 
 /// Tokens per page of the packed index-key pool.
@@ -612,12 +629,7 @@ fn run_batch(
         mem_used_gib(dev)
     );
     for &fmt in fmts {
-        let kernel = match args.attention_kernel.as_str() {
-            "auto" => SparseAttentionKernel::Auto,
-            "ring" => SparseAttentionKernel::HeadSplitRing,
-            other => bail!("--attention-kernel: expected auto or ring, got {other}"),
-        };
-        let step = Step { w, p: &pools, s: &s, fmt, kernel };
+        let step = Step { w, p: &pools, s: &s, fmt, kernel: args.attention_kernel.into() };
         let Some(timer) = timer else {
             match sanity(&step) {
                 Ok(m) => println!("  sanity ({}): {m}", fmt.name()),

@@ -208,9 +208,9 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
 
 // The head-split kernel's launch (kernels/sparse_attention_heads.cu), called by the launcher of
 // kernels/sparse_attention.cu after it validated `p` (bf16 or packed rows, any H): grid (T,
-// ceil(H / 32)), no cluster. `mode`: the diagnostic bits of the launcher (1 trace, 2 no mma,
-// 4 no gather, 64 no PDL) and the experiments (128 the slot-ring kernel, 512 the two-stage kernel
-// with all of the shared memory). Returns a cudaError_t or a DSV41 status.
+// ceil(H / 32)), no cluster; p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_RING picks the slot-ring loop
+// for bf16 rows. `mode`: the diagnostic bits of the launcher (1 trace, 2 no mma, 4 no gather).
+// Returns a cudaError_t or a DSV41 status.
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
 
 }  // namespace dsv41_sa

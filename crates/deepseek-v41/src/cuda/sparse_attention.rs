@@ -57,8 +57,9 @@ pub enum SparseAttentionKernel {
     /// [`SparseAttentionKernel::HeadSplit`] with its slot-ring loop: the next tile's rows stay
     /// resident and its Sᵀ is issued during this tile's softmax. Bitwise the same results as
     /// `HeadSplit` (bf16 rows; packed rows run `HeadSplit`'s loop). Measured at B = 64
-    /// (docs/perf.md "Round 9"): slower standalone (28.0 vs 25.5 µs) but ~4 µs faster right
-    /// after the indexer's top-k in the stream (28.8 vs 32.7 µs). Takes no `num_splits` above 1.
+    /// (docs/perf.md "Session 8: merged main"): slower standalone (28.5 vs 25.5 µs) but faster
+    /// right after the indexer's top-k in the stream (29.4 vs 32.0 µs). Takes no `num_splits`
+    /// above 1.
     HeadSplitRing,
 }
 
