@@ -325,7 +325,8 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
     })?;
     println!("  top-k alone: {:.2} us", prod * 1e3);
     let ring = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitRing, ..opts };
-    for (name, o) in [("Auto", opts), ("head-split ring", ring)] {
+    let pingpong = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitPingPong, ..opts };
+    for (name, o) in [("Auto", opts), ("head-split ring", ring), ("ping-pong", pingpong)] {
         let attn = |ic: &Tensor| sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, pool, ic, sink, scale, o);
         let (pair, _) = timer.time(|| {
             attn(&topk()?)?;
@@ -434,11 +435,13 @@ fn main() -> Result<()> {
     let auto = SparseAttentionOptions::default();
     let all_heads = SparseAttentionOptions { kernel: SparseAttentionKernel::AllHeads, ..auto };
     let head_split = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplit, ..auto };
+    let pingpong = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitPingPong, ..auto };
     for b in [1usize, 64, 256] {
         let pb = decode_problem(&dev, &pool, b)?;
         report(&timer, &args, &format!("decode B={b}"), &pb, &sink, auto, true)?;
         report(&timer, &args, &format!("decode B={b} all-heads"), &pb, &sink, all_heads, false)?;
         report(&timer, &args, &format!("decode B={b} head-split"), &pb, &sink, head_split, false)?;
+        report(&timer, &args, &format!("decode B={b} ping-pong"), &pb, &sink, pingpong, false)?;
         if b == 64 {
             let ring = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitRing, ..auto };
             report(&timer, &args, "decode B=64 head-split ring", &pb, &sink, ring, false)?;
@@ -484,6 +487,7 @@ fn main() -> Result<()> {
         let pb = short_problem(&dev, 64, win)?;
         report(&timer, &args, &format!("decode B=64 rows={win}"), &pb, &sink, auto, false)?;
         report(&timer, &args, &format!("decode B=64 rows={win} all-heads"), &pb, &sink, all_heads, false)?;
+        report(&timer, &args, &format!("decode B=64 rows={win} ping-pong"), &pb, &sink, pingpong, false)?;
     }
     drop(pool);
     if !args.no_prefill {

@@ -505,7 +505,7 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
 // tile on the producer, which the head-split kernel would do twice per token (docs/perf.md,
 // "Round 6").
 bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, int tiles, int sms) {
-    if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT || p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_RING;
+    if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel >= DSV41_SA_KERNEL_HEAD_SPLIT;
     if (p.num_splits > 0 || p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16) return false;
     return choose_splits(tokens_x_hblocks, tiles, sms) == 2;
 }
@@ -542,7 +542,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (p->num_tokens < 0 || p->num_heads < 0 || p->kw < 0 || p->kc < 0 || p->kw + p->kc > MAX_INDICES ||
         p->num_heads > 65535 * HB || (p->index_bytes != 4 && p->index_bytes != 8) || p->num_window_rows < 0 ||
         p->num_extra_rows < 0 || p->num_window_rows > 0x7fffffff || p->num_extra_rows > 0x7fffffff ||
-        p->num_splits < 0 || p->num_splits > MAX_SPLITS || p->kernel < DSV41_SA_KERNEL_AUTO || p->kernel > DSV41_SA_KERNEL_HEAD_SPLIT_RING ||
+        p->num_splits < 0 || p->num_splits > MAX_SPLITS || p->kernel < DSV41_SA_KERNEL_AUTO || p->kernel > DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG ||
         (p->kernel >= DSV41_SA_KERNEL_HEAD_SPLIT && p->num_splits > 1))
         return DSV41_ERR_SHAPE;
     if (p->num_tokens == 0 || p->num_heads == 0) return DSV41_OK;

@@ -113,35 +113,6 @@ constexpr int TRACE_SLOTS = 40;
 // and the next tile's first six planes in, tile 1: [36] softmax done, [37] products issued.
 __device__ long long g_trace_heads[TRACE_SLOTS];
 
-// The prologue of both kernels (all threads): the mbarriers (nbar full ones with PROD_THREADS
-// arrivals at bar_full, as many empty ones with one arrival per consumer warp at bar_empty), the
-// index compaction into ent_s while the consumers copy q and the sink. Returns the valid count.
-// `stamp(1)` marks the indices loaded.
-template <class Stamp>
-__device__ __forceinline__ int prologue(const Dsv41SparseAttentionParams& p, unsigned char* smem, uint32_t sbase, int cnt_off,
-                                        int total_off, int ent_off, uint32_t bar_full, uint32_t bar_empty, int nbar, int sink_off,
-                                        int t, int h0, int nh, int tid, int lane, int warp, bool consumer, Stamp stamp) {
-    int* cnt_s = reinterpret_cast<int*>(smem + cnt_off);
-    int* total_s = reinterpret_cast<int*>(smem + total_off);
-    if (tid < nbar) {
-        mbar_init(bar_full + 8 * tid, PROD_THREADS);  // one arrival per producer thread
-        mbar_init(bar_empty + 8 * tid, CONSUMERS / 32);  // one arrival per consumer warp
-    }
-    // Indices (all threads); q and the sink (consumers) while the index loads are in flight.
-    ValidIndices vi;
-    vi.load_and_count(p, t, tid, cnt_s, [&]() {
-        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + sink_off);
-    });
-    __syncthreads();
-    stamp(1);
-    if (warp == 0) vi.scan(cnt_s, total_s, lane);
-    __syncthreads();
-    const int count = *total_s;
-    vi.store(cnt_s, reinterpret_cast<uint32_t*>(smem + ent_off), 0, count, tid);
-    __syncthreads();
-    return count;
-}
-
 __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -163,7 +134,9 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
     stamp(0);
-    const int count = prologue(p, smem, sbase, SM_CNT, SM_TOTAL, SM_ENT, bar_full, bar_empty, 2, SM_SINK, t, h0, nh, tid, lane, warp, consumer, stamp);
+    const int count = prologue(p, smem, SM_CNT, SM_TOTAL, SM_ENT, bar_full, bar_empty, 2, t, tid, lane, warp, [&]() {
+        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK);
+    }, stamp);
     const int ntiles = (count + BLK - 1) / BLK;
     if (!consumer) {
         produce_tiles(p, sbase + SM_K, reinterpret_cast<const uint32_t*>(smem + SM_ENT), count, bar_full, bar_empty, tid - CONSUMERS,
@@ -214,7 +187,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         if (j == 1) stamp(36);
         stage_scores(s, s_s, w, g, tq);
         consumer_sync();
-        softmax_tile(s_s, smem + SM_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [](int, float) {});
+        softmax_tile(s_s, smem + SM_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](float) { return m_run; }, [](int, float) {});
         fence_proxy_async();  // the P^T tile is read by wgmma
         consumer_sync();
         // Rescale O by its heads' alpha, then O^T += V^T . P^T over all 4 k-steps (no run-time trip
@@ -274,7 +247,9 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const D
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
     stamp(0);
-    const int count = prologue(p, smem, sbase, RG_CNT, RG_TOTAL, RG_ENT, bar_full, bar_empty, nslot, RG_SINK, t, h0, nh, tid, lane, warp, consumer, stamp);
+    const int count = prologue(p, smem, RG_CNT, RG_TOTAL, RG_ENT, bar_full, bar_empty, nslot, t, tid, lane, warp, [&]() {
+        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + RG_SINK);
+    }, stamp);
     const int ntiles = (count + BLK - 1) / BLK;
     if (!consumer) {
         produce_ring(p, slots, nslot, reinterpret_cast<const uint32_t*>(smem + RG_ENT), count, bar_full, bar_empty, tid - CONSUMERS,
@@ -338,7 +313,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const D
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 6; ++ks) s_step(nxt, ks, 0);
-        softmax_tile(s_s, smem + RG_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](int c, float v) {
+        softmax_tile(s_s, smem + RG_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](float) { return m_run; }, [&](int c, float v) {
             const uint32_t z = __float_as_uint(v) & zmask;  // the softmax work so far precedes the chunk
 #pragma unroll
             for (int ks = 6 * c; ks < 6 * c + 6; ++ks) s_step(nxt, ks, z);
@@ -423,6 +398,11 @@ void print_trace(cudaStream_t stream, int dev, bool ring) {
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
+    const bool bf16_src = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
+    if (bf16_src && p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG) {
+        const int r = launch_head_split_pingpong(p, stream, mode, dev, max_smem);
+        if (r != DSV41_ERR_SHAPE) return r;  // else too little shared memory for its slots: the two-stage kernel
+    }
     // The ring kernel (the caller's choice, DSV41_SA_KERNEL_HEAD_SPLIT_RING) for bf16 rows where
     // at least MIN_SLOTS slots fit; otherwise the two-stage kernel (packed rows always: its producer
     // expands whole tiles).

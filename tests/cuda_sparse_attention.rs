@@ -210,6 +210,7 @@ fn run_case(c: &Case) -> Result<()> {
     let same = |num_splits, kernel| -> Result<bool> { Ok(run(num_splits, kernel)?.0.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<bf16>()? == og) };
     let (kernel, splits) = match (c.kernel, c.splits) {
         (SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitRing, _) => ("head-split", 1),
+        (SparseAttentionKernel::HeadSplitPingPong, _) => ("head-split ping-pong", 1),
         (_, Some(s)) => ("all-heads", s),
         (SparseAttentionKernel::AllHeads, None) | (SparseAttentionKernel::Auto, None) => {
             let mut found = None;
@@ -430,7 +431,7 @@ fn rejects_bad_shapes_and_dtypes() -> Result<()> {
     let bad = SparseAttentionOptions { num_splits: Some(9), ..Default::default() };
     let e = sparse_attention_two_source_with(&q, &kv, &idx, &kv, &idx, &sink, 1.0, bad).unwrap_err().to_string();
     ensure!(e.contains("num_splits"), "{e}");
-    for kernel in [SparseAttentionKernel::HeadSplit, SparseAttentionKernel::HeadSplitRing] {
+    for kernel in [SparseAttentionKernel::HeadSplit, SparseAttentionKernel::HeadSplitRing, SparseAttentionKernel::HeadSplitPingPong] {
         let bad = SparseAttentionOptions { num_splits: Some(2), kernel };
         let e = sparse_attention_two_source_with(&q, &kv, &idx, &kv, &idx, &sink, 1.0, bad).unwrap_err().to_string();
         ensure!(e.contains("head-split") && e.contains("num_splits 2"), "{e}");
@@ -478,5 +479,64 @@ fn head_split_ring_and_two_stage_loops_agree_bitwise() -> Result<()> {
         ensure!(diff == 0, "seed {seed}: {diff} of {} outputs differ between the ring and two-stage loops", o1.len());
         ensure!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()), "seed {seed}: lse differs");
     }
+    Ok(())
+}
+
+#[test]
+fn head_split_pingpong_over_the_edge_cases() -> Result<()> {
+    // The ping-pong loop (two consumers on alternate tiles, a running-max hand-over, one merge)
+    // against the crate reference at the head-split tolerance. Valid rows per token 0, 1, 63,
+    // 64, 65, 127, 128, 129, 640 and 192 / 320 / 428 / 513 (3, 5, 7, 9 tiles: the consumer of
+    // the last tile alternates; with one tile consumer B has none), window-only and extra-only
+    // tokens; H = 64, 4, 40 (a partial head block), 100 (two blocks); no holes (exact counts),
+    // holes + i32 indices, sharp logits (the running max moves between the consumers' tiles),
+    // a B = 64 decode batch and the 4096-index limit (fewer slots).
+    let pp = SparseAttentionKernel::HeadSplitPingPong;
+    let win = [0usize, 1, 63, 64, 64, 127, 128, 128, 128, 128, 100, 128, 0, 5, 128, 1];
+    let extra = [0usize, 0, 0, 0, 1, 0, 0, 1, 512, 64, 220, 300, 129, 507, 385, 512];
+    run_case(&Case { seed: 120, win_lens: &win, extra_lens: &extra, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: 121, h: 4, win_lens: &win, extra_lens: &extra, holes: 3, i32_indices: true, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: 122, h: 40, win_lens: &win, extra_lens: &extra, holes: 5, amp_q: 6.0, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: 123, h: 100, holes: 4, splits: Some(1), kernel: pp, ..Case::default() })?;
+    let lens = [0usize, 1, 127, 128, 129, 512];
+    let w36: Vec<usize> = (0..36).map(|i| lens[i % 6]).collect();
+    let e36: Vec<usize> = (0..36).map(|i| lens[i / 6]).collect();
+    run_case(&Case { seed: 124, win_lens: &w36, extra_lens: &e36, kw: 512, holes: 2, amp_q: 3.0, kernel: pp, ..Case::default() })?;
+    let w64 = [128usize; 64];
+    let e64: Vec<usize> = (0..64).map(|i| [512, 511, 129, 1, 0, 449][i % 6]).collect();
+    run_case(&Case { seed: 125, win_lens: &w64, extra_lens: &e64, amp_q: 1.5, kernel: pp, ..Case::default() })?;
+    let (win, extra) = (&[2048usize, 1000, 0][..], &[2048usize, 2048, 5][..]);
+    run_case(&Case { seed: 126, h: 4, win_lens: win, extra_lens: extra, kw: 2048, kc: 2048, holes: 30, kernel: pp, ..Case::default() })
+}
+
+#[test]
+fn head_split_pingpong_with_one_tile_is_the_two_stage_result() -> Result<()> {
+    // With at most 64 valid rows per token consumer A does the one tile and nothing is merged:
+    // the same products, softmax and epilogue as the two-stage loop, so bitwise its outputs and
+    // lse (a check of the one-consumer path that does not depend on the tolerance).
+    let dev = gpu();
+    let mut rng = Rng(127);
+    let (t, h, nw, nc) = (40usize, 64usize, 257usize, 1031usize);
+    let wl: Vec<usize> = (0..t).map(|i| [0, 1, 17, 33, 64, 63][i % 6]).collect();
+    let el: Vec<usize> = wl.iter().enumerate().map(|(i, &w)| (64 - w).min(i % 37)).collect();
+    let q = random_bf16(&mut rng, &[t, h, D], 2.0)?.to_device(&dev)?;
+    let kvw = random_bf16(&mut rng, &[nw, D], 1.0)?.to_device(&dev)?;
+    let kvc = random_bf16(&mut rng, &[nc, D], 1.0)?.to_device(&dev)?;
+    let iw = Tensor::from_vec(index_rows(&mut rng, &wl, 128, nw, 0), (t, 128), &dev)?;
+    let ic = Tensor::from_vec(index_rows(&mut rng, &el, 512, nc, 0), (t, 512), &dev)?;
+    let sink_v: Vec<f32> = (0..h).map(|i| if i % 3 == 1 { f32::NEG_INFINITY } else { 2.0 * rng.normal() }).collect();
+    let sink = Tensor::new(sink_v.as_slice(), &dev)?;
+    let run = |kernel| -> Result<(Vec<bf16>, Vec<f32>)> {
+        poison_allocator(&dev, t, h)?;
+        let opts = SparseAttentionOptions { num_splits: None, kernel };
+        let (o, l) = sparse_attention_two_source_with(&q, &kvw, &iw, &kvc, &ic, &sink, 0.05, opts)?;
+        Ok((o.flatten_all()?.to_vec1::<bf16>()?, l.flatten_all()?.to_vec1::<f32>()?))
+    };
+    let (o1, l1) = run(SparseAttentionKernel::HeadSplitPingPong)?;
+    let (o2, l2) = run(SparseAttentionKernel::HeadSplit)?;
+    ensure!(o1.iter().all(|x| x.is_finite()), "non-finite output");
+    let diff = o1.iter().zip(&o2).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    ensure!(diff == 0, "{diff} of {} outputs differ between the ping-pong and two-stage loops", o1.len());
+    ensure!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()), "lse differs");
     Ok(())
 }

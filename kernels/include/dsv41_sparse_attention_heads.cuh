@@ -24,6 +24,37 @@ constexpr int SP = BLK + 4;             // row stride (f32) of the Sᵀ staging 
 constexpr int OUT_STRIDE = D * 2 + 16;  // padded bf16 out row (conflict-free pair stores)
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
+// Named barrier `id` over `n` threads (whole warps): wait for all / arrive without waiting (the
+// arriving threads' earlier shared-memory accesses are performed for the waiting ones).
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+
+// The prologue of the head-split kernels (all threads of the CTA): the mbarriers (nbar full ones
+// with PROD_THREADS arrivals at bar_full, as many empty ones with one arrival per consumer warp at
+// bar_empty), the compaction of the token's valid indices into ent_s by the first IDX_THREADS
+// threads, `between()` while their index loads are in flight (the q and sink copies). Returns the
+// valid count. `stamp(1)` marks the indices loaded.
+template <class Between, class Stamp>
+__device__ __forceinline__ int prologue(const Dsv41SparseAttentionParams& p, unsigned char* smem, int cnt_off, int total_off, int ent_off,
+                                        uint32_t bar_full, uint32_t bar_empty, int nbar, int t, int tid, int lane, int warp, Between between,
+                                        Stamp stamp) {
+    int* cnt_s = reinterpret_cast<int*>(smem + cnt_off);
+    int* total_s = reinterpret_cast<int*>(smem + total_off);
+    if (tid < nbar) {
+        mbar_init(bar_full + 8 * tid, PROD_THREADS);  // one arrival per producer thread
+        mbar_init(bar_empty + 8 * tid, CONSUMERS / 32);  // one arrival per consumer warp (one warpgroup consumes a use)
+    }
+    ValidIndices vi;
+    if (tid < IDX_THREADS) vi.load_and_count(p, t, tid, cnt_s, between);
+    __syncthreads();
+    stamp(1);
+    if (warp == 0) vi.scan(cnt_s, total_s, lane);
+    __syncthreads();
+    const int count = *total_s;
+    if (tid < IDX_THREADS) vi.store(cnt_s, reinterpret_cast<uint32_t*>(smem + ent_off), 0, count, tid);
+    __syncthreads();
+    return count;
+}
 
 // Sᵀ fragments -> shared [head][row] (conflict-free: the row stride is 4 banks off per head),
 // then the accumulators are zeroed (call only while no product is in flight).
@@ -41,11 +72,14 @@ __device__ __forceinline__ void stage_scores(float (&s)[16], float* s_s, int w, 
 // past the tile's end (nb valid rows), tile max (the head's 4 lanes), m_new, bf16 p -> Pᵀ
 // [head][row] (two 16-byte stores into the 128-byte-swizzled tile at p_tile), the denominator,
 // alpha = e^{m_old - m_new} -> alpha_s[hw] (lanes l % 4 = 0). The caller fences and syncs.
+// m_new = max(chain(mx), mx) for the tile max mx: `chain` gives the running max after the
+// previous tile (m_run in the one-consumer loops; the other consumer's hand-over in the ping-pong
+// loop, whose m_run / den / alpha then cover its own tiles only).
 // `hook(i, v)` (i = 1, 2, 3) runs after the max, after half of the exponentials and after all of
 // them (v: a value computed by then); the ring kernel issues its next tile's products there.
-template <class Hook>
+template <class Chain, class Hook>
 __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_tile, float* alpha_s, float scale, int nb, int hw,
-                                             int rq, int lane, float& m_run, float& den, Hook hook) {
+                                             int rq, int lane, float& m_run, float& den, Chain chain, Hook hook) {
     float x[16];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -61,7 +95,7 @@ __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     hook(1, mx);
-    const float mn = fmaxf(m_run, mx);
+    const float mn = fmaxf(chain(mx), mx);
     const float alpha = expf(m_run - mn);
     m_run = mn;
     float sum = 0.f;
@@ -102,12 +136,13 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], const float* alpha_s,
 // m, den); out = fl(O f) rounded to bf16, transposed by stmatrix into [head][dim] rows at
 // out_s / out_a (shared pointer / address, HS * OUT_STRIDE bytes, free), then 16-byte stores
 // (the CTA's out rows are contiguous).
+// `bar_id`: the named barrier of the warpgroup (128 threads, `tid` 0..127 of them).
 __device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, const float (&o)[128], float m_run, float den,
                                          const float* sink_s, float* fac_s, const unsigned char* out_s, uint32_t out_a, int t,
-                                         int h0, int nh, int count, int hw, int lane, int w, int tid) {
+                                         int h0, int nh, int count, int hw, int lane, int w, int tid, int bar_id = 1) {
     const int tq = lane & 3;
     cp_async_wait_all();  // the q copies are still in flight when there is no row
-    consumer_sync();      // the sink landed for every thread
+    bar_sync(bar_id, CONSUMERS);  // the sink landed for every thread
     if ((lane & 3) == 0) {
         const float big = fmaxf(M_FLOOR, m_run);
         const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
@@ -116,7 +151,7 @@ __device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, co
         fac_s[hw] = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
         if (hw < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hw] = count > 0 ? big + logf(wsum) : -INFINITY;
     }
-    consumer_sync();
+    bar_sync(bar_id, CONSUMERS);
     float fac[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -138,7 +173,7 @@ __device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, co
             const int mat = lane >> 3, i = 2 * ip + (mat >> 1), hf = mat & 1;
             stmatrix_x4_trans(out_a + (8 * i + (lane & 7)) * OUT_STRIDE + (64 * mb + 16 * w + 8 * hf) * 2, r[0], r[1], r[2], r[3]);
         }
-    consumer_sync();
+    bar_sync(bar_id, CONSUMERS);
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D;
     const int items = nh * (D / 8);
 #pragma unroll 4
@@ -205,4 +240,9 @@ __device__ __forceinline__ void produce_ring(const Dsv41SparseAttentionParams& p
 }
 
 }  // namespace heads
+
+// The ping-pong kernel's launch (kernels/sparse_attention_pingpong.cu; bf16 rows, `p` validated):
+// a cudaError_t or a DSV41 status, DSV41_ERR_SHAPE when its slots do not fit `max_smem`.
+int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
+
 }  // namespace dsv41_sa

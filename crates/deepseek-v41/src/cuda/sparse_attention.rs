@@ -61,6 +61,12 @@ pub enum SparseAttentionKernel {
     /// right after the indexer's top-k in the stream (29.4 vs 32.0 µs). Takes no `num_splits`
     /// above 1.
     HeadSplitRing,
+    /// The head-split kernel with two consumer warpgroups on alternate tiles of a slot ring
+    /// (`kernels/sparse_attention_pingpong.cu`): one's softmax runs under the other's products.
+    /// The numerics of one split (p rounded relative to the running max after each 64-row block);
+    /// only the f32 summation orders differ from `HeadSplit`. bf16 rows (packed rows run
+    /// `HeadSplit`'s loop). Takes no `num_splits` above 1.
+    HeadSplitPingPong,
 }
 
 /// Tuning knobs of [`sparse_attention_two_source_with`]; they change the CUDA work split (and
@@ -171,7 +177,10 @@ impl SparseAttentionInputs<'_> {
             if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
                 candle_core::bail!("sparse_attention: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}")
             }
-            let head_split = matches!(options.kernel, SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitRing);
+            let head_split = matches!(
+                options.kernel,
+                SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitRing | SparseAttentionKernel::HeadSplitPingPong
+            );
             if s > 1 && head_split {
                 candle_core::bail!("sparse_attention: the head-split kernel ({:?}) does not split the rows, got num_splits {s}", options.kernel)
             }
@@ -449,6 +458,7 @@ fn cuda_forward(x: &SparseAttentionInputs, options: SparseAttentionOptions) -> R
                 SparseAttentionKernel::AllHeads => ffi::SA_KERNEL_ALL_HEADS,
                 SparseAttentionKernel::HeadSplit => ffi::SA_KERNEL_HEAD_SPLIT,
                 SparseAttentionKernel::HeadSplitRing => ffi::SA_KERNEL_HEAD_SPLIT_RING,
+                SparseAttentionKernel::HeadSplitPingPong => ffi::SA_KERNEL_HEAD_SPLIT_PINGPONG,
             },
         };
         // SAFETY: every pointer comes from a storage read-locked (outputs: owned) for this call;
