@@ -116,15 +116,19 @@ struct Args {
 enum AttentionKernel {
     /// The launcher's choice.
     Auto,
-    /// The head-split kernel's slot-ring loop (`SparseAttentionKernel::HeadSplitRing`; bf16 rows).
-    Ring,
+    /// The head-split kernel's ping-pong loop (`SparseAttentionKernel::HeadSplitPingPong`; bf16
+    /// rows; Auto's choice at B = 64).
+    PingPong,
+    /// The head-split kernel's two-stage loop (`SparseAttentionKernel::HeadSplit`).
+    HeadSplit,
 }
 
 impl From<AttentionKernel> for SparseAttentionKernel {
     fn from(k: AttentionKernel) -> Self {
         match k {
             AttentionKernel::Auto => SparseAttentionKernel::Auto,
-            AttentionKernel::Ring => SparseAttentionKernel::HeadSplitRing,
+            AttentionKernel::PingPong => SparseAttentionKernel::HeadSplitPingPong,
+            AttentionKernel::HeadSplit => SparseAttentionKernel::HeadSplit,
         }
     }
 }

@@ -5,7 +5,9 @@
 //! * Decode, B = 1, 64, 256 sequences, one query token each: the window = the sequence's own
 //!   ring of 128 rows, extra = 512 rows drawn at random from a pool of 128K compressed positions
 //!   (128 MB, mostly not in L2). Each B with the launcher's choice, the all-heads kernel (its
-//!   split choice) and the head-split kernel forced; B = 64 also with forced split counts.
+//!   split choice) and the head-split kernel forced in both loops (`HeadSplit`: one consumer,
+//!   two-stage ring; `HeadSplitPingPong`: two consumers on a slot ring); B = 64 also with forced
+//!   split counts.
 //! * Prefill, T = 4096, 16384, 65536 query tokens of one sequence: token i's window = positions
 //!   i-127 ..= i (−1 before the start), extra = 512 random entries of a compressed pool of T/4
 //!   rows (compression ratio 4).
@@ -27,8 +29,8 @@
 //!
 //! * In-stream decode B = 64 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
 //!   indexer's real top-k kernel as the producer of the extra index lists; the attention's share
-//!   = pair - top-k alone, for the launcher's choice (the head-split two-stage loop) and the
-//!   head-split slot-ring loop (`SparseAttentionKernel::HeadSplitRing`), next to the
+//!   = pair - top-k alone, for the launcher's choice (the head-split ping-pong loop) and the
+//!   head-split two-stage loop (`SparseAttentionKernel::HeadSplit`), next to the
 //!   standalone figures above (which are back-to-back calls of the attention alone: its rows
 //!   largely stay in L2 between calls), and the attention after an L2 flush.
 //!
@@ -274,7 +276,7 @@ const TOPK_N: usize = 32 * 1024;
 /// step, where the attention follows the selection). Timed like every case (behind a blocker,
 /// median): the producer alone, the pair, and the attention's share = pair - producer alone;
 /// plus the attention alone on the top-k's (fixed) indices, and after an L2 flush. Kernels: the
-/// launcher's choice and the head-split slot-ring loop. (The top-k lets its dependents launch at
+/// launcher's choice (the ping-pong loop) and the head-split two-stage loop. (The top-k lets its dependents launch at
 /// its start and the attention uses programmatic dependent launch; without them the share was
 /// ~4 µs larger: docs/perf.md "Round 8".)
 fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor) -> Result<()> {
@@ -324,9 +326,8 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
         Ok(())
     })?;
     println!("  top-k alone: {:.2} us", prod * 1e3);
-    let ring = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitRing, ..opts };
-    let pingpong = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitPingPong, ..opts };
-    for (name, o) in [("Auto", opts), ("head-split ring", ring), ("ping-pong", pingpong)] {
+    let two_stage = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplit, ..opts };
+    for (name, o) in [("Auto", opts), ("head-split two-stage", two_stage)] {
         let attn = |ic: &Tensor| sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, pool, ic, sink, scale, o);
         let (pair, _) = timer.time(|| {
             attn(&topk()?)?;
@@ -443,8 +444,6 @@ fn main() -> Result<()> {
         report(&timer, &args, &format!("decode B={b} head-split"), &pb, &sink, head_split, false)?;
         report(&timer, &args, &format!("decode B={b} ping-pong"), &pb, &sink, pingpong, false)?;
         if b == 64 {
-            let ring = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitRing, ..auto };
-            report(&timer, &args, "decode B=64 head-split ring", &pb, &sink, ring, false)?;
             for s in [1usize, 2, 3, 4] {
                 let opts = SparseAttentionOptions { num_splits: Some(s), ..auto };
                 report(&timer, &args, &format!("decode B=64 splits={s}"), &pb, &sink, opts, false)?;

@@ -28,16 +28,11 @@
 //      Then the stage goes back to the producer, which meanwhile gathered tile j + 1 into the
 //        other stage (two 64 KB stages: q, the stages, P^T and S^T take ~180 KB; a third does
 //        not fit, so the softmax does not overlap the products).
-//      Ring kernel (bf16 rows, chosen by the caller: DSV41_SA_KERNEL_HEAD_SPLIT_RING; head_split_ring_kernel
-//        below, docs/perf.md "Round 9"): the rows live in a ring of 8-11 slots of two 64-dim
-//        planes (16 KB) after the index entries (11 at 640 indices: 2.75 tiles), each slot with
-//        its own full / empty mbarrier, so tile j + 1 is resident while tile j is consumed:
-//        S^T(j + 1) is issued in chunks inside softmax(j), P.V(j) as four groups of two m-blocks
-//        whose slots go back as each group completes. Same products and orders: bitwise the
-//        two-stage result. Measured slower standalone (tiles 1.8 vs 1.6 us: the softmax does not
-//        overlap the N = 32 products within one warpgroup) but ~4.5 us faster in-stream behind
-//        the top-k (not understood; not the shared-memory footprint: the two-stage kernel
-//        launched with the ring's 227 KB measured the same in-stream, lead run 3 of session 8).
+//      Ping-pong kernel (bf16 rows; the launcher's choice where this kernel would run, and
+//        DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG): kernels/sparse_attention_pingpong.cu, two consumer
+//        warpgroups on alternate tiles of a slot ring, so one's softmax runs under the other's
+//        products. Forced HeadSplit (and packed rows) run this two-stage loop. (The one-consumer
+//        slot ring of session 8, round 9 in docs/perf.md, is gone: the ping-pong kernel replaced it.)
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
@@ -87,30 +82,10 @@ constexpr int SM_ENT = SM_BAR + 32;            // u32 [valid rows]
 static_assert(SM_K % 1024 == 0 && SM_P % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 static_assert(HS * OUT_STRIDE <= 2 * TILEB, "out rows fit the stages");
 
-// Shared memory map of the ring kernel (bytes): the same pieces without the stages, then the
-// slot ring after the index entries (its offset and slot count depend on the index count).
-constexpr int RG_P = SM_Q + HS * D * 2;        // bf16 [32 heads][64 rows], 128-byte swizzle
-constexpr int RG_S = RG_P + HS * BLK * 2;      // f32 [32 heads][SP]
-constexpr int RG_ALPHA = RG_S + HS * SP * 4;   // f32 [32 heads]
-constexpr int RG_FAC = RG_ALPHA + HS * 4;      // f32 [32 heads]
-constexpr int RG_SINK = RG_FAC + HS * 4;       // f32 [32 heads]
-constexpr int RG_CNT = RG_SINK + HS * 4;       // i32 [MAX_ROUNDS * 8]
-constexpr int RG_TOTAL = RG_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
-constexpr int MAX_SLOTS = 11;                  // 22 planes = 2.75 tiles
-constexpr int MIN_SLOTS = 8;                   // two whole tiles (tile j + 1 while tile j is consumed)
-constexpr int RG_BAR = RG_TOTAL + 16;          // u64 [MAX_SLOTS] full, then u64 [MAX_SLOTS] empty
-constexpr int RG_ENT = RG_BAR + 16 * MAX_SLOTS;  // u32 [valid rows]
-constexpr int SLOTB = 2 * PLANE;               // bytes per slot
-static_assert(RG_P % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
-static_assert(HS * OUT_STRIDE <= MIN_SLOTS * SLOTB, "out rows fit the slots");
-// Offset of the slot ring for ktot index entries (1024-byte aligned).
-__host__ __device__ constexpr int ring_offset(int ktot) { return (RG_ENT + 4 * (ktot > 0 ? ktot : 1) + 1023) / 1024 * 1024; }
-
 constexpr int TRACE_SLOTS = 40;
 // Phase timestamps of CTA (0, 0), thread 0: [0] start, [1] indices loaded, [2] compaction done,
-// [3] end, [20 + j] tile j done (j < 16); two-stage kernel: [4 + j] rows of tile j arrived, tile
-// 1: [36] S^T done, [37] softmax done (P^T written); ring kernel: [4 + j] tile j's scores staged
-// and the next tile's first six planes in, tile 1: [36] softmax done, [37] products issued.
+// [3] end, [20 + j] tile j done (j < 16), [4 + j] rows of tile j arrived; tile 1: [36] S^T done,
+// [37] softmax done (P^T written).
 __device__ long long g_trace_heads[TRACE_SLOTS];
 
 __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41SparseAttentionParams p, int mode) {
@@ -134,9 +109,11 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
     stamp(0);
-    const int count = prologue(p, smem, SM_CNT, SM_TOTAL, SM_ENT, bar_full, bar_empty, 2, t, tid, lane, warp, [&]() {
+    init_barriers(bar_full, bar_empty, 2, tid);
+    const int count = compact_indices(p, smem, SM_CNT, SM_TOTAL, SM_ENT, t, tid, lane, warp, [&]() {
         if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK);
-    }, stamp);
+    }, [] { __syncthreads(); }, stamp);
+    __syncthreads();  // ent_s complete
     const int ntiles = (count + BLK - 1) / BLK;
     if (!consumer) {
         produce_tiles(p, sbase + SM_K, reinterpret_cast<const uint32_t*>(smem + SM_ENT), count, bar_full, bar_empty, tid - CONSUMERS,
@@ -187,7 +164,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         if (j == 1) stamp(36);
         stage_scores(s, s_s, w, g, tq);
         consumer_sync();
-        softmax_tile(s_s, smem + SM_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](float) { return m_run; }, [](int, float) {});
+        softmax_tile(s_s, smem + SM_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](float) { return m_run; });
         fence_proxy_async();  // the P^T tile is read by wgmma
         consumer_sync();
         // Rescale O by its heads' alpha, then O^T += V^T . P^T over all 4 k-steps (no run-time trip
@@ -215,181 +192,24 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     stamp(3);
 }
 
-// The ring kernel (bf16 rows, DSV41_SA_KERNEL_HEAD_SPLIT_RING): the row tiles in a ring
-// of nslot (MIN_SLOTS .. MAX_SLOTS) slots of two planes (include/dsv41_sparse_attention_heads.cuh:
-// TileSlots, produce_ring), so that tile j + 1 is resident while tile j is consumed and the
-// producer still has 3 / 4 of a tile in flight. Per tile j (S^T of tile j complete on entry):
-//   [wait for planes 0-5 of tile j + 1] stage S^T(j), barrier | S^T(j + 1) over planes 0-5 in
-//   four chunks of 6 k-steps, one before and three inside softmax(j) (a wgmma issue stalls while
-//   ~5 are queued; a zero that ptxas cannot prove carries a data dependency on the softmax into
-//   each chunk, or ptxas hoists them) | barrier | [wait for planes 6-7 of tile j + 1] S^T(j + 1)
-//   over them | rescale O, P.V(j) as four groups of two m-blocks (m-block mb reads only plane mb
-//   of tile j), each slot of tile j handed back as its group completes.
-// The last tile issues its "next" S^T on its own slots (results unused), so no product is
-// conditional (ptxas would serialize them). Same products, same orders and the same softmax as
-// the two-stage kernel: the outputs are bitwise the same (test
-// head_split_ring_and_two_stage_loops_agree_bitwise). Measured: docs/perf.md "Round 9".
-__global__ void __launch_bounds__(THREADS_ALL, 1) head_split_ring_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const uint32_t sbase = smem_addr(smem);
-    if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
-    const uint32_t bar_full = sbase + RG_BAR, bar_empty = sbase + RG_BAR + 8 * MAX_SLOTS;
-    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    const bool consumer = warp < CONSUMERS / 32;
-    const int t = blockIdx.x, h0 = blockIdx.y * HS;
-    const int nh = min(HS, p.num_heads - h0);
-    const bool skip_gather = mode & 4;
-    const bool tracer = (mode & 1) && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0;
-    auto stamp = [&](int slot) {
-        if (tracer) g_trace_heads[slot] = clock64();
-    };
-    const uint32_t slots = sbase + ring_offset(p.kw + p.kc);
-    grid_dep_wait();  // everything below may read what the previous kernel wrote
-    grid_dep_launch();
-    stamp(0);
-    const int count = prologue(p, smem, RG_CNT, RG_TOTAL, RG_ENT, bar_full, bar_empty, nslot, t, tid, lane, warp, [&]() {
-        if (consumer) load_q_tile<HS, CONSUMERS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + RG_SINK);
-    }, stamp);
-    const int ntiles = (count + BLK - 1) / BLK;
-    if (!consumer) {
-        produce_ring(p, slots, nslot, reinterpret_cast<const uint32_t*>(smem + RG_ENT), count, bar_full, bar_empty, tid - CONSUMERS,
-                     skip_gather);
-        return;
-    }
-    stamp(2);
-    const int g = lane >> 2, tq = lane & 3, w = warp;
-    const int hw = 8 * w + (lane >> 2), rq = 16 * (lane & 3);
-    float* s_s = reinterpret_cast<float*>(smem + RG_S);
-    float* alpha_s = reinterpret_cast<float*>(smem + RG_ALPHA);
-    float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    float m_run = M_FLOOR, den = 0.f;
-    float s[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    // S^T k-step ks (plane ks / 4) of the tile at `ts`; `z` (0 at run time) carries a data
-    // dependency on the softmax into the chunks issued inside it (ptxas would hoist them).
-    auto s_step = [&](const TileSlots& ts, int ks, uint32_t z) {
-        const uint32_t sub = (ks & 3) * 32, pl = ks >> 2;
-        wg_m64n32k16<0, 0>(s, wg_desc(ts.addr(pl >> 1) + (pl & 1) * PLANE + sub + z, 16, 1024),
-                           wg_desc(sbase + SM_Q + pl * (HS * 128) + sub, 16, 1024));
-    };
-    const uint32_t zmask = static_cast<uint32_t>(mode) & 256u;  // never set: 0, unknown to ptxas
-    TileSlots cur;
-    cur.slots = slots, cur.bar_full = bar_full, cur.nslot = nslot;
-    cur.locate(0);
-    if (ntiles > 0) {
-#pragma unroll
-        for (int pr = 0; pr < 4; ++pr) mbar_wait(cur.full(pr), cur.parity(pr));
-    }
-    cp_async_wait_all();  // this thread's q copies
-    fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
-    consumer_sync();
-    // S^T of tile 0 (on uninitialised slots when there is no row: results unused).
-    wg_fence_regs<16>(s);
-    wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) s_step(cur, ks, 0);
-    wg_commit();
-    wg_wait_all();
-    wg_fence_regs<16>(s);
-    for (int j = 0; j < ntiles; ++j) {
-        const int nb = min(BLK, count - j * BLK);
-        const bool more = j + 1 < ntiles;
-        TileSlots nxt = cur;  // the last tile's "next" products read its own slots
-        if (more) {
-            nxt.advance();
-#pragma unroll
-            for (int pr = 0; pr < 3; ++pr) mbar_wait(nxt.full(pr), nxt.parity(pr));
-        }
-        fence_proxy_async();  // planes 0-5 of tile j + 1 are read by wgmma
-        stage_scores(s, s_s, w, g, tq);
-        consumer_sync();
-        if (j < 16) stamp(4 + j);
-        // S^T(j + 1) over planes 0-5 in four chunks of 6 k-steps: one now, three inside the
-        // softmax (the issue of a wgmma stalls while ~5 are queued, so a chunk at a time).
-        wg_fence_regs<16>(s);
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < 6; ++ks) s_step(nxt, ks, 0);
-        softmax_tile(s_s, smem + RG_P, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](float) { return m_run; }, [&](int c, float v) {
-            const uint32_t z = __float_as_uint(v) & zmask;  // the softmax work so far precedes the chunk
-#pragma unroll
-            for (int ks = 6 * c; ks < 6 * c + 6; ++ks) s_step(nxt, ks, z);
-        });
-        fence_proxy_async();  // the P^T tile is read by wgmma
-        consumer_sync();
-        if (j == 1) stamp(36);
-        // S^T(j + 1), planes 6-7, then one group for all of S^T(j + 1).
-        if (more) mbar_wait(nxt.full(3), nxt.parity(3));
-        fence_proxy_async();
-#pragma unroll
-        for (int ks = 24; ks < 32; ++ks) s_step(nxt, ks, 0);
-        wg_commit();
-        rescale_o(o, alpha_s, tq);
-        wg_fence_regs<128>(o);
-        wg_fence();
-        // P.V(j): four groups of two m-blocks (m-block mb reads plane mb only); each slot of tile
-        // j goes back as its group completes (this warp's products; one arrival per warp). Pending
-        // groups, oldest first: S^T(j + 1), PV 0, PV 1, ...
-        auto pv_group = [&](int pr) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int kk = 0; kk < BLK / 16; ++kk)
-                    wg_m64n32k16<1, 0>(o + 16 * (2 * pr + h), wg_desc(cur.addr(pr) + h * PLANE + kk * 16 * 128, PLANE, 1024),
-                                       wg_desc(sbase + RG_P + kk * 32, 16, 1024));
-            wg_commit();
-        };
-        auto hand_back = [&](int pr) {
-            if (lane == 0) mbar_arrive(cur.full(pr) + 8 * MAX_SLOTS);
-        };
-        pv_group(0);
-        pv_group(1);
-        wg_wait<1>();
-        hand_back(0);
-        pv_group(2);
-        wg_wait<1>();
-        hand_back(1);
-        pv_group(3);
-        if (j == 1) stamp(37);
-        wg_wait<1>();
-        hand_back(2);
-        wg_wait<0>();
-        hand_back(3);
-        wg_fence_regs<128>(o);
-        wg_fence_regs<16>(s);
-        cur = nxt;
-        if (j < 16) stamp(20 + j);
-    }
-    epilogue(p, o, m_run, den, reinterpret_cast<const float*>(smem + RG_SINK), reinterpret_cast<float*>(smem + RG_FAC),
-             smem + (slots - sbase), slots, t, h0, nh, count, hw, lane, w, tid);
-    stamp(3);
-}
-
 // Prints the phase timestamps of CTA (0, 0) (synchronises the stream).
-void print_trace(cudaStream_t stream, int dev, bool ring) {
+void print_trace(cudaStream_t stream, int dev) {
     long long h[TRACE_SLOTS] = {};
     int khz = 0;
     if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, g_trace_heads, sizeof(h)) != cudaSuccess ||
         cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
         return;
     const double us = 1e3 / khz;
-    fprintf(stderr, "sparse_attention head-split%s trace (CTA 0): indices %.2f | compaction %.2f us", ring ? " ring" : "", (h[1] - h[0]) * us,
-            (h[2] - h[0]) * us);
+    fprintf(stderr, "sparse_attention head-split trace (CTA 0): indices %.2f | compaction %.2f us", (h[1] - h[0]) * us, (h[2] - h[0]) * us);
     long long prev = h[2];
     for (int j = 0; j < 16 && h[20 + j] > prev; ++j) {
-        fprintf(stderr, " | tile%d %.2f (%s %.2f)", j, (h[20 + j] - prev) * us, ring ? "staged" : "wait", (h[4 + j] - prev) * us);
+        fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[20 + j] - prev) * us, (h[4 + j] - prev) * us);
         prev = h[20 + j];
     }
     fprintf(stderr, " | epilogue %.2f | total %.2f us", (h[3] - prev) * us, (h[3] - h[0]) * us);
-    if (h[37] > 0 && !ring)
+    if (h[37] > 0)
         fprintf(stderr, " (tile1 after its rows: S^T %.2f, softmax %.2f, P.V %.2f us)", (h[36] - h[5]) * us, (h[37] - h[36]) * us,
                 (h[21] - h[37]) * us);
-    if (h[37] > 0 && ring)
-        fprintf(stderr, " (tile1 after staged: softmax %.2f, issue %.2f, products+hand-back %.2f us)", (h[36] - h[5]) * us,
-                (h[37] - h[36]) * us, (h[21] - h[37]) * us);
     fprintf(stderr, "\n");
 }
 
@@ -398,24 +218,18 @@ void print_trace(cudaStream_t stream, int dev, bool ring) {
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
-    const bool bf16_src = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
-    if (bf16_src && p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG) {
-        const int r = launch_head_split_pingpong(p, stream, mode, dev, max_smem);
-        if (r != DSV41_ERR_SHAPE) return r;  // else too little shared memory for its slots: the two-stage kernel
-    }
-    // The ring kernel (the caller's choice, DSV41_SA_KERNEL_HEAD_SPLIT_RING) for bf16 rows where
-    // at least MIN_SLOTS slots fit; otherwise the two-stage kernel (packed rows always: its producer
-    // expands whole tiles).
+    // bf16 rows: the ping-pong kernel (Auto's choice, or forced), unless its slots do not fit;
+    // forced HeadSplit and packed rows (its producer expands whole tiles): the two-stage kernel.
     const bool bf16_rows = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
-    const int nslot = min(MAX_SLOTS, (max_smem - ring_offset(ktot)) / SLOTB);
-    const bool ring = bf16_rows && p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_RING && nslot >= MIN_SLOTS;
-    const size_t smem = ring ? static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB
-                             : SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
+    if (bf16_rows && p.kernel != DSV41_SA_KERNEL_HEAD_SPLIT) {
+        const int r = launch_head_split_pingpong(p, stream, mode, dev, max_smem);
+        if (r != DSV41_ERR_SHAPE) return r;
+    }
+    const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
     static thread_local int configured_dev = -1;
     if (configured_dev != dev) {
-        cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-        if (e == cudaSuccess) e = cudaFuncSetAttribute(head_split_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+        const cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
         if (e != cudaSuccess) return static_cast<int>(e);
         configured_dev = dev;
     }
@@ -433,9 +247,9 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
     }
-    cudaError_t e = ring ? cudaLaunchKernelEx(&cfg, head_split_ring_kernel, p, mode & 7, nslot) : cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & 7);
+    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & 7);
     if (e == cudaSuccess) e = cudaGetLastError();
-    if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev, ring);
+    if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);
 }
 

@@ -74,9 +74,10 @@ constexpr int PP_FAC = PP_FIN + 2 * HS * 4;       // f32 [32 heads]: epilogue fa
 constexpr int PP_SINK = PP_FAC + HS * 4;          // f32 [32 heads]
 constexpr int PP_CNT = PP_SINK + HS * 4;          // i32 [MAX_ROUNDS * 8]
 constexpr int PP_TOTAL = PP_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
+constexpr int PP_WIN = PP_TOTAL + 16;             // u32 [128]: the first 128 window entries (early tiles)
 constexpr int PP_MAX_SLOTS = 11;
 constexpr int PP_MIN_SLOTS = 8;                   // two tiles; tile n - 2's slots stay free after its use
-constexpr int PP_BAR = PP_TOTAL + 16;             // u64 [PP_MAX_SLOTS] full, then u64 [PP_MAX_SLOTS] empty
+constexpr int PP_BAR = PP_WIN + 4 * 2 * BLK;     // u64 [PP_MAX_SLOTS] full, then u64 [PP_MAX_SLOTS] empty
 constexpr int PP_ENT = PP_BAR + 16 * PP_MAX_SLOTS;  // u32 [valid rows]
 constexpr int PP_SLOTB = 2 * PLANE;
 static_assert(PP_P % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
@@ -85,12 +86,14 @@ static_assert(16 * 4 * CONSUMERS == PLANE, "one m-block of a consumer's O fills 
 __host__ __device__ constexpr int pp_ring_offset(int ktot) { return (PP_ENT + 4 * (ktot > 0 ? ktot : 1) + 1023) / 1024 * 1024; }
 
 // Named barriers (0: __syncthreads): 1 + c consumer c's warpgroup, BAR_BOTH the two consumers,
-// BAR_MAX + c the running max handed over by consumer c, BAR_MERGE the sender's O in place.
-constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6;
+// BAR_MAX + c the running max handed over by consumer c, BAR_MERGE the sender's O in place,
+// BAR_PROD the producer warpgroup, BAR_COUNT the compaction done (consumers arrive, producer waits).
+constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7, BAR_COUNT = 8;
 
 constexpr int PP_TRACE = 96;
-// Phase timestamps of CTA (0, 0), thread 0 of each consumer: [0] start, [1] indices loaded,
-// [2] compaction done, [3] end, [4] merge done; tile j < 16: [8 + j] rows arrived, [24 + j] Sᵀ
+// Phase timestamps of CTA (0, 0), thread 0 of each warpgroup: [0] start, [1] indices loaded,
+// [2] compaction done, [3] end, [4] merge done, [5] early window tiles issued, [6] the producer
+// got the compaction; tile j < 16: [8 + j] rows arrived, [24 + j] Sᵀ
 // staged, [40 + j] running max received, [56 + j] softmax done, [72 + j] P.V done.
 __device__ long long g_trace_pp[PP_TRACE];
 
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     const int t = blockIdx.x, h0 = blockIdx.y * HS;
     const int nh = min(HS, p.num_heads - h0);
     const bool skip_gather = mode & 4;
-    const bool tracer = (mode & 1) && (tid & 127) == 0 && wg < 2 && blockIdx.x == 0 && blockIdx.y == 0;
+    const bool tracer = (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace_pp[slot] = clock64();
     };
@@ -114,16 +117,42 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
     stamp(0);
-    const int count = prologue(p, smem, PP_CNT, PP_TOTAL, PP_ENT, bar_full, bar_empty, nslot, t, tid, lane, warp, [&]() {
-        if (wg < 2) load_q_tile<HS, 2 * CONSUMERS>(p, t, h0, nh, tid, sbase + PP_Q, sbase + PP_SINK);
-    }, stamp);
-    const int ntiles = (count + BLK - 1) / BLK;
+    init_barriers(bar_full, bar_empty, nslot, tid);
+    __syncthreads();  // the mbarriers are initialised (the producer starts before the compaction ends)
     if (wg == 2) {
+        // Producer. Early window tiles: when the token's first 128 window entries are all valid
+        // (the usual decode case), they are its first 128 compacted rows = tiles 0 and 1, gathered
+        // from the raw list while the consumers compact (ring positions 0-7: first uses, no
+        // waiting). Then the compacted list from the first position not yet produced.
         setmaxnreg_dec<PP_PROD_REGS>();
-        produce_ring(p, slots, nslot, reinterpret_cast<const uint32_t*>(smem + PP_ENT), count, bar_full, bar_empty, tid - 2 * CONSUMERS,
-                     skip_gather);
+        const int ptid = tid - 2 * CONSUMERS;
+        uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + PP_WIN);
+        int pos0 = 0;
+        if (!(mode & 8) && p.kw >= 2 * BLK && nslot >= 8) {
+            const int64_t k = static_cast<int64_t>(t) * p.kw + ptid;
+            const int64_t e = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(p.idx_window) + k)
+                                                 : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p.idx_window) + k));
+            const bool ok = e >= 0 && e < p.num_window_rows;
+            win_s[ptid] = static_cast<uint32_t>(e);
+            if (bar_red_and(BAR_PROD, PROD_THREADS, ok)) {  // (also publishes win_s to the warpgroup)
+                produce_ring(p, slots, nslot, win_s, 2 * BLK, bar_full, bar_empty, ptid, skip_gather, 0, 8);
+                pos0 = 8;
+                stamp(5);
+            }
+        }
+        bar_sync(BAR_COUNT, PP_THREADS);  // the consumers' compaction: count and ent_s
+        stamp(6);
+        const int n = *reinterpret_cast<const int*>(smem + PP_TOTAL);
+        produce_ring(p, slots, nslot, reinterpret_cast<const uint32_t*>(smem + PP_ENT), n, bar_full, bar_empty, ptid, skip_gather, pos0,
+                     4 * ((n + BLK - 1) / BLK));
         return;
     }
+    // Consumers: the compaction (both warpgroups) while their q and sink copies are in flight.
+    const int count = compact_indices(p, smem, PP_CNT, PP_TOTAL, PP_ENT, t, tid, lane, warp, [&]() {
+        load_q_tile<HS, 2 * CONSUMERS>(p, t, h0, nh, tid, sbase + PP_Q, sbase + PP_SINK);
+    }, [] { bar_sync(BAR_BOTH, 2 * CONSUMERS); }, stamp);
+    bar_arrive(BAR_COUNT, PP_THREADS);  // ent_s and the count to the producer
+    const int ntiles = (count + BLK - 1) / BLK;
     setmaxnreg_inc<PP_MMA_REGS>();
     stamp(2);
     // Consumer c. Products: thread (g, tq) of warp w holds Sᵀ / Oᵀ fragments of heads 8 i + 2 tq
@@ -186,7 +215,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
             }
             if (j < 16) stamp(40 + j);
             return prev;
-        }, [](int, float) {});
+        });
         fence_proxy_async();  // the Pᵀ tile is read by wgmma
         bar_sync(bar_wg, CONSUMERS);
         if (j < 16) stamp(56 + j);
@@ -287,6 +316,8 @@ void print_trace_pingpong(cudaStream_t stream, int dev) {
     const double us = 1e3 / khz;
     auto at = [&](int i) { return (h[i] - h[0]) * us; };
     fprintf(stderr, "sparse_attention head-split ping-pong trace (CTA 0): indices %.2f | compaction %.2f us", at(1), at(2));
+    if (h[5] > 0) fprintf(stderr, " | early window tiles issued @%.2f", at(5));
+    fprintf(stderr, " | producer got the compaction @%.2f", at(6));
     int n = 0;
     while (n < 16 && h[72 + n] > 0) ++n;
     for (int j = 0; j < n; ++j)
@@ -325,7 +356,7 @@ int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t
         void* buf = nullptr;
         if (cudaGetSymbolAddress(&buf, g_trace_pp) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * PP_TRACE, stream);
     }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_pingpong_kernel, p, mode & 7, nslot);
+    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_pingpong_kernel, p, mode & 15, nslot);
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e == cudaSuccess && (mode & 1)) print_trace_pingpong(stream, dev);
     return static_cast<int>(e);

@@ -21,8 +21,8 @@ enum {
     DSV41_SA_KERNEL_AUTO = 0,       // the launcher picks (head-split for few tokens)
     DSV41_SA_KERNEL_ALL_HEADS = 1,  // all heads of a token per CTA, split-KV over a cluster (sparse_attention.cu)
     DSV41_SA_KERNEL_HEAD_SPLIT = 2, // 32 heads per CTA, all rows, no split (sparse_attention_heads.cu)
-    DSV41_SA_KERNEL_HEAD_SPLIT_RING = 3,  // the same with the slot-ring loop (bf16 rows; packed rows: as 2)
-    DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG = 4,  // ping-pong consumers on a slot ring (sparse_attention_pingpong.cu; bf16 rows; packed: as 2)
+    DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG = 3,  // the same split, two consumers on alternate tiles of a slot ring
+                                              // (sparse_attention_pingpong.cu; bf16 rows; packed rows: as 2)
 };
 
 // Two KV sources like FlashMLA's k_cache + extra_k_cache: token t attends to the valid rows of

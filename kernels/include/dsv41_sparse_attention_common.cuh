@@ -206,10 +206,11 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
     }
 }
 
-// The head-split kernel's launch (kernels/sparse_attention_heads.cu), called by the launcher of
+// The head-split kernels' launch (kernels/sparse_attention_heads.cu), called by the launcher of
 // kernels/sparse_attention.cu after it validated `p` (bf16 or packed rows, any H): grid (T,
-// ceil(H / 32)), no cluster; p.kernel == DSV41_SA_KERNEL_HEAD_SPLIT_RING picks the slot-ring loop
-// for bf16 rows. `mode`: the diagnostic bits of the launcher (1 trace, 2 no mma, 4 no gather).
+// ceil(H / 32)), no cluster; bf16 rows run the ping-pong kernel unless p.kernel ==
+// DSV41_SA_KERNEL_HEAD_SPLIT (then, and for packed rows, the two-stage kernel). `mode`: the
+// diagnostic bits of the launcher (1 trace, 2 no mma, 4 no gather, 8 no early window tiles).
 // Returns a cudaError_t or a DSV41 status.
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
 

@@ -1,8 +1,9 @@
-// The consumer steps of the head-split decode kernels (kernels/sparse_attention_heads.cu: the
-// two-stage kernel and the slot-ring kernel; the design and the fragment layouts are described
-// in that file's header comment): the Sᵀ staging, the per-tile softmax, the O rescale, the
-// epilogue, and the slot-ring producer. One definition for both kernels, so their numerics are
-// the same by construction.
+// The steps of the head-split decode kernels (kernels/sparse_attention_heads.cu: the two-stage
+// kernel, whose header comment describes the design and the fragment layouts;
+// kernels/sparse_attention_pingpong.cu: the ping-pong kernel on a slot ring): the barriers and the
+// index compaction of the prologue, the Sᵀ staging, the per-tile softmax, the O rescale, the
+// epilogue, and the slot ring with its producer. One definition for both kernels, so their
+// numerics are the same by construction (up to the ping-pong kernel's f32 summation orders).
 #pragma once
 #include <cuda_bf16.h>
 #include <math.h>
@@ -28,31 +29,45 @@ __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\
 // arriving threads' earlier shared-memory accesses are performed for the waiting ones).
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+// Barrier `id` over `n` threads that also returns whether `v` holds in all of them.
+__device__ __forceinline__ bool bar_red_and(int id, int n, bool v) {
+    uint32_t r;
+    asm volatile(
+        "{\n.reg .pred q, a;\nsetp.ne.u32 q, %1, 0;\nbar.red.and.pred a, %2, %3, q;\nselp.u32 %0, 1, 0, a;\n}\n"
+        : "=r"(r)
+        : "r"(static_cast<uint32_t>(v)), "r"(id), "r"(n)
+        : "memory");
+    return r != 0;
+}
 
-// The prologue of the head-split kernels (all threads of the CTA): the mbarriers (nbar full ones
-// with PROD_THREADS arrivals at bar_full, as many empty ones with one arrival per consumer warp at
-// bar_empty), the compaction of the token's valid indices into ent_s by the first IDX_THREADS
-// threads, `between()` while their index loads are in flight (the q and sink copies). Returns the
-// valid count. `stamp(1)` marks the indices loaded.
-template <class Between, class Stamp>
-__device__ __forceinline__ int prologue(const Dsv41SparseAttentionParams& p, unsigned char* smem, int cnt_off, int total_off, int ent_off,
-                                        uint32_t bar_full, uint32_t bar_empty, int nbar, int t, int tid, int lane, int warp, Between between,
-                                        Stamp stamp) {
+// The mbarriers of the head-split kernels (threads tid < nbar): nbar full ones with PROD_THREADS
+// arrivals at bar_full, as many empty ones with one arrival per consumer warp at bar_empty (one
+// warpgroup consumes each use). The caller's barrier publishes them.
+__device__ __forceinline__ void init_barriers(uint32_t bar_full, uint32_t bar_empty, int nbar, int tid) {
+    if (tid < nbar) {
+        mbar_init(bar_full + 8 * tid, PROD_THREADS);
+        mbar_init(bar_empty + 8 * tid, CONSUMERS / 32);
+    }
+}
+
+// The compaction of token t's valid indices into ent_s (u32 at ent_off) by the threads tid <
+// IDX_THREADS (ValidIndices), `between()` while their index loads are in flight (the q and sink
+// copies); `sync()` is a barrier over all the threads that call this (others may too: they only
+// take part in the barriers). Returns the valid count; ent_s is complete only after the caller's
+// next barrier. `stamp(1)` marks the indices loaded.
+template <class Between, class Sync, class Stamp>
+__device__ __forceinline__ int compact_indices(const Dsv41SparseAttentionParams& p, unsigned char* smem, int cnt_off, int total_off,
+                                               int ent_off, int t, int tid, int lane, int warp, Between between, Sync sync, Stamp stamp) {
     int* cnt_s = reinterpret_cast<int*>(smem + cnt_off);
     int* total_s = reinterpret_cast<int*>(smem + total_off);
-    if (tid < nbar) {
-        mbar_init(bar_full + 8 * tid, PROD_THREADS);  // one arrival per producer thread
-        mbar_init(bar_empty + 8 * tid, CONSUMERS / 32);  // one arrival per consumer warp (one warpgroup consumes a use)
-    }
     ValidIndices vi;
     if (tid < IDX_THREADS) vi.load_and_count(p, t, tid, cnt_s, between);
-    __syncthreads();
+    sync();
     stamp(1);
     if (warp == 0) vi.scan(cnt_s, total_s, lane);
-    __syncthreads();
+    sync();
     const int count = *total_s;
     if (tid < IDX_THREADS) vi.store(cnt_s, reinterpret_cast<uint32_t*>(smem + ent_off), 0, count, tid);
-    __syncthreads();
     return count;
 }
 
@@ -73,13 +88,12 @@ __device__ __forceinline__ void stage_scores(float (&s)[16], float* s_s, int w, 
 // [head][row] (two 16-byte stores into the 128-byte-swizzled tile at p_tile), the denominator,
 // alpha = e^{m_old - m_new} -> alpha_s[hw] (lanes l % 4 = 0). The caller fences and syncs.
 // m_new = max(chain(mx), mx) for the tile max mx: `chain` gives the running max after the
-// previous tile (m_run in the one-consumer loops; the other consumer's hand-over in the ping-pong
-// loop, whose m_run / den / alpha then cover its own tiles only).
-// `hook(i, v)` (i = 1, 2, 3) runs after the max, after half of the exponentials and after all of
-// them (v: a value computed by then); the ring kernel issues its next tile's products there.
-template <class Chain, class Hook>
+// previous tile (m_run in the two-stage loop; the other consumer's hand-over in the ping-pong
+// loop, whose m_run / den / alpha then cover its own tiles only). Every thread reads its scores
+// before it calls `chain`.
+template <class Chain>
 __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_tile, float* alpha_s, float scale, int nb, int hw,
-                                             int rq, int lane, float& m_run, float& den, Chain chain, Hook hook) {
+                                             int rq, int lane, float& m_run, float& den, Chain chain) {
     float x[16];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -94,7 +108,6 @@ __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    hook(1, mx);
     const float mn = fmaxf(chain(mx), mx);
     const float alpha = expf(m_run - mn);
     m_run = mn;
@@ -102,13 +115,11 @@ __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_
     uint32_t pk[8];
 #pragma unroll
     for (int k = 0; k < 16; k += 2) {
-        if (k == 8) hook(2, sum);
         const float e0 = expf(x[k] - mn), e1 = expf(x[k + 1] - mn);
         sum += e0;
         sum += e1;
         pk[k >> 1] = pack_bf16x2_rn(e0, e1);
     }
-    hook(3, sum);
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     den = __fadd_rn(__fmul_rn(den, alpha), sum);
@@ -181,11 +192,11 @@ __device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, co
         *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(out_s + (c >> 6) * OUT_STRIDE + (c & 63) * 16);
 }
 
-// Slot ring (the ring kernel): the row tiles live in `nslot` slots of two 64-dim planes (16 KB,
+// Slot ring (the ping-pong kernel): the row tiles live in `nslot` slots of two 64-dim planes (16 KB,
 // one plane = PLANE bytes of the 128-byte-swizzled 64-row layout); pair pr (planes 2 pr, 2 pr + 1)
 // of tile k is ring position P = 4 k + pr, in slot P % nslot for its (P / nslot)-th use. Slot s has
 // a full mbarrier (bar_full + 8 s, PROD_THREADS arrivals) and an empty one (bar_empty + 8 s, one
-// arrival per consumer warp). The positions of a tile, with their full barriers and parities:
+// arrival per warp of the consumer of that use). The positions of a tile, with their full barriers and parities:
 struct TileSlots {
     int s0, u0;  // slot and use of pair 0
     uint32_t slots, bar_full;
@@ -201,19 +212,21 @@ struct TileSlots {
     __device__ __forceinline__ uint32_t parity(int pr) const { return (s0 + pr < nslot ? u0 : u0 + 1) & 1; }
 };
 
-// The ring producer (thread ptid = 0..127 of warpgroup 1; bf16 rows only): position P waits until
-// the consumers released the slot's previous use (position P - nslot), copies its two planes of
-// the tile's rows (16 groups of 8 threads as produce_tiles: group gr rows gr + 16 lr, thread q
-// chunk q; rows past the tile's end zero-filled) and arrives on the slot's full barrier once its
-// copies landed (no waiting here). `skip_gather` (diagnostic) issues no copies.
+// The ring producer (thread ptid = 0..127 of the producer warpgroup; bf16 rows only): ring
+// positions [pos0, pos1) (multiples of 4 = whole tiles; tile k's rows are entries 64 k .. of the
+// nrows entries ent_s). Position P waits until the consumers released the slot's previous use
+// (position P - nslot), copies its two planes of the tile's rows (16 groups of 8 threads as
+// produce_tiles: group gr rows gr + 16 lr, thread q chunk q; rows past the tile's end zero-filled)
+// and arrives on the slot's full barrier once its copies landed (no waiting here).
+// `skip_gather` (diagnostic) issues no copies.
 __device__ __forceinline__ void produce_ring(const Dsv41SparseAttentionParams& p, uint32_t slots, int nslot, const uint32_t* ent_s,
-                                             int nrows, uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather) {
-    const int ntiles = (nrows + BLK - 1) / BLK;
+                                             int nrows, uint32_t bar_full, uint32_t bar_empty, int ptid, bool skip_gather, int pos0,
+                                             int pos1) {
     const int gr = ptid >> 3, q = ptid & 7;
     const __nv_bfloat16* src[4];
     bool ok[4];
-    int s = 0, u = 0;
-    for (int pos = 0; pos < 4 * ntiles; ++pos) {
+    int s = pos0 % nslot, u = pos0 / nslot;
+    for (int pos = pos0; pos < pos1; ++pos) {
         const int pr = pos & 3;
         if (pr == 0) {
             const int base = (pos >> 2) * BLK, nb = min(BLK, nrows - base);

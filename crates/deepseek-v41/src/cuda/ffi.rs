@@ -142,8 +142,8 @@ pub(crate) struct SparseAttentionParams {
     pub window_page_size: i32,
     /// Tokens per page of a packed `kv_extra`.
     pub extra_page_size: i32,
-    /// Which kernel runs: [`SA_KERNEL_AUTO`], [`SA_KERNEL_ALL_HEADS`], [`SA_KERNEL_HEAD_SPLIT`],
-    /// [`SA_KERNEL_HEAD_SPLIT_RING`] or [`SA_KERNEL_HEAD_SPLIT_PINGPONG`].
+    /// Which kernel runs: [`SA_KERNEL_AUTO`], [`SA_KERNEL_ALL_HEADS`], [`SA_KERNEL_HEAD_SPLIT`] or
+    /// [`SA_KERNEL_HEAD_SPLIT_PINGPONG`].
     pub kernel: i32,
 }
 
@@ -153,10 +153,9 @@ pub(crate) const SA_KERNEL_AUTO: i32 = 0;
 pub(crate) const SA_KERNEL_ALL_HEADS: i32 = 1;
 /// `DSV41_SA_KERNEL_HEAD_SPLIT`: 32 heads per CTA over all of the token's rows, no split.
 pub(crate) const SA_KERNEL_HEAD_SPLIT: i32 = 2;
-/// `DSV41_SA_KERNEL_HEAD_SPLIT_RING`: the head-split kernel's slot-ring loop (bf16 rows).
-pub(crate) const SA_KERNEL_HEAD_SPLIT_RING: i32 = 3;
-/// `DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG`: ping-pong consumers on a slot ring (bf16 rows).
-pub(crate) const SA_KERNEL_HEAD_SPLIT_PINGPONG: i32 = 4;
+/// `DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG`: the head-split kernel's ping-pong consumers on a slot
+/// ring (bf16 rows).
+pub(crate) const SA_KERNEL_HEAD_SPLIT_PINGPONG: i32 = 3;
 
 /// `DSV41_KV_BF16`: bf16 rows.
 pub(crate) const KV_BF16: i32 = 0;

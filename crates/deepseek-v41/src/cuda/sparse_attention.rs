@@ -6,13 +6,14 @@
 //! sink in the denominator only, bf16-rounded probabilities per block of 64 valid indices, empty
 //! row → zeros, bf16 output), plus the log-sum-exp of the valid logits (sink excluded).
 //!
-//! On CUDA two kernels (sm_90a) with Hopper warpgroup tensor-core (`wgmma`) products over
-//! 64-row tiles that a producer warpgroup gathers with 16-byte `cp.async` into a two-stage
-//! ring ([`SparseAttentionKernel`]): the all-heads kernel (`kernels/sparse_attention.cu`: all 64
-//! heads of a token per CTA, split-KV over a thread-block cluster, merged in the cluster's
-//! shared memory, when there are too few tokens to fill the GPU) and the head-split kernel
-//! (`kernels/sparse_attention_heads.cu`: 32 heads per CTA over all of the token's rows, no
-//! merge; for decode). On the CPU the crate's reference. They agree within bf16 rounding (the
+//! On CUDA (sm_90a) Hopper warpgroup tensor-core (`wgmma`) products over 64-row tiles that a
+//! producer warpgroup gathers with 16-byte `cp.async` ([`SparseAttentionKernel`]): the all-heads
+//! kernel (`kernels/sparse_attention.cu`: all 64 heads of a token per CTA, split-KV over a
+//! thread-block cluster, merged in the cluster's shared memory, when there are too few tokens to
+//! fill the GPU) and the head-split kernel (32 heads per CTA over all of the token's rows, no
+//! merge; for decode) in two forms: two consumer warpgroups on alternate tiles of a slot ring
+//! (`kernels/sparse_attention_pingpong.cu`, bf16 rows) and one consumer over a two-stage ring
+//! (`kernels/sparse_attention_heads.cu`). On the CPU the crate's reference. They agree within bf16 rounding (the
 //! f32 summation orders differ; with splits each split rounds its probabilities relative to
 //! its own running max).
 //!
@@ -43,7 +44,8 @@ pub const SPARSE_ATTENTION_MAX_SPLITS: usize = 8;
 /// Which CUDA kernel computes the sparse attention (same semantics; the f32 rounding differs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum SparseAttentionKernel {
-    /// The launcher picks: the head-split kernel for bf16 rows where the all-heads kernel
+    /// The launcher picks: the head-split kernel (its ping-pong loop,
+    /// [`SparseAttentionKernel::HeadSplitPingPong`]) for bf16 rows where the all-heads kernel
     /// would run 2 splits per token (decode batches of about #SMs / 4 to #SMs / 2 tokens at
     /// 64 heads, e.g. B = 64 on 132 SMs), else the all-heads kernel. Forced splits select the
     /// all-heads kernel.
@@ -52,20 +54,16 @@ pub enum SparseAttentionKernel {
     /// All heads of a token per CTA (64-head blocks), split-KV over a thread-block cluster.
     AllHeads,
     /// 32 heads per CTA over all of the token's rows (rows as the tensor-core M dimension), no
-    /// split and no merge; takes no `num_splits` above 1.
+    /// split and no merge, one consumer warpgroup over a two-stage ring of tiles; takes no
+    /// `num_splits` above 1.
     HeadSplit,
-    /// [`SparseAttentionKernel::HeadSplit`] with its slot-ring loop: the next tile's rows stay
-    /// resident and its Sᵀ is issued during this tile's softmax. Bitwise the same results as
-    /// `HeadSplit` (bf16 rows; packed rows run `HeadSplit`'s loop). Measured at B = 64
-    /// (docs/perf.md "Session 8: merged main"): slower standalone (28.5 vs 25.5 µs) but faster
-    /// right after the indexer's top-k in the stream (29.4 vs 32.0 µs). Takes no `num_splits`
-    /// above 1.
-    HeadSplitRing,
     /// The head-split kernel with two consumer warpgroups on alternate tiles of a slot ring
-    /// (`kernels/sparse_attention_pingpong.cu`): one's softmax runs under the other's products.
-    /// The numerics of one split (p rounded relative to the running max after each 64-row block);
-    /// only the f32 summation orders differ from `HeadSplit`. bf16 rows (packed rows run
-    /// `HeadSplit`'s loop). Takes no `num_splits` above 1.
+    /// (`kernels/sparse_attention_pingpong.cu`): one's softmax runs under the other's products,
+    /// and the producer gathers the first two window tiles while the indices are compacted. The
+    /// numerics of one split (p rounded to bf16 relative to the running max after each 64-row
+    /// block); only f32 summation orders differ from `HeadSplit` (each consumer sums its own
+    /// tiles, merged once). Auto's choice where it picks the head split, for bf16 rows (packed
+    /// rows run `HeadSplit`'s loop). Takes no `num_splits` above 1.
     HeadSplitPingPong,
 }
 
@@ -177,10 +175,7 @@ impl SparseAttentionInputs<'_> {
             if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
                 candle_core::bail!("sparse_attention: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}")
             }
-            let head_split = matches!(
-                options.kernel,
-                SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitRing | SparseAttentionKernel::HeadSplitPingPong
-            );
+            let head_split = matches!(options.kernel, SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitPingPong);
             if s > 1 && head_split {
                 candle_core::bail!("sparse_attention: the head-split kernel ({:?}) does not split the rows, got num_splits {s}", options.kernel)
             }
@@ -457,7 +452,6 @@ fn cuda_forward(x: &SparseAttentionInputs, options: SparseAttentionOptions) -> R
                 SparseAttentionKernel::Auto => ffi::SA_KERNEL_AUTO,
                 SparseAttentionKernel::AllHeads => ffi::SA_KERNEL_ALL_HEADS,
                 SparseAttentionKernel::HeadSplit => ffi::SA_KERNEL_HEAD_SPLIT,
-                SparseAttentionKernel::HeadSplitRing => ffi::SA_KERNEL_HEAD_SPLIT_RING,
                 SparseAttentionKernel::HeadSplitPingPong => ffi::SA_KERNEL_HEAD_SPLIT_PINGPONG,
             },
         };
