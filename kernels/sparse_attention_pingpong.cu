@@ -77,8 +77,8 @@ constexpr int PP_TOTAL = PP_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
 constexpr int PP_WIN = PP_TOTAL + 16;             // u32 [128]: the first 128 window entries (early tiles)
 constexpr int PP_MAX_SLOTS = 11;
 constexpr int PP_MIN_SLOTS = 8;                   // two tiles; tile n - 2's slots stay free after its use
-constexpr int PP_BAR = PP_WIN + 4 * 2 * BLK;     // u64 [PP_MAX_SLOTS] full, then u64 [PP_MAX_SLOTS] empty
-constexpr int PP_ENT = PP_BAR + 16 * PP_MAX_SLOTS;  // u32 [valid rows]
+constexpr int PP_BAR = PP_WIN + 4 * 2 * BLK;     // u64 [PP_MAX_SLOTS] full, u64 [PP_MAX_SLOTS] empty, u64 compaction done
+constexpr int PP_ENT = PP_BAR + 16 * PP_MAX_SLOTS + 8;  // u32 [valid rows]
 constexpr int PP_SLOTB = 2 * PLANE;
 static_assert(PP_P % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
 static_assert(HS * OUT_STRIDE <= PP_MIN_SLOTS * PP_SLOTB, "out rows fit the slots");
@@ -87,8 +87,8 @@ __host__ __device__ constexpr int pp_ring_offset(int ktot) { return (PP_ENT + 4 
 
 // Named barriers (0: __syncthreads): 1 + c consumer c's warpgroup, BAR_BOTH the two consumers,
 // BAR_MAX + c the running max handed over by consumer c, BAR_MERGE the sender's O in place,
-// BAR_PROD the producer warpgroup, BAR_COUNT the compaction done (consumers arrive, producer waits).
-constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7, BAR_COUNT = 8;
+// BAR_PROD the producer warpgroup. (The compaction reaches the producer through an mbarrier.)
+constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7;
 
 constexpr int PP_TRACE = 96;
 // Phase timestamps of CTA (0, 0), thread 0 of each warpgroup: [0] start, [1] indices loaded,
@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     const uint32_t sbase = smem_addr(smem);
     if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
     const uint32_t bar_full = sbase + PP_BAR, bar_empty = sbase + PP_BAR + 8 * PP_MAX_SLOTS;
+    const uint32_t bar_count = sbase + PP_BAR + 16 * PP_MAX_SLOTS;  // the compaction is done (one arrival)
     // (The warp index through a shuffle: the role branches are provably warp-uniform, which keeps
     // the wgmma products asynchronous.)
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
@@ -118,6 +119,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     grid_dep_launch();
     stamp(0);
     init_barriers(bar_full, bar_empty, nslot, tid);
+    if (tid == 0) mbar_init(bar_count, 1);
     __syncthreads();  // the mbarriers are initialised (the producer starts before the compaction ends)
     if (wg == 2) {
         // Producer. Early window tiles: when the token's first 128 window entries are all valid
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
                 stamp(5);
             }
         }
-        bar_sync(BAR_COUNT, PP_THREADS);  // the consumers' compaction: count and ent_s
+        mbar_wait(bar_count, 0);  // the consumers' compaction: count and ent_s
         stamp(6);
         const int n = *reinterpret_cast<const int*>(smem + PP_TOTAL);
         produce_ring(p, slots, nslot, reinterpret_cast<const uint32_t*>(smem + PP_ENT), n, bar_full, bar_empty, ptid, skip_gather, pos0,
@@ -151,7 +153,8 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     const int count = compact_indices(p, smem, PP_CNT, PP_TOTAL, PP_ENT, t, tid, lane, warp, [&]() {
         load_q_tile<HS, 2 * CONSUMERS>(p, t, h0, nh, tid, sbase + PP_Q, sbase + PP_SINK);
     }, [] { bar_sync(BAR_BOTH, 2 * CONSUMERS); }, stamp);
-    bar_arrive(BAR_COUNT, PP_THREADS);  // ent_s and the count to the producer
+    bar_sync(BAR_BOTH, 2 * CONSUMERS);  // ent_s complete
+    if (tid == 0) mbar_arrive(bar_count);  // (release) to the producer
     const int ntiles = (count + BLK - 1) / BLK;
     setmaxnreg_inc<PP_MMA_REGS>();
     stamp(2);
