@@ -71,8 +71,8 @@ using namespace dsv41_ptx;
 constexpr int SM_Q = 0;                        // bf16 [8 planes][32 heads][128 B]
 constexpr int SM_K = SM_Q + HS * D * 2;        // bf16 [2 stages][64 rows][512] (epilogue: bf16 out rows [32][OUT_STRIDE])
 constexpr int SM_P = SM_K + 2 * TILEB;         // bf16 [32 heads][64 rows], 128-byte swizzle
-constexpr int SM_S = SM_P + HS * BLK * 2;      // f32 [32 heads][SP]: S^T of a tile (softmax input)
-constexpr int SM_ALPHA = SM_S + HS * SP * 4;   // f32 [32 heads]: e^{m_old - m_new} of the tile
+constexpr int SM_S = SM_P + HS * BLK * 2;      // f32 [32 heads][64 rows], swizzled (s_swz): S^T of a tile (softmax input)
+constexpr int SM_ALPHA = SM_S + S_BYTES;       // f32 [32 heads]: e^{m_old - m_new} of the tile
 constexpr int SM_FAC = SM_ALPHA + HS * 4;      // f32 [32 heads]: epilogue factors
 constexpr int SM_SINK = SM_FAC + HS * 4;       // f32 [32 heads]
 constexpr int SM_CNT = SM_SINK + HS * 4;       // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
@@ -187,7 +187,8 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
         if (lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
         if (j < 16) stamp(20 + j);
     }
-    epilogue(p, o, m_run, den, reinterpret_cast<const float*>(smem + SM_SINK), reinterpret_cast<float*>(smem + SM_FAC), smem + SM_K,
+    const float* sink_s = reinterpret_cast<const float*>(smem + SM_SINK);
+    epilogue(p, o, m_run, den, [&] { return sink_s[hw]; }, reinterpret_cast<float*>(smem + SM_FAC), smem + SM_K,
              sbase + SM_K, t, h0, nh, count, hw, lane, w, tid);
     stamp(3);
 }

@@ -63,27 +63,33 @@ constexpr int PP_PROD_REGS = 40;   // the producer's registers after setmaxnreg
 constexpr int PP_MMA_REGS = 232;   // the consumers'
 static_assert(2 * CONSUMERS * PP_MMA_REGS + PROD_THREADS * PP_PROD_REGS <= 65536, "register file");
 
-// Shared memory map (bytes); the slot ring follows the index entries.
+// Shared memory map (bytes); the slot ring follows the index entries. Tight enough for 11 slots
+// (2.75 tiles) at 640 indices: each consumer's block holds its Sᵀ staging tile (8 KB, s_swz), and
+// in it, once the softmax has read the scores (a barrier of the warpgroup), its Pᵀ tile (first
+// 4 KB) and per-head floats (alpha; after the loop the sender's m / den and the epilogue's factors);
+// the index counts of the compaction live in consumer A's block, the sink in registers, the raw
+// window entries of the early tiles in the last slot (first filled at position nslot - 1 >= 8).
 constexpr int PP_Q = 0;                           // bf16 [8 planes][32 heads][128 B]
-constexpr int PP_P = PP_Q + HS * D * 2;           // bf16 [2 consumers][32 heads][64 rows], 128-byte swizzle
-constexpr int PP_S = PP_P + 2 * HS * BLK * 2;     // f32 [2 consumers][32 heads][SP]: Sᵀ of a tile
-constexpr int PP_ALPHA = PP_S + 2 * HS * SP * 4;  // f32 [2 consumers][32 heads]: O rescale (merge: the sender's scale)
-constexpr int PP_MX = PP_ALPHA + 2 * HS * 4;      // f32 [2 tile parities][32 heads]: running max handed over
-constexpr int PP_FIN = PP_MX + 2 * HS * 4;        // f32 [2][32 heads]: the sender's m, den
-constexpr int PP_FAC = PP_FIN + 2 * HS * 4;       // f32 [32 heads]: epilogue factors
-constexpr int PP_SINK = PP_FAC + HS * 4;          // f32 [32 heads]
-constexpr int PP_CNT = PP_SINK + HS * 4;          // i32 [MAX_ROUNDS * 8]
-constexpr int PP_TOTAL = PP_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
-constexpr int PP_WIN = PP_TOTAL + 16;             // u32 [128]: the first 128 window entries (early tiles)
+constexpr int PP_CB = PP_Q + HS * D * 2;          // [2 consumers] 8 KB blocks:
+constexpr int CB_P = 0;                           //   bf16 [32 heads][64 rows], 128-byte swizzle (over Sᵀ heads 0-15)
+constexpr int CB_ALPHA = HS * BLK * 2;            //   f32 [32 heads]: O rescale (merge: the sender's scale)
+constexpr int CB_FIN = CB_ALPHA + HS * 4;         //   f32 [2][32 heads]: the sender's m, den (after its loop)
+constexpr int CB_FAC = CB_FIN + 2 * HS * 4;       //   f32 [32 heads]: epilogue factors (the receiver's)
+constexpr int PP_CNT = PP_CB;                     // i32 [MAX_ROUNDS * 8] (prologue, over consumer A's block)
+constexpr int PP_MX = PP_CB + 2 * S_BYTES;        // f32 [2 tile parities][32 heads]: running max handed over
+constexpr int PP_TOTAL = PP_MX + 2 * HS * 4;      // i32 [1]
 constexpr int PP_MAX_SLOTS = 11;
 constexpr int PP_MIN_SLOTS = 8;                   // two tiles; tile n - 2's slots stay free after its use
-constexpr int PP_BAR = PP_WIN + 4 * 2 * BLK;     // u64 [PP_MAX_SLOTS] full, u64 [PP_MAX_SLOTS] empty, u64 compaction done
+constexpr int PP_BAR = PP_TOTAL + 16;             // u64 [PP_MAX_SLOTS] full, u64 [PP_MAX_SLOTS] empty, u64 compaction done
 constexpr int PP_ENT = PP_BAR + 16 * PP_MAX_SLOTS + 8;  // u32 [valid rows]
 constexpr int PP_SLOTB = 2 * PLANE;
-static_assert(PP_P % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
+static_assert(PP_CB % 1024 == 0 && S_BYTES % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
+static_assert(CB_FAC + HS * 4 <= S_BYTES && MAX_ROUNDS * 8 * 4 <= S_BYTES, "consumer block");
 static_assert(HS * OUT_STRIDE <= PP_MIN_SLOTS * PP_SLOTB, "out rows fit the slots");
 static_assert(16 * 4 * CONSUMERS == PLANE, "one m-block of a consumer's O fills one plane");
+static_assert(2 * BLK * 4 <= PP_SLOTB, "the early window entries fit a slot");
 __host__ __device__ constexpr int pp_ring_offset(int ktot) { return (PP_ENT + 4 * (ktot > 0 ? ktot : 1) + 1023) / 1024 * 1024; }
+static_assert(pp_ring_offset(640) + PP_MAX_SLOTS * PP_SLOTB <= 227 * 1024, "11 slots at V4.1-Flash's 640 indices");
 
 // Named barriers (0: __syncthreads): 1 + c consumer c's warpgroup, BAR_BOTH the two consumers,
 // BAR_MAX + c the running max handed over by consumer c, BAR_MERGE the sender's O in place,
@@ -128,9 +134,9 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
         // waiting). Then the compacted list from the first position not yet produced.
         setmaxnreg_dec<PP_PROD_REGS>();
         const int ptid = tid - 2 * CONSUMERS;
-        uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + PP_WIN);
+        uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + (slots - sbase) + (nslot - 1) * PP_SLOTB);
         int pos0 = 0;
-        if (!(mode & 8) && p.kw >= 2 * BLK && nslot >= 8) {
+        if (!(mode & 8) && p.kw >= 2 * BLK && nslot >= 9) {
             const int64_t k = static_cast<int64_t>(t) * p.kw + ptid;
             const int64_t e = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(p.idx_window) + k)
                                                  : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p.idx_window) + k));
@@ -141,6 +147,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
                 pos0 = 8;
                 stamp(5);
             }
+            bar_sync(BAR_PROD, PROD_THREADS);  // win_s read: its slot may be filled from position 8 on
         }
         mbar_wait(bar_count, 0);  // the consumers' compaction: count and ent_s
         stamp(6);
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     }
     // Consumers: the compaction (both warpgroups) while their q and sink copies are in flight.
     const int count = compact_indices(p, smem, PP_CNT, PP_TOTAL, PP_ENT, t, tid, lane, warp, [&]() {
-        load_q_tile<HS, 2 * CONSUMERS>(p, t, h0, nh, tid, sbase + PP_Q, sbase + PP_SINK);
+        load_q_tile<HS, 2 * CONSUMERS, false>(p, t, h0, nh, tid, sbase + PP_Q, 0);
     }, [] { bar_sync(BAR_BOTH, 2 * CONSUMERS); }, stamp);
     bar_sync(BAR_BOTH, 2 * CONSUMERS);  // ent_s complete
     if (tid == 0) mbar_arrive(bar_count);  // (release) to the producer
@@ -163,11 +170,12 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     const int c = wg, ctid = tid & 127, w = warp & 3, g = lane >> 2, tq = lane & 3;
     const int hw = 8 * w + (lane >> 2), rq = 16 * (lane & 3);
     const int bar_wg = 1 + c;
-    float* s_s = reinterpret_cast<float*>(smem + PP_S) + c * (HS * SP);
-    float* alpha_s = reinterpret_cast<float*>(smem + PP_ALPHA) + c * HS;
+    auto block = [&](int cc) { return smem + PP_CB + cc * S_BYTES; };  // consumer cc's block
+    float* s_s = reinterpret_cast<float*>(block(c));
+    float* alpha_s = reinterpret_cast<float*>(block(c) + CB_ALPHA);
     float* mx_s = reinterpret_cast<float*>(smem + PP_MX);
-    float* fin_s = reinterpret_cast<float*>(smem + PP_FIN);
-    const int p_off = PP_P + c * (HS * BLK * 2);
+    const int p_off = PP_CB + c * S_BYTES + CB_P;
+    const float sink_h = __ldg(p.sink + h0 + min(hw, nh - 1));  // head hw's sink (epilogue)
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -207,10 +215,14 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
         // Softmax; the running max after tile j - 1 comes from the other consumer (read before
         // this tile's is published: see the header comment).
         softmax_tile(s_s, smem + p_off, alpha_s, p.scale, nb, hw, rq, lane, m_run, den, [&](float mx) {
+            // (Either barrier also orders this warpgroup's score reads before its Pᵀ / alpha
+            // stores over them.)
             float prev = M_FLOOR;
             if (j > 0) {
                 bar_sync(BAR_MAX + (c ^ 1), 2 * CONSUMERS);
                 prev = mx_s[((j - 1) & 1) * HS + hw];
+            } else {
+                bar_sync(bar_wg, CONSUMERS);
             }
             if (j + 1 < ntiles) {
                 if ((lane & 3) == 0) mx_s[(j & 1) * HS + hw] = fmaxf(prev, mx);
@@ -273,6 +285,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
                     const float* v = o + 16 * mb + 4 * c4;
                     *o_chunk(mb, c4) = make_float4(v[0], v[1], v[2], v[3]);
                 }
+            float* fin_s = reinterpret_cast<float*>(block(c) + CB_FIN);
             if ((lane & 3) == 0) fin_s[hw] = m_run, fin_s[HS + hw] = den;
             bar_arrive(BAR_MERGE, 2 * CONSUMERS);
         }
@@ -280,6 +293,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     }
     if (ntiles >= 2) {
         bar_sync(BAR_MERGE, 2 * CONSUMERS);
+        const float* fin_s = reinterpret_cast<const float*>(block(c ^ 1) + CB_FIN);
         const float sc = expf(fin_s[hw] - m_run);  // e^{m_s - M}, M = m_run (the last tile's running max)
         den = __fadd_rn(den, __fmul_rn(fin_s[HS + hw], sc));
         if ((lane & 3) == 0) alpha_s[hw] = sc;
@@ -304,7 +318,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
             }
     }
     stamp(4);
-    epilogue(p, o, m_run, den, reinterpret_cast<const float*>(smem + PP_SINK), reinterpret_cast<float*>(smem + PP_FAC),
+    epilogue(p, o, m_run, den, [&] { return sink_h; }, reinterpret_cast<float*>(block(c) + CB_FAC),
              smem + (slots - sbase), slots, t, h0, nh, count, hw, lane, w, ctid, bar_wg);
     stamp(3);
 }
@@ -336,7 +350,8 @@ void print_trace_pingpong(cudaStream_t stream, int dev) {
 int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
-    const int nslot = min(PP_MAX_SLOTS, (max_smem - pp_ring_offset(ktot)) / PP_SLOTB);
+    // (Diagnostic mode bit 16: at most 10 slots, the ring of the first ping-pong version.)
+    const int nslot = min((mode & 16) ? 10 : PP_MAX_SLOTS, (max_smem - pp_ring_offset(ktot)) / PP_SLOTB);
     if (nslot < PP_MIN_SLOTS) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(pp_ring_offset(ktot)) + static_cast<size_t>(nslot) * PP_SLOTB;
     static thread_local int configured_dev = -1;

@@ -46,8 +46,9 @@ __device__ __forceinline__ const __nv_bfloat16* row_ptr(const Dsv41SparseAttenti
 
 // q of heads [h0, h0 + nh) of token t -> a ROWS-row swizzled tile at `dst` by cp.async (16 bytes
 // per thread and step, NT threads `tid`; rows past nh zero-filled), and the heads' sink values
-// (f32 [ROWS]) to `sink_dst` (4-byte cp.async). One commit group; wait with cp_async_wait_all.
-template <int ROWS, int NT>
+// (f32 [ROWS]) to `sink_dst` (4-byte cp.async; not with SINK = false). One commit group; wait with
+// cp_async_wait_all.
+template <int ROWS, int NT, bool SINK = true>
 __device__ __forceinline__ void load_q_tile(const Dsv41SparseAttentionParams& p, int t, int h0, int nh, int tid, uint32_t dst,
                                             uint32_t sink_dst) {
     using namespace dsv41_ptx;
@@ -61,7 +62,7 @@ __device__ __forceinline__ void load_q_tile(const Dsv41SparseAttentionParams& p,
         const __nv_bfloat16* src = qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + col * 8 : 0);
         cp_async16(dst + wgsw_rows<ROWS>(h, col), src, ok);
     }
-    if (tid < ROWS) cp_async4(sink_dst + 4 * tid, p.sink + h0 + min(tid, nh - 1));
+    if (SINK && tid < ROWS) cp_async4(sink_dst + 4 * tid, p.sink + h0 + min(tid, nh - 1));
     cp_async_commit();
 }
 

@@ -21,7 +21,11 @@ constexpr int HS = 32;          // heads per CTA
 constexpr int CONSUMERS = 128;  // warpgroup 0; warpgroup 1 produces
 constexpr int THREADS_ALL = CONSUMERS + PROD_THREADS;
 static_assert(THREADS_ALL == IDX_THREADS, "every thread compacts the indices");
-constexpr int SP = BLK + 4;             // row stride (f32) of the Sᵀ staging tile
+// The Sᵀ staging tile: f32 [32 heads][64 rows] (8 KB), row r of head h at word 64 h + (r ^ s_swz(h)):
+// the XOR (bits 2-4 of the row) spreads the fragment stores over all banks and keeps the softmax's
+// 16-byte reads contiguous (2-way conflicts, as a padded layout).
+__device__ __forceinline__ int s_swz(int h) { return (((h >> 1) & 3) << 3) | ((h & 1) << 2); }
+constexpr int S_BYTES = HS * BLK * 4;
 constexpr int OUT_STRIDE = D * 2 + 16;  // padded bf16 out row (conflict-free pair stores)
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
@@ -71,14 +75,15 @@ __device__ __forceinline__ int compact_indices(const Dsv41SparseAttentionParams&
     return count;
 }
 
-// Sᵀ fragments -> shared [head][row] (conflict-free: the row stride is 4 banks off per head),
-// then the accumulators are zeroed (call only while no product is in flight).
+// Sᵀ fragments -> the staging tile (conflict-free stores, see s_swz), then the accumulators are
+// zeroed (call only while no product is in flight).
 __device__ __forceinline__ void stage_scores(float (&s)[16], float* s_s, int w, int g, int tq) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            s_s[(8 * i + 2 * tq + (c & 1)) * SP + 16 * w + g + 8 * (c >> 1)] = s[4 * i + c];
+            const int h = 8 * i + 2 * tq + (c & 1);
+            s_s[h * BLK + ((16 * w + g + 8 * (c >> 1)) ^ s_swz(h))] = s[4 * i + c];
             s[4 * i + c] = 0.f;
         }
 }
@@ -97,7 +102,7 @@ __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_
     float x[16];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        const float4 v = *reinterpret_cast<const float4*>(s_s + hw * SP + rq + 4 * k);
+        const float4 v = *reinterpret_cast<const float4*>(s_s + hw * BLK + ((rq + 4 * k) ^ s_swz(hw)));
         x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
     }
     float mx = -INFINITY;
@@ -147,17 +152,19 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], const float* alpha_s,
 // m, den); out = fl(O f) rounded to bf16, transposed by stmatrix into [head][dim] rows at
 // out_s / out_a (shared pointer / address, HS * OUT_STRIDE bytes, free), then 16-byte stores
 // (the CTA's out rows are contiguous).
-// `bar_id`: the named barrier of the warpgroup (128 threads, `tid` 0..127 of them).
-__device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, const float (&o)[128], float m_run, float den,
-                                         const float* sink_s, float* fac_s, const unsigned char* out_s, uint32_t out_a, int t,
-                                         int h0, int nh, int count, int hw, int lane, int w, int tid, int bar_id = 1) {
+// `bar_id`: the named barrier of the warpgroup (128 threads, `tid` 0..127 of them); `sink()`: the
+// sink of head hw (called after the q / sink copies landed).
+template <class Sink>
+__device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, const float (&o)[128], float m_run, float den, Sink sink,
+                                         float* fac_s, const unsigned char* out_s, uint32_t out_a, int t, int h0, int nh, int count,
+                                         int hw, int lane, int w, int tid, int bar_id = 1) {
     const int tq = lane & 3;
     cp_async_wait_all();  // the q copies are still in flight when there is no row
     bar_sync(bar_id, CONSUMERS);  // the sink landed for every thread
     if ((lane & 3) == 0) {
         const float big = fmaxf(M_FLOOR, m_run);
         const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
-        const float dall = __fadd_rn(wsum, expf(sink_s[hw] - big));
+        const float dall = __fadd_rn(wsum, expf(sink() - big));
         const bool ok = dall > 0.f && isfinite(dall);
         fac_s[hw] = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
         if (hw < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hw] = count > 0 ? big + logf(wsum) : -INFINITY;
