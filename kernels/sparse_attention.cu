@@ -101,8 +101,7 @@
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
-// results, for timing the other parts), 8 the ping-pong kernel's early window tiles, 16 its 11th
-// slot (same results).
+// results, for timing the other parts), 8 the ping-pong kernel's early window tiles (same results).
 // Measured on the H200 (docs/perf.md, "Round 3" to "Round 5"): a 64-row tile costs ~2.3 us (tensor
 // cores + softmax; the gather keeps up, waits ~0.13 us); moving 64 KB between the two CTAs of a
 // cluster takes ~2.5 us as a bulk copy, ~3.5-4 us as distributed shared memory stores.
@@ -571,11 +570,11 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (e != cudaSuccess) return static_cast<int>(e);
     // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
     // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only),
-    // 8 / 16 the ping-pong kernel's early window tiles / its 11th slot (same results).
+    // 8 the ping-pong kernel's early window tiles (same results).
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (dg ? (atoi(dg) & 30) : 0);
+    const int mode = trace | (dg ? (atoi(dg) & 14) : 0);
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {

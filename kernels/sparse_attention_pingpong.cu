@@ -4,12 +4,17 @@
 // over all of the token's valid rows, rows as the wgmma M dimension, the same Sᵀ / Oᵀ products,
 // softmax and epilogue steps from include/dsv41_sparse_attention_heads.cuh). bf16 rows only.
 //
-// Design. grid = (T, ceil(H / 32)), 384 threads = 3 warpgroups, 1 CTA per SM (~227 KB shared
-// memory). Warpgroups 0 and 1 (consumers A and B) compact the token's valid indices and copy q
-// (32 heads x 512) and the sink; warpgroup 2 is the producer (setmaxnreg down to 40 registers, the
-// consumers up to 232): it gathers the row tiles into a ring of 8-11 slots of two 64-dim planes
-// (16 KB) behind per-slot full / empty mbarriers (TileSlots / produce_ring of the heads header),
-// so that tile j + 1 is resident while tile j is consumed and the refill of the next runs.
+// Design. grid = (T, ceil(H / 32)), 384 threads = 3 warpgroups, 1 CTA per SM (227 KB shared memory
+// at 640 indices). Warpgroups 0 and 1 (consumers A and B) compact the token's valid indices and copy
+// q (32 heads x 512; the sink goes to registers); warpgroup 2 is the producer (setmaxnreg down to
+// 40 registers, the consumers up to 232): it gathers the row tiles into a ring of 8-11 slots of two
+// 64-dim planes (16 KB; 11 = 2.75 tiles at 640 indices) behind per-slot full / empty mbarriers
+// (TileSlots / produce_ring of the heads header), so that tiles j and j + 1 are resident while the
+// next refills. Early window tiles: while the consumers compact, the producer loads the token's
+// first 128 window entries itself; if all are valid (the usual decode case) they are the first
+// 128 compacted rows, and it gathers tiles 0 and 1 from them at once (ring positions 0-7), then
+// waits for the compaction (an mbarrier: consumer thread 0 arrives after the consumers' barrier
+// that follows the entries' stores) and continues from position 8; otherwise from position 0.
 // Consumer c takes the tiles j = c, c + 2, ... (alternate tiles), with its own Oᵀ accumulator
 // (128 f32 registers per thread), denominator, Sᵀ staging and Pᵀ tile; per tile:
 //   wait for the tile's four slots | Sᵀ = K . qᵀ (32 x m64n32k16) | stage Sᵀ | softmax with the
@@ -38,9 +43,13 @@
 // Checked against the CPU reference at the head-split tests' strict tolerance (with at most one
 // tile per token the result is bitwise the two-stage kernel's: consumer B then has no tile).
 // Launch: programmatic dependent launch as the other kernels (nothing read before
-// griddepcontrol.wait). Diagnostics: mode bit 0 traces CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1:
-// per tile the rows' arrival, Sᵀ, the hand-over wait, softmax, P.V; the merge and epilogue), bit 2
-// skips the gather.
+// griddepcontrol.wait). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA
+// (0, 0) (per tile the rows' arrival, Sᵀ, the hand-over wait, softmax, P.V; the early tiles, the
+// merge and the epilogue), bit 2 skips the gather (timing only), bit 8 the early window tiles.
+// Measured (docs/perf.md "Round 10"): B = 64 standalone 0.35-0.65 us under the two-stage loop,
+// in-stream behind the top-k ~7 us under it. The loop is bound by the row supply (each consumer
+// waits 1.2-1.8 us per tile for its rows: the token's two CTAs each pull every row from L2), not by
+// the products or the softmax; without the gather the kernel takes 21.6 us at B = 64.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -350,8 +359,7 @@ void print_trace_pingpong(cudaStream_t stream, int dev) {
 int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
-    // (Diagnostic mode bit 16: at most 10 slots, the ring of the first ping-pong version.)
-    const int nslot = min((mode & 16) ? 10 : PP_MAX_SLOTS, (max_smem - pp_ring_offset(ktot)) / PP_SLOTB);
+    const int nslot = min(PP_MAX_SLOTS, (max_smem - pp_ring_offset(ktot)) / PP_SLOTB);
     if (nslot < PP_MIN_SLOTS) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(pp_ring_offset(ktot)) + static_cast<size_t>(nslot) * PP_SLOTB;
     static thread_local int configured_dev = -1;

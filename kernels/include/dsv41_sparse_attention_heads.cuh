@@ -203,7 +203,8 @@ __device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, co
 // one plane = PLANE bytes of the 128-byte-swizzled 64-row layout); pair pr (planes 2 pr, 2 pr + 1)
 // of tile k is ring position P = 4 k + pr, in slot P % nslot for its (P / nslot)-th use. Slot s has
 // a full mbarrier (bar_full + 8 s, PROD_THREADS arrivals) and an empty one (bar_empty + 8 s, one
-// arrival per warp of the consumer of that use). The positions of a tile, with their full barriers and parities:
+// arrival per warp of the consumer of that use). The positions of a tile, with their full barriers
+// and parities:
 struct TileSlots {
     int s0, u0;  // slot and use of pair 0
     uint32_t slots, bar_full;
