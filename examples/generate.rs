@@ -77,6 +77,11 @@ struct Args {
     /// caches; needs the `cuda` feature and `--numerics reference`).
     #[arg(long, value_enum, default_value = "bf16")]
     cache: CacheArg,
+    /// After generating, replay the decode steps of the generated tokens on a fresh cache and
+    /// report the mean time per step: the model's forward call (on CUDA: launching the step's
+    /// work, plus the MoE routing reads) and the sampling (on CUDA: waiting for the device).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -124,7 +129,16 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let device = match args.device {
         DeviceArg::Cpu => Device::Cpu,
-        DeviceArg::Cuda => Device::new_cuda(0)?,
+        DeviceArg::Cuda => {
+            let device = Device::new_cuda(0)?;
+            #[cfg(feature = "cuda")]
+            if std::env::var_os("DSV41_KEEP_EVENT_TRACKING").is_none() {
+                // SAFETY: everything here runs on the device's one stream, so cudarc's per-buffer
+                // CUDA events (created and destroyed with every tensor) order nothing.
+                unsafe { device.as_cuda_device()?.disable_event_tracking() };
+            }
+            device
+        }
     };
     let dtype = match args.dtype {
         DTypeArg::Bf16 => DType::BF16,
@@ -175,6 +189,35 @@ fn main() -> Result<()> {
         secs,
         new.len() as f64 / secs,
         if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" }
+    );
+    if args.profile {
+        profile_steps(&p, storage, &prompt_ids, &new, &mut sampler)?;
+    }
+    Ok(())
+}
+
+/// Replays the decode steps of `new` (after a prefill of `prompt`) on a fresh cache and prints
+/// the mean time per step of the forward call and of the sampling (`--profile`).
+fn profile_steps(p: &Pretrained, storage: CacheStorage, prompt: &[u32], new: &[u32], sampler: &mut Sampler) -> Result<()> {
+    let mut cache = p.new_cache_with(storage)?;
+    let logits = p.model.forward(prompt, &mut cache)?;
+    sampler.sample(&logits.narrow(0, logits.dim(0)? - 1, 1)?.squeeze(0)?)?;
+    let steps = new.len().saturating_sub(1);
+    let (mut forward, mut sample) = (0f64, 0f64);
+    for &id in &new[..steps] {
+        let t0 = Instant::now();
+        let logits = p.model.forward(&[id], &mut cache)?;
+        let t1 = Instant::now();
+        sampler.sample(&logits.squeeze(0)?)?;
+        forward += (t1 - t0).as_secs_f64();
+        sample += t1.elapsed().as_secs_f64();
+    }
+    let ms = |s: f64| 1e3 * s / steps.max(1) as f64;
+    eprintln!(
+        "profile: {steps} decode steps, per step {:.3} ms = forward call {:.3} ms + sample (device wait, argmax/top-p) {:.3} ms",
+        ms(forward + sample),
+        ms(forward),
+        ms(sample)
     );
     Ok(())
 }

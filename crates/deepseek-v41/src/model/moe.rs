@@ -199,8 +199,20 @@ impl Expert {
     /// f32 activation before it is rounded to `x`'s dtype and fed to `w2` (the reference's
     /// order). Returns `[n, D]` in `x`'s dtype.
     pub fn forward(&self, x: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
-        let mut gate = self.w1.forward(x)?.to_dtype(DType::F32)?;
-        let mut up = self.w3.forward(x)?.to_dtype(DType::F32)?;
+        self.forward_prepared(&self.prepare_input(x)?, weight)
+    }
+
+    /// The input of `w1` / `w3` for `x` `[n, D]` ([`Linear::prepare_input`]: the FP8 activation
+    /// quantization when the numerics quantize). Experts built with the same numerics share it.
+    pub fn prepare_input(&self, x: &Tensor) -> Result<Tensor> {
+        self.w1.prepare_input(x)
+    }
+
+    /// [`Expert::forward`] of `xp` = [`Expert::prepare_input`]`(x)` `[n, D]` (of this expert or
+    /// one with the same numerics); bit for bit `forward(x, weight)`.
+    pub fn forward_prepared(&self, xp: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
+        let mut gate = self.w1.forward_prepared(xp)?.to_dtype(DType::F32)?;
+        let mut up = self.w3.forward_prepared(xp)?.to_dtype(DType::F32)?;
         if let Some(l) = self.limit {
             gate = gate.minimum(l)?;
             up = up.clamp(-l, l)?;
@@ -209,7 +221,7 @@ impl Expert {
         if let Some(w) = weight {
             act = act.broadcast_mul(w)?;
         }
-        self.w2.forward(&act.to_dtype(x.dtype())?)
+        self.w2.forward(&act.to_dtype(xp.dtype())?)
     }
 }
 
@@ -266,38 +278,48 @@ impl Moe {
     /// `x`: `[T, D]` (bf16, already ffn-normed). Routed expert outputs (each in `x`'s dtype) are
     /// summed per token in f32 in expert-id order, the shared expert's output is added, and the
     /// sum is rounded to `x`'s dtype.
+    ///
+    /// The routing decision is made on the host (one copy of the `[T, E]` router logits); the
+    /// input's activation quantization is computed once and shared by every expert. An expert
+    /// chosen by every token of the call (always the case for a decode token) runs on the whole
+    /// input and its output is added directly, with no row gather / scatter (the same values as
+    /// the gathered path: the rows are `0..T` in order).
     pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
         let (t, d) = x.dims2()?;
         let dev = x.device();
         let routing = self.gate.route(x)?;
         let k = routing.k;
+        let weights = routing.weights_tensor(dev)?;
+        let xp = match (self.experts.first(), &self.shared) {
+            (Some(e), _) | (None, Some(e)) => e.prepare_input(x)?,
+            (None, None) => x.clone(),
+        };
         let mut y = Tensor::zeros((t, d), DType::F32, dev)?;
         for (e, expert) in self.experts.iter().enumerate() {
-            let mut rows = Vec::new();
-            let mut ws = Vec::new();
-            for (slot, (&id, &w)) in routing.ids.iter().zip(&routing.weights).enumerate() {
-                if id as usize == e {
-                    rows.push((slot / k) as u32);
-                    ws.push(w);
-                }
-            }
-            if rows.is_empty() {
+            let slots: Vec<usize> = (0..routing.ids.len()).filter(|&s| routing.ids[s] as usize == e).collect();
+            let n = slots.len();
+            if n == 0 {
                 continue;
             }
-            let n = rows.len();
-            let rows = Tensor::from_vec(rows, n, dev)?;
-            let ws = Tensor::from_vec(ws, (n, 1), dev)?;
-            let out = expert.forward(&x.index_select(&rows, 0)?, Some(&ws))?;
-            y = y.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?;
+            let ws = if t == 1 {
+                // The decode token: a view of the routing weights already on the device.
+                weights.flatten_all()?.narrow(0, slots[0], 1)?.reshape((1, 1))?
+            } else {
+                Tensor::from_vec(slots.iter().map(|&s| routing.weights[s]).collect::<Vec<_>>(), (n, 1), dev)?
+            };
+            if n == t {
+                // Every token chose e (top-k ids are distinct): its rows are 0..T in order.
+                y = (y + expert.forward_prepared(&xp, Some(&ws))?.to_dtype(DType::F32)?)?;
+            } else {
+                let rows = Tensor::from_vec(slots.iter().map(|&s| (s / k) as u32).collect::<Vec<_>>(), n, dev)?;
+                let out = expert.forward_prepared(&xp.index_select(&rows, 0)?, Some(&ws))?;
+                y = y.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?;
+            }
         }
         if let Some(shared) = &self.shared {
-            y = (y + shared.forward(x, None)?.to_dtype(DType::F32)?)?;
+            y = (y + shared.forward_prepared(&xp, None)?.to_dtype(DType::F32)?)?;
         }
-        Ok(MoeOutput {
-            out: y.to_dtype(x.dtype())?,
-            ids: routing.ids_tensor(dev)?,
-            weights: routing.weights_tensor(dev)?,
-        })
+        Ok(MoeOutput { out: y.to_dtype(x.dtype())?, ids: routing.ids_tensor(dev)?, weights })
     }
 }
 
