@@ -22,6 +22,10 @@
 //!   kernel ([`SelectOptions`]).
 //! * [`split_sinkhorn_device`]: the mHC coefficient split (Sinkhorn) in one launch, bit for bit
 //!   the Candle op sequence it replaces on a CUDA device.
+//! * [`rms_norm_device`], [`rms_scale_device`], [`collapse_device`]: RMSNorm, the mHC mixes'
+//!   rsqrt factor and the mHC collapse in one launch each, bit for bit the Candle op sequences
+//!   they replace on a CUDA device (the decode step of a small model is launch-bound);
+//!   [`swiglu_device`]: the MoE experts' clamped SwiGLU, likewise.
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
 //!   ops on the device, the benchmarks' baseline); [`fused_kernels`] is the dispatch test.
 //!
@@ -43,10 +47,12 @@ mod indexer_topk;
 mod mhc_sinkhorn;
 mod insert_op;
 mod packed_insert;
-mod policy;
+pub mod policy;
 mod q_rope;
 mod row_inputs;
+mod decoder_ops;
 mod slots;
+mod swiglu;
 mod sparse_attention;
 mod window_insert;
 
@@ -62,7 +68,9 @@ pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use policy::{fused_kernels, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
+pub use decoder_ops::{collapse_device, collapse_supported, mhc_post_device, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, ROW_NORM_MAX_N};
 pub use slots::keep_last_writer;
+pub use swiglu::{swiglu_device, swiglu_supported};
 pub use sparse_attention::{
     sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionKernel,
     SparseAttentionOptions, SPARSE_ATTENTION_HEAD_DIM, SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,

@@ -35,6 +35,16 @@ pub fn fused_kernels(device: &Device) -> bool {
     device.is_cuda() && !PLAIN.get()
 }
 
+/// EXPERIMENT SWITCH (gen9 run 1 only, removed before the final run): whether `name` is listed
+/// in the `DSV41_OFF` environment variable (comma separated).
+#[doc(hidden)]
+pub fn experiment_off(name: &str) -> bool {
+    static OFF: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    OFF.get_or_init(|| std::env::var("DSV41_OFF").unwrap_or_default().split(',').map(|s| s.trim().to_string()).collect())
+        .iter()
+        .any(|s| s == name || s == "all")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -174,6 +174,12 @@ impl Engram {
         let value = kv.narrow(1, hc * d, d)?.unsqueeze(1)?;
         let h = x.to_dtype(DType::F32)?;
         let rstd = |v: &Tensor| -> Result<Tensor> {
+            #[cfg(feature = "cuda")]
+            if crate::cuda::fused_kernels(v.device()) && crate::cuda::row_norm_supported(v) && !crate::cuda::policy::experiment_off("scale") {
+                // One launch, bit for bit the op sequence below.
+                let (a, b, n) = v.dims3()?;
+                return crate::cuda::rms_scale_device(&v.reshape((a * b, n))?, self.eps)?.1.reshape((a, b));
+            }
             (v.sqr()?.mean(D::Minus1)? + self.eps)?.sqrt()?.recip()
         };
         let qk = self.qk_weight.to_device(x.device())?;

@@ -211,8 +211,14 @@ impl Expert {
     /// [`Expert::forward`] of `xp` = [`Expert::prepare_input`]`(x)` `[n, D]` (of this expert or
     /// one with the same numerics); bit for bit `forward(x, weight)`.
     pub fn forward_prepared(&self, xp: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
-        let mut gate = self.w1.forward_prepared(xp)?.to_dtype(DType::F32)?;
-        let mut up = self.w3.forward_prepared(xp)?.to_dtype(DType::F32)?;
+        let (gate, up) = (self.w1.forward_prepared(xp)?, self.w3.forward_prepared(xp)?);
+        #[cfg(feature = "cuda")]
+        if crate::cuda::fused_kernels(gate.device()) && crate::cuda::swiglu_supported(&gate) && !crate::cuda::policy::experiment_off("swiglu") && gate.dtype() == xp.dtype() {
+            // One launch, bit for bit the op sequence below.
+            return self.w2.forward(&crate::cuda::swiglu_device(&gate, &up, weight, self.limit)?);
+        }
+        let mut gate = gate.to_dtype(DType::F32)?;
+        let mut up = up.to_dtype(DType::F32)?;
         if let Some(l) = self.limit {
             gate = gate.minimum(l)?;
             up = up.clamp(-l, l)?;
