@@ -8,7 +8,8 @@
 //!
 //! `--model` is a name from `weights.toml` or a local folder holding `config.json`, the
 //! checkpoint and `tokenizer.json`. BOS is prepended; the prompt is printed, then the
-//! continuation streams as it is produced; a final line reports tokens/s.
+//! continuation streams as it is produced; a final line reports tokens/s (prefill included) and
+//! the decode steps' own rate.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -129,16 +130,11 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let device = match args.device {
         DeviceArg::Cpu => Device::Cpu,
-        DeviceArg::Cuda => {
-            let device = Device::new_cuda(0)?;
-            #[cfg(feature = "cuda")]
-            if std::env::var_os("DSV41_KEEP_EVENT_TRACKING").is_none() {
-                // SAFETY: everything here runs on the device's one stream, so cudarc's per-buffer
-                // CUDA events (created and destroyed with every tensor) order nothing.
-                unsafe { device.as_cuda_device()?.disable_event_tracking() };
-            }
-            device
-        }
+        // The library's decode setup (no per-buffer CUDA events, a pool that keeps its memory).
+        #[cfg(feature = "cuda")]
+        DeviceArg::Cuda => deepseek_v41::cuda::decode_device(0)?,
+        #[cfg(not(feature = "cuda"))]
+        DeviceArg::Cuda => Device::new_cuda(0)?,
     };
     let dtype = match args.dtype {
         DTypeArg::Bf16 => DType::BF16,
@@ -170,25 +166,33 @@ fn main() -> Result<()> {
     out.flush()?;
     let eos = p.tokenizer.eos_id();
     let t1 = Instant::now();
+    let mut first_token = None;
     let new = generate(&p.model, &mut cache, &prompt_ids, args.max_new_tokens, &mut sampler, Some(eos), |id| {
+        first_token.get_or_insert_with(Instant::now);
         if let Some(text) = stream.push(id)? {
             write!(out, "{text}").map_err(candle_core::Error::wrap)?;
             out.flush().map_err(candle_core::Error::wrap)?;
         }
         Ok(())
     })?;
+    let done = Instant::now();
     if let Some(text) = stream.finish()? {
         write!(out, "{text}")?;
     }
     let secs = t1.elapsed().as_secs_f64();
+    // The decode steps alone: from the first new token (after the prefill) to the last.
+    let steps = new.len().saturating_sub(1);
+    let decode = first_token.map_or(0.0, |t| (done - t).as_secs_f64());
     println!();
     eprintln!(
-        "{} prompt + {} new tokens in {:.2}s: {:.1} tokens/s{}",
+        "{} prompt + {} new tokens in {:.2}s: {:.1} tokens/s{}; decode {steps} steps: {:.2} ms/step, {:.1} tokens/s",
         prompt_ids.len(),
         new.len(),
         secs,
         new.len() as f64 / secs,
-        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" }
+        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" },
+        1e3 * decode / steps.max(1) as f64,
+        steps as f64 / decode.max(f64::MIN_POSITIVE)
     );
     if args.profile {
         profile_steps(&p, storage, &prompt_ids, &new, &mut sampler)?;

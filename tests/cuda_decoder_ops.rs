@@ -1,5 +1,6 @@
 //! GPU tests of the decoder's small-op kernels, `kernels/decoder_ops.cu` (RMSNorm, the mHC mixes'
-//! rsqrt factor, the mHC collapse) and `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU):
+//! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation) and
+//! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU):
 //! every output bit for bit equal to the Candle op sequence each kernel replaces, run on the same
 //! GPU (`cuda::with_plain_candle`), and close to the CPU reference; fresh random rows of many
 //! widths (below, at and above candle's 32-element small reduction, around its float4 and
@@ -11,8 +12,8 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
-use deepseek_v41::cuda::{collapse_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
-use deepseek_v41::model::{collapse, post, Expert};
+use deepseek_v41::cuda::{accumulate_device, collapse_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
+use deepseek_v41::model::{collapse, engram_mix, post, Expert};
 use deepseek_v41::nn::{RandomWeights, RmsNorm};
 use deepseek_v41::Numerics;
 
@@ -257,5 +258,61 @@ fn expert_with_kernels_equals_the_candle_ops() -> Result<()> {
         ensure!(d == 0, "limit {limit}, {rows} rows: {d} values differ from the Candle ops");
         ensure!(bits(&kernel)?.iter().any(|&b| f32::from_bits(b) != 0.0), "all zeros");
     }
+    Ok(())
+}
+
+#[test]
+fn engram_mix_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xe9a);
+    for (t, hc, d) in [(1usize, 4usize, 192usize), (3, 4, 192), (2, 2, 20), (5, 3, 333), (1, 4, 1030)] {
+        for dtype in [DType::BF16, DType::F32] {
+            for eps in [1e-20, 1e-6] {
+                let x = Tensor::from_vec(rows(&mut rng, t * hc, d), (t, hc, d), &dev)?.to_dtype(dtype)?;
+                // Key rows of mixed signs and magnitudes so both branches of the signed sqrt and
+                // the |dot| floor are taken.
+                let kv = Tensor::from_vec(rows(&mut rng, t, (hc + 1) * d), (t, (hc + 1) * d), &dev)?;
+                let qk = Tensor::from_vec((0..hc * d).map(|_| rng.normal()).collect::<Vec<f32>>(), (hc, d), &dev)?;
+                poison(&dev, t * hc * d)?;
+                let kernel = engram_mix(&x, &kv, &qk, eps)?;
+                let ops = with_plain_candle(|| engram_mix(&x, &kv, &qk, eps))?;
+                ensure!(kernel.dims() == [t, hc, d] && kernel.dtype() == dtype, "{:?} {:?}", kernel.shape(), kernel.dtype());
+                let n = differing(&kernel, &ops)?;
+                ensure!(n == 0, "T {t}, hc {hc}, d {d}, {dtype:?}, eps {eps}: {n} of {} values differ from the Candle ops", t * hc * d);
+            }
+        }
+    }
+    // Negative control: the value row matters; shape errors.
+    let x = Tensor::from_vec(rows(&mut rng, 4, 32), (1, 4, 32), &dev)?.to_dtype(DType::BF16)?;
+    let kv = Tensor::from_vec(rows(&mut rng, 1, 160), (1, 160), &dev)?;
+    let qk = Tensor::ones((4, 32), DType::F32, &dev)?;
+    let kv2 = Tensor::cat(&[kv.narrow(1, 0, 128)?, (kv.narrow(1, 128, 32)? * 3.0)?], 1)?;
+    ensure!(differing(&engram_mix(&x, &kv, &qk, 1e-6)?, &engram_mix(&x, &kv2, &qk, 1e-6)?)? > 0, "the value row is ignored");
+    ensure!(engram_mix(&x, &kv.narrow(1, 0, 128)?, &qk, 1e-6).is_err(), "short kv accepted");
+    Ok(())
+}
+
+#[test]
+fn accumulate_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xacc);
+    for (n, vdt, odt) in [(192usize, DType::BF16, DType::F32), (192, DType::BF16, DType::BF16), (1000, DType::F32, DType::BF16), (7, DType::F32, DType::F32)] {
+        let v = Tensor::from_vec(rows(&mut rng, 1, n), (1, n), &dev)?.to_dtype(vdt)?;
+        let acc = Tensor::from_vec(rows(&mut rng, 1, n), (1, n), &dev)?;
+        poison(&dev, n)?;
+        let first = accumulate_device(None, &v, odt)?;
+        let next = accumulate_device(Some(&acc), &v, odt)?;
+        let (first_ops, next_ops) = with_plain_candle(|| -> candle_core::Result<(Tensor, Tensor)> {
+            let vf = v.to_dtype(DType::F32)?;
+            Ok(((Tensor::zeros((1, n), DType::F32, &dev)? + &vf)?.to_dtype(odt)?, (&acc + &vf)?.to_dtype(odt)?))
+        })?;
+        ensure!(first.dtype() == odt && first.dims() == [1, n], "{:?} {:?}", first.dtype(), first.shape());
+        ensure!(differing(&first, &first_ops)? == 0, "n {n}: 0 + v differs from the Candle ops");
+        ensure!(differing(&next, &next_ops)? == 0, "n {n}: acc + v differs from the Candle ops");
+    }
+    // −0 + 0 is +0 (the sum starts from zeros), and the shapes are checked.
+    let negz = Tensor::from_vec(vec![-0.0f32; 4], (1, 4), &dev)?;
+    ensure!(bits(&accumulate_device(None, &negz, DType::F32)?)?.iter().all(|&b| b == 0), "-0 was not summed from +0");
+    ensure!(accumulate_device(Some(&Tensor::zeros((1, 3), DType::F32, &dev)?), &negz, DType::F32).is_err(), "wrong acc shape accepted");
     Ok(())
 }

@@ -74,7 +74,47 @@ struct MhcPostParams {
     out_f32: i32,
 }
 
+/// `Dsv41AccumulateParams` of `kernels/include/dsv41_decoder_ops.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AccumulateParams {
+    /// `[n]` f32, contiguous, or null.
+    acc: *const f32,
+    /// `[n]` bf16 or f32 (`v_f32`), contiguous.
+    v: *const c_void,
+    /// `[n]` bf16 or f32 (`out_f32`).
+    out: *mut c_void,
+    n: i64,
+    v_f32: i32,
+    out_f32: i32,
+}
+
+/// `Dsv41EngramMixParams` of `kernels/include/dsv41_decoder_ops.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct EngramMixParams {
+    /// `[tokens, hc, d]` bf16 or f32 (`x_f32`), contiguous.
+    x: *const c_void,
+    /// `[tokens, (hc+1)·d]` f32, contiguous.
+    kv: *const f32,
+    /// `[hc, d]` f32, contiguous.
+    qk: *const f32,
+    /// `[tokens, hc, d]` in x's dtype.
+    out: *mut c_void,
+    tokens: i64,
+    hc: i32,
+    d: i32,
+    x_f32: i32,
+    mean_mul: f32,
+    eps: f32,
+    dot_mul: f32,
+    clamp: f32,
+    pad: i32,
+}
+
 extern "C" {
+    fn dsv41_engram_mix(p: *const EngramMixParams, params_size: usize, stream: *mut c_void) -> i32;
+    fn dsv41_accumulate(p: *const AccumulateParams, params_size: usize, stream: *mut c_void) -> i32;
     fn dsv41_mhc_post(p: *const MhcPostParams, params_size: usize, stream: *mut c_void) -> i32;
     fn dsv41_rms_norm(p: *const RowNormParams, params_size: usize, stream: *mut c_void) -> i32;
     fn dsv41_rms_scale(p: *const RowNormParams, params_size: usize, stream: *mut c_void) -> i32;
@@ -357,5 +397,119 @@ pub fn mhc_post_device(mixed: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DTy
         check_status(op, code)?;
     }
     drop((ms, ys, ps));
+    Ok(wrap(out, (t, hc, d)))
+}
+
+/// `cast(acc + f32(v))` on the GPU, with `acc = +0` when `None` — bit for bit the Candle ops
+/// `(acc or zeros) + v.to_dtype(F32)` then `.to_dtype(out_dtype)` on a CUDA device (the MoE's
+/// f32 sum of its experts' outputs).
+///
+/// `acc`: f32 of `v`'s shape; `v`: bf16 or f32 on a CUDA device; `out_dtype`: bf16 or f32.
+/// Returns `v`'s shape in `out_dtype`.
+pub fn accumulate_device(acc: Option<&Tensor>, v: &Tensor, out_dtype: DType) -> Result<Tensor> {
+    let op = "accumulate_device";
+    let float = |dt: DType| matches!(dt, DType::BF16 | DType::F32);
+    if !v.device().is_cuda() || !float(v.dtype()) || !float(out_dtype) {
+        candle_core::bail!("{op}: v must be bf16 or f32 on a CUDA device and out bf16 or f32, got {:?} on {:?}, {out_dtype:?}", v.dtype(), v.device())
+    }
+    if let Some(a) = acc {
+        if a.dims() != v.dims() || a.dtype() != DType::F32 || !a.device().same_device(v.device()) {
+            candle_core::bail!("{op}: acc {:?} {:?} must be f32 of v's shape {:?} on its device", a.dtype(), a.shape(), v.shape())
+        }
+    }
+    let n = v.elem_count();
+    let dev = v.device();
+    if n == 0 {
+        return Tensor::zeros(v.shape(), out_dtype, dev);
+    }
+    let vc = v.contiguous()?;
+    let ac = acc.map(|a| a.contiguous()).transpose()?;
+    let (vs, vl) = vc.storage_and_layout();
+    let as_ = ac.as_ref().map(|a| a.storage_and_layout());
+    let vcu = as_cuda(&vs, "v")?;
+    let cdev = vcu.device.clone();
+    let stream = stream_for(vcu)?;
+    let (v_f32, out_f32) = (v.dtype() == DType::F32, out_dtype == DType::F32);
+    // The kernel writes every element of the output (n > 0 here).
+    let mut out = float_alloc(&cdev, n, out_f32)?;
+    {
+        let (v_p, _gv) = float_read_ptr(vcu, vl, v_f32, &stream)?;
+        let (a_p, _ga) = match &as_ {
+            Some((s, l)) => {
+                let (p, g) = read_ptr::<f32>(as_cuda(s, "acc")?, l, &stream)?;
+                (p, Some(g))
+            }
+            None => (std::ptr::null(), None),
+        };
+        let (out_p, _go) = float_write_ptr(&mut out, &Layout::contiguous(n), out_f32, &stream)?;
+        let params = AccumulateParams { acc: a_p, v: v_p, out: out_p, n: n as i64, v_f32: v_f32 as i32, out_f32: out_f32 as i32 };
+        // SAFETY: v (and acc) are read-locked, contiguous of n elements of the flagged dtypes;
+        // out is a fresh allocation of n elements; the launcher checks counts and pointers; the
+        // guards order the launch on the storages' stream.
+        let code = unsafe { dsv41_accumulate(&params, std::mem::size_of::<AccumulateParams>(), raw_stream(&stream)) };
+        check_status(op, code)?;
+    }
+    drop((vs, as_));
+    Ok(wrap(out, v.shape().clone()))
+}
+
+/// The Engram gate and residual on the GPU (`crate::model::engram::engram_mix`'s op sequence in
+/// one launch, bit for bit on a CUDA device): per token and stream copy k, with `h = f32(x[t, k])`,
+/// `key = kv[t, k·d ..][..d]`, `value = kv[t, hc·d ..][..d]`:
+/// `dot = Σ h·qk[k]·key · rsqrt(mean(h²)+eps) · rsqrt(mean(key²)+eps) · (float)(1/√d)`,
+/// `out = cast(h + σ(sign(dot)·√max(|dot|, clamp))·value)`.
+///
+/// `x`: `[T, hc, d]` bf16 or f32; `kv`: `[T, (hc+1)·d]` f32; `qk`: `[hc, d]` f32; all on one CUDA
+/// device. Returns `[T, hc, d]` in `x`'s dtype.
+pub fn engram_mix_device(x: &Tensor, kv: &Tensor, qk: &Tensor, eps: f64, clamp: f64) -> Result<Tensor> {
+    let op = "engram_mix_device";
+    let (t, hc, d) = x.dims3()?;
+    if !x.device().is_cuda() || !matches!(x.dtype(), DType::BF16 | DType::F32) || d > ROW_NORM_MAX_N {
+        candle_core::bail!("{op}: x must be bf16 or f32 on a CUDA device with d <= {ROW_NORM_MAX_N}, got {:?} {:?} on {:?}", x.dtype(), x.shape(), x.device())
+    }
+    if kv.dims() != [t, (hc + 1) * d] || qk.dims() != [hc, d] || kv.dtype() != DType::F32 || qk.dtype() != DType::F32 {
+        candle_core::bail!("{op}: kv {:?} {:?} / qk {:?} {:?} do not fit x {:?} (want f32 [T, (hc+1)·d] and [hc, d])", kv.dtype(), kv.shape(), qk.dtype(), qk.shape(), x.shape())
+    }
+    let dev = x.device();
+    if t == 0 {
+        return Ok(x.clone());
+    }
+    let (xc, kc, qc) = (x.contiguous()?, kv.to_device(dev)?.contiguous()?, qk.to_device(dev)?.contiguous()?);
+    let (xs, xl) = xc.storage_and_layout();
+    let (ks, kl) = kc.storage_and_layout();
+    let (qs, ql) = qc.storage_and_layout();
+    let (xcu, kcu, qcu) = (as_cuda(&xs, "x")?, as_cuda(&ks, "kv")?, as_cuda(&qs, "qk")?);
+    let cdev = xcu.device.clone();
+    let stream = stream_for(xcu)?;
+    let x_f32 = x.dtype() == DType::F32;
+    // The kernel writes every element of the output (T > 0 here).
+    let mut out = float_alloc(&cdev, t * hc * d, x_f32)?;
+    {
+        let (x_p, _gx) = float_read_ptr(xcu, xl, x_f32, &stream)?;
+        let (k_p, _gk) = read_ptr::<f32>(kcu, kl, &stream)?;
+        let (q_p, _gq) = read_ptr::<f32>(qcu, ql, &stream)?;
+        let (out_p, _go) = float_write_ptr(&mut out, &Layout::contiguous((t, hc, d)), x_f32, &stream)?;
+        let params = EngramMixParams {
+            x: x_p,
+            kv: k_p,
+            qk: q_p,
+            out: out_p,
+            tokens: t as i64,
+            hc: hc as i32,
+            d: d as i32,
+            x_f32: x_f32 as i32,
+            mean_mul: (1.0 / d as f64) as f32,
+            eps: eps as f32,
+            dot_mul: (1.0 / (d as f64).sqrt()) as f32,
+            clamp: clamp as f32,
+            pad: 0,
+        };
+        // SAFETY: inputs are read-locked, contiguous of the checked shapes and dtypes; out is a
+        // fresh allocation of T·hc·d elements; the launcher checks counts and pointers; the
+        // guards order the launch on the storages' stream.
+        let code = unsafe { dsv41_engram_mix(&params, std::mem::size_of::<EngramMixParams>(), raw_stream(&stream)) };
+        check_status(op, code)?;
+    }
+    drop((xs, ks, qs));
     Ok(wrap(out, (t, hc, d)))
 }

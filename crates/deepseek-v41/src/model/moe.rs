@@ -166,6 +166,22 @@ fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32)
     Routing { k, ids, weights }
 }
 
+/// `(acc + f32(v))` rounded to `dtype`, with `acc` = zeros when `None`: one step of the MoE's f32
+/// sum. `acc`: f32 of `v`'s shape; `v`: any float dtype. On a CUDA device one kernel, bit for bit
+/// these ops.
+fn accumulate(acc: Option<&Tensor>, v: &Tensor, dtype: DType) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(v.device()) && matches!(v.dtype(), DType::BF16 | DType::F32) && matches!(dtype, DType::BF16 | DType::F32) && !crate::cuda::policy::experiment_off("accumulate") {
+        return crate::cuda::accumulate_device(acc, v, dtype);
+    }
+    let v = v.to_dtype(DType::F32)?;
+    let sum = match acc {
+        Some(a) => (a + v)?,
+        None => (Tensor::zeros(v.shape(), DType::F32, v.device())? + v)?,
+    };
+    sum.to_dtype(dtype)
+}
+
 /// One SwiGLU expert `w2(silu(min(w1·x, L)) · clamp(w3·x, −L, L))` with FP8/FP4 weights
 /// (quantized linears), `L` = `swiglu_limit` (no clamp when `L <= 0`).
 #[derive(Debug, Clone)]
@@ -300,7 +316,8 @@ impl Moe {
             (Some(e), _) | (None, Some(e)) => e.prepare_input(x)?,
             (None, None) => x.clone(),
         };
-        let mut y = Tensor::zeros((t, d), DType::F32, dev)?;
+        // The f32 sum from zeros, in expert-id order; `None` until the first expert adds to it.
+        let mut y: Option<Tensor> = None;
         for (e, expert) in self.experts.iter().enumerate() {
             let slots: Vec<usize> = (0..routing.ids.len()).filter(|&s| routing.ids[s] as usize == e).collect();
             let n = slots.len();
@@ -315,17 +332,23 @@ impl Moe {
             };
             if n == t {
                 // Every token chose e (top-k ids are distinct): its rows are 0..T in order.
-                y = (y + expert.forward_prepared(&xp, Some(&ws))?.to_dtype(DType::F32)?)?;
+                y = Some(accumulate(y.as_ref(), &expert.forward_prepared(&xp, Some(&ws))?, DType::F32)?);
             } else {
                 let rows = Tensor::from_vec(slots.iter().map(|&s| (s / k) as u32).collect::<Vec<_>>(), n, dev)?;
                 let out = expert.forward_prepared(&xp.index_select(&rows, 0)?, Some(&ws))?;
-                y = y.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?;
+                let acc = match y {
+                    Some(y) => y,
+                    None => Tensor::zeros((t, d), DType::F32, dev)?,
+                };
+                y = Some(acc.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?);
             }
         }
-        if let Some(shared) = &self.shared {
-            y = (y + shared.forward_prepared(&xp, None)?.to_dtype(DType::F32)?)?;
-        }
-        Ok(MoeOutput { out: y.to_dtype(x.dtype())?, ids: routing.ids_tensor(dev)?, weights })
+        let out = match (&self.shared, y) {
+            (Some(shared), y) => accumulate(y.as_ref(), &shared.forward_prepared(&xp, None)?, x.dtype())?,
+            (None, Some(y)) => y.to_dtype(x.dtype())?,
+            (None, None) => Tensor::zeros((t, d), x.dtype(), dev)?,
+        };
+        Ok(MoeOutput { out, ids: routing.ids_tensor(dev)?, weights })
     }
 }
 
