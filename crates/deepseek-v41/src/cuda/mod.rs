@@ -22,10 +22,11 @@
 //!   kernel ([`SelectOptions`]).
 //! * [`split_sinkhorn_device`]: the mHC coefficient split (Sinkhorn) in one launch, bit for bit
 //!   the Candle op sequence it replaces on a CUDA device.
-//! * [`rms_norm_device`], [`rms_scale_device`], [`collapse_device`]: RMSNorm, the mHC mixes'
-//!   rsqrt factor and the mHC collapse in one launch each, bit for bit the Candle op sequences
-//!   they replace on a CUDA device (the decode step of a small model is launch-bound);
-//!   [`swiglu_device`]: the MoE experts' clamped SwiGLU, likewise.
+//! * [`rms_norm_device`], [`rms_scale_device`], [`collapse_device`], [`mhc_post_device`],
+//!   [`engram_mix_device`], [`accumulate_device`], [`swiglu_device`]: the decoder's small ops
+//!   (RMSNorm, the mHC mixes' rsqrt factor, collapse and post, the Engram gate, the MoE's f32
+//!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
+//!   CUDA device (the decode step of a small model is launch-bound).
 //! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
 //!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
@@ -40,6 +41,7 @@
 mod act_quant;
 mod compressed_insert;
 mod decode_device;
+mod decoder_ops;
 mod device;
 mod ffi;
 mod index_key_insert;
@@ -50,18 +52,21 @@ mod indexer_topk;
 mod mhc_sinkhorn;
 mod insert_op;
 mod packed_insert;
-pub mod policy;
+mod policy;
 mod q_rope;
 mod row_inputs;
-mod decoder_ops;
 mod slots;
-mod swiglu;
 mod sparse_attention;
+mod swiglu;
 mod window_insert;
 
 pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
 pub use decode_device::decode_device;
+pub use decoder_ops::{
+    accumulate_device, collapse_device, collapse_supported, engram_mix_device, mhc_post_device, rms_norm_device, rms_scale_device,
+    row_norm_supported, COLLAPSE_MAX_HC, ROW_NORM_MAX_N,
+};
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
 pub use indexer_scores::masked_index_scores;
@@ -72,7 +77,6 @@ pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use policy::{fused_kernels, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
-pub use decoder_ops::{accumulate_device, collapse_device, collapse_supported, engram_mix_device, mhc_post_device, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, ROW_NORM_MAX_N};
 pub use slots::keep_last_writer;
 pub use swiglu::{swiglu_device, swiglu_supported};
 pub use sparse_attention::{

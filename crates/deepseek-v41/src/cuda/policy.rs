@@ -15,8 +15,9 @@ thread_local! {
 }
 
 /// Runs `f` with the fused CUDA kernels switched off on this thread: the attention layer,
-/// indexer, sparse attention, activation and cache fake quantization then take their plain
-/// Candle paths (the reference path of [`crate::attention::Attention::forward`]) on CUDA
+/// indexer, sparse attention, activation and cache fake quantization, and the decoder's small
+/// ops (RMSNorm, mHC mixes / collapse / post, Engram gate, MoE SwiGLU and sum) then take their
+/// plain Candle paths (the reference path of [`crate::attention::Attention::forward`]) on CUDA
 /// tensors too. The previous setting is restored when `f` returns or unwinds.
 pub fn with_plain_candle<R>(f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
@@ -33,16 +34,6 @@ pub fn with_plain_candle<R>(f: impl FnOnce() -> R) -> R {
 /// device and [`with_plain_candle`] is not in effect on this thread.
 pub fn fused_kernels(device: &Device) -> bool {
     device.is_cuda() && !PLAIN.get()
-}
-
-/// EXPERIMENT SWITCH (gen9 run 1 only, removed before the final run): whether `name` is listed
-/// in the `DSV41_OFF` environment variable (comma separated).
-#[doc(hidden)]
-pub fn experiment_off(name: &str) -> bool {
-    static OFF: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    OFF.get_or_init(|| std::env::var("DSV41_OFF").unwrap_or_default().split(',').map(|s| s.trim().to_string()).collect())
-        .iter()
-        .any(|s| s == name || s == "all")
 }
 
 #[cfg(test)]

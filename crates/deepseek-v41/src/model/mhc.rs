@@ -97,7 +97,7 @@ impl HcMix {
         }
         let x2 = x.reshape((t, hc * d))?;
         #[cfg(feature = "cuda")]
-        let (xf, rsqrt) = if crate::cuda::fused_kernels(x.device()) && crate::cuda::row_norm_supported(&x2) && !crate::cuda::policy::experiment_off("scale") {
+        let (xf, rsqrt) = if crate::cuda::fused_kernels(x.device()) && crate::cuda::row_norm_supported(&x2) {
             // One launch, bit for bit the op sequence below.
             crate::cuda::rms_scale_device(&x2, self.norm_eps)?
         } else {
@@ -186,7 +186,7 @@ pub fn collapse(x: &Tensor, pre: &Tensor) -> Result<Tensor> {
         )
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && crate::cuda::collapse_supported(x) && !crate::cuda::policy::experiment_off("collapse") {
+    if crate::cuda::fused_kernels(x.device()) && crate::cuda::collapse_supported(x) {
         // One launch, bit for bit the op sequence below.
         return crate::cuda::collapse_device(x, pre);
     }
@@ -216,7 +216,7 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
     let comb_t = comb.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
     let mixed = comb_t.matmul(&x.to_dtype(DType::F32)?)?;
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && matches!(x.dtype(), DType::BF16 | DType::F32) && matches!(y.dtype(), DType::BF16 | DType::F32) && !crate::cuda::policy::experiment_off("post") {
+    if crate::cuda::fused_kernels(x.device()) && matches!(x.dtype(), DType::BF16 | DType::F32) && matches!(y.dtype(), DType::BF16 | DType::F32) {
         // One launch, bit for bit the op sequence below.
         return crate::cuda::mhc_post_device(&mixed, y, post, x.dtype());
     }

@@ -171,7 +171,7 @@ fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32)
 /// these ops.
 fn accumulate(acc: Option<&Tensor>, v: &Tensor, dtype: DType) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(v.device()) && matches!(v.dtype(), DType::BF16 | DType::F32) && matches!(dtype, DType::BF16 | DType::F32) && !crate::cuda::policy::experiment_off("accumulate") {
+    if crate::cuda::fused_kernels(v.device()) && matches!(v.dtype(), DType::BF16 | DType::F32) && matches!(dtype, DType::BF16 | DType::F32) {
         return crate::cuda::accumulate_device(acc, v, dtype);
     }
     let v = v.to_dtype(DType::F32)?;
@@ -229,7 +229,7 @@ impl Expert {
     pub fn forward_prepared(&self, xp: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
         let (gate, up) = (self.w1.forward_prepared(xp)?, self.w3.forward_prepared(xp)?);
         #[cfg(feature = "cuda")]
-        if crate::cuda::fused_kernels(gate.device()) && crate::cuda::swiglu_supported(&gate) && !crate::cuda::policy::experiment_off("swiglu") && gate.dtype() == xp.dtype() {
+        if crate::cuda::fused_kernels(gate.device()) && crate::cuda::swiglu_supported(&gate) && gate.dtype() == xp.dtype() {
             // One launch, bit for bit the op sequence below.
             return self.w2.forward(&crate::cuda::swiglu_device(&gate, &up, weight, self.limit)?);
         }

@@ -50,7 +50,7 @@ impl Module for RmsNorm {
             candle_core::bail!("RmsNorm: input last dim {dim} != weight dim {}", self.weight.dim(0)?)
         }
         #[cfg(feature = "cuda")]
-        if crate::cuda::fused_kernels(x.device()) && crate::cuda::row_norm_supported(x) && !crate::cuda::policy::experiment_off("rms") {
+        if crate::cuda::fused_kernels(x.device()) && crate::cuda::row_norm_supported(x) {
             // One launch, bit for bit the op sequence below.
             return crate::cuda::rms_norm_device(x, &self.weight, self.eps);
         }
