@@ -180,7 +180,7 @@ impl Engram {
 /// row) and `qk` = `q_weight·k_weight` `[hc, D]` f32: in f32,
 /// `dot_k = Σ_d x[k]·qk[k]·key[k] · rsqrt(mean(x[k]²)+eps) · rsqrt(mean(key[k]²)+eps) / sqrt(D)`,
 /// returns `x[k] + σ(signed_sqrt(dot_k))·value` in `x`'s dtype, `[T, hc, D]`. On a CUDA device
-/// one kernel ([`crate::cuda::engram_mix_device`]), bit for bit the ops below.
+/// one kernel (`cuda::engram_mix_device`, with the `cuda` feature), bit for bit the ops below.
 pub fn engram_mix(x: &Tensor, kv: &Tensor, qk: &Tensor, eps: f64) -> Result<Tensor> {
     let (t, hc, d) = x.dims3()?;
     #[cfg(feature = "cuda")]
