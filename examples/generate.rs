@@ -8,7 +8,8 @@
 //!
 //! `--model` is a name from `weights.toml` or a local folder holding `config.json`, the
 //! checkpoint and `tokenizer.json`. BOS is prepended; the prompt is printed, then the
-//! continuation streams as it is produced; a final line reports tokens/s.
+//! continuation streams as it is produced; a final line reports tokens/s (prefill included) and
+//! the decode steps' own rate.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -77,6 +78,11 @@ struct Args {
     /// caches; needs the `cuda` feature and `--numerics reference`).
     #[arg(long, value_enum, default_value = "bf16")]
     cache: CacheArg,
+    /// After generating, replay the decode steps of the generated tokens on a fresh cache and
+    /// report the mean time per step: the model's forward call (on CUDA: launching the step's
+    /// work, plus the MoE routing reads) and the sampling (on CUDA: waiting for the device).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -124,6 +130,10 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let device = match args.device {
         DeviceArg::Cpu => Device::Cpu,
+        // The library's decode setup (no per-buffer CUDA events, a pool that keeps its memory).
+        #[cfg(feature = "cuda")]
+        DeviceArg::Cuda => deepseek_v41::cuda::decode_device(0)?,
+        #[cfg(not(feature = "cuda"))]
         DeviceArg::Cuda => Device::new_cuda(0)?,
     };
     let dtype = match args.dtype {
@@ -156,25 +166,62 @@ fn main() -> Result<()> {
     out.flush()?;
     let eos = p.tokenizer.eos_id();
     let t1 = Instant::now();
+    let mut first_token = None;
     let new = generate(&p.model, &mut cache, &prompt_ids, args.max_new_tokens, &mut sampler, Some(eos), |id| {
+        first_token.get_or_insert_with(Instant::now);
         if let Some(text) = stream.push(id)? {
             write!(out, "{text}").map_err(candle_core::Error::wrap)?;
             out.flush().map_err(candle_core::Error::wrap)?;
         }
         Ok(())
     })?;
+    let done = Instant::now();
     if let Some(text) = stream.finish()? {
         write!(out, "{text}")?;
     }
     let secs = t1.elapsed().as_secs_f64();
+    // The decode steps alone: from the first new token (after the prefill) to the last.
+    let steps = new.len().saturating_sub(1);
+    let decode = first_token.map_or(0.0, |t| (done - t).as_secs_f64());
     println!();
     eprintln!(
-        "{} prompt + {} new tokens in {:.2}s: {:.1} tokens/s{}",
+        "{} prompt + {} new tokens in {:.2}s: {:.1} tokens/s{}; decode {steps} steps: {:.2} ms/step, {:.1} tokens/s",
         prompt_ids.len(),
         new.len(),
         secs,
         new.len() as f64 / secs,
-        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" }
+        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" },
+        1e3 * decode / steps.max(1) as f64,
+        steps as f64 / decode.max(f64::MIN_POSITIVE)
+    );
+    if args.profile {
+        profile_steps(&p, storage, &prompt_ids, &new, &mut sampler)?;
+    }
+    Ok(())
+}
+
+/// Replays the decode steps of `new` (after a prefill of `prompt`) on a fresh cache and prints
+/// the mean time per step of the forward call and of the sampling (`--profile`).
+fn profile_steps(p: &Pretrained, storage: CacheStorage, prompt: &[u32], new: &[u32], sampler: &mut Sampler) -> Result<()> {
+    let mut cache = p.new_cache_with(storage)?;
+    let logits = p.model.forward(prompt, &mut cache)?;
+    sampler.sample(&logits.narrow(0, logits.dim(0)? - 1, 1)?.squeeze(0)?)?;
+    let steps = new.len().saturating_sub(1);
+    let (mut forward, mut sample) = (0f64, 0f64);
+    for &id in &new[..steps] {
+        let t0 = Instant::now();
+        let logits = p.model.forward(&[id], &mut cache)?;
+        let t1 = Instant::now();
+        sampler.sample(&logits.squeeze(0)?)?;
+        forward += (t1 - t0).as_secs_f64();
+        sample += t1.elapsed().as_secs_f64();
+    }
+    let ms = |s: f64| 1e3 * s / steps.max(1) as f64;
+    eprintln!(
+        "profile: {steps} decode steps, per step {:.3} ms = forward call {:.3} ms + sample (device wait, argmax/top-p) {:.3} ms",
+        ms(forward + sample),
+        ms(forward),
+        ms(sample)
     );
     Ok(())
 }

@@ -55,7 +55,8 @@ impl Sampler {
         let t = self.cfg.temperature as f32;
         let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let mut p: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &x)| (i as u32, ((x - m) / t).exp())).collect();
-        p.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // A strict total order (ids break ties), so the unstable sort gives the one sorted order.
+        p.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let z: f32 = p.iter().map(|x| x.1).sum();
         let mut kept = 0;
         let mut mass = 0f32;

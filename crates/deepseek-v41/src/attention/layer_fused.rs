@@ -78,10 +78,12 @@ impl Attention {
             )
         }
         let positions: Vec<usize> = (start..start + t).collect();
-        let (cos, sin) = self.rope.cos_sin(&positions)?;
+        let crate::nn::RopeRows { cos, sin, neg_sin } = self.rope.rows(&positions)?;
 
-        let qr = self.q_norm.forward(&self.wq_a.forward(x)?)?;
-        let kv = self.kv_norm.forward(&self.wkv.forward(x)?)?;
+        // wq_a and wkv (same kind and numerics) share one activation quantization of x.
+        let xq = self.wq_a.prepare_input(x)?;
+        let qr = self.q_norm.forward(&self.wq_a.forward_prepared(&xq)?)?;
+        let kv = self.kv_norm.forward(&self.wkv.forward_prepared(&xq)?)?;
         let q = self.wq_b.forward(&qr)?.reshape((t, self.n_heads, self.head_dim))?;
         observe(LayerPhase::Projections);
 
@@ -120,7 +122,7 @@ impl Attention {
         let o = sparse_attention_kv_rows(&q, window.kv_rows(), &window.indices, extra, idx_extra, &self.attn_sink, scale)?;
         observe(LayerPhase::Attention);
 
-        crate::cuda::q_rope_inplace(&o, &cos, &sin.neg()?, None)?;
+        crate::cuda::q_rope_inplace(&o, &cos, &neg_sin, None)?;
         let out = self.output(&o)?;
         observe(LayerPhase::Output);
         Ok(out)

@@ -22,6 +22,13 @@
 //!   kernel ([`SelectOptions`]).
 //! * [`split_sinkhorn_device`]: the mHC coefficient split (Sinkhorn) in one launch, bit for bit
 //!   the Candle op sequence it replaces on a CUDA device.
+//! * [`rms_norm_device`], [`rms_scale_device`], [`collapse_device`], [`mhc_post_device`],
+//!   [`engram_mix_device`], [`accumulate_device`], [`swiglu_device`]: the decoder's small ops
+//!   (RMSNorm, the mHC mixes' rsqrt factor, collapse and post, the Engram gate, the MoE's f32
+//!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
+//!   CUDA device (the decode step of a small model is launch-bound).
+//! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
+//!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
 //!   ops on the device, the benchmarks' baseline); [`fused_kernels`] is the dispatch test.
 //!
@@ -33,6 +40,8 @@
 
 mod act_quant;
 mod compressed_insert;
+mod decode_device;
+mod decoder_ops;
 mod device;
 mod ffi;
 mod index_key_insert;
@@ -48,10 +57,16 @@ mod q_rope;
 mod row_inputs;
 mod slots;
 mod sparse_attention;
+mod swiglu;
 mod window_insert;
 
 pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
+pub use decode_device::decode_device;
+pub use decoder_ops::{
+    accumulate_device, collapse_device, collapse_supported, engram_mix_device, mhc_post_device, rms_norm_device, rms_scale_device,
+    row_norm_supported, COLLAPSE_MAX_HC, ROW_NORM_MAX_N,
+};
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
 pub use indexer_scores::masked_index_scores;
@@ -63,6 +78,7 @@ pub use packed_insert::{packed_insert, PackedLayout};
 pub use policy::{fused_kernels, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;
+pub use swiglu::{swiglu_device, swiglu_supported};
 pub use sparse_attention::{
     sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionKernel,
     SparseAttentionOptions, SPARSE_ATTENTION_HEAD_DIM, SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,

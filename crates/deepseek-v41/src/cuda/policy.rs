@@ -15,8 +15,9 @@ thread_local! {
 }
 
 /// Runs `f` with the fused CUDA kernels switched off on this thread: the attention layer,
-/// indexer, sparse attention, activation and cache fake quantization then take their plain
-/// Candle paths (the reference path of [`crate::attention::Attention::forward`]) on CUDA
+/// indexer, sparse attention, activation and cache fake quantization, and the decoder's small
+/// ops (RMSNorm, mHC mixes / collapse / post, Engram gate, MoE SwiGLU and sum) then take their
+/// plain Candle paths (the reference path of [`crate::attention::Attention::forward`]) on CUDA
 /// tensors too. The previous setting is restored when `f` returns or unwinds.
 pub fn with_plain_candle<R>(f: impl FnOnce() -> R) -> R {
     struct Restore(bool);

@@ -170,18 +170,31 @@ impl Engram {
             .wkv
             .forward(&rows.to_dtype(x.dtype())?)?
             .to_dtype(DType::F32)?;
-        let key = kv.narrow(1, 0, hc * d)?.reshape((t, hc, d))?;
-        let value = kv.narrow(1, hc * d, d)?.unsqueeze(1)?;
-        let h = x.to_dtype(DType::F32)?;
-        let rstd = |v: &Tensor| -> Result<Tensor> {
-            (v.sqr()?.mean(D::Minus1)? + self.eps)?.sqrt()?.recip()
-        };
         let qk = self.qk_weight.to_device(x.device())?;
-        let dot = (h.broadcast_mul(&qk)? * &key)?.sum(D::Minus1)?;
-        let dot = ((dot * rstd(&h)?)? * rstd(&key)?)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;
-        let mag = dot.abs()?.maximum(GATE_CLAMP)?.sqrt()?;
-        let signed = dot.lt(0.0)?.where_cond(&mag.neg()?, &mag)?;
-        let gate = candle_nn::ops::sigmoid(&signed)?.unsqueeze(2)?;
-        (h + gate.broadcast_mul(&value)?)?.to_dtype(x.dtype())
+        engram_mix(x, &kv, &qk, self.eps)
     }
+}
+
+/// The Engram gate and residual (the tail of [`Engram::forward`]) for the stream `x`
+/// `[T, hc, D]` (bf16), the `wkv` output `kv` `[T, (hc+1)·D]` f32 (hc key rows, then the value
+/// row) and `qk` = `q_weight·k_weight` `[hc, D]` f32: in f32,
+/// `dot_k = Σ_d x[k]·qk[k]·key[k] · rsqrt(mean(x[k]²)+eps) · rsqrt(mean(key[k]²)+eps) / sqrt(D)`,
+/// returns `x[k] + σ(signed_sqrt(dot_k))·value` in `x`'s dtype, `[T, hc, D]`. On a CUDA device
+/// one kernel (`cuda::engram_mix_device`, with the `cuda` feature), bit for bit the ops below.
+pub fn engram_mix(x: &Tensor, kv: &Tensor, qk: &Tensor, eps: f64) -> Result<Tensor> {
+    let (t, hc, d) = x.dims3()?;
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(x.device()) && matches!(x.dtype(), DType::BF16 | DType::F32) && kv.dtype() == DType::F32 && qk.dtype() == DType::F32 {
+        return crate::cuda::engram_mix_device(x, kv, qk, eps, GATE_CLAMP);
+    }
+    let key = kv.narrow(1, 0, hc * d)?.reshape((t, hc, d))?;
+    let value = kv.narrow(1, hc * d, d)?.unsqueeze(1)?;
+    let h = x.to_dtype(DType::F32)?;
+    let rstd = |v: &Tensor| -> Result<Tensor> { (v.sqr()?.mean(D::Minus1)? + eps)?.sqrt()?.recip() };
+    let dot = (h.broadcast_mul(qk)? * &key)?.sum(D::Minus1)?;
+    let dot = ((dot * rstd(&h)?)? * rstd(&key)?)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;
+    let mag = dot.abs()?.maximum(GATE_CLAMP)?.sqrt()?;
+    let signed = dot.lt(0.0)?.where_cond(&mag.neg()?, &mag)?;
+    let gate = candle_nn::ops::sigmoid(&signed)?.unsqueeze(2)?;
+    (h + gate.broadcast_mul(&value)?)?.to_dtype(x.dtype())
 }

@@ -95,10 +95,16 @@ impl HcMix {
                 self.func.shape()
             )
         }
-        let xf = x.reshape((t, hc * d))?.to_dtype(DType::F32)?;
-        let rsqrt = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.norm_eps)?
-            .sqrt()?
-            .recip()?;
+        let x2 = x.reshape((t, hc * d))?;
+        #[cfg(feature = "cuda")]
+        let (xf, rsqrt) = if crate::cuda::fused_kernels(x.device()) && crate::cuda::row_norm_supported(&x2) {
+            // One launch, bit for bit the op sequence below.
+            crate::cuda::rms_scale_device(&x2, self.norm_eps)?
+        } else {
+            rms_scale(&x2, self.norm_eps)?
+        };
+        #[cfg(not(feature = "cuda"))]
+        let (xf, rsqrt) = rms_scale(&x2, self.norm_eps)?;
         let func = self.func.to_device(xf.device())?;
         let mixes = xf.matmul(&func.t()?)?.broadcast_mul(&rsqrt)?;
         split_sinkhorn(
@@ -110,6 +116,13 @@ impl HcMix {
             self.hc_eps,
         )
     }
+}
+
+/// `(f32(x), 1 / sqrt(mean(x²) + eps))` of the rows of `x` `[T, n]`: `[T, n]` and `[T, 1]` f32.
+fn rms_scale(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let xf = x.to_dtype(DType::F32)?;
+    let rsqrt = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    Ok((xf, rsqrt))
 }
 
 /// Spec §3.2 steps 2–8: splits the raw mixes `[T, (2+hc)·hc]` f32 (already rsqrt-scaled) with
@@ -172,6 +185,11 @@ pub fn collapse(x: &Tensor, pre: &Tensor) -> Result<Tensor> {
             x.shape()
         )
     }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(x.device()) && crate::cuda::collapse_supported(x) {
+        // One launch, bit for bit the op sequence below.
+        return crate::cuda::collapse_device(x, pre);
+    }
     let pre = pre.to_dtype(DType::F32)?.unsqueeze(2)?;
     x.to_dtype(DType::F32)?
         .broadcast_mul(&pre)?
@@ -197,6 +215,11 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
     // Σ_i comb[i, j]·x[i] = (combᵀ · x)[j], per token.
     let comb_t = comb.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
     let mixed = comb_t.matmul(&x.to_dtype(DType::F32)?)?;
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(x.device()) && matches!(x.dtype(), DType::BF16 | DType::F32) && matches!(y.dtype(), DType::BF16 | DType::F32) {
+        // One launch, bit for bit the op sequence below.
+        return crate::cuda::mhc_post_device(&mixed, y, post, x.dtype());
+    }
     let direct = post
         .to_dtype(DType::F32)?
         .unsqueeze(2)?

@@ -9,7 +9,7 @@ pub mod numpy_rng;
 pub mod pretrained;
 
 pub use decoder::{DecoderLayer, Model, ModelCache};
-pub use engram::{Engram, EngramTable};
+pub use engram::{engram_mix, Engram, EngramTable};
 pub use engram_hash::{
     EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap,
 };

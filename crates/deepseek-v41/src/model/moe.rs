@@ -166,6 +166,22 @@ fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32)
     Routing { k, ids, weights }
 }
 
+/// `(acc + f32(v))` rounded to `dtype`, with `acc` = zeros when `None`: one step of the MoE's f32
+/// sum. `acc`: f32 of `v`'s shape; `v`: any float dtype. On a CUDA device one kernel, bit for bit
+/// these ops.
+fn accumulate(acc: Option<&Tensor>, v: &Tensor, dtype: DType) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(v.device()) && matches!(v.dtype(), DType::BF16 | DType::F32) && matches!(dtype, DType::BF16 | DType::F32) {
+        return crate::cuda::accumulate_device(acc, v, dtype);
+    }
+    let v = v.to_dtype(DType::F32)?;
+    let sum = match acc {
+        Some(a) => (a + v)?,
+        None => (Tensor::zeros(v.shape(), DType::F32, v.device())? + v)?,
+    };
+    sum.to_dtype(dtype)
+}
+
 /// One SwiGLU expert `w2(silu(min(w1·x, L)) · clamp(w3·x, −L, L))` with FP8/FP4 weights
 /// (quantized linears), `L` = `swiglu_limit` (no clamp when `L <= 0`).
 #[derive(Debug, Clone)]
@@ -199,8 +215,26 @@ impl Expert {
     /// f32 activation before it is rounded to `x`'s dtype and fed to `w2` (the reference's
     /// order). Returns `[n, D]` in `x`'s dtype.
     pub fn forward(&self, x: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
-        let mut gate = self.w1.forward(x)?.to_dtype(DType::F32)?;
-        let mut up = self.w3.forward(x)?.to_dtype(DType::F32)?;
+        self.forward_prepared(&self.prepare_input(x)?, weight)
+    }
+
+    /// The input of `w1` / `w3` for `x` `[n, D]` ([`Linear::prepare_input`]: the FP8 activation
+    /// quantization when the numerics quantize). Experts built with the same numerics share it.
+    pub fn prepare_input(&self, x: &Tensor) -> Result<Tensor> {
+        self.w1.prepare_input(x)
+    }
+
+    /// [`Expert::forward`] of `xp` = [`Expert::prepare_input`]`(x)` `[n, D]` (of this expert or
+    /// one with the same numerics); bit for bit `forward(x, weight)`.
+    pub fn forward_prepared(&self, xp: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
+        let (gate, up) = (self.w1.forward_prepared(xp)?, self.w3.forward_prepared(xp)?);
+        #[cfg(feature = "cuda")]
+        if crate::cuda::fused_kernels(gate.device()) && crate::cuda::swiglu_supported(&gate) && gate.dtype() == xp.dtype() {
+            // One launch, bit for bit the op sequence below.
+            return self.w2.forward(&crate::cuda::swiglu_device(&gate, &up, weight, self.limit)?);
+        }
+        let mut gate = gate.to_dtype(DType::F32)?;
+        let mut up = up.to_dtype(DType::F32)?;
         if let Some(l) = self.limit {
             gate = gate.minimum(l)?;
             up = up.clamp(-l, l)?;
@@ -209,7 +243,7 @@ impl Expert {
         if let Some(w) = weight {
             act = act.broadcast_mul(w)?;
         }
-        self.w2.forward(&act.to_dtype(x.dtype())?)
+        self.w2.forward(&act.to_dtype(xp.dtype())?)
     }
 }
 
@@ -266,38 +300,55 @@ impl Moe {
     /// `x`: `[T, D]` (bf16, already ffn-normed). Routed expert outputs (each in `x`'s dtype) are
     /// summed per token in f32 in expert-id order, the shared expert's output is added, and the
     /// sum is rounded to `x`'s dtype.
+    ///
+    /// The routing decision is made on the host (one copy of the `[T, E]` router logits); the
+    /// input's activation quantization is computed once and shared by every expert. An expert
+    /// chosen by every token of the call (always the case for a decode token) runs on the whole
+    /// input and its output is added directly, with no row gather / scatter (the same values as
+    /// the gathered path: the rows are `0..T` in order).
     pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
         let (t, d) = x.dims2()?;
         let dev = x.device();
         let routing = self.gate.route(x)?;
         let k = routing.k;
-        let mut y = Tensor::zeros((t, d), DType::F32, dev)?;
+        let weights = routing.weights_tensor(dev)?;
+        let xp = match (self.experts.first(), &self.shared) {
+            (Some(e), _) | (None, Some(e)) => e.prepare_input(x)?,
+            (None, None) => x.clone(),
+        };
+        // The f32 sum from zeros, in expert-id order; `None` until the first expert adds to it.
+        let mut y: Option<Tensor> = None;
         for (e, expert) in self.experts.iter().enumerate() {
-            let mut rows = Vec::new();
-            let mut ws = Vec::new();
-            for (slot, (&id, &w)) in routing.ids.iter().zip(&routing.weights).enumerate() {
-                if id as usize == e {
-                    rows.push((slot / k) as u32);
-                    ws.push(w);
-                }
-            }
-            if rows.is_empty() {
+            let slots: Vec<usize> = (0..routing.ids.len()).filter(|&s| routing.ids[s] as usize == e).collect();
+            let n = slots.len();
+            if n == 0 {
                 continue;
             }
-            let n = rows.len();
-            let rows = Tensor::from_vec(rows, n, dev)?;
-            let ws = Tensor::from_vec(ws, (n, 1), dev)?;
-            let out = expert.forward(&x.index_select(&rows, 0)?, Some(&ws))?;
-            y = y.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?;
+            let ws = if t == 1 {
+                // The decode token: a view of the routing weights already on the device.
+                weights.flatten_all()?.narrow(0, slots[0], 1)?.reshape((1, 1))?
+            } else {
+                Tensor::from_vec(slots.iter().map(|&s| routing.weights[s]).collect::<Vec<_>>(), (n, 1), dev)?
+            };
+            if n == t {
+                // Every token chose e (top-k ids are distinct): its rows are 0..T in order.
+                y = Some(accumulate(y.as_ref(), &expert.forward_prepared(&xp, Some(&ws))?, DType::F32)?);
+            } else {
+                let rows = Tensor::from_vec(slots.iter().map(|&s| (s / k) as u32).collect::<Vec<_>>(), n, dev)?;
+                let out = expert.forward_prepared(&xp.index_select(&rows, 0)?, Some(&ws))?;
+                let acc = match y {
+                    Some(y) => y,
+                    None => Tensor::zeros((t, d), DType::F32, dev)?,
+                };
+                y = Some(acc.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?);
+            }
         }
-        if let Some(shared) = &self.shared {
-            y = (y + shared.forward(x, None)?.to_dtype(DType::F32)?)?;
-        }
-        Ok(MoeOutput {
-            out: y.to_dtype(x.dtype())?,
-            ids: routing.ids_tensor(dev)?,
-            weights: routing.weights_tensor(dev)?,
-        })
+        let out = match (&self.shared, y) {
+            (Some(shared), y) => accumulate(y.as_ref(), &shared.forward_prepared(&xp, None)?, x.dtype())?,
+            (None, Some(y)) => y.to_dtype(x.dtype())?,
+            (None, None) => Tensor::zeros((t, d), x.dtype(), dev)?,
+        };
+        Ok(MoeOutput { out, ids: routing.ids_tensor(dev)?, weights })
     }
 }
 

@@ -64,18 +64,40 @@ impl Linear {
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
-}
 
-impl Module for Linear {
-    /// `x`: `[..., in]`; returns `[..., out]` in `x`'s dtype (f32 for [`LinearKind::F32`]).
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let out_dtype = if self.kind == LinearKind::F32 { DType::F32 } else { x.dtype() };
-        let x = if self.quantize_input { fp8_activation_quant(x)? } else { x.clone() };
-        let x = x.to_dtype(self.weight.dtype())?;
+    /// The input this linear's product consumes for `x` `[..., in]`: the FP8 activation
+    /// quantization of `x` when the linear quantizes its input, else `x` (same shape and dtype).
+    ///
+    /// Linears of the same kind and numerics fed the same activation can share it through
+    /// [`Linear::forward_prepared`] (one quantization instead of one per linear; the
+    /// quantization is per row, so rows selected from it equal the quantization of the
+    /// selected rows).
+    pub fn prepare_input(&self, x: &Tensor) -> Result<Tensor> {
+        if self.quantize_input {
+            fp8_activation_quant(x)
+        } else {
+            Ok(x.clone())
+        }
+    }
+
+    /// [`Module::forward`] of an input already passed through [`Linear::prepare_input`] (of this
+    /// linear, or of one with the same kind and numerics): `xp` `[..., in]`; returns `[..., out]`
+    /// in `xp`'s dtype (f32 for [`LinearKind::F32`]). Bit for bit `forward(x)` when
+    /// `xp = prepare_input(x)`.
+    pub fn forward_prepared(&self, xp: &Tensor) -> Result<Tensor> {
+        let out_dtype = if self.kind == LinearKind::F32 { DType::F32 } else { xp.dtype() };
+        let x = xp.to_dtype(self.weight.dtype())?;
         let y = match x.rank() {
             2 => x.matmul(&self.weight.t()?)?,
             _ => x.broadcast_matmul(&self.weight.t()?)?,
         };
         y.to_dtype(out_dtype)
+    }
+}
+
+impl Module for Linear {
+    /// `x`: `[..., in]`; returns `[..., out]` in `x`'s dtype (f32 for [`LinearKind::F32`]).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_prepared(&self.prepare_input(x)?)
     }
 }

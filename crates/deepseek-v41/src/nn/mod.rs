@@ -8,4 +8,4 @@ pub mod rope;
 pub use linear::{Linear, LinearKind};
 pub use random_weights::RandomWeights;
 pub use rms_norm::RmsNorm;
-pub use rope::{RopeKind, RopeTable};
+pub use rope::{RopeKind, RopeRows, RopeTable, ROPE_BLOCK};

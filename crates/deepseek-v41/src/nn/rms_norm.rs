@@ -49,6 +49,11 @@ impl Module for RmsNorm {
         if dim != self.weight.dim(0)? {
             candle_core::bail!("RmsNorm: input last dim {dim} != weight dim {}", self.weight.dim(0)?)
         }
+        #[cfg(feature = "cuda")]
+        if crate::cuda::fused_kernels(x.device()) && crate::cuda::row_norm_supported(x) {
+            // One launch, bit for bit the op sequence below.
+            return crate::cuda::rms_norm_device(x, &self.weight, self.eps);
+        }
         rms_normalize_f32(x, self.eps)?.broadcast_mul(&self.weight)?.to_dtype(x.dtype())
     }
 }

@@ -5,7 +5,11 @@
 //!
 //! Instead of a `[max_pos, rope_dim/2]` table (256 MB at 1M positions) the frequencies are kept
 //! and `cos`/`sin` rows are computed for the positions of each call; the values are identical to
-//! the reference's f32 outer-product table.
+//! the reference's f32 outer-product table. The rows of one block of [`ROPE_BLOCK`] consecutive
+//! positions are kept on the table's device, so a decode step slices them instead of uploading
+//! positions and launching three kernels per layer (elementwise ops: the same values either way).
+
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -77,12 +81,38 @@ pub fn inv_freq(rope_dim: usize, kind: &RopeKind) -> Vec<f32> {
     }
 }
 
+/// Positions per cached block of `cos`/`sin` rows (see [`RopeTable::cos_sin`]).
+pub const ROPE_BLOCK: usize = 256;
+
+/// The `cos`, `sin` and `−sin` rows `[ROPE_BLOCK, rope_dim/2]` f32 of positions
+/// `first .. first + ROPE_BLOCK`.
+#[derive(Debug)]
+struct RopeBlock {
+    first: usize,
+    cos: Tensor,
+    sin: Tensor,
+    neg_sin: Tensor,
+}
+
+/// The `cos`, `sin` and `−sin` rows of the positions of one call, each `[T, rope_dim/2]` f32.
+#[derive(Debug, Clone)]
+pub struct RopeRows {
+    /// `cos(f32(p)·inv_freq)`.
+    pub cos: Tensor,
+    /// `sin(f32(p)·inv_freq)`.
+    pub sin: Tensor,
+    /// `−sin(f32(p)·inv_freq)`: the inverse rotation's sine.
+    pub neg_sin: Tensor,
+}
+
 /// The frequencies of one layer kind; produces `cos`/`sin` rows for given positions.
 #[derive(Debug, Clone)]
 pub struct RopeTable {
     rope_dim: usize,
     /// `[1, rope_dim/2]` f32.
     inv_freq: Tensor,
+    /// The rows of the last block of consecutive positions asked for (shared by clones).
+    block: Arc<Mutex<Option<RopeBlock>>>,
 }
 
 impl RopeTable {
@@ -92,7 +122,7 @@ impl RopeTable {
             candle_core::bail!("RopeTable: rope_dim must be even and > 0, got {rope_dim}")
         }
         let f = inv_freq(rope_dim, kind);
-        Ok(Self { rope_dim, inv_freq: Tensor::from_vec(f, (1, rope_dim / 2), device)? })
+        Ok(Self { rope_dim, inv_freq: Tensor::from_vec(f, (1, rope_dim / 2), device)?, block: Arc::default() })
     }
 
     /// Number of rotated dims.
@@ -101,20 +131,48 @@ impl RopeTable {
     }
 
     /// `(cos, sin)`, each `[positions.len(), rope_dim/2]` f32, angle = `f32(p)·inv_freq` in f32.
+    ///
+    /// Consecutive positions inside one block of [`ROPE_BLOCK`] are views of that block's rows
+    /// (computed once, on the table's device); other position lists are computed for the call.
     pub fn cos_sin(&self, positions: &[usize]) -> Result<(Tensor, Tensor)> {
+        let r = self.rows(positions)?;
+        Ok((r.cos, r.sin))
+    }
+
+    /// [`RopeTable::cos_sin`] with the inverse rotation's `−sin` as well.
+    pub fn rows(&self, positions: &[usize]) -> Result<RopeRows> {
+        let Some(&first) = positions.first() else { return self.compute(positions) };
+        let consecutive = positions.iter().enumerate().all(|(i, &p)| p == first + i);
+        let block = first - first % ROPE_BLOCK;
+        if !consecutive || first + positions.len() > block + ROPE_BLOCK {
+            return self.compute(positions);
+        }
+        let mut cached = self.block.lock().map_err(|_| candle_core::Error::Msg("RopeTable: poisoned block cache".into()))?;
+        if cached.as_ref().is_none_or(|b| b.first != block) {
+            let all: Vec<usize> = (block..block + ROPE_BLOCK).collect();
+            let RopeRows { cos, sin, neg_sin } = self.compute(&all)?;
+            *cached = Some(RopeBlock { first: block, cos, sin, neg_sin });
+        }
+        let b = cached.as_ref().expect("filled above");
+        let (off, n) = (first - block, positions.len());
+        Ok(RopeRows { cos: b.cos.narrow(0, off, n)?, sin: b.sin.narrow(0, off, n)?, neg_sin: b.neg_sin.narrow(0, off, n)? })
+    }
+
+    /// The rows of `positions`, computed now.
+    fn compute(&self, positions: &[usize]) -> Result<RopeRows> {
         let p: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
         let p = Tensor::from_vec(p, (positions.len(), 1), self.inv_freq.device())?;
         let angles = p.broadcast_mul(&self.inv_freq)?;
-        Ok((angles.cos()?, angles.sin()?))
+        let sin = angles.sin()?;
+        Ok(RopeRows { cos: angles.cos()?, neg_sin: sin.neg()?, sin })
     }
 
     /// Rotates the last `rope_dim` dims of `x` (`[T, H, d]` or `[T, d]`, any float dtype) by the
     /// angles of `positions[t]` (`positions.len() == T`), GPT-J pairs, in f32; `inverse` rotates
     /// by the conjugate. Returns the dtype of `x`.
     pub fn apply(&self, x: &Tensor, positions: &[usize], inverse: bool) -> Result<Tensor> {
-        let (cos, sin) = self.cos_sin(positions)?;
-        let sin = if inverse { sin.neg()? } else { sin };
-        apply_rope_tail(x, &cos, &sin)
+        let r = self.rows(positions)?;
+        apply_rope_tail(x, &r.cos, if inverse { &r.neg_sin } else { &r.sin })
     }
 }
 

@@ -1,0 +1,297 @@
+// decoder_ops: the decoder's small per-row ops in one launch each, bit for bit the Candle op
+// sequences they replace on a CUDA device (crate::nn::RmsNorm, model::mhc::HcMix::mixes'
+// rsqrt factor, model::mhc::collapse; checked in tests/cuda_decoder_ops.rs):
+//
+//   * rms_norm:   out = cast(x / sqrt(mean(x²) + eps) · w)           (9 Candle kernels)
+//   * rms_scale:  out = f32(x), scale = 1 / sqrt(mean(x²) + eps)      (7 Candle kernels)
+//   * collapse:   out[t, c] = cast(Σ_k f32(x[t, k, c]) · pre[t, k])  (4 Candle kernels)
+//   * post:       out[t, j, c] = cast(post[t, j] · f32(y[t, c]) + mixed[t, j, c])  (4 Candle
+//                 kernels after the comb GEMM, which stays a cuBLAS call)
+//   * engram_mix: out = cast(h + σ(signed_sqrt(dot))·value) of model::engram::engram_mix: the
+//                 two rsqrt factors and the gated dot product per (token, copy) row (~25 Candle
+//                 kernels and uploads)
+//   * accumulate: out = cast(acc + f32(v)), acc = +0 when absent   (2–3 Candle kernels: the MoE
+//                 sums its experts' outputs in f32 from zeros and casts the total)
+//
+// Why kernels: a decode step of a small model is a few thousand of these tiny launches; the
+// launches (and candle's per-op allocations and stride uploads), not the arithmetic, are the
+// step's cost.
+//
+// Design: norms run one block per row (grid = rows), the block size candle's reduction picks
+// (next power of two of min(1024, n)); the collapse runs one thread per output element.
+//
+// Numerics (what the replaced ops compute, reproduced operation by operation; products and sums
+// are explicit __fmul_rn / __fadd_rn so nothing is contracted into an FMA):
+//   * x² is candle's usqr (one rounded product);
+//   * the row sum is candle's reduction of the contiguous [rows, n] f32 squares:
+//     n ≤ 32: one thread sums from 0 in index order (fast_sum_small);
+//     n > 32: fast_sum_f32: each thread sums its scalar head elements, its float4 vectors (each
+//     as ((a + b) + c) + d) and its scalar tail elements (index ranges from the element offset
+//     row·n, the squares buffer being a fresh, 16-byte aligned allocation), then an xor
+//     butterfly (16 … 1) per warp, the warps' partials through shared memory and a second
+//     butterfly in warp 0;
+//   * mean = sum · (float)(1/n) and + eps are candle affines (x·mul + add: one rounding each,
+//     fmaf with add = 0 / mul = 1), sqrt is sqrtf (correctly rounded), the division IEEE;
+//   * rms_scale's reciprocal is candle's urecip: (float)(1.0 / (double)r);
+//   * engram_mix: products h·qk·key and gate·value are __fmul_rn in candle's order, the dot's
+//     scale an affine (fmaf with add 0), |·| fabsf, the clamp fmaxf, σ candle's
+//     (float)(1.0 / (double)(1 + expf(−x)));
+//   * the output cast is round-to-nearest-even (__float2bfloat16_rn), as candle's to_dtype.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "include/dsv41_decoder_ops.h"
+
+namespace dsv41 {
+
+__device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f32(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store_as(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_as(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ float sq(const T* x, int64_t i) {
+    const float v = load_f32(x, i);
+    return __fmul_rn(v, v);
+}
+
+// Σ elem(j) over j in 0..n in the order of candle's reduction of a contiguous f32 tensor whose
+// row starts at element `start` (see the header comment); the result is returned to every
+// thread of the block. blockDim.x is candle's block size for n (32 when n ≤ 32). Calls may
+// follow each other in one kernel (the leading barrier protects the shared result).
+template <typename F>
+__device__ float candle_row_sum(int64_t start, int n, F elem) {
+    __shared__ float shr[32];
+    __shared__ float total;
+    __syncthreads();
+    const int tid = threadIdx.x;
+    const int64_t stop = start + n;
+    if (n <= 32) {
+        if (tid == 0) {
+            float s = 0.0f;
+            for (int64_t i = start; i < stop; ++i) s = __fadd_rn(s, elem(i - start));
+            total = s;
+        }
+        __syncthreads();
+        return total;
+    }
+    const int64_t b = blockDim.x;
+    float local = 0.0f;
+    const int64_t vec_start = (start + 3) / 4, vec_stop = stop / 4;
+    const int64_t head_end = min(vec_start * 4, stop);
+    for (int64_t i = start + tid; i < head_end; i += b) local = __fadd_rn(local, elem(i - start));
+    if (vec_start < vec_stop) {
+        for (int64_t v = vec_start + tid; v < vec_stop; v += b) {
+            const int64_t j = 4 * v - start;
+            const float s = __fadd_rn(__fadd_rn(__fadd_rn(elem(j), elem(j + 1)), elem(j + 2)), elem(j + 3));
+            local = __fadd_rn(local, s);
+        }
+    } else {
+        for (int64_t i = head_end + tid; i < vec_stop * 4; i += b) local = __fadd_rn(local, elem(i - start));
+    }
+    for (int64_t i = vec_stop * 4 + tid; i < stop; i += b) local = __fadd_rn(local, elem(i - start));
+    for (int offset = 16; offset > 0; offset >>= 1) local = __fadd_rn(local, __shfl_xor_sync(0xffffffffu, local, offset));
+    const int warp = tid / 32, lane = tid % 32;
+    if (lane == 0) shr[warp] = local;
+    __syncthreads();
+    if (tid < 32) {
+        local = tid < static_cast<int>(b / 32) ? shr[tid] : 0.0f;
+        for (int offset = 16; offset > 0; offset >>= 1) local = __fadd_rn(local, __shfl_xor_sync(0xffffffffu, local, offset));
+        if (tid == 0) total = local;
+    }
+    __syncthreads();
+    return total;
+}
+
+// Σ x[row·n + j]² of a contiguous [rows, n] tensor (candle's squares then its sum).
+template <typename T>
+__device__ float row_sum_sq(const T* __restrict__ x, int64_t row, int n) {
+    return candle_row_sum(row * n, n, [&](int64_t j) { return sq(x, row * n + j); });
+}
+
+// sqrt(mean + eps) of a row's sum of squares, as candle's affine, affine, sqrt.
+__device__ __forceinline__ float rms_root(float sum, float mean_mul, float eps) {
+    const float mean = __fmaf_rn(sum, mean_mul, 0.0f);
+    return __fsqrt_rn(__fmaf_rn(mean, 1.0f, eps));
+}
+
+template <typename T>
+__global__ void rms_norm_kernel(Dsv41RowNormParams p) {
+    const T* x = static_cast<const T*>(p.x);
+    T* out = static_cast<T*>(p.out);
+    const int64_t row = blockIdx.x;
+    const float r = rms_root(row_sum_sq(x, row, p.n), p.mean_mul, p.eps);
+    for (int64_t j = threadIdx.x; j < p.n; j += blockDim.x) {
+        const int64_t i = row * p.n + j;
+        store_as(out, i, __fmul_rn(__fdiv_rn(load_f32(x, i), r), p.weight[j]));
+    }
+}
+
+template <typename T>
+__global__ void rms_scale_kernel(Dsv41RowNormParams p) {
+    const T* x = static_cast<const T*>(p.x);
+    float* out = static_cast<float*>(p.out);
+    const int64_t row = blockIdx.x;
+    const float r = rms_root(row_sum_sq(x, row, p.n), p.mean_mul, p.eps);
+    for (int64_t j = threadIdx.x; j < p.n; j += blockDim.x) out[row * p.n + j] = load_f32(x, row * p.n + j);
+    if (threadIdx.x == 0) p.scale[row] = static_cast<float>(1.0 / static_cast<double>(r));
+}
+
+constexpr int kCollapseThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kCollapseThreads) collapse_kernel(Dsv41CollapseParams p) {
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * kCollapseThreads + threadIdx.x;
+    if (e >= p.tokens * p.d) return;
+    const T* x = static_cast<const T*>(p.x);
+    const int64_t t = e / p.d, c = e % p.d;
+    float s = 0.0f;
+    for (int k = 0; k < p.hc; ++k) {
+        s = __fadd_rn(s, __fmul_rn(load_f32(x, (t * p.hc + k) * p.d + c), p.pre[t * p.hc + k]));
+    }
+    store_as(static_cast<T*>(p.out), e, s);
+}
+
+template <typename Y, typename O>
+__global__ void __launch_bounds__(kCollapseThreads) mhc_post_kernel(Dsv41MhcPostParams p) {
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * kCollapseThreads + threadIdx.x;
+    if (e >= p.tokens * p.hc * p.d) return;
+    const int64_t c = e % p.d, tj = e / p.d, t = tj / p.hc;
+    const float direct = __fmul_rn(p.post[tj], load_f32(static_cast<const Y*>(p.y), t * p.d + c));
+    store_as(static_cast<O*>(p.out), e, __fadd_rn(direct, p.mixed[e]));
+}
+
+template <typename V, typename O>
+__global__ void __launch_bounds__(kCollapseThreads) accumulate_kernel(Dsv41AccumulateParams p) {
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * kCollapseThreads + threadIdx.x;
+    if (e >= p.n) return;
+    const float a = p.acc ? p.acc[e] : 0.0f;
+    store_as(static_cast<O*>(p.out), e, __fadd_rn(a, load_f32(static_cast<const V*>(p.v), e)));
+}
+
+// One block per (token, copy) row k of the stream: h = f32(x[t, k]), key = kv[t, k·d ..], value
+// = kv[t, hc·d ..]; candle's op sequence of model::engram::engram_mix.
+template <typename T>
+__global__ void engram_mix_kernel(Dsv41EngramMixParams p) {
+    const int64_t row = blockIdx.x, t = row / p.hc, k = row % p.hc;
+    const int n = p.d;
+    const T* x = static_cast<const T*>(p.x) + row * n;
+    const float* key = p.kv + t * (p.hc + 1) * n + k * n;
+    const float* value = p.kv + t * (p.hc + 1) * n + p.hc * n;
+    const float* qk = p.qk + k * n;
+    const int64_t start = row * n;  // the row's offset in candle's fresh [T, hc, d] temporaries
+    const float hh = candle_row_sum(start, n, [&](int64_t j) { return sq(x, j); });
+    const float kk = candle_row_sum(start, n, [&](int64_t j) { return __fmul_rn(key[j], key[j]); });
+    const float dot0 = candle_row_sum(start, n, [&](int64_t j) { return __fmul_rn(__fmul_rn(load_f32(x, j), qk[j]), key[j]); });
+    const float rh = static_cast<float>(1.0 / static_cast<double>(rms_root(hh, p.mean_mul, p.eps)));
+    const float rk = static_cast<float>(1.0 / static_cast<double>(rms_root(kk, p.mean_mul, p.eps)));
+    const float dot = __fmaf_rn(__fmul_rn(__fmul_rn(dot0, rh), rk), p.dot_mul, 0.0f);
+    const float mag = __fsqrt_rn(fmaxf(fabsf(dot), p.clamp));
+    const float sgn = dot < 0.0f ? -mag : mag;
+    const float gate = static_cast<float>(1.0 / static_cast<double>(__fadd_rn(1.0f, expf(-sgn))));
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        store_as(static_cast<T*>(p.out), start + j, __fadd_rn(load_f32(x, j), __fmul_rn(gate, value[j])));
+    }
+}
+
+// candle's reduction block size for rows of n elements (32 for its one-thread small sums).
+inline unsigned norm_block(int n) {
+    if (n <= 32) return 32;
+    unsigned b = 1;
+    while (b < static_cast<unsigned>(n < 1024 ? n : 1024)) b <<= 1;
+    return b;
+}
+
+inline int check_norm(const Dsv41RowNormParams* p, size_t params_size, bool scale) {
+    if (params_size != sizeof(Dsv41RowNormParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->rows < 0 || p->rows >= (int64_t{1} << 31) || p->n < 1 || p->n > DSV41_ROW_NORM_MAX_N) return DSV41_ERR_SHAPE;
+    if (p->rows == 0) return DSV41_OK;
+    if (!p->x || !p->out || (scale ? !p->scale : !p->weight)) return DSV41_ERR_NULL;
+    return 1;  // launch
+}
+
+}  // namespace dsv41
+
+extern "C" int dsv41_rms_norm(const Dsv41RowNormParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    const int c = check_norm(p, params_size, false);
+    if (c != 1) return c;
+    const dim3 grid(static_cast<unsigned>(p->rows));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->x_f32) rms_norm_kernel<float><<<grid, norm_block(p->n), 0, s>>>(*p);
+    else rms_norm_kernel<__nv_bfloat16><<<grid, norm_block(p->n), 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dsv41_rms_scale(const Dsv41RowNormParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    const int c = check_norm(p, params_size, true);
+    if (c != 1) return c;
+    const dim3 grid(static_cast<unsigned>(p->rows));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->x_f32) rms_scale_kernel<float><<<grid, norm_block(p->n), 0, s>>>(*p);
+    else rms_scale_kernel<__nv_bfloat16><<<grid, norm_block(p->n), 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dsv41_mhc_collapse(const Dsv41CollapseParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    if (params_size != sizeof(Dsv41CollapseParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->tokens < 0 || p->hc < 1 || p->hc > DSV41_COLLAPSE_MAX_HC || p->d < 1) return DSV41_ERR_SHAPE;
+    const int64_t n = p->tokens * p->d;
+    if (n / kCollapseThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (n == 0) return DSV41_OK;
+    if (!p->x || !p->pre || !p->out) return DSV41_ERR_NULL;
+    const dim3 grid(static_cast<unsigned>((n + kCollapseThreads - 1) / kCollapseThreads));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->x_f32) collapse_kernel<float><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else collapse_kernel<__nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dsv41_mhc_post(const Dsv41MhcPostParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    if (params_size != sizeof(Dsv41MhcPostParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->tokens < 0 || p->hc < 1 || p->d < 1) return DSV41_ERR_SHAPE;
+    const int64_t n = p->tokens * p->hc * p->d;
+    if (n / kCollapseThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (n == 0) return DSV41_OK;
+    if (!p->mixed || !p->y || !p->post || !p->out) return DSV41_ERR_NULL;
+    const dim3 grid(static_cast<unsigned>((n + kCollapseThreads - 1) / kCollapseThreads));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->y_f32 && p->out_f32) mhc_post_kernel<float, float><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else if (p->y_f32) mhc_post_kernel<float, __nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else if (p->out_f32) mhc_post_kernel<__nv_bfloat16, float><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else mhc_post_kernel<__nv_bfloat16, __nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dsv41_accumulate(const Dsv41AccumulateParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    if (params_size != sizeof(Dsv41AccumulateParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->n < 0 || p->n / kCollapseThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (p->n == 0) return DSV41_OK;
+    if (!p->v || !p->out) return DSV41_ERR_NULL;
+    const dim3 grid(static_cast<unsigned>((p->n + kCollapseThreads - 1) / kCollapseThreads));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->v_f32 && p->out_f32) accumulate_kernel<float, float><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else if (p->v_f32) accumulate_kernel<float, __nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else if (p->out_f32) accumulate_kernel<__nv_bfloat16, float><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else accumulate_kernel<__nv_bfloat16, __nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dsv41_engram_mix(const Dsv41EngramMixParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    if (params_size != sizeof(Dsv41EngramMixParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->tokens < 0 || p->hc < 1 || p->d < 1 || p->d > DSV41_ROW_NORM_MAX_N) return DSV41_ERR_SHAPE;
+    const int64_t rows = p->tokens * p->hc;
+    if (rows >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (rows == 0) return DSV41_OK;
+    if (!p->x || !p->kv || !p->qk || !p->out) return DSV41_ERR_NULL;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const dim3 grid(static_cast<unsigned>(rows));
+    if (p->x_f32) engram_mix_kernel<float><<<grid, norm_block(p->d), 0, s>>>(*p);
+    else engram_mix_kernel<__nv_bfloat16><<<grid, norm_block(p->d), 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}

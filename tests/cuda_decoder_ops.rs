@@ -1,0 +1,318 @@
+//! GPU tests of the decoder's small-op kernels, `kernels/decoder_ops.cu` (RMSNorm, the mHC mixes'
+//! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation) and
+//! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU):
+//! every output bit for bit equal to the Candle op sequence each kernel replaces, run on the same
+//! GPU (`cuda::with_plain_candle`), and close to the CPU reference; fresh random rows of many
+//! widths (below, at and above candle's 32-element small reduction, around its float4 and
+//! 1024-thread boundaries), bf16 and f32, outputs allocated over NaN-poisoned memory, and the
+//! shape errors.
+//!
+//! These tests need a CUDA device and FAIL without one.
+//! Build: `cargo test --release --features cuda --test cuda_decoder_ops`.
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Module, Tensor, D};
+use deepseek_v41::cuda::{accumulate_device, collapse_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
+use deepseek_v41::model::{collapse, engram_mix, post, Expert};
+use deepseek_v41::nn::{RandomWeights, RmsNorm};
+use deepseek_v41::Numerics;
+
+#[path = "support/rng.rs"]
+#[allow(dead_code)]
+mod rng;
+use rng::Rng;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("tests/cuda_decoder_ops.rs needs a CUDA device (none found): these tests must run on a GPU")
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+}
+
+/// Frees `n` f32 of NaN on `dev` so the next allocations of the stream-ordered pool are likely to
+/// reuse poisoned memory (an element a kernel forgets to write then shows up as NaN).
+fn poison(dev: &Device, n: usize) -> Result<()> {
+    drop(Tensor::full(f32::NAN, n.max(1), dev)?);
+    Ok(())
+}
+
+/// `rows × n` random values, each row with its own magnitude (2^-12 … 2^12), a few exact zeros
+/// and negative zeros; row 1 (when there is one) all zero.
+fn rows(rng: &mut Rng, rows: usize, n: usize) -> Vec<f32> {
+    (0..rows * n)
+        .map(|i| {
+            let r = i / n;
+            if r == 1 {
+                return 0.0;
+            }
+            let scale = 2f32.powi((r * 7 % 25) as i32 - 12);
+            match rng.below(40) {
+                0 => 0.0,
+                1 => -0.0,
+                _ => rng.normal() * scale,
+            }
+        })
+        .collect()
+}
+
+fn differing(a: &Tensor, b: &Tensor) -> Result<usize> {
+    let (a, b) = (bits(a)?, bits(b)?);
+    ensure!(a.len() == b.len(), "lengths {} vs {}", a.len(), b.len());
+    Ok(a.iter().zip(&b).filter(|(x, y)| x != y).count())
+}
+
+/// Max |x| over the elements of `x` (f32).
+fn max_abs(x: &Tensor) -> Result<f32> {
+    Ok(x.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+/// Max |a − b| / max(|b|, 1e-30) over the elements (both moved to the CPU as f32).
+fn max_rel(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let (a, b) = (a.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
+    let (a, b) = (a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+    Ok(a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-30)).fold(0.0, f32::max))
+}
+
+#[test]
+fn rms_norm_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let cpu = Device::Cpu;
+    let mut rng = Rng(0x7a11);
+    let widths = [1usize, 5, 31, 32, 33, 64, 100, 128, 192, 257, 768, 1023, 1024, 1030, 3001];
+    for (case, &n) in widths.iter().enumerate() {
+        let t = [1usize, 3, 50][case % 3];
+        for dtype in [DType::BF16, DType::F32] {
+            for eps in [1e-20, 1e-6] {
+                let x = Tensor::from_vec(rows(&mut rng, t, n), (t, n), &dev)?.to_dtype(dtype)?;
+                let w: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+                let norm = RmsNorm::from_weight(Tensor::from_vec(w, n, &dev)?, eps)?;
+                poison(&dev, t * n)?;
+                let kernel = norm.forward(&x)?;
+                let ops = with_plain_candle(|| norm.forward(&x))?;
+                ensure!(kernel.dims() == x.dims() && kernel.dtype() == dtype, "n {n}: {:?} {:?}", kernel.shape(), kernel.dtype());
+                let d = differing(&kernel, &ops)?;
+                ensure!(d == 0, "n {n}, T {t}, {dtype:?}, eps {eps}: {d} of {} values differ from the Candle ops", t * n);
+                ensure!(bits(&kernel)?.iter().all(|&b| !f32::from_bits(b).is_nan()), "n {n}: NaN in the output");
+                // The CPU reference sums in another order: equal up to rounding.
+                let host = RmsNorm::from_weight(norm.weight().to_device(&cpu)?, eps)?.forward(&x.to_device(&cpu)?)?;
+                let tol = if dtype == DType::BF16 { 8e-3 } else { 1e-5 };
+                let r = max_rel(&kernel, &host)?;
+                ensure!(r <= tol, "n {n}, {dtype:?}: relative difference {r} from the CPU reference");
+            }
+        }
+    }
+    // Rank 3 and a non-contiguous input (a transposed view) take the same path.
+    let x = Tensor::from_vec(rows(&mut rng, 6 * 40, 64), (64, 6, 40), &dev)?.to_dtype(DType::BF16)?.transpose(0, 2)?;
+    let norm = RmsNorm::from_weight(Tensor::from_vec((0..64).map(|_| rng.normal()).collect::<Vec<f32>>(), 64, &dev)?, 1e-6)?;
+    let (kernel, ops) = (norm.forward(&x)?, with_plain_candle(|| norm.forward(&x))?);
+    ensure!(kernel.dims() == [40, 6, 64] && differing(&kernel, &ops)? == 0, "rank-3 strided input differs");
+    // Negative control: eps matters for a tiny row, and the weight is applied.
+    let tiny = Tensor::from_vec(vec![1e-12f32; 64], (1, 64), &dev)?;
+    let a = rms_norm_device(&tiny, norm.weight(), 1e-20)?;
+    let b = rms_norm_device(&tiny, norm.weight(), 1e-6)?;
+    ensure!(differing(&a, &b)? > 0, "eps is ignored");
+    let ones = rms_norm_device(&tiny, &Tensor::ones(64, DType::F32, &dev)?, 1e-20)?;
+    ensure!(differing(&a, &ones)? > 0, "the weight is ignored");
+    // Errors: weight shape, CPU input, empty rows.
+    ensure!(rms_norm_device(&tiny, &Tensor::ones(63, DType::F32, &dev)?, 1e-6).is_err(), "wrong weight shape accepted");
+    ensure!(rms_norm_device(&tiny.to_device(&cpu)?, &Tensor::ones(64, DType::F32, &cpu)?, 1e-6).is_err(), "CPU input accepted");
+    let empty = rms_norm_device(&Tensor::zeros((0, 64), DType::BF16, &dev)?, norm.weight(), 1e-6)?;
+    ensure!(empty.dims() == [0, 64], "empty input: {:?}", empty.shape());
+    Ok(())
+}
+
+#[test]
+fn mhc_scale_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0x5ca1e);
+    for (n, t) in [(768usize, 1usize), (768, 37), (20, 4), (33, 2), (4096, 3), (1, 5), (1500, 9)] {
+        for dtype in [DType::BF16, DType::F32] {
+            for eps in [1e-20, 1e-6] {
+                let x = Tensor::from_vec(rows(&mut rng, t, n), (t, n), &dev)?.to_dtype(dtype)?;
+                poison(&dev, 2 * t * n)?;
+                let (xf, scale) = rms_scale_device(&x, eps)?;
+                let (of, os) = with_plain_candle(|| -> candle_core::Result<(Tensor, Tensor)> {
+                    let xf = x.to_dtype(DType::F32)?;
+                    let s = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+                    Ok((xf, s))
+                })?;
+                ensure!(xf.dims() == [t, n] && scale.dims() == [t, 1], "shapes {:?} {:?}", xf.shape(), scale.shape());
+                ensure!(differing(&xf, &of)? == 0, "n {n}, {dtype:?}: f32 copy differs");
+                let d = differing(&scale, &os)?;
+                ensure!(d == 0, "n {n}, T {t}, {dtype:?}, eps {eps}: {d} of {t} scales differ from the Candle ops");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn collapse_and_post_kernels_equal_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let cpu = Device::Cpu;
+    let mut rng = Rng(0xc011);
+    for (t, hc, d) in [(1usize, 4usize, 192usize), (5, 4, 192), (64, 4, 333), (3, 1, 7), (2, 7, 65), (9, 32, 100), (1, 4, 1)] {
+        for dtype in [DType::BF16, DType::F32] {
+            let x = Tensor::from_vec(rows(&mut rng, t * hc, d), (t, hc, d), &dev)?.to_dtype(dtype)?;
+            let pre = Tensor::from_vec((0..t * hc).map(|_| rng.normal()).collect::<Vec<f32>>(), (t, hc), &dev)?;
+            poison(&dev, t * d)?;
+            let kernel = collapse(&x, &pre)?;
+            let ops = with_plain_candle(|| collapse(&x, &pre))?;
+            ensure!(kernel.dims() == [t, d] && kernel.dtype() == dtype, "{:?} {:?}", kernel.shape(), kernel.dtype());
+            let n = differing(&kernel, &ops)?;
+            ensure!(n == 0, "T {t}, hc {hc}, d {d}, {dtype:?}: {n} of {} values differ from the Candle ops", t * d);
+            let host = collapse(&x.to_device(&cpu)?, &pre.to_device(&cpu)?)?;
+            let (diff, scale) = (max_abs(&(kernel.to_device(&cpu)?.to_dtype(DType::F32)? - host.to_dtype(DType::F32)?)?)?, max_abs(&host.to_dtype(DType::F32)?)?);
+            let tol = if dtype == DType::BF16 { 8e-3 } else { 1e-5 };
+            ensure!(diff <= tol * scale, "T {t}, hc {hc}: differs from the CPU reference by {diff} (scale {scale})");
+        }
+    }
+    // The post's elementwise part behind its comb GEMM.
+    for (t, hc, d) in [(1usize, 4usize, 192usize), (6, 4, 50), (2, 3, 1)] {
+        for (xdt, ydt) in [(DType::BF16, DType::BF16), (DType::F32, DType::BF16), (DType::BF16, DType::F32), (DType::F32, DType::F32)] {
+            let x = Tensor::from_vec(rows(&mut rng, t * hc, d), (t, hc, d), &dev)?.to_dtype(xdt)?;
+            let y = Tensor::from_vec(rows(&mut rng, t, d), (t, d), &dev)?.to_dtype(ydt)?;
+            let p = Tensor::from_vec((0..t * hc).map(|_| rng.normal()).collect::<Vec<f32>>(), (t, hc), &dev)?;
+            let comb = Tensor::from_vec((0..t * hc * hc).map(|_| rng.uniform()).collect::<Vec<f32>>(), (t, hc, hc), &dev)?;
+            poison(&dev, t * hc * d)?;
+            let kernel = post(&y, &x, &p, &comb)?;
+            let ops = with_plain_candle(|| post(&y, &x, &p, &comb))?;
+            ensure!(kernel.dims() == [t, hc, d] && kernel.dtype() == xdt, "post {:?} {:?}", kernel.shape(), kernel.dtype());
+            let n = differing(&kernel, &ops)?;
+            ensure!(n == 0, "post T {t}, hc {hc}, d {d}, x {xdt:?}, y {ydt:?}: {n} values differ from the Candle ops");
+        }
+    }
+    // Negative control: another pre changes the output; errors on hc > 32 and a wrong pre.
+    let x = Tensor::from_vec(rows(&mut rng, 8, 16), (2, 4, 16), &dev)?.to_dtype(DType::BF16)?;
+    let pre = Tensor::from_vec((0..8).map(|_| rng.normal()).collect::<Vec<f32>>(), (2, 4), &dev)?;
+    ensure!(differing(&collapse_device(&x, &pre)?, &collapse_device(&x, &(pre.clone() * 2.0)?)?)? > 0, "pre is ignored");
+    ensure!(collapse_device(&x, &pre.narrow(1, 0, 3)?).is_err(), "wrong pre shape accepted");
+    let wide = Tensor::zeros((1, 33, 8), DType::BF16, &dev)?;
+    ensure!(collapse_device(&wide, &Tensor::zeros((1, 33), DType::F32, &dev)?).is_err(), "hc 33 accepted");
+    Ok(())
+}
+
+/// The SwiGLU op sequence of `model::Expert` in plain Candle ops (the kernel's definition).
+fn swiglu_ops(gate: &Tensor, up: &Tensor, w: Option<&Tensor>, limit: Option<f64>) -> candle_core::Result<Tensor> {
+    with_plain_candle(|| {
+        let (mut g, mut u) = (gate.to_dtype(DType::F32)?, up.to_dtype(DType::F32)?);
+        if let Some(l) = limit {
+            g = g.minimum(l)?;
+            u = u.clamp(-l, l)?;
+        }
+        let mut a = (g.silu()? * u)?;
+        if let Some(w) = w {
+            a = a.broadcast_mul(w)?;
+        }
+        a.to_dtype(gate.dtype())
+    })
+}
+
+#[test]
+fn swiglu_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0x5919);
+    for (rows, inter) in [(1usize, 96usize), (2, 96), (7, 1), (33, 300), (1, 2048)] {
+        for dtype in [DType::BF16, DType::F32] {
+            // Magnitudes up to ~2^5 so the clamp at L = 10 (and at L = 0.5) is active.
+            let mut vals = |n: usize| -> Vec<f32> { (0..n).map(|i| rng.normal() * 2f32.powi((i % 9) as i32 - 3)).collect() };
+            let gate = Tensor::from_vec(vals(rows * inter), (rows, inter), &dev)?.to_dtype(dtype)?;
+            let up = Tensor::from_vec(vals(rows * inter), (rows, inter), &dev)?.to_dtype(dtype)?;
+            let w = Tensor::from_vec(vals(rows), (rows, 1), &dev)?;
+            for (weight, limit) in [(Some(&w), Some(10.0)), (None, Some(0.5)), (Some(&w), None), (None, None)] {
+                poison(&dev, rows * inter)?;
+                let kernel = swiglu_device(&gate, &up, weight, limit)?;
+                let ops = swiglu_ops(&gate, &up, weight, limit)?;
+                ensure!(kernel.dims() == [rows, inter] && kernel.dtype() == dtype, "{:?} {:?}", kernel.shape(), kernel.dtype());
+                let d = differing(&kernel, &ops)?;
+                ensure!(d == 0, "[{rows}, {inter}] {dtype:?}, weight {}, limit {limit:?}: {d} values differ from the Candle ops", weight.is_some());
+            }
+            // Negative controls: the clamp and the weight change the result.
+            let clamped = swiglu_device(&gate, &up, None, Some(0.5))?;
+            ensure!(differing(&clamped, &swiglu_device(&gate, &up, None, None)?)? > 0, "the clamp is ignored");
+            ensure!(differing(&swiglu_device(&gate, &up, Some(&w), None)?, &swiglu_device(&gate, &up, None, None)?)? > 0, "the weight is ignored");
+        }
+    }
+    let g = Tensor::zeros((2, 8), DType::BF16, &dev)?;
+    ensure!(swiglu_device(&g, &g.narrow(1, 0, 4)?, None, None).is_err(), "mismatched up accepted");
+    ensure!(swiglu_device(&g, &g, Some(&Tensor::ones((3, 1), DType::F32, &dev)?), None).is_err(), "wrong weight shape accepted");
+    ensure!(swiglu_device(&g, &g, None, Some(0.0)).is_err(), "limit 0 accepted");
+    Ok(())
+}
+
+/// A whole routed expert (FP8 activation quant, w1/w3, the SwiGLU kernel, w2) on the GPU equals
+/// the same expert in plain Candle ops bit for bit.
+#[test]
+fn expert_with_kernels_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xe7e7);
+    let vb = RandomWeights::new(21).var_builder(DType::BF16, &dev);
+    for (limit, rows) in [(10.0, 1usize), (10.0, 5), (0.0, 3)] {
+        let expert = Expert::new(192, 96, limit, Numerics::REFERENCE, vb.pp("expert"))?;
+        let x = Tensor::from_vec((0..rows * 192).map(|_| rng.normal() * 4.0).collect::<Vec<f32>>(), (rows, 192), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::from_vec((0..rows).map(|_| rng.uniform()).collect::<Vec<f32>>(), (rows, 1), &dev)?;
+        let kernel = expert.forward(&x, Some(&w))?;
+        let ops = with_plain_candle(|| expert.forward(&x, Some(&w)))?;
+        let d = differing(&kernel, &ops)?;
+        ensure!(d == 0, "limit {limit}, {rows} rows: {d} values differ from the Candle ops");
+        ensure!(bits(&kernel)?.iter().any(|&b| f32::from_bits(b) != 0.0), "all zeros");
+    }
+    Ok(())
+}
+
+#[test]
+fn engram_mix_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xe9a);
+    for (t, hc, d) in [(1usize, 4usize, 192usize), (3, 4, 192), (2, 2, 20), (5, 3, 333), (1, 4, 1030)] {
+        for dtype in [DType::BF16, DType::F32] {
+            for eps in [1e-20, 1e-6] {
+                let x = Tensor::from_vec(rows(&mut rng, t * hc, d), (t, hc, d), &dev)?.to_dtype(dtype)?;
+                // Key rows of mixed signs and magnitudes so both branches of the signed sqrt and
+                // the |dot| floor are taken.
+                let kv = Tensor::from_vec(rows(&mut rng, t, (hc + 1) * d), (t, (hc + 1) * d), &dev)?;
+                let qk = Tensor::from_vec((0..hc * d).map(|_| rng.normal()).collect::<Vec<f32>>(), (hc, d), &dev)?;
+                poison(&dev, t * hc * d)?;
+                let kernel = engram_mix(&x, &kv, &qk, eps)?;
+                let ops = with_plain_candle(|| engram_mix(&x, &kv, &qk, eps))?;
+                ensure!(kernel.dims() == [t, hc, d] && kernel.dtype() == dtype, "{:?} {:?}", kernel.shape(), kernel.dtype());
+                let n = differing(&kernel, &ops)?;
+                ensure!(n == 0, "T {t}, hc {hc}, d {d}, {dtype:?}, eps {eps}: {n} of {} values differ from the Candle ops", t * hc * d);
+            }
+        }
+    }
+    // Negative control: the value row matters; shape errors.
+    let x = Tensor::from_vec(rows(&mut rng, 4, 32), (1, 4, 32), &dev)?.to_dtype(DType::BF16)?;
+    let kv = Tensor::from_vec(rows(&mut rng, 1, 160), (1, 160), &dev)?;
+    let qk = Tensor::ones((4, 32), DType::F32, &dev)?;
+    let kv2 = Tensor::cat(&[kv.narrow(1, 0, 128)?, (kv.narrow(1, 128, 32)? * 3.0)?], 1)?;
+    ensure!(differing(&engram_mix(&x, &kv, &qk, 1e-6)?, &engram_mix(&x, &kv2, &qk, 1e-6)?)? > 0, "the value row is ignored");
+    ensure!(engram_mix(&x, &kv.narrow(1, 0, 128)?, &qk, 1e-6).is_err(), "short kv accepted");
+    Ok(())
+}
+
+#[test]
+fn accumulate_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xacc);
+    for (n, vdt, odt) in [(192usize, DType::BF16, DType::F32), (192, DType::BF16, DType::BF16), (1000, DType::F32, DType::BF16), (7, DType::F32, DType::F32)] {
+        let v = Tensor::from_vec(rows(&mut rng, 1, n), (1, n), &dev)?.to_dtype(vdt)?;
+        let acc = Tensor::from_vec(rows(&mut rng, 1, n), (1, n), &dev)?;
+        poison(&dev, n)?;
+        let first = accumulate_device(None, &v, odt)?;
+        let next = accumulate_device(Some(&acc), &v, odt)?;
+        let (first_ops, next_ops) = with_plain_candle(|| -> candle_core::Result<(Tensor, Tensor)> {
+            let vf = v.to_dtype(DType::F32)?;
+            Ok(((Tensor::zeros((1, n), DType::F32, &dev)? + &vf)?.to_dtype(odt)?, (&acc + &vf)?.to_dtype(odt)?))
+        })?;
+        ensure!(first.dtype() == odt && first.dims() == [1, n], "{:?} {:?}", first.dtype(), first.shape());
+        ensure!(differing(&first, &first_ops)? == 0, "n {n}: 0 + v differs from the Candle ops");
+        ensure!(differing(&next, &next_ops)? == 0, "n {n}: acc + v differs from the Candle ops");
+    }
+    // −0 + 0 is +0 (the sum starts from zeros), and the shapes are checked.
+    let negz = Tensor::from_vec(vec![-0.0f32; 4], (1, 4), &dev)?;
+    ensure!(bits(&accumulate_device(None, &negz, DType::F32)?)?.iter().all(|&b| b == 0), "-0 was not summed from +0");
+    ensure!(accumulate_device(Some(&Tensor::zeros((1, 3), DType::F32, &dev)?), &negz, DType::F32).is_err(), "wrong acc shape accepted");
+    Ok(())
+}
