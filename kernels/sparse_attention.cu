@@ -64,17 +64,18 @@
 //        every tile in order, rescales it (and its denominator share) by alpha_j and adds P_j .
 //        V_j[:, its dims] (4 wgmma m64n256k16, A = the P tile, B = the row tile MN-major). The
 //        epilogue adds the two denominator shares.
-//      Order in warpgroup w, per own tile j: wait for P_{j-1} (the other's tile), wait for its
-//        own P.V_{j-2} (same accumulators), issue P.V_{j-1}, then (rows of tile j arrived) S_j,
-//        one commit group each; the first group done -> this warpgroup is done with tile j - 1's
-//        stage; S_j done -> softmax -> P_j published -> own P.V_j issued (a 128-thread named
-//        barrier orders the warpgroup's P tile writes before it). Past its last own tile it runs
-//        the other's last tile's P.V. A stage returns to the producer after S and both P.V halves
-//        (one arrival per compute warp and tile after its P.V: the empty count is unchanged). P.V
-//        of tile j - 1 is issued before S_j because with two stages tile j + 1's gather can only
-//        start once both P.V halves of tile j - 1 completed. The P tile / alpha / max slots of a
-//        parity are rewritten two tiles later, after the other warpgroup's P.V of the tile that
-//        used them (it waits for that P.V before publishing the tile in between).
+//      Order in warpgroup w, per own tile j: wait for P_{j-1} (the other's tile), its P.V_{j-1}
+//        (waited for, then this warpgroup is done with tile j - 1's stage), then (rows of tile j
+//        arrived) S_j, softmax, P_j published, own P.V_j (a 128-thread named barrier orders the
+//        warpgroup's P tile writes before it; waited for, stage released). Past its last own
+//        tile it runs the other's last tile's P.V. A stage returns to the producer after S and
+//        both P.V halves (one arrival per compute warp and tile after its P.V: the empty count
+//        is unchanged). Each P.V is waited for at once because with two stages the gather of
+//        tile j + 2 can only start once both P.V halves of tile j completed (run 1 of round 11:
+//        releasing a stage only behind the next tile's S, or behind the next hand-over, made
+//        the gather wait ~3.2 us per tile). The P tile / alpha / max slots of a parity are
+//        rewritten two tiles later, after the other warpgroup's P.V of the tile that used them
+//        (it waits for that P.V before publishing the tile in between).
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: CTA r stores heads [r hs, r hs + hs), hs = ceil(64 / S); per head the S splits'
 //      (m, den) give the factors e^{m_r - M} / den and the lse, out = sum_r fl(factor_r O_r) in
@@ -305,29 +306,24 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
 
         // The seesaw: warpgroup wg visits its own tiles j = wg, wg + 2, ... and, before each (and once
         // past the end when the last tile is the other's), the other warpgroup's tile j - 1.
-        int pend = -1;  // this warpgroup's own tile whose P.V may still be in flight
         for (int j = wg; j <= ntiles; j += 2) {
             // Tile j - 1 (the other warpgroup's): wait for its P tile, alpha and max, then this half of
-            // its P.V (after this warpgroup's P.V of tile j - 2 completed: the same accumulators).
+            // its P.V; the stage goes back as soon as that completed (with two stages, the gather of
+            // tile j + 1 waits for it).
             if (j >= 1) {
                 mbar_wait(bar_pready + 8 * ((j - 1) & 1), ((j - 1) >> 1) & 1);
                 const float* al_s = alpha_s + ((j - 1) & 1) * HB;
                 const float al = al_s[hlo], ah = al_s[hhi];
-                wait_acc();  // (unconditional: the compiler sees every path wait before the rescale)
-                if (pend >= 0) release(pend);
-                pend = -1;
                 den_lo = __fmul_rn(den_lo, al);
                 den_hi = __fmul_rn(den_hi, ah);
                 issue_pv(j - 1, al, ah);
-            }
-            if (j >= ntiles) {  // past the end: only the other's last tile
                 wait_acc();
-                if (j >= 1) release(j - 1);
-                break;
+                release(j - 1);
             }
-            // Own tile j. S = q . K_j^T for all 64 heads x 64 rows (m64n64k16 over the 512 dims, A =
+            if (j >= ntiles) break;  // past the end: only the other's last tile
+        // Own tile j. S = q . K_j^T for all 64 heads x 64 rows (m64n64k16 over the 512 dims, A =
             // q and B = the row tile, both K-major); s[4i + c] = head hlo + 8 (c / 2), row 8 i + 2 tq
-            // + c % 2. Issued behind the P.V of tile j - 1 (one group each, completing in order).
+            // + c % 2.
             mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
             fence_proxy_async();  // the row tile (generic-proxy writes) is read by wgmma
             wg_sync(wg);
@@ -346,13 +342,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
                 }
             }
             wg_commit();
-            if (j >= 1) {
-                wg_wait<1>();  // the P.V of tile j - 1
-                release(j - 1);
-            }
             wg_wait<0>();
             wg_fence_regs<32>(s);
-            wg_fence_regs<128>(acc);
             if (j < 16) wstamp(48 + j);
             // Softmax of tile j in registers: scale, mask, per-head max over the quad's 64 rows.
             const int nb = min(BLK, nrows - j * BLK);
@@ -407,10 +398,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             wg_sync(wg);          // this warpgroup's P tile writes, for its own P.V
             if (j < 16) wstamp(2 + j);
             issue_pv(j, alo, ahi);
-            pend = j;
+            wait_acc();
+            release(j);
         }
-        wait_acc();
-        if (pend >= 0) release(pend);
     };
     if (skip_mma)
         tile_loop(std::true_type{});
