@@ -122,10 +122,12 @@
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts).
-// Measured on the H200 (docs/perf.md, "Round 3" to "Round 5"): with the earlier loop (both
-// warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
-// ~2.4 us; "Round 11" has the seesaw loop's figures. Moving 64 KB between the two CTAs of a
-// cluster takes ~2.5 us as a bulk copy, ~3.5-4 us as distributed shared memory stores.
+// Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
+// (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
+// ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in
+// series, also without the gather: the next tile's rows cannot be resident during the softmax
+// with two stages). Moving 64 KB between the two CTAs of a cluster takes ~2.5 us as a bulk copy,
+// ~3.5-4 us as distributed shared memory stores.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
