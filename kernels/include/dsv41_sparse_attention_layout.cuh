@@ -67,6 +67,7 @@ __device__ long long g_trace[TRACE_SLOTS];
 __device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
 // Barrier of compute warpgroup w's 128 threads (named barriers 2, 3).
 __device__ __forceinline__ void wg_sync(int w) { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + w) : "memory"); }
+
 // Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile (64 rows).
 __device__ __forceinline__ uint32_t wgsw(int r, int c) { return wgsw_rows<BLK>(r, c); }
 // Same for the f32 O tile (2048-byte rows, 128 chunks): chunk c at c ^ 2 (row & 7) (8-byte
