@@ -20,7 +20,8 @@
 // denominator and rounded to bf16 for P.V (the bf16 A operand of the tensor-core product), out
 // = acc / (den + e^{sink - m}), zero when that is 0 or not finite. Differences to the CPU, all
 // at rounding level: the f32 order of the 512-term dot products, of the P.V sums (tensor-core
-// accumulation) and of the denominators; with S > 1 splits, each split runs its own running max
+// accumulation) and of the denominators (each compute warpgroup sums the row sums of its own
+// tiles, rescaled by every tile's alpha in order; the two shares are added at the end); with S > 1 splits, each split runs its own running max
 // from the floor (so p is rounded relative to the split's max) and the splits are merged as
 // out = sum_r (e^{m_r - M} / (sum_r e^{m_r - M} den_r + e^{sink - M})) acc_r, M = max_r m_r
 // (each term rounded to f32, summed in split order).
@@ -48,14 +49,33 @@
 //      slots the row's bf16 values will occupy, waits for its copies, expands them to bf16 in
 //      place (exactly: the tile equals the fake-quantized bf16 rows; include/dsv41_attn_rows.cuh)
 //      and then arrives with a plain mbarrier arrival after fence.proxy.async.
-//      Per tile (compute warpgroups, named barrier 1):
-//      Q.K^T: warpgroup w computes S for all 64 heads x tile rows 32 w .. +32 (32 wgmma
-//        m64n32k16, A = q and B = the row tile, both K-major from shared memory); warp w % 4
-//        holds heads 16 (w % 4) .. +16. Rows past the tile's end are masked, the per-head max
-//        is published; after a barrier each warp forms m_new, writes bf16 p into a [64 heads]
-//        [64 rows] tile and keeps its half of the f32 denominator in registers.
-//      P.V: warpgroup w accumulates O for all 64 heads x dims 256 w .. +256 (wgmma m64n256k16
-//        per 16 rows, A = the p tile, B = the row tile MN-major; 128 f32 registers per thread).
+//      Per tile, the "seesaw" (docs/perf.md "Round 11"): tile j belongs to compute warpgroup
+//      j % 2, which alone computes its S and softmax; both warpgroups accumulate its P.V.
+//      S: the owner computes S_j for all 64 heads x 64 rows (32 wgmma m64n64k16, A = q and B =
+//        the row tile, both K-major from shared memory). In the m64n64 accumulator a head's 64
+//        row values sit in one quad of lanes (16 per lane), so the softmax stays in registers:
+//        rows past the tile's end masked, the per-head tile max (two shuffles), m_new = max(m
+//        after tile j - 1, tile max) (m after tile j - 1 from shared memory, written by the other
+//        warpgroup), alpha_j = e^{m_old - m_new}, bf16 p into P tile j % 2 ([64 heads][64 rows],
+//        128-byte swizzle, double-buffered by tile parity) and the unrounded f32 row sums into
+//        the owner's share of the denominators. m_new and alpha_j go to shared memory and the
+//        owner's 128 threads arrive on the p_ready mbarrier of the tile's parity.
+//      P.V: each warpgroup keeps O for 64 heads x its 256 dims (128 f32 registers) and, for
+//        every tile in order, rescales it (and its denominator share) by alpha_j and adds P_j .
+//        V_j[:, its dims] (4 wgmma m64n256k16, A = the P tile, B = the row tile MN-major). The
+//        epilogue adds the two denominator shares.
+//      Order in warpgroup w, per own tile j: wait for P_{j-1} (the other's tile), its P.V_{j-1}
+//        (waited for, then this warpgroup is done with tile j - 1's stage), then (rows of tile j
+//        arrived) S_j, softmax, P_j published, own P.V_j (a 128-thread named barrier orders the
+//        warpgroup's P tile writes before it; waited for, stage released). Past its last own
+//        tile it runs the other's last tile's P.V. A stage returns to the producer after S and
+//        both P.V halves (one arrival per compute warp and tile after its P.V: the empty count
+//        is unchanged). Each P.V is waited for at once because with two stages the gather of
+//        tile j + 2 can only start once both P.V halves of tile j completed (run 1 of round 11:
+//        releasing a stage only behind the next tile's S, or behind the next hand-over, made
+//        the gather wait ~3.2 us per tile). The P tile / alpha / max slots of a parity are
+//        rewritten two tiles later, after the other warpgroup's P.V of the tile that used them
+//        (it waits for that P.V before publishing the tile in between).
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: CTA r stores heads [r hs, r hs + hs), hs = ceil(64 / S); per head the S splits'
 //      (m, den) give the factors e^{m_r - M} / den and the lse, out = sum_r fl(factor_r O_r) in
@@ -102,9 +122,12 @@
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts), 8 the ping-pong kernel's early window tiles (same results).
-// Measured on the H200 (docs/perf.md, "Round 3" to "Round 5"): a 64-row tile costs ~2.3 us (tensor
-// cores + softmax; the gather keeps up, waits ~0.13 us); moving 64 KB between the two CTAs of a
-// cluster takes ~2.5 us as a bulk copy, ~3.5-4 us as distributed shared memory stores.
+// Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
+// (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
+// ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in
+// series, also without the gather: the next tile's rows cannot be resident during the softmax
+// with two stages). Moving 64 KB between the two CTAs of a cluster takes ~2.5 us as a bulk copy,
+// ~3.5-4 us as distributed shared memory stores.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -113,6 +136,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "include/dsv41_attn_rows.cuh"
@@ -133,7 +157,6 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
     if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
-    float* mx_s = reinterpret_cast<float*>(smem + SM_MX);
     float* m_s = reinterpret_cast<float*>(smem + SM_M);
     float* alpha_s = reinterpret_cast<float*>(smem + SM_ALPHA);
     float* den_s = reinterpret_cast<float*>(smem + SM_DEN);
@@ -143,6 +166,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + SM_ENT);
     const uint32_t bar_full = sbase + SM_BAR, bar_empty = sbase + SM_BAR + 16;  // [2] each, 8 bytes apart
     const uint32_t bar_rx = sbase + SM_BAR + 32;  // the other split's chunk landed (epilogue, S = 2)
+    const uint32_t bar_pready = sbase + SM_BAR + 40;  // [2] P tile of tile j published (by tile parity)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool compute = tid < THREADS;  // false: the producer warpgroup
@@ -172,6 +196,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
         mbar_init(bar_full + 8, PROD_THREADS);
         mbar_init(bar_empty, THREADS / 32);  // one arrival per compute warp
         mbar_init(bar_empty + 8, THREADS / 32);
+        mbar_init(bar_pready, THREADS / 2);  // one arrival per thread of the owner warpgroup
+        mbar_init(bar_pready + 8, THREADS / 2);
         if (xfer && nsplit > 1) {
             mbar_init(bar_rx, 1);
             mbar_arrive_expect_tx(bar_rx, (HB / 2) * OROW + XSTAT);  // the one chunk of the other CTA (hs = 32 rows sent, any nh)
@@ -221,94 +247,139 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // (Thread tid merges head tid, or head split hs + tid of the bulk-copy epilogue; read after
     // the epilogue's cp_async_wait_all.)
     const float* sink_s = reinterpret_cast<const float*>(smem + SM_SINK);
-    // Warp roles: warpgroup wg = warp / 4 (tile rows 32 wg .. +32 in Q.K^T, dims 256 wg .. +256
-    // in P.V), warp hg = warp % 4 of it: heads 16 hg .. +16.
-    const int hg = warp & 3, wg = warp >> 2;
+    // Warp roles: warpgroup wg = warp / 4 owns the tiles j with j % 2 == wg (their S and softmax)
+    // and accumulates dims 256 wg .. +256 of every tile's P.V; warp hg = warp % 4 of it holds heads
+    // 16 hg .. +16 (rows of both products' accumulators). wg is read from lane 0 so that the
+    // compiler sees the role branches as warp-uniform (wgmma in divergent code serialises).
+    const int hg = warp & 3;
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+    const int hlo = hg * 16 + g, hhi = hlo + 8;
     const bool qk_active = hg * 16 < nh;
-    // O accumulators (m64n256 fragment of warpgroup wg): acc[4i + c] = head 16 hg + g + 8 (c / 2),
+    // O accumulators (m64n256 fragment of warpgroup wg): acc[4i + c] = head hlo + 8 (c / 2),
     // dim 256 wg + 8 i + 2 tq + c % 2.
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    float den_lo = 0.f, den_hi = 0.f;  // this warp's half of the denominators of heads g, g + 8
-
-    for (int j = 0; j < ntiles; ++j) {
-        mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
-        if (j == 0) cp_async_wait_all();  // this thread's q copies
-        fence_proxy_async();  // q and the row tile (generic-proxy writes) are read by wgmma
-        compute_sync();
-        if (j < 16) stamp(24 + j);
-        const int nb = min(BLK, nrows - j * BLK);
-        const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
-        const float* m_old_s = m_s + (j & 1) * HB;
-        float* m_new_s = m_s + ((j + 1) & 1) * HB;
-
-        // Q.K^T: warpgroup wg, all 64 heads x rows 32 wg .. +32 (m64n32k16, 32 k-steps); this
-        // warp gets heads 16 hg .. +16: s[a][c] = row 32 wg + 8 a + 2 tq + c % 2, head + 8 (c / 2).
-        float s[4][4];
+    // This warpgroup's share of the denominators of heads hlo, hhi: the row sums of its own tiles,
+    // rescaled by every tile's alpha in tile order (the two shares are added in the epilogue).
+    float den_lo = 0.f, den_hi = 0.f;
+    const bool tracer_wg = trace && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+    auto wstamp = [&](int slot) {
+        if (tracer_wg) g_trace[slot] = clock64();
+    };
+    // The tile loop, compiled twice: with the products and without them (the diagnostic
+    // skip_mma; two instantiations keep every wgmma path free of register writes behind products
+    // in flight, which would serialise them).
+    auto tile_loop = [&](auto skip_c) {
+        constexpr bool kSkip = decltype(skip_c)::value;
+        // This warp is done with the stage of tile jj (its wgmma reads completed): hand it back.
+        auto release = [&](int jj) {
+            if (lane == 0) mbar_arrive(bar_empty + 8 * (jj & 1));
+        };
+        // O = alpha O + P_jj . V_jj[:, dims 256 wg .. +256] (m64n256k16 per 16 rows; A = the P tile,
+        // K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart). Rows past the tile's end
+        // have p = 0 and zero-filled rows, so all four k-steps run. One commit group.
+        auto issue_pv = [&](int jj, float al, float ah) {
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
-        const bool qk_rows = qk_active && wg * 32 < nb;
-        if (wg * 32 < nb && !skip_mma) {
-            float d[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) d[i] = 0.f;
-            wg_fence_regs<16>(d);
+            for (int i = 0; i < 32; ++i) {
+                acc[4 * i] *= al;
+                acc[4 * i + 1] *= al;
+                acc[4 * i + 2] *= ah;
+                acc[4 * i + 3] *= ah;
+            }
+            const uint32_t kt = sbase + SM_K + (jj & 1) * TILEB, pt = sbase + SM_P + (jj & 1) * PTILE;
+            wg_fence_regs<128>(acc);
             wg_fence();
+            if constexpr (!kSkip) {
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                const uint32_t off = (ks >> 2) * (BLK * 128) + (ks & 3) * 32;
-                wg_m64n32k16<0, 0>(d, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off + wg * 32 * 128, 16, 1024));
+                for (int kk = 0; kk < BLK / 16; ++kk)
+                    wg_m64n256k16_kmn(acc, wg_desc(pt + kk * 32, 16, 1024), wg_desc(kt + wg * 4 * PLANE + kk * 16 * 128, PLANE, 1024));
             }
             wg_commit();
-            wg_wait_all();
-            wg_fence_regs<16>(d);
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) s[a][c] = d[4 * a + c];
-        }
-        // Scale, mask, per-head max of this warp's rows.
-        float mlo = -INFINITY, mhi = -INFINITY;
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-            const int r0 = wg * 32 + 8 * a + 2 * tq;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const bool ok = qk_rows && r0 + (c & 1) < nb;
-                s[a][c] = ok ? __fmul_rn(p.scale, s[a][c]) : -INFINITY;
+        };
+        auto wait_acc = [&]() {
+            wg_wait<0>();
+            wg_fence_regs<128>(acc);
+        };
+
+        cp_async_wait_all();  // this thread's q copies
+        fence_proxy_async();  // q (generic-proxy writes) is read by wgmma
+        compute_sync();       // all of q (copied by the 256 compute threads)
+
+        // The seesaw: warpgroup wg visits its own tiles j = wg, wg + 2, ... and, before each (and once
+        // past the end when the last tile is the other's), the other warpgroup's tile j - 1.
+        for (int j = wg; j <= ntiles; j += 2) {
+            // Tile j - 1 (the other warpgroup's): wait for its P tile, alpha and max, then this half of
+            // its P.V; the stage goes back as soon as that completed (with two stages, the gather of
+            // tile j + 1 waits for it).
+            if (j >= 1) {
+                mbar_wait(bar_pready + 8 * ((j - 1) & 1), ((j - 1) >> 1) & 1);
+                const float* al_s = alpha_s + ((j - 1) & 1) * HB;
+                const float al = al_s[hlo], ah = al_s[hhi];
+                den_lo = __fmul_rn(den_lo, al);
+                den_hi = __fmul_rn(den_hi, ah);
+                issue_pv(j - 1, al, ah);
+                wait_acc();
+                release(j - 1);
             }
-            mlo = fmaxf(mlo, fmaxf(s[a][0], s[a][1]));
-            mhi = fmaxf(mhi, fmaxf(s[a][2], s[a][3]));
-        }
-        mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 1));
-        mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 2));
-        mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 1));
-        mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 2));
-        const int hlo = hg * 16 + g, hhi = hlo + 8;
-        if (tq == 0) {
-            mx_s[wg * HB + hlo] = mlo;
-            mx_s[wg * HB + hhi] = mhi;
-        }
-        compute_sync();
-        // m_new, bf16 p -> P tile, this half's denominator.
-        {
+            if (j >= ntiles) break;  // past the end: only the other's last tile
+        // Own tile j. S = q . K_j^T for all 64 heads x 64 rows (m64n64k16 over the 512 dims, A =
+            // q and B = the row tile, both K-major); s[4i + c] = head hlo + 8 (c / 2), row 8 i + 2 tq
+            // + c % 2.
+            mbar_wait(bar_full + 8 * (j & 1), (j >> 1) & 1);
+            fence_proxy_async();  // the row tile (generic-proxy writes) is read by wgmma
+            wg_sync(wg);
+            if (j < 16) wstamp(24 + j);
+            const uint32_t kt = sbase + SM_K + (j & 1) * TILEB;
+            // Written by the first k-step (accumulate = 0): no zeroing behind the P.V in flight.
+            float s[32];
+            if constexpr (kSkip) {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) s[i] = 0.f;
+            } else {
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks) {
+                    const uint32_t off = (ks >> 2) * PLANE + (ks & 3) * 32;
+                    wg_m64n64k16(s, wg_desc(sbase + SM_Q + off, 16, 1024), wg_desc(kt + off, 16, 1024), ks > 0);
+                }
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs<32>(s);
+            if (j < 16) wstamp(48 + j);
+            // Softmax of tile j in registers: scale, mask, per-head max over the quad's 64 rows.
+            const int nb = min(BLK, nrows - j * BLK);
+            float mlo = -INFINITY, mhi = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const bool ok = qk_active && 8 * i + 2 * tq + (c & 1) < nb;
+                    s[4 * i + c] = ok ? __fmul_rn(p.scale, s[4 * i + c]) : -INFINITY;
+                }
+                mlo = fmaxf(mlo, fmaxf(s[4 * i], s[4 * i + 1]));
+                mhi = fmaxf(mhi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+            }
+            mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 1));
+            mlo = fmaxf(mlo, __shfl_xor_sync(0xffffffffu, mlo, 2));
+            mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 1));
+            mhi = fmaxf(mhi, __shfl_xor_sync(0xffffffffu, mhi, 2));
+            // m_new = max(m after tile j - 1, tile max); bf16 p -> P tile j % 2; alpha; denominators.
+            const float* m_old_s = m_s + (j & 1) * HB;
             const float olo = m_old_s[hlo], ohi = m_old_s[hhi];
-            const float nlo = fmaxf(olo, fmaxf(mx_s[hlo], mx_s[HB + hlo]));
-            const float nhi = fmaxf(ohi, fmaxf(mx_s[hhi], mx_s[HB + hhi]));
+            const float nlo = fmaxf(olo, mlo), nhi = fmaxf(ohi, mhi);
             const float alo = expf(olo - nlo), ahi = expf(ohi - nhi);
+            unsigned char* pt = smem + SM_P + (j & 1) * PTILE;
             float slo = 0.f, shi = 0.f;
 #pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                const float e0 = expf(s[a][0] - nlo), e1 = expf(s[a][1] - nlo);
-                const float e2 = expf(s[a][2] - nhi), e3 = expf(s[a][3] - nhi);
+            for (int i = 0; i < 8; ++i) {
+                const float e0 = expf(s[4 * i] - nlo), e1 = expf(s[4 * i + 1] - nlo);
+                const float e2 = expf(s[4 * i + 2] - nhi), e3 = expf(s[4 * i + 3] - nhi);
                 slo += e0 + e1;
                 shi += e2 + e3;
-                const int r0 = wg * 32 + 8 * a + 2 * tq;  // rows r0, r0 + 1: chunk r0 / 8, element r0 % 8
-                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hlo, r0 >> 3) + (r0 & 7) * 2) = pack_bf16x2_rn(e0, e1);
-                *reinterpret_cast<uint32_t*>(smem + SM_P + sw128(hhi, r0 >> 3) + (r0 & 7) * 2) = pack_bf16x2_rn(e2, e3);
+                // rows 8 i + 2 tq, + 1: chunk i, elements 2 tq, 2 tq + 1
+                *reinterpret_cast<uint32_t*>(pt + sw128(hlo, i) + tq * 4) = pack_bf16x2_rn(e0, e1);
+                *reinterpret_cast<uint32_t*>(pt + sw128(hhi, i) + tq * 4) = pack_bf16x2_rn(e2, e3);
             }
             slo += __shfl_xor_sync(0xffffffffu, slo, 1);
             slo += __shfl_xor_sync(0xffffffffu, slo, 2);
@@ -316,41 +387,28 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             shi += __shfl_xor_sync(0xffffffffu, shi, 2);
             den_lo = __fadd_rn(__fmul_rn(den_lo, alo), slo);
             den_hi = __fadd_rn(__fmul_rn(den_hi, ahi), shi);
-            if (wg == 0 && tq == 0) {
+            if (tq == 0) {
+                float* m_new_s = m_s + ((j + 1) & 1) * HB;
+                float* a_s = alpha_s + (j & 1) * HB;
                 m_new_s[hlo] = nlo;
                 m_new_s[hhi] = nhi;
-                alpha_s[hlo] = alo;
-                alpha_s[hhi] = ahi;
+                a_s[hlo] = alo;
+                a_s[hhi] = ahi;
             }
+            fence_proxy_async();  // the P tile is read by wgmma
+            mbar_arrive(bar_pready + 8 * (j & 1));  // to the other warpgroup (its P.V half of tile j, its tile j + 1)
+            wg_sync(wg);          // this warpgroup's P tile writes, for its own P.V
+            if (j < 16) wstamp(2 + j);
+            issue_pv(j, alo, ahi);
+            wait_acc();
+            release(j);
         }
-        fence_proxy_async();  // the P tile is read by wgmma
-        compute_sync();
-        // P.V: warpgroup wg, all 64 heads x dims 256 wg .. +256 (m64n256k16 per 16 rows; A = the
-        // P tile, K-major; B = the row tile, MN-major: 64-dim planes 8 KB apart).
-        const float al = alpha_s[hlo], ah = alpha_s[hhi];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            acc[4 * i] *= al;
-            acc[4 * i + 1] *= al;
-            acc[4 * i + 2] *= ah;
-            acc[4 * i + 3] *= ah;
-        }
-        const int ksteps = skip_mma ? 0 : (nb + 15) >> 4;
-        if (ksteps > 0) {
-            wg_fence_regs<128>(acc);
-            wg_fence();
-#pragma unroll 1
-            for (int kk = 0; kk < ksteps; ++kk)
-                wg_m64n256k16_kmn(acc, wg_desc(sbase + SM_P + kk * 32, 16, 1024),
-                                  wg_desc(kt + wg * 4 * (BLK * 128) + kk * 16 * 128, BLK * 128, 1024));
-            wg_commit();
-            wg_wait_all();
-            wg_fence_regs<128>(acc);
-        }
-        // This warp is done with the stage (its wgmma reads completed): hand it back.
-        if (lane == 0) mbar_arrive(bar_empty + 8 * (j & 1));
-        if (j < 16) stamp(2 + j);
-    }
+    };
+    if (skip_mma)
+        tile_loop(std::true_type{});
+    else
+        tile_loop(std::false_type{});
+    stamp(22);
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
     cp_async_wait_all();  // the q copy is still in flight when the range is empty
@@ -520,10 +578,18 @@ void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
     const double us = 1e3 / khz;
     fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): indices %.2f | compaction %.2f us", splits, tiles,
             khz / 1000, (h[23] - h[0]) * us, (h[1] - h[0]) * us);
+    // Per tile (its owner warpgroup): rows arrived (from the end of the compaction), S, softmax up
+    // to the P tile's hand-over; the loop ends with the last P.V (thread 0's, slot 22).
     long long prev = h[1];
-    for (int j = 0; j < 16 && h[2 + j] > prev; ++j) {
-        fprintf(stderr, " | tile%d %.2f (wait %.2f)", j, (h[2 + j] - prev) * us, (h[24 + j] - prev) * us);
-        prev = h[2 + j];
+    int n = 0;
+    for (; n < 16 && h[2 + n] > prev; ++n) {
+        fprintf(stderr, " | tile%d rows@%.2f S %.2f softmax %.2f (+%.2f)", n, (h[24 + n] - h[1]) * us, (h[48 + n] - h[24 + n]) * us,
+                (h[2 + n] - h[48 + n]) * us, (h[2 + n] - prev) * us);
+        prev = h[2 + n];
+    }
+    if (n > 0 && h[22] > h[1]) {
+        fprintf(stderr, " | loop %.2f us (%.2f per tile, last P.V %.2f)", (h[22] - h[1]) * us, (h[22] - h[1]) * us / n, (h[22] - prev) * us);
+        prev = h[22];
     }
     fprintf(stderr, " | bar1 %.2f | merge+push %.2f | bar2 %.2f | store %.2f | total %.2f us", (h[21] - prev) * us, (h[18] - h[21]) * us,
             (h[19] - h[18]) * us, (h[20] - h[19]) * us, (h[20] - h[0]) * us);

@@ -10,7 +10,9 @@
 //! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too), and so is
 //! its ping-pong loop (`SparseAttentionKernel::HeadSplitPingPong`, Auto's choice where it picks the
 //! head split; valid-row counts around the tile and consumer boundaries, H = 40); with one tile per
-//! token the ping-pong loop must give bitwise the two-stage loop's results.
+//! token the ping-pong loop must give bitwise the two-stage loop's results. The all-heads kernel's
+//! alternating (seesaw) tile loop is covered over 1 ... 7 tiles per split (valid counts 1, 63, 64,
+//! 65, 127, 128, 129, ...), forced splits 1, 2, 3, 5 and H = 4, 64, 128.
 //! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot
 //! products and of the tensor-core sums differs, which can flip a bf16-rounded probability;
 //! those stay within 2^-7 of the row's largest magnitude) of the crate reference for one split,
@@ -315,6 +317,30 @@ fn forced_splits_cover_boundaries() -> Result<()> {
         run_case(&Case { seed: 30 + i as u64, h: 4, holes: 1, splits: Some(s), ..Case::default() })?;
     }
     Ok(())
+}
+
+#[test]
+fn seesaw_tile_parities_valid_counts_and_splits() -> Result<()> {
+    // The all-heads kernel's tile loop alternates the tiles between its two compute warpgroups
+    // (tile j's S and softmax by warpgroup j % 2, P.V halves by both): valid counts 1, 63, 64,
+    // 65, 127, 128, 129, 191, 256, 257, 420 give 1 ... 7 tiles per token, so with 1, 2, 3 and 5
+    // forced splits and the launcher's choice a split has an odd or even number of tiles, ends
+    // on either warpgroup, or has a single tile (warpgroup 1 owns none) or none; H = 4, 64 and
+    // 128 (second head block); sharper logits so that the running max moves between tiles.
+    let win = [1usize, 63, 64, 65, 127, 128, 0, 0, 64, 128, 100, 3];
+    let extra = [0usize, 0, 0, 0, 0, 0, 129, 191, 192, 129, 320, 5];
+    let all = SparseAttentionKernel::AllHeads;
+    let mut seed = 200;
+    for h in [4usize, 64, 128] {
+        for splits in [None, Some(1), Some(2), Some(3), Some(5)] {
+            run_case(&Case { seed, h, win_lens: &win, extra_lens: &extra, amp_q: 3.0, splits, kernel: all, ..Case::default() })?;
+            seed += 1;
+        }
+    }
+    // Prefill-shaped tokens (window = the previous positions, short at the start) with -1 holes.
+    let win: Vec<usize> = (0..140).map(|i| (i + 1).min(128)).collect();
+    let extra: Vec<usize> = (0..140).map(|i| [512, 448, 65, 0, 200][i % 5]).collect();
+    run_case(&Case { seed: 230, h: 4, win_lens: &win, extra_lens: &extra, holes: 7, amp_q: 3.0, kernel: all, ..Case::default() })
 }
 
 #[test]

@@ -23,16 +23,17 @@ constexpr int MAX_SPLITS = 8;   // portable cluster size
 static_assert(HB == BLK, "the q tile has the row tile's shape");
 constexpr int SM_Q = 0;                         // bf16 [64 heads][512]
 constexpr int SM_K = SM_Q + TILEB;              // bf16 [2 stages][64 rows][512]
-constexpr int SM_P = SM_K + 2 * TILEB;          // bf16 [64 heads][64 rows], 128-byte swizzle (epilogue: f32 [S][64] merge factors)
-constexpr int SM_MX = SM_P + HB * BLK * 2;      // f32 [2 row halves][64 heads]: tile max
-constexpr int SM_M = SM_MX + 2 * HB * 4;        // f32 [2 ping-pong][64 heads]: running max
-constexpr int SM_ALPHA = SM_M + 2 * HB * 4;     // f32 [64 heads]: e^{m_old - m_new}
-constexpr int SM_DEN = SM_ALPHA + HB * 4;       // f32 [2 row halves][64 heads]: denominators
+constexpr int PTILE = HB * BLK * 2;            // one P tile: bf16 [64 heads][64 rows], 128-byte swizzle
+constexpr int SM_P = SM_K + 2 * TILEB;          // P tiles [2 tile parities] (epilogue: f32 [S][64] merge factors)
+constexpr int SM_M = SM_P + 2 * PTILE;          // f32 [2 ping-pong][64 heads]: running max (after tile j: slot (j + 1) & 1)
+constexpr int SM_ALPHA = SM_M + 2 * HB * 4;     // f32 [2 tile parities][64 heads]: e^{m_old - m_new} of tile j
+constexpr int SM_DEN = SM_ALPHA + 2 * HB * 4;   // f32 [2 warpgroups][64 heads]: denominators
 constexpr int SM_STAT = SM_DEN + 2 * HB * 4;    // f32 [2][64 heads]: (m, den) published to the cluster
 constexpr int SM_CNT = SM_STAT + 2 * HB * 4;    // i32 [MAX_ROUNDS * 8] per-warp valid counts -> offsets
 constexpr int SM_TOTAL = SM_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]: valid rows of the token
-constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [5] mbarriers: full[2], empty[2] (stage hand-over), rx (epilogue)
-constexpr int SM_SINK = SM_BAR + 48;           // f32 [64 heads]: sink (cp.async with q)
+constexpr int SM_BAR = SM_TOTAL + 16;           // u64 [7] mbarriers: full[2], empty[2] (stage hand-over), rx (epilogue),
+                                                // p_ready[2] (P tile hand-over between the compute warpgroups)
+constexpr int SM_SINK = SM_BAR + 64;           // f32 [64 heads]: sink (cp.async with q)
 constexpr int SM_ENT = SM_SINK + HB * 4;        // u32 [range]: (source << 31) | row
 constexpr int SM_O = 0;                         // S > 2 epilogue: f32 [S slots][ceil(64 / S) heads][512] (over q + stage 0), swizzled
 // S <= 2 epilogue (over q and the stages, free after the last tile): the chunk a CTA sends to
@@ -48,19 +49,24 @@ constexpr int SM_OUTB2 = 130 * 1024;            // S = 2 (S = 1: at 0, no chunks
 static_assert(SM_RX + (HB / 2) * OROW + XSTAT <= SM_TX && SM_TX + (HB / 2) * OROW + XSTAT <= SM_OUTB2, "epilogue chunks overlap");
 static_assert(SM_OUTB2 + (HB / 2) * OUTB_STRIDE <= SM_P && HB * OUTB_STRIDE <= SM_P, "epilogue out rows overlap the P tile");
 static_assert(SM_P % 1024 == 0 && SM_K % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
+static_assert(SM_ENT + 4 * MAX_INDICES <= 227 * 1024, "shared memory of the largest index count");
 // The pushed partial tiles (S slots of ceil(64 / S) f32 head rows, at most 7 x 10) stay below SM_P.
 static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
 
-// Phase timestamps (SM clock) of CTA (0, 0, 0), thread 0, when the launcher is asked to trace
-// (DSV41_SPARSE_ATTENTION_TRACE=1): [0] start, [23] indices loaded, [1] compaction done,
-// [2 + j] end of tile j, [24 + j] its rows arrived (j < 16); S > 2: [21] / [19] first / second
-// cluster barrier passed, [18] partial tiles pushed + factors merged; S <= 2: [21] chunk staged,
-// [18] chunk received, [44] second barrier, [41] / [42] / [43] factors / sync / combine; [20] end.
-constexpr int TRACE_SLOTS = 48;
+// Phase timestamps (SM clock) of CTA (0, 0, 0) when the launcher is asked to trace
+// (DSV41_SPARSE_ATTENTION_TRACE=1), thread 0 unless said: [0] start, [23] indices loaded, [1]
+// compaction done; per tile j < 16, by thread 0 / 128 of its owner warpgroup j % 2: [24 + j] its
+// rows arrived, [48 + j] S_j done, [2 + j] P_j published; [22] thread 0's tile loop done; S > 2:
+// [21] / [19] first / second cluster barrier passed, [18] partial tiles pushed + factors merged;
+// S <= 2: [21] chunk staged, [18] chunk received, [44] second barrier, [41] / [42] / [43] factors
+// / sync / combine; [20] end.
+constexpr int TRACE_SLOTS = 64;
 __device__ long long g_trace[TRACE_SLOTS];
 
 // Barrier of the 256 compute threads only (named barrier 1; the producer warpgroup never joins).
 __device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
+// Barrier of compute warpgroup w's 128 threads (named barriers 2, 3).
+__device__ __forceinline__ void wg_sync(int w) { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + w) : "memory"); }
 
 // Byte offset of 16-byte chunk `c` (0..63) of row `r` in a q / row tile (64 rows).
 __device__ __forceinline__ uint32_t wgsw(int r, int c) { return wgsw_rows<BLK>(r, c); }
