@@ -141,6 +141,7 @@
 
 #include "include/dsv41_attn_rows.cuh"
 #include "include/dsv41_hopper.cuh"
+#include "include/dsv41_launch.cuh"
 #include "include/dsv41_sparse_attention.h"
 #include "include/dsv41_sparse_attention_epilogue.cuh"
 #include "include/dsv41_sparse_attention_layout.cuh"
@@ -648,44 +649,17 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
         return launch_head_split(*p, static_cast<cudaStream_t>(stream), mode, dev, max_smem);
     }
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
-    // Raise the dynamic limit to the maximum once (thread-safe static initialisation); per-device
-    // attributes are re-applied if a later call runs on another device.
+    // Raise the dynamic limit to the maximum once per thread and device.
     static thread_local int configured_dev = -1;
-    if (configured_dev != dev) {
-        e = cudaFuncSetAttribute(sparse_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-        if (e != cudaSuccess) return static_cast<int>(e);
-        configured_dev = dev;
-    }
-    const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
-
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(p->num_tokens, splits, hblocks);
-    cfg.blockDim = dim3(THREADS + PROD_THREADS, 1, 1);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute attr[2];
-    int nattr = 0;
-    if (splits > 1) {  // one split: no cluster
-        attr[nattr].id = cudaLaunchAttributeClusterDimension;
-        attr[nattr].val.clusterDim.x = 1;
-        attr[nattr].val.clusterDim.y = splits;
-        attr[nattr].val.clusterDim.z = 1;
-        ++nattr;
-    }
-    // Programmatic dependent launch: this grid may start while the previous kernel finishes
-    // (it waits in griddepcontrol.wait before touching global memory).
-    attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[nattr].val.programmaticStreamSerializationAllowed = 1;
-    ++nattr;
-    cfg.attrs = attr;
-    cfg.numAttrs = nattr;
-    if (trace) {
-        void* buf = nullptr;
-        if (cudaGetSymbolAddress(&buf, g_trace) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, cfg.stream);
-    }
-    e = cudaLaunchKernelEx(&cfg, sparse_attention_kernel, *p, mode & 7);
+    e = dsv41_launch::set_max_dynamic_smem(sparse_attention_kernel, dev, max_smem, configured_dev);
     if (e != cudaSuccess) return static_cast<int>(e);
-    e = cudaGetLastError();
-    if (e == cudaSuccess && trace) print_trace(cfg.stream, splits, tiles, dev);
+    const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (trace) dsv41_launch::clear_trace(g_trace, sizeof(long long) * TRACE_SLOTS, st);
+    // Programmatic dependent launch (the kernel waits in griddepcontrol.wait before touching
+    // global memory); the splits of a token form a cluster (one split: no cluster).
+    e = dsv41_launch::launch_pdl(sparse_attention_kernel, dim3(p->num_tokens, splits, hblocks), dim3(THREADS + PROD_THREADS, 1, 1), smem,
+                                 st, splits, *p, mode & 7);
+    if (e == cudaSuccess && trace) print_trace(st, splits, tiles, dev);
     return static_cast<int>(e);
 }

@@ -58,6 +58,7 @@
 #include <stdio.h>
 
 #include "include/dsv41_hopper.cuh"
+#include "include/dsv41_launch.cuh"
 #include "include/dsv41_sparse_attention.h"
 #include "include/dsv41_sparse_attention_common.cuh"
 #include "include/dsv41_sparse_attention_heads.cuh"
@@ -229,27 +230,11 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
     static thread_local int configured_dev = -1;
-    if (configured_dev != dev) {
-        const cudaError_t e = cudaFuncSetAttribute(head_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-        if (e != cudaSuccess) return static_cast<int>(e);
-        configured_dev = dev;
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1);
-    cfg.blockDim = dim3(THREADS_ALL, 1, 1);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (mode & 1) {
-        void* buf = nullptr;
-        if (cudaGetSymbolAddress(&buf, g_trace_heads) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * TRACE_SLOTS, stream);
-    }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_kernel, p, mode & 7);
-    if (e == cudaSuccess) e = cudaGetLastError();
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(head_split_kernel, dev, max_smem, configured_dev);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    if (mode & 1) dsv41_launch::clear_trace(g_trace_heads, sizeof(long long) * TRACE_SLOTS, stream);
+    e = dsv41_launch::launch_pdl(head_split_kernel, dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1), dim3(THREADS_ALL, 1, 1), smem,
+                                 stream, 1, p, mode & 7);
     if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);
 }

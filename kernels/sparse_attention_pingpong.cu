@@ -57,6 +57,7 @@
 #include <stdio.h>
 
 #include "include/dsv41_hopper.cuh"
+#include "include/dsv41_launch.cuh"
 #include "include/dsv41_sparse_attention.h"
 #include "include/dsv41_sparse_attention_common.cuh"
 #include "include/dsv41_sparse_attention_heads.cuh"
@@ -308,11 +309,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
         if ((lane & 3) == 0) alpha_s[hw] = sc;
         bar_sync(bar_wg, CONSUMERS);
         float al[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 a2 = *reinterpret_cast<const float2*>(alpha_s + 8 * i + 2 * tq);
-            al[2 * i] = a2.x, al[2 * i + 1] = a2.y;
-        }
+        load_head_factors(al, alpha_s, tq);
         // o[16 mb + 4 i + c] belongs to head 8 i + 2 tq + c % 2.
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb)
@@ -363,27 +360,11 @@ int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t
     if (nslot < PP_MIN_SLOTS) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(pp_ring_offset(ktot)) + static_cast<size_t>(nslot) * PP_SLOTB;
     static thread_local int configured_dev = -1;
-    if (configured_dev != dev) {
-        const cudaError_t e = cudaFuncSetAttribute(head_split_pingpong_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-        if (e != cudaSuccess) return static_cast<int>(e);
-        configured_dev = dev;
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1);
-    cfg.blockDim = dim3(PP_THREADS, 1, 1);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (mode & 1) {
-        void* buf = nullptr;
-        if (cudaGetSymbolAddress(&buf, g_trace_pp) == cudaSuccess) cudaMemsetAsync(buf, 0, sizeof(long long) * PP_TRACE, stream);
-    }
-    cudaError_t e = cudaLaunchKernelEx(&cfg, head_split_pingpong_kernel, p, mode & 15, nslot);
-    if (e == cudaSuccess) e = cudaGetLastError();
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(head_split_pingpong_kernel, dev, max_smem, configured_dev);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    if (mode & 1) dsv41_launch::clear_trace(g_trace_pp, sizeof(long long) * PP_TRACE, stream);
+    e = dsv41_launch::launch_pdl(head_split_pingpong_kernel, dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1), dim3(PP_THREADS, 1, 1),
+                                 smem, stream, 1, p, mode & 15, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_pingpong(stream, dev);
     return static_cast<int>(e);
 }

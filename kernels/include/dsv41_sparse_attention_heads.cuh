@@ -133,14 +133,20 @@ __device__ __forceinline__ void softmax_tile(const float* s_s, unsigned char* p_
     if ((lane & 3) == 0) alpha_s[hw] = alpha;
 }
 
-// O rescale by its heads' alpha (o[16 mb + 4 i + c] belongs to head 8 i + 2 tq + c % 2).
-__device__ __forceinline__ void rescale_o(float (&o)[128], const float* alpha_s, int tq) {
-    float al[8];
+// The per-head factors of a thread's O fragments: al[2 i + c] = alpha_s[8 i + 2 tq + c] (heads of
+// o[16 mb + 4 i + c'] with c' % 2 = c).
+__device__ __forceinline__ void load_head_factors(float (&al)[8], const float* alpha_s, int tq) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const float2 a2 = *reinterpret_cast<const float2*>(alpha_s + 8 * i + 2 * tq);
         al[2 * i] = a2.x, al[2 * i + 1] = a2.y;
     }
+}
+
+// O rescale by its heads' alpha (o[16 mb + 4 i + c] belongs to head 8 i + 2 tq + c % 2).
+__device__ __forceinline__ void rescale_o(float (&o)[128], const float* alpha_s, int tq) {
+    float al[8];
+    load_head_factors(al, alpha_s, tq);
 #pragma unroll
     for (int mb = 0; mb < 8; ++mb)
 #pragma unroll

@@ -1,0 +1,64 @@
+// Host-side launch helpers shared by the sparse attention launchers (kernels/sparse_attention.cu,
+// sparse_attention_heads.cu, sparse_attention_pingpong.cu): the dynamic shared-memory limit raised
+// once per device and thread, the diagnostic trace buffer cleared, and a launch with programmatic
+// dependent launch (the grid may start while the previous kernel of the stream finishes; every
+// kernel launched this way waits in griddepcontrol.wait before its first global access) and an
+// optional thread-block cluster.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace dsv41_launch {
+
+// Raises `kernel`'s dynamic shared-memory limit to `max_smem` bytes when `configured_dev` (the
+// caller's thread_local memo for this kernel) is not `dev`; per-device attributes are re-applied
+// when a later call runs on another device.
+template <class Kernel>
+inline cudaError_t set_max_dynamic_smem(Kernel* kernel, int dev, int max_smem, int& configured_dev) {
+    if (configured_dev == dev) return cudaSuccess;
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+    if (e == cudaSuccess) configured_dev = dev;
+    return e;
+}
+
+// Zeroes `bytes` of the device symbol `trace` on `stream` (diagnostics: errors are ignored, the
+// trace then shows stale stamps).
+template <class Symbol>
+inline void clear_trace(const Symbol& trace, size_t bytes, cudaStream_t stream) {
+    void* buf = nullptr;
+    if (cudaGetSymbolAddress(&buf, trace) == cudaSuccess) cudaMemsetAsync(buf, 0, bytes, stream);
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization
+// allowed, as a cluster of (1, cluster_y, 1) CTAs when cluster_y > 1. Returns the launch error,
+// else the last error.
+template <class... Params, class... Args>
+inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_y,
+                              Args&&... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    int nattr = 0;
+    if (cluster_y > 1) {
+        attr[nattr].id = cudaLaunchAttributeClusterDimension;
+        attr[nattr].val.clusterDim.x = 1;
+        attr[nattr].val.clusterDim.y = cluster_y;
+        attr[nattr].val.clusterDim.z = 1;
+        ++nattr;
+    }
+    attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[nattr].val.programmaticStreamSerializationAllowed = 1;
+    ++nattr;
+    cfg.attrs = attr;
+    cfg.numAttrs = nattr;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+    if (e == cudaSuccess) e = cudaGetLastError();
+    return e;
+}
+
+}  // namespace dsv41_launch
