@@ -24,6 +24,7 @@ pub struct WindowCache {
     /// The fused path's decode table (`window_fused.rs`, built at the first device decode step):
     /// the decode token's ring slot and window indices are views of it, so a step uploads
     /// nothing for them.
+    #[cfg(feature = "cuda")]
     pub(super) decode_table: Option<Tensor>,
 }
 
@@ -56,7 +57,14 @@ impl WindowCache {
             None => Tensor::zeros((window, head_dim), dtype, device)?,
             Some(p) => p.zeros(window.div_ceil(p.page_size()), device)?,
         };
-        Ok(Self { ring, window, dtype, packing, decode_table: None })
+        Ok(Self {
+            ring,
+            window,
+            dtype,
+            packing,
+            #[cfg(feature = "cuda")]
+            decode_table: None,
+        })
     }
 
     /// The ring's storage: `[window, head_dim]` rows as the reference lays them out (slot =

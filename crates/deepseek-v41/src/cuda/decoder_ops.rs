@@ -145,9 +145,22 @@ fn norm_rows(op: &str, x: &Tensor) -> Result<(Tensor, usize, usize)> {
     Ok((x.contiguous()?, rows, n))
 }
 
-/// Launches a norm kernel on `x` `[rows, n]` (contiguous) with `weight` (`[n]` f32, rms_norm)
-/// into `out` (`out_dtype`, rows·n elements) and `scale` (`[rows]` f32, rms_scale).
-fn launch_norm(op: &str, x: &Tensor, rows: usize, n: usize, weight: Option<&Tensor>, out_dtype: DType, scale: bool, eps: f64) -> Result<(CudaStorage, Option<CudaStorage>)> {
+/// Which row-norm kernel [`launch_norm`] runs.
+enum NormKernel<'a> {
+    /// RMSNorm with `weight` `[n]` (any float dtype, used in f32), output in `out_dtype`.
+    RmsNorm { weight: &'a Tensor, out_dtype: DType },
+    /// `f32(x)` and the per-row `1 / sqrt(mean(x²) + eps)` `[rows]` f32.
+    RmsScale,
+}
+
+/// Launches a norm kernel on `x` `[rows, n]` (contiguous) into `out` (rows·n elements: the
+/// RMSNorm's `out_dtype`, f32 for the scale kernel) and, for [`NormKernel::RmsScale`], `scale`
+/// (`[rows]` f32).
+fn launch_norm(op: &str, x: &Tensor, rows: usize, n: usize, kernel: NormKernel, eps: f64) -> Result<(CudaStorage, Option<CudaStorage>)> {
+    let (weight, out_dtype, scale) = match kernel {
+        NormKernel::RmsNorm { weight, out_dtype } => (Some(weight), out_dtype, false),
+        NormKernel::RmsScale => (None, DType::F32, true),
+    };
     let (xs, xl) = x.storage_and_layout();
     let xc = as_cuda(&xs, "x")?;
     let dev = xc.device.clone();
@@ -222,7 +235,7 @@ pub fn rms_norm_device(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
         return Ok(x.clone());
     }
     let weight = weight.to_device(x.device())?;
-    let (out, _) = launch_norm(op, &xc, rows, n, Some(&weight), x.dtype(), false, eps)?;
+    let (out, _) = launch_norm(op, &xc, rows, n, NormKernel::RmsNorm { weight: &weight, out_dtype: x.dtype() }, eps)?;
     Ok(wrap(out, x.shape().clone()))
 }
 
@@ -239,7 +252,7 @@ pub fn rms_scale_device(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
         let dev = x.device();
         return Ok((Tensor::zeros((0, n), DType::F32, dev)?, Tensor::zeros((0, 1), DType::F32, dev)?));
     }
-    let (out, scale) = launch_norm(op, &xc, rows, n, None, DType::F32, true, eps)?;
+    let (out, scale) = launch_norm(op, &xc, rows, n, NormKernel::RmsScale, eps)?;
     let scale = scale.ok_or_else(|| candle_core::Error::Msg(format!("{op}: no scale output")))?;
     Ok((wrap(out, (rows, n)), wrap(scale, (rows, 1))))
 }

@@ -66,7 +66,7 @@ pub fn swiglu_device(gate: &Tensor, up: &Tensor, weight: Option<&Tensor>, limit:
         }
     }
     if let Some(l) = limit {
-        if !(l > 0.0) {
+        if l.is_nan() || l <= 0.0 {
             candle_core::bail!("{op}: limit must be > 0, got {l}")
         }
     }

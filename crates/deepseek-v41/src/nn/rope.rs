@@ -153,7 +153,7 @@ impl RopeTable {
             let RopeRows { cos, sin, neg_sin } = self.compute(&all)?;
             *cached = Some(RopeBlock { first: block, cos, sin, neg_sin });
         }
-        let b = cached.as_ref().expect("filled above");
+        let Some(b) = cached.as_ref() else { return self.compute(positions) };
         let (off, n) = (first - block, positions.len());
         Ok(RopeRows { cos: b.cos.narrow(0, off, n)?, sin: b.sin.narrow(0, off, n)?, neg_sin: b.neg_sin.narrow(0, off, n)? })
     }
