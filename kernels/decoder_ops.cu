@@ -41,13 +41,10 @@
 #include <cuda_runtime.h>
 
 #include "include/dsv41_decoder_ops.h"
+#include "include/dsv41_float_io.cuh"
 
 namespace dsv41 {
 
-__device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load_f32(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void store_as(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store_as(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
 
 template <typename T>
 __device__ __forceinline__ float sq(const T* x, int64_t i) {

@@ -17,23 +17,19 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "include/dsv41_float_io.cuh"
 #include "include/dsv41_swiglu.h"
 
 namespace dsv41 {
 
 constexpr int kSwigluThreads = 256;
 
-__device__ __forceinline__ float swiglu_load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float swiglu_load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void swiglu_store(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void swiglu_store(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
-
 template <typename T>
 __global__ void __launch_bounds__(kSwigluThreads) swiglu_kernel(Dsv41SwigluParams p) {
     const int64_t e = static_cast<int64_t>(blockIdx.x) * kSwigluThreads + threadIdx.x;
     if (e >= p.rows * p.inter) return;
-    float g = swiglu_load(static_cast<const T*>(p.gate), e);
-    float u = swiglu_load(static_cast<const T*>(p.up), e);
+    float g = load_f32(static_cast<const T*>(p.gate), e);
+    float u = load_f32(static_cast<const T*>(p.up), e);
     if (p.clamp) {
         g = fminf(g, p.limit);
         u = fminf(fmaxf(u, -p.limit), p.limit);
@@ -41,7 +37,7 @@ __global__ void __launch_bounds__(kSwigluThreads) swiglu_kernel(Dsv41SwigluParam
     const float s = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
     float a = __fmul_rn(s, u);
     if (p.weight) a = __fmul_rn(a, p.weight[e / p.inter]);
-    swiglu_store(static_cast<T*>(p.out), e, a);
+    store_as(static_cast<T*>(p.out), e, a);
 }
 
 }  // namespace dsv41

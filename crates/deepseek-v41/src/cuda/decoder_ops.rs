@@ -1,17 +1,16 @@
 //! The decoder's small per-row ops on the GPU (`kernels/decoder_ops.cu`): RMSNorm, the mHC mixes'
-//! rsqrt factor, the mHC collapse and the elementwise part of the mHC post, one launch each
-//! instead of 9 / 7 / 4 / 4 Candle kernels (plus their allocations and stride uploads), with
-//! bit-identical results to those Candle op sequences on a CUDA device
-//! (`tests/cuda_decoder_ops.rs`). [`crate::nn::RmsNorm`], [`crate::model::HcMix::mixes`],
-//! [`crate::model::collapse`] and [`crate::model::post`] call them for CUDA tensors.
+//! rsqrt factor, the mHC collapse, the elementwise part of the mHC post, the Engram gate and
+//! residual and the MoE's f32 sum, one launch each instead of 9 / 7 / 4 / 4 / ~25 / 2–3 Candle
+//! kernels (plus their allocations and stride uploads), with bit-identical results to those
+//! Candle op sequences on a CUDA device (`tests/cuda_decoder_ops.rs`). [`crate::nn::RmsNorm`],
+//! [`crate::model::HcMix::mixes`], [`crate::model::collapse`], [`crate::model::post`],
+//! [`crate::model::engram_mix`] and the MoE call them for CUDA tensors.
 
 use std::ffi::c_void;
 
-use candle_core::op::BackpropOp;
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor, D};
-use half::bf16;
+use candle_core::{CudaStorage, DType, Layout, Result, Tensor, D};
 
-use super::device::{as_cuda, raw_stream, read_ptr, stream_for, write_ptr};
+use super::device::{as_cuda, cuda_tensor, float_alloc, float_read_ptr, float_write_ptr, opt_f32_read_ptr, raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi::check_status;
 
 /// Largest row width of [`rms_norm_device`] / [`rms_scale_device`] (`DSV41_ROW_NORM_MAX_N`).
@@ -174,13 +173,7 @@ fn launch_norm(op: &str, x: &Tensor, rows: usize, n: usize, kernel: NormKernel, 
         let out_layout = Layout::contiguous((rows, n));
         let x_f32 = x.dtype() == DType::F32;
         let (x_p, _gx) = float_read_ptr(xc, xl, x_f32, &stream)?;
-        let (w_p, _gw) = match (&ws, &w) {
-            (Some((s, l)), Some(_)) => {
-                let (p, g) = read_ptr::<f32>(as_cuda(s, "weight")?, l, &stream)?;
-                (p, Some(g))
-            }
-            _ => (std::ptr::null(), None),
-        };
+        let (w_p, _gw) = opt_f32_read_ptr(ws.as_ref(), "weight", &stream)?;
         let (out_p, _go) = float_write_ptr(&mut out, &out_layout, out_dtype == DType::F32, &stream)?;
         let (s_p, _gs) = match sc.as_mut() {
             Some(s) => {
@@ -216,10 +209,6 @@ fn launch_norm(op: &str, x: &Tensor, rows: usize, n: usize, kernel: NormKernel, 
     Ok((out, sc))
 }
 
-fn wrap(s: CudaStorage, shape: impl Into<Shape>) -> Tensor {
-    Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
-}
-
 /// RMSNorm on the GPU: `x / sqrt(mean(x²) + eps) · weight` over the last dim, in f32, rounded to
 /// `x`'s dtype — bit for bit [`crate::nn::RmsNorm`]'s Candle ops on a CUDA device.
 ///
@@ -236,7 +225,7 @@ pub fn rms_norm_device(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
     }
     let weight = weight.to_device(x.device())?;
     let (out, _) = launch_norm(op, &xc, rows, n, NormKernel::RmsNorm { weight: &weight, out_dtype: x.dtype() }, eps)?;
-    Ok(wrap(out, x.shape().clone()))
+    Ok(cuda_tensor(out, x.shape().clone()))
 }
 
 /// The mHC mixes' normalization on the GPU: `(f32(x), 1 / sqrt(mean(x²) + eps))` per row — bit
@@ -254,7 +243,7 @@ pub fn rms_scale_device(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     }
     let (out, scale) = launch_norm(op, &xc, rows, n, NormKernel::RmsScale, eps)?;
     let scale = scale.ok_or_else(|| candle_core::Error::Msg(format!("{op}: no scale output")))?;
-    Ok((wrap(out, (rows, n)), wrap(scale, (rows, 1))))
+    Ok((cuda_tensor(out, (rows, n)), cuda_tensor(scale, (rows, 1))))
 }
 
 /// Whether [`collapse_device`] takes `x` (`[T, hc, d]` bf16 or f32 on a CUDA device,
@@ -307,50 +296,7 @@ pub fn collapse_device(x: &Tensor, pre: &Tensor) -> Result<Tensor> {
         check_status(op, code)?;
     }
     drop((xs, ps));
-    Ok(wrap(out, (t, d)))
-}
-
-/// An uninitialized f32 (`is_f32`) or bf16 buffer of `n` elements on `dev`; the caller's kernel
-/// writes every element.
-pub(super) fn float_alloc(dev: &candle_core::CudaDevice, n: usize, is_f32: bool) -> Result<CudaStorage> {
-    // SAFETY: uninitialized memory, written in full by the kernel that follows (callers' contract).
-    Ok(if is_f32 {
-        CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(n)? }, dev.clone())
-    } else {
-        CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<bf16>(n)? }, dev.clone())
-    })
-}
-
-/// Write pointer of a bf16 / f32 storage (`is_f32` picks the element type).
-pub(super) fn float_write_ptr<'a>(
-    s: &'a mut CudaStorage,
-    l: &Layout,
-    is_f32: bool,
-    stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
-) -> Result<(*mut c_void, candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>)> {
-    Ok(if is_f32 {
-        let (p, g) = write_ptr::<f32>(s, l, stream)?;
-        (p as *mut c_void, g)
-    } else {
-        let (p, g) = write_ptr::<bf16>(s, l, stream)?;
-        (p as *mut c_void, g)
-    })
-}
-
-/// Read pointer of a bf16 / f32 tensor's storage (`is_f32` picks the element type).
-pub(super) fn float_read_ptr<'a>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    is_f32: bool,
-    stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
-) -> Result<(*const c_void, candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>)> {
-    Ok(if is_f32 {
-        let (p, g) = read_ptr::<f32>(s, l, stream)?;
-        (p as *const c_void, g)
-    } else {
-        let (p, g) = read_ptr::<bf16>(s, l, stream)?;
-        (p as *const c_void, g)
-    })
+    Ok(cuda_tensor(out, (t, d)))
 }
 
 /// The elementwise part of the mHC post on the GPU: `out[t, j, c] = post[t, j] · y[t, c] +
@@ -410,7 +356,7 @@ pub fn mhc_post_device(mixed: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DTy
         check_status(op, code)?;
     }
     drop((ms, ys, ps));
-    Ok(wrap(out, (t, hc, d)))
+    Ok(cuda_tensor(out, (t, hc, d)))
 }
 
 /// `cast(acc + f32(v))` on the GPU, with `acc = +0` when `None` — bit for bit the Candle ops
@@ -447,13 +393,7 @@ pub fn accumulate_device(acc: Option<&Tensor>, v: &Tensor, out_dtype: DType) -> 
     let mut out = float_alloc(&cdev, n, out_f32)?;
     {
         let (v_p, _gv) = float_read_ptr(vcu, vl, v_f32, &stream)?;
-        let (a_p, _ga) = match &as_ {
-            Some((s, l)) => {
-                let (p, g) = read_ptr::<f32>(as_cuda(s, "acc")?, l, &stream)?;
-                (p, Some(g))
-            }
-            None => (std::ptr::null(), None),
-        };
+        let (a_p, _ga) = opt_f32_read_ptr(as_.as_ref(), "acc", &stream)?;
         let (out_p, _go) = float_write_ptr(&mut out, &Layout::contiguous(n), out_f32, &stream)?;
         let params = AccumulateParams { acc: a_p, v: v_p, out: out_p, n: n as i64, v_f32: v_f32 as i32, out_f32: out_f32 as i32 };
         // SAFETY: v (and acc) are read-locked, contiguous of n elements of the flagged dtypes;
@@ -463,7 +403,7 @@ pub fn accumulate_device(acc: Option<&Tensor>, v: &Tensor, out_dtype: DType) -> 
         check_status(op, code)?;
     }
     drop((vs, as_));
-    Ok(wrap(out, v.shape().clone()))
+    Ok(cuda_tensor(out, v.shape().clone()))
 }
 
 /// The Engram gate and residual on the GPU (`crate::model::engram::engram_mix`'s op sequence in
@@ -524,5 +464,5 @@ pub fn engram_mix_device(x: &Tensor, kv: &Tensor, qk: &Tensor, eps: f64, clamp: 
         check_status(op, code)?;
     }
     drop((xs, ks, qs));
-    Ok(wrap(out, (t, hc, d)))
+    Ok(cuda_tensor(out, (t, hc, d)))
 }

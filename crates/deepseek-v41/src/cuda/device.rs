@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, Layout, Result, Storage};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape, Storage, Tensor};
+use half::bf16;
 
 /// The stream candle enqueues this storage's work on, with its context bound to the calling
 /// thread (the runtime-API launches of the kernels library use the thread's current context).
@@ -50,6 +52,61 @@ pub(crate) fn write_ptr<'a, T: CudaDType + 'a>(
     let (base, guard) = slice.device_ptr_mut(stream);
     let ptr = base as usize + layout.start_offset() * std::mem::size_of::<T>();
     Ok((ptr as *mut T, guard))
+}
+
+/// Read pointer of an optional f32 input (null and no guard when absent); `what` names it in
+/// the error when its storage is not on a CUDA device.
+/// (`input`: a locked storage as [`candle_core::Tensor::storage_and_layout`] returns it.)
+pub(crate) fn opt_f32_read_ptr<'a, S: std::ops::Deref<Target = Storage>>(
+    input: Option<&'a (S, &'a Layout)>,
+    what: &str,
+    stream: &'a CudaStream,
+) -> Result<(*const f32, Option<SyncOnDrop<'a>>)> {
+    Ok(match input {
+        Some((s, l)) => {
+            let (p, g) = read_ptr::<f32>(as_cuda(s, what)?, l, stream)?;
+            (p, Some(g))
+        }
+        None => (std::ptr::null(), None),
+    })
+}
+
+/// An uninitialized f32 (`is_f32`) or bf16 buffer of `n` elements on `dev`; the caller's kernel
+/// writes every element.
+pub(crate) fn float_alloc(dev: &CudaDevice, n: usize, is_f32: bool) -> Result<CudaStorage> {
+    // SAFETY: uninitialized memory, written in full by the kernel that follows (callers' contract).
+    Ok(if is_f32 {
+        CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(n)? }, dev.clone())
+    } else {
+        CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<bf16>(n)? }, dev.clone())
+    })
+}
+
+/// Read pointer of a bf16 / f32 storage (`is_f32` picks the element type).
+pub(crate) fn float_read_ptr<'a>(s: &'a CudaStorage, l: &Layout, is_f32: bool, stream: &'a CudaStream) -> Result<(*const c_void, SyncOnDrop<'a>)> {
+    Ok(if is_f32 {
+        let (p, g) = read_ptr::<f32>(s, l, stream)?;
+        (p as *const c_void, g)
+    } else {
+        let (p, g) = read_ptr::<bf16>(s, l, stream)?;
+        (p as *const c_void, g)
+    })
+}
+
+/// Write pointer of a bf16 / f32 storage (`is_f32` picks the element type).
+pub(crate) fn float_write_ptr<'a>(s: &'a mut CudaStorage, l: &Layout, is_f32: bool, stream: &'a CudaStream) -> Result<(*mut c_void, SyncOnDrop<'a>)> {
+    Ok(if is_f32 {
+        let (p, g) = write_ptr::<f32>(s, l, stream)?;
+        (p as *mut c_void, g)
+    } else {
+        let (p, g) = write_ptr::<bf16>(s, l, stream)?;
+        (p as *mut c_void, g)
+    })
+}
+
+/// A kernel's output storage as a tensor of `shape` (no gradient).
+pub(crate) fn cuda_tensor(s: CudaStorage, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
 }
 
 /// The stream as the C launchers take it (`cudaStream_t`).

@@ -3,10 +3,9 @@
 //! op sequence, with bit-identical results to that sequence on a CUDA device
 //! (`tests/cuda_layer.rs`). [`crate::model::split_sinkhorn`] calls it for CUDA tensors.
 
-use candle_core::op::BackpropOp;
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor};
 
-use super::device::{as_cuda, raw_stream, read_ptr, stream_for, write_ptr};
+use super::device::{as_cuda, cuda_tensor, raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
 
 /// Largest `hc` the kernel takes (`DSV41_MHC_MAX_HC`).
@@ -69,6 +68,5 @@ pub fn split_sinkhorn_device(mixes: &Tensor, scale: &Tensor, base: &Tensor, hc: 
         ffi::check_status(op, code)?;
     }
     drop((ms, ss, bs));
-    let wrap = |s: CudaStorage, shape: Shape| Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false);
-    Ok((wrap(pre, s_pre.clone()), wrap(post, s_pre), wrap(comb, s_comb)))
+    Ok((cuda_tensor(pre, s_pre.clone()), cuda_tensor(post, s_pre), cuda_tensor(comb, s_comb)))
 }

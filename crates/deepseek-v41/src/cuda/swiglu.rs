@@ -5,11 +5,9 @@
 
 use std::ffi::c_void;
 
-use candle_core::op::BackpropOp;
-use candle_core::{DType, Layout, Result, Storage, Tensor};
+use candle_core::{DType, Layout, Result, Tensor};
 
-use super::decoder_ops::{float_alloc, float_read_ptr, float_write_ptr};
-use super::device::{as_cuda, raw_stream, read_ptr, stream_for};
+use super::device::{as_cuda, cuda_tensor, float_alloc, float_read_ptr, float_write_ptr, opt_f32_read_ptr, raw_stream, stream_for};
 use super::ffi::check_status;
 
 /// `Dsv41SwigluParams` of `kernels/include/dsv41_swiglu.h`.
@@ -89,13 +87,7 @@ pub fn swiglu_device(gate: &Tensor, up: &Tensor, weight: Option<&Tensor>, limit:
         let out_layout = Layout::contiguous((rows, inter));
         let (g_p, _gg) = float_read_ptr(gc, gl, x_f32, &stream)?;
         let (u_p, _gu) = float_read_ptr(uc, ul, x_f32, &stream)?;
-        let (w_p, _gw) = match &ws {
-            Some((s, l)) => {
-                let (p, g) = read_ptr::<f32>(as_cuda(s, "weight")?, l, &stream)?;
-                (p, Some(g))
-            }
-            None => (std::ptr::null(), None),
-        };
+        let (w_p, _gw) = opt_f32_read_ptr(ws.as_ref(), "weight", &stream)?;
         let (out_p, _go) = float_write_ptr(&mut out, &out_layout, x_f32, &stream)?;
         let params = SwigluParams {
             gate: g_p,
@@ -115,5 +107,5 @@ pub fn swiglu_device(gate: &Tensor, up: &Tensor, weight: Option<&Tensor>, limit:
         check_status(op, code)?;
     }
     drop((gs, us, ws));
-    Ok(Tensor::from_storage(Storage::Cuda(out), (rows, inter), BackpropOp::none(), false))
+    Ok(cuda_tensor(out, (rows, inter)))
 }
