@@ -572,10 +572,8 @@ bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, 
 // Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
 void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
     long long h[TRACE_SLOTS] = {};
-    int khz = 0;
-    if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, g_trace, sizeof(h)) != cudaSuccess ||
-        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
-        return;
+    const int khz = dsv41_launch::read_trace(g_trace, h, sizeof(h), stream, dev);
+    if (khz == 0) return;
     const double us = 1e3 / khz;
     fprintf(stderr, "sparse_attention trace (CTA 0, splits %d, index tiles %d, %d MHz): indices %.2f | compaction %.2f us", splits, tiles,
             khz / 1000, (h[23] - h[0]) * us, (h[1] - h[0]) * us);

@@ -197,10 +197,8 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
 // Prints the phase timestamps of CTA (0, 0) (synchronises the stream).
 void print_trace(cudaStream_t stream, int dev) {
     long long h[TRACE_SLOTS] = {};
-    int khz = 0;
-    if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, g_trace_heads, sizeof(h)) != cudaSuccess ||
-        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
-        return;
+    const int khz = dsv41_launch::read_trace(g_trace_heads, h, sizeof(h), stream, dev);
+    if (khz == 0) return;
     const double us = 1e3 / khz;
     fprintf(stderr, "sparse_attention head-split trace (CTA 0): indices %.2f | compaction %.2f us", (h[1] - h[0]) * us, (h[2] - h[0]) * us);
     long long prev = h[2];

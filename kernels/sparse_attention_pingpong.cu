@@ -332,10 +332,8 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
 // Prints the phase timestamps of CTA (0, 0) (synchronises the stream).
 void print_trace_pingpong(cudaStream_t stream, int dev) {
     long long h[PP_TRACE] = {};
-    int khz = 0;
-    if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, g_trace_pp, sizeof(h)) != cudaSuccess ||
-        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
-        return;
+    const int khz = dsv41_launch::read_trace(g_trace_pp, h, sizeof(h), stream, dev);
+    if (khz == 0) return;
     const double us = 1e3 / khz;
     auto at = [&](int i) { return (h[i] - h[0]) * us; };
     fprintf(stderr, "sparse_attention head-split ping-pong trace (CTA 0): indices %.2f | compaction %.2f us", at(1), at(2));

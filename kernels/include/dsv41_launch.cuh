@@ -31,6 +31,17 @@ inline void clear_trace(const Symbol& trace, size_t bytes, cudaStream_t stream) 
     if (cudaGetSymbolAddress(&buf, trace) == cudaSuccess) cudaMemsetAsync(buf, 0, bytes, stream);
 }
 
+// Copies the trace symbol `trace` (`bytes`) into `h` after synchronising `stream` and returns the
+// clock rate of device `dev` in kHz, or 0 when any step failed (the caller then prints nothing).
+template <class Symbol>
+inline int read_trace(const Symbol& trace, long long* h, size_t bytes, cudaStream_t stream, int dev) {
+    int khz = 0;
+    if (cudaStreamSynchronize(stream) != cudaSuccess || cudaMemcpyFromSymbol(h, trace, bytes) != cudaSuccess ||
+        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess || khz <= 0)
+        return 0;
+    return khz;
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization
 // allowed, as a cluster of (1, cluster_y, 1) CTAs when cluster_y > 1. Returns the launch error,
 // else the last error.
