@@ -121,6 +121,8 @@ enum AttentionKernel {
     PingPong,
     /// The head-split kernel's two-stage loop (`SparseAttentionKernel::HeadSplit`).
     HeadSplit,
+    /// The dims-split pair (`SparseAttentionKernel::DimSplitPair`; bf16 rows).
+    DimSplit,
 }
 
 impl From<AttentionKernel> for SparseAttentionKernel {
@@ -129,6 +131,7 @@ impl From<AttentionKernel> for SparseAttentionKernel {
             AttentionKernel::Auto => SparseAttentionKernel::Auto,
             AttentionKernel::PingPong => SparseAttentionKernel::HeadSplitPingPong,
             AttentionKernel::HeadSplit => SparseAttentionKernel::HeadSplit,
+            AttentionKernel::DimSplit => SparseAttentionKernel::DimSplitPair,
         }
     }
 }

@@ -6,7 +6,8 @@
 //!   ring of 128 rows, extra = 512 rows drawn at random from a pool of 128K compressed positions
 //!   (128 MB, mostly not in L2). Each B with the launcher's choice, the all-heads kernel (its
 //!   split choice) and the head-split kernel forced in both loops (`HeadSplit`: one consumer,
-//!   two-stage ring; `HeadSplitPingPong`: two consumers on a slot ring); B = 64 also with forced
+//!   two-stage ring; `HeadSplitPingPong`: two consumers on a slot ring) and the dims-split pair
+//!   (`DimSplitPair`: all heads, the dims split over a 2-CTA cluster); B = 64 also with forced
 //!   split counts.
 //! * Prefill, T = 4096, 16384, 65536 query tokens of one sequence: token i's window = positions
 //!   i-127 ..= i (−1 before the start), extra = 512 random entries of a compressed pool of T/4
@@ -29,8 +30,9 @@
 //!
 //! * In-stream decode B = 64 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
 //!   indexer's real top-k kernel as the producer of the extra index lists; the attention's share
-//!   = pair - top-k alone, for the launcher's choice (the head-split ping-pong loop) and the
-//!   head-split two-stage loop (`SparseAttentionKernel::HeadSplit`), next to the
+//!   = pair - top-k alone, for the launcher's choice (the head-split ping-pong loop), the
+//!   head-split two-stage loop (`SparseAttentionKernel::HeadSplit`) and the dims-split pair
+//!   (`SparseAttentionKernel::DimSplitPair`), next to the
 //!   standalone figures above (which are back-to-back calls of the attention alone: its rows
 //!   largely stay in L2 between calls), and the attention after an L2 flush.
 //!
@@ -327,7 +329,8 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
     })?;
     println!("  top-k alone: {:.2} us", prod * 1e3);
     let two_stage = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplit, ..opts };
-    for (name, o) in [("Auto", opts), ("head-split two-stage", two_stage)] {
+    let dim_split = SparseAttentionOptions { kernel: SparseAttentionKernel::DimSplitPair, ..opts };
+    for (name, o) in [("Auto", opts), ("head-split two-stage", two_stage), ("dims-split pair", dim_split)] {
         let attn = |ic: &Tensor| sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, pool, ic, sink, scale, o);
         let (pair, _) = timer.time(|| {
             attn(&topk()?)?;
@@ -437,12 +440,14 @@ fn main() -> Result<()> {
     let all_heads = SparseAttentionOptions { kernel: SparseAttentionKernel::AllHeads, ..auto };
     let head_split = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplit, ..auto };
     let pingpong = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitPingPong, ..auto };
+    let dim_split = SparseAttentionOptions { kernel: SparseAttentionKernel::DimSplitPair, ..auto };
     for b in [1usize, 64, 256] {
         let pb = decode_problem(&dev, &pool, b)?;
         report(&timer, &args, &format!("decode B={b}"), &pb, &sink, auto, true)?;
         report(&timer, &args, &format!("decode B={b} all-heads"), &pb, &sink, all_heads, false)?;
         report(&timer, &args, &format!("decode B={b} head-split"), &pb, &sink, head_split, false)?;
         report(&timer, &args, &format!("decode B={b} ping-pong"), &pb, &sink, pingpong, false)?;
+        report(&timer, &args, &format!("decode B={b} dims-split pair"), &pb, &sink, dim_split, false)?;
         if b == 64 {
             for s in [1usize, 2, 3, 4] {
                 let opts = SparseAttentionOptions { num_splits: Some(s), ..auto };
@@ -487,6 +492,7 @@ fn main() -> Result<()> {
         report(&timer, &args, &format!("decode B=64 rows={win}"), &pb, &sink, auto, false)?;
         report(&timer, &args, &format!("decode B=64 rows={win} all-heads"), &pb, &sink, all_heads, false)?;
         report(&timer, &args, &format!("decode B=64 rows={win} ping-pong"), &pb, &sink, pingpong, false)?;
+        report(&timer, &args, &format!("decode B=64 rows={win} dims-split"), &pb, &sink, dim_split, false)?;
     }
     drop(pool);
     if !args.no_prefill {

@@ -607,7 +607,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (p->num_tokens < 0 || p->num_heads < 0 || p->kw < 0 || p->kc < 0 || p->kw + p->kc > MAX_INDICES ||
         p->num_heads > 65535 * HB || (p->index_bytes != 4 && p->index_bytes != 8) || p->num_window_rows < 0 ||
         p->num_extra_rows < 0 || p->num_window_rows > 0x7fffffff || p->num_extra_rows > 0x7fffffff ||
-        p->num_splits < 0 || p->num_splits > MAX_SPLITS || p->kernel < DSV41_SA_KERNEL_AUTO || p->kernel > DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG ||
+        p->num_splits < 0 || p->num_splits > MAX_SPLITS || p->kernel < DSV41_SA_KERNEL_AUTO || p->kernel > DSV41_SA_KERNEL_DIM_SPLIT_PAIR ||
         (p->kernel >= DSV41_SA_KERNEL_HEAD_SPLIT && p->num_splits > 1))
         return DSV41_ERR_SHAPE;
     if (p->num_tokens == 0 || p->num_heads == 0) return DSV41_OK;

@@ -221,6 +221,10 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     // bf16 rows: the ping-pong kernel (Auto's choice, or forced), unless its slots do not fit;
     // forced HeadSplit and packed rows (its producer expands whole tiles): the two-stage kernel.
     const bool bf16_rows = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
+    if (bf16_rows && p.kernel == DSV41_SA_KERNEL_DIM_SPLIT_PAIR) {
+        const int r = launch_dimsplit_pair(p, stream, mode, dev, max_smem);
+        if (r != DSV41_ERR_SHAPE) return r;
+    }
     if (bf16_rows && p.kernel != DSV41_SA_KERNEL_HEAD_SPLIT) {
         const int r = launch_head_split_pingpong(p, stream, mode, dev, max_smem);
         if (r != DSV41_ERR_SHAPE) return r;

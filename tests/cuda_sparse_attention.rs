@@ -215,6 +215,7 @@ fn run_case(c: &Case) -> Result<()> {
     let (kernel, splits) = match (c.kernel, c.splits) {
         (SparseAttentionKernel::HeadSplit, _) => ("head-split", 1),
         (SparseAttentionKernel::HeadSplitPingPong, _) => ("head-split ping-pong", 1),
+        (SparseAttentionKernel::DimSplitPair, _) => ("dims-split pair", 1),
         (_, Some(s)) => ("all-heads", s),
         (SparseAttentionKernel::AllHeads, None) | (SparseAttentionKernel::Auto, None) => {
             let mut found = None;
@@ -459,10 +460,10 @@ fn rejects_bad_shapes_and_dtypes() -> Result<()> {
     let bad = SparseAttentionOptions { num_splits: Some(9), ..Default::default() };
     let e = sparse_attention_two_source_with(&q, &kv, &idx, &kv, &idx, &sink, 1.0, bad).unwrap_err().to_string();
     ensure!(e.contains("num_splits"), "{e}");
-    for kernel in [SparseAttentionKernel::HeadSplit, SparseAttentionKernel::HeadSplitPingPong] {
+    for kernel in [SparseAttentionKernel::HeadSplit, SparseAttentionKernel::HeadSplitPingPong, SparseAttentionKernel::DimSplitPair] {
         let bad = SparseAttentionOptions { num_splits: Some(2), kernel };
         let e = sparse_attention_two_source_with(&q, &kv, &idx, &kv, &idx, &sink, 1.0, bad).unwrap_err().to_string();
-        ensure!(e.contains("head-split") && e.contains("num_splits 2"), "{e}");
+        ensure!(e.contains(&format!("{kernel:?}")) && e.contains("does not split the rows, got num_splits 2"), "{e}");
     }
     let wide = Tensor::zeros((2, 4094), DType::I64, &dev)?;
     let e = sparse_attention_two_source(&q, &kv, &wide, &kv, &idx, &sink, 1.0).unwrap_err().to_string();
@@ -472,29 +473,39 @@ fn rejects_bad_shapes_and_dtypes() -> Result<()> {
 
 #[test]
 fn head_split_pingpong_over_the_edge_cases() -> Result<()> {
-    // The ping-pong loop (two consumers on alternate tiles, a running-max hand-over, one merge)
-    // against the crate reference at the head-split tolerance. Valid rows per token 0, 1, 63,
-    // 64, 65, 127, 128, 129, 640 and 192 / 320 / 428 / 513 (3, 5, 7, 9 tiles: the consumer of
-    // the last tile alternates; with one tile consumer B has none), window-only and extra-only
-    // tokens; H = 64, 4, 40 (a partial head block), 100 (two blocks); no holes (exact counts),
-    // holes + i32 indices, sharp logits (the running max moves between the consumers' tiles),
-    // a B = 64 decode batch and the 4096-index limit (fewer slots).
-    let pp = SparseAttentionKernel::HeadSplitPingPong;
+    two_consumer_edge_cases(SparseAttentionKernel::HeadSplitPingPong, 120)
+}
+
+#[test]
+fn dim_split_pair_over_the_edge_cases() -> Result<()> {
+    // The same cases for the dims-split pair (2-CTA clusters exchanging partial scores, P tiles
+    // and the final factors; its merge slots for 2, 3, 4 and more tiles).
+    two_consumer_edge_cases(SparseAttentionKernel::DimSplitPair, 130)
+}
+
+/// The kernels with two consumers on alternate tiles (a running-max hand-over, one merge) against
+/// the crate reference at the head-split tolerance. Valid rows per token 0, 1, 63, 64, 65, 127,
+/// 128, 129, 640 and 192 / 320 / 428 / 513 (3, 5, 7, 9 tiles: the consumer of the last tile
+/// alternates; with one tile consumer B has none), window-only and extra-only tokens; H = 64, 4,
+/// 40 (a partial head block), 100 (two blocks); no holes (exact counts), holes + i32 indices,
+/// sharp logits (the running max moves between the consumers' tiles), a B = 64 decode batch and
+/// the 4096-index limit (fewer slots).
+fn two_consumer_edge_cases(pp: SparseAttentionKernel, seed: u64) -> Result<()> {
     let win = [0usize, 1, 63, 64, 64, 127, 128, 128, 128, 128, 100, 128, 0, 5, 128, 1];
     let extra = [0usize, 0, 0, 0, 1, 0, 0, 1, 512, 64, 220, 300, 129, 507, 385, 512];
-    run_case(&Case { seed: 120, win_lens: &win, extra_lens: &extra, kernel: pp, ..Case::default() })?;
-    run_case(&Case { seed: 121, h: 4, win_lens: &win, extra_lens: &extra, holes: 3, i32_indices: true, kernel: pp, ..Case::default() })?;
-    run_case(&Case { seed: 122, h: 40, win_lens: &win, extra_lens: &extra, holes: 5, amp_q: 6.0, kernel: pp, ..Case::default() })?;
-    run_case(&Case { seed: 123, h: 100, holes: 4, splits: Some(1), kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed, win_lens: &win, extra_lens: &extra, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: seed + 1, h: 4, win_lens: &win, extra_lens: &extra, holes: 3, i32_indices: true, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: seed + 2, h: 40, win_lens: &win, extra_lens: &extra, holes: 5, amp_q: 6.0, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: seed + 3, h: 100, holes: 4, splits: Some(1), kernel: pp, ..Case::default() })?;
     let lens = [0usize, 1, 127, 128, 129, 512];
     let w36: Vec<usize> = (0..36).map(|i| lens[i % 6]).collect();
     let e36: Vec<usize> = (0..36).map(|i| lens[i / 6]).collect();
-    run_case(&Case { seed: 124, win_lens: &w36, extra_lens: &e36, kw: 512, holes: 2, amp_q: 3.0, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: seed + 4, win_lens: &w36, extra_lens: &e36, kw: 512, holes: 2, amp_q: 3.0, kernel: pp, ..Case::default() })?;
     let w64 = [128usize; 64];
     let e64: Vec<usize> = (0..64).map(|i| [512, 511, 129, 1, 0, 449][i % 6]).collect();
-    run_case(&Case { seed: 125, win_lens: &w64, extra_lens: &e64, amp_q: 1.5, kernel: pp, ..Case::default() })?;
+    run_case(&Case { seed: seed + 5, win_lens: &w64, extra_lens: &e64, amp_q: 1.5, kernel: pp, ..Case::default() })?;
     let (win, extra) = (&[2048usize, 1000, 0][..], &[2048usize, 2048, 5][..]);
-    run_case(&Case { seed: 126, h: 4, win_lens: win, extra_lens: extra, kw: 2048, kc: 2048, holes: 30, kernel: pp, ..Case::default() })
+    run_case(&Case { seed: seed + 6, h: 4, win_lens: win, extra_lens: extra, kw: 2048, kc: 2048, holes: 30, kernel: pp, ..Case::default() })
 }
 
 #[test]

@@ -23,6 +23,8 @@ enum {
     DSV41_SA_KERNEL_HEAD_SPLIT = 2, // 32 heads per CTA, all rows, no split (sparse_attention_heads.cu)
     DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG = 3,  // the same split, two consumers on alternate tiles of a slot ring
                                               // (sparse_attention_pingpong.cu; bf16 rows; packed rows: as 2)
+    DSV41_SA_KERNEL_DIM_SPLIT_PAIR = 4,  // all heads, the dims split over a 2-CTA cluster, partial scores exchanged
+                                         // (sparse_attention_dimsplit.cu; bf16 rows; packed rows: as 2)
 };
 
 // Two KV sources like FlashMLA's k_cache + extra_k_cache: token t attends to the valid rows of

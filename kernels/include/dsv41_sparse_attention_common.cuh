@@ -214,5 +214,8 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
 // diagnostic bits of the launcher (1 trace, 2 no mma, 4 no gather, 8 no early window tiles).
 // Returns a cudaError_t or a DSV41 status.
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
+// The dims-split pair kernel's launch (kernels/sparse_attention_dimsplit.cu; bf16 rows, `p`
+// validated): a cudaError_t or a DSV41 status, DSV41_ERR_SHAPE when its slots do not fit `max_smem`.
+int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
 
 }  // namespace dsv41_sa

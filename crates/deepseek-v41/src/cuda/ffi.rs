@@ -142,8 +142,8 @@ pub(crate) struct SparseAttentionParams {
     pub window_page_size: i32,
     /// Tokens per page of a packed `kv_extra`.
     pub extra_page_size: i32,
-    /// Which kernel runs: [`SA_KERNEL_AUTO`], [`SA_KERNEL_ALL_HEADS`], [`SA_KERNEL_HEAD_SPLIT`] or
-    /// [`SA_KERNEL_HEAD_SPLIT_PINGPONG`].
+    /// Which kernel runs: [`SA_KERNEL_AUTO`], [`SA_KERNEL_ALL_HEADS`], [`SA_KERNEL_HEAD_SPLIT`],
+    /// [`SA_KERNEL_HEAD_SPLIT_PINGPONG`] or [`SA_KERNEL_DIM_SPLIT_PAIR`].
     pub kernel: i32,
 }
 
@@ -156,6 +156,9 @@ pub(crate) const SA_KERNEL_HEAD_SPLIT: i32 = 2;
 /// `DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG`: the head-split kernel's ping-pong consumers on a slot
 /// ring (bf16 rows).
 pub(crate) const SA_KERNEL_HEAD_SPLIT_PINGPONG: i32 = 3;
+/// `DSV41_SA_KERNEL_DIM_SPLIT_PAIR`: all heads per CTA, the dims split over a 2-CTA cluster
+/// (bf16 rows).
+pub(crate) const SA_KERNEL_DIM_SPLIT_PAIR: i32 = 4;
 
 /// `DSV41_KV_BF16`: bf16 rows.
 pub(crate) const KV_BF16: i32 = 0;

@@ -65,6 +65,15 @@ pub enum SparseAttentionKernel {
     /// tiles, merged once). Auto's choice where it picks the head split, for bf16 rows (packed
     /// rows run `HeadSplit`'s loop). Takes no `num_splits` above 1.
     HeadSplitPingPong,
+    /// All 64 heads of a block per CTA with the 512 dims split over the two CTAs of a cluster
+    /// (`kernels/sparse_attention_dimsplit.cu`): each CTA gathers only its 256 dims of every row,
+    /// so a row crosses L2 -> SM once per token, and the two exchange their partial scores (each
+    /// CTA runs the softmax of half of the heads) and P tiles through distributed shared memory.
+    /// Two consumer warpgroups on alternate tiles as `HeadSplitPingPong`, whose numerics it has
+    /// (p rounded to bf16 relative to the running max after each 64-row block); only f32
+    /// summation orders differ. bf16 rows (packed rows run `HeadSplit`'s loop). Takes no
+    /// `num_splits` above 1.
+    DimSplitPair,
 }
 
 /// Tuning knobs of [`sparse_attention_two_source_with`]; they change the CUDA work split (and
@@ -175,9 +184,12 @@ impl SparseAttentionInputs<'_> {
             if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
                 candle_core::bail!("sparse_attention: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}")
             }
-            let head_split = matches!(options.kernel, SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitPingPong);
+            let head_split = matches!(
+                options.kernel,
+                SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitPingPong | SparseAttentionKernel::DimSplitPair
+            );
             if s > 1 && head_split {
-                candle_core::bail!("sparse_attention: the head-split kernel ({:?}) does not split the rows, got num_splits {s}", options.kernel)
+                candle_core::bail!("sparse_attention: the {:?} kernel does not split the rows, got num_splits {s}", options.kernel)
             }
         }
         if self.q.device().is_cuda() {
@@ -453,6 +465,7 @@ fn cuda_forward(x: &SparseAttentionInputs, options: SparseAttentionOptions) -> R
                 SparseAttentionKernel::AllHeads => ffi::SA_KERNEL_ALL_HEADS,
                 SparseAttentionKernel::HeadSplit => ffi::SA_KERNEL_HEAD_SPLIT,
                 SparseAttentionKernel::HeadSplitPingPong => ffi::SA_KERNEL_HEAD_SPLIT_PINGPONG,
+                SparseAttentionKernel::DimSplitPair => ffi::SA_KERNEL_DIM_SPLIT_PAIR,
             },
         };
         // SAFETY: every pointer comes from a storage read-locked (outputs: owned) for this call;

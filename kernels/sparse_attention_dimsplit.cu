@@ -1,0 +1,442 @@
+// sparse_attention_dimsplit: the dims-split pair decode kernel of the sparse attention with sink
+// (kernels/sparse_attention.cu holds the launcher, the definition and the numerics). bf16 rows.
+//
+// Why. At B = 64 decode the all-heads kernel (one CTA per token) fills only half of the SMs and its
+// split-KV merge is expensive; the head-split kernels (two CTAs per token, 32 heads each) fill
+// them, but each of a token's two CTAs gathers every row, and the loop is bound by the bytes one SM
+// can have in flight (~64 KB per ~1.5 us, docs/perf.md "Round 10"). Here the token's two CTAs split
+// the 512 dims instead: each gathers only its half of every row (512 B), so a row crosses L2 -> SM
+// once per token and an SM moves half the bytes per tile; all 64 heads stay in one CTA, which keeps
+// the efficient M = 64 heads shape of the all-heads products (S: m64n64, P.V: m64n256).
+//
+// Design. grid = (T, 2, ceil(H / 64)), clusters of 2 CTAs along y, 384 threads = 3 warpgroups, 1 CTA
+// per SM (~200 KB shared memory at 640 indices). CTA (t, r, z) = rank r of the cluster owns dims
+// [256 r, 256 r + 256) of q, of every row and of the output, for heads [64 z, 64 z + 64) of token t,
+// and the softmax of half of the heads (the "own" heads: in the m64 fragment thread (w, g, tq) of a
+// warpgroup holds heads 16 w + g (lo) and 16 w + g + 8 (hi); rank 0 owns the lo heads, rank 1 the
+// hi heads).
+//   1. Both CTAs compact the token's valid indices (the shared heads::compact_indices, warpgroups 0
+//      and 1) while the q copies (64 heads x the CTA's 256 dims, 32 KB, four 64-dim planes) fly.
+//   2. Warpgroup 2 produces (setmaxnreg 40): tile k (64 rows x 256 dims = 32 KB) -> ring slot
+//      k % NS (NS = 4 at 640 indices) behind per-slot full / empty mbarriers, 16-byte cp.async.
+//   3. Consumer warpgroups c = 0, 1 (setmaxnreg 232) take alternate tiles j = c, c + 2, ... (the
+//      same tiles in both CTAs), each with its own O accumulator (64 heads x 256 dims, 128 f32 per
+//      thread) and denominators. Per tile:
+//        S partial = q[:, own dims] . K_j[:, own dims]^T (16 x m64n64k16, A = q and B = the slot,
+//          both K-major, 128-byte swizzle); the values of the peer's heads go to the peer (4
+//          st.async.v4 per thread into its exchange buffer, completing on its mbarrier), the peer's
+//          partial of the own heads comes back the same way: s = own + peer (f32, exact sum of the
+//          two 256-dim halves).
+//        Softmax of the own head (16 rows per thread, the 4 lanes of a quad share a head): scale,
+//          mask, max, m_new = max(m after tile j - 1 (from the other warpgroup, named barriers as in
+//          the ping-pong kernel), tile max), alpha = e^{m_old - m_new} (m_old: this warpgroup's
+//          previous tile), p = e^{l - m_new} summed into the head's denominator and rounded to bf16
+//          into the warpgroup's P tile ([64 heads][64 rows], 128-byte swizzle); the own heads' rows
+//          of it (4 x 1 KB) go to the peer's P tile by bulk copies, alpha by st.async, both
+//          completing on the peer's mbarrier, and the peer's come back.
+//        O = alpha O + P . V_j[:, own dims] (4 x m64n256k16, A = the P tile, B = the slot MN-major);
+//          then the slot goes back to the producer.
+//      Every exchange buffer of a warpgroup is written by the peer only after the peer received this
+//      warpgroup's next message, which is sent after this warpgroup consumed the buffer: single
+//      buffers, one mbarrier phase per tile, re-armed (arrive.expect_tx) right after each wait.
+//   4. Merge and epilogue: the warpgroup of the last tile (receiver) adds the other's raw O (written
+//      into two free slots), scaled by e^{m_s - M}, as the ping-pong kernel; each CTA computes for
+//      its own heads that scale and the epilogue factor fl(1 / (den + e^{sink - M})) and the lse,
+//      and sends both factors to the peer (st.async); out = fl(O f) in bf16 rows staged in a free
+//      slot, then 16-byte stores of the CTA's 512-byte half rows.
+// Numerics: p = e^{l - m_j} with m_j the running max after tile j (the reference's 64-row blocks),
+// exactly as the ping-pong kernel: same p, same per-warpgroup O / den, same merge and factor
+// formulas; only the f32 orders of the dot products (two 256-dim halves, each a tensor-core sum)
+// and of the P.V sums differ.
+// Launch: programmatic dependent launch as the other kernels (nothing read before
+// griddepcontrol.wait). A CTA leaves only after every remote store into it landed (it waits for
+// all of them), and the peer's mbarriers are initialised before any remote store (a cluster
+// barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
+// bit 2 skips the gather (timing only).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "include/dsv41_hopper.cuh"
+#include "include/dsv41_launch.cuh"
+#include "include/dsv41_sparse_attention.h"
+#include "include/dsv41_sparse_attention_common.cuh"
+#include "include/dsv41_sparse_attention_heads.cuh"
+
+namespace dsv41_sa {
+namespace dsplit {
+
+using namespace dsv41_ptx;
+using heads::bar_arrive;
+using heads::bar_sync;
+
+constexpr int HH = 64;                  // heads per CTA
+constexpr int DH = D / 2;               // dims per CTA
+constexpr int NPL = DH / 64;            // 64-dim planes per CTA
+constexpr int WGT = 128;                // threads of a warpgroup
+constexpr int DS_THREADS = 2 * WGT + PROD_THREADS;
+static_assert(2 * WGT == IDX_THREADS, "the consumers compact the indices");
+constexpr int PROD_REGS = 40, MMA_REGS = 232;
+static_assert(2 * WGT * MMA_REGS + PROD_THREADS * PROD_REGS <= 65536, "register file");
+constexpr int SLOTB = NPL * PLANE;      // one half-row tile: 64 rows x 256 dims (32 KB)
+constexpr int PTB = HH * 128;           // a P tile: bf16 [64 heads][64 rows]
+constexpr int XSB = 4 * WGT * 16;       // a partial-score exchange buffer: float4 [4][128 threads]
+constexpr int P_TX = 4 * 1024 + 32 * 4; // bytes the peer sends per tile into a P tile + alpha
+constexpr int FIN_TX = 2 * 32 * 4;      // bytes of the peer's final factors
+
+// Shared memory map (bytes); the slot ring follows the index entries.
+constexpr int DS_Q = 0;                           // bf16 [4 planes][64 heads][128 B]
+constexpr int DS_P = DS_Q + NPL * PLANE;          // [2 warpgroups] P tiles
+constexpr int DS_XS = DS_P + 2 * PTB;             // [2 warpgroups] partial scores received
+constexpr int DS_AL = DS_XS + 2 * XSB;            // f32 [2 warpgroups][64 heads]: alpha of the current tile
+constexpr int DS_MX = DS_AL + 2 * HH * 4;         // f32 [2 tile parities][64 heads]: running max handed over
+constexpr int DS_FIN = DS_MX + 2 * HH * 4;        // f32 [2][64 heads]: the sender's m, den (own heads)
+constexpr int DS_FAC = DS_FIN + 2 * HH * 4;       // f32 [2][64 heads]: merge scale, epilogue factor (all heads)
+constexpr int DS_CNT = DS_FAC + 2 * HH * 4;       // i32 [MAX_ROUNDS * 8]
+constexpr int DS_TOTAL = DS_CNT + MAX_ROUNDS * 8 * 4;  // i32 [1]
+constexpr int NS_MAX = 5, NS_MIN = 4;
+// u64 mbarriers: full[NS_MAX], empty[NS_MAX], compaction done, xs[2], px[2], fin.
+constexpr int DS_BAR = DS_TOTAL + 16;
+constexpr int BAR_FULL = 0, BAR_EMPTY = 8 * NS_MAX, BAR_COUNT = 16 * NS_MAX, BAR_XS = BAR_COUNT + 8, BAR_PX = BAR_XS + 16,
+              BAR_FIN = BAR_PX + 16;
+constexpr int DS_ENT = DS_BAR + BAR_FIN + 8;      // u32 [valid rows]
+static_assert(DS_P % 1024 == 0 && DS_XS % 1024 == 0, "wgmma operand tiles start on 1024-byte boundaries");
+__host__ __device__ constexpr int ring_offset(int ktot) { return (DS_ENT + 4 * (ktot > 0 ? ktot : 1) + 1023) / 1024 * 1024; }
+static_assert(ring_offset(640) + NS_MIN * SLOTB <= 227 * 1024, "four slots at V4.1-Flash's 640 indices");
+static_assert(HH * DH * 2 == SLOTB, "the bf16 out rows fit a slot");
+static_assert(HH * DH * 4 == 2 * SLOTB, "a warpgroup's raw O fits two slots");
+
+// Named barriers (0: __syncthreads): 1 + c warpgroup c, BAR_BOTH the two consumers, BAR_MAX + c
+// the running max handed over by warpgroup c, BAR_MERGE the sender's O in place.
+constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6;
+
+constexpr int DS_TRACE = 96;
+// Phase timestamps of CTA (0, 0, 0), thread 0 of each consumer warpgroup: [0] start, [1] indices
+// loaded, [2] compaction done, [3] end, [4] merge done, [5] factors exchanged; tile j < 16: [8 + j]
+// rows arrived, [24 + j] S done, [40 + j] peer's partial received, [56 + j] P published, [72 + j]
+// P.V done.
+__device__ long long g_trace_ds[DS_TRACE];
+
+__global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sbase = smem_addr(smem);
+    if ((sbase & 1023u) != 0) __trap();  // the wgmma descriptors assume 1024-byte aligned tiles
+    const uint32_t bars = sbase + DS_BAR;
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const int wg = warp >> 2;  // 0, 1: consumers; 2: producer
+    const int t = blockIdx.x, r = blockIdx.y, h0 = blockIdx.z * HH;
+    const uint32_t peer = r ^ 1;
+    const int nh = min(HH, p.num_heads - h0);
+    const bool skip_gather = mode & 4;
+    const bool tracer = (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+    auto stamp = [&](int s) {
+        if (tracer) g_trace_ds[s] = clock64();
+    };
+    const uint32_t slots = sbase + ring_offset(p.kw + p.kc);
+    grid_dep_wait();  // everything below may read what the previous kernel wrote
+    grid_dep_launch();
+    stamp(0);
+    if (tid == 0) {
+        for (int k = 0; k < nslot; ++k) {
+            mbar_init(bars + BAR_FULL + 8 * k, PROD_THREADS);  // one asynchronous arrival per producer thread
+            mbar_init(bars + BAR_EMPTY + 8 * k, 4);           // one arrival per consumer warp
+        }
+        mbar_init(bars + BAR_COUNT, 1);
+        for (int c = 0; c < 2; ++c) {  // one arrival (the arming) + the peer's bytes per phase
+            mbar_init(bars + BAR_XS + 8 * c, 1);
+            mbar_init(bars + BAR_PX + 8 * c, 1);
+            mbar_arrive_expect_tx(bars + BAR_XS + 8 * c, XSB);
+            mbar_arrive_expect_tx(bars + BAR_PX + 8 * c, P_TX);
+        }
+        mbar_init(bars + BAR_FIN, 1);
+        mbar_arrive_expect_tx(bars + BAR_FIN, FIN_TX);
+        fence_mbar_init_cluster();
+    }
+    cluster_arrive();  // (release) the mbarriers are initialised; waited for before the first remote store
+    if (wg == 2) {
+        // Producer: tile k -> slot k % nslot once its previous use was consumed.
+        setmaxnreg_dec<PROD_REGS>();
+        cluster_wait();
+        const int ptid = tid - 2 * WGT, gr = ptid >> 3, q = ptid & 7;
+        mbar_wait(bars + BAR_COUNT, 0);  // the consumers' compaction: count and entries
+        const int n = *reinterpret_cast<const int*>(smem + DS_TOTAL);
+        const uint32_t* ent_s = reinterpret_cast<const uint32_t*>(smem + DS_ENT);
+        const int ntiles = (n + BLK - 1) / BLK;
+        for (int k = 0, s = 0, u = 0; k < ntiles; ++k) {
+            if (u > 0) mbar_wait(bars + BAR_EMPTY + 8 * s, (u - 1) & 1);
+            const int nb = min(BLK, n - k * BLK);
+            const uint32_t dst = slots + static_cast<uint32_t>(s) * SLOTB;
+#pragma unroll
+            for (int lr = 0; lr < 4; ++lr) {
+                const int row = lr * 16 + gr;
+                const bool ok = row < nb;
+                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[k * BLK + row]) + DH * r + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
+#pragma unroll
+                for (int pl = 0; pl < NPL; ++pl)
+                    if (!skip_gather) cp_async16_l2(dst + pl * PLANE + row * 128 + ((q ^ (row & 7)) << 4), src + (ok ? pl * 64 : 0), ok);
+            }
+            cp_async_mbar_arrive(bars + BAR_FULL + 8 * s);
+            if (++s == nslot) s = 0, ++u;
+        }
+        return;
+    }
+    // Consumers: the compaction while the q copies (this CTA's 256 dims of 64 heads) are in flight.
+    const int count = heads::compact_indices(p, smem, DS_CNT, DS_TOTAL, DS_ENT, t, tid, lane, warp, [&]() {
+        const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride + DH * r;
+#pragma unroll
+        for (int i = 0; i < HH * 32 / (2 * WGT); ++i) {
+            const int c = tid + 2 * WGT * i, h = c >> 5, ch = c & 31;  // chunk ch (8 dims) of head h
+            const bool ok = h < nh;
+            cp_async16(sbase + DS_Q + (ch >> 3) * PLANE + h * 128 + (((ch & 7) ^ (h & 7)) << 4),
+                       qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + ch * 8 : 0), ok);
+        }
+        cp_async_commit();
+    }, [] { bar_sync(BAR_BOTH, 2 * WGT); }, stamp);
+    bar_sync(BAR_BOTH, 2 * WGT);  // ent_s complete
+    if (tid == 0) mbar_arrive(bars + BAR_COUNT);  // (release) to the producer
+    const int ntiles = (count + BLK - 1) / BLK;
+    setmaxnreg_inc<MMA_REGS>();
+    stamp(2);
+    const int c = wg, ctid = tid & 127, w = warp & 3, g = lane >> 2, tq = lane & 3;
+    const int hlo = 16 * w + g, hd = hlo + 8 * r, hp = hlo + 8 * (r ^ 1);  // fragment heads: own, peer's
+    const int own = 2 * r, oth = 2 * (r ^ 1);  // s[4 i + own + e]: the own head's values (e = 0, 1)
+    const float sink_h = __ldg(p.sink + h0 + min(hd, nh - 1));
+    const uint32_t p_tile = sbase + DS_P + c * PTB;
+    unsigned char* p_s = smem + DS_P + c * PTB;
+    const float4* xs_s = reinterpret_cast<const float4*>(smem + DS_XS + c * XSB);
+    float* al_s = reinterpret_cast<float*>(smem + DS_AL) + c * HH;
+    float* mx_s = reinterpret_cast<float*>(smem + DS_MX);
+    const uint32_t bar_xs = bars + BAR_XS + 8 * c, bar_px = bars + BAR_PX + 8 * c, bar_fin = bars + BAR_FIN;
+    // The peer's copies of this warpgroup's exchange buffers and barriers.
+    const uint32_t xs_peer = mapa_shared(sbase + DS_XS + c * XSB, peer), bar_xs_peer = mapa_shared(bar_xs, peer);
+    const uint32_t p_peer = mapa_shared(p_tile, peer), bar_px_peer = mapa_shared(bar_px, peer);
+    const uint32_t al_peer = mapa_shared(sbase + DS_AL + 4 * (c * HH + hd), peer);
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    float m_run = M_FLOOR, den = 0.f;  // running max after this warpgroup's last tile, its denominator (own head)
+    cp_async_wait_all();  // this thread's q copies
+    fence_proxy_async();  // q is read by wgmma
+    bar_sync(BAR_BOTH, 2 * WGT);  // all of q
+    cluster_wait();  // the peer's mbarriers are initialised
+    int it = 0;  // this warpgroup's tile count (exchange barrier phases)
+    for (int j = c; j < ntiles; j += 2, ++it) {
+        const int s_idx = j % nslot;
+        const uint32_t slot = slots + static_cast<uint32_t>(s_idx) * SLOTB;
+        mbar_wait(bars + BAR_FULL + 8 * s_idx, (j / nslot) & 1);
+        fence_proxy_async();  // the row tile (cp.async writes) is read by wgmma
+        bar_sync(1 + c, WGT);
+        if (j < 16) stamp(8 + j);
+        // S partial over this CTA's 256 dims (A = q, B = the slot, both K-major).
+        float s[32];
+#pragma unroll
+        for (int ks = 0; ks < DH / 16; ++ks) {
+            const uint32_t off = (ks >> 2) * PLANE + (ks & 3) * 32;
+            wg_m64n64k16(s, wg_desc(sbase + DS_Q + off, 16, 1024), wg_desc(slot + off, 16, 1024), ks > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<32>(s);
+        if (j < 16) stamp(24 + j);
+        // The peer's heads' partials to the peer; the peer's partials of the own heads back.
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            st_async_v4(xs_peer + (k * WGT + ctid) * 16,
+                        make_float4(s[8 * k + oth], s[8 * k + oth + 1], s[8 * k + 4 + oth], s[8 * k + 4 + oth + 1]), bar_xs_peer);
+        mbar_wait_cluster(bar_xs, it & 1);
+        if (ctid == 0) mbar_arrive_expect_tx(bar_xs, XSB);  // the next phase (the peer sends after this warpgroup's next P)
+        float x[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 v = xs_s[k * WGT + ctid];
+            x[4 * k] = s[8 * k + own] + v.x;
+            x[4 * k + 1] = s[8 * k + own + 1] + v.y;
+            x[4 * k + 2] = s[8 * k + 4 + own] + v.z;
+            x[4 * k + 3] = s[8 * k + 4 + own + 1] + v.w;
+        }
+        if (j < 16) stamp(40 + j);
+        // Softmax of the own head hd: x[2 i + e] = row 8 i + 2 tq + e.
+        const int nb = min(BLK, count - j * BLK);
+        float mx = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            const bool ok = hd < nh && 8 * (k >> 1) + 2 * tq + (k & 1) < nb;
+            x[k] = ok ? __fmul_rn(p.scale, x[k]) : -INFINITY;
+            mx = fmaxf(mx, x[k]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // The running max after tile j - 1 (the other warpgroup's), read before this tile's is
+        // published (as the ping-pong kernel: no buffer is overwritten before it was read).
+        float prev = M_FLOOR;
+        if (j > 0) {
+            bar_sync(BAR_MAX + (c ^ 1), 2 * WGT);
+            prev = mx_s[((j - 1) & 1) * HH + hd];
+        }
+        if (j + 1 < ntiles) {
+            if (tq == 0) mx_s[(j & 1) * HH + hd] = fmaxf(prev, mx);
+            bar_arrive(BAR_MAX + c, 2 * WGT);
+        }
+        const float mn = fmaxf(prev, mx);
+        const float alpha = expf(m_run - mn);
+        m_run = mn;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float e0 = expf(x[2 * i] - mn), e1 = expf(x[2 * i + 1] - mn);
+            sum += e0;
+            sum += e1;
+            // rows 8 i + 2 tq, + 1 of head hd: chunk i of its 128-byte row
+            *reinterpret_cast<uint32_t*>(p_s + sw128(hd, i) + tq * 4) = pack_bf16x2_rn(e0, e1);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        den = __fadd_rn(__fmul_rn(den, alpha), sum);
+        if (tq == 0) st_async_b32(al_peer, __float_as_uint(alpha), bar_px_peer);
+        fence_proxy_async();  // the P tile is read by wgmma and by the bulk copies
+        bar_sync(1 + c, WGT);
+        if (ctid == 0) {  // the own heads' rows: heads 16 w + 8 r .. +8, 1 KB each
+#pragma unroll
+            for (int ww = 0; ww < 4; ++ww) {
+                const uint32_t off = (16 * ww + 8 * r) * 128;
+                bulk_copy_to_cluster(p_peer + off, p_tile + off, 1024, bar_px_peer);
+            }
+        }
+        if (j < 16) stamp(56 + j);
+        mbar_wait_cluster(bar_px, it & 1);  // the peer's rows of the P tile and its alpha
+        if (ctid == 0) mbar_arrive_expect_tx(bar_px, P_TX);
+        const float a_peer = al_s[hp];
+        const float alo = r == 0 ? alpha : a_peer, ahi = r == 0 ? a_peer : alpha;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            acc[4 * i] *= alo;
+            acc[4 * i + 1] *= alo;
+            acc[4 * i + 2] *= ahi;
+            acc[4 * i + 3] *= ahi;
+        }
+        wg_fence_regs<128>(acc);
+        wg_fence();
+        // O += P . V (rows past the tile's end: p = 0 and zero-filled rows).
+#pragma unroll
+        for (int kk = 0; kk < BLK / 16; ++kk)
+            wg_m64n256k16_kmn(acc, wg_desc(p_tile + kk * 32, 16, 1024), wg_desc(slot + kk * 16 * 128, PLANE, 1024));
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<128>(acc);
+        if (lane == 0) mbar_arrive(bars + BAR_EMPTY + 8 * s_idx);
+        if (j < 16) stamp(72 + j);
+    }
+    // Merge: the warpgroup of the last tile (receiver) takes the other's raw O from two of the
+    // other's own slots (tiles n - 2 and n - 4, or the never-used last slot: no later tile reuses
+    // them, and the receiver's last tile is in neither).
+    const int recv = ntiles > 0 ? (ntiles - 1) & 1 : 0;
+    const int sa = ntiles >= 2 ? (ntiles - 2) % nslot : 0, sb = ntiles >= 4 ? (ntiles - 4) % nslot : nslot - 1;
+    auto o_chunk = [&](int k) {  // float4 k (acc[4 k .. +4]) of thread ctid
+        return reinterpret_cast<float4*>(smem + (slots - sbase) + (k < 16 ? sa : sb) * SLOTB + ((k & 15) * WGT + ctid) * 16);
+    };
+    float* fin_s = reinterpret_cast<float*>(smem + DS_FIN);
+    if (c != recv) {
+        if (ntiles >= 2) {  // (ntiles <= 1: warpgroup 1 had no tile)
+#pragma unroll
+            for (int k = 0; k < 32; ++k) *o_chunk(k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
+            if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
+            bar_arrive(BAR_MERGE, 2 * WGT);
+        }
+        return;
+    }
+    float sc = 0.f;  // e^{m_s - M} of the own head (M = m_run: the token's running max)
+    if (ntiles >= 2) {
+        bar_sync(BAR_MERGE, 2 * WGT);
+        sc = expf(fin_s[hd] - m_run);
+        den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
+    }
+    stamp(4);
+    // The own head's epilogue factor (as the head-split epilogue) and lse; both factors of the own
+    // heads to the peer.
+    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
+    if (tq == 0) {
+        const float big = fmaxf(M_FLOOR, m_run);
+        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
+        const float dall = __fadd_rn(wsum, expf(sink_h - big));
+        const bool ok = dall > 0.f && isfinite(dall);
+        const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
+        if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
+        fac_s[hd] = sc;
+        fac_s[HH + hd] = fac;
+        const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
+        st_async_b32(fp, __float_as_uint(sc), bp);
+        st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
+    }
+    mbar_wait_cluster(bar_fin, 0);
+    bar_sync(1 + c, WGT);  // the own heads' factors (local stores) and every P.V of the slots below
+    stamp(5);
+    const float sc_lo = fac_s[hlo], sc_hi = fac_s[hlo + 8], f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
+    // out = fl(fl(O + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
+    // (16-byte chunk ch of head h at h * 512 + ((ch ^ (h % 8)) * 16): conflict-free pair stores).
+    const int so = ntiles >= 1 ? (ntiles - 1) % nslot : 0;
+    unsigned char* out_s = smem + (slots - sbase) + so * SLOTB;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
+        if (ntiles >= 2) {
+            const float4 o2 = *o_chunk(k);
+            v[0] = __fadd_rn(v[0], __fmul_rn(o2.x, sc_lo));
+            v[1] = __fadd_rn(v[1], __fmul_rn(o2.y, sc_lo));
+            v[2] = __fadd_rn(v[2], __fmul_rn(o2.z, sc_hi));
+            v[3] = __fadd_rn(v[3], __fmul_rn(o2.w, sc_hi));
+        }
+        // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
+        const uint32_t lo = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
+        const uint32_t hi = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[2], f_hi)), __fadd_rn(0.f, __fmul_rn(v[3], f_hi)));
+        *reinterpret_cast<uint32_t*>(out_s + hlo * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = lo;
+        *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
+    }
+    bar_sync(1 + c, WGT);
+    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
+#pragma unroll 4
+    for (int i = ctid; i < nh * 32; i += WGT) {
+        const int h = i >> 5, ch = i & 31;
+        *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(h) * D + ch * 8) =
+            *reinterpret_cast<const uint4*>(out_s + h * 512 + ((ch ^ (h & 7)) << 4));
+    }
+    stamp(3);
+}
+
+// Prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
+void print_trace_dimsplit(cudaStream_t stream, int dev) {
+    long long h[DS_TRACE] = {};
+    const int khz = dsv41_launch::read_trace(g_trace_ds, h, sizeof(h), stream, dev);
+    if (khz == 0) return;
+    const double us = 1e3 / khz;
+    auto at = [&](int i) { return (h[i] - h[0]) * us; };
+    fprintf(stderr, "sparse_attention dims-split pair trace (CTA 0): indices %.2f | compaction %.2f us", at(1), at(2));
+    int n = 0;
+    while (n < 16 && h[72 + n] > 0) ++n;
+    for (int j = 0; j < n; ++j)
+        fprintf(stderr, " | tile%d rows@%.2f S %.2f, partial %.2f, softmax+publish %.2f, P wait+P.V %.2f", j, at(8 + j), at(24 + j) - at(8 + j),
+                at(40 + j) - at(24 + j), at(56 + j) - at(40 + j), at(72 + j) - at(56 + j));
+    if (n > 0) fprintf(stderr, " | loop %.2f us (%.2f per tile)", at(72 + n - 1) - at(2), (at(72 + n - 1) - at(2)) / n);
+    fprintf(stderr, " | merge @%.2f | factors @%.2f | end %.2f us\n", at(4), at(5), at(3));
+}
+
+}  // namespace dsplit
+
+int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
+    using namespace dsplit;
+    const int ktot = p.kw + p.kc;
+    const int nslot = min(NS_MAX, (max_smem - ring_offset(ktot)) / SLOTB);
+    if (nslot < NS_MIN) return DSV41_ERR_SHAPE;
+    const size_t smem = static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB;
+    static thread_local int configured_dev = -1;
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(dimsplit_kernel, dev, max_smem, configured_dev);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
+    e = dsv41_launch::launch_pdl(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
+                                 2, p, mode & 5, nslot);
+    if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
+    return static_cast<int>(e);
+}
+
+}  // namespace dsv41_sa
