@@ -52,7 +52,7 @@
 // griddepcontrol.wait). A CTA leaves only after every remote store into it landed (it waits for
 // all of them), and the peer's mbarriers are initialised before any remote store (a cluster
 // barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
-// bit 2 skips the gather (timing only).
+// bit 2 skips the gather, bit 16 the running-max hand-over (timing only).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -112,11 +112,12 @@ static_assert(HH * DH * 4 == 2 * SLOTB, "a warpgroup's raw O fits two slots");
 // the running max handed over by warpgroup c, BAR_MERGE the sender's O in place.
 constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6;
 
-constexpr int DS_TRACE = 96;
+constexpr int DS_TRACE = 160;
 // Phase timestamps of CTA (0, 0, 0), thread 0 of each consumer warpgroup: [0] start, [1] indices
 // loaded, [2] compaction done, [3] end, [4] merge done, [5] factors exchanged; tile j < 16: [8 + j]
-// rows arrived, [24 + j] S done, [40 + j] peer's partial received, [56 + j] P published, [72 + j]
-// P.V done.
+// rows arrived, [24 + j] S done, [88 + j] partial sent, [40 + j] peer's partial received, [104 + j]
+// running max received, [120 + j] P tile written (warpgroup barrier), [56 + j] bulk copies issued,
+// [136 + j] peer's P rows received, [72 + j] P.V done; [6] out rows staged.
 __device__ long long g_trace_ds[DS_TRACE];
 
 __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
@@ -129,7 +130,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     const int t = blockIdx.x, r = blockIdx.y, h0 = blockIdx.z * HH;
     const uint32_t peer = r ^ 1;
     const int nh = min(HH, p.num_heads - h0);
-    const bool skip_gather = mode & 4;
+    const bool skip_gather = mode & 4, no_chain = mode & 16;
     const bool tracer = (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int s) {
         if (tracer) g_trace_ds[s] = clock64();
@@ -201,7 +202,6 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     stamp(2);
     const int c = wg, ctid = tid & 127, w = warp & 3, g = lane >> 2, tq = lane & 3;
     const int hlo = 16 * w + g, hd = hlo + 8 * r, hp = hlo + 8 * (r ^ 1);  // fragment heads: own, peer's
-    const int own = 2 * r, oth = 2 * (r ^ 1);  // s[4 i + own + e]: the own head's values (e = 0, 1)
     const float sink_h = __ldg(p.sink + h0 + min(hd, nh - 1));
     const uint32_t p_tile = sbase + DS_P + c * PTB;
     unsigned char* p_s = smem + DS_P + c * PTB;
@@ -241,20 +241,29 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         wg_fence_regs<32>(s);
         if (j < 16) stamp(24 + j);
         // The peer's heads' partials to the peer; the peer's partials of the own heads back.
+        // (Values by static index and a select on the rank: a run-time index would put s in local
+        // memory.) x[2 i + e] = row 8 i + 2 tq + e of head hd.
+        float x[16], y[16];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                x[2 * i + e] = r == 0 ? s[4 * i + e] : s[4 * i + 2 + e];
+                y[2 * i + e] = r == 0 ? s[4 * i + 2 + e] : s[4 * i + e];
+            }
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-            st_async_v4(xs_peer + (k * WGT + ctid) * 16,
-                        make_float4(s[8 * k + oth], s[8 * k + oth + 1], s[8 * k + 4 + oth], s[8 * k + 4 + oth + 1]), bar_xs_peer);
+            st_async_v4(xs_peer + (k * WGT + ctid) * 16, make_float4(y[4 * k], y[4 * k + 1], y[4 * k + 2], y[4 * k + 3]), bar_xs_peer);
+        if (j < 16) stamp(88 + j);
         mbar_wait_cluster(bar_xs, it & 1);
         if (ctid == 0) mbar_arrive_expect_tx(bar_xs, XSB);  // the next phase (the peer sends after this warpgroup's next P)
-        float x[16];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const float4 v = xs_s[k * WGT + ctid];
-            x[4 * k] = s[8 * k + own] + v.x;
-            x[4 * k + 1] = s[8 * k + own + 1] + v.y;
-            x[4 * k + 2] = s[8 * k + 4 + own] + v.z;
-            x[4 * k + 3] = s[8 * k + 4 + own + 1] + v.w;
+            x[4 * k] += v.x;
+            x[4 * k + 1] += v.y;
+            x[4 * k + 2] += v.z;
+            x[4 * k + 3] += v.w;
         }
         if (j < 16) stamp(40 + j);
         // Softmax of the own head hd: x[2 i + e] = row 8 i + 2 tq + e.
@@ -270,15 +279,21 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // The running max after tile j - 1 (the other warpgroup's), read before this tile's is
         // published (as the ping-pong kernel: no buffer is overwritten before it was read).
+        // (Diagnostic bit 16: no hand-over, each warpgroup's own running max: other numerics.)
         float prev = M_FLOOR;
-        if (j > 0) {
-            bar_sync(BAR_MAX + (c ^ 1), 2 * WGT);
-            prev = mx_s[((j - 1) & 1) * HH + hd];
+        if (no_chain) {
+            prev = m_run;
+        } else {
+            if (j > 0) {
+                bar_sync(BAR_MAX + (c ^ 1), 2 * WGT);
+                prev = mx_s[((j - 1) & 1) * HH + hd];
+            }
+            if (j + 1 < ntiles) {
+                if (tq == 0) mx_s[(j & 1) * HH + hd] = fmaxf(prev, mx);
+                bar_arrive(BAR_MAX + c, 2 * WGT);
+            }
         }
-        if (j + 1 < ntiles) {
-            if (tq == 0) mx_s[(j & 1) * HH + hd] = fmaxf(prev, mx);
-            bar_arrive(BAR_MAX + c, 2 * WGT);
-        }
+        if (j < 16) stamp(104 + j);
         const float mn = fmaxf(prev, mx);
         const float alpha = expf(m_run - mn);
         m_run = mn;
@@ -297,6 +312,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (tq == 0) st_async_b32(al_peer, __float_as_uint(alpha), bar_px_peer);
         fence_proxy_async();  // the P tile is read by wgmma and by the bulk copies
         bar_sync(1 + c, WGT);
+        if (j < 16) stamp(120 + j);
         if (ctid == 0) {  // the own heads' rows: heads 16 w + 8 r .. +8, 1 KB each
 #pragma unroll
             for (int ww = 0; ww < 4; ++ww) {
@@ -307,6 +323,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (j < 16) stamp(56 + j);
         mbar_wait_cluster(bar_px, it & 1);  // the peer's rows of the P tile and its alpha
         if (ctid == 0) mbar_arrive_expect_tx(bar_px, P_TX);
+        if (j < 16) stamp(136 + j);
         const float a_peer = al_s[hp];
         const float alo = r == 0 ? alpha : a_peer, ahi = r == 0 ? a_peer : alpha;
 #pragma unroll
@@ -394,6 +411,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
     }
     bar_sync(1 + c, WGT);
+    stamp(6);
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
 #pragma unroll 4
     for (int i = ctid; i < nh * 32; i += WGT) {
@@ -415,10 +433,11 @@ void print_trace_dimsplit(cudaStream_t stream, int dev) {
     int n = 0;
     while (n < 16 && h[72 + n] > 0) ++n;
     for (int j = 0; j < n; ++j)
-        fprintf(stderr, " | tile%d rows@%.2f S %.2f, partial %.2f, softmax+publish %.2f, P wait+P.V %.2f", j, at(8 + j), at(24 + j) - at(8 + j),
-                at(40 + j) - at(24 + j), at(56 + j) - at(40 + j), at(72 + j) - at(56 + j));
+        fprintf(stderr, " | t%d rows@%.2f S %.2f send %.2f xs %.2f max %.2f P %.2f bulk %.2f px %.2f PV %.2f", j, at(8 + j), at(24 + j) - at(8 + j),
+                at(88 + j) - at(24 + j), at(40 + j) - at(88 + j), at(104 + j) - at(40 + j), at(120 + j) - at(104 + j), at(56 + j) - at(120 + j),
+                at(136 + j) - at(56 + j), at(72 + j) - at(136 + j));
     if (n > 0) fprintf(stderr, " | loop %.2f us (%.2f per tile)", at(72 + n - 1) - at(2), (at(72 + n - 1) - at(2)) / n);
-    fprintf(stderr, " | merge @%.2f | factors @%.2f | end %.2f us\n", at(4), at(5), at(3));
+    fprintf(stderr, " | merge @%.2f | factors @%.2f | staged @%.2f | end %.2f us\n", at(4), at(5), at(6), at(3));
 }
 
 }  // namespace dsplit
@@ -434,7 +453,7 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     if (e != cudaSuccess) return static_cast<int>(e);
     if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
     e = dsv41_launch::launch_pdl(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
-                                 2, p, mode & 5, nslot);
+                                 2, p, mode & 21, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
     return static_cast<int>(e);
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10 run 1: the dims-split pair kernel (kernels/sparse_attention_dimsplit.cu) — its edge-case
+# Session 10 runs 1-2 (DIAG2: a second bench with that DSV41_SPARSE_ATTENTION_DIAG): the dims-split pair kernel (kernels/sparse_attention_dimsplit.cu) — its edge-case
 # test first (a hang costs only its timeout), then the whole attention test binary, memcheck of the
 # new test, the decode bench with phase traces.
 # Usage on the GPU machine: OUT=$OUT bash <dir>/r.sh (the packed binaries next to this script).
@@ -28,7 +28,13 @@ fi
 timeout ${BT:-100} "$W/bench_sparse_attention" ${BENCH_ARGS:---no-prefill --no-packed --reps 7 --warmup 2 --trace} > "$L/bench.log" 2>&1
 say "bench: exit $? t=$((SECONDS-t0))"
 grep -E "^decode B=|share|L2 flush|top-k alone" "$L/bench.log" | head -60 >> "$S"
-grep -E "dims-split pair trace" "$L/bench.log" | head -6 | cut -c1-1500 >> "$S"
+grep -E "dims-split pair trace" "$L/bench.log" | head -6 | cut -c1-2500 >> "$S"
+if [[ -n "${DIAG2:-}" ]]; then
+  DSV41_SPARSE_ATTENTION_DIAG=$DIAG2 timeout ${BT:-100} "$W/bench_sparse_attention" ${BENCH_ARGS:---no-prefill --no-packed --reps 7 --warmup 2 --trace} > "$L/bench-diag$DIAG2.log" 2>&1
+  say "bench DIAG=$DIAG2: exit $? t=$((SECONDS-t0))"
+  grep -E "^decode B=64 (dims|rows)|dims-split\]|pair \[dims" "$L/bench-diag$DIAG2.log" | grep -v trace | head -20 >> "$S"
+  grep -E "dims-split pair trace" "$L/bench-diag$DIAG2.log" | sed -n 2p | cut -c1-2500 >> "$S"
+fi
 if [[ "${MEMCHECK:-1}" == 1 ]]; then
   SAN=""; for c in "$CU13/bin/compute-sanitizer" /usr/local/cuda*/bin/compute-sanitizer; do [[ -x "$c" ]] && { SAN="$c"; break; }; done
   timeout ${MT:-150} "$SAN" --tool memcheck --error-exitcode 99 --print-limit 30 "$T" --test-threads=1 dim_split > "$L/memcheck-dimsplit.log" 2>&1
