@@ -221,22 +221,32 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     fence_proxy_async();  // q is read by wgmma
     bar_sync(BAR_BOTH, 2 * WGT);  // all of q
     cluster_wait();  // the peer's mbarriers are initialised
-    int it = 0;  // this warpgroup's tile count (exchange barrier phases)
-    for (int j = c; j < ntiles; j += 2, ++it) {
-        const int s_idx = j % nslot;
-        const uint32_t slot = slots + static_cast<uint32_t>(s_idx) * SLOTB;
-        mbar_wait(bars + BAR_FULL + 8 * s_idx, (j / nslot) & 1);
+    // S partial of tile jj over this CTA's 256 dims (A = q, B = the slot, both K-major) into s, once
+    // its rows landed; committed, not waited for. (The first k-step overwrites s.)
+    float s[32];
+    auto issue_s = [&](int jj) {
+        const int si = jj % nslot;
+        const uint32_t slot = slots + static_cast<uint32_t>(si) * SLOTB;
+        mbar_wait(bars + BAR_FULL + 8 * si, (jj / nslot) & 1);
         fence_proxy_async();  // the row tile (cp.async writes) is read by wgmma
         bar_sync(1 + c, WGT);
-        if (j < 16) stamp(8 + j);
-        // S partial over this CTA's 256 dims (A = q, B = the slot, both K-major).
-        float s[32];
+        if (jj < 16) stamp(8 + jj);
+        wg_fence_regs<32>(s);
+        wg_fence();
 #pragma unroll
         for (int ks = 0; ks < DH / 16; ++ks) {
             const uint32_t off = (ks >> 2) * PLANE + (ks & 3) * 32;
             wg_m64n64k16(s, wg_desc(sbase + DS_Q + off, 16, 1024), wg_desc(slot + off, 16, 1024), ks > 0);
         }
         wg_commit();
+    };
+    if (c < ntiles) issue_s(c);
+    int it = 0;  // this warpgroup's tile count (exchange barrier phases)
+    // Per own tile j (its S issued before): the exchanges and the softmax, then S of tile j + 2 is
+    // issued before the wait for the peer's P rows and the P.V of tile j, so that S runs under them.
+    for (int j = c; j < ntiles; j += 2, ++it) {
+        const int s_idx = j % nslot;
+        const uint32_t slot = slots + static_cast<uint32_t>(s_idx) * SLOTB;
         wg_wait<0>();
         wg_fence_regs<32>(s);
         if (j < 16) stamp(24 + j);
@@ -321,6 +331,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             }
         }
         if (j < 16) stamp(56 + j);
+        if (j + 2 < ntiles) issue_s(j + 2);
         mbar_wait_cluster(bar_px, it & 1);  // the peer's rows of the P tile and its alpha
         if (ctid == 0) mbar_arrive_expect_tx(bar_px, P_TX);
         if (j < 16) stamp(136 + j);
@@ -340,69 +351,89 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         for (int kk = 0; kk < BLK / 16; ++kk)
             wg_m64n256k16_kmn(acc, wg_desc(p_tile + kk * 32, 16, 1024), wg_desc(slot + kk * 16 * 128, PLANE, 1024));
         wg_commit();
-        wg_wait<0>();
+        wg_wait<0>();  // (also S of tile j + 2)
         wg_fence_regs<128>(acc);
         if (lane == 0) mbar_arrive(bars + BAR_EMPTY + 8 * s_idx);
         if (j < 16) stamp(72 + j);
     }
-    // Merge: the warpgroup of the last tile (receiver) takes the other's raw O from two of the
-    // other's own slots (tiles n - 2 and n - 4, or the never-used last slot: no later tile reuses
-    // them, and the receiver's last tile is in neither).
+    // Merge. The warpgroup of the last tile (receiver) holds O_r, the other (sender) O_s, each over
+    // all 64 heads x 256 dims; the sums fl(O_r + fl(O_s sc)) are split between them by dims: the
+    // sender writes its chunks 0-15 (dims 0-127 of its fragments) into slot sa, the receiver its
+    // chunks 16-31 into slot sb, each then merges the other half. sa, sb: the sender's own slots of
+    // tiles n - 2 and n - 4 (or the never-used last slot): no later tile reuses them, and the
+    // receiver's last tile (whose slot takes the bf16 out rows) is in neither.
     const int recv = ntiles > 0 ? (ntiles - 1) & 1 : 0;
-    const int sa = ntiles >= 2 ? (ntiles - 2) % nslot : 0, sb = ntiles >= 4 ? (ntiles - 4) % nslot : nslot - 1;
-    auto o_chunk = [&](int k) {  // float4 k (acc[4 k .. +4]) of thread ctid
-        return reinterpret_cast<float4*>(smem + (slots - sbase) + (k < 16 ? sa : sb) * SLOTB + ((k & 15) * WGT + ctid) * 16);
+    const bool pair = ntiles >= 2;  // both warpgroups had tiles
+    if (c != recv && !pair) return;  // (ntiles <= 1: warpgroup 1 had no tile)
+    const int sa = pair ? (ntiles - 2) % nslot : 0, sb = ntiles >= 4 ? (ntiles - 4) % nslot : nslot - 1;
+    auto o_chunk = [&](int slot, int k) {  // float4 k % 16 (acc[4 k .. +4]) of thread ctid in a slot
+        return reinterpret_cast<float4*>(smem + (slots - sbase) + slot * SLOTB + ((k & 15) * WGT + ctid) * 16);
     };
     float* fin_s = reinterpret_cast<float*>(smem + DS_FIN);
-    if (c != recv) {
-        if (ntiles >= 2) {  // (ntiles <= 1: warpgroup 1 had no tile)
+    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
+    const int k0 = !pair ? 0 : c == recv ? 0 : 16, k1 = !pair ? 32 : k0 + 16;  // this warpgroup's chunks
+    if (pair) {
+        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (static
+        // indices and a select: a run-time index would put acc in local memory).
+        const bool hi_half = c == recv;
 #pragma unroll
-            for (int k = 0; k < 32; ++k) *o_chunk(k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
-            if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
-            bar_arrive(BAR_MERGE, 2 * WGT);
+        for (int k = 0; k < 16; ++k) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = hi_half ? acc[4 * (16 + k) + e] : acc[4 * k + e];
+            *o_chunk(hi_half ? sb : sa, k) = make_float4(v[0], v[1], v[2], v[3]);
         }
-        return;
-    }
-    float sc = 0.f;  // e^{m_s - M} of the own head (M = m_run: the token's running max)
-    if (ntiles >= 2) {
-        bar_sync(BAR_MERGE, 2 * WGT);
-        sc = expf(fin_s[hd] - m_run);
-        den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
+        if (c != recv && tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
+        bar_sync(BAR_MERGE, 2 * WGT);  // both halves and the sender's (m, den) in place
     }
     stamp(4);
-    // The own head's epilogue factor (as the head-split epilogue) and lse; both factors of the own
-    // heads to the peer.
-    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
-    if (tq == 0) {
-        const float big = fmaxf(M_FLOOR, m_run);
-        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
-        const float dall = __fadd_rn(wsum, expf(sink_h - big));
-        const bool ok = dall > 0.f && isfinite(dall);
-        const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
-        if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
-        fac_s[hd] = sc;
-        fac_s[HH + hd] = fac;
-        const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
-        st_async_b32(fp, __float_as_uint(sc), bp);
-        st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
+    if (c == recv) {
+        // The own head's merge scale e^{m_s - M} (M = m_run: the token's running max), denominator,
+        // epilogue factor (as the head-split epilogue) and lse; both factors of the own heads to the
+        // peer.
+        float sc = 0.f;
+        if (pair) {
+            sc = expf(fin_s[hd] - m_run);
+            den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
+        }
+        if (tq == 0) {
+            const float big = fmaxf(M_FLOOR, m_run);
+            const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
+            const float dall = __fadd_rn(wsum, expf(sink_h - big));
+            const bool ok = dall > 0.f && isfinite(dall);
+            const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
+            if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
+            fac_s[hd] = sc;
+            fac_s[HH + hd] = fac;
+            const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
+            st_async_b32(fp, __float_as_uint(sc), bp);
+            st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
+        }
     }
-    mbar_wait_cluster(bar_fin, 0);
-    bar_sync(1 + c, WGT);  // the own heads' factors (local stores) and every P.V of the slots below
+    mbar_wait_cluster(bar_fin, 0);  // the peer's factors of its own heads
+    if (pair)
+        bar_sync(BAR_MERGE, 2 * WGT);  // the receiver's factors of the own heads (local stores)
+    else
+        bar_sync(1 + c, WGT);
     stamp(5);
     const float sc_lo = fac_s[hlo], sc_hi = fac_s[hlo + 8], f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
-    // out = fl(fl(O + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
+    // out = fl(fl(O_r + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
     // (16-byte chunk ch of head h at h * 512 + ((ch ^ (h % 8)) * 16): conflict-free pair stores).
     const int so = ntiles >= 1 ? (ntiles - 1) % nslot : 0;
     unsigned char* out_s = smem + (slots - sbase) + so * SLOTB;
 #pragma unroll
     for (int k = 0; k < 32; ++k) {
+        if (k < k0 || k >= k1) continue;
         float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-        if (ntiles >= 2) {
-            const float4 o2 = *o_chunk(k);
-            v[0] = __fadd_rn(v[0], __fmul_rn(o2.x, sc_lo));
-            v[1] = __fadd_rn(v[1], __fmul_rn(o2.y, sc_lo));
-            v[2] = __fadd_rn(v[2], __fmul_rn(o2.z, sc_hi));
-            v[3] = __fadd_rn(v[3], __fmul_rn(o2.w, sc_hi));
+        if (pair) {
+            const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
+            const float a[4] = {o2.x, o2.y, o2.z, o2.w};
+            // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float sce = e < 2 ? sc_lo : sc_hi;
+                v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(a[e], sce)) : __fadd_rn(a[e], __fmul_rn(v[e], sce));
+            }
         }
         // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
         const uint32_t lo = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
@@ -410,11 +441,15 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         *reinterpret_cast<uint32_t*>(out_s + hlo * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = lo;
         *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
     }
-    bar_sync(1 + c, WGT);
+    const int nthr = pair ? 2 * WGT : WGT, me = pair ? tid : ctid;
+    if (pair)
+        bar_sync(BAR_MERGE, 2 * WGT);
+    else
+        bar_sync(1 + c, WGT);
     stamp(6);
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
 #pragma unroll 4
-    for (int i = ctid; i < nh * 32; i += WGT) {
+    for (int i = me; i < nh * 32; i += nthr) {
         const int h = i >> 5, ch = i & 31;
         *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(h) * D + ch * 8) =
             *reinterpret_cast<const uint4*>(out_s + h * 512 + ((ch ^ (h & 7)) << 4));
