@@ -18,7 +18,9 @@
 //   1. Both CTAs compact the token's valid indices (the shared heads::compact_indices, warpgroups 0
 //      and 1) while the q copies (64 heads x the CTA's 256 dims, 32 KB, four 64-dim planes) fly.
 //   2. Warpgroup 2 produces (setmaxnreg 40): tile k (64 rows x 256 dims = 32 KB) -> ring slot
-//      k % NS (NS = 4 at 640 indices) behind per-slot full / empty mbarriers, 16-byte cp.async.
+//      k % NS (NS = 4 at 640 indices) behind per-slot full / empty mbarriers, 16-byte cp.async;
+//      tiles 0 and 1 from the raw window list while the consumers compact, when its first 128
+//      entries are valid (as the ping-pong kernel).
 //   3. Consumer warpgroups c = 0, 1 (setmaxnreg 232) take alternate tiles j = c, c + 2, ... (the
 //      same tiles in both CTAs), each with its own O accumulator (64 heads x 256 dims, 128 f32 per
 //      thread) and denominators. Per tile:
@@ -52,7 +54,8 @@
 // griddepcontrol.wait). A CTA leaves only after every remote store into it landed (it waits for
 // all of them), and the peer's mbarriers are initialised before any remote store (a cluster
 // barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
-// bit 2 skips the gather, bit 16 the running-max hand-over (timing only).
+// bit 2 skips the gather, bit 16 the running-max hand-over (timing only), bit 8 the early window
+// tiles (same results).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -109,8 +112,9 @@ static_assert(HH * DH * 2 == SLOTB, "the bf16 out rows fit a slot");
 static_assert(HH * DH * 4 == 2 * SLOTB, "a warpgroup's raw O fits two slots");
 
 // Named barriers (0: __syncthreads): 1 + c warpgroup c, BAR_BOTH the two consumers, BAR_MAX + c
-// the running max handed over by warpgroup c, BAR_MERGE the sender's O in place.
-constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6;
+// the running max handed over by warpgroup c, BAR_MERGE the sender's O in place, BAR_PROD the
+// producer warpgroup.
+constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7;
 
 constexpr int DS_TRACE = 160;
 // Phase timestamps of CTA (0, 0, 0), thread 0 of each consumer warpgroup: [0] start, [1] indices
@@ -161,11 +165,9 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         setmaxnreg_dec<PROD_REGS>();
         cluster_wait();
         const int ptid = tid - 2 * WGT, gr = ptid >> 3, q = ptid & 7;
-        mbar_wait(bars + BAR_COUNT, 0);  // the consumers' compaction: count and entries
-        const int n = *reinterpret_cast<const int*>(smem + DS_TOTAL);
-        const uint32_t* ent_s = reinterpret_cast<const uint32_t*>(smem + DS_ENT);
-        const int ntiles = (n + BLK - 1) / BLK;
-        for (int k = 0, s = 0, u = 0; k < ntiles; ++k) {
+        // Tile k (rows 64 k .. of the n entries ent) -> slot k % nslot, after its previous use.
+        auto produce = [&](int k, const uint32_t* ent, int n) {
+            const int s = k % nslot, u = k / nslot;
             if (u > 0) mbar_wait(bars + BAR_EMPTY + 8 * s, (u - 1) & 1);
             const int nb = min(BLK, n - k * BLK);
             const uint32_t dst = slots + static_cast<uint32_t>(s) * SLOTB;
@@ -173,14 +175,36 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             for (int lr = 0; lr < 4; ++lr) {
                 const int row = lr * 16 + gr;
                 const bool ok = row < nb;
-                const __nv_bfloat16* src = ok ? row_ptr(p, ent_s[k * BLK + row]) + DH * r + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
+                const __nv_bfloat16* src = ok ? row_ptr(p, ent[k * BLK + row]) + DH * r + q * 8 : static_cast<const __nv_bfloat16*>(p.q);
 #pragma unroll
                 for (int pl = 0; pl < NPL; ++pl)
                     if (!skip_gather) cp_async16_l2(dst + pl * PLANE + row * 128 + ((q ^ (row & 7)) << 4), src + (ok ? pl * 64 : 0), ok);
             }
             cp_async_mbar_arrive(bars + BAR_FULL + 8 * s);
-            if (++s == nslot) s = 0, ++u;
+        };
+        // Early window tiles (as the ping-pong kernel): when the token's first 128 window entries
+        // are all valid (the usual decode case) they are its first 128 compacted rows = tiles 0 and
+        // 1, gathered from the raw list (kept in the last slot, first filled by tile nslot - 1 >= 3)
+        // while the consumers compact.
+        int k0 = 0;
+        if (!(mode & 8) && p.kw >= 2 * BLK) {
+            uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + (slots - sbase) + (nslot - 1) * SLOTB);
+            const int64_t k = static_cast<int64_t>(t) * p.kw + ptid;
+            const int64_t e = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(p.idx_window) + k)
+                                                 : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p.idx_window) + k));
+            win_s[ptid] = static_cast<uint32_t>(e);
+            if (heads::bar_red_and(BAR_PROD, PROD_THREADS, e >= 0 && e < p.num_window_rows)) {  // (also publishes win_s)
+                produce(0, win_s, 2 * BLK);
+                produce(1, win_s, 2 * BLK);
+                k0 = 2;
+            }
+            bar_sync(BAR_PROD, PROD_THREADS);  // win_s read: its slot may be filled
         }
+        mbar_wait(bars + BAR_COUNT, 0);  // the consumers' compaction: count and entries
+        const int n = *reinterpret_cast<const int*>(smem + DS_TOTAL);
+        const uint32_t* ent_s = reinterpret_cast<const uint32_t*>(smem + DS_ENT);
+        const int ntiles = (n + BLK - 1) / BLK;
+        for (int k = k0; k < ntiles; ++k) produce(k, ent_s, n);
         return;
     }
     // Consumers: the compaction while the q copies (this CTA's 256 dims of 64 heads) are in flight.
@@ -356,84 +380,64 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (lane == 0) mbar_arrive(bars + BAR_EMPTY + 8 * s_idx);
         if (j < 16) stamp(72 + j);
     }
-    // Merge. The warpgroup of the last tile (receiver) holds O_r, the other (sender) O_s, each over
-    // all 64 heads x 256 dims; the sums fl(O_r + fl(O_s sc)) are split between them by dims: the
-    // sender writes its chunks 0-15 (dims 0-127 of its fragments) into slot sa, the receiver its
-    // chunks 16-31 into slot sb, each then merges the other half. sa, sb: the sender's own slots of
-    // tiles n - 2 and n - 4 (or the never-used last slot): no later tile reuses them, and the
-    // receiver's last tile (whose slot takes the bf16 out rows) is in neither.
+    // Merge: the warpgroup of the last tile (receiver) takes the other's raw O from two of the
+    // other's own slots (tiles n - 2 and n - 4, or the never-used last slot: no later tile reuses
+    // them, and the receiver's last tile is in neither).
     const int recv = ntiles > 0 ? (ntiles - 1) & 1 : 0;
-    const bool pair = ntiles >= 2;  // both warpgroups had tiles
-    if (c != recv && !pair) return;  // (ntiles <= 1: warpgroup 1 had no tile)
-    const int sa = pair ? (ntiles - 2) % nslot : 0, sb = ntiles >= 4 ? (ntiles - 4) % nslot : nslot - 1;
-    auto o_chunk = [&](int slot, int k) {  // float4 k % 16 (acc[4 k .. +4]) of thread ctid in a slot
-        return reinterpret_cast<float4*>(smem + (slots - sbase) + slot * SLOTB + ((k & 15) * WGT + ctid) * 16);
+    const int sa = ntiles >= 2 ? (ntiles - 2) % nslot : 0, sb = ntiles >= 4 ? (ntiles - 4) % nslot : nslot - 1;
+    auto o_chunk = [&](int k) {  // float4 k (acc[4 k .. +4]) of thread ctid
+        return reinterpret_cast<float4*>(smem + (slots - sbase) + (k < 16 ? sa : sb) * SLOTB + ((k & 15) * WGT + ctid) * 16);
     };
     float* fin_s = reinterpret_cast<float*>(smem + DS_FIN);
-    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
-    const int k0 = !pair ? 0 : c == recv ? 0 : 16, k1 = !pair ? 32 : k0 + 16;  // this warpgroup's chunks
-    if (pair) {
-        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (static
-        // indices and a select: a run-time index would put acc in local memory).
-        const bool hi_half = c == recv;
+    if (c != recv) {
+        if (ntiles >= 2) {  // (ntiles <= 1: warpgroup 1 had no tile)
 #pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            float v[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = hi_half ? acc[4 * (16 + k) + e] : acc[4 * k + e];
-            *o_chunk(hi_half ? sb : sa, k) = make_float4(v[0], v[1], v[2], v[3]);
+            for (int k = 0; k < 32; ++k) *o_chunk(k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
+            if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
+            bar_arrive(BAR_MERGE, 2 * WGT);
         }
-        if (c != recv && tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
-        bar_sync(BAR_MERGE, 2 * WGT);  // both halves and the sender's (m, den) in place
+        return;
+    }
+    float sc = 0.f;  // e^{m_s - M} of the own head (M = m_run: the token's running max)
+    if (ntiles >= 2) {
+        bar_sync(BAR_MERGE, 2 * WGT);
+        sc = expf(fin_s[hd] - m_run);
+        den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
     }
     stamp(4);
-    if (c == recv) {
-        // The own head's merge scale e^{m_s - M} (M = m_run: the token's running max), denominator,
-        // epilogue factor (as the head-split epilogue) and lse; both factors of the own heads to the
-        // peer.
-        float sc = 0.f;
-        if (pair) {
-            sc = expf(fin_s[hd] - m_run);
-            den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
-        }
-        if (tq == 0) {
-            const float big = fmaxf(M_FLOOR, m_run);
-            const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
-            const float dall = __fadd_rn(wsum, expf(sink_h - big));
-            const bool ok = dall > 0.f && isfinite(dall);
-            const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
-            if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
-            fac_s[hd] = sc;
-            fac_s[HH + hd] = fac;
-            const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
-            st_async_b32(fp, __float_as_uint(sc), bp);
-            st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
-        }
+    // The own head's epilogue factor (as the head-split epilogue) and lse; both factors of the own
+    // heads to the peer.
+    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
+    if (tq == 0) {
+        const float big = fmaxf(M_FLOOR, m_run);
+        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
+        const float dall = __fadd_rn(wsum, expf(sink_h - big));
+        const bool ok = dall > 0.f && isfinite(dall);
+        const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
+        if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
+        fac_s[hd] = sc;
+        fac_s[HH + hd] = fac;
+        const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
+        st_async_b32(fp, __float_as_uint(sc), bp);
+        st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
     }
-    mbar_wait_cluster(bar_fin, 0);  // the peer's factors of its own heads
-    if (pair)
-        bar_sync(BAR_MERGE, 2 * WGT);  // the receiver's factors of the own heads (local stores)
-    else
-        bar_sync(1 + c, WGT);
+    mbar_wait_cluster(bar_fin, 0);
+    bar_sync(1 + c, WGT);  // the own heads' factors (local stores) and every P.V of the slots below
     stamp(5);
     const float sc_lo = fac_s[hlo], sc_hi = fac_s[hlo + 8], f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
-    // out = fl(fl(O_r + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
+    // out = fl(fl(O + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
     // (16-byte chunk ch of head h at h * 512 + ((ch ^ (h % 8)) * 16): conflict-free pair stores).
     const int so = ntiles >= 1 ? (ntiles - 1) % nslot : 0;
     unsigned char* out_s = smem + (slots - sbase) + so * SLOTB;
 #pragma unroll
     for (int k = 0; k < 32; ++k) {
-        if (k < k0 || k >= k1) continue;
         float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-        if (pair) {
-            const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
-            const float a[4] = {o2.x, o2.y, o2.z, o2.w};
-            // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float sce = e < 2 ? sc_lo : sc_hi;
-                v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(a[e], sce)) : __fadd_rn(a[e], __fmul_rn(v[e], sce));
-            }
+        if (ntiles >= 2) {
+            const float4 o2 = *o_chunk(k);
+            v[0] = __fadd_rn(v[0], __fmul_rn(o2.x, sc_lo));
+            v[1] = __fadd_rn(v[1], __fmul_rn(o2.y, sc_lo));
+            v[2] = __fadd_rn(v[2], __fmul_rn(o2.z, sc_hi));
+            v[3] = __fadd_rn(v[3], __fmul_rn(o2.w, sc_hi));
         }
         // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
         const uint32_t lo = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
@@ -441,15 +445,11 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         *reinterpret_cast<uint32_t*>(out_s + hlo * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = lo;
         *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
     }
-    const int nthr = pair ? 2 * WGT : WGT, me = pair ? tid : ctid;
-    if (pair)
-        bar_sync(BAR_MERGE, 2 * WGT);
-    else
-        bar_sync(1 + c, WGT);
+    bar_sync(1 + c, WGT);
     stamp(6);
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
 #pragma unroll 4
-    for (int i = me; i < nh * 32; i += nthr) {
+    for (int i = ctid; i < nh * 32; i += WGT) {
         const int h = i >> 5, ch = i & 31;
         *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(h) * D + ch * 8) =
             *reinterpret_cast<const uint4*>(out_s + h * 512 + ((ch ^ (h & 7)) << 4));
@@ -488,7 +488,7 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     if (e != cudaSuccess) return static_cast<int>(e);
     if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
     e = dsv41_launch::launch_pdl(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
-                                 2, p, mode & 21, nslot);
+                                 2, p, mode & 29, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
     return static_cast<int>(e);
 }
