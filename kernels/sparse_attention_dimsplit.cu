@@ -120,7 +120,7 @@ constexpr int DS_TRACE = 160;
 // Phase timestamps of CTA (0, 0, 0), thread 0 of each consumer warpgroup: [0] start, [1] indices
 // loaded, [2] compaction done, [3] end, [4] merge done, [5] factors exchanged; tile j < 16: [8 + j]
 // rows arrived, [24 + j] S done, [88 + j] partial sent, [40 + j] peer's partial received, [104 + j]
-// running max received, [120 + j] P tile written (warpgroup barrier), [56 + j] bulk copies issued,
+// running max received, [56 + j] P rows written and sent, [120 + j] warpgroup barrier,
 // [136 + j] peer's P rows received, [72 + j] P.V done; [6] out rows staged.
 __device__ long long g_trace_ds[DS_TRACE];
 
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     // The peer's copies of this warpgroup's exchange buffers and barriers.
     const uint32_t xs_peer = mapa_shared(sbase + DS_XS + c * XSB, peer), bar_xs_peer = mapa_shared(bar_xs, peer);
     const uint32_t p_peer = mapa_shared(p_tile, peer), bar_px_peer = mapa_shared(bar_px, peer);
-    const uint32_t al_peer = mapa_shared(sbase + DS_AL + 4 * (c * HH + hd), peer);
+    const uint32_t al_peer = mapa_shared(sbase + DS_AL + 4 * c * HH, peer);
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -333,18 +333,19 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         den = __fadd_rn(__fmul_rn(den, alpha), sum);
-        if (tq == 0) st_async_b32(al_peer, __float_as_uint(alpha), bar_px_peer);
+        if (tq == 0) al_s[hd] = alpha;
+        // Warp w wrote the P rows and alphas of its own heads 16 w + 8 r .. +8: its lane 0 copies
+        // them (1 KB, 32 B) to the peer at once; the warpgroup barrier below only guards the P.V.
         fence_proxy_async();  // the P tile is read by wgmma and by the bulk copies
-        bar_sync(1 + c, WGT);
-        if (j < 16) stamp(120 + j);
-        if (ctid == 0) {  // the own heads' rows: heads 16 w + 8 r .. +8, 1 KB each
-#pragma unroll
-            for (int ww = 0; ww < 4; ++ww) {
-                const uint32_t off = (16 * ww + 8 * r) * 128;
-                bulk_copy_to_cluster(p_peer + off, p_tile + off, 1024, bar_px_peer);
-            }
+        __syncwarp();
+        if (lane == 0) {
+            const uint32_t off = (16 * w + 8 * r) * 128, aoff = 4 * (16 * w + 8 * r);
+            bulk_copy_to_cluster(p_peer + off, p_tile + off, 1024, bar_px_peer);
+            bulk_copy_to_cluster(al_peer + aoff, sbase + DS_AL + 4 * c * HH + aoff, 32, bar_px_peer);
         }
         if (j < 16) stamp(56 + j);
+        bar_sync(1 + c, WGT);
+        if (j < 16) stamp(120 + j);
         mbar_wait_cluster(bar_px, it & 1);  // the peer's rows of the P tile and its alpha
         if (ctid == 0) mbar_arrive_expect_tx(bar_px, P_TX);
         if (j < 16) stamp(136 + j);
@@ -369,64 +370,84 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (lane == 0) mbar_arrive(bars + BAR_EMPTY + 8 * s_idx);
         if (j < 16) stamp(72 + j);
     }
-    // Merge: the warpgroup of the last tile (receiver) takes the other's raw O from two of the
-    // other's own slots (tiles n - 2 and n - 4, or the never-used last slot: no later tile reuses
-    // them, and the receiver's last tile is in neither).
+    // Merge. The warpgroup of the last tile (receiver) holds O_r, the other (sender) O_s, each over
+    // all 64 heads x 256 dims; the sums fl(O_r + fl(O_s sc)) are split between them by dims: the
+    // sender writes its chunks 0-15 (dims 0-127 of its fragments) into slot sa, the receiver its
+    // chunks 16-31 into slot sb, each then merges the other half. sa, sb: the sender's own slots of
+    // tiles n - 2 and n - 4 (or the never-used last slot): no later tile reuses them, and the
+    // receiver's last tile (whose slot takes the bf16 out rows) is in neither.
     const int recv = ntiles > 0 ? (ntiles - 1) & 1 : 0;
-    const int sa = ntiles >= 2 ? (ntiles - 2) % nslot : 0, sb = ntiles >= 4 ? (ntiles - 4) % nslot : nslot - 1;
-    auto o_chunk = [&](int k) {  // float4 k (acc[4 k .. +4]) of thread ctid
-        return reinterpret_cast<float4*>(smem + (slots - sbase) + (k < 16 ? sa : sb) * SLOTB + ((k & 15) * WGT + ctid) * 16);
+    const bool pair = ntiles >= 2;  // both warpgroups had tiles
+    if (c != recv && !pair) return;  // (ntiles <= 1: warpgroup 1 had no tile)
+    const int sa = pair ? (ntiles - 2) % nslot : 0, sb = ntiles >= 4 ? (ntiles - 4) % nslot : nslot - 1;
+    auto o_chunk = [&](int slot, int k) {  // float4 k % 16 (acc[4 k .. +4]) of thread ctid in a slot
+        return reinterpret_cast<float4*>(smem + (slots - sbase) + slot * SLOTB + ((k & 15) * WGT + ctid) * 16);
     };
     float* fin_s = reinterpret_cast<float*>(smem + DS_FIN);
-    if (c != recv) {
-        if (ntiles >= 2) {  // (ntiles <= 1: warpgroup 1 had no tile)
+    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
+    const int k0 = !pair ? 0 : c == recv ? 0 : 16, k1 = !pair ? 32 : k0 + 16;  // this warpgroup's chunks
+    if (pair) {
+        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (static
+        // indices and a select: a run-time index would put acc in local memory).
+        const bool hi_half = c == recv;
 #pragma unroll
-            for (int k = 0; k < 32; ++k) *o_chunk(k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
-            if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
-            bar_arrive(BAR_MERGE, 2 * WGT);
+        for (int k = 0; k < 16; ++k) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = hi_half ? acc[4 * (16 + k) + e] : acc[4 * k + e];
+            *o_chunk(hi_half ? sb : sa, k) = make_float4(v[0], v[1], v[2], v[3]);
         }
-        return;
-    }
-    float sc = 0.f;  // e^{m_s - M} of the own head (M = m_run: the token's running max)
-    if (ntiles >= 2) {
-        bar_sync(BAR_MERGE, 2 * WGT);
-        sc = expf(fin_s[hd] - m_run);
-        den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
+        if (c != recv && tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
+        bar_sync(BAR_MERGE, 2 * WGT);  // both halves and the sender's (m, den) in place
     }
     stamp(4);
-    // The own head's epilogue factor (as the head-split epilogue) and lse; both factors of the own
-    // heads to the peer.
-    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
-    if (tq == 0) {
-        const float big = fmaxf(M_FLOOR, m_run);
-        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
-        const float dall = __fadd_rn(wsum, expf(sink_h - big));
-        const bool ok = dall > 0.f && isfinite(dall);
-        const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
-        if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
-        fac_s[hd] = sc;
-        fac_s[HH + hd] = fac;
-        const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
-        st_async_b32(fp, __float_as_uint(sc), bp);
-        st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
+    if (c == recv) {
+        // The own head's merge scale e^{m_s - M} (M = m_run: the token's running max), denominator,
+        // epilogue factor (as the head-split epilogue) and lse; both factors of the own heads to the
+        // peer.
+        float sc = 0.f;
+        if (pair) {
+            sc = expf(fin_s[hd] - m_run);
+            den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
+        }
+        if (tq == 0) {
+            const float big = fmaxf(M_FLOOR, m_run);
+            const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
+            const float dall = __fadd_rn(wsum, expf(sink_h - big));
+            const bool ok = dall > 0.f && isfinite(dall);
+            const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
+            if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
+            fac_s[hd] = sc;
+            fac_s[HH + hd] = fac;
+            const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
+            st_async_b32(fp, __float_as_uint(sc), bp);
+            st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
+        }
     }
-    mbar_wait_cluster(bar_fin, 0);
-    bar_sync(1 + c, WGT);  // the own heads' factors (local stores) and every P.V of the slots below
+    mbar_wait_cluster(bar_fin, 0);  // the peer's factors of its own heads
+    if (pair)
+        bar_sync(BAR_MERGE, 2 * WGT);  // the receiver's factors of the own heads (local stores)
+    else
+        bar_sync(1 + c, WGT);
     stamp(5);
     const float sc_lo = fac_s[hlo], sc_hi = fac_s[hlo + 8], f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
-    // out = fl(fl(O + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
+    // out = fl(fl(O_r + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
     // (16-byte chunk ch of head h at h * 512 + ((ch ^ (h % 8)) * 16): conflict-free pair stores).
     const int so = ntiles >= 1 ? (ntiles - 1) % nslot : 0;
     unsigned char* out_s = smem + (slots - sbase) + so * SLOTB;
 #pragma unroll
     for (int k = 0; k < 32; ++k) {
+        if (k < k0 || k >= k1) continue;
         float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-        if (ntiles >= 2) {
-            const float4 o2 = *o_chunk(k);
-            v[0] = __fadd_rn(v[0], __fmul_rn(o2.x, sc_lo));
-            v[1] = __fadd_rn(v[1], __fmul_rn(o2.y, sc_lo));
-            v[2] = __fadd_rn(v[2], __fmul_rn(o2.z, sc_hi));
-            v[3] = __fadd_rn(v[3], __fmul_rn(o2.w, sc_hi));
+        if (pair) {
+            const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
+            const float a[4] = {o2.x, o2.y, o2.z, o2.w};
+            // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float sce = e < 2 ? sc_lo : sc_hi;
+                v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(a[e], sce)) : __fadd_rn(a[e], __fmul_rn(v[e], sce));
+            }
         }
         // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
         const uint32_t lo = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
@@ -434,11 +455,15 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         *reinterpret_cast<uint32_t*>(out_s + hlo * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = lo;
         *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
     }
-    bar_sync(1 + c, WGT);
+    const int nthr = pair ? 2 * WGT : WGT, me = pair ? tid : ctid;
+    if (pair)
+        bar_sync(BAR_MERGE, 2 * WGT);
+    else
+        bar_sync(1 + c, WGT);
     stamp(6);
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
 #pragma unroll 4
-    for (int i = ctid; i < nh * 32; i += WGT) {
+    for (int i = me; i < nh * 32; i += nthr) {
         const int h = i >> 5, ch = i & 31;
         *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(h) * D + ch * 8) =
             *reinterpret_cast<const uint4*>(out_s + h * 512 + ((ch ^ (h & 7)) << 4));
@@ -457,9 +482,9 @@ void print_trace_dimsplit(cudaStream_t stream, int dev) {
     int n = 0;
     while (n < 16 && h[72 + n] > 0) ++n;
     for (int j = 0; j < n; ++j)
-        fprintf(stderr, " | t%d rows@%.2f S %.2f send %.2f xs %.2f max %.2f P %.2f bulk %.2f px %.2f PV %.2f", j, at(8 + j), at(24 + j) - at(8 + j),
-                at(88 + j) - at(24 + j), at(40 + j) - at(88 + j), at(104 + j) - at(40 + j), at(120 + j) - at(104 + j), at(56 + j) - at(120 + j),
-                at(136 + j) - at(56 + j), at(72 + j) - at(136 + j));
+        fprintf(stderr, " | t%d rows@%.2f S %.2f send %.2f xs %.2f max %.2f P+send %.2f bar %.2f px %.2f PV %.2f", j, at(8 + j), at(24 + j) - at(8 + j),
+                at(88 + j) - at(24 + j), at(40 + j) - at(88 + j), at(104 + j) - at(40 + j), at(56 + j) - at(104 + j), at(120 + j) - at(56 + j),
+                at(136 + j) - at(120 + j), at(72 + j) - at(136 + j));
     if (n > 0) fprintf(stderr, " | loop %.2f us (%.2f per tile)", at(72 + n - 1) - at(2), (at(72 + n - 1) - at(2)) / n);
     fprintf(stderr, " | merge @%.2f | factors @%.2f | staged @%.2f | end %.2f us\n", at(4), at(5), at(6), at(3));
 }
