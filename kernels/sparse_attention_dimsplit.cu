@@ -62,6 +62,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <type_traits>
+
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
 #include "include/dsv41_sparse_attention.h"
@@ -435,26 +437,33 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     // (16-byte chunk ch of head h at h * 512 + ((ch ^ (h % 8)) * 16): conflict-free pair stores).
     const int so = ntiles >= 1 ? (ntiles - 1) % nslot : 0;
     unsigned char* out_s = smem + (slots - sbase) + so * SLOTB;
+    // Chunks [K0, K0 + 16) with compile-time indices (a run-time range would issue all 32 chunks'
+    // instructions, predicated).
+    auto stage = [&](auto k0c) {
+        constexpr int K0 = decltype(k0c)::value;
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
-        if (k < k0 || k >= k1) continue;
-        float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-        if (pair) {
-            const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
-            const float a[4] = {o2.x, o2.y, o2.z, o2.w};
-            // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
+        for (int kk = 0; kk < 16; ++kk) {
+            const int k = K0 + kk;
+            float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
+            if (pair) {
+                const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
+                const float a[4] = {o2.x, o2.y, o2.z, o2.w};
+                // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float sce = e < 2 ? sc_lo : sc_hi;
-                v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(a[e], sce)) : __fadd_rn(a[e], __fmul_rn(v[e], sce));
+                for (int e = 0; e < 4; ++e) {
+                    const float sce = e < 2 ? sc_lo : sc_hi;
+                    v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(a[e], sce)) : __fadd_rn(a[e], __fmul_rn(v[e], sce));
+                }
             }
+            // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
+            const uint32_t lo = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
+            const uint32_t hi = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[2], f_hi)), __fadd_rn(0.f, __fmul_rn(v[3], f_hi)));
+            *reinterpret_cast<uint32_t*>(out_s + hlo * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = lo;
+            *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
         }
-        // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
-        const uint32_t lo = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
-        const uint32_t hi = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[2], f_hi)), __fadd_rn(0.f, __fmul_rn(v[3], f_hi)));
-        *reinterpret_cast<uint32_t*>(out_s + hlo * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = lo;
-        *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
-    }
+    };
+    if (k0 == 0) stage(std::integral_constant<int, 0>{});
+    if (k1 == 32) stage(std::integral_constant<int, 16>{});
     const int nthr = pair ? 2 * WGT : WGT, me = pair ? tid : ctid;
     if (pair)
         bar_sync(BAR_MERGE, 2 * WGT);
