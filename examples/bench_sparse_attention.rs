@@ -329,8 +329,9 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
     })?;
     println!("  top-k alone: {:.2} us", prod * 1e3);
     let two_stage = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplit, ..opts };
+    let ping_pong = SparseAttentionOptions { kernel: SparseAttentionKernel::HeadSplitPingPong, ..opts };
     let dim_split = SparseAttentionOptions { kernel: SparseAttentionKernel::DimSplitPair, ..opts };
-    for (name, o) in [("Auto", opts), ("head-split two-stage", two_stage), ("dims-split pair", dim_split)] {
+    for (name, o) in [("Auto", opts), ("head-split two-stage", two_stage), ("ping-pong", ping_pong), ("dims-split pair", dim_split)] {
         let attn = |ic: &Tensor| sparse_attention_two_source_with(&pb.q, &pb.kvw, &pb.iw, pool, ic, sink, scale, o);
         let (pair, _) = timer.time(|| {
             attn(&topk()?)?;
