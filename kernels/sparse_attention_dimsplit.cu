@@ -247,32 +247,22 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     fence_proxy_async();  // q is read by wgmma
     bar_sync(BAR_BOTH, 2 * WGT);  // all of q
     cluster_wait();  // the peer's mbarriers are initialised
-    // S partial of tile jj over this CTA's 256 dims (A = q, B = the slot, both K-major) into s, once
-    // its rows landed; committed, not waited for. (The first k-step overwrites s.)
-    float s[32];
-    auto issue_s = [&](int jj) {
-        const int si = jj % nslot;
-        const uint32_t slot = slots + static_cast<uint32_t>(si) * SLOTB;
-        mbar_wait(bars + BAR_FULL + 8 * si, (jj / nslot) & 1);
+    int it = 0;  // this warpgroup's tile count (exchange barrier phases)
+    for (int j = c; j < ntiles; j += 2, ++it) {
+        const int s_idx = j % nslot;
+        const uint32_t slot = slots + static_cast<uint32_t>(s_idx) * SLOTB;
+        mbar_wait(bars + BAR_FULL + 8 * s_idx, (j / nslot) & 1);
         fence_proxy_async();  // the row tile (cp.async writes) is read by wgmma
         bar_sync(1 + c, WGT);
-        if (jj < 16) stamp(8 + jj);
-        wg_fence_regs<32>(s);
-        wg_fence();
+        if (j < 16) stamp(8 + j);
+        // S partial over this CTA's 256 dims (A = q, B = the slot, both K-major).
+        float s[32];
 #pragma unroll
         for (int ks = 0; ks < DH / 16; ++ks) {
             const uint32_t off = (ks >> 2) * PLANE + (ks & 3) * 32;
             wg_m64n64k16(s, wg_desc(sbase + DS_Q + off, 16, 1024), wg_desc(slot + off, 16, 1024), ks > 0);
         }
         wg_commit();
-    };
-    if (c < ntiles) issue_s(c);
-    int it = 0;  // this warpgroup's tile count (exchange barrier phases)
-    // Per own tile j (its S issued before): the exchanges and the softmax, then the P.V of tile j,
-    // and behind it (when its rows landed) S of tile j + 2, both in flight together.
-    for (int j = c; j < ntiles; j += 2, ++it) {
-        const int s_idx = j % nslot;
-        const uint32_t slot = slots + static_cast<uint32_t>(s_idx) * SLOTB;
         wg_wait<0>();
         wg_fence_regs<32>(s);
         if (j < 16) stamp(24 + j);
@@ -377,8 +367,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         for (int kk = 0; kk < BLK / 16; ++kk)
             wg_m64n256k16_kmn(acc, wg_desc(p_tile + kk * 32, 16, 1024), wg_desc(slot + kk * 16 * 128, PLANE, 1024));
         wg_commit();
-        if (j + 2 < ntiles) issue_s(j + 2);
-        wg_wait<0>();  // (also S of tile j + 2)
+        wg_wait<0>();
         wg_fence_regs<128>(acc);
         if (lane == 0) mbar_arrive(bars + BAR_EMPTY + 8 * s_idx);
         if (j < 16) stamp(72 + j);
