@@ -4,7 +4,8 @@
 // per token) and decode (few tokens: several splits per token). The launcher at the end of this
 // file also runs the head-split decode kernel (kernels/sparse_attention_heads.cu: 32 heads per CTA
 // over all of the token's rows, no merge) where this kernel would run 2 splits (`use_head_split`),
-// or as the caller forces (params.kernel).
+// or as the caller forces (params.kernel), and when forced the dims-split pair
+// (kernels/sparse_attention_dimsplit.cu: all heads, the dims split over a 2-CTA cluster).
 //
 // For token t, head h and the valid rows s of [kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]
 // (in that order, duplicates kept):
@@ -121,7 +122,8 @@
 // Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising);
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
-// results, for timing the other parts), 8 the ping-pong kernel's early window tiles (same results).
+// results, for timing the other parts), 8 the ping-pong and dims-split kernels' early window tiles
+// (same results), 16 the dims-split kernel's running-max hand-over (other rounding, timing only).
 // Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
 // (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
 // ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in
@@ -635,7 +637,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (e != cudaSuccess) return static_cast<int>(e);
     // Diagnostics: DSV41_SPARSE_ATTENTION_TRACE=1 prints CTA 0's phase times (synchronises);
     // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skips the mma / the gather (wrong results, timing only),
-    // 8 the ping-pong kernel's early window tiles (same results).
+    // 8 the early window tiles (same results), 16 the dims-split running-max hand-over.
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';

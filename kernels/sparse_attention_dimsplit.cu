@@ -33,19 +33,21 @@
 //          mask, max, m_new = max(m after tile j - 1 (from the other warpgroup, named barriers as in
 //          the ping-pong kernel), tile max), alpha = e^{m_old - m_new} (m_old: this warpgroup's
 //          previous tile), p = e^{l - m_new} summed into the head's denominator and rounded to bf16
-//          into the warpgroup's P tile ([64 heads][64 rows], 128-byte swizzle); the own heads' rows
-//          of it (4 x 1 KB) go to the peer's P tile by bulk copies, alpha by st.async, both
-//          completing on the peer's mbarrier, and the peer's come back.
+//          into the warpgroup's P tile ([64 heads][64 rows], 128-byte swizzle); warp w's own heads
+//          (16 w + 8 r .. +8: 1 KB of P rows, 32 B of alphas) go to the peer's P tile and alpha array
+//          by two bulk copies from the warp's lane 0, completing on the peer's mbarrier, and the
+//          peer's come back.
 //        O = alpha O + P . V_j[:, own dims] (4 x m64n256k16, A = the P tile, B = the slot MN-major);
 //          then the slot goes back to the producer.
 //      Every exchange buffer of a warpgroup is written by the peer only after the peer received this
 //      warpgroup's next message, which is sent after this warpgroup consumed the buffer: single
 //      buffers, one mbarrier phase per tile, re-armed (arrive.expect_tx) right after each wait.
-//   4. Merge and epilogue: the warpgroup of the last tile (receiver) adds the other's raw O (written
-//      into two free slots), scaled by e^{m_s - M}, as the ping-pong kernel; each CTA computes for
-//      its own heads that scale and the epilogue factor fl(1 / (den + e^{sink - M})) and the lse,
-//      and sends both factors to the peer (st.async); out = fl(O f) in bf16 rows staged in a free
-//      slot, then 16-byte stores of the CTA's 512-byte half rows.
+//   4. Merge and epilogue: O = fl(O_r + fl(O_s e^{m_s - M})) as the ping-pong kernel (O_r: the
+//      warpgroup of the last tile, the receiver; O_s: the other), split by dims between the two
+//      warpgroups (each hands the other half of its O over through two free slots); the receiver
+//      computes for the CTA's own heads that scale, the epilogue factor fl(1 / (den + e^{sink - M}))
+//      and the lse, and sends both factors to the peer (st.async); out = fl(O f) in bf16 rows staged
+//      in a free slot, then 16-byte stores of the CTA's 512-byte half rows.
 // Numerics: p = e^{l - m_j} with m_j the running max after tile j (the reference's 64-row blocks),
 // exactly as the ping-pong kernel: same p, same per-warpgroup O / den, same merge and factor
 // formulas; only the f32 orders of the dot products (two 256-dim halves, each a tensor-core sum)
@@ -56,6 +58,12 @@
 // barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
 // bit 2 skips the gather, bit 16 the running-max hand-over (timing only), bit 8 the early window
 // tiles (same results).
+// Measured (docs/perf.md "Round 12", H200): B = 64 standalone 21.6-22.3 us against the ping-pong
+// kernel's 25.2-25.6 (tiles every ~1.25 us per CTA, rows read once per token), B = 1 20.1-20.9
+// (ping-pong 23.3-24.2), B = 256 82-87 (ping-pong 103-105; the all-heads kernel 69.5). But in-stream
+// behind the indexer's top-k it takes 28.9-32 us against the ping-pong kernel's 25.8-26.2 (its CTA
+// spans are not longer there: the clusters start later), so it is not Auto's choice. Tried and
+// dropped: S of tile j + 2 issued before the P.V of tile j (slower in-stream, no faster standalone).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>

@@ -72,7 +72,9 @@ pub enum SparseAttentionKernel {
     /// Two consumer warpgroups on alternate tiles as `HeadSplitPingPong`, whose numerics it has
     /// (p rounded to bf16 relative to the running max after each 64-row block); only f32
     /// summation orders differ. bf16 rows (packed rows run `HeadSplit`'s loop). Takes no
-    /// `num_splits` above 1.
+    /// `num_splits` above 1. Opt-in, not Auto's choice: at B = 64 on an H200 it is ~3.5 µs faster
+    /// than `HeadSplitPingPong` called alone (21.6–22.3 vs 25.2–25.6 µs) but ~3 µs slower right
+    /// behind the indexer's top-k (docs/perf.md, "Round 12").
     DimSplitPair,
 }
 
