@@ -518,8 +518,10 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     cudaError_t e = dsv41_launch::set_max_dynamic_smem(dimsplit_kernel, dev, max_smem, configured_dev);
     if (e != cudaSuccess) return static_cast<int>(e);
     if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
-    e = dsv41_launch::launch_pdl(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
-                                 2, p, mode & 29, nslot);
+    // (Diagnostic bits 32 / 64: launched without programmatic dependent launch / with the spread
+    // cluster scheduling policy.)
+    e = dsv41_launch::launch_with(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem,
+                                  stream, 2, !(mode & 32), (mode & 64) != 0, p, mode & 29, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
     return static_cast<int>(e);
 }
