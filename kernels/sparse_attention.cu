@@ -124,7 +124,7 @@
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts), 8 the ping-pong and dims-split kernels' early window tiles
 // (same results), 16 the dims-split kernel's running-max hand-over (other rounding, timing only),
-// 32 / 64 its launch without programmatic dependent launch / with the spread cluster scheduling.
+// 32 / 64 its launch with programmatic dependent launch / with the spread cluster scheduling.
 // Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
 // (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
 // ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in

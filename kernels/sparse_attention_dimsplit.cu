@@ -518,10 +518,12 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     cudaError_t e = dsv41_launch::set_max_dynamic_smem(dimsplit_kernel, dev, max_smem, configured_dev);
     if (e != cudaSuccess) return static_cast<int>(e);
     if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
-    // (Diagnostic bits 32 / 64: launched without programmatic dependent launch / with the spread
-    // cluster scheduling policy.)
+    // Without programmatic dependent launch (docs/perf.md "Round 12", run 10: behind the indexer's
+    // top-k, which lets its dependents launch at its start, the early-launched clusters made the
+    // attention's share 29-30 us instead of 24-25; called back to back it costs ~2 us). Diagnostic
+    // bits 32 / 64: with it / with the spread cluster scheduling policy.
     e = dsv41_launch::launch_with(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem,
-                                  stream, 2, !(mode & 32), (mode & 64) != 0, p, mode & 29, nslot);
+                                  stream, 2, (mode & 32) != 0, (mode & 64) != 0, p, mode & 29, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
     return static_cast<int>(e);
 }

@@ -218,12 +218,11 @@ void print_trace(cudaStream_t stream, int dev) {
 int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
-    // Else bf16 rows: the ping-pong kernel (Auto's choice, or forced), unless its slots do not fit;
+    // Else bf16 rows: the ping-pong kernel (forced, or the fallback), unless its slots do not fit;
     // forced HeadSplit and packed rows (its producer expands whole tiles): the two-stage kernel.
     const bool bf16_rows = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
-    // bf16 rows: the dims-split pair when forced (not Auto's choice: slower in-stream behind the
-    // top-k, docs/perf.md "Round 12"), unless its slots do not fit.
-    if (bf16_rows && p.kernel == DSV41_SA_KERNEL_DIM_SPLIT_PAIR) {
+    // bf16 rows: the dims-split pair (Auto's choice, or forced), unless its slots do not fit.
+    if (bf16_rows && (p.kernel == DSV41_SA_KERNEL_DIM_SPLIT_PAIR || p.kernel == DSV41_SA_KERNEL_AUTO)) {
         const int r = launch_dimsplit_pair(p, stream, mode, dev, max_smem);
         if (r != DSV41_ERR_SHAPE) return r;
     }

@@ -219,7 +219,10 @@ fn run_case(c: &Case) -> Result<()> {
         (_, Some(s)) => ("all-heads", s),
         (SparseAttentionKernel::AllHeads, None) | (SparseAttentionKernel::Auto, None) => {
             let mut found = None;
-            if c.kernel == SparseAttentionKernel::Auto && same(None, SparseAttentionKernel::HeadSplitPingPong)? {
+            if c.kernel == SparseAttentionKernel::Auto && same(None, SparseAttentionKernel::DimSplitPair)? {
+                found = Some(("dims-split pair", 1));
+            }
+            if found.is_none() && c.kernel == SparseAttentionKernel::Auto && same(None, SparseAttentionKernel::HeadSplitPingPong)? {
                 found = Some(("head-split ping-pong", 1));
             }
             for s in 1..=8 {
