@@ -117,11 +117,11 @@ enum AttentionKernel {
     /// The launcher's choice.
     Auto,
     /// The head-split kernel's ping-pong loop (`SparseAttentionKernel::HeadSplitPingPong`; bf16
-    /// rows; Auto's choice at B = 64).
+    /// rows).
     PingPong,
     /// The head-split kernel's two-stage loop (`SparseAttentionKernel::HeadSplit`).
     HeadSplit,
-    /// The dims-split pair (`SparseAttentionKernel::DimSplitPair`; bf16 rows).
+    /// The dims-split pair (`SparseAttentionKernel::DimSplitPair`; bf16 rows; Auto's choice at B = 64).
     DimSplit,
 }
 

@@ -4,7 +4,7 @@
 // per token) and decode (few tokens: several splits per token). The launcher at the end of this
 // file also runs the head-split decode kernel (kernels/sparse_attention_heads.cu: 32 heads per CTA
 // over all of the token's rows, no merge) where this kernel would run 2 splits (`use_head_split`),
-// or as the caller forces (params.kernel), and when forced the dims-split pair
+// or as the caller forces (params.kernel): for bf16 rows the dims-split pair
 // (kernels/sparse_attention_dimsplit.cu: all heads, the dims split over a 2-CTA cluster).
 //
 // For token t, head h and the valid rows s of [kv_window[idx_window[t]] ; kv_extra[idx_extra[t]]]
@@ -560,9 +560,9 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
     return best;
 }
 
-// The kernel of a call: forced by the caller, the all-heads kernel with forced splits, else the
-// head-split kernel (its ping-pong loop) for bf16 rows where the all-heads kernel would run 2 splits (as many CTAs,
-// each over all of the token's tiles at about half the work per tile, and no merge). With more
+// The kernel of a call: forced by the caller, the all-heads kernel with forced splits, else for
+// bf16 rows where the all-heads kernel would run 2 splits the head-split launcher (as many CTAs and
+// no merge; it runs the dims-split pair, docs/perf.md "Round 12", or the ping-pong loop). With more
 // splits (B = 1) the all-heads kernel spreads the tiles over more SMs; packed rows expand each
 // tile on the producer, which the head-split kernel would do twice per token (docs/perf.md,
 // "Round 6").

@@ -52,18 +52,19 @@
 // exactly as the ping-pong kernel: same p, same per-warpgroup O / den, same merge and factor
 // formulas; only the f32 orders of the dot products (two 256-dim halves, each a tensor-core sum)
 // and of the P.V sums differ.
-// Launch: programmatic dependent launch as the other kernels (nothing read before
-// griddepcontrol.wait). A CTA leaves only after every remote store into it landed (it waits for
-// all of them), and the peer's mbarriers are initialised before any remote store (a cluster
-// barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
+// Launch: without the programmatic-dependent-launch attribute (see Measured; the kernel still
+// waits in griddepcontrol.wait first, a no-op then, and reads nothing before it). A CTA leaves only
+// after every remote store into it landed (it waits for all of them), and the peer's mbarriers are
+// initialised before any remote store (a cluster barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
 // bit 2 skips the gather, bit 16 the running-max hand-over (timing only), bit 8 the early window
 // tiles (same results).
-// Measured (docs/perf.md "Round 12", H200): B = 64 standalone 21.6-22.3 us against the ping-pong
-// kernel's 25.2-25.6 (tiles every ~1.25 us per CTA, rows read once per token), B = 1 20.1-20.9
-// (ping-pong 23.3-24.2), B = 256 82-87 (ping-pong 103-105; the all-heads kernel 69.5). But in-stream
-// behind the indexer's top-k it takes 28.9-32 us against the ping-pong kernel's 25.8-26.2 (its CTA
-// spans are not longer there: the clusters start later), so it is not Auto's choice. Tried and
-// dropped: S of tile j + 2 issued before the P.V of tile j (slower in-stream, no faster standalone).
+// Measured (docs/perf.md "Round 12", H200, B = 64): launched without programmatic dependent launch
+// (the launcher's default) 23.7-24.1 us called alone and 23.6-24.5 us right behind the indexer's
+// top-k, against the ping-pong kernel's 25.4-25.5 / 26.1 (tiles every ~1.25 us per CTA, rows read
+// once per token): Auto's choice at B = 64. With programmatic dependent launch 21.6-22.3 us alone
+// (consecutive calls overlap) but 29-32 us behind the top-k (the early-launched clusters; spread
+// scheduling does not help). Tried and dropped: S of tile j + 2 issued before the P.V of tile j
+// (slower in-stream, no faster alone).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>

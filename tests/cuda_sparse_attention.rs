@@ -7,10 +7,11 @@
 //! blocks), i64 and i32 indices, forced KV splits 1, 2, 3, 5 and 8 (split boundaries inside
 //! and between the sources, empty splits), the 4096-index limit, and a batch of 264 tokens (the
 //! prefill configuration: one CTA per token). The head-split kernel (32 heads per CTA, no split)
-//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too), and so is
-//! its ping-pong loop (`SparseAttentionKernel::HeadSplitPingPong`, Auto's choice where it picks the
-//! head split; valid-row counts around the tile and consumer boundaries, H = 40); with one tile per
-//! token the ping-pong loop must give bitwise the two-stage loop's results. The all-heads kernel's
+//! is forced over the same edge cases (H = 4, 20, 64, 100, 128: partial head blocks too), and so are
+//! its ping-pong loop (`SparseAttentionKernel::HeadSplitPingPong`) and the dims-split pair
+//! (`SparseAttentionKernel::DimSplitPair`, Auto's choice where it picks the head split): valid-row
+//! counts around the tile and consumer boundaries, H = 40; with one tile per token the ping-pong
+//! loop must give bitwise the two-stage loop's results. The all-heads kernel's
 //! alternating (seesaw) tile loop is covered over 1 ... 7 tiles per split (valid counts 1, 63, 64,
 //! 65, 127, 128, 129, ...), forced splits 1, 2, 3, 5 and H = 4, 64, 128.
 //! Tolerance: bf16 outputs within 1 ulp, at most 0.5 % beyond (the f32 order of the dot

@@ -44,11 +44,11 @@ pub const SPARSE_ATTENTION_MAX_SPLITS: usize = 8;
 /// Which CUDA kernel computes the sparse attention (same semantics; the f32 rounding differs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum SparseAttentionKernel {
-    /// The launcher picks: the head-split kernel (its ping-pong loop,
-    /// [`SparseAttentionKernel::HeadSplitPingPong`]) for bf16 rows where the all-heads kernel
-    /// would run 2 splits per token (decode batches of about #SMs / 4 to #SMs / 2 tokens at
-    /// 64 heads, e.g. B = 64 on 132 SMs), else the all-heads kernel. Forced splits select the
-    /// all-heads kernel.
+    /// The launcher picks: the dims-split pair ([`SparseAttentionKernel::DimSplitPair`]) for
+    /// bf16 rows where the all-heads kernel would run 2 splits per token (decode batches of about
+    /// #SMs / 4 to #SMs / 2 tokens at 64 heads, e.g. B = 64 on 132 SMs; the head-split ping-pong
+    /// loop where its slots do not fit), the head-split kernel's two-stage loop there for packed
+    /// rows, else the all-heads kernel. Forced splits select the all-heads kernel.
     #[default]
     Auto,
     /// All heads of a token per CTA (64-head blocks), split-KV over a thread-block cluster.
@@ -62,8 +62,8 @@ pub enum SparseAttentionKernel {
     /// and the producer gathers the first two window tiles while the indices are compacted. The
     /// numerics of one split (p rounded to bf16 relative to the running max after each 64-row
     /// block); only f32 summation orders differ from `HeadSplit` (each consumer sums its own
-    /// tiles, merged once). Auto's choice where it picks the head split, for bf16 rows (packed
-    /// rows run `HeadSplit`'s loop). Takes no `num_splits` above 1.
+    /// tiles, merged once). bf16 rows (packed rows run `HeadSplit`'s loop); Auto's choice before
+    /// session 10. Takes no `num_splits` above 1.
     HeadSplitPingPong,
     /// All 64 heads of a block per CTA with the 512 dims split over the two CTAs of a cluster
     /// (`kernels/sparse_attention_dimsplit.cu`): each CTA gathers only its 256 dims of every row,
@@ -72,9 +72,11 @@ pub enum SparseAttentionKernel {
     /// Two consumer warpgroups on alternate tiles as `HeadSplitPingPong`, whose numerics it has
     /// (p rounded to bf16 relative to the running max after each 64-row block); only f32
     /// summation orders differ. bf16 rows (packed rows run `HeadSplit`'s loop). Takes no
-    /// `num_splits` above 1. Opt-in, not Auto's choice: at B = 64 on an H200 it is ~3.5 µs faster
-    /// than `HeadSplitPingPong` called alone (21.6–22.3 vs 25.2–25.6 µs) but ~3 µs slower right
-    /// behind the indexer's top-k (docs/perf.md, "Round 12").
+    /// `num_splits` above 1. Auto's choice where it picks the head split for bf16 rows: at B = 64
+    /// on an H200 23.7–24.1 µs called alone and 23.6–24.5 µs right behind the indexer's top-k,
+    /// against 25.4–25.5 / 26.1 µs for `HeadSplitPingPong` (docs/perf.md, "Round 12"). Launched
+    /// without programmatic dependent launch (with it: 21.6–22.3 µs alone but 29–32 µs behind the
+    /// top-k).
     DimSplitPair,
 }
 
