@@ -28,7 +28,7 @@
 //!   dequantized in the kernel), B = 1, 64, 256 (default, all-heads and head-split kernels): GB/s
 //!   counted with the packed row sizes.
 //!
-//! * In-stream decode B = 64 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
+//! * In-stream decode B = 64, 1, 256 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
 //!   indexer's real top-k kernel as the producer of the extra index lists; the attention's share
 //!   = pair - top-k alone, for the launcher's choice (the head-split ping-pong loop), the
 //!   head-split two-stage loop (`SparseAttentionKernel::HeadSplit`) and the dims-split pair
@@ -272,7 +272,7 @@ fn report_packed(
 /// context at compression ratio 4).
 const TOPK_N: usize = 32 * 1024;
 
-/// In-stream decode B = 64: repeated [producer -> attention] pairs on one stream, the producer
+/// In-stream decode at batch `b`: repeated [producer -> attention] pairs on one stream, the producer
 /// being the real top-k of the indexer (`index_topk` of `[64, TOPK_N]` bf16 scores, k = 512,
 /// one CTA per row) whose output is the attention's extra index list (as in the layer's decode
 /// step, where the attention follows the selection). Timed like every case (behind a blocker,
@@ -281,8 +281,7 @@ const TOPK_N: usize = 32 * 1024;
 /// launcher's choice (the ping-pong loop) and the head-split two-stage loop. (The top-k lets its dependents launch at
 /// its start and the attention uses programmatic dependent launch; without them the share was
 /// ~4 µs larger: docs/perf.md "Round 8".)
-fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor) -> Result<()> {
-    let b = 64;
+fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor, b: usize) -> Result<()> {
     let pb = decode_problem(dev, pool, b)?;
     let scores = Tensor::randn(0f32, 1.0, (b, TOPK_N), dev)?.to_dtype(DType::BF16)?;
     let vis = Visibility::Causal { start: TOPK_N, ratio: 1 };
@@ -293,7 +292,7 @@ fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Ten
     let idx = topk()?;
     let (want, _) = attn(&idx)?;
     let want = want.to_dtype(DType::F32)?;
-    println!("in-stream B=64: producer = index_topk of [64, {TOPK_N}] bf16 scores, k = {TOPK} (its output is the attention's extra list)");
+    println!("in-stream B={b}: producer = index_topk of [{b}, {TOPK_N}] bf16 scores, k = {TOPK} (its output is the attention's extra list)");
     let (alone, _) = timer.time(|| {
         attn(&idx)?;
         Ok(())
@@ -468,7 +467,9 @@ fn main() -> Result<()> {
             }
         }
     }
-    in_stream(&timer, &args, &dev, &pool, &sink)?;
+    for b in [64usize, 1, 256] {
+        in_stream(&timer, &args, &dev, &pool, &sink, b)?;
+    }
     // Sanity: the default entry point agrees with the explicit one (same launcher choice).
     {
         let pb = decode_problem(&dev, &pool, 4)?;

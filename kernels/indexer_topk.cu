@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "include/dsv41_indexer.h"
 #include "include/dsv41_select.cuh"
@@ -196,6 +197,7 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
     }
 }
 
+template <bool kLateTrigger>
 __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
@@ -209,8 +211,9 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     // only after griddepcontrol.wait, which returns once this grid completed). This kernel is
     // launched without the attribute, so it starts only after the previous grid completed: the
     // chain contract of kernels/sparse_attention.cu holds. (Without the trigger the attention's
-    // in-stream share at B = 64 was ~4 us larger: docs/perf.md "Round 8".)
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    // in-stream share at B = 64 was ~4 us larger: docs/perf.md "Round 8".) kLateTrigger (diagnostic,
+    // DSV41_TOPK_TRIGGER=late): the trigger only before the emit step instead.
+    if constexpr (!kLateTrigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const int x = threadIdx.x;
     const int64_t t = blockIdx.x;
     int64_t n = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
@@ -384,6 +387,7 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
         }
     }
     __syncthreads();
+    if constexpr (kLateTrigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     // Emit: thread x owns words 4x .. 4x+3; position = (> thr before) + min(== thr before, need).
     const uint4 gv = reinterpret_cast<const uint4*>(gbits)[x];
     const uint4 ev = reinterpret_cast<const uint4*>(ebits)[x];
@@ -423,6 +427,10 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p);
+    const char* trig = getenv("DSV41_TOPK_TRIGGER");  // diagnostic: "late"
+    if (trig && strcmp(trig, "late") == 0)
+        indexer_topk_kernel<true><<<p.num_tokens, THREADS, 0, stream>>>(p);
+    else
+        indexer_topk_kernel<false><<<p.num_tokens, THREADS, 0, stream>>>(p);
     return true;
 }
