@@ -273,14 +273,14 @@ fn report_packed(
 const TOPK_N: usize = 32 * 1024;
 
 /// In-stream decode at batch `b`: repeated [producer -> attention] pairs on one stream, the producer
-/// being the real top-k of the indexer (`index_topk` of `[64, TOPK_N]` bf16 scores, k = 512,
+/// being the real top-k of the indexer (`index_topk` of `[b, TOPK_N]` bf16 scores, k = 512,
 /// one CTA per row) whose output is the attention's extra index list (as in the layer's decode
 /// step, where the attention follows the selection). Timed like every case (behind a blocker,
 /// median): the producer alone, the pair, and the attention's share = pair - producer alone;
 /// plus the attention alone on the top-k's (fixed) indices, and after an L2 flush. Kernels: the
-/// launcher's choice (the ping-pong loop) and the head-split two-stage loop. (The top-k lets its dependents launch at
-/// its start and the attention uses programmatic dependent launch; without them the share was
-/// ~4 µs larger: docs/perf.md "Round 8".)
+/// launcher's choice (the dims-split pair at B = 64), the head-split two-stage and ping-pong loops and the
+/// dims-split pair forced. (The top-k lets its dependents launch before its emit step and the attention uses
+/// programmatic dependent launch: docs/perf.md "Round 8", "Round 12".)
 fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor, b: usize) -> Result<()> {
     let pb = decode_problem(dev, pool, b)?;
     let scores = Tensor::randn(0f32, 1.0, (b, TOPK_N), dev)?.to_dtype(DType::BF16)?;

@@ -33,10 +33,15 @@
 //   the row (a 2048-bin histogram with shared atomics unless tau was exact; the low digits in b1)
 //   and the bitmaps from a third pass, one 32-entry word per thread step.
 // Rows with <= k visible entries take all of them (ids 0..L-1) without reading the scores.
-// Launch: without programmatic dependent launch, but the kernel lets its dependents launch at its
-// start (griddepcontrol.launch_dependents): in a decode step the sparse attention follows, its CTAs
-// start on the SMs this grid leaves free and wait in griddepcontrol.wait for this grid's output
-// (docs/perf.md "Round 8"; chain contract in kernels/sparse_attention.cu).
+// Launch: without programmatic dependent launch, but each CTA lets the grid's dependents launch
+// (griddepcontrol.launch_dependents) once its selection is done, before it writes its list: in a
+// decode step the sparse attention follows and its launch overlaps this grid's end; it waits in
+// griddepcontrol.wait for this grid's output (chain contract in kernels/sparse_attention.cu).
+// Measured (docs/perf.md "Round 12", runs 12-13): this late trigger gives the attention's in-stream
+// share B = 1 / 64 / 256 21.1 / 22.9-23.2 / 80.4-80.5 us against 22.4 / 23.7-24.0 / 81.5 with the
+// trigger at the kernel's start (session 8, "Round 8"), and lets the dims-split pair keep its own
+// programmatic dependent launch (behind the early trigger its early-launched clusters cost ~5 us).
+// DSV41_TOPK_TRIGGER=early (diagnostic) restores the trigger at the start.
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -206,13 +211,13 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     __shared__ uint32_t lohist[LO_BINS], slo[LO_BINS];
     __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
     __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n, s_bad;
-    // Programmatic dependent launch: the next kernel of the stream may launch now if it was
-    // launched with the attribute (the sparse attention kernels: they read this grid's output
-    // only after griddepcontrol.wait, which returns once this grid completed). This kernel is
-    // launched without the attribute, so it starts only after the previous grid completed: the
-    // chain contract of kernels/sparse_attention.cu holds. (Without the trigger the attention's
-    // in-stream share at B = 64 was ~4 us larger: docs/perf.md "Round 8".) kLateTrigger (diagnostic,
-    // DSV41_TOPK_TRIGGER=late): the trigger only before the emit step instead.
+    // Programmatic dependent launch: the next kernel of the stream may launch once every CTA of this
+    // grid triggered (or exited) if it was launched with the attribute (the sparse attention
+    // kernels: they read this grid's output only after griddepcontrol.wait, which returns once this
+    // grid completed). This kernel is launched without the attribute, so it starts only after the
+    // previous grid completed: the chain contract of kernels/sparse_attention.cu holds. The trigger
+    // comes before the emit step (kLateTrigger, the default) or, diagnostic DSV41_TOPK_TRIGGER=early,
+    // here (header comment: measured).
     if constexpr (!kLateTrigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const int x = threadIdx.x;
     const int64_t t = blockIdx.x;
@@ -427,10 +432,10 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    const char* trig = getenv("DSV41_TOPK_TRIGGER");  // diagnostic: "late"
-    if (trig && strcmp(trig, "late") == 0)
-        indexer_topk_kernel<true><<<p.num_tokens, THREADS, 0, stream>>>(p);
-    else
+    const char* trig = getenv("DSV41_TOPK_TRIGGER");  // diagnostic: "early"
+    if (trig && strcmp(trig, "early") == 0)
         indexer_topk_kernel<false><<<p.num_tokens, THREADS, 0, stream>>>(p);
+    else
+        indexer_topk_kernel<true><<<p.num_tokens, THREADS, 0, stream>>>(p);
     return true;
 }

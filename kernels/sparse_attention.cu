@@ -95,17 +95,18 @@
 // Launch: programmatic dependent launch (griddepcontrol): the grid may be scheduled while the
 // previous kernel of the stream finishes; every thread waits (griddepcontrol.wait) before its
 // first global access, and the CTAs allow the next grid to launch at once. In a decode step the
-// attention follows the indexer's top-k, which lets its dependents launch at its start
-// (kernels/indexer_topk.cu): the attention's CTAs then start on the SMs the top-k leaves free
-// and wait there (docs/perf.md "Round 8": its in-stream share at B = 64 fell by ~4 us).
+// attention follows the indexer's top-k, which lets its dependents launch once its selections are
+// done (kernels/indexer_topk.cu): the attention's launch overlaps the top-k's end (docs/perf.md
+// "Round 8": a trigger at the top-k's start took ~4 us off the in-stream share at B = 64; "Round
+// 12": the late trigger is faster still, and the dims-split pair's clusters need it).
 // Chain contract (what a kernel could read before its griddepcontrol.wait). A grid launched with
 // the attribute may start as soon as every CTA of the previous grid in the stream executed
 // griddepcontrol.launch_dependents or exited: while that grid runs, before its writes are
 // visible; griddepcontrol.wait returns once all prerequisite grids completed and their writes
 // are visible. If every kernel of the stream either is launched without the attribute, or calls
-// griddepcontrol.wait before griddepcontrol.launch_dependents (in this crate: the two sparse
-// attention kernels are the only ones launched with it and both wait first; indexer_topk.cu is
-// launched without it and triggers at its start; the crate's other kernels and Candle's never
+// griddepcontrol.wait before griddepcontrol.launch_dependents (in this crate: the sparse
+// attention kernels are the only ones launched with it and all wait first; indexer_topk.cu is
+// launched without it and triggers before its emit step; the crate's other kernels and Candle's never
 // trigger; library kernels such as cuBLAS's are outside this knowledge), then when grid N + 1
 // starts, grid N has started, and grid N started only after grid N - 1 completed (launched
 // without the attribute: ordinary stream order; with it: it triggers only after its own wait).
@@ -124,7 +125,7 @@
 // DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the tensor-core products / the row gather (wrong
 // results, for timing the other parts), 8 the ping-pong and dims-split kernels' early window tiles
 // (same results), 16 the dims-split kernel's running-max hand-over (other rounding, timing only),
-// 32 / 64 its launch with programmatic dependent launch / with the spread cluster scheduling.
+// 32 / 64 its launch without programmatic dependent launch / with the spread cluster scheduling.
 // Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
 // (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
 // ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in

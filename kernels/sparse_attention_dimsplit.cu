@@ -52,18 +52,18 @@
 // exactly as the ping-pong kernel: same p, same per-warpgroup O / den, same merge and factor
 // formulas; only the f32 orders of the dot products (two 256-dim halves, each a tensor-core sum)
 // and of the P.V sums differ.
-// Launch: without the programmatic-dependent-launch attribute (see Measured; the kernel still
-// waits in griddepcontrol.wait first, a no-op then, and reads nothing before it). A CTA leaves only
-// after every remote store into it landed (it waits for all of them), and the peer's mbarriers are
-// initialised before any remote store (a cluster barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
+// Launch: programmatic dependent launch as the other kernels (nothing read before
+// griddepcontrol.wait). A CTA leaves only after every remote store into it landed (it waits for
+// all of them), and the peer's mbarriers are initialised before any remote store (a cluster
+// barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
 // bit 2 skips the gather, bit 16 the running-max hand-over (timing only), bit 8 the early window
 // tiles (same results).
-// Measured (docs/perf.md "Round 12", H200, B = 64): launched without programmatic dependent launch
-// (the launcher's default) 23.7-24.1 us called alone and 23.6-24.5 us right behind the indexer's
-// top-k, against the ping-pong kernel's 25.4-25.5 / 26.1 (tiles every ~1.25 us per CTA, rows read
-// once per token): Auto's choice at B = 64. With programmatic dependent launch 21.6-22.3 us alone
-// (consecutive calls overlap) but 29-32 us behind the top-k (the early-launched clusters; spread
-// scheduling does not help). Tried and dropped: S of tile j + 2 issued before the P.V of tile j
+// Measured (docs/perf.md "Round 12", H200, B = 64): 21.6-22.3 us called alone and 22.8-23.2 us
+// right behind the indexer's top-k (which lets its dependents launch before its emit step),
+// against the ping-pong kernel's 25.4-25.8 / 25.5-25.6 (tiles every ~1.25 us per CTA, rows read
+// once per token): Auto's choice at B = 64. Behind a top-k triggering at its start, the clusters
+// launched early cost ~5 us (29-32 us; spread scheduling does not help; without programmatic
+// dependent launch 23.6-24.5). Tried and dropped: S of tile j + 2 issued before the P.V of tile j
 // (slower in-stream, no faster alone).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -519,12 +519,12 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     cudaError_t e = dsv41_launch::set_max_dynamic_smem(dimsplit_kernel, dev, max_smem, configured_dev);
     if (e != cudaSuccess) return static_cast<int>(e);
     if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
-    // Without programmatic dependent launch (docs/perf.md "Round 12", run 10: behind the indexer's
-    // top-k, which lets its dependents launch at its start, the early-launched clusters made the
-    // attention's share 29-30 us instead of 24-25; called back to back it costs ~2 us). Diagnostic
-    // bits 32 / 64: with it / with the spread cluster scheduling policy.
+    // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
+    // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
+    // top-k now triggers late). Diagnostic bits 32 / 64: without it / with the spread cluster
+    // scheduling policy.
     e = dsv41_launch::launch_with(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem,
-                                  stream, 2, (mode & 32) != 0, (mode & 64) != 0, p, mode & 29, nslot);
+                                  stream, 2, !(mode & 32), (mode & 64) != 0, p, mode & 29, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
     return static_cast<int>(e);
 }
