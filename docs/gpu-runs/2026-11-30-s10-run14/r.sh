@@ -2,7 +2,7 @@
 # Session 10 run 14 (final main): the top-k triggers its dependents late (before its emit step), the dims-split pair
 # keeps programmatic dependent launch and is Auto's B = 64 choice. Tests (attention, layer, indexer), golden
 # --device cuda (bf16, packed caches), memcheck of the dims-split and top-k tests, the decode bench with the in-stream
-# section at B = 64, 1, 256, the batched decode step.
+# section at B = 64, 1, 256 (the batched decode step when its binary is packed; not in run 14: carry size).
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-$HERE/out}"; mkdir -p "$OUT"
@@ -27,7 +27,7 @@ done
 timeout 60 "$W/bench_sparse_attention" --no-prefill --no-packed --reps 9 --warmup 2 > "$L/bench.log" 2>&1
 say "bench: exit $? t=$((SECONDS-t0))"
 grep -E "^decode B=(1|64|256)( |$)|^decode B=64 (ping|dims)|^in-stream|share|L2 flush" "$L/bench.log" | cut -c1-160 >> "$S"
-for k in auto ping-pong; do
+for k in $([[ -x "$W/bench_batched_decode" ]] && echo auto ping-pong); do
   timeout 40 "$W/bench_batched_decode" --batch 64 --keys packed --steps 10 --warmup 3 --graph --attention-kernel $k > "$L/batched-$k.log" 2>&1
   say "batched [$k]: exit $? $(grep -E '^\| 64' "$L/batched-$k.log" | head -2 | tr '\n' ' ') t=$((SECONDS-t0))"
 done
