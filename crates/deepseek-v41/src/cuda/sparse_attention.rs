@@ -73,10 +73,8 @@ pub enum SparseAttentionKernel {
     /// (p rounded to bf16 relative to the running max after each 64-row block); only f32
     /// summation orders differ. bf16 rows (packed rows run `HeadSplit`'s loop). Takes no
     /// `num_splits` above 1. Auto's choice where it picks the head split for bf16 rows: at B = 64
-    /// on an H200 23.7–24.1 µs called alone and 23.6–24.5 µs right behind the indexer's top-k,
-    /// against 25.4–25.5 / 26.1 µs for `HeadSplitPingPong` (docs/perf.md, "Round 12"). Launched
-    /// without programmatic dependent launch (with it: 21.6–22.3 µs alone but 29–32 µs behind the
-    /// top-k).
+    /// on an H200 22.3 µs called alone and 23.1 µs right behind the indexer's top-k, against
+    /// 25.9 / 25.6 µs for `HeadSplitPingPong` (docs/perf.md, "Round 12").
     DimSplitPair,
 }
 
