@@ -41,11 +41,10 @@
 // share B = 1 / 64 / 256 21.1 / 22.9-23.2 / 80.4-80.5 us against 22.4 / 23.7-24.0 / 81.5 with the
 // trigger at the kernel's start (session 8, "Round 8"), and lets the dims-split pair keep its own
 // programmatic dependent launch (behind the early trigger its early-launched clusters cost ~5 us).
-// DSV41_TOPK_TRIGGER=early (diagnostic) restores the trigger at the start.
+// (The runs' DSV41_TOPK_TRIGGER switch between the two placements is gone.)
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "include/dsv41_indexer.h"
 #include "include/dsv41_select.cuh"
@@ -202,7 +201,6 @@ __device__ __forceinline__ void collect(const uint16_t* s, int n, int G, uint4 (
     }
 }
 
-template <bool kLateTrigger>
 __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41IndexerSelectParams p) {
     __shared__ __align__(16) uint32_t hist[HI_BINS];  // sampled / candidates' high digits
     __shared__ __align__(16) uint32_t gbits[WORDS];   // entries with key > u*
@@ -211,14 +209,6 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
     __shared__ uint32_t lohist[LO_BINS], slo[LO_BINS];
     __shared__ uint32_t wsum[WARPS], wsum2[WARPS];
     __shared__ uint32_t s_bin, s_above, s_lo, s_lo_above, s_n, s_bad;
-    // Programmatic dependent launch: the next kernel of the stream may launch once every CTA of this
-    // grid triggered (or exited) if it was launched with the attribute (the sparse attention
-    // kernels: they read this grid's output only after griddepcontrol.wait, which returns once this
-    // grid completed). This kernel is launched without the attribute, so it starts only after the
-    // previous grid completed: the chain contract of kernels/sparse_attention.cu holds. The trigger
-    // comes before the emit step (kLateTrigger, the default) or, diagnostic DSV41_TOPK_TRIGGER=early,
-    // here (header comment: measured).
-    if constexpr (!kLateTrigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     const int x = threadIdx.x;
     const int64_t t = blockIdx.x;
     int64_t n = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
@@ -392,7 +382,13 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
         }
     }
     __syncthreads();
-    if constexpr (kLateTrigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    // Programmatic dependent launch: the next kernel of the stream may launch once every CTA of this
+    // grid triggered (or exited) if it was launched with the attribute (the sparse attention
+    // kernels: they read this grid's output only after griddepcontrol.wait, which returns once this
+    // grid completed). This kernel is launched without the attribute, so it starts only after the
+    // previous grid completed: the chain contract of kernels/sparse_attention.cu holds. Triggered
+    // here, before the emit step, not at the start (header comment: measured).
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     // Emit: thread x owns words 4x .. 4x+3; position = (> thr before) + min(== thr before, need).
     const uint4 gv = reinterpret_cast<const uint4*>(gbits)[x];
     const uint4 ev = reinterpret_cast<const uint4*>(ebits)[x];
@@ -432,10 +428,6 @@ __global__ void __launch_bounds__(THREADS, 2) indexer_topk_kernel(const Dsv41Ind
 bool dsv41_topk_launch(const Dsv41IndexerSelectParams& p, cudaStream_t stream) {
     using namespace dsv41_topk;
     if (p.mode != DSV41_SELECT_TOPK || p.num_cols > MAX_N || p.k > DSV41_TOPK_MAX_K) return false;
-    const char* trig = getenv("DSV41_TOPK_TRIGGER");  // diagnostic: "early"
-    if (trig && strcmp(trig, "early") == 0)
-        indexer_topk_kernel<false><<<p.num_tokens, THREADS, 0, stream>>>(p);
-    else
-        indexer_topk_kernel<true><<<p.num_tokens, THREADS, 0, stream>>>(p);
+    indexer_topk_kernel<<<p.num_tokens, THREADS, 0, stream>>>(p);
     return true;
 }

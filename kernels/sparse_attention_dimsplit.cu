@@ -521,10 +521,9 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
     // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
     // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
-    // top-k now triggers late). Diagnostic bits 32 / 64: without it / with the spread cluster
-    // scheduling policy.
-    e = dsv41_launch::launch_with(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem,
-                                  stream, 2, !(mode & 32), (mode & 64) != 0, p, mode & 29, nslot);
+    // top-k now triggers late).
+    e = dsv41_launch::launch_pdl(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
+                                 2, p, mode & 29, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
     return static_cast<int>(e);
 }

@@ -42,19 +42,18 @@ inline int read_trace(const Symbol& trace, long long* h, size_t bytes, cudaStrea
     return khz;
 }
 
-// Launches kernel<<<grid, block, smem, stream>>>(args...) as a cluster of (1, cluster_y, 1) CTAs when
-// cluster_y > 1, with programmatic stream serialization allowed when `pdl`, and the "spread"
-// cluster scheduling policy preference when `spread` (diagnostics of the dims-split launcher).
-// Returns the launch error, else the last error.
+// Launches kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization
+// allowed, as a cluster of (1, cluster_y, 1) CTAs when cluster_y > 1. Returns the launch error,
+// else the last error.
 template <class... Params, class... Args>
-inline cudaError_t launch_with(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_y, bool pdl,
-                               bool spread, Args&&... args) {
+inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_y,
+                              Args&&... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[3];
+    cudaLaunchAttribute attr[2];
     int nattr = 0;
     if (cluster_y > 1) {
         attr[nattr].id = cudaLaunchAttributeClusterDimension;
@@ -62,30 +61,15 @@ inline cudaError_t launch_with(void (*kernel)(Params...), dim3 grid, dim3 block,
         attr[nattr].val.clusterDim.y = cluster_y;
         attr[nattr].val.clusterDim.z = 1;
         ++nattr;
-        if (spread) {
-            attr[nattr].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-            attr[nattr].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicySpread;
-            ++nattr;
-        }
     }
-    if (pdl) {
-        attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[nattr].val.programmaticStreamSerializationAllowed = 1;
-        ++nattr;
-    }
+    attr[nattr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[nattr].val.programmaticStreamSerializationAllowed = 1;
+    ++nattr;
     cfg.attrs = attr;
     cfg.numAttrs = nattr;
     cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
     if (e == cudaSuccess) e = cudaGetLastError();
     return e;
-}
-
-// launch_with(…, pdl = true, spread = false): programmatic dependent launch, the default cluster
-// scheduling.
-template <class... Params, class... Args>
-inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int cluster_y,
-                              Args&&... args) {
-    return launch_with(kernel, grid, block, smem, stream, cluster_y, true, false, std::forward<Args>(args)...);
 }
 
 }  // namespace dsv41_launch
