@@ -200,11 +200,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         int k0 = 0;
         if (!(mode & 8) && p.kw >= 2 * BLK) {
             uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + (slots - sbase) + (nslot - 1) * SLOTB);
-            const int64_t k = static_cast<int64_t>(t) * p.kw + ptid;
-            const int64_t e = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(p.idx_window) + k)
-                                                 : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p.idx_window) + k));
-            win_s[ptid] = static_cast<uint32_t>(e);
-            if (heads::bar_red_and(BAR_PROD, PROD_THREADS, e >= 0 && e < p.num_window_rows)) {  // (also publishes win_s)
+            if (heads::early_window_entries(p, t, ptid, win_s, BAR_PROD)) {
                 produce(0, win_s, 2 * BLK);
                 produce(1, win_s, 2 * BLK);
                 k0 = 2;
@@ -422,12 +418,9 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
         }
         if (tq == 0) {
-            const float big = fmaxf(M_FLOOR, m_run);
-            const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
-            const float dall = __fadd_rn(wsum, expf(sink_h - big));
-            const bool ok = dall > 0.f && isfinite(dall);
-            const float fac = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
-            if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = count > 0 ? big + logf(wsum) : -INFINITY;
+            const heads::HeadFactor f = heads::head_factor(m_run, den, sink_h);
+            const float fac = f.fac;
+            if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = heads::head_lse(f, count > 0);
             fac_s[hd] = sc;
             fac_s[HH + hd] = fac;
             const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);

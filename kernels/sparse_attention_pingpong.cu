@@ -147,12 +147,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
         uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + (slots - sbase) + (nslot - 1) * PP_SLOTB);
         int pos0 = 0;
         if (!(mode & 8) && p.kw >= 2 * BLK && nslot >= 9) {
-            const int64_t k = static_cast<int64_t>(t) * p.kw + ptid;
-            const int64_t e = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(p.idx_window) + k)
-                                                 : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p.idx_window) + k));
-            const bool ok = e >= 0 && e < p.num_window_rows;
-            win_s[ptid] = static_cast<uint32_t>(e);
-            if (bar_red_and(BAR_PROD, PROD_THREADS, ok)) {  // (also publishes win_s to the warpgroup)
+            if (early_window_entries(p, t, ptid, win_s, BAR_PROD)) {
                 produce_ring(p, slots, nslot, win_s, 2 * BLK, bar_full, bar_empty, ptid, skip_gather, 0, 8);
                 pos0 = 8;
                 stamp(5);

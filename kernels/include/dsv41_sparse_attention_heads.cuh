@@ -153,6 +153,22 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], const float* alpha_s,
         for (int c = 0; c < 16; ++c) o[16 * mb + c] *= al[2 * (c >> 2) + (c & 1)];
 }
 
+// One head's epilogue factor from its running max m, denominator den (relative to m) and sink, as
+// the all-heads kernel's merge with one split: big = max(floor, m), wsum = fl(e^{m - big} den),
+// fac = fl(e^{m - big} / (wsum + e^{sink - big})), 0 when that denominator is 0 or not finite;
+// lse = big + ln wsum (head_lse; -inf without a valid row).
+struct HeadFactor {
+    float fac, big, wsum;
+};
+__device__ __forceinline__ HeadFactor head_factor(float m_run, float den, float sink) {
+    const float big = fmaxf(M_FLOOR, m_run);
+    const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
+    const float dall = __fadd_rn(wsum, expf(sink - big));
+    const bool ok = dall > 0.f && isfinite(dall);
+    return {ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f, big, wsum};
+}
+__device__ __forceinline__ float head_lse(const HeadFactor& f, bool any_row) { return any_row ? f.big + logf(f.wsum) : -INFINITY; }
+
 // Epilogue (consumer warpgroup): per head the factor 1 / (den + e^{sink - m}) and the lse (lanes
 // l % 4 = 0), as the all-heads kernel's merge with one split (bitwise the same factor for the same
 // m, den); out = fl(O f) rounded to bf16, transposed by stmatrix into [head][dim] rows at
@@ -168,12 +184,9 @@ __device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, co
     cp_async_wait_all();  // the q copies are still in flight when there is no row
     bar_sync(bar_id, CONSUMERS);  // the sink landed for every thread
     if ((lane & 3) == 0) {
-        const float big = fmaxf(M_FLOOR, m_run);
-        const float wsum = __fadd_rn(0.f, __fmul_rn(expf(m_run - big), den));
-        const float dall = __fadd_rn(wsum, expf(sink() - big));
-        const bool ok = dall > 0.f && isfinite(dall);
-        fac_s[hw] = ok ? __fdiv_rn(expf(m_run - big), dall) : 0.f;
-        if (hw < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hw] = count > 0 ? big + logf(wsum) : -INFINITY;
+        const HeadFactor f = head_factor(m_run, den, sink());
+        fac_s[hw] = f.fac;
+        if (hw < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hw] = head_lse(f, count > 0);
     }
     bar_sync(bar_id, CONSUMERS);
     float fac[8];
@@ -203,6 +216,20 @@ __device__ __forceinline__ void epilogue(const Dsv41SparseAttentionParams& p, co
 #pragma unroll 4
     for (int c = tid; c < items; c += CONSUMERS)
         *reinterpret_cast<uint4*>(orow + c * 8) = *reinterpret_cast<const uint4*>(out_s + (c >> 6) * OUT_STRIDE + (c & 63) * 16);
+}
+
+// Early window tiles (the producer warpgroup of the ping-pong and dims-split kernels, thread ptid;
+// needs p.kw >= PROD_THREADS = 2 BLK): token t's window entry ptid -> win_s[ptid]; returns whether
+// the first 128 are all valid (then they are the token's first 128 compacted rows, tiles 0 and 1),
+// after the producer warpgroup's named barrier `bar_id`, which also publishes win_s to it.
+__device__ __forceinline__ bool early_window_entries(const Dsv41SparseAttentionParams& p, int t, int ptid, uint32_t* win_s, int bar_id) {
+    static_assert(PROD_THREADS == 2 * BLK, "one entry per producer thread");
+    const int64_t k = static_cast<int64_t>(t) * p.kw + ptid;
+    const int64_t e = p.index_bytes == 8 ? __ldg(static_cast<const long long*>(p.idx_window) + k)
+                                         : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p.idx_window) + k));
+    const bool ok = e >= 0 && e < p.num_window_rows;
+    win_s[ptid] = static_cast<uint32_t>(e);
+    return bar_red_and(bar_id, PROD_THREADS, ok);
 }
 
 // Slot ring (the ping-pong kernel): the row tiles live in `nslot` slots of two 64-dim planes (16 KB,
