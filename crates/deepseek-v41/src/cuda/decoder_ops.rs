@@ -299,6 +299,17 @@ pub fn collapse_device(x: &Tensor, pre: &Tensor) -> Result<Tensor> {
     Ok(cuda_tensor(out, (t, d)))
 }
 
+/// bf16 or f32: the element types the decoder-op kernels read and write.
+fn float_io(dt: DType) -> bool {
+    matches!(dt, DType::BF16 | DType::F32)
+}
+
+/// Whether [`mhc_post_device`] takes these dtypes: `mixed` f32 on a CUDA device, `y` and
+/// `out_dtype` bf16 or f32.
+pub fn mhc_post_supported(mixed: &Tensor, y: &Tensor, out_dtype: DType) -> bool {
+    mixed.device().is_cuda() && mixed.dtype() == DType::F32 && float_io(y.dtype()) && float_io(out_dtype)
+}
+
 /// The elementwise part of the mHC post on the GPU: `out[t, j, c] = post[t, j] · y[t, c] +
 /// mixed[t, j, c]` in f32, rounded to `out_dtype` — bit for bit [`crate::model::post`]'s Candle
 /// ops after its comb GEMM on a CUDA device.
@@ -309,8 +320,7 @@ pub fn collapse_device(x: &Tensor, pre: &Tensor) -> Result<Tensor> {
 pub fn mhc_post_device(mixed: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DType) -> Result<Tensor> {
     let op = "mhc_post_device";
     let (t, hc, d) = mixed.dims3()?;
-    let float = |dt: DType| matches!(dt, DType::BF16 | DType::F32);
-    if mixed.dtype() != DType::F32 || !float(y.dtype()) || !float(out_dtype) || !mixed.device().is_cuda() {
+    if !mhc_post_supported(mixed, y, out_dtype) {
         candle_core::bail!("{op}: mixed must be f32 on a CUDA device and y / out bf16 or f32, got {:?} on {:?}, {:?}, {out_dtype:?}", mixed.dtype(), mixed.device(), y.dtype())
     }
     if y.dims() != [t, d] || post.dims() != [t, hc] || d > i32::MAX as usize || hc > i32::MAX as usize {
@@ -359,6 +369,12 @@ pub fn mhc_post_device(mixed: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DTy
     Ok(cuda_tensor(out, (t, hc, d)))
 }
 
+/// Whether [`accumulate_device`] takes `v` (bf16 or f32 on a CUDA device) and `out_dtype` (bf16 or
+/// f32).
+pub fn accumulate_supported(v: &Tensor, out_dtype: DType) -> bool {
+    v.device().is_cuda() && float_io(v.dtype()) && float_io(out_dtype)
+}
+
 /// `cast(acc + f32(v))` on the GPU, with `acc = +0` when `None` — bit for bit the Candle ops
 /// `(acc or zeros) + v.to_dtype(F32)` then `.to_dtype(out_dtype)` on a CUDA device (the MoE's
 /// f32 sum of its experts' outputs).
@@ -367,8 +383,7 @@ pub fn mhc_post_device(mixed: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DTy
 /// Returns `v`'s shape in `out_dtype`.
 pub fn accumulate_device(acc: Option<&Tensor>, v: &Tensor, out_dtype: DType) -> Result<Tensor> {
     let op = "accumulate_device";
-    let float = |dt: DType| matches!(dt, DType::BF16 | DType::F32);
-    if !v.device().is_cuda() || !float(v.dtype()) || !float(out_dtype) {
+    if !accumulate_supported(v, out_dtype) {
         candle_core::bail!("{op}: v must be bf16 or f32 on a CUDA device and out bf16 or f32, got {:?} on {:?}, {out_dtype:?}", v.dtype(), v.device())
     }
     if let Some(a) = acc {
@@ -406,6 +421,17 @@ pub fn accumulate_device(acc: Option<&Tensor>, v: &Tensor, out_dtype: DType) -> 
     Ok(cuda_tensor(out, v.shape().clone()))
 }
 
+/// Whether [`engram_mix_device`] takes these dtypes and widths: `x` `[T, hc, d]` bf16 or f32 on a
+/// CUDA device with `d ≤` [`ROW_NORM_MAX_N`], `kv` and `qk` f32 (their shapes are checked by the
+/// call).
+pub fn engram_mix_supported(x: &Tensor, kv: &Tensor, qk: &Tensor) -> bool {
+    x.device().is_cuda()
+        && float_io(x.dtype())
+        && x.dims3().is_ok_and(|(_, _, d)| d <= ROW_NORM_MAX_N)
+        && kv.dtype() == DType::F32
+        && qk.dtype() == DType::F32
+}
+
 /// The Engram gate and residual on the GPU (`crate::model::engram::engram_mix`'s op sequence in
 /// one launch, bit for bit on a CUDA device): per token and stream copy k, with `h = f32(x[t, k])`,
 /// `key = kv[t, k·d ..][..d]`, `value = kv[t, hc·d ..][..d]`:
@@ -417,11 +443,18 @@ pub fn accumulate_device(acc: Option<&Tensor>, v: &Tensor, out_dtype: DType) -> 
 pub fn engram_mix_device(x: &Tensor, kv: &Tensor, qk: &Tensor, eps: f64, clamp: f64) -> Result<Tensor> {
     let op = "engram_mix_device";
     let (t, hc, d) = x.dims3()?;
-    if !x.device().is_cuda() || !matches!(x.dtype(), DType::BF16 | DType::F32) || d > ROW_NORM_MAX_N {
-        candle_core::bail!("{op}: x must be bf16 or f32 on a CUDA device with d <= {ROW_NORM_MAX_N}, got {:?} {:?} on {:?}", x.dtype(), x.shape(), x.device())
+    if !engram_mix_supported(x, kv, qk) {
+        candle_core::bail!(
+            "{op}: x must be bf16 or f32 on a CUDA device with d <= {ROW_NORM_MAX_N} and kv / qk f32, got x {:?} {:?} on {:?}, kv {:?}, qk {:?}",
+            x.dtype(),
+            x.shape(),
+            x.device(),
+            kv.dtype(),
+            qk.dtype()
+        )
     }
-    if kv.dims() != [t, (hc + 1) * d] || qk.dims() != [hc, d] || kv.dtype() != DType::F32 || qk.dtype() != DType::F32 {
-        candle_core::bail!("{op}: kv {:?} {:?} / qk {:?} {:?} do not fit x {:?} (want f32 [T, (hc+1)·d] and [hc, d])", kv.dtype(), kv.shape(), qk.dtype(), qk.shape(), x.shape())
+    if kv.dims() != [t, (hc + 1) * d] || qk.dims() != [hc, d] {
+        candle_core::bail!("{op}: kv {:?} / qk {:?} do not fit x {:?} (want [T, (hc+1)·d] and [hc, d])", kv.shape(), qk.shape(), x.shape())
     }
     let dev = x.device();
     if t == 0 {

@@ -64,8 +64,8 @@ pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
 pub use decode_device::decode_device;
 pub use decoder_ops::{
-    accumulate_device, collapse_device, collapse_supported, engram_mix_device, mhc_post_device, rms_norm_device, rms_scale_device,
-    row_norm_supported, COLLAPSE_MAX_HC, ROW_NORM_MAX_N,
+    accumulate_device, accumulate_supported, collapse_device, collapse_supported, engram_mix_device, engram_mix_supported, mhc_post_device,
+    mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, ROW_NORM_MAX_N,
 };
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};

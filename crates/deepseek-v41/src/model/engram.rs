@@ -184,7 +184,7 @@ impl Engram {
 pub fn engram_mix(x: &Tensor, kv: &Tensor, qk: &Tensor, eps: f64) -> Result<Tensor> {
     let (t, hc, d) = x.dims3()?;
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && matches!(x.dtype(), DType::BF16 | DType::F32) && kv.dtype() == DType::F32 && qk.dtype() == DType::F32 {
+    if crate::cuda::fused_kernels(x.device()) && crate::cuda::engram_mix_supported(x, kv, qk) {
         return crate::cuda::engram_mix_device(x, kv, qk, eps, GATE_CLAMP);
     }
     let key = kv.narrow(1, 0, hc * d)?.reshape((t, hc, d))?;

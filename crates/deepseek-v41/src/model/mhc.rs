@@ -216,7 +216,7 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
     let comb_t = comb.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
     let mixed = comb_t.matmul(&x.to_dtype(DType::F32)?)?;
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && matches!(x.dtype(), DType::BF16 | DType::F32) && matches!(y.dtype(), DType::BF16 | DType::F32) {
+    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(&mixed, y, x.dtype()) {
         // One launch, bit for bit the op sequence below.
         return crate::cuda::mhc_post_device(&mixed, y, post, x.dtype());
     }

@@ -171,7 +171,7 @@ fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32)
 /// these ops.
 fn accumulate(acc: Option<&Tensor>, v: &Tensor, dtype: DType) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(v.device()) && matches!(v.dtype(), DType::BF16 | DType::F32) && matches!(dtype, DType::BF16 | DType::F32) {
+    if crate::cuda::fused_kernels(v.device()) && crate::cuda::accumulate_supported(v, dtype) {
         return crate::cuda::accumulate_device(acc, v, dtype);
     }
     let v = v.to_dtype(DType::F32)?;
