@@ -186,10 +186,8 @@ impl SparseAttentionInputs<'_> {
             if s == 0 || s > SPARSE_ATTENTION_MAX_SPLITS {
                 candle_core::bail!("sparse_attention: num_splits must be in 1..={SPARSE_ATTENTION_MAX_SPLITS}, got {s}")
             }
-            let head_split = matches!(
-                options.kernel,
-                SparseAttentionKernel::HeadSplit | SparseAttentionKernel::HeadSplitPingPong | SparseAttentionKernel::DimSplitPair
-            );
+            // Every kernel but the all-heads one (Auto with splits forced runs the all-heads kernel).
+            let head_split = !matches!(options.kernel, SparseAttentionKernel::Auto | SparseAttentionKernel::AllHeads);
             if s > 1 && head_split {
                 candle_core::bail!("sparse_attention: the {:?} kernel does not split the rows, got num_splits {s}", options.kernel)
             }
