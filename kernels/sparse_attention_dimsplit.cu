@@ -71,6 +71,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "include/dsv41_hopper.cuh"
@@ -125,7 +126,28 @@ static_assert(HH * DH * 4 == 2 * SLOTB, "a warpgroup's raw O fits two slots");
 // Named barriers (0: __syncthreads): 1 + c warpgroup c, BAR_BOTH the two consumers, BAR_MAX + c
 // the running max handed over by warpgroup c, BAR_MERGE the sender's O in place, BAR_PROD the
 // producer warpgroup.
-constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7;
+constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7, BAR_FINL = 8;
+
+// The 4 x 4 transpose of 4-byte pieces within a quad (lanes 4 g + tq): lane tq holds v[i] = its
+// piece of chunk i and gets back chunk tq's pieces of lanes 0-3, in lane order (two exchange
+// rounds: 2 x 2 blocks between lanes tq, tq ^ 2, then single pieces between tq, tq ^ 1).
+__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int tq) {
+    const bool b = tq & 2, a = tq & 1;
+    // Round 1: keep chunks 2b, 2b + 1; the partner (tq ^ 2) sends its pieces of the same chunks.
+    const uint32_t k0 = b ? v[2] : v[0], k1 = b ? v[3] : v[1];
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, b ? v[0] : v[2], 2), r1 = __shfl_xor_sync(0xffffffffu, b ? v[1] : v[3], 2);
+    // Now chunk 2b: lanes tq (k0), tq ^ 2 (r0); chunk 2b + 1: k1, r1. Round 2: keep chunk 2b + a.
+    const uint32_t own = a ? k1 : k0, own2 = a ? r1 : r0;
+    const uint32_t q0 = __shfl_xor_sync(0xffffffffu, a ? k0 : k1, 1), q1 = __shfl_xor_sync(0xffffffffu, a ? r0 : r1, 1);
+    // Chunk tq's pieces: lane tq -> own, tq ^ 1 -> q0, tq ^ 2 -> own2, tq ^ 3 -> q1.
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int d = i ^ tq;
+        w[i] = (d & 2) ? ((d & 1) ? q1 : own2) : ((d & 1) ? q0 : own);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 constexpr int DS_TRACE = 160;
 // Phase timestamps of CTA (0, 0, 0), thread 0 of each consumer warpgroup: [0] start, [1] indices
@@ -134,6 +156,16 @@ constexpr int DS_TRACE = 160;
 // running max received, [56 + j] P rows written and sent, [120 + j] warpgroup barrier,
 // [136 + j] peer's P rows received, [72 + j] P.V done; [6] out rows staged.
 __device__ long long g_trace_ds[DS_TRACE];
+// Every CTA's globaltimer (ns) in a trace: [3 c] entry, [3 c + 1] after griddepcontrol.wait,
+// [3 c + 2] end (thread 0), c = the CTA's linear index (< DS_CTA_TRACE); [152] / [153] of
+// g_trace_ds hold CTA 0's globaltimer at stamps 0 / 3 (the clock calibration).
+constexpr int DS_CTA_TRACE = 1024;
+__device__ unsigned long long g_cta_ds[3 * DS_CTA_TRACE];
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long v;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    return v;
+}
 
 __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -151,9 +183,10 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (tracer) g_trace_ds[s] = clock64();
     };
     const uint32_t slots = sbase + ring_offset(p.kw + p.kc);
-    grid_dep_wait();  // everything below may read what the previous kernel wrote
-    grid_dep_launch();
-    stamp(0);
+    const int cta = (blockIdx.z * 2 + blockIdx.y) * gridDim.x + blockIdx.x;
+    const bool cta_tracer = (mode & 1) && tid == 0 && cta < DS_CTA_TRACE;
+    // The mbarriers and the cluster arrival before griddepcontrol.wait (shared memory only: under
+    // programmatic dependent launch this overlaps the previous kernel's tail).
     if (tid == 0) {
         for (int k = 0; k < nslot; ++k) {
             mbar_init(bars + BAR_FULL + 8 * k, PROD_THREADS);  // one asynchronous arrival per producer thread
@@ -171,6 +204,12 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         fence_mbar_init_cluster();
     }
     cluster_arrive();  // (release) the mbarriers are initialised; waited for before the first remote store
+    if (cta_tracer) g_cta_ds[3 * cta] = globaltimer();
+    grid_dep_wait();  // everything below may read what the previous kernel wrote
+    grid_dep_launch();
+    if (cta_tracer) g_cta_ds[3 * cta + 1] = globaltimer();
+    stamp(0);
+    if (tracer && tid == 0) g_trace_ds[152] = static_cast<long long>(globaltimer());
     if (wg == 2) {
         // Producer: tile k -> slot k % nslot once its previous use was consumed.
         setmaxnreg_dec<PROD_REGS>();
@@ -216,6 +255,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     }
     // Consumers: the compaction while the q copies (this CTA's 256 dims of 64 heads) are in flight.
     const int count = heads::compact_indices(p, smem, DS_CNT, DS_TOTAL, DS_ENT, t, tid, lane, warp, [&]() {
+        stamp(155);
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride + DH * r;
 #pragma unroll
         for (int i = 0; i < HH * 32 / (2 * WGT); ++i) {
@@ -225,6 +265,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
                        qt + (ok ? static_cast<int64_t>(h0 + h) * p.q_head_stride + ch * 8 : 0), ok);
         }
         cp_async_commit();
+        stamp(156);
     }, [] { bar_sync(BAR_BOTH, 2 * WGT); }, stamp);
     bar_sync(BAR_BOTH, 2 * WGT);  // ent_s complete
     if (tid == 0) mbar_arrive(bars + BAR_COUNT);  // (release) to the producer
@@ -377,12 +418,18 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (lane == 0) mbar_arrive(bars + BAR_EMPTY + 8 * s_idx);
         if (j < 16) stamp(72 + j);
     }
+    if (mode & 64) {  // diagnostic: no merge / epilogue (timing only, out and lse not written)
+        if (cta_tracer) g_cta_ds[3 * cta + 2] = globaltimer();
+        return;
+    }
     // Merge. The warpgroup of the last tile (receiver) holds O_r, the other (sender) O_s, each over
     // all 64 heads x 256 dims; the sums fl(O_r + fl(O_s sc)) are split between them by dims: the
     // sender writes its chunks 0-15 (dims 0-127 of its fragments) into slot sa, the receiver its
     // chunks 16-31 into slot sb, each then merges the other half. sa, sb: the sender's own slots of
-    // tiles n - 2 and n - 4 (or the never-used last slot): no later tile reuses them, and the
-    // receiver's last tile (whose slot takes the bf16 out rows) is in neither.
+    // tiles n - 2 and n - 4 (or the never-used last slot): no later tile reuses them.
+    // The factors go first (their cluster round trip then overlaps the O hand-over): the sender
+    // publishes its (m, den) of the own heads, the receiver computes the own heads' merge scale and
+    // epilogue factor and sends them to the peer before it writes its half of O.
     const int recv = ntiles > 0 ? (ntiles - 1) & 1 : 0;
     const bool pair = ntiles >= 2;  // both warpgroups had tiles
     if (c != recv && !pair) return;  // (ntiles <= 1: warpgroup 1 had no tile)
@@ -394,20 +441,13 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
     const int k0 = !pair ? 0 : c == recv ? 0 : 16, k1 = !pair ? 32 : k0 + 16;  // this warpgroup's chunks
     if (pair) {
-        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (static
-        // indices and a select: a run-time index would put acc in local memory).
-        const bool hi_half = c == recv;
-#pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            float v[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = hi_half ? acc[4 * (16 + k) + e] : acc[4 * k + e];
-            *o_chunk(hi_half ? sb : sa, k) = make_float4(v[0], v[1], v[2], v[3]);
+        if (c != recv) {
+            if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
+            bar_arrive(BAR_FINL, 2 * WGT);
+        } else {
+            bar_sync(BAR_FINL, 2 * WGT);
         }
-        if (c != recv && tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
-        bar_sync(BAR_MERGE, 2 * WGT);  // both halves and the sender's (m, den) in place
     }
-    stamp(4);
     if (c == recv) {
         // The own head's merge scale e^{m_s - M} (M = m_run: the token's running max), denominator,
         // epilogue factor (as the head-split epilogue) and lse; both factors of the own heads to the
@@ -428,58 +468,65 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
         }
     }
+    if (pair) {
+        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (static
+        // indices and a select: a run-time index would put acc in local memory).
+        const bool hi_half = c == recv;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = hi_half ? acc[4 * (16 + k) + e] : acc[4 * k + e];
+            *o_chunk(hi_half ? sb : sa, k) = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        bar_sync(BAR_MERGE, 2 * WGT);  // both halves and the receiver's factors of the own heads in place
+    } else {
+        bar_sync(1 + c, WGT);  // the factors of the own heads (local stores)
+    }
+    stamp(4);
     mbar_wait_cluster(bar_fin, 0);  // the peer's factors of its own heads
-    if (pair)
-        bar_sync(BAR_MERGE, 2 * WGT);  // the receiver's factors of the own heads (local stores)
-    else
-        bar_sync(1 + c, WGT);
     stamp(5);
     const float sc_lo = fac_s[hlo], sc_hi = fac_s[hlo + 8], f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
-    // out = fl(fl(O_r + fl(O_s sc)) f) -> bf16 rows [64 heads][256 dims] in the slot of the last tile
-    // (16-byte chunk ch of head h at h * 512 + ((ch ^ (h % 8)) * 16): conflict-free pair stores).
-    const int so = ntiles >= 1 ? (ntiles - 1) % nslot : 0;
-    unsigned char* out_s = smem + (slots - sbase) + so * SLOTB;
+    // out = fl(fl(O_r + fl(O_s sc)) f) in bf16, stored from the fragments: per 4 chunks, the 4 lanes of
+    // a quad transpose their 4-byte pieces (quad_transpose) so that each stores one 16-byte chunk of
+    // head hlo and one of head hlo + 8.
+    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
     // Chunks [K0, K0 + 16) with compile-time indices (a run-time range would issue all 32 chunks'
     // instructions, predicated).
-    auto stage = [&](auto k0c) {
+    auto store = [&](auto k0c) {
         constexpr int K0 = decltype(k0c)::value;
 #pragma unroll
-        for (int kk = 0; kk < 16; ++kk) {
-            const int k = K0 + kk;
-            float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-            if (pair) {
-                const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
-                const float a[4] = {o2.x, o2.y, o2.z, o2.w};
-                // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
+        for (int a = 0; a < 4; ++a) {
+            uint32_t lo[4], hi[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float sce = e < 2 ? sc_lo : sc_hi;
-                    v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(a[e], sce)) : __fadd_rn(a[e], __fmul_rn(v[e], sce));
+            for (int i = 0; i < 4; ++i) {
+                const int k = K0 + 4 * a + i;
+                float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
+                if (pair) {
+                    const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
+                    const float w[4] = {o2.x, o2.y, o2.z, o2.w};
+                    // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float sce = e < 2 ? sc_lo : sc_hi;
+                        v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(w[e], sce)) : __fadd_rn(w[e], __fmul_rn(v[e], sce));
+                    }
                 }
+                // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
+                lo[i] = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
+                hi[i] = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[2], f_hi)), __fadd_rn(0.f, __fmul_rn(v[3], f_hi)));
             }
-            // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
-            const uint32_t lo = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
-            const uint32_t hi = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[2], f_hi)), __fadd_rn(0.f, __fmul_rn(v[3], f_hi)));
-            *reinterpret_cast<uint32_t*>(out_s + hlo * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = lo;
-            *reinterpret_cast<uint32_t*>(out_s + (hlo + 8) * 512 + ((k ^ (hlo & 7)) << 4) + tq * 4) = hi;
+            const uint4 wlo = quad_transpose(lo, tq), whi = quad_transpose(hi, tq);
+            const int ch = K0 + 4 * a + tq;  // the chunk this lane stores
+            if (hlo < nh) *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(hlo) * D + ch * 8) = wlo;
+            if (hlo + 8 < nh) *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(hlo + 8) * D + ch * 8) = whi;
         }
     };
-    if (k0 == 0) stage(std::integral_constant<int, 0>{});
-    if (k1 == 32) stage(std::integral_constant<int, 16>{});
-    const int nthr = pair ? 2 * WGT : WGT, me = pair ? tid : ctid;
-    if (pair)
-        bar_sync(BAR_MERGE, 2 * WGT);
-    else
-        bar_sync(1 + c, WGT);
-    stamp(6);
-    __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
-#pragma unroll 4
-    for (int i = me; i < nh * 32; i += nthr) {
-        const int h = i >> 5, ch = i & 31;
-        *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(h) * D + ch * 8) =
-            *reinterpret_cast<const uint4*>(out_s + h * 512 + ((ch ^ (h & 7)) << 4));
-    }
+    if (k0 == 0) store(std::integral_constant<int, 0>{});
+    if (k1 == 32) store(std::integral_constant<int, 16>{});
     stamp(3);
+    if (tracer && tid == 0) g_trace_ds[153] = static_cast<long long>(globaltimer());
+    if (cta_tracer) g_cta_ds[3 * cta + 2] = globaltimer();
 }
 
 // Prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
@@ -497,7 +544,36 @@ void print_trace_dimsplit(cudaStream_t stream, int dev) {
                 at(88 + j) - at(24 + j), at(40 + j) - at(88 + j), at(104 + j) - at(40 + j), at(56 + j) - at(104 + j), at(120 + j) - at(56 + j),
                 at(136 + j) - at(120 + j), at(72 + j) - at(136 + j));
     if (n > 0) fprintf(stderr, " | loop %.2f us (%.2f per tile)", at(72 + n - 1) - at(2), (at(72 + n - 1) - at(2)) / n);
-    fprintf(stderr, " | merge @%.2f | factors @%.2f | staged @%.2f | end %.2f us\n", at(4), at(5), at(6), at(3));
+    fprintf(stderr, " | merge @%.2f | factors @%.2f | end %.2f us", at(4), at(5), at(3));
+    fprintf(stderr, " | prologue: loads issued %.2f, q issued %.2f", at(155), at(156));
+    if (h[153] > h[152] && h[3] > h[0])
+        fprintf(stderr, " | CTA 0 SM clock %.0f MHz (span %.2f us by globaltimer)", (h[3] - h[0]) * 1e3 / static_cast<double>(h[153] - h[152]),
+                (h[153] - h[152]) * 1e-3);
+    fprintf(stderr, "\n");
+}
+
+// Prints every CTA's globaltimer spread (ns relative to the earliest entry): entry, wait exit, end.
+void print_cta_trace_dimsplit(int ctas) {
+    static unsigned long long h[3 * DS_CTA_TRACE];
+    const int n = ctas < DS_CTA_TRACE ? ctas : DS_CTA_TRACE;
+    if (n <= 0 || cudaMemcpyFromSymbol(h, g_cta_ds, sizeof(unsigned long long) * 3 * n) != cudaSuccess) return;
+    unsigned long long e0 = ~0ull;
+    for (int c = 0; c < n; ++c) e0 = h[3 * c] < e0 ? h[3 * c] : e0;
+    double v[3][DS_CTA_TRACE], span[DS_CTA_TRACE];
+    for (int c = 0; c < n; ++c) {
+        for (int k = 0; k < 3; ++k) v[k][c] = static_cast<double>(h[3 * c + k] - e0) * 1e-3;
+        span[c] = v[2][c] - v[1][c];
+    }
+    auto stats = [&](const char* what, double* a) {
+        std::sort(a, a + n);
+        fprintf(stderr, " | %s min %.2f med %.2f p90 %.2f max %.2f", what, a[0], a[n / 2], a[(9 * n) / 10], a[n - 1]);
+    };
+    fprintf(stderr, "  dims-split CTAs (%d, us from the first entry):", n);
+    stats("entry", v[0]);
+    stats("wait exit", v[1]);
+    stats("end", v[2]);
+    stats("span", span);
+    fprintf(stderr, "\n");
 }
 
 }  // namespace dsplit
@@ -511,13 +587,21 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     static thread_local int configured_dev = -1;
     cudaError_t e = dsv41_launch::set_max_dynamic_smem(dimsplit_kernel, dev, max_smem, configured_dev);
     if (e != cudaSuccess) return static_cast<int>(e);
-    if (mode & 1) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
+    // Mode bit 32 (DSV41_SPARSE_ATTENTION_TRACE=2, diagnostics): record the trace without clearing
+    // or synchronising, and print it after every 4th such launch (back-to-back calls).
+    static thread_local int b2b_calls = 0;
+    const bool b2b = mode & 32, b2b_print = b2b && ++b2b_calls % 4 == 0;
+    if (b2b) mode |= 1;
+    if ((mode & 1) && !b2b) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
     // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
     // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
     // top-k now triggers late).
     e = dsv41_launch::launch_pdl(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
-                                 2, p, mode & 29, nslot);
-    if (e == cudaSuccess && (mode & 1)) print_trace_dimsplit(stream, dev);
+                                 2, p, mode & 93, nslot);
+    if (e == cudaSuccess && (mode & 1) && (!b2b || b2b_print)) {
+        print_trace_dimsplit(stream, dev);
+        print_cta_trace_dimsplit(p.num_tokens * 2 * ((p.num_heads + HH - 1) / HH));
+    }
     return static_cast<int>(e);
 }
 
