@@ -128,6 +128,20 @@ static_assert(HH * DH * 4 == 2 * SLOTB, "a warpgroup's raw O fits two slots");
 // producer warpgroup.
 constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7, BAR_FINL = 8;
 
+// O *= a for the head of half hh of a thread's fragments (acc[4 i + 2 hh], acc[4 i + 2 hh + 1]:
+// head hlo + 8 hh), unless a is 1 in the whole warp (multiplying by 1 is exact). hh is uniform
+// over the CTA (a static branch per half keeps acc in registers).
+__device__ __forceinline__ void rescale_half(float (&acc)[128], int hh, float a) {
+    if (__all_sync(0xffffffffu, a == 1.f)) return;
+    if (hh == 0) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[4 * i] *= a, acc[4 * i + 1] *= a;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[4 * i + 2] *= a, acc[4 * i + 3] *= a;
+    }
+}
+
 // The 4 x 4 transpose of 4-byte pieces within a quad (lanes 4 g + tq): lane tq holds v[i] = its
 // piece of chunk i and gets back chunk tq's pieces of lanes 0-3, in lane order (two exchange
 // rounds: 2 x 2 blocks between lanes tq, tq ^ 2, then single pieces between tq, tq ^ 1).
@@ -167,6 +181,8 @@ __device__ __forceinline__ unsigned long long globaltimer() {
     return v;
 }
 
+// R: the index rounds the compaction is unrolled for (Kw + Kc <= 256 R; see ValidIndicesR).
+template <int R>
 __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -204,6 +220,9 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         fence_mbar_init_cluster();
     }
     cluster_arrive();  // (release) the mbarriers are initialised; waited for before the first remote store
+    // The parameters the prologue reads (their constant-cache lines warm before the wait).
+    asm volatile("" ::"l"(p.q), "l"(p.kv_window), "l"(p.idx_window), "l"(p.idx_extra), "l"(p.sink), "r"(p.index_bytes), "l"(p.q_token_stride),
+                 "l"(p.window_row_stride), "l"(p.num_window_rows), "f"(p.scale));
     if (cta_tracer) g_cta_ds[3 * cta] = globaltimer();
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
@@ -254,7 +273,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         return;
     }
     // Consumers: the compaction while the q copies (this CTA's 256 dims of 64 heads) are in flight.
-    const int count = heads::compact_indices(p, smem, DS_CNT, DS_TOTAL, DS_ENT, t, tid, lane, warp, [&]() {
+    const int count = heads::compact_indices<R>(p, smem, DS_CNT, DS_TOTAL, DS_ENT, t, tid, lane, warp, [&]() {
         stamp(155);
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride + DH * r;
 #pragma unroll
@@ -293,6 +312,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     fence_proxy_async();  // q is read by wgmma
     bar_sync(BAR_BOTH, 2 * WGT);  // all of q
     cluster_wait();  // the peer's mbarriers are initialised
+    const float scale = p.scale;
     int it = 0;  // this warpgroup's tile count (exchange barrier phases)
     for (int j = c; j < ntiles; j += 2, ++it) {
         const int s_idx = j % nslot;
@@ -340,13 +360,18 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (j < 16) stamp(40 + j);
         // Softmax of the own head hd: x[2 i + e] = row 8 i + 2 tq + e.
         const int nb = min(BLK, count - j * BLK);
-        float mx = -INFINITY;
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
             const bool ok = hd < nh && 8 * (k >> 1) + 2 * tq + (k & 1) < nb;
-            x[k] = ok ? __fmul_rn(p.scale, x[k]) : -INFINITY;
-            mx = fmaxf(mx, x[k]);
+            x[k] = ok ? __fmul_rn(scale, x[k]) : -INFINITY;
         }
+        // The tile max as a tree (exact in any order; depth 4 instead of a chain of 16).
+        float m8[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) m8[k] = fmaxf(x[2 * k], x[2 * k + 1]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) m8[k] = fmaxf(m8[k], m8[k + 4]);
+        float mx = fmaxf(fmaxf(m8[0], m8[2]), fmaxf(m8[1], m8[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // The running max after tile j - 1 (the other warpgroup's), read before this tile's is
@@ -392,20 +417,15 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             bulk_copy_to_cluster(al_peer + aoff, sbase + DS_AL + 4 * c * HH + aoff, 32, bar_px_peer);
         }
         if (j < 16) stamp(56 + j);
+        // O rescale, the own head's half while the P rows fly (acc[4 i + e]: head hlo + 8 (e / 2);
+        // the own head is hlo + 8 r). Skipped where the warp's alphas are all 1 (exact).
+        rescale_half(acc, r, alpha);
         bar_sync(1 + c, WGT);
         if (j < 16) stamp(120 + j);
         mbar_wait_cluster(bar_px, it & 1);  // the peer's rows of the P tile and its alpha
         if (ctid == 0) mbar_arrive_expect_tx(bar_px, P_TX);
         if (j < 16) stamp(136 + j);
-        const float a_peer = al_s[hp];
-        const float alo = r == 0 ? alpha : a_peer, ahi = r == 0 ? a_peer : alpha;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            acc[4 * i] *= alo;
-            acc[4 * i + 1] *= alo;
-            acc[4 * i + 2] *= ahi;
-            acc[4 * i + 3] *= ahi;
-        }
+        rescale_half(acc, r ^ 1, al_s[hp]);  // the peer's head
         wg_fence_regs<128>(acc);
         wg_fence();
         // O += P . V (rows past the tile's end: p = 0 and zero-filled rows).
@@ -584,8 +604,12 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     const int nslot = min(NS_MAX, (max_smem - ring_offset(ktot)) / SLOTB);
     if (nslot < NS_MIN) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB;
-    static thread_local int configured_dev = -1;
-    cudaError_t e = dsv41_launch::set_max_dynamic_smem(dimsplit_kernel, dev, max_smem, configured_dev);
+    // The V4.1 decode shape (128 + 512 indices) takes the 3-round instantiation.
+    constexpr int FEW = 3;
+    const bool few = ktot <= FEW * IDX_THREADS;
+    auto* kernel = few ? dimsplit_kernel<FEW> : dimsplit_kernel<MAX_ROUNDS>;
+    static thread_local int configured_dev[2] = {-1, -1};
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[few]);
     if (e != cudaSuccess) return static_cast<int>(e);
     // Mode bit 32 (DSV41_SPARSE_ATTENTION_TRACE=2, diagnostics): record the trace without clearing
     // or synchronising, and print it after every 4th such launch (back-to-back calls).
@@ -596,7 +620,7 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
     // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
     // top-k now triggers late).
-    e = dsv41_launch::launch_pdl(dimsplit_kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
+    e = dsv41_launch::launch_pdl(kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
                                  2, p, mode & 93, nslot);
     if (e == cudaSuccess && (mode & 1) && (!b2b || b2b_print)) {
         print_trace_dimsplit(stream, dev);

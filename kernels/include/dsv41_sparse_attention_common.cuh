@@ -71,9 +71,14 @@ __device__ __forceinline__ void load_q_tile(const Dsv41SparseAttentionParams& p,
 //   load_and_count (all loads first: one memory round trip; `between` runs while they are in
 //   flight) -> per-warp valid counts in cnt_s; barrier; scan (warp 0: exclusive offsets, total);
 //   barrier; store (the entries of ranks [lo, hi) to ent_s[rank - lo] as (source << 31) | row).
-struct ValidIndices {
-    uint32_t code[MAX_ROUNDS];
-    unsigned bal[MAX_ROUNDS];
+// R: the rounds the code is unrolled for (Kw + Kc <= 256 R). A kernel instantiated for the few
+// rounds of its usual shape skips the branches over the unused ones (each costs a fetch redirect:
+// ~0.6 us of the prologue at R = 16 and 640 indices, docs/perf.md "Round 13").
+template <int R = MAX_ROUNDS>
+struct ValidIndicesR {
+    static_assert(R >= 1 && R <= MAX_ROUNDS, "index rounds");
+    uint32_t code[R];
+    unsigned bal[R];
     int rounds;
 
     template <class Between>
@@ -81,9 +86,9 @@ struct ValidIndices {
         const int lane = tid & 31, warp = tid >> 5;
         const int ktot = p.kw + p.kc;
         rounds = (ktot + IDX_THREADS - 1) / IDX_THREADS;
-        int64_t raw[MAX_ROUNDS];
+        int64_t raw[R];
 #pragma unroll
-        for (int r = 0; r < MAX_ROUNDS; ++r) {
+        for (int r = 0; r < R; ++r) {
             code[r] = 0xffffffffu;
             bal[r] = 0u;
             raw[r] = -1;
@@ -98,7 +103,7 @@ struct ValidIndices {
         }
         between();
 #pragma unroll
-        for (int r = 0; r < MAX_ROUNDS; ++r) {
+        for (int r = 0; r < R; ++r) {
             if (r < rounds) {
                 const int i = r * IDX_THREADS + tid;
                 const int64_t s = raw[r];
@@ -137,7 +142,7 @@ struct ValidIndices {
         const int lane = tid & 31, warp = tid >> 5;
         const unsigned lt = (1u << lane) - 1u;
 #pragma unroll
-        for (int r = 0; r < MAX_ROUNDS; ++r) {
+        for (int r = 0; r < R; ++r) {
             if (r < rounds && code[r] != 0xffffffffu) {
                 const int rank = cnt_s[r * 8 + warp] + __popc(bal[r] & lt);
                 if (rank >= lo && rank < hi) ent_s[rank - lo] = code[r];
@@ -145,6 +150,7 @@ struct ValidIndices {
         }
     }
 };
+using ValidIndices = ValidIndicesR<>;
 
 // The producer warpgroup's loop (thread ptid = 0..127 of it): tile j (rows 64 j .. of the
 // nrows entries ent_s) -> stage j & 1 (TILEB bytes each from `stages`) once the consumers

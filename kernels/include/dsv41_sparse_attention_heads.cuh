@@ -59,12 +59,12 @@ __device__ __forceinline__ void init_barriers(uint32_t bar_full, uint32_t bar_em
 // copies); `sync()` is a barrier over all the threads that call this (others may too: they only
 // take part in the barriers). Returns the valid count; ent_s is complete only after the caller's
 // next barrier. `stamp(1)` marks the indices loaded.
-template <class Between, class Sync, class Stamp>
+template <int R = MAX_ROUNDS, class Between, class Sync, class Stamp>
 __device__ __forceinline__ int compact_indices(const Dsv41SparseAttentionParams& p, unsigned char* smem, int cnt_off, int total_off,
                                                int ent_off, int t, int tid, int lane, int warp, Between between, Sync sync, Stamp stamp) {
     int* cnt_s = reinterpret_cast<int*>(smem + cnt_off);
     int* total_s = reinterpret_cast<int*>(smem + total_off);
-    ValidIndices vi;
+    ValidIndicesR<R> vi;
     if (tid < IDX_THREADS) vi.load_and_count(p, t, tid, cnt_s, between);
     sync();
     stamp(1);
