@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     const int count = heads::compact_indices<R>(p, smem, DS_CNT, DS_TOTAL, DS_ENT, t, tid, lane, warp, [&]() {
         stamp(155);
         const __nv_bfloat16* qt = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(t) * p.q_token_stride + DH * r;
-#pragma unroll
-        for (int i = 0; i < HH * 32 / (2 * WGT); ++i) {
+#pragma unroll 1
+        for (int i = 0; i < HH * 32 / (2 * WGT); ++i) {  // (a loop: run-once code is fetch bound)
             const int c = tid + 2 * WGT * i, h = c >> 5, ch = c & 31;  // chunk ch (8 dims) of head h
             const bool ok = h < nh;
             cp_async16(sbase + DS_Q + (ch >> 3) * PLANE + h * 128 + (((ch & 7) ^ (h & 7)) << 4),
@@ -304,9 +304,13 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     const uint32_t xs_peer = mapa_shared(sbase + DS_XS + c * XSB, peer), bar_xs_peer = mapa_shared(bar_xs, peer);
     const uint32_t p_peer = mapa_shared(p_tile, peer), bar_px_peer = mapa_shared(bar_px, peer);
     const uint32_t al_peer = mapa_shared(sbase + DS_AL + 4 * c * HH, peer);
+    // O: set by the first P.V of this warpgroup (accumulate = 0: no zeroing in the prologue's
+    // straight-line code), zero when the token has no tile at all.
     float acc[128];
+    if (ntiles == 0) {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    }
     float m_run = M_FLOOR, den = 0.f;  // running max after this warpgroup's last tile, its denominator (own head)
     cp_async_wait_all();  // this thread's q copies
     fence_proxy_async();  // q is read by wgmma
@@ -419,19 +423,19 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (j < 16) stamp(56 + j);
         // O rescale, the own head's half while the P rows fly (acc[4 i + e]: head hlo + 8 (e / 2);
         // the own head is hlo + 8 r). Skipped where the warp's alphas are all 1 (exact).
-        rescale_half(acc, r, alpha);
+        if (it > 0) rescale_half(acc, r, alpha);
         bar_sync(1 + c, WGT);
         if (j < 16) stamp(120 + j);
         mbar_wait_cluster(bar_px, it & 1);  // the peer's rows of the P tile and its alpha
         if (ctid == 0) mbar_arrive_expect_tx(bar_px, P_TX);
         if (j < 16) stamp(136 + j);
-        rescale_half(acc, r ^ 1, al_s[hp]);  // the peer's head
+        if (it > 0) rescale_half(acc, r ^ 1, al_s[hp]);  // the peer's head
         wg_fence_regs<128>(acc);
         wg_fence();
         // O += P . V (rows past the tile's end: p = 0 and zero-filled rows).
 #pragma unroll
         for (int kk = 0; kk < BLK / 16; ++kk)
-            wg_m64n256k16_kmn(acc, wg_desc(p_tile + kk * 32, 16, 1024), wg_desc(slot + kk * 16 * 128, PLANE, 1024));
+            wg_m64n256k16_kmn(acc, wg_desc(p_tile + kk * 32, 16, 1024), wg_desc(slot + kk * 16 * 128, PLANE, 1024), it > 0 || kk > 0);
         wg_commit();
         wg_wait<0>();
         wg_fence_regs<128>(acc);
@@ -459,7 +463,6 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     };
     float* fin_s = reinterpret_cast<float*>(smem + DS_FIN);
     float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
-    const int k0 = !pair ? 0 : c == recv ? 0 : 16, k1 = !pair ? 32 : k0 + 16;  // this warpgroup's chunks
     if (pair) {
         if (c != recv) {
             if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
@@ -489,15 +492,15 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         }
     }
     if (pair) {
-        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (static
-        // indices and a select: a run-time index would put acc in local memory).
-        const bool hi_half = c == recv;
+        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (one
+        // branch per role: static indices keep acc in registers, and each warpgroup runs only its
+        // own straight-line code).
+        if (c == recv) {
 #pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            float v[4];
+            for (int k = 0; k < 16; ++k) *o_chunk(sb, k) = make_float4(acc[4 * (16 + k)], acc[4 * (16 + k) + 1], acc[4 * (16 + k) + 2], acc[4 * (16 + k) + 3]);
+        } else {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = hi_half ? acc[4 * (16 + k) + e] : acc[4 * k + e];
-            *o_chunk(hi_half ? sb : sa, k) = make_float4(v[0], v[1], v[2], v[3]);
+            for (int k = 0; k < 16; ++k) *o_chunk(sa, k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
         }
         bar_sync(BAR_MERGE, 2 * WGT);  // both halves and the receiver's factors of the own heads in place
     } else {
@@ -512,9 +515,10 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     // head hlo and one of head hlo + 8.
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
     // Chunks [K0, K0 + 16) with compile-time indices (a run-time range would issue all 32 chunks'
-    // instructions, predicated).
-    auto store = [&](auto k0c) {
-        constexpr int K0 = decltype(k0c)::value;
+    // instructions, predicated); ROLE 0: no merge (one warpgroup had all tiles), 1: the receiver
+    // (own values O_r, the sender's O_s in slot sa), 2: the sender (own O_s, the receiver's O_r in sb).
+    auto store = [&](auto k0c, auto rolec) {
+        constexpr int K0 = decltype(k0c)::value, ROLE = decltype(rolec)::value;
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
             uint32_t lo[4], hi[4];
@@ -522,14 +526,13 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             for (int i = 0; i < 4; ++i) {
                 const int k = K0 + 4 * a + i;
                 float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-                if (pair) {
-                    const float4 o2 = *o_chunk(c == recv ? sa : sb, k);
+                if (ROLE != 0) {
+                    const float4 o2 = *o_chunk(ROLE == 1 ? sa : sb, k);
                     const float w[4] = {o2.x, o2.y, o2.z, o2.w};
-                    // O_r + fl(O_s sc): the receiver's own values are O_r, the sender's O_s.
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const float sce = e < 2 ? sc_lo : sc_hi;
-                        v[e] = c == recv ? __fadd_rn(v[e], __fmul_rn(w[e], sce)) : __fadd_rn(w[e], __fmul_rn(v[e], sce));
+                        v[e] = ROLE == 1 ? __fadd_rn(v[e], __fmul_rn(w[e], sce)) : __fadd_rn(w[e], __fmul_rn(v[e], sce));
                     }
                 }
                 // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
@@ -542,8 +545,16 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             if (hlo + 8 < nh) *reinterpret_cast<uint4*>(orow + static_cast<int64_t>(hlo + 8) * D + ch * 8) = whi;
         }
     };
-    if (k0 == 0) store(std::integral_constant<int, 0>{});
-    if (k1 == 32) store(std::integral_constant<int, 16>{});
+    using I0 = std::integral_constant<int, 0>;
+    using I16 = std::integral_constant<int, 16>;
+    if (!pair) {
+        store(I0{}, I0{});
+        store(I16{}, I0{});
+    } else if (c == recv) {
+        store(I0{}, std::integral_constant<int, 1>{});
+    } else {
+        store(I16{}, std::integral_constant<int, 2>{});
+    }
     stamp(3);
     if (tracer && tid == 0) g_trace_ds[153] = static_cast<long long>(globaltimer());
     if (cta_tracer) g_cta_ds[3 * cta + 2] = globaltimer();

@@ -182,8 +182,9 @@ __device__ __forceinline__ void wg_m64n64k16(float* d, uint64_t a, uint64_t b, i
 }
 
 // d[0..127] += A (64 x 16, smem descriptor a) * B (16 x 256, smem descriptor b, MN-major),
-// bf16 -> f32; accumulator layout: d[4i + c] at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
-__device__ __forceinline__ void wg_m64n256k16_kmn(float* d, uint64_t a, uint64_t b) {
+// bf16 -> f32 (accumulate = 0: d = A B, the old d ignored); accumulator layout: d[4i + c] at row
+// 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
+__device__ __forceinline__ void wg_m64n256k16_kmn(float* d, uint64_t a, uint64_t b, int accumulate = 1) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
@@ -212,7 +213,7 @@ __device__ __forceinline__ void wg_m64n256k16_kmn(float* d, uint64_t a, uint64_t
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(a), "l"(b), "r"(1));
+        : "l"(a), "l"(b), "r"(accumulate));
 }
 
 }  // namespace dsv41_ptx
