@@ -299,6 +299,8 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     const float4* xs_s = reinterpret_cast<const float4*>(smem + DS_XS + c * XSB);
     float* al_s = reinterpret_cast<float*>(smem + DS_AL) + c * HH;
     float* mx_s = reinterpret_cast<float*>(smem + DS_MX);
+    float* fin_s = reinterpret_cast<float*>(smem + DS_FIN);
+    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
     const uint32_t bar_xs = bars + BAR_XS + 8 * c, bar_px = bars + BAR_PX + 8 * c, bar_fin = bars + BAR_FIN;
     // The peer's copies of this warpgroup's exchange buffers and barriers.
     const uint32_t xs_peer = mapa_shared(sbase + DS_XS + c * XSB, peer), bar_xs_peer = mapa_shared(bar_xs, peer);
@@ -411,6 +413,13 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         den = __fadd_rn(__fmul_rn(den, alpha), sum);
         if (tq == 0) al_s[hd] = alpha;
+        if (j >= 1 && j == ntiles - 1) {
+            // The last tile (this warpgroup receives the merge): the token's running max and this
+            // warpgroup's denominator of the own head, for the other warpgroup's factors (computed
+            // while this tile's P.V runs).
+            if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
+            bar_arrive(BAR_FINL, 2 * WGT);
+        }
         // Warp w wrote the P rows and alphas of its own heads 16 w + 8 r .. +8: its lane 0 copies
         // them (1 KB, 32 B) to the peer at once; the warpgroup barrier below only guards the P.V.
         fence_proxy_async();  // the P tile is read by wgmma and by the bulk copies
@@ -461,62 +470,60 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     auto o_chunk = [&](int slot, int k) {  // float4 k % 16 (acc[4 k .. +4]) of thread ctid in a slot
         return reinterpret_cast<float4*>(smem + (slots - sbase) + slot * SLOTB + ((k & 15) * WGT + ctid) * 16);
     };
-    float* fin_s = reinterpret_cast<float*>(smem + DS_FIN);
-    float* fac_s = reinterpret_cast<float*>(smem + DS_FAC);
-    if (pair) {
-        if (c != recv) {
-            if (tq == 0) fin_s[hd] = m_run, fin_s[HH + hd] = den;
-            bar_arrive(BAR_FINL, 2 * WGT);
-        } else {
-            bar_sync(BAR_FINL, 2 * WGT);
-        }
-    }
-    if (c == recv) {
-        // The own head's merge scale e^{m_s - M} (M = m_run: the token's running max), denominator,
-        // epilogue factor (as the head-split epilogue) and lse; both factors of the own heads to the
-        // peer.
-        float sc = 0.f;
-        if (pair) {
-            sc = expf(fin_s[hd] - m_run);
-            den = __fadd_rn(den, __fmul_rn(fin_s[HH + hd], sc));
-        }
+    // The own head's epilogue factor (as the head-split epilogue) and lse from the token's running
+    // max M and denominator; both factors of the own heads (merge scale, epilogue factor) to fac_s
+    // and to the peer's (st.async).
+    auto factors = [&](float M, float den_t, float sc) {
         if (tq == 0) {
-            const heads::HeadFactor f = heads::head_factor(m_run, den, sink_h);
-            const float fac = f.fac;
+            const heads::HeadFactor f = heads::head_factor(M, den_t, sink_h);
             if (hd < nh) p.lse[static_cast<int64_t>(t) * p.num_heads + h0 + hd] = heads::head_lse(f, count > 0);
             fac_s[hd] = sc;
-            fac_s[HH + hd] = fac;
+            fac_s[HH + hd] = f.fac;
             const uint32_t fp = mapa_shared(sbase + DS_FAC + 4 * hd, peer), bp = mapa_shared(bar_fin, peer);
             st_async_b32(fp, __float_as_uint(sc), bp);
-            st_async_b32(fp + 4 * HH, __float_as_uint(fac), bp);
+            st_async_b32(fp + 4 * HH, __float_as_uint(f.fac), bp);
         }
-    }
-    if (pair) {
-        // The chunks handed to the other warpgroup: the receiver's 16-31, the sender's 0-15 (one
-        // branch per role: static indices keep acc in registers, and each warpgroup runs only its
-        // own straight-line code).
-        if (c == recv) {
-#pragma unroll
-            for (int k = 0; k < 16; ++k) *o_chunk(sb, k) = make_float4(acc[4 * (16 + k)], acc[4 * (16 + k) + 1], acc[4 * (16 + k) + 2], acc[4 * (16 + k) + 3]);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 16; ++k) *o_chunk(sa, k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
-        }
-        bar_sync(BAR_MERGE, 2 * WGT);  // both halves and the receiver's factors of the own heads in place
-    } else {
+    };
+    if (!pair) {
+        factors(m_run, den, 0.f);
         bar_sync(1 + c, WGT);  // the factors of the own heads (local stores)
+    } else if (c != recv) {
+        // The sender, while the receiver's last P.V runs: the merge scale sc = e^{m_s - M} of the own
+        // head, den = fl(den_r + fl(den_s sc)), the factors; then O_s scaled, fl(O_s sc) (both heads
+        // of its fragments: the peer's scale comes with the peer's factors), its chunks 0-15 to slot
+        // sa for the receiver.
+        bar_sync(BAR_FINL, 2 * WGT);  // M and den_r of the own head
+        const float sc = expf(m_run - fin_s[hd]);
+        factors(fin_s[hd], __fadd_rn(fin_s[HH + hd], __fmul_rn(den, sc)), sc);
+        bar_sync(1 + c, WGT);  // the own heads' scales in fac_s
+        mbar_wait_cluster(bar_fin, 0);  // the peer's
+        const float s_lo = fac_s[hlo], s_hi = fac_s[hlo + 8];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            acc[4 * i] = __fmul_rn(acc[4 * i], s_lo), acc[4 * i + 1] = __fmul_rn(acc[4 * i + 1], s_lo);
+            acc[4 * i + 2] = __fmul_rn(acc[4 * i + 2], s_hi), acc[4 * i + 3] = __fmul_rn(acc[4 * i + 3], s_hi);
+        }
+#pragma unroll
+        for (int k = 0; k < 16; ++k) *o_chunk(sa, k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
+        bar_sync(BAR_MERGE, 2 * WGT);  // the receiver's chunks 16-31 in slot sb
+    } else {
+        // The receiver: its chunks 16-31 to slot sb for the sender.
+#pragma unroll
+        for (int k = 0; k < 16; ++k) *o_chunk(sb, k) = make_float4(acc[4 * (16 + k)], acc[4 * (16 + k) + 1], acc[4 * (16 + k) + 2], acc[4 * (16 + k) + 3]);
+        bar_sync(BAR_MERGE, 2 * WGT);  // the sender's scaled chunks 0-15 in slot sa, all factors of the own heads in fac_s
     }
     stamp(4);
     mbar_wait_cluster(bar_fin, 0);  // the peer's factors of its own heads
     stamp(5);
-    const float sc_lo = fac_s[hlo], sc_hi = fac_s[hlo + 8], f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
+    const float f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
     // out = fl(fl(O_r + fl(O_s sc)) f) in bf16, stored from the fragments: per 4 chunks, the 4 lanes of
     // a quad transpose their 4-byte pieces (quad_transpose) so that each stores one 16-byte chunk of
     // head hlo and one of head hlo + 8.
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
     // Chunks [K0, K0 + 16) with compile-time indices (a run-time range would issue all 32 chunks'
     // instructions, predicated); ROLE 0: no merge (one warpgroup had all tiles), 1: the receiver
-    // (own values O_r, the sender's O_s in slot sa), 2: the sender (own O_s, the receiver's O_r in sb).
+    // (own values O_r, the sender's fl(O_s sc) in slot sa), 2: the sender (own fl(O_s sc), the
+    // receiver's O_r in sb).
     auto store = [&](auto k0c, auto rolec) {
         constexpr int K0 = decltype(k0c)::value, ROLE = decltype(rolec)::value;
 #pragma unroll
@@ -526,14 +533,9 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             for (int i = 0; i < 4; ++i) {
                 const int k = K0 + 4 * a + i;
                 float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-                if (ROLE != 0) {
+                if (ROLE != 0) {  // fl(O_r + fl(O_s sc)): the scaled O_s and O_r from the two warpgroups
                     const float4 o2 = *o_chunk(ROLE == 1 ? sa : sb, k);
-                    const float w[4] = {o2.x, o2.y, o2.z, o2.w};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float sce = e < 2 ? sc_lo : sc_hi;
-                        v[e] = ROLE == 1 ? __fadd_rn(v[e], __fmul_rn(w[e], sce)) : __fadd_rn(w[e], __fmul_rn(v[e], sce));
-                    }
+                    v[0] = __fadd_rn(v[0], o2.x), v[1] = __fadd_rn(v[1], o2.y), v[2] = __fadd_rn(v[2], o2.z), v[3] = __fadd_rn(v[3], o2.w);
                 }
                 // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
                 lo[i] = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
