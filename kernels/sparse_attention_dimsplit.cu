@@ -128,20 +128,6 @@ static_assert(HH * DH * 4 == 2 * SLOTB, "a warpgroup's raw O fits two slots");
 // producer warpgroup.
 constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7, BAR_FINL = 8;
 
-// O *= a for the head of half hh of a thread's fragments (acc[4 i + 2 hh], acc[4 i + 2 hh + 1]:
-// head hlo + 8 hh), unless a is 1 in the whole warp (multiplying by 1 is exact). hh is uniform
-// over the CTA (a static branch per half keeps acc in registers).
-__device__ __forceinline__ void rescale_half(float (&acc)[128], int hh, float a) {
-    if (__all_sync(0xffffffffu, a == 1.f)) return;
-    if (hh == 0) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) acc[4 * i] *= a, acc[4 * i + 1] *= a;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) acc[4 * i + 2] *= a, acc[4 * i + 3] *= a;
-    }
-}
-
 // The 4 x 4 transpose of 4-byte pieces within a quad (lanes 4 g + tq): lane tq holds v[i] = its
 // piece of chunk i and gets back chunk tq's pieces of lanes 0-3, in lane order (two exchange
 // rounds: 2 x 2 blocks between lanes tq, tq ^ 2, then single pieces between tq, tq ^ 1).
@@ -182,7 +168,9 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 }
 
 // R: the index rounds the compaction is unrolled for (Kw + Kc <= 256 R; see ValidIndicesR).
-template <int R>
+// DIAG: the diagnostics compiled in (the phase trace, mode bit 0, and the timing-only mode bits);
+// the production instantiation carries none of their code (code size matters here: see the header).
+template <int R, bool DIAG>
 __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -193,14 +181,14 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     const int t = blockIdx.x, r = blockIdx.y, h0 = blockIdx.z * HH;
     const uint32_t peer = r ^ 1;
     const int nh = min(HH, p.num_heads - h0);
-    const bool skip_gather = mode & 4, no_chain = mode & 16;
-    const bool tracer = (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+    const bool skip_gather = DIAG && (mode & 4), no_chain = DIAG && (mode & 16);
+    const bool tracer = DIAG && (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int s) {
         if (tracer) g_trace_ds[s] = clock64();
     };
     const uint32_t slots = sbase + ring_offset(p.kw + p.kc);
     const int cta = (blockIdx.z * 2 + blockIdx.y) * gridDim.x + blockIdx.x;
-    const bool cta_tracer = (mode & 1) && tid == 0 && cta < DS_CTA_TRACE;
+    const bool cta_tracer = DIAG && (mode & 1) && tid == 0 && cta < DS_CTA_TRACE;
     // The mbarriers and the cluster arrival before griddepcontrol.wait (shared memory only: under
     // programmatic dependent launch this overlaps the previous kernel's tail).
     if (tid == 0) {
@@ -220,9 +208,6 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         fence_mbar_init_cluster();
     }
     cluster_arrive();  // (release) the mbarriers are initialised; waited for before the first remote store
-    // The parameters the prologue reads (their constant-cache lines warm before the wait).
-    asm volatile("" ::"l"(p.q), "l"(p.kv_window), "l"(p.idx_window), "l"(p.idx_extra), "l"(p.sink), "r"(p.index_bytes), "l"(p.q_token_stride),
-                 "l"(p.window_row_stride), "l"(p.num_window_rows), "f"(p.scale));
     if (cta_tracer) g_cta_ds[3 * cta] = globaltimer();
     grid_dep_wait();  // everything below may read what the previous kernel wrote
     grid_dep_launch();
@@ -256,7 +241,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         // 1, gathered from the raw list (kept in the last slot, first filled by tile nslot - 1 >= 3)
         // while the consumers compact.
         int k0 = 0;
-        if (!(mode & 8) && p.kw >= 2 * BLK) {
+        if (!(DIAG && (mode & 8)) && p.kw >= 2 * BLK) {
             uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + (slots - sbase) + (nslot - 1) * SLOTB);
             if (heads::early_window_entries(p, t, ptid, win_s, BAR_PROD)) {
                 produce(0, win_s, 2 * BLK);
@@ -430,15 +415,21 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             bulk_copy_to_cluster(al_peer + aoff, sbase + DS_AL + 4 * c * HH + aoff, 32, bar_px_peer);
         }
         if (j < 16) stamp(56 + j);
-        // O rescale, the own head's half while the P rows fly (acc[4 i + e]: head hlo + 8 (e / 2);
-        // the own head is hlo + 8 r). Skipped where the warp's alphas are all 1 (exact).
-        if (it > 0) rescale_half(acc, r, alpha);
         bar_sync(1 + c, WGT);
         if (j < 16) stamp(120 + j);
         mbar_wait_cluster(bar_px, it & 1);  // the peer's rows of the P tile and its alpha
         if (ctid == 0) mbar_arrive_expect_tx(bar_px, P_TX);
         if (j < 16) stamp(136 + j);
-        if (it > 0) rescale_half(acc, r ^ 1, al_s[hp]);  // the peer's head
+        if (it > 0) {
+            // O rescale (acc[4 i + e]: head hlo + 8 (e / 2); the own head is hlo + 8 r), skipped where
+            // the warp's alphas are all 1 (exact).
+            const float a_peer = al_s[hp];
+            const float alo = r == 0 ? alpha : a_peer, ahi = r == 0 ? a_peer : alpha;
+            if (!__all_sync(0xffffffffu, alo == 1.f && ahi == 1.f)) {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) acc[4 * i] *= alo, acc[4 * i + 1] *= alo, acc[4 * i + 2] *= ahi, acc[4 * i + 3] *= ahi;
+            }
+        }
         wg_fence_regs<128>(acc);
         wg_fence();
         // O += P . V (rows past the tile's end: p = 0 and zero-filled rows).
@@ -451,7 +442,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (lane == 0) mbar_arrive(bars + BAR_EMPTY + 8 * s_idx);
         if (j < 16) stamp(72 + j);
     }
-    if (mode & 64) {  // diagnostic: no merge / epilogue (timing only, out and lse not written)
+    if (DIAG && (mode & 64)) {  // diagnostic: no merge / epilogue (timing only, out and lse not written)
         if (cta_tracer) g_cta_ds[3 * cta + 2] = globaltimer();
         return;
     }
@@ -620,15 +611,18 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     // The V4.1 decode shape (128 + 512 indices) takes the 3-round instantiation.
     constexpr int FEW = 3;
     const bool few = ktot <= FEW * IDX_THREADS;
-    auto* kernel = few ? dimsplit_kernel<FEW> : dimsplit_kernel<MAX_ROUNDS>;
-    static thread_local int configured_dev[2] = {-1, -1};
-    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[few]);
-    if (e != cudaSuccess) return static_cast<int>(e);
     // Mode bit 32 (DSV41_SPARSE_ATTENTION_TRACE=2, diagnostics): record the trace without clearing
     // or synchronising, and print it after every 4th such launch (back-to-back calls).
     static thread_local int b2b_calls = 0;
     const bool b2b = mode & 32, b2b_print = b2b && ++b2b_calls % 4 == 0;
     if (b2b) mode |= 1;
+    // The diagnostics are compiled into a 3-round instantiation of their own (a traced or diagnostic
+    // call with more indices runs the production kernel: no trace, no diagnostic effect).
+    const int which = few ? ((mode & 93) ? 2 : 1) : 0;
+    auto* kernel = which == 2 ? dimsplit_kernel<FEW, true> : which == 1 ? dimsplit_kernel<FEW, false> : dimsplit_kernel<MAX_ROUNDS, false>;
+    static thread_local int configured_dev[3] = {-1, -1, -1};
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[which]);
+    if (e != cudaSuccess) return static_cast<int>(e);
     if ((mode & 1) && !b2b) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
     // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
     // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
