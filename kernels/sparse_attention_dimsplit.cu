@@ -480,20 +480,11 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         bar_sync(1 + c, WGT);  // the factors of the own heads (local stores)
     } else if (c != recv) {
         // The sender, while the receiver's last P.V runs: the merge scale sc = e^{m_s - M} of the own
-        // head, den = fl(den_r + fl(den_s sc)), the factors; then O_s scaled, fl(O_s sc) (both heads
-        // of its fragments: the peer's scale comes with the peer's factors), its chunks 0-15 to slot
-        // sa for the receiver.
+        // head, den = fl(den_r + fl(den_s sc)), the factors (to the peer as well); its chunks 0-15 of
+        // O_s to slot sa for the receiver.
         bar_sync(BAR_FINL, 2 * WGT);  // M and den_r of the own head
         const float sc = expf(m_run - fin_s[hd]);
         factors(fin_s[hd], __fadd_rn(fin_s[HH + hd], __fmul_rn(den, sc)), sc);
-        bar_sync(1 + c, WGT);  // the own heads' scales in fac_s
-        mbar_wait_cluster(bar_fin, 0);  // the peer's
-        const float s_lo = fac_s[hlo], s_hi = fac_s[hlo + 8];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            acc[4 * i] = __fmul_rn(acc[4 * i], s_lo), acc[4 * i + 1] = __fmul_rn(acc[4 * i + 1], s_lo);
-            acc[4 * i + 2] = __fmul_rn(acc[4 * i + 2], s_hi), acc[4 * i + 3] = __fmul_rn(acc[4 * i + 3], s_hi);
-        }
 #pragma unroll
         for (int k = 0; k < 16; ++k) *o_chunk(sa, k) = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
         bar_sync(BAR_MERGE, 2 * WGT);  // the receiver's chunks 16-31 in slot sb
@@ -501,20 +492,19 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         // The receiver: its chunks 16-31 to slot sb for the sender.
 #pragma unroll
         for (int k = 0; k < 16; ++k) *o_chunk(sb, k) = make_float4(acc[4 * (16 + k)], acc[4 * (16 + k) + 1], acc[4 * (16 + k) + 2], acc[4 * (16 + k) + 3]);
-        bar_sync(BAR_MERGE, 2 * WGT);  // the sender's scaled chunks 0-15 in slot sa, all factors of the own heads in fac_s
+        bar_sync(BAR_MERGE, 2 * WGT);  // the sender's chunks 0-15 in slot sa, both factors of the own heads in fac_s
     }
     stamp(4);
     mbar_wait_cluster(bar_fin, 0);  // the peer's factors of its own heads
     stamp(5);
-    const float f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
+    const float sc_lo = fac_s[hlo], sc_hi = fac_s[hlo + 8], f_lo = fac_s[HH + hlo], f_hi = fac_s[HH + hlo + 8];
     // out = fl(fl(O_r + fl(O_s sc)) f) in bf16, stored from the fragments: per 4 chunks, the 4 lanes of
     // a quad transpose their 4-byte pieces (quad_transpose) so that each stores one 16-byte chunk of
     // head hlo and one of head hlo + 8.
     __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + (static_cast<int64_t>(t) * p.num_heads + h0) * D + DH * r;
     // Chunks [K0, K0 + 16) with compile-time indices (a run-time range would issue all 32 chunks'
     // instructions, predicated); ROLE 0: no merge (one warpgroup had all tiles), 1: the receiver
-    // (own values O_r, the sender's fl(O_s sc) in slot sa), 2: the sender (own fl(O_s sc), the
-    // receiver's O_r in sb).
+    // (own values O_r, the sender's O_s in slot sa), 2: the sender (own O_s, the receiver's O_r in sb).
     auto store = [&](auto k0c, auto rolec) {
         constexpr int K0 = decltype(k0c)::value, ROLE = decltype(rolec)::value;
 #pragma unroll
@@ -524,9 +514,14 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
             for (int i = 0; i < 4; ++i) {
                 const int k = K0 + 4 * a + i;
                 float v[4] = {acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]};
-                if (ROLE != 0) {  // fl(O_r + fl(O_s sc)): the scaled O_s and O_r from the two warpgroups
+                if (ROLE != 0) {  // fl(O_r + fl(O_s sc))
                     const float4 o2 = *o_chunk(ROLE == 1 ? sa : sb, k);
-                    v[0] = __fadd_rn(v[0], o2.x), v[1] = __fadd_rn(v[1], o2.y), v[2] = __fadd_rn(v[2], o2.z), v[3] = __fadd_rn(v[3], o2.w);
+                    const float w[4] = {o2.x, o2.y, o2.z, o2.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float sce = e < 2 ? sc_lo : sc_hi;
+                        v[e] = ROLE == 1 ? __fadd_rn(v[e], __fmul_rn(w[e], sce)) : __fadd_rn(w[e], __fmul_rn(v[e], sce));
+                    }
                 }
                 // acc[4 k + e]: head hlo + 8 (e / 2), dims 8 k + 2 tq + e % 2 (chunk k of the 256 dims)
                 lo[i] = pack_bf16x2_rn(__fadd_rn(0.f, __fmul_rn(v[0], f_lo)), __fadd_rn(0.f, __fmul_rn(v[1], f_lo)));
