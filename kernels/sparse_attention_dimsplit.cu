@@ -139,14 +139,10 @@ __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int tq) 
     // Now chunk 2b: lanes tq (k0), tq ^ 2 (r0); chunk 2b + 1: k1, r1. Round 2: keep chunk 2b + a.
     const uint32_t own = a ? k1 : k0, own2 = a ? r1 : r0;
     const uint32_t q0 = __shfl_xor_sync(0xffffffffu, a ? k0 : k1, 1), q1 = __shfl_xor_sync(0xffffffffu, a ? r0 : r1, 1);
-    // Chunk tq's pieces: lane tq -> own, tq ^ 1 -> q0, tq ^ 2 -> own2, tq ^ 3 -> q1.
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int d = i ^ tq;
-        w[i] = (d & 2) ? ((d & 1) ? q1 : own2) : ((d & 1) ? q0 : own);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    // Chunk tq's pieces: lane tq -> own, tq ^ 1 -> q0, tq ^ 2 -> own2, tq ^ 3 -> q1; in lane order:
+    // swap within the pairs when tq is odd, then the pairs when tq >= 2.
+    const uint32_t p0 = a ? q0 : own, p1 = a ? own : q0, p2 = a ? q1 : own2, p3 = a ? own2 : q1;
+    return b ? make_uint4(p2, p3, p0, p1) : make_uint4(p0, p1, p2, p3);
 }
 
 constexpr int DS_TRACE = 160;
@@ -351,10 +347,15 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         if (j < 16) stamp(40 + j);
         // Softmax of the own head hd: x[2 i + e] = row 8 i + 2 tq + e.
         const int nb = min(BLK, count - j * BLK);
+        if (nb == BLK && hd < nh) {  // a full tile (the usual case): no mask
 #pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            const bool ok = hd < nh && 8 * (k >> 1) + 2 * tq + (k & 1) < nb;
-            x[k] = ok ? __fmul_rn(scale, x[k]) : -INFINITY;
+            for (int k = 0; k < 16; ++k) x[k] = __fmul_rn(scale, x[k]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+                const bool ok = hd < nh && 8 * (k >> 1) + 2 * tq + (k & 1) < nb;
+                x[k] = ok ? __fmul_rn(scale, x[k]) : -INFINITY;
+            }
         }
         // The tile max as a tree (exact in any order; depth 4 instead of a chain of 16).
         float m8[8];
