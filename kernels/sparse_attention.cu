@@ -156,6 +156,9 @@ namespace dsv41_sa {
 using namespace dsv41_ptx;
 
 // Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
+// R: the index rounds the compaction is unrolled for (Kw + Kc <= 256 R; ValidIndicesR: the V4.1
+// shape's 640 indices take R = 3, without the branches over 13 unused rounds).
+template <int R>
 __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -212,7 +215,7 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     // 1. Compaction of the valid indices in order (window then extra), by the compute threads;
     // the q copies (heads past nh zero-filled; the sink with them) are issued while the index
     // loads are in flight.
-    ValidIndices vi;
+    ValidIndicesR<R> vi;
     if (compute)
         vi.load_and_count(p, t, tid, cnt_s, [&]() { load_q_tile<HB, THREADS>(p, t, h0, nh, tid, sbase + SM_Q, sbase + SM_SINK); });
     __syncthreads();
@@ -561,15 +564,15 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
 }
 
 // The kernel of a call: forced by the caller, the all-heads kernel with forced splits, else for
-// bf16 rows where the all-heads kernel would run 2 splits the head-split launcher (as many CTAs and
-// no merge; it runs the dims-split pair, docs/perf.md "Round 12", or the ping-pong loop). With more
-// splits (B = 1) the all-heads kernel spreads the tiles over more SMs; packed rows expand each
-// tile on the producer, which the head-split kernel would do twice per token (docs/perf.md,
-// "Round 6").
+// bf16 rows wherever the all-heads kernel would split (few tokens: 2 CTAs per token fit one wave)
+// the head-split launcher, which runs the dims-split pair (docs/perf.md "Round 13": 17.6 us at
+// B = 1 against the all-heads kernel's 18.5 with 8 splits, 19.0-19.3 us at B = 64 against 29) or
+// the ping-pong loop where its slots do not fit. Packed rows expand each tile on the producer,
+// which the head-split kernels would do twice per token (docs/perf.md, "Round 6"): all-heads.
 bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, int tiles, int sms) {
     if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel >= DSV41_SA_KERNEL_HEAD_SPLIT;
     if (p.num_splits > 0 || p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16) return false;
-    return choose_splits(tokens_x_hblocks, tiles, sms) == 2;
+    return choose_splits(tokens_x_hblocks, tiles, sms) >= 2;
 }
 
 // Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
@@ -651,15 +654,18 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     }
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
     // Raise the dynamic limit to the maximum once per thread and device.
-    static thread_local int configured_dev = -1;
-    e = dsv41_launch::set_max_dynamic_smem(sparse_attention_kernel, dev, max_smem, configured_dev);
+    constexpr int FEW = 3;
+    const bool few = ktot <= FEW * IDX_THREADS;
+    auto* kernel = few ? sparse_attention_kernel<FEW> : sparse_attention_kernel<MAX_ROUNDS>;
+    static thread_local int configured_dev[2] = {-1, -1};
+    e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[few]);
     if (e != cudaSuccess) return static_cast<int>(e);
     const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (trace) dsv41_launch::clear_trace(g_trace, sizeof(long long) * TRACE_SLOTS, st);
     // Programmatic dependent launch (the kernel waits in griddepcontrol.wait before touching
     // global memory); the splits of a token form a cluster (one split: no cluster).
-    e = dsv41_launch::launch_pdl(sparse_attention_kernel, dim3(p->num_tokens, splits, hblocks), dim3(THREADS + PROD_THREADS, 1, 1), smem,
+    e = dsv41_launch::launch_pdl(kernel, dim3(p->num_tokens, splits, hblocks), dim3(THREADS + PROD_THREADS, 1, 1), smem,
                                  st, splits, *p, mode & 7);
     if (e == cudaSuccess && trace) print_trace(st, splits, tiles, dev);
     return static_cast<int>(e);

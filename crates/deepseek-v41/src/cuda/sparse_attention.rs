@@ -45,10 +45,10 @@ pub const SPARSE_ATTENTION_MAX_SPLITS: usize = 8;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum SparseAttentionKernel {
     /// The launcher picks: the dims-split pair ([`SparseAttentionKernel::DimSplitPair`]) for
-    /// bf16 rows where the all-heads kernel would run 2 splits per token (decode batches of about
-    /// #SMs / 4 to #SMs / 2 tokens at 64 heads, e.g. B = 64 on 132 SMs; the head-split ping-pong
-    /// loop where its slots do not fit), the head-split kernel's two-stage loop there for packed
-    /// rows, else the all-heads kernel. Forced splits select the all-heads kernel.
+    /// bf16 rows where the all-heads kernel would split the rows (decode batches up to about
+    /// #SMs / 2 tokens at 64 heads, e.g. B = 1 and B = 64 on 132 SMs; the head-split ping-pong
+    /// loop where its slots do not fit), else the all-heads kernel (larger batches, prefill, and
+    /// packed rows). Forced splits select the all-heads kernel.
     #[default]
     Auto,
     /// All heads of a token per CTA (64-head blocks), split-KV over a thread-block cluster.
@@ -72,9 +72,10 @@ pub enum SparseAttentionKernel {
     /// Two consumer warpgroups on alternate tiles as `HeadSplitPingPong`, whose numerics it has
     /// (p rounded to bf16 relative to the running max after each 64-row block); only f32
     /// summation orders differ. bf16 rows (packed rows run `HeadSplit`'s loop). Takes no
-    /// `num_splits` above 1. Auto's choice where it picks the head split for bf16 rows: at B = 64
-    /// on an H200 22.3 µs called alone and 23.1 µs right behind the indexer's top-k, against
-    /// 25.9 / 25.6 µs for `HeadSplitPingPong` (docs/perf.md, "Round 12").
+    /// `num_splits` above 1. Auto's choice for bf16 rows and few tokens: on an H200 at B = 64
+    /// 19.0-19.3 µs called alone and 19.0-19.2 µs right behind the indexer's top-k (25.6-26.0 µs
+    /// for `HeadSplitPingPong`), at B = 1 17.6 µs (the all-heads kernel 18.5) (docs/perf.md,
+    /// "Round 13").
     DimSplitPair,
 }
 
