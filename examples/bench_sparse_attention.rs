@@ -30,9 +30,9 @@
 //!
 //! * In-stream decode B = 64, 1, 256 (see [`in_stream`]): repeated [top-k -> attention] pairs with the
 //!   indexer's real top-k kernel as the producer of the extra index lists; the attention's share
-//!   = pair - top-k alone, for the launcher's choice (the head-split ping-pong loop), the
-//!   head-split two-stage loop (`SparseAttentionKernel::HeadSplit`) and the dims-split pair
-//!   (`SparseAttentionKernel::DimSplitPair`), next to the
+//!   = pair - top-k alone, for the launcher's choice (the dims-split pair at B = 1 and 64, the
+//!   all-heads kernel at B = 256), the head-split two-stage loop (`SparseAttentionKernel::HeadSplit`),
+//!   the ping-pong loop and the dims-split pair (`SparseAttentionKernel::DimSplitPair`), next to the
 //!   standalone figures above (which are back-to-back calls of the attention alone: its rows
 //!   largely stay in L2 between calls), and the attention after an L2 flush.
 //!
@@ -73,8 +73,9 @@ struct Args {
     /// Print the kernel's phase trace (CTA 0) once per case (DSV41_SPARSE_ATTENTION_TRACE).
     #[arg(long)]
     trace: bool,
-    /// Also time each default case without the mma and without the gather
-    /// (DSV41_SPARSE_ATTENTION_DIAG, wrong results, timing only).
+    /// Also time each default case without the mma, without the gather and (the dims-split
+    /// pair) without its merge and epilogue (DSV41_SPARSE_ATTENTION_DIAG, wrong results, timing
+    /// only). With --trace: also the dims-split pair's trace of the 4th of 4 back-to-back calls.
     #[arg(long)]
     diag: bool,
 }

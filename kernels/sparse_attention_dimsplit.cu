@@ -43,28 +43,40 @@
 //      warpgroup's next message, which is sent after this warpgroup consumed the buffer: single
 //      buffers, one mbarrier phase per tile, re-armed (arrive.expect_tx) right after each wait.
 //   4. Merge and epilogue: O = fl(O_r + fl(O_s e^{m_s - M})) as the ping-pong kernel (O_r: the
-//      warpgroup of the last tile, the receiver; O_s: the other), split by dims between the two
-//      warpgroups (each hands the other half of its O over through two free slots); the receiver
-//      computes for the CTA's own heads that scale, the epilogue factor fl(1 / (den + e^{sink - M}))
-//      and the lse, and sends both factors to the peer (st.async); out = fl(O f) in bf16 rows staged
-//      in a free slot, then 16-byte stores of the CTA's 512-byte half rows.
+//      warpgroup of the last tile, the receiver; O_s: the other, the sender). The receiver
+//      publishes the token's running max M and its denominator right after its last softmax; the
+//      sender, idle by then, computes for the CTA's own heads the merge scale sc = e^{m_s - M},
+//      den = fl(den_r + fl(den_s sc)), the epilogue factor fl(1 / (den + e^{sink - M})) and the
+//      lse, sends both factors to the peer (st.async) and hands its O_s chunks 0-15 (dims 0-127 of
+//      its fragments) over through a free slot, all while the receiver's last P.V runs; the
+//      receiver then hands over its chunks 16-31. Each warpgroup merges its half and stores out =
+//      fl(O f) in bf16 straight from the fragments: the 4 lanes of a quad transpose their 4-byte
+//      pieces of 4 chunks (quad_transpose) and each stores 16 bytes of two heads' rows.
 // Numerics: p = e^{l - m_j} with m_j the running max after tile j (the reference's 64-row blocks),
 // exactly as the ping-pong kernel: same p, same per-warpgroup O / den, same merge and factor
 // formulas; only the f32 orders of the dot products (two 256-dim halves, each a tensor-core sum)
 // and of the P.V sums differ.
+// Code size. Straight-line code that runs once per CTA is bound by instruction fetch here (about
+// 6 cycles per instruction), and so are branches over unused code: the compaction unrolled for 16
+// index rounds cost ~1 us of the prologue at 640 indices (3 rounds), the zeroing of O ~0.3 us, the
+// role selects of the epilogue ~0.5 us (docs/perf.md "Round 13"). Hence the instantiations: R = 3
+// index rounds for the V4.1 shape (R = 16 up to 4096 indices), DIAG for the diagnostics (the
+// production kernel carries no trace or diagnostic code), the first P.V of each warpgroup setting O
+// (accumulate = 0), one epilogue code path per role.
 // Launch: programmatic dependent launch as the other kernels (nothing read before
-// griddepcontrol.wait). A CTA leaves only after every remote store into it landed (it waits for
-// all of them), and the peer's mbarriers are initialised before any remote store (a cluster
-// barrier). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0),
-// bit 2 skips the gather, bit 16 the running-max hand-over (timing only), bit 8 the early window
-// tiles (same results).
-// Measured (docs/perf.md "Round 12", H200, B = 64): 21.6-22.3 us called alone and 22.8-23.2 us
-// right behind the indexer's top-k (which lets its dependents launch before its emit step),
-// against the ping-pong kernel's 25.4-25.8 / 25.5-25.6 (tiles every ~1.25 us per CTA, rows read
-// once per token): Auto's choice at B = 64. Behind a top-k triggering at its start, the clusters
-// launched early cost ~5 us (29-32 us; spread scheduling does not help; without programmatic
-// dependent launch 23.6-24.5). Tried and dropped: S of tile j + 2 issued before the P.V of tile j
-// (slower in-stream, no faster alone).
+// griddepcontrol.wait; the mbarriers are initialised and the cluster arrival made before it). A CTA
+// leaves only after every remote store into it landed (it waits for all of them), and the peer's
+// mbarriers are initialised before any remote store (a cluster barrier). Diagnostics (the DIAG
+// instantiation, DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0) and every
+// CTA's globaltimer (TRACE=2: the 4th of 4 back-to-back calls), bit 4 skips the gather, bit 16 the
+// running-max hand-over, bit 64 the merge and epilogue (timing only), bit 8 the early window tiles
+// (same results).
+// Measured (docs/perf.md "Round 13", H200, B = 64): 18.8-19.3 us called alone (the SM clock at
+// ~1.6-1.75 GHz under this load) and 18.8-19.1 us right behind the indexer's top-k, against the
+// ping-pong kernel's 25.6-26.5; B = 1 17.6-17.8 us. Auto's choice for bf16 rows and few tokens.
+// Behind a top-k triggering at its start, the clusters launched early cost ~5 us (Round 12: the
+// top-k triggers late). Tried and dropped: S of tile j + 2 issued before the P.V of tile j (slower
+// in-stream, no faster alone); 4-byte output stores without the transpose (+2.2 us).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -146,11 +158,14 @@ __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int tq) 
 }
 
 constexpr int DS_TRACE = 160;
-// Phase timestamps of CTA (0, 0, 0), thread 0 of each consumer warpgroup: [0] start, [1] indices
-// loaded, [2] compaction done, [3] end, [4] merge done, [5] factors exchanged; tile j < 16: [8 + j]
-// rows arrived, [24 + j] S done, [88 + j] partial sent, [40 + j] peer's partial received, [104 + j]
-// running max received, [56 + j] P rows written and sent, [120 + j] warpgroup barrier,
-// [136 + j] peer's P rows received, [72 + j] P.V done; [6] out rows staged.
+// Phase timestamps of CTA (0, 0, 0), thread 0 of each consumer warpgroup (the later one where both
+// write): [0] start (after griddepcontrol.wait), [155] index loads issued, [156] q copies issued,
+// [1] indices loaded, [2] compaction done, [3] end, [4] halves handed over, [5] peer's factors
+// received; tile j < 16: [8 + j] rows arrived, [24 + j] S done, [88 + j] partial sent, [40 + j]
+// peer's partial received, [104 + j] running max received, [56 + j] P rows written and sent,
+// [120 + j] warpgroup barrier, [136 + j] peer's P rows received, [72 + j] P.V done. Clock cycles,
+// printed in us at the 1.98 GHz clock attribute; under load the SM clock is ~1.6-1.75 GHz (the
+// print also gives the measured rate, from [152] / [153]).
 __device__ long long g_trace_ds[DS_TRACE];
 // Every CTA's globaltimer (ns) in a trace: [3 c] entry, [3 c + 1] after griddepcontrol.wait,
 // [3 c + 2] end (thread 0), c = the CTA's linear index (< DS_CTA_TRACE); [152] / [153] of
