@@ -136,8 +136,8 @@ static_assert(HH * DH * 2 == SLOTB, "the bf16 out rows fit a slot");
 static_assert(HH * DH * 4 == 2 * SLOTB, "a warpgroup's raw O fits two slots");
 
 // Named barriers (0: __syncthreads): 1 + c warpgroup c, BAR_BOTH the two consumers, BAR_MAX + c
-// the running max handed over by warpgroup c, BAR_MERGE the sender's O in place, BAR_PROD the
-// producer warpgroup.
+// the running max handed over by warpgroup c, BAR_MERGE both halves of O handed over, BAR_PROD the
+// producer warpgroup, BAR_FINL the receiver's running max and denominator for the sender.
 constexpr int BAR_BOTH = 3, BAR_MAX = 4, BAR_MERGE = 6, BAR_PROD = 7, BAR_FINL = 8;
 
 // The 4 x 4 transpose of 4-byte pieces within a quad (lanes 4 g + tq): lane tq holds v[i] = its
