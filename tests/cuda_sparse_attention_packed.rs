@@ -4,7 +4,9 @@
 //!
 //! The packed codes decode exactly to the fake-quantized bf16 rows the bf16 inserts store, so the
 //! kernel over packed rows must be BIT-IDENTICAL to the same kernel over those bf16 rows (same
-//! split count): that is the main assertion, on fresh random rows (never zeros), with −1 holes,
+//! kernel and split count: where the packed side runs Auto — the all-heads kernel whenever a
+//! source is packed — the bf16 side forces `AllHeads`, since Auto picks the dims-split pair for
+//! all-bf16 decode of few tokens): that is the main assertion, on fresh random rows (never zeros), with −1 holes,
 //! lengths 0 / 1 / 127 / 128 / 129 / 512, odd page sizes (indices on the last slot of the last
 //! page), mixed sources (one packed, one bf16), H = 4 and 64, forced splits, the head-split
 //! kernel forced (and the all-heads kernel forced), block scales spread over 2^-30 .. 2^20
@@ -144,11 +146,17 @@ fn run_case(c: &Case) -> Result<()> {
     let sink = Tensor::new(sink_v.as_slice(), &dev)?;
     let scale = (D as f32).powf(-0.5);
     let opts = SparseAttentionOptions { num_splits: c.splits, kernel: c.kernel };
-    let attend = |window: KvRows, extra: KvRows| {
+    // The kernel Auto runs when a source is packed (every case packs at least one).
+    let opts_bf16 = match c.kernel {
+        SparseAttentionKernel::Auto => SparseAttentionOptions { kernel: SparseAttentionKernel::AllHeads, ..opts },
+        _ => opts,
+    };
+    let attend = |window: KvRows, extra: KvRows, opts: SparseAttentionOptions| {
         SparseAttentionInputs { q: &q, window, idx_window: &iw, extra, idx_extra: &ic, sink: &sink, scale }.forward(opts)
     };
-    let (out_p, lse_p) = attend(pick(&win, c.packed.0), pick(&ext, c.packed.1))?;
-    let (out_b, lse_b) = attend(KvRows::Bf16(&win.bf16), KvRows::Bf16(&ext.bf16))?;
+    ensure!(c.packed.0 || c.packed.1, "seed {}: a case packs at least one source", c.seed);
+    let (out_p, lse_p) = attend(pick(&win, c.packed.0), pick(&ext, c.packed.1), opts)?;
+    let (out_b, lse_b) = attend(KvRows::Bf16(&win.bf16), KvRows::Bf16(&ext.bf16), opts_bf16)?;
     let (op, ob) = (host(&out_p)?, host(&out_b)?);
     if let Some(i) = op.iter().zip(&ob).position(|(a, b)| a != b) {
         anyhow::bail!(

@@ -52,7 +52,10 @@ impl Attention {
     ///
     /// `x`: `[T, hidden]` bf16; the cache's rows must be bf16 or packed
     /// ([`crate::attention::CacheStorage`]; packed needs `Numerics::cache_fake_quant`, else an
-    /// error). With either storage the results are bit for bit the same. `observe` is called once per
+    /// error). With either storage the results are bit for bit the same wherever both run the same
+    /// sparse-attention kernel (the all-heads kernel: prefill, large batches, short index lists);
+    /// for bf16 rows the decode of a few tokens at head_dim 512 runs the dims-split pair instead
+    /// (the same numerics model, f32 sums in another order). `observe` is called once per
     /// [`LayerPhase`] after the phase's work has been enqueued (a profiler synchronizes the
     /// device there; pass `&mut |_| {}` otherwise). Returns `[T, hidden]` bf16.
     pub fn forward_fused(

@@ -105,7 +105,9 @@ pub fn sparse_attention_sources(
 /// fused kernel ([`crate::cuda::SparseAttentionInputs`], packed rows dequantized in the kernel);
 /// on CUDA with another head dim (the tiny test configs) [`sparse_attention_candle`] (packed
 /// sources first dequantized through the host, exactly); on the CPU the reference. Packed
-/// sources give bit for bit the result of their dequantized bf16 rows.
+/// sources give bit for bit the result of their dequantized bf16 rows in the same kernel (the
+/// launcher runs the all-heads kernel for packed sources; for bf16 rows of a few decode tokens it
+/// picks the dims-split pair, whose f32 sums run in another order).
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_attention_kv_rows(
