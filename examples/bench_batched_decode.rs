@@ -121,7 +121,7 @@ enum AttentionKernel {
     PingPong,
     /// The head-split kernel's two-stage loop (`SparseAttentionKernel::HeadSplit`).
     HeadSplit,
-    /// The dims-split pair (`SparseAttentionKernel::DimSplitPair`; bf16 rows; Auto's choice at B = 64).
+    /// The dims-split pair (`SparseAttentionKernel::DimSplitPair`; bf16 rows; Auto's choice up to B ≈ 66).
     DimSplit,
 }
 
