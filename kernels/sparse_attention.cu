@@ -654,9 +654,8 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     }
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
     // Raise the dynamic limit to the maximum once per thread and device.
-    constexpr int FEW = 3;
-    const bool few = ktot <= FEW * IDX_THREADS;
-    auto* kernel = few ? sparse_attention_kernel<FEW> : sparse_attention_kernel<MAX_ROUNDS>;
+    const bool few = fits_few_rounds(ktot);
+    auto* kernel = few ? sparse_attention_kernel<FEW_ROUNDS> : sparse_attention_kernel<MAX_ROUNDS>;
     static thread_local int configured_dev[2] = {-1, -1};
     e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[few]);
     if (e != cudaSuccess) return static_cast<int>(e);

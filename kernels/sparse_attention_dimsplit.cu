@@ -619,9 +619,7 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     const int nslot = min(NS_MAX, (max_smem - ring_offset(ktot)) / SLOTB);
     if (nslot < NS_MIN) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB;
-    // The V4.1 decode shape (128 + 512 indices) takes the 3-round instantiation.
-    constexpr int FEW = 3;
-    const bool few = ktot <= FEW * IDX_THREADS;
+    const bool few = fits_few_rounds(ktot);
     // Mode bit 32 (DSV41_SPARSE_ATTENTION_TRACE=2, diagnostics): record the trace without clearing
     // or synchronising, and print it after every 4th such launch (back-to-back calls).
     static thread_local int b2b_calls = 0;
@@ -630,7 +628,7 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     // The diagnostics are compiled into a 3-round instantiation of their own (a traced or diagnostic
     // call with more indices runs the production kernel: no trace, no diagnostic effect).
     const int which = few ? ((mode & 93) ? 2 : 1) : 0;
-    auto* kernel = which == 2 ? dimsplit_kernel<FEW, true> : which == 1 ? dimsplit_kernel<FEW, false> : dimsplit_kernel<MAX_ROUNDS, false>;
+    auto* kernel = which == 2 ? dimsplit_kernel<FEW_ROUNDS, true> : which == 1 ? dimsplit_kernel<FEW_ROUNDS, false> : dimsplit_kernel<MAX_ROUNDS, false>;
     static thread_local int configured_dev[3] = {-1, -1, -1};
     cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[which]);
     if (e != cudaSuccess) return static_cast<int>(e);

@@ -9,7 +9,7 @@
 // each writes its heads' output rows directly. Rows are the wgmma M dimension (32 heads would
 // fill only half of an M = 64 instruction):
 //   1. All 256 threads compact the token's valid indices (dsv41_sparse_attention_common.cuh,
-//      ValidIndices) while warpgroup 0 copies q (32 heads x 512, a 32-row swizzled K-major
+//      ValidIndicesR) while warpgroup 0 copies q (32 heads x 512, a 32-row swizzled K-major
 //      tile) and the sink.
 //   2. Warpgroup 1 is the producer (produce_tiles, shared with the all-heads kernel: 64-row
 //      tiles into a two-stage ring, bf16 or packed rows). Warpgroup 0 consumes, per tile:

@@ -150,7 +150,11 @@ struct ValidIndicesR {
         }
     }
 };
-using ValidIndices = ValidIndicesR<>;
+
+// The rounds of the V4.1 decode shape (128 window + 512 extra indices): the launchers take the
+// R = FEW_ROUNDS instantiation of a kernel when the token's index count fits it.
+constexpr int FEW_ROUNDS = 3;
+__host__ __device__ constexpr bool fits_few_rounds(int ktot) { return ktot <= FEW_ROUNDS * IDX_THREADS; }
 
 // The producer warpgroup's loop (thread ptid = 0..127 of it): tile j (rows 64 j .. of the
 // nrows entries ent_s) -> stage j & 1 (TILEB bytes each from `stages`) once the consumers

@@ -55,7 +55,7 @@ __device__ __forceinline__ void init_barriers(uint32_t bar_full, uint32_t bar_em
 }
 
 // The compaction of token t's valid indices into ent_s (u32 at ent_off) by the threads tid <
-// IDX_THREADS (ValidIndices), `between()` while their index loads are in flight (the q and sink
+// IDX_THREADS (ValidIndicesR<R>), `between()` while their index loads are in flight (the q and sink
 // copies); `sync()` is a barrier over all the threads that call this (others may too: they only
 // take part in the barriers). Returns the valid count; ent_s is complete only after the caller's
 // next barrier. `stamp(1)` marks the indices loaded.
