@@ -124,8 +124,8 @@
 // prints the phase times of CTA (0, 0, 0) after the launch (synchronising; =2: the dims-split
 // pair's trace of the 4th of 4 back-to-back calls); DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the
 // tensor-core products / the row gather (wrong results, for timing the other parts), 8 the
-// ping-pong and dims-split kernels' early window tiles (same results), 16 the dims-split kernel's
-// running-max hand-over (other rounding, timing only), 64 its merge and epilogue (timing only).
+// ping-pong and dims-split kernels' early window tiles (same results), 64 the dims-split kernel's
+// merge and epilogue (timing only).
 // Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
 // (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
 // ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in
@@ -641,11 +641,11 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (e != cudaSuccess) return static_cast<int>(e);
     // Diagnostics (see the header): DSV41_SPARSE_ATTENTION_TRACE=1 / 2, DSV41_SPARSE_ATTENTION_DIAG
-    // bits 2 / 4 / 8 / 16 / 64.
+    // bits 2 / 4 / 8 / 64.
     const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
     const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
     const int trace = tr && tr[0] == '1';
-    const int mode = trace | (tr && tr[0] == '2' ? 32 : 0) | (dg ? (atoi(dg) & 94) : 0);
+    const int mode = trace | (tr && tr[0] == '2' ? 32 : 0) | (dg ? (atoi(dg) & 78) : 0);
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {

@@ -68,9 +68,9 @@
 // leaves only after every remote store into it landed (it waits for all of them), and the peer's
 // mbarriers are initialised before any remote store (a cluster barrier). Diagnostics (the DIAG
 // instantiation, DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0) and every
-// CTA's globaltimer (TRACE=2: the 4th of 4 back-to-back calls), bit 4 skips the gather, bit 16 the
-// running-max hand-over, bit 64 the merge and epilogue (timing only), bit 8 the early window tiles
-// (same results).
+// CTA's globaltimer (TRACE=2: the 4th of 4 back-to-back calls), bit 4 skips the gather, bit 64 the
+// merge and epilogue (timing only), bit 8 the early window tiles (same results). (Session 10's bit
+// 16, no running-max hand-over, measured no faster and is gone.)
 // Measured (docs/perf.md "Round 13", H200, B = 64): 18.8-19.3 us called alone (the SM clock at
 // ~1.6-1.75 GHz under this load) and 18.8-19.1 us right behind the indexer's top-k, against the
 // ping-pong kernel's 25.6-26.5; B = 1 17.6-17.8 us. Auto's choice for bf16 rows and few tokens.
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     const int t = blockIdx.x, r = blockIdx.y, h0 = blockIdx.z * HH;
     const uint32_t peer = r ^ 1;
     const int nh = min(HH, p.num_heads - h0);
-    const bool skip_gather = DIAG && (mode & 4), no_chain = DIAG && (mode & 16);
+    const bool skip_gather = DIAG && (mode & 4);
     const bool tracer = DIAG && (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
     auto stamp = [&](int s) {
         if (tracer) g_trace_ds[s] = clock64();
@@ -383,19 +383,14 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // The running max after tile j - 1 (the other warpgroup's), read before this tile's is
         // published (as the ping-pong kernel: no buffer is overwritten before it was read).
-        // (Diagnostic bit 16: no hand-over, each warpgroup's own running max: other numerics.)
         float prev = M_FLOOR;
-        if (no_chain) {
-            prev = m_run;
-        } else {
-            if (j > 0) {
-                bar_sync(BAR_MAX + (c ^ 1), 2 * WGT);
-                prev = mx_s[((j - 1) & 1) * HH + hd];
-            }
-            if (j + 1 < ntiles) {
-                if (tq == 0) mx_s[(j & 1) * HH + hd] = fmaxf(prev, mx);
-                bar_arrive(BAR_MAX + c, 2 * WGT);
-            }
+        if (j > 0) {
+            bar_sync(BAR_MAX + (c ^ 1), 2 * WGT);
+            prev = mx_s[((j - 1) & 1) * HH + hd];
+        }
+        if (j + 1 < ntiles) {
+            if (tq == 0) mx_s[(j & 1) * HH + hd] = fmaxf(prev, mx);
+            bar_arrive(BAR_MAX + c, 2 * WGT);
         }
         if (j < 16) stamp(104 + j);
         const float mn = fmaxf(prev, mx);
@@ -627,7 +622,7 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     if (b2b) mode |= 1;
     // The diagnostics are compiled into a 3-round instantiation of their own (a traced or diagnostic
     // call with more indices runs the production kernel: no trace, no diagnostic effect).
-    const int which = few ? ((mode & 93) ? 2 : 1) : 0;
+    const int which = few ? ((mode & 77) ? 2 : 1) : 0;
     auto* kernel = which == 2 ? dimsplit_kernel<FEW_ROUNDS, true> : which == 1 ? dimsplit_kernel<FEW_ROUNDS, false> : dimsplit_kernel<MAX_ROUNDS, false>;
     static thread_local int configured_dev[3] = {-1, -1, -1};
     cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[which]);
@@ -637,7 +632,7 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
     // top-k now triggers late).
     e = dsv41_launch::launch_pdl(kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
-                                 2, p, mode & 93, nslot);
+                                 2, p, mode & 77, nslot);
     if (e == cudaSuccess && (mode & 1) && (!b2b || b2b_print)) {
         print_trace_dimsplit(stream, dev);
         print_cta_trace_dimsplit(p.num_tokens * 2 * ((p.num_heads + HH - 1) / HH));
