@@ -85,6 +85,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
@@ -584,25 +585,25 @@ void print_trace_dimsplit(cudaStream_t stream, int dev) {
 
 // Prints every CTA's globaltimer spread (ns relative to the earliest entry): entry, wait exit, end.
 void print_cta_trace_dimsplit(int ctas) {
-    static unsigned long long h[3 * DS_CTA_TRACE];
     const int n = ctas < DS_CTA_TRACE ? ctas : DS_CTA_TRACE;
-    if (n <= 0 || cudaMemcpyFromSymbol(h, g_cta_ds, sizeof(unsigned long long) * 3 * n) != cudaSuccess) return;
+    if (n <= 0) return;
+    std::vector<unsigned long long> h(3 * static_cast<size_t>(n));
+    if (cudaMemcpyFromSymbol(h.data(), g_cta_ds, sizeof(unsigned long long) * h.size()) != cudaSuccess) return;
     unsigned long long e0 = ~0ull;
     for (int c = 0; c < n; ++c) e0 = h[3 * c] < e0 ? h[3 * c] : e0;
-    double v[3][DS_CTA_TRACE], span[DS_CTA_TRACE];
+    // Columns: entry, wait exit, end, span (end - wait exit), us from the earliest entry.
+    std::vector<double> v[4];
     for (int c = 0; c < n; ++c) {
-        for (int k = 0; k < 3; ++k) v[k][c] = static_cast<double>(h[3 * c + k] - e0) * 1e-3;
-        span[c] = v[2][c] - v[1][c];
+        for (int k = 0; k < 3; ++k) v[k].push_back(static_cast<double>(h[3 * c + k] - e0) * 1e-3);
+        v[3].push_back(v[2][c] - v[1][c]);
     }
-    auto stats = [&](const char* what, double* a) {
-        std::sort(a, a + n);
-        fprintf(stderr, " | %s min %.2f med %.2f p90 %.2f max %.2f", what, a[0], a[n / 2], a[(9 * n) / 10], a[n - 1]);
-    };
     fprintf(stderr, "  dims-split CTAs (%d, us from the first entry):", n);
-    stats("entry", v[0]);
-    stats("wait exit", v[1]);
-    stats("end", v[2]);
-    stats("span", span);
+    const char* what[4] = {"entry", "wait exit", "end", "span"};
+    for (int k = 0; k < 4; ++k) {
+        std::vector<double>& a = v[k];
+        std::sort(a.begin(), a.end());
+        fprintf(stderr, " | %s min %.2f med %.2f p90 %.2f max %.2f", what[k], a[0], a[n / 2], a[(9 * n) / 10], a[n - 1]);
+    }
     fprintf(stderr, "\n");
 }
 
