@@ -10,6 +10,12 @@
 //! Prints one line per compared tensor (`PASS|FAIL name max_abs max_rel rel_fro ...`), `SKIP`
 //! lines for tensors that need parts not built yet, then `N passed, M failed`. Exits non-zero
 //! on any failure.
+//!
+//! End-to-end discrete decisions are checked margin-aware (`deepseek_v41::golden::decisions`):
+//! per case a `DECISIONS` line names the first differing decision, `EXPLAINED` / `UNEXPLAINED`
+//! lines classify each root divergence (recorded margin below the noise floor, or the
+//! teacher-forced decision agrees), and `DOWNSTREAM` lines report the rows in their causal cones,
+//! compared but counted apart. An unexplained divergence fails.
 
 use clap::{Parser, ValueEnum};
 use deepseek_v41::attention::CacheStorage;
@@ -51,6 +57,12 @@ fn main() -> anyhow::Result<()> {
         CacheArg::Packed => CacheStorage::Packed,
     };
     let report = golden::check_set_with(&args.golden_dir, &device, storage)?;
+    println!(
+        "{} explained divergences, {} downstream decisions, {} downstream comparisons (see DECISIONS lines)",
+        report.explained,
+        report.downstream_decisions,
+        report.downstream.len()
+    );
     println!("{} skipped", report.skipped.len());
     println!("{} passed, {} failed", report.passed(), report.failed());
     if report.failed() > 0 {

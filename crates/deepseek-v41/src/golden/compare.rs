@@ -140,19 +140,22 @@ fn on_host(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// Per row (first dim, `rows` rows), the non-negative ids of `t` sorted ascending: the id sets
+/// that [`Tolerance::IdSets`] compares.
+pub(crate) fn id_set_rows(t: &Tensor, rows: usize) -> Result<Vec<Vec<i64>>> {
+    let v = on_host(t)?.to_dtype(DType::I64)?.reshape((rows, ()))?.to_vec2::<i64>()?;
+    Ok(v.into_iter()
+        .map(|mut r| {
+            r.retain(|&x| x >= 0);
+            r.sort_unstable();
+            r
+        })
+        .collect())
+}
+
 fn compare_id_sets(name: &str, actual: &Tensor, golden: &Tensor) -> Result<Outcome> {
     let rows = golden.dim(0)?;
-    let to_rows = |t: &Tensor| -> Result<Vec<Vec<i64>>> {
-        let v = t.to_dtype(DType::I64)?.reshape((rows, ()))?.to_vec2::<i64>()?;
-        Ok(v.into_iter()
-            .map(|mut r| {
-                r.retain(|&x| x >= 0);
-                r.sort_unstable();
-                r
-            })
-            .collect())
-    };
-    let (a, g) = (to_rows(actual)?, to_rows(golden)?);
+    let (a, g) = (id_set_rows(actual, rows)?, id_set_rows(golden, rows)?);
     let bad: Vec<usize> = (0..rows).filter(|&r| a[r] != g[r]).collect();
     let note = bad.first().map(|&r| format!("first differing row {r}: {:?} vs golden {:?}", a[r], g[r])).unwrap_or_default();
     let m = if bad.is_empty() { 0.0 } else { f32::INFINITY };
@@ -166,6 +169,13 @@ pub struct Report {
     pub outcomes: Vec<Outcome>,
     /// `(name, reason)` of tensors not compared.
     pub skipped: Vec<(String, String)>,
+    /// Rows in the causal cone of a differing end-to-end decision, compared apart from the
+    /// tolerance checks (`decisions.rs`): neither passed nor failed.
+    pub downstream: Vec<Outcome>,
+    /// Differing end-to-end decisions explained by their margin or their teacher-forced decision.
+    pub explained: usize,
+    /// Differing end-to-end decisions downstream of another.
+    pub downstream_decisions: usize,
 }
 
 impl Report {
@@ -180,6 +190,16 @@ impl Report {
         let o = compare(name, actual, golden, tol)?;
         self.add(o);
         Ok(())
+    }
+
+    /// Records and prints the comparison of rows in a divergence cone (`rows` describes them).
+    pub fn add_downstream(&mut self, mut o: Outcome, rows: &str) {
+        o.note = if o.note.is_empty() { rows.to_string() } else { format!("{rows}; {}", o.note) };
+        println!(
+            "DOWNSTREAM {} max_abs={:.3e} max_rel={:.3e} rel_fro={:.3e} differing={} ({})",
+            o.name, o.max_abs, o.max_rel, o.rel_fro, o.mismatches, o.note
+        );
+        self.downstream.push(o);
     }
 
     /// Records and prints a skipped tensor.

@@ -9,6 +9,8 @@
 //! sharing layouts and chunkings all come from the set's files.
 
 pub mod compare;
+pub mod decisions;
+pub mod end_to_end;
 pub mod module_formats;
 pub mod modules;
 pub mod runner;
