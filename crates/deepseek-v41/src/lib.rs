@@ -4,7 +4,6 @@
 //! "spec §N" in the crate's comments refers to the vendored spec in `docs/spec/` (index:
 //! `docs/spec/README.md`).
 //!
-//!
 //! * [`config`]: the HF / inference `config.json`, resolved once into typed per-layer roles.
 //! * [`numerics`]: the switches that choose the reference (trained) numerics or plain ones.
 //! * [`quant`]: the e4m3 / e2m1 / e8m0 formats, the three QAT fake-quant functions and the FP8
