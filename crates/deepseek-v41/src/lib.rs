@@ -1,6 +1,8 @@
 //! DeepSeek V4.1 on Candle.
 //!
-//! The crate is organised as the spec (`docs/architecture.md` maps files to spec sections):
+//! The crate is organised as the spec (`docs/architecture.md` maps files to spec sections).
+//! "spec §N" in the crate's comments refers to the vendored spec in `docs/spec/` (index:
+//! `docs/spec/README.md`).
 //!
 //! * [`config`]: the HF / inference `config.json`, resolved once into typed per-layer roles.
 //! * [`numerics`]: the switches that choose the reference (trained) numerics or plain ones.
@@ -11,7 +13,9 @@
 //!   the attention layer with its caller-owned cache.
 //! * [`model`]: mHC hyper-connections, MoE, Engram and the whole decoder.
 //! * [`loader`]: a `VarBuilder` backend over the release checkpoint format (FP8 / MXFP4).
-//! * `cuda` (feature `cuda`): fused CUDA kernels for the cache inserts and the query RoPE.
+//! * `cuda` (feature `cuda`): the fused CUDA kernels (cache inserts, query RoPE, indexer, sparse
+//!   attention, activation quant, the decoder's small ops) as Candle ops; the modules above call
+//!   them for tensors on a CUDA device (`docs/architecture.md`, `docs/kernels.md`).
 //! * [`golden`]: the checker for golden sets produced by the official reference code.
 //! * [`tokenizer`]: `tokenizer.json` loading, chat / thinking prompts, streaming decoding and the
 //!   Engram compressed token map.

@@ -67,7 +67,7 @@ pub enum ConfigError {
     /// A value the architecture could take but this implementation does not support.
     #[error("`{field}` = {value} is not supported: {supported}")]
     Unsupported { field: String, value: String, supported: String },
-    /// A compress ratio outside {0, 1, 2} (spec §14.1).
+    /// A compress ratio outside {0, 1, 2} (spec §14 item 1).
     #[error("layer {layer}: compress_ratios[{layer}] = {ratio}; V4.1 compress ratios are 0, 1 or 2")]
     BadRatio { layer: usize, ratio: usize },
     /// A layer-id list that is not strictly ascending (unsorted or duplicated).

@@ -199,7 +199,7 @@ fn check_engram(c: &Checker, cfg: &Config) -> Result<(), ConfigError> {
     c.token_id("engram_pad_token_id", e.pad_token_id, cfg.vocab_size)
 }
 
-/// The compress-ratio list and the source lists (spec §1.4, §14.1-2).
+/// The compress-ratio list and the source lists (spec §1.4, §14 items 1–2).
 fn check_lists(c: &Checker, cfg: &Config) -> Result<(), ConfigError> {
     let n = cfg.num_hidden_layers;
     let ratios = &cfg.compress_ratios;
