@@ -46,6 +46,9 @@ pub struct Attention {
     head_dim: usize,
     o_groups: usize,
     numerics: Numerics,
+    /// Why the fused CUDA kernels cannot run this layer's shapes (`None`: they can); chosen at
+    /// construction, see [`Attention::forward`].
+    unfused: Option<String>,
 }
 
 impl Attention {
@@ -100,12 +103,19 @@ impl Attention {
             head_dim: hd,
             o_groups: g,
             numerics,
+            unfused: fused_shape_limits(cfg, indexer_dims_used(role, layer)),
         })
     }
 
     /// The layer's role.
     pub fn role(&self) -> AttentionRole {
         self.role
+    }
+
+    /// Why the fused CUDA kernels cannot run this layer (`None`: they can, and `forward` uses
+    /// them for CUDA inputs).
+    pub fn fused_limits(&self) -> Option<&str> {
+        self.unfused.as_deref()
     }
 
     /// Attention of the tokens at positions `start .. start + T`.
@@ -121,10 +131,22 @@ impl Attention {
     /// ([`crate::attention::CacheStorage::Packed`], `cuda` feature only) always runs
     /// `forward_fused` (its ops' CPU references on the CPU): the reference path reads and writes
     /// bf16 rows only.
+    ///
+    /// A layer whose shapes the fused kernels do not take ([`Attention::fused_limits`]: e.g.
+    /// head_dim 192) runs the reference path in plain Candle ops on the device instead
+    /// (`cuda::with_plain_candle`), chosen once at construction; with a packed cache that is an
+    /// error naming the limit (the packed formats are written by the fused kernels only).
     pub fn forward(&self, x: &Tensor, start: usize, cache: &mut SequenceCache) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if crate::cuda::fused_kernels(x.device()) || cache.storage().is_packed() {
-            return self.forward_fused(x, start, cache, &mut |_| {});
+            match (&self.unfused, x.device().is_cuda()) {
+                (Some(why), true) if cache.storage().is_packed() => candle_core::bail!(
+                    "layer {}: packed cache storage on CUDA needs the fused kernels, but {why}; use bf16 cache storage",
+                    self.layer
+                ),
+                (Some(_), true) => return crate::cuda::with_plain_candle(|| self.forward(x, start, cache)),
+                _ => return self.forward_fused(x, start, cache, &mut |_| {}),
+            }
         }
         let l = self.layer;
         let t = x.dim(0)?;
@@ -230,5 +252,44 @@ impl Attention {
         // [G, T, hd'] x [G, hd', o_lora] -> [G, T, o_lora]
         let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
         self.wo_b.forward(&z.flatten_from(1)?)
+    }
+}
+
+/// Whether layer `layer` of role `role` runs the indexer's kernels (index-key inserts as a kv
+/// source, scores and top-k as an index source).
+fn indexer_dims_used(role: AttentionRole, layer: usize) -> bool {
+    match role {
+        AttentionRole::WindowOnly => false,
+        AttentionRole::Compressed { kv_source, topk, .. } => kv_source == layer || !matches!(topk, TopkRole::Reuse { .. }),
+    }
+}
+
+/// The shapes of `cfg` the fused CUDA kernels do not take, in words (`None`: every fused op of a
+/// layer fits; `indexer`: the layer runs the indexer's kernels). The sparse attention falls back
+/// per call by itself (`sparse_attention_kv_rows`).
+fn fused_shape_limits(cfg: &Config, indexer: bool) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        let (hd, r) = (cfg.head_dim, cfg.qk_rope_head_dim);
+        if ![64, 128, 256, 512].contains(&hd) {
+            return Some(format!("the q RoPE and cache-insert kernels take head_dim 64, 128, 256 or 512, got {hd}"));
+        }
+        if r % 2 != 0 || r < 2 || r > hd {
+            return Some(format!("the RoPE kernels take an even qk_rope_head_dim in 2..={hd}, got {r}"));
+        }
+        let (ih, id) = (cfg.index_n_heads, cfg.index_head_dim);
+        if indexer && (id != crate::cuda::INDEX_HEAD_DIM || !(1..=crate::cuda::MAX_INDEX_HEADS).contains(&ih)) {
+            return Some(format!(
+                "the indexer kernels take index_head_dim {} and 1..={} index heads, got {id} and {ih}",
+                crate::cuda::INDEX_HEAD_DIM,
+                crate::cuda::MAX_INDEX_HEADS
+            ));
+        }
+        None
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (cfg, indexer);
+        None
     }
 }

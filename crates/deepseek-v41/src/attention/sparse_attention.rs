@@ -103,8 +103,9 @@ pub fn sparse_attention_sources(
 ///
 /// Returns `[T, H, D]` bf16. On CUDA with `D` = [`crate::cuda::SPARSE_ATTENTION_HEAD_DIM`] the
 /// fused kernel ([`crate::cuda::SparseAttentionInputs`], packed rows dequantized in the kernel);
-/// on CUDA with another head dim (the tiny test configs) [`sparse_attention_candle`] (packed
-/// sources first dequantized through the host, exactly); on the CPU the reference. Packed
+/// on CUDA with another head dim (the tiny test configs) or more indices per token than the
+/// kernel takes ([`crate::cuda::SPARSE_ATTENTION_MAX_INDICES`]) [`sparse_attention_candle`]
+/// (packed sources first dequantized through the host, exactly); on the CPU the reference. Packed
 /// sources give bit for bit the result of their dequantized bf16 rows in the same kernel (the
 /// launcher runs the all-heads kernel for packed sources; for bf16 rows of a few decode tokens it
 /// picks the dims-split pair, whose f32 sums run in another order).
@@ -119,7 +120,8 @@ pub fn sparse_attention_kv_rows(
     sink: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
-    if q.device().is_cuda() && q.dim(2)? != crate::cuda::SPARSE_ATTENTION_HEAD_DIM {
+    let indices = idx_window.dim(1)? + idx_extra.dim(1)?;
+    if q.device().is_cuda() && (q.dim(2)? != crate::cuda::SPARSE_ATTENTION_HEAD_DIM || indices > crate::cuda::SPARSE_ATTENTION_MAX_INDICES) {
         let (kv_window, kv_extra) = (window.to_bf16()?, extra.to_bf16()?);
         return sparse_attention_candle(q, &[(&kv_window, idx_window), (&kv_extra, idx_extra)], sink, scale);
     }

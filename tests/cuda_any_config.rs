@@ -1,0 +1,136 @@
+//! Every configuration the CPU path accepts runs on CUDA: where a fused kernel does not take a
+//! shape (q RoPE and cache inserts: head_dim 64 / 128 / 256 / 512; indexer kernels: index_head_dim
+//! 128 and at most 32 index heads; sparse attention: head_dim 512), the layer runs the plain
+//! Candle path on the device, chosen once at construction (`Attention::fused_limits`).
+//!
+//! The tiny config with head_dim 192, 48 index heads of 64 dims, random weights: every attention
+//! layer on the GPU against the CPU reference (full prefill, chunks, prefill + decode), the whole
+//! model's logits on the GPU against the CPU, and packed caches refused with a clear error.
+//!
+//! These tests need a CUDA device and FAIL without one.
+//! Build: `cargo test --release --features cuda --test cuda_any_config`.
+
+use std::path::PathBuf;
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use deepseek_v41::attention::{Attention, CacheStorage, SequenceCache};
+use deepseek_v41::config::Config;
+use deepseek_v41::golden::{compare, Tolerance};
+use deepseek_v41::model::{Model, ModelCache, TokenMap};
+use deepseek_v41::nn::RandomWeights;
+use deepseek_v41::Numerics;
+
+#[path = "support/rng.rs"]
+#[allow(dead_code)]
+mod rng;
+use rng::Rng;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("tests/cuda_any_config.rs needs a CUDA device (none found): these tests must run on a GPU")
+}
+
+/// The tiny golden config with shapes no fused kernel takes.
+fn odd_config() -> Result<Config> {
+    let built = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny/config.json"));
+    // Packed binaries run on the GPU machine from the repository root.
+    let path = if built.is_file() { built } else { PathBuf::from("tests/fixtures/v41-tiny/config.json") };
+    let mut cfg = Config::from_file(path)?;
+    cfg.head_dim = 192;
+    cfg.index_n_heads = 48;
+    cfg.index_head_dim = 64;
+    Ok(cfg)
+}
+
+fn inputs(cfg: &Config, rng: &mut Rng, n: usize) -> Result<Vec<Tensor>> {
+    Ok((0..cfg.num_hidden_layers)
+        .map(|_| {
+            let v: Vec<f32> = (0..n * cfg.hidden_size).map(|_| rng.normal()).collect();
+            Tensor::from_vec(v, (n, cfg.hidden_size), &Device::Cpu)?.to_dtype(DType::BF16)
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?)
+}
+
+fn layers(cfg: &Config, dev: &Device) -> Result<Vec<Attention>> {
+    let vb = RandomWeights::new(19).var_builder(DType::BF16, dev);
+    Ok((0..cfg.num_hidden_layers)
+        .map(|l| Attention::new(cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn")))
+        .collect::<candle_core::Result<Vec<_>>>()?)
+}
+
+/// Every layer over `calls` (chunk lengths); each layer's outputs.
+fn run_layers(cfg: &Config, dev: &Device, xs: &[Tensor], calls: &[usize]) -> Result<Vec<Tensor>> {
+    let layers = layers(cfg, dev)?;
+    let mut cache = SequenceCache::new(cfg, DType::BF16, dev)?;
+    let mut outs = vec![Vec::new(); layers.len()];
+    let mut start = 0;
+    for &n in calls {
+        for (l, a) in layers.iter().enumerate() {
+            outs[l].push(a.forward(&xs[l].narrow(0, start, n)?.to_device(dev)?, start, &mut cache)?);
+        }
+        start += n;
+    }
+    Ok(outs.iter().map(|o| Tensor::cat(o, 0)).collect::<candle_core::Result<Vec<_>>>()?)
+}
+
+#[test]
+fn unsupported_shapes_run_the_plain_path_on_the_gpu_and_match_the_cpu() -> Result<()> {
+    let dev = gpu();
+    let cfg = odd_config()?;
+    for (l, a) in layers(&cfg, &dev)?.iter().enumerate() {
+        let why = a.fused_limits();
+        ensure!(why.is_some_and(|w| w.contains("got 192")), "layer {l}: the fused kernels must be ruled out, got {why:?}");
+    }
+    let mut rng = Rng(0x192);
+    let n = 3 * cfg.sliding_window + 9;
+    let xs = inputs(&cfg, &mut rng, n)?;
+    let mut decode = vec![cfg.sliding_window + 2];
+    decode.resize(n - decode[0] + 1, 1);
+    let chunked = vec![7, 2 * cfg.sliding_window, n - 7 - 2 * cfg.sliding_window];
+    let want = run_layers(&cfg, &Device::Cpu, &xs, &[n])?;
+    for calls in [vec![n], chunked, decode] {
+        let got = run_layers(&cfg, &dev, &xs, &calls)?;
+        for l in 0..cfg.num_hidden_layers {
+            ensure!(got[l].device().is_cuda());
+            let o = compare(&format!("L{l}"), &got[l], &want[l], Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
+            ensure!(o.pass, "calls {}: {o}", calls.len());
+        }
+        let o = compare("L1 vs L2", &got[1], &want[2], Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
+        ensure!(!o.pass, "negative control passed: {o}");
+    }
+    // Packed caches are written by the fused kernels only: a clear error, not a kernel failure.
+    let layers = layers(&cfg, &dev)?;
+    let mut cache = SequenceCache::with_storage(&cfg, CacheStorage::Packed, DType::BF16, &dev)?;
+    let err = layers[0].forward(&xs[0].narrow(0, 0, 4)?.to_device(&dev)?, 0, &mut cache).unwrap_err().to_string();
+    ensure!(err.contains("packed cache storage") && err.contains("got 192") && err.contains("bf16 cache storage"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn the_whole_model_with_unsupported_shapes_matches_the_cpu() -> Result<()> {
+    let dev = gpu();
+    let cfg = odd_config()?;
+    let tokens: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % cfg.vocab_size as u32).collect();
+    let run = |dev: &Device, calls: &[usize]| -> Result<Tensor> {
+        let vb = RandomWeights::new(23).var_builder(DType::BF16, dev);
+        let map = cfg.engram.as_ref().map(|_| TokenMap::div2(cfg.vocab_size));
+        let model = Model::new(&cfg, Numerics::REFERENCE, map, vb)?;
+        let mut cache = ModelCache::new(&cfg, DType::BF16, dev)?;
+        let mut out = Vec::new();
+        let mut start = 0;
+        for &n in calls {
+            out.push(model.forward(&tokens[start..start + n], &mut cache)?);
+            start += n;
+        }
+        Ok(Tensor::cat(&out, 0)?)
+    };
+    let want = run(&Device::Cpu, &[40])?;
+    for calls in [vec![40], vec![23, 1, 1, 1, 14]] {
+        let got = run(&dev, &calls)?;
+        ensure!(got.device().is_cuda());
+        // The golden README's end-to-end logits tolerance (check 5).
+        let o = compare("logits", &got, &want, Tolerance::RelFro { rel_fro: 3e-2, max_abs: None })?;
+        ensure!(o.pass, "calls {calls:?}: {o}");
+    }
+    Ok(())
+}
