@@ -577,6 +577,32 @@ bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, 
 }
 
 // Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
+// Diagnostics (see the header), read once per process, never on the launch path:
+// DSV41_SPARSE_ATTENTION_TRACE=1 / 2, DSV41_SPARSE_ATTENTION_DIAG bits 2 / 4 / 8 / 64.
+static int diagnostic_mode() {
+    static const int mode = [] {
+        const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
+        const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
+        return (tr && tr[0] == '1' ? 1 : 0) | (tr && tr[0] == '2' ? 32 : 0) | (dg ? (atoi(dg) & 78) : 0);
+    }();
+    return mode;
+}
+
+// The opt-in shared memory per block and the SM count of device `dev`, queried once per thread
+// and device (the launcher runs for every attention call of a decode step).
+static cudaError_t device_limits(int dev, int* max_smem, int* sms) {
+    static thread_local int cached_dev = -1, cached_smem = 0, cached_sms = 0;
+    if (cached_dev != dev) {
+        cudaError_t e = cudaDeviceGetAttribute(&cached_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, dev);
+        if (e != cudaSuccess) return e;
+        cached_dev = dev;
+    }
+    *max_smem = cached_smem;
+    *sms = cached_sms;
+    return cudaSuccess;
+}
+
 void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
     long long h[TRACE_SLOTS] = {};
     const int khz = dsv41_launch::read_trace(g_trace, h, sizeof(h), stream, dev);
@@ -637,15 +663,10 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     int dev = 0, max_smem = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess) e = device_limits(dev, &max_smem, &sms);
     if (e != cudaSuccess) return static_cast<int>(e);
-    // Diagnostics (see the header): DSV41_SPARSE_ATTENTION_TRACE=1 / 2, DSV41_SPARSE_ATTENTION_DIAG
-    // bits 2 / 4 / 8 / 64.
-    const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
-    const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
-    const int trace = tr && tr[0] == '1';
-    const int mode = trace | (tr && tr[0] == '2' ? 32 : 0) | (dg ? (atoi(dg) & 78) : 0);
+    const int mode = diagnostic_mode();
+    const int trace = mode & 1;
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {
