@@ -11,12 +11,13 @@
 //! checkpoint and `tokenizer.json`. Every setting, the prompt's length against the model's
 //! context and the chat template are checked before the weights load. BOS is prepended; the
 //! prompt is printed, then the continuation streams as it is produced; a final line reports the
-//! prefill and decode speeds separately. On a terminal, loading and long prefills show progress
-//! on stderr (nothing when stderr is piped).
+//! prefill and decode speeds separately. On a terminal, loading (bytes of the checkpoint read)
+//! and long prefills (chunks of 512 tokens) show progress bars on stderr; nothing is drawn when
+//! stderr is piped.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
@@ -106,6 +107,9 @@ struct Args {
 
 /// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
 const PREFILL_CHUNK: usize = 512;
+
+const LOAD_BAR: &str = "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}, eta {eta}";
+const PREFILL_BAR: &str = "{msg} [{bar:30}] {pos}/{len} tokens, {per_sec}, eta {eta}";
 
 const CUDA_HINT: &str = "this binary was built without CUDA support; rebuild it with `--features cuda` \
      (e.g. `cargo run --release --features cuda --example generate -- --device cuda`, see docs/cuda.md)";
@@ -202,23 +206,13 @@ fn tokenizer_file(dir: &Path) -> Result<PathBuf> {
     })
 }
 
-/// A spinner (terminal) or nothing (piped) while `msg` runs.
-fn spinner(msg: String) -> ProgressBar {
+/// A progress bar on stderr over `len` units (terminal), or nothing (piped).
+fn bar(len: u64, msg: String, template: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
-    let bar = ProgressBar::new_spinner().with_message(msg);
-    bar.enable_steady_tick(Duration::from_millis(120));
-    bar
-}
-
-/// A bar over `len` tokens (terminal) or nothing (piped).
-fn token_bar(len: usize, msg: &str) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(len as u64).with_message(msg.to_string());
-    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} tokens, {per_sec}, eta {eta}") {
+    let bar = ProgressBar::new(len).with_message(msg);
+    if let Ok(style) = ProgressStyle::with_template(template) {
         bar.set_style(style.progress_chars("=> "));
     }
     bar
@@ -280,8 +274,10 @@ fn run() -> Result<()> {
         .context("check --prompt and --max-new-tokens")?;
 
     let t0 = Instant::now();
-    let loading = spinner(format!("loading {}", dir.display()));
     let ckpt = ReleaseCheckpoint::open_dir(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let loading = bar(ckpt.stored_bytes(), format!("loading {}", dir.display()), LOAD_BAR);
+    let counter = loading.clone();
+    ckpt.set_progress(move |bytes| counter.inc(bytes));
     let p = Pretrained::load(config, tokenizer, ckpt, numerics, dtype, &device)
         .with_context(|| format!("loading {}", dir.display()))?;
     loading.finish_and_clear();
@@ -337,12 +333,12 @@ fn prefill_head<'a>(p: &Pretrained, cache: &mut ModelCache, prompt: &'a [u32]) -
     if head == 0 {
         return Ok(prompt);
     }
-    let bar = token_bar(prompt.len(), "prefill");
+    let progress = bar(prompt.len() as u64, "prefill".into(), PREFILL_BAR);
     for chunk in prompt[..head].chunks(PREFILL_CHUNK) {
         p.model.forward(chunk, cache)?;
-        bar.inc(chunk.len() as u64);
+        progress.inc(chunk.len() as u64);
     }
-    bar.finish_and_clear();
+    progress.finish_and_clear();
     Ok(&prompt[head..])
 }
 
