@@ -107,6 +107,37 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(cases(32))]
+
+    /// The embedded model's checkpoint under a config with integer fields changed: the model
+    /// loads (the change does not touch a shape) or the load errors; a cache and a forward call
+    /// either work or error.
+    #[test]
+    fn mutated_configs_against_a_real_checkpoint_load_or_error(field in any::<prop::sample::Index>(), pick in any::<prop::sample::Index>()) {
+        let mut v = repo_configs()[0].clone();
+        let text = v["text_config"].as_object_mut().expect("text_config");
+        // Not mutated: fields that size run-time work without a checkpoint shape to check them
+        // against (a huge value is a valid config that allocates or loops accordingly).
+        let unchecked = ["sliding_window", "candidate_topk_blocks", "candidate_block_size", "hc_sinkhorn_iters", "max_position_embeddings"];
+        let ints: Vec<String> =
+            text.iter().filter(|(k, x)| x.is_u64() && !unchecked.contains(&k.as_str())).map(|(k, _)| k.clone()).collect();
+        let key = field.get(&ints).clone();
+        let orig = text[&key].as_u64().expect("u64");
+        let choices = [0u64, 1, orig.saturating_sub(1), orig + 1, orig.saturating_mul(2), orig / 2, 1 << 40, u64::MAX];
+        text.insert(key, Value::from(*pick.get(&choices)));
+        let Ok(cfg) = Config::from_json(&v.to_string()) else { return Ok(()) };
+        let dir = repo().join("models/v41-shakespeare-tiny");
+        let tokenizer = model().tokenizer.clone();
+        let ckpt = ReleaseCheckpoint::open_dir(&dir).expect("checkpoint");
+        if let Ok(p) = Pretrained::load(cfg, tokenizer, ckpt, Numerics::REFERENCE, DType::BF16, &Device::Cpu) {
+            if let Ok(mut cache) = p.new_cache() {
+                let _ = p.model.forward(&[0, 5, 9], &mut cache);
+            }
+        }
+    }
+}
+
 // ---- safetensors headers ----------------------------------------------------------------
 
 /// A tensor entry of a crafted header: dtype string, shape, `[start, end)` offsets.

@@ -136,7 +136,8 @@ impl EngramLayout {
         let mut seen = std::collections::HashSet::new();
         let mut layers = Vec::with_capacity(cfg.layer_ids.len());
         for (&layer, &rows) in cfg.layer_ids.iter().zip(&cfg.num_embeddings) {
-            let mut primes = Vec::with_capacity((max_ngram - 1) * n_heads);
+            // Grown as found: the count comes from the config.
+            let mut primes = Vec::new();
             for _order in 2..=max_ngram {
                 let mut c = cfg.vocab_size as u64 - 1;
                 for _head in 0..n_heads {
