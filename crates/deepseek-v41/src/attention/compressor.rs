@@ -66,6 +66,9 @@ impl CompressorCarry {
     /// changing nothing, when the projections of the new open group are not held
     /// ([`CompressorCarry::rollback_gap`]).
     pub fn truncate(&mut self, ratio: usize, len: usize, new_len: usize) -> Result<()> {
+        if new_len > len {
+            candle_core::bail!("compressor: cannot truncate {len} positions to {new_len}")
+        }
         if let Some(gap) = self.rollback_gap(ratio, len, new_len) {
             candle_core::bail!(
                 "compressor: the projections of positions {}..{} (the open group) are not held for rollback (held: {:?})",

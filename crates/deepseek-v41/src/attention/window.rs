@@ -180,6 +180,9 @@ impl WindowCache {
     /// changing nothing, when a needed row left the ring and the spill (a rollback deeper than
     /// the depth, or rows written by the fused decode step, which keeps no spill).
     pub fn truncate(&mut self, len: usize, new_len: usize) -> Result<()> {
+        if new_len > len {
+            candle_core::bail!("window ring: cannot truncate {len} positions to {new_len}")
+        }
         let missing = self.rollback_gap(len, new_len);
         if let Some(gap) = missing {
             candle_core::bail!(
