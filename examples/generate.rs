@@ -6,25 +6,32 @@
 //! cargo run --release --example generate -- --model path/to/folder --chat --prompt "Hi"
 //! ```
 //!
-//! `--model` is a name from `weights.toml` or a local folder holding `config.json`, the
-//! checkpoint and `tokenizer.json`. BOS is prepended; the prompt is printed, then the
-//! continuation streams as it is produced; a final line reports tokens/s (prefill included) and
-//! the decode steps' own rate.
+//! `--model` is a name from the model catalog (`weights.toml`, built into the binary; `--weights`
+//! or `DEEPSEEK_V41_WEIGHTS` name another file) or a local folder holding `config.json`, the
+//! checkpoint and `tokenizer.json`. Every setting, the prompt's length against the model's
+//! context and the chat template are checked before the weights load. BOS is prepended; the
+//! prompt is printed, then the continuation streams as it is produced; a final line reports the
+//! prefill and decode speeds separately. On a terminal, loading (bytes of the checkpoint read)
+//! and long prefills (chunks of 512 tokens) show progress bars on stderr; nothing is drawn when
+//! stderr is piped.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use deepseek_v41::attention::CacheStorage;
 use deepseek_v41::generation::{generate, Sampler, Sampling};
-use deepseek_v41::model::Pretrained;
-use deepseek_v41::tokenizer::ChatPrompt;
 use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
-use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsSource};
-use deepseek_v41::Numerics;
+use deepseek_v41::input::check_context;
+use deepseek_v41::loader::ReleaseCheckpoint;
+use deepseek_v41::model::{ModelCache, Pretrained};
+use deepseek_v41::tokenizer::{ChatPrompt, Tokenizer};
+use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSource};
+use deepseek_v41::{Config, Numerics};
+use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DeviceArg {
@@ -46,27 +53,40 @@ enum NumericsArg {
     Plain,
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum CacheArg {
+    Bf16,
+    Packed,
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with DeepSeek V4.1 (default: the embedded Shakespeare model)")]
 struct Args {
-    /// A model name from weights.toml, or a local model folder.
+    /// A model name from the catalog (listed below), or a local model folder.
     #[arg(long)]
     model: Option<String>,
+    /// The model catalog to read instead of the built-in one (also: env DEEPSEEK_V41_WEIGHTS);
+    /// its relative `local` folders are relative to the file.
+    #[arg(long)]
+    weights: Option<PathBuf>,
     /// The prompt.
-    #[arg(long, default_value = "ROMEO:")]
+    #[arg(long, default_value = "ROMEO:", allow_hyphen_values = true)]
     prompt: String,
     /// Render the prompt with the V4.1 chat template (needs a tokenizer with role tokens).
     #[arg(long)]
     chat: bool,
-    #[arg(long, default_value_t = 120)]
+    /// Most new tokens; the prompt plus these must fit the model's max_position_embeddings.
+    #[arg(long, default_value_t = 120, allow_negative_numbers = true)]
     max_new_tokens: usize,
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.8)]
+    /// Finite and >= 0; 0 = greedy.
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f64,
-    #[arg(long, default_value_t = 0.95)]
+    /// Nucleus mass in (0, 1]; 1 = no truncation.
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     top_p: f64,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     seed: u64,
+    /// `cuda` needs a binary built with `--features cuda`.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
     /// Activation dtype.
@@ -85,56 +105,152 @@ struct Args {
     profile: bool,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum CacheArg {
-    Bf16,
-    Packed,
+/// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
+const PREFILL_CHUNK: usize = 512;
+
+const LOAD_BAR: &str = "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}, eta {eta}";
+const PREFILL_BAR: &str = "{msg} [{bar:30}] {pos}/{len} tokens, {per_sec}, eta {eta}";
+
+const CUDA_HINT: &str = "this binary was built without CUDA support; rebuild it with `--features cuda` \
+     (e.g. `cargo run --release --features cuda --example generate -- --device cuda`, see docs/cuda.md)";
+
+/// The catalog: `--weights`, else `DEEPSEEK_V41_WEIGHTS`, else the built-in one.
+fn catalog(path: Option<&Path>) -> Result<WeightsCatalog> {
+    let path = path.map(Path::to_path_buf).or_else(|| std::env::var_os("DEEPSEEK_V41_WEIGHTS").map(PathBuf::from));
+    Ok(match path {
+        Some(p) => WeightsCatalog::load(&p)?,
+        None => WeightsCatalog::embedded()?,
+    })
 }
 
-fn catalog() -> Result<WeightsCatalog> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../weights.toml");
-    WeightsCatalog::load(&path).with_context(|| format!("reading {}", path.display()))
+/// The catalog's names and descriptions, for `--help`.
+fn catalog_help() -> String {
+    let Ok(cat) = WeightsCatalog::embedded() else { return String::new() };
+    let mut s = String::from("Models of the built-in catalog (--model NAME):\n");
+    for m in cat.models() {
+        let mark = if m.default { " (default)" } else { "" };
+        let tok = if m.tokenizer.is_none() { " [no tokenizer: cannot generate]" } else { "" };
+        s += &format!("  {}{mark}{tok}\n      {}\n", m.name, m.description);
+    }
+    s
 }
 
-/// The local folder of `--model` (a catalog name or a path).
-fn model_dir(model: Option<&str>) -> Result<PathBuf> {
-    if let Some(m) = model {
+/// Whether `--model` was meant as a path rather than a catalog name.
+fn looks_like_path(m: &str) -> bool {
+    m.contains('/') || m.contains('\\') || m.starts_with('.') || m.starts_with('~') || Path::new(m).exists()
+}
+
+/// The local folder of `--model` (a catalog name or a path), checked to hold a config and a
+/// tokenizer.
+fn model_dir(args: &Args) -> Result<PathBuf> {
+    if let Some(m) = args.model.as_deref() {
         let p = PathBuf::from(m);
         if p.is_dir() {
             return Ok(p);
         }
+        if p.exists() {
+            bail!("--model {m}: this is a file; give a model folder (config.json, the checkpoint, tokenizer.json) or a catalog name")
+        }
+        if looks_like_path(m) {
+            bail!("--model {m}: model folder not found; give an existing folder (config.json, the checkpoint, tokenizer.json) or a catalog name (see --help)")
+        }
     }
-    let cat = catalog()?;
-    let entry = match model {
-        Some(name) => cat.get(name)?,
+    let cat = catalog(args.weights.as_deref())?;
+    let entry = match args.model.as_deref() {
+        Some(name) => cat.get_for_generation(name).context("--model: give a catalog name, or a local folder")?,
         None => cat.default_model()?,
     };
     match entry.source()? {
-        WeightsSource::Local { .. } => cat.local_dir(entry).context("local entry without a folder"),
-        WeightsSource::Hub { repo, revision } => {
-            let weights = match entry.weight_files() {
-                WeightFiles::Index(i) => HubWeights::Index(i.to_string()),
-                WeightFiles::Files(f) => HubWeights::Files(f.to_vec()),
-            };
-            let extra: Vec<String> = std::iter::once(entry.config.clone()).chain(entry.tokenizer.clone()).collect();
-            let spec = HubCheckpoint::new(repo, revision, weights).with_extra_files(extra);
-            let fetched = fetch(&spec, &HubOptions::from_env()).with_context(|| format!("downloading {repo}@{revision}"))?;
-            // Every file of a revision lands in the same snapshot folder of the hub cache.
-            let config = fetched.extra_files.first().context("hub fetch returned no config")?;
-            Ok(config.parent().context("config path has no folder")?.to_path_buf())
+        WeightsSource::Local(local) => {
+            let dir = cat.local_dir(entry).context("local entry without a folder")?;
+            local_entry_dir(&entry.name, local, dir)
+        }
+        WeightsSource::Hub { repo, revision } => download(entry, repo, revision),
+    }
+}
+
+/// A local catalog entry's folder: relative folders of the built-in catalog are looked up from
+/// the current directory, then from the repository the binary was built in (if it still exists).
+fn local_entry_dir(name: &str, local: &Path, dir: PathBuf) -> Result<PathBuf> {
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let built_in_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(local);
+    if local.is_relative() && built_in_repo.is_dir() {
+        return Ok(built_in_repo);
+    }
+    bail!(
+        "model `{name}` is the folder {} (relative to the repository root), which is not found from {}: \
+         run from the repository root, pass --model <folder>, or --weights <weights.toml>",
+        dir.display(),
+        std::env::current_dir().map_or_else(|_| "here".into(), |d| d.display().to_string())
+    )
+}
+
+fn download(entry: &WeightsEntry, repo: &str, revision: &str) -> Result<PathBuf> {
+    let weights = match entry.weight_files() {
+        WeightFiles::Index(i) => HubWeights::Index(i.to_string()),
+        WeightFiles::Files(f) => HubWeights::Files(f.to_vec()),
+    };
+    let extra: Vec<String> = std::iter::once(entry.config.clone()).chain(entry.tokenizer.clone()).collect();
+    let spec = HubCheckpoint::new(repo, revision, weights).with_extra_files(extra);
+    let fetched = fetch(&spec, &HubOptions::from_env()).with_context(|| format!("downloading {repo}@{revision}"))?;
+    // Every file of a revision lands in the same snapshot folder of the hub cache.
+    let config = fetched.extra_files.first().context("hub fetch returned no config")?;
+    Ok(config.parent().context("config path has no folder")?.to_path_buf())
+}
+
+fn tokenizer_file(dir: &Path) -> Result<PathBuf> {
+    ["tokenizer.json", "tokenizer.json.gz"].iter().map(|n| dir.join(n)).find(|p| p.is_file()).with_context(|| {
+        format!("{} has no tokenizer.json: generation needs a tokenizer to encode the prompt", dir.display())
+    })
+}
+
+/// A progress bar on stderr over `len` units (terminal), or nothing (piped).
+fn bar(len: u64, msg: String, template: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len).with_message(msg);
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Errors print as one line of causes (`error: what: why`), exit status 1.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
         }
     }
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn run() -> Result<()> {
+    let matches = Args::command().after_help(catalog_help()).get_matches();
+    let args = match Args::from_arg_matches(&matches) {
+        Ok(args) => args,
+        Err(e) => e.exit(),
+    };
+
+    // Everything that does not need the weights is checked first.
+    let sampling = Sampling { temperature: args.temperature, top_p: args.top_p, seed: args.seed };
+    sampling.validate().context("check --temperature and --top-p")?;
     let device = match args.device {
         DeviceArg::Cpu => Device::Cpu,
         // The library's decode setup (no per-buffer CUDA events, a pool that keeps its memory).
         #[cfg(feature = "cuda")]
         DeviceArg::Cuda => deepseek_v41::cuda::decode_device(0)?,
         #[cfg(not(feature = "cuda"))]
-        DeviceArg::Cuda => Device::new_cuda(0)?,
+        DeviceArg::Cuda => bail!("--device cuda: {CUDA_HINT}"),
+    };
+    let storage = match args.cache {
+        CacheArg::Bf16 => CacheStorage::Bf16,
+        CacheArg::Packed if cfg!(feature = "cuda") => CacheStorage::Packed,
+        CacheArg::Packed => bail!("--cache packed: {CUDA_HINT}"),
     };
     let dtype = match args.dtype {
         DTypeArg::Bf16 => DType::BF16,
@@ -144,21 +260,30 @@ fn main() -> Result<()> {
         NumericsArg::Reference => Numerics::REFERENCE,
         NumericsArg::Plain => Numerics::PLAIN,
     };
-    let dir = model_dir(args.model.as_deref())?;
+    let dir = model_dir(&args)?;
+    let config = Config::from_file(dir.join("config.json")).with_context(|| format!("loading {}", dir.display()))?;
+    let tokenizer = Tokenizer::from_file(tokenizer_file(&dir)?)?;
+    let prompt_ids = if args.chat {
+        ChatPrompt::new(args.prompt.clone())
+            .encode(&tokenizer)
+            .with_context(|| format!("--chat: the tokenizer of {} has no V4.1 chat template tokens", dir.display()))?
+    } else {
+        tokenizer.encode(&args.prompt, true)?
+    };
+    check_context(prompt_ids.len(), args.max_new_tokens, config.max_position_embeddings)
+        .context("check --prompt and --max-new-tokens")?;
+
     let t0 = Instant::now();
-    let p = Pretrained::load_dir(&dir, numerics, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let ckpt = ReleaseCheckpoint::open_dir(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let loading = bar(ckpt.stored_bytes(), format!("loading {}", dir.display()), LOAD_BAR);
+    let counter = loading.clone();
+    ckpt.set_progress(move |bytes| counter.inc(bytes));
+    let p = Pretrained::load(config, tokenizer, ckpt, numerics, dtype, &device)
+        .with_context(|| format!("loading {}", dir.display()))?;
+    loading.finish_and_clear();
     eprintln!("loaded {} in {:.2}s", dir.display(), t0.elapsed().as_secs_f64());
 
-    let prompt_ids = if args.chat {
-        ChatPrompt::new(args.prompt.clone()).encode(&p.tokenizer)?
-    } else {
-        p.tokenizer.encode(&args.prompt, true)?
-    };
-    let mut sampler = Sampler::new(Sampling { temperature: args.temperature, top_p: args.top_p, seed: args.seed })?;
-    let storage = match args.cache {
-        CacheArg::Bf16 => CacheStorage::Bf16,
-        CacheArg::Packed => CacheStorage::Packed,
-    };
+    let mut sampler = Sampler::new(sampling)?;
     let mut cache = p.new_cache_with(storage)?;
     let mut stream = p.tokenizer.stream(true);
     let mut out = std::io::stdout();
@@ -166,8 +291,9 @@ fn main() -> Result<()> {
     out.flush()?;
     let eos = p.tokenizer.eos_id();
     let t1 = Instant::now();
+    let tail = prefill_head(&p, &mut cache, &prompt_ids)?;
     let mut first_token = None;
-    let new = generate(&p.model, &mut cache, &prompt_ids, args.max_new_tokens, &mut sampler, Some(eos), |id| {
+    let new = generate(&p.model, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), |id| {
         first_token.get_or_insert_with(Instant::now);
         if let Some(text) = stream.push(id)? {
             write!(out, "{text}").map_err(candle_core::Error::wrap)?;
@@ -179,25 +305,41 @@ fn main() -> Result<()> {
     if let Some(text) = stream.finish()? {
         write!(out, "{text}")?;
     }
-    let secs = t1.elapsed().as_secs_f64();
-    // The decode steps alone: from the first new token (after the prefill) to the last.
+    println!();
+    // Prefill: the prompt's forward calls and the first token; decode: every later token.
+    let prefill = first_token.map_or(done - t1, |t| t - t1).as_secs_f64();
     let steps = new.len().saturating_sub(1);
     let decode = first_token.map_or(0.0, |t| (done - t).as_secs_f64());
-    println!();
     eprintln!(
-        "{} prompt + {} new tokens in {:.2}s: {:.1} tokens/s{}; decode {steps} steps: {:.2} ms/step, {:.1} tokens/s",
+        "prefill: {} prompt tokens in {prefill:.2}s ({:.1} tokens/s); decode: {steps} tokens in {decode:.2}s \
+         ({:.1} tokens/s, {:.2} ms/token); {} new tokens{}",
         prompt_ids.len(),
-        new.len(),
-        secs,
-        new.len() as f64 / secs,
-        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" },
+        prompt_ids.len() as f64 / prefill.max(f64::MIN_POSITIVE),
+        steps as f64 / decode.max(f64::MIN_POSITIVE),
         1e3 * decode / steps.max(1) as f64,
-        steps as f64 / decode.max(f64::MIN_POSITIVE)
+        new.len(),
+        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" },
     );
     if args.profile {
         profile_steps(&p, storage, &prompt_ids, &new, &mut sampler)?;
     }
     Ok(())
+}
+
+/// Prefills all but the last chunk of a long prompt in [`PREFILL_CHUNK`]-token calls, with a
+/// progress bar on a terminal; returns the rest of the prompt (never empty).
+fn prefill_head<'a>(p: &Pretrained, cache: &mut ModelCache, prompt: &'a [u32]) -> Result<&'a [u32]> {
+    let head = prompt.len().saturating_sub(1) / PREFILL_CHUNK * PREFILL_CHUNK;
+    if head == 0 {
+        return Ok(prompt);
+    }
+    let progress = bar(prompt.len() as u64, "prefill".into(), PREFILL_BAR);
+    for chunk in prompt[..head].chunks(PREFILL_CHUNK) {
+        p.model.forward(chunk, cache)?;
+        progress.inc(chunk.len() as u64);
+    }
+    progress.finish_and_clear();
+    Ok(&prompt[head..])
 }
 
 /// Replays the decode steps of `new` (after a prefill of `prompt`) on a fresh cache and prints

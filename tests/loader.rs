@@ -640,3 +640,25 @@ fn error_missing_shard_duplicates_and_bad_index() -> Result<()> {
     assert!(e.contains("model.safetensors"), "{e}");
     Ok(())
 }
+
+#[test]
+fn progress_counts_the_stored_bytes_of_each_tensor_read() -> Result<()> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let ckpt = ReleaseCheckpoint::open(&[tiny_model()])?;
+    let read = Arc::new(AtomicU64::new(0));
+    let counter = read.clone();
+    ckpt.set_progress(move |n| {
+        counter.fetch_add(n, Ordering::Relaxed);
+    });
+    // FP8 weight + its scale, then a plain tensor.
+    let fp8 = ckpt.raw_bytes("layers.0.attn.wq_a.weight")?.len() + ckpt.raw_bytes("layers.0.attn.wq_a.scale")?.len();
+    ckpt.get("layers.0.attn.wq_a.weight", DType::F32, &Device::Cpu)?;
+    assert_eq!(read.load(Ordering::Relaxed), fp8 as u64);
+    let norm = ckpt.raw_bytes("layers.0.attn_norm.weight")?.len();
+    ckpt.get("layers.0.attn_norm.weight", DType::F32, &Device::Cpu)?;
+    assert_eq!(read.load(Ordering::Relaxed), (fp8 + norm) as u64);
+    let total: usize = ckpt.stored_names().iter().map(|n| ckpt.raw_bytes(n).map_or(0, <[u8]>::len)).sum();
+    assert_eq!(ckpt.stored_bytes(), total as u64);
+    Ok(())
+}

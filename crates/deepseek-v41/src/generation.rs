@@ -6,6 +6,7 @@ use candle_core::{DType, Result, Tensor, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::input::{check_context, check_sampling, InputError};
 use crate::model::{Model, ModelCache};
 
 /// How the next token is chosen.
@@ -22,6 +23,12 @@ pub struct Sampling {
 impl Sampling {
     /// Greedy decoding.
     pub const GREEDY: Sampling = Sampling { temperature: 0.0, top_p: 1.0, seed: 0 };
+
+    /// Temperature finite and ≥ 0, top_p in (0, 1]: cheap, so callers can check before loading
+    /// a model.
+    pub fn validate(&self) -> std::result::Result<(), InputError> {
+        check_sampling(self.temperature, self.top_p)
+    }
 }
 
 /// Picks tokens from logits.
@@ -32,14 +39,9 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// Validates the settings (temperature ≥ 0 and finite, top_p in (0, 1]).
+    /// Validates the settings ([`Sampling::validate`]).
     pub fn new(cfg: Sampling) -> Result<Self> {
-        if !(cfg.temperature >= 0.0 && cfg.temperature.is_finite()) {
-            candle_core::bail!("temperature must be finite and >= 0, got {}", cfg.temperature)
-        }
-        if !(cfg.top_p > 0.0 && cfg.top_p <= 1.0) {
-            candle_core::bail!("top_p must be in (0, 1], got {}", cfg.top_p)
-        }
+        cfg.validate()?;
         Ok(Self { cfg, rng: StdRng::seed_from_u64(cfg.seed) })
     }
 
@@ -94,6 +96,10 @@ pub fn argmax(v: &[f32]) -> u32 {
 /// Generates up to `max_new` tokens after `prompt` (ids, BOS included), calling `on_token` for
 /// each new token as soon as it is chosen; stops after `eos` (which is passed to `on_token`).
 /// Returns the new ids.
+///
+/// Errors before any work if `prompt` is empty or holds an id outside the vocabulary, or if the
+/// cached tokens, the prompt and `max_new` do not fit in the model's `max_position_embeddings`
+/// ([`InputError`]); nothing is reserved up front, so any `max_new` is safe to pass.
 pub fn generate(
     model: &Model,
     cache: &mut ModelCache,
@@ -103,10 +109,9 @@ pub fn generate(
     eos: Option<u32>,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
-    if prompt.is_empty() {
-        candle_core::bail!("generate: empty prompt")
-    }
-    let mut out = Vec::with_capacity(max_new);
+    model.check_tokens(prompt)?;
+    check_context(cache.seq_len() + prompt.len(), max_new, model.max_positions())?;
+    let mut out = Vec::new();
     let mut logits = model.forward(prompt, cache)?;
     while out.len() < max_new {
         let last = logits.narrow(0, logits.dim(0)? - 1, 1)?.squeeze(0)?;

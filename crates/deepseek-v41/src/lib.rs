@@ -20,6 +20,7 @@
 //! * [`tokenizer`]: `tokenizer.json` loading, chat / thinking prompts, streaming decoding and the
 //!   Engram compressed token map.
 //! * [`weights`]: the `weights.toml` catalog of supported checkpoints.
+//! * [`input`]: checks of token ids, context length and sampling settings before work starts.
 //! * [`hub`] (cargo feature `hub`, on by default): downloading checkpoints from the Hugging Face
 //!   hub into its shared cache (`docs/hub.md`).
 
@@ -31,6 +32,7 @@ pub mod generation;
 pub mod golden;
 #[cfg(feature = "hub")]
 pub mod hub;
+pub mod input;
 pub mod loader;
 pub mod model;
 pub mod nn;

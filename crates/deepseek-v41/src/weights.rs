@@ -1,6 +1,7 @@
 //! `weights.toml`: the catalog of supported checkpoints (hub repo + pinned revision, or a local
 //! folder), with their files, config, tokenizer and dtype. `generate --model <name>` resolves
-//! names here.
+//! names here; the repository's file is built into the crate ([`WeightsCatalog::embedded`]), so
+//! a copied binary needs no file at a fixed path.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -42,6 +43,18 @@ pub enum WeightsError {
         name: String,
         /// The names of the catalog.
         known: Vec<String>,
+    },
+    /// The entry has no tokenizer, so it cannot encode prompts or decode text.
+    #[error(
+        "model `{name}` has no tokenizer in the weights catalog, so it cannot generate text; \
+         models that can: {}",
+        usable.join(", ")
+    )]
+    NoTokenizer {
+        /// The entry's name.
+        name: String,
+        /// The entries that have a tokenizer.
+        usable: Vec<String>,
     },
     /// No entry has `default = true`.
     #[error("the weights catalog has no entry with `default = true`; known: {}", known.join(", "))]
@@ -174,6 +187,9 @@ impl WeightsEntry {
     }
 }
 
+/// The text of the repository's `weights.toml`, built into the crate.
+pub const EMBEDDED: &str = include_str!("../../../weights.toml");
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CatalogFile {
@@ -239,6 +255,23 @@ impl WeightsCatalog {
 
     fn known(&self) -> Vec<String> {
         self.names().into_iter().map(String::from).collect()
+    }
+
+    /// The catalog built into the crate: the repository's `weights.toml` at build time. Relative
+    /// `local` folders stay relative (see [`WeightsCatalog::local_dir`]).
+    pub fn embedded() -> Result<Self> {
+        Self::parse(EMBEDDED, "built-in weights.toml", None)
+    }
+
+    /// The entry called `name`, checked to have a tokenizer (it can generate text); the errors
+    /// list the known names, or the names that can generate.
+    pub fn get_for_generation(&self, name: &str) -> Result<&WeightsEntry> {
+        let entry = self.get(name)?;
+        if entry.tokenizer.is_none() {
+            let usable = self.models.iter().filter(|m| m.tokenizer.is_some()).map(|m| m.name.clone()).collect();
+            return Err(WeightsError::NoTokenizer { name: name.to_string(), usable });
+        }
+        Ok(entry)
     }
 
     /// The entry called `name`; the error lists the known names.
@@ -309,6 +342,19 @@ mod tests {
         let golden = cat.get("v41-tiny-golden").unwrap();
         assert!(cat.local_dir(golden).unwrap().join("config.json").is_file());
         assert!(!golden.default);
+    }
+
+    #[test]
+    fn embedded_catalog_is_the_repository_file_and_rejects_models_without_tokenizer() {
+        let file = WeightsCatalog::load(repo_catalog_path()).unwrap();
+        let embedded = WeightsCatalog::embedded().unwrap();
+        assert_eq!(embedded.models(), file.models());
+        assert!(embedded.local_dir(embedded.default_model().unwrap()).unwrap().is_relative());
+        let err = embedded.get_for_generation("v41-tiny-golden").unwrap_err().to_string();
+        assert!(err.contains("v41-tiny-golden") && err.contains("no tokenizer") && err.contains("v41-shakespeare-tiny"), "{err}");
+        assert!(!err.contains("models that can: deepseek-v4.1-flash, v41-tiny-golden"), "{err}");
+        assert_eq!(embedded.get_for_generation("v41-shakespeare-tiny").unwrap().name, "v41-shakespeare-tiny");
+        assert!(embedded.get_for_generation("nope").unwrap_err().to_string().contains("no model named"));
     }
 
     #[test]

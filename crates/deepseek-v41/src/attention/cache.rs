@@ -99,6 +99,12 @@ impl RowStore {
         Ok(())
     }
 
+    /// Keeps the first `len` rows (no-op when it holds fewer); the storage is kept, later
+    /// appends overwrite the dropped rows.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// `[len, width]`: all rows in the store's dtype (packed storage: dequantized with
     /// `PackedLayout::unpack`, a host round trip; the values are exactly those stored).
     pub fn rows(&self) -> Result<Tensor> {
@@ -235,6 +241,10 @@ pub struct SequenceCache {
     candidates: Option<(usize, Candidates)>,
     trace: Option<Trace>,
     storage: CacheStorage,
+    /// Compress ratio of each layer that is a kv source (0 for the others).
+    pub(super) source_ratios: Vec<usize>,
+    /// Positions a truncation may go back ([`SequenceCache::set_rollback_depth`]).
+    pub(super) rollback_depth: usize,
 }
 
 impl SequenceCache {
@@ -269,7 +279,23 @@ impl SequenceCache {
                 Ok(LayerState { window, source, next_pos: 0 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers, topk: HashMap::new(), candidates: None, trace: None, storage })
+        let source_ratios = cfg
+            .layers
+            .iter()
+            .map(|role| match role.attention {
+                AttentionRole::Compressed { ratio, kv_source, .. } if kv_source == role.layer => ratio,
+                _ => 0,
+            })
+            .collect();
+        Ok(Self {
+            layers,
+            topk: HashMap::new(),
+            candidates: None,
+            trace: None,
+            storage,
+            source_ratios,
+            rollback_depth: 0,
+        })
     }
 
     /// How the caches store their rows.
@@ -304,6 +330,12 @@ impl SequenceCache {
             .source
             .as_mut()
             .ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} is not a kv source")))
+    }
+
+    /// Forgets the top-k sets and candidate blocks published within the last call.
+    pub(super) fn clear_published(&mut self) {
+        self.topk.clear();
+        self.candidates = None;
     }
 
     /// Publishes the top-k `[T, index_topk]` i64 (device tensor) of index source `layer` for the

@@ -11,20 +11,88 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use super::history::PositionRing;
 use crate::config::Config;
 use crate::nn::{Linear, LinearKind, RmsNorm};
 use crate::numerics::Numerics;
 
 /// The open group's raw f32 projections, carried between calls (ratio > 1 only).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct CompressorCarry {
     /// `[n_open, head_dim]` f32 kv projections of the open group's tokens, in position order.
     kv: Option<Tensor>,
     /// `[n_open, head_dim]` f32 gate scores, same rows.
     score: Option<Tensor>,
+    /// The raw projections of the last positions, kept for [`CompressorCarry::truncate`]
+    /// (capacity 0 by default: nothing kept).
+    kv_history: PositionRing,
+    score_history: PositionRing,
+}
+
+impl Default for CompressorCarry {
+    fn default() -> Self {
+        Self { kv: None, score: None, kv_history: PositionRing::new(0), score_history: PositionRing::new(0) }
+    }
 }
 
 impl CompressorCarry {
+    /// Keeps the raw projections of the last `positions` tokens, so that the open group can be
+    /// rebuilt after a truncation up to `positions − (ratio − 1)` tokens back; forgets what was
+    /// kept.
+    pub fn set_history(&mut self, positions: usize) {
+        self.kv_history = PositionRing::new(positions);
+        self.score_history = PositionRing::new(positions);
+    }
+
+    fn record(&mut self, kv: &Tensor, score: &Tensor, start: usize) -> Result<()> {
+        self.kv_history.write(kv, start)?;
+        self.score_history.write(score, start)
+    }
+
+    /// The positions a rollback of a ratio-`ratio` compressor from `len` to `new_len` tokens
+    /// needs for its open group but does not hold (`None`: it can be done).
+    pub fn rollback_gap(&self, ratio: usize, len: usize, new_len: usize) -> Option<std::ops::Range<usize>> {
+        let open = new_len.checked_rem(ratio).unwrap_or(0);
+        let group = new_len - open..new_len;
+        let same_group = len - len.checked_rem(ratio).unwrap_or(0) == group.start;
+        if open == 0 || same_group || self.kv_history.holds(&group) {
+            None
+        } else {
+            Some(group)
+        }
+    }
+
+    /// Rolls the open group back from `len` to `new_len` tokens (`new_len <= len`); fails,
+    /// changing nothing, when the projections of the new open group are not held
+    /// ([`CompressorCarry::rollback_gap`]).
+    pub fn truncate(&mut self, ratio: usize, len: usize, new_len: usize) -> Result<()> {
+        if new_len > len {
+            candle_core::bail!("compressor: cannot truncate {len} positions to {new_len}")
+        }
+        if let Some(gap) = self.rollback_gap(ratio, len, new_len) {
+            candle_core::bail!(
+                "compressor: the projections of positions {}..{} (the open group) are not held for rollback (held: {:?})",
+                gap.start,
+                gap.end,
+                self.kv_history.held()
+            )
+        }
+        let open = new_len.checked_rem(ratio).unwrap_or(0);
+        let group = new_len - open..new_len;
+        let same_group = len - len.checked_rem(ratio).unwrap_or(0) == group.start;
+        (self.kv, self.score) = if open == 0 {
+            (None, None)
+        } else if same_group {
+            let cut = |t: &Option<Tensor>| t.as_ref().map(|t| t.narrow(0, 0, open)).transpose();
+            (cut(&self.kv)?, cut(&self.score)?)
+        } else {
+            (self.kv_history.read(group.clone())?, self.score_history.read(group)?)
+        };
+        self.kv_history.truncate(new_len);
+        self.score_history.truncate(new_len);
+        Ok(())
+    }
+
     /// The carry as the reference lays it out: `(kv, score)`, each `[ratio, head_dim]` f32 with
     /// slot = position mod ratio; only slots `< pos mod ratio` are meaningful (others hold 0 /
     /// −inf here). `pos` is the number of tokens processed.
@@ -98,6 +166,7 @@ impl Compressor {
                 let r = *ratio;
                 let kv = wkv.forward(x)?;
                 let score = wgate.forward(x)?;
+                carry.record(&kv, &score, start)?;
                 // Prepend the open group carried from earlier calls.
                 let (kv, score) = match (&carry.kv, &carry.score) {
                     (Some(k), Some(s)) => (Tensor::cat(&[k, &kv], 0)?, Tensor::cat(&[s, &score], 0)?),

@@ -12,12 +12,16 @@
 //! * [`cache`]: the caller-owned per-sequence cache through which layers share compressed KV,
 //!   index keys, top-k sets and candidate blocks; [`storage`]: its storage choice (bf16 rows or
 //!   the packed V4.1 formats).
+//! * [`rollback`]: truncating a cache to a shorter length, with the bounded [`history`] of rows
+//!   it keeps for that.
 
 pub mod cache;
 pub mod compressor;
 mod device_cache;
+pub mod history;
 pub mod indexer;
 pub mod layer;
+pub mod rollback;
 pub mod selection;
 pub mod sparse_attention;
 pub mod storage;
@@ -26,6 +30,7 @@ pub mod window;
 
 pub use cache::SequenceCache;
 pub use layer::Attention;
+pub use rollback::RollbackError;
 #[cfg(feature = "cuda")]
 pub use layer::LayerPhase;
 pub use sparse_attention::{sparse_attention, sparse_attention_ref};

@@ -7,6 +7,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use super::history::{read_slots, write_slots, PositionRing};
 use super::storage::{CacheKind, CacheStorage, Packing};
 
 /// Ring of the last `window` window-KV rows of one layer and one sequence, as rows in the
@@ -21,6 +22,12 @@ pub struct WindowCache {
     /// The dtype of [`WindowCache::ring_rows`].
     dtype: DType,
     packing: Option<Packing>,
+    /// Rows evicted from the ring, kept for [`WindowCache::truncate`] (capacity = the cache's
+    /// rollback depth, 0 by default).
+    spill: PositionRing,
+    /// The position after the last row [`WindowCache::store`] wrote (the fused decode step
+    /// writes the ring in place and does not advance it).
+    stored: usize,
     /// The fused path's decode table (`window_fused.rs`, built at the first device decode step):
     /// the decode token's ring slot and window indices are views of it, so a step uploads
     /// nothing for them.
@@ -62,6 +69,8 @@ impl WindowCache {
             window,
             dtype,
             packing,
+            spill: PositionRing::new(0),
+            stored: 0,
             #[cfg(feature = "cuda")]
             decode_table: None,
         })
@@ -126,20 +135,84 @@ impl WindowCache {
     }
 
     /// Stores the last `min(T, W)` of `rows` (`[T, head_dim]`, positions `start ..`) at their
-    /// slots (at most two contiguous runs, in-place copies).
-    fn store(&mut self, rows: &Tensor, start: usize) -> Result<()> {
+    /// slots (at most two contiguous runs, in-place copies). With a rollback depth, the rows
+    /// leaving the window (old ring rows, and call rows that never enter it) go to the spill.
+    pub(super) fn store(&mut self, rows: &Tensor, start: usize) -> Result<()> {
         let (t, w) = (rows.dim(0)?, self.window);
-        let keep = t.min(w);
-        let first = start + t - keep;
-        let mut done = 0;
-        while done < keep {
-            let slot = (first + done) % w;
-            let run = (w - slot).min(keep - done);
-            let src = rows.narrow(0, t - keep + done, run)?.to_dtype(self.ring.dtype())?;
-            self.ring.slice_set(&src.contiguous()?, 0, slot)?;
-            done += run;
+        let end = start + t;
+        if self.spill_capacity() > 0 {
+            // Leaving: positions max(0, start − W) .. end − W; the ring holds those < start
+            // only if it was written up to `start` by this function.
+            let leaving = start.saturating_sub(w)..end.saturating_sub(w);
+            if !leaving.is_empty() {
+                let old = leaving.start..leaving.end.min(start);
+                let mut parts = Vec::new();
+                if self.stored == start && !old.is_empty() {
+                    parts.push(read_slots(&self.ring, old.clone())?);
+                }
+                let first = if parts.is_empty() { old.end } else { old.start };
+                if leaving.end > start {
+                    parts.push(rows.narrow(0, 0, leaving.end - start)?.to_dtype(self.ring.dtype())?);
+                }
+                if !parts.is_empty() {
+                    self.spill.write(&Tensor::cat(&parts, 0)?, first)?;
+                }
+            }
         }
+        let keep = t.min(w);
+        write_slots(&self.ring, &rows.narrow(0, t - keep, keep)?, end - keep)?;
+        self.stored = end;
         Ok(())
+    }
+
+    fn spill_capacity(&self) -> usize {
+        self.spill.capacity()
+    }
+
+    /// Keeps the rows of up to `depth` positions evicted from the ring, so that the cache can be
+    /// truncated up to `depth` positions back ([`WindowCache::truncate`]); forgets what was kept.
+    pub fn set_rollback_depth(&mut self, depth: usize) {
+        self.spill = PositionRing::new(depth);
+    }
+
+    /// Rolls the ring back from `len` to `new_len` positions (`new_len <= len`): the rows of
+    /// positions `new_len − W .. new_len` come back into their slots from the spill. Fails,
+    /// changing nothing, when a needed row left the ring and the spill (a rollback deeper than
+    /// the depth, or rows written by the fused decode step, which keeps no spill).
+    pub fn truncate(&mut self, len: usize, new_len: usize) -> Result<()> {
+        if new_len > len {
+            candle_core::bail!("window ring: cannot truncate {len} positions to {new_len}")
+        }
+        let missing = self.rollback_gap(len, new_len);
+        if let Some(gap) = missing {
+            candle_core::bail!(
+                "window ring: positions {}..{} left the window and are not held for rollback (held: {:?})",
+                gap.start,
+                gap.end,
+                self.spill.held()
+            )
+        }
+        let w = self.window;
+        let from_spill = new_len.saturating_sub(w)..new_len.min(len.saturating_sub(w));
+        if let Some(rows) = self.spill.read(from_spill.clone())? {
+            write_slots(&self.ring, &rows, from_spill.start)?;
+        }
+        self.spill.truncate(new_len.saturating_sub(w));
+        self.stored = new_len;
+        Ok(())
+    }
+
+    /// The positions a rollback from `len` to `new_len` needs back in the ring but cannot get
+    /// (`None`: it can be done).
+    pub(super) fn rollback_gap(&self, len: usize, new_len: usize) -> Option<std::ops::Range<usize>> {
+        let w = self.window;
+        // Needed in the ring afterwards: new_len − W .. new_len; still there: len − W .. len.
+        let from_spill = new_len.saturating_sub(w)..new_len.min(len.saturating_sub(w));
+        if from_spill.is_empty() || (self.stored == len && self.spill.holds(&from_spill)) {
+            None
+        } else {
+            Some(from_spill)
+        }
     }
 
     /// Replaces the ring's rows by `ring` (`[window, head_dim]`, slot = position mod W); bf16
@@ -149,7 +222,11 @@ impl WindowCache {
         if ring.dims() != self.ring.dims() {
             candle_core::bail!("WindowCache::restore: ring {:?}, want {:?}", ring.shape(), self.ring.shape())
         }
-        self.ring.slice_set(&ring.to_dtype(self.ring.dtype())?.to_device(self.ring.device())?.contiguous()?, 0, 0)
+        self.ring.slice_set(&ring.to_dtype(self.ring.dtype())?.to_device(self.ring.device())?.contiguous()?, 0, 0)?;
+        // The spill no longer continues the ring's rows.
+        self.spill = PositionRing::new(self.spill.capacity());
+        self.stored = usize::MAX;
+        Ok(())
     }
 
     /// Number of rows in the ring (`sliding_window`).

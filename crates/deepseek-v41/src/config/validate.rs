@@ -174,7 +174,19 @@ fn check_engram(c: &Checker, cfg: &Config) -> Result<(), ConfigError> {
     c.at_least("engram_n_heads", e.n_heads, 1)?;
     c.at_least("engram_head_dim", e.head_dim, 1)?;
     c.at_least("engram_vocab_size", e.vocab_size, 1)?;
-    let wkv_in = (e.max_ngram_size - 1) * e.n_heads * e.head_dim;
+    let wkv_in = (e.max_ngram_size - 1).checked_mul(e.n_heads).and_then(|x| x.checked_mul(e.head_dim));
+    let Some(wkv_in) = wkv_in else {
+        return Err(c.invalid(
+            "engram_head_dim",
+            e.head_dim,
+            format!(
+                "(engram_max_ngram_size - 1) * engram_n_heads * engram_head_dim = {} * {} * {} overflows",
+                e.max_ngram_size - 1,
+                e.n_heads,
+                e.head_dim
+            ),
+        ));
+    };
     if !wkv_in.is_multiple_of(32) {
         return Err(c.invalid(
             "engram_head_dim",

@@ -26,18 +26,26 @@ impl ReleaseBackend {
     }
 
     /// In collect mode, records `err`, marks `name` as requested (so that a stored but malformed
-    /// tensor is not also reported unused) and returns zeros of `shape`; otherwise returns `err`.
-    /// (Missing tensors, unsupported formats and shape mismatches are all collected.)
+    /// tensor is not also reported unused) and returns zeros of `shape` as a stand-in; otherwise
+    /// returns `err`. (Missing tensors, unsupported formats and shape mismatches are all
+    /// collected.) A stand-in over [`STAND_IN_LIMIT`] bytes (e.g. from a config with absurd
+    /// sizes) is not allocated: the problem is recorded and the load stops with `err`.
     fn fail_or_collect(&self, name: &str, err: LoadError, shape: &Shape, dtype: DType, dev: &Device) -> Result<Tensor> {
-        if self.ckpt.collects_missing() {
-            self.ckpt.record_problem(err.to_string());
-            self.ckpt.mark_used(name);
-            Tensor::zeros(shape, dtype, dev)
-        } else {
-            Err(err.into())
+        if !self.ckpt.collects_missing() {
+            return Err(err.into());
+        }
+        self.ckpt.record_problem(err.to_string());
+        self.ckpt.mark_used(name);
+        let bytes = shape.dims().iter().try_fold(dtype.size_in_bytes(), |a, &d| a.checked_mul(d));
+        match bytes {
+            Some(b) if b <= STAND_IN_LIMIT.min(self.ckpt.dense_limit()) => Tensor::zeros(shape, dtype, dev),
+            _ => Err(err.into()),
         }
     }
 }
+
+/// Largest zero stand-in (bytes) for a missing or mismatched tensor in collect mode.
+pub const STAND_IN_LIMIT: usize = 1 << 30;
 
 impl SimpleBackend for ReleaseBackend {
     /// `name`'s logical tensor as `dtype` on `dev`; errors (naming the tensor and both shapes)

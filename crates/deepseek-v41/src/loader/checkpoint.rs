@@ -24,10 +24,14 @@ struct Entry {
     raw: RawEntry,
 }
 
+/// Called with the stored bytes of each tensor read ([`ReleaseCheckpoint::set_progress`]).
+type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+
 struct Inner {
     shards: Vec<Shard>,
     entries: HashMap<String, Entry>,
     usage: Mutex<Usage>,
+    progress: Mutex<Option<Progress>>,
 }
 
 /// A release-format checkpoint (spec §12), memory-mapped.
@@ -104,6 +108,7 @@ impl ReleaseCheckpoint {
                 shards,
                 entries,
                 usage: Mutex::new(Usage::default()),
+                progress: Mutex::new(None),
             }),
         })
     }
@@ -284,9 +289,24 @@ impl ReleaseCheckpoint {
         if let Some(scale) = &info.scale {
             self.release(scale);
         }
+        let read = info.stored.byte_range.len() + info.scale.as_ref().map_or(0, |s| s.byte_range.len());
+        if let Some(progress) = self.inner.progress.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            progress(read as u64);
+        }
         let t = t.to_dtype(dtype)?.to_device(device)?;
         self.mark_used(name);
         Ok(t)
+    }
+
+    /// Calls `progress` with the stored bytes (weight and scale) of every tensor [`get`](Self::get)
+    /// reads from now on, e.g. to drive a progress bar over [`stored_bytes`](Self::stored_bytes).
+    pub fn set_progress(&self, progress: impl Fn(u64) + Send + Sync + 'static) {
+        *self.inner.progress.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(progress));
+    }
+
+    /// The bytes of every stored tensor of every shard (headers excluded).
+    pub fn stored_bytes(&self) -> u64 {
+        self.inner.entries.values().map(|e| e.raw.range.len() as u64).sum()
     }
 
     pub(super) fn usage(&self) -> std::sync::MutexGuard<'_, Usage> {

@@ -10,8 +10,9 @@ use super::engram::Engram;
 use super::engram_hash::{EngramHasher, EngramHistory, TokenMap};
 use super::mhc::{collapse, post, HcMix, HcSublayer};
 use super::moe::Moe;
-use crate::attention::{Attention, CacheStorage, SequenceCache, Trace};
+use crate::attention::{Attention, CacheStorage, RollbackError, SequenceCache, Trace};
 use crate::config::Config;
+use crate::input::{check_tokens, InputError};
 use crate::nn::{Linear, LinearKind, RmsNorm};
 use crate::numerics::Numerics;
 
@@ -40,6 +41,29 @@ impl ModelCache {
     /// Tokens processed so far.
     pub fn seq_len(&self) -> usize {
         self.attention.seq_len()
+    }
+
+    /// Keeps enough state to [`ModelCache::truncate`] up to `depth` tokens back from the
+    /// furthest position processed
+    /// (see [`crate::attention::rollback`] for what is kept); errors unless the cache is empty.
+    pub fn set_rollback_depth(&mut self, depth: usize) -> Result<()> {
+        self.attention.set_rollback_depth(depth)?;
+        self.engram.set_rollback_depth(depth);
+        Ok(())
+    }
+
+    /// Rolls the cache back to its first `len` tokens: continuing from it gives the results of a
+    /// fresh run of those tokens. Fails with a [`RollbackError`], changing nothing, when `len` is
+    /// past the end or the rollback needs state that is no longer held (set a rollback depth).
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        let seq_len = self.seq_len();
+        if let Some(missing) = self.engram.rollback_gap(len.min(self.engram.seq_len())) {
+            let depth = self.attention.rollback_depth();
+            Err(RollbackError::NotHeld { len, seq_len, what: "Engram token history".into(), missing, depth })?
+        }
+        self.attention.truncate(len)?;
+        self.engram.truncate(len);
+        Ok(())
     }
 
     /// Installs a recorder of intermediate tensors (golden names).
@@ -127,6 +151,8 @@ pub struct Model {
     engram: Option<EngramHasher>,
     hc: usize,
     dtype: DType,
+    vocab_size: usize,
+    max_positions: usize,
 }
 
 impl Model {
@@ -150,16 +176,34 @@ impl Model {
             engram,
             hc: cfg.hc_mult,
             dtype: vb.dtype(),
+            vocab_size: cfg.vocab_size,
+            max_positions: cfg.max_position_embeddings,
         })
     }
 
+    /// The vocabulary size (token ids must be below it).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The config's `max_position_embeddings`: the positions RoPE/YaRN is defined for.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// `tokens` is not empty and every id is below [`Model::vocab_size`] ([`InputError`]).
+    pub fn check_tokens(&self, tokens: &[u32]) -> std::result::Result<(), InputError> {
+        check_tokens(tokens, self.vocab_size)
+    }
+
     /// Logits `[T, vocab]` (f32) of `tokens` at positions `cache.seq_len() ..`.
+    ///
+    /// Errors with an [`InputError`] (naming the id and the vocabulary size) for an empty
+    /// `tokens` or an id outside the vocabulary, before touching the cache.
     pub fn forward(&self, tokens: &[u32], cache: &mut ModelCache) -> Result<Tensor> {
+        self.check_tokens(tokens)?;
         let start = cache.seq_len();
         let t = tokens.len();
-        if t == 0 {
-            candle_core::bail!("Model::forward: no tokens")
-        }
         let dev = self.head.weight().device().clone();
         let ids = Tensor::new(tokens, &dev)?;
         let h0 = self.embed.forward(&ids)?.to_dtype(self.dtype)?;

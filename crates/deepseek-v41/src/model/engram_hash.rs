@@ -136,7 +136,8 @@ impl EngramLayout {
         let mut seen = std::collections::HashSet::new();
         let mut layers = Vec::with_capacity(cfg.layer_ids.len());
         for (&layer, &rows) in cfg.layer_ids.iter().zip(&cfg.num_embeddings) {
-            let mut primes = Vec::with_capacity((max_ngram - 1) * n_heads);
+            // Grown as found: the count comes from the config.
+            let mut primes = Vec::new();
             for _order in 2..=max_ngram {
                 let mut c = cfg.vocab_size as u64 - 1;
                 for _head in 0..n_heads {
@@ -205,23 +206,27 @@ impl EngramLayout {
 }
 
 /// The compressed ids of the last `max_ngram − 1` tokens of a sequence (oldest first), owned by
-/// the caller next to its caches; fresh for a new sequence.
+/// the caller next to its caches; fresh for a new sequence. With a rollback depth it keeps that
+/// many more ids, so that it can be truncated ([`EngramHistory::truncate`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngramHistory {
     recent: Vec<u32>,
+    /// `max_ngram − 1`: the ids a hash looks back at.
+    lookback: usize,
     capacity: usize,
+    /// Tokens pushed since the sequence start.
+    seen: usize,
 }
 
 impl EngramHistory {
     /// An empty history (sequence start) for `max_ngram_size`.
     pub fn new(max_ngram_size: usize) -> Self {
-        Self {
-            recent: Vec::new(),
-            capacity: max_ngram_size.saturating_sub(1),
-        }
+        let lookback = max_ngram_size.saturating_sub(1);
+        Self { recent: Vec::new(), lookback, capacity: lookback, seen: 0 }
     }
 
-    /// The remembered compressed ids, oldest first (fewer than `max_ngram − 1` near the start).
+    /// The remembered compressed ids, oldest first (fewer than `max_ngram − 1` near the start;
+    /// up to `max_ngram − 1 + depth` with a rollback depth).
     pub fn recent(&self) -> &[u32] {
         &self.recent
     }
@@ -229,10 +234,42 @@ impl EngramHistory {
     /// Forgets the sequence.
     pub fn clear(&mut self) {
         self.recent.clear();
+        self.seen = 0;
+    }
+
+    /// Keeps `depth` more ids than the hashes need, so that the history can be truncated up to
+    /// `depth` tokens back from the longest length it reached.
+    pub fn set_rollback_depth(&mut self, depth: usize) {
+        self.capacity = self.lookback + depth;
+    }
+
+    /// Tokens pushed since the sequence start.
+    pub fn seq_len(&self) -> usize {
+        self.seen
+    }
+
+    /// The positions whose ids a truncation to `len` tokens needs but that are no longer held
+    /// (`None`: it can be done; `len` must not exceed [`EngramHistory::seq_len`]).
+    pub fn rollback_gap(&self, len: usize) -> Option<std::ops::Range<usize>> {
+        let needed = len.saturating_sub(self.lookback)..len;
+        let held_from = self.seen - self.recent.len();
+        (len <= self.seen && !needed.is_empty() && needed.start < held_from).then(|| needed.start..held_from.min(len))
+    }
+
+    /// Rolls the history back to the first `len` tokens; `false` (and nothing changes) when
+    /// [`EngramHistory::rollback_gap`] reports missing ids or `len` is past the end.
+    pub fn truncate(&mut self, len: usize) -> bool {
+        if len > self.seen || self.rollback_gap(len).is_some() {
+            return false;
+        }
+        self.recent.truncate(self.recent.len().saturating_sub(self.seen - len));
+        self.seen = len;
+        true
     }
 
     fn push_all(&mut self, ids: &[u32]) {
         self.recent.extend_from_slice(ids);
+        self.seen += ids.len();
         let excess = self.recent.len().saturating_sub(self.capacity);
         self.recent.drain(..excess);
     }
@@ -329,13 +366,14 @@ impl EngramHasher {
             .iter()
             .map(|&t| self.token_map.get(t))
             .collect::<Result<Vec<u32>>>()?;
-        let seq: Vec<u32> = history
-            .recent()
+        // The ids the hashes look back at (a history with a rollback depth holds more).
+        let recent = history.recent();
+        let seq: Vec<u32> = recent[recent.len().saturating_sub(history.lookback)..]
             .iter()
             .chain(&compressed)
             .copied()
             .collect();
-        let start = history.recent().len();
+        let start = seq.len() - compressed.len();
         let (g, heads, n_cols) = (
             self.layout.max_ngram,
             self.layout.n_heads,
