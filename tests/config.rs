@@ -584,6 +584,24 @@ fn engram_lists_must_match_and_stay_in_the_backbone() {
     assert_msg(&err, &["missing required field `text_config.engram_n_heads`", "engram_layer_ids"]);
 }
 
+/// Fields that size run-time work with no weight shape to check them against are bounded: a huge
+/// value errors naming the field and the bound instead of allocating or looping without end.
+#[test]
+fn run_time_sizes_are_bounded() {
+    let huge = json!(1u64 << 40);
+    for key in ["max_position_embeddings", "sliding_window", "hc_sinkhorn_iters", "candidate_topk_blocks", "candidate_block_size"] {
+        let err = tiny_err(key, huge.clone());
+        assert_msg(&err, &[&format!("text_config.{key}"), "= 1099511627776", "at most"]);
+    }
+    // A window longer than the context.
+    let err = tiny_hf_with(|v| {
+        text(v).insert("max_position_embeddings".into(), json!(64));
+        text(v).insert("sliding_window".into(), json!(128));
+    })
+    .expect_err("config must be rejected");
+    assert_msg(&err, &["text_config.sliding_window", "= 128", "at most 64"]);
+}
+
 #[test]
 fn small_counts_must_be_positive() {
     for key in ["hc_mult", "hc_sinkhorn_iters", "index_topk", "sliding_window", "index_n_heads", "num_experts_per_tok"]

@@ -117,11 +117,9 @@ proptest! {
     fn mutated_configs_against_a_real_checkpoint_load_or_error(field in any::<prop::sample::Index>(), pick in any::<prop::sample::Index>()) {
         let mut v = repo_configs()[0].clone();
         let text = v["text_config"].as_object_mut().expect("text_config");
-        // Not mutated: fields that size run-time work without a checkpoint shape to check them
-        // against (a huge value is a valid config that allocates or loops accordingly).
-        let unchecked = ["sliding_window", "candidate_topk_blocks", "candidate_block_size", "hc_sinkhorn_iters", "max_position_embeddings"];
-        let ints: Vec<String> =
-            text.iter().filter(|(k, x)| x.is_u64() && !unchecked.contains(&k.as_str())).map(|(k, _)| k.clone()).collect();
+        // Every integer field, those that size run-time work with no weight shape to check them
+        // against included (the config bounds them: config/validate.rs).
+        let ints: Vec<String> = text.iter().filter(|(k, x)| x.is_u64()).map(|(k, _)| k.clone()).collect();
         let key = field.get(&ints).clone();
         let orig = text[&key].as_u64().expect("u64");
         let choices = [0u64, 1, orig.saturating_sub(1), orig + 1, orig.saturating_mul(2), orig / 2, 1 << 40, u64::MAX];

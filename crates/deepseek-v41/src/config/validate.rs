@@ -25,6 +25,13 @@ impl Checker {
         Ok(())
     }
 
+    fn at_most(&self, key: &str, value: usize, max: usize, what: &str) -> Result<(), ConfigError> {
+        if value > max {
+            return Err(self.invalid(key, value, format!("must be at most {max} ({what} this implementation supports)")));
+        }
+        Ok(())
+    }
+
     fn multiple_of(&self, key: &str, value: usize, m: usize, why: &str) -> Result<(), ConfigError> {
         if value == 0 || !value.is_multiple_of(m) {
             return Err(self.invalid(key, value, format!("must be a positive multiple of {m} ({why})")));
@@ -111,8 +118,21 @@ fn check_dims(c: &Checker, cfg: &Config) -> Result<(), ConfigError> {
     c.at_least("max_position_embeddings", cfg.max_position_embeddings, 1)?;
     c.at_least("hc_mult", cfg.hc_mult, 1)?;
     c.at_least("hc_sinkhorn_iters", cfg.hc_sinkhorn_iters, 1)?;
+    // Fields that size run-time work with no weight shape to check them against (a cache ring
+    // allocated up front, a loop count): bounded so that a typo errors instead of allocating or
+    // looping without end. The released model: 1,048,576 positions, window 128, 20 iterations.
+    c.at_most("max_position_embeddings", cfg.max_position_embeddings, MAX_POSITIONS, "positions")?;
+    c.at_most("sliding_window", cfg.sliding_window, MAX_WINDOW.min(cfg.max_position_embeddings), "window rows (and no more than the context)")?;
+    c.at_most("hc_sinkhorn_iters", cfg.hc_sinkhorn_iters, MAX_SINKHORN_ITERS, "Sinkhorn iterations")?;
     Ok(())
 }
+
+/// The most positions a config may declare (16× the released 1,048,576).
+pub const MAX_POSITIONS: usize = 1 << 24;
+/// The longest sliding window a config may declare (the ring is allocated per layer up front).
+pub const MAX_WINDOW: usize = 1 << 16;
+/// The most mHC Sinkhorn iterations a config may declare.
+pub const MAX_SINKHORN_ITERS: usize = 1000;
 
 fn check_scalars(c: &Checker, cfg: &Config) -> Result<(), ConfigError> {
     c.positive_finite("rms_norm_eps", cfg.rms_norm_eps)?;
@@ -265,6 +285,9 @@ fn check_lists(c: &Checker, cfg: &Config) -> Result<(), ConfigError> {
         let size_key = "candidate_block_size";
         c.at_least(blocks_key, cfg.candidate_topk_blocks, 1)?;
         c.at_least(size_key, cfg.candidate_block_size, 1)?;
+        // A block or a kept pool longer than the context selects nothing more.
+        c.at_most(size_key, cfg.candidate_block_size, cfg.max_position_embeddings, "entries per block (and no more than the context)")?;
+        c.at_most(blocks_key, cfg.candidate_topk_blocks, cfg.max_position_embeddings, "kept blocks (and no more than the context)")?;
         let (blocks, block_size) = (cfg.candidate_topk_blocks, cfg.candidate_block_size);
         let pool = blocks.saturating_mul(block_size) - (block_size - 1);
         if pool < cfg.index_topk {
