@@ -9,8 +9,10 @@
 //! ```
 //!
 //! Rows per shape and m:
-//! * `fp8 auto`: `fp8_linear` (streaming kernel for m <= 256, else dequantize + cuBLAS);
-//! * `fp8 stream` / `fp8 dequant`: the two paths forced (stream up to m = 256, dequant from 64);
+//! * `fp8 auto`: `fp8_linear` (streaming kernel, shared-memory pipeline variant, for m <= 64,
+//!   else dequantize + cuBLAS);
+//! * `fp8 stream (pipeline | registers)`: the streaming kernel's variants forced (up to m = 256);
+//! * `fp8 dequant+cuBLAS`: that path forced (m = 64 .. 256);
 //! * `bf16 linear`: today's `nn::Linear` forward over the bf16 dequantized weight;
 //! * `dequant only`: the dequantization kernel alone (FP8 -> bf16 scratch).
 //!
@@ -30,7 +32,7 @@ use anyhow::Result;
 use bench::{cuda_device, gbps, l2_bytes, parse_args, rotation_sets, tflops, BenchArgs, Timer};
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
-use deepseek_v41::cuda::{fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, FP8_STREAM_MAX_M};
+use deepseek_v41::cuda::{fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant, FP8_STREAM_MAX_M};
 use deepseek_v41::nn::{Linear, LinearKind};
 use deepseek_v41::quant::Fp8Weight;
 use deepseek_v41::Numerics;
@@ -147,16 +149,21 @@ fn main() -> Result<()> {
                 Ok(())
             })?;
             print(&Row { shape: name, m, what: "fp8 auto", graph_ms: g, calls_ms: c, weight_bytes: fp8_bytes, flops });
-            if m <= FP8_STREAM_MAX_M && m > 64 {
-                let (g, _) = time(&timer, sets, false, |s| {
-                    fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0 })?;
-                    Ok(())
-                })?;
-                print(&Row { shape: name, m, what: "fp8 stream", graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
+            if m <= FP8_STREAM_MAX_M {
+                for (what, variant) in [("fp8 stream (pipeline)", Fp8StreamVariant::Pipeline), ("fp8 stream (registers)", Fp8StreamVariant::Registers)] {
+                    if m <= 64 && variant == Fp8StreamVariant::Pipeline {
+                        continue; // = fp8 auto
+                    }
+                    let (g, _) = time(&timer, sets, false, |s| {
+                        fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant })?;
+                        Ok(())
+                    })?;
+                    print(&Row { shape: name, m, what, graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
+                }
             }
             if (64..=FP8_STREAM_MAX_M).contains(&m) {
                 let (g, _) = time(&timer, sets, false, |s| {
-                    fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Dequant, splits: 0 })?;
+                    fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Dequant, ..Default::default() })?;
                     Ok(())
                 })?;
                 print(&Row { shape: name, m, what: "fp8 dequant+cuBLAS", graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });

@@ -10,24 +10,34 @@
 // (`dsv41_fp8_dequant`), which the large-m path (Rust side: dequantize into a scratch, then
 // cuBLAS) and Fp8Weight::dequantize use.
 //
-// Design (weight streaming, m <= 256; decode is m <= 64): the weight is read once, straight from
-// HBM into registers, and every byte meets all m tokens there.
+// Design (weight streaming, m <= 256; decode is m <= 64): the weight is read once from HBM and
+// every byte meets all m tokens on the tensor cores.
 //   * prep kernel: the activation panel [mpad, kpad] of 16-bit elements (the f16 e4m3 code
 //     values of Q1(x) with the block scales 2^e as f32 [kb, mpad]; or the bf16 x itself),
 //     zero-padded to whole 32-blocks and token tiles, and the split-K arrival counters zeroed.
+//     It lets the stream kernel launch early (programmatic dependent launch): that one starts
+//     its weight copies, then waits for the panel (griddepcontrol.wait).
 //   * stream kernel: a CTA = 4 warps = one 32-row block of W (one e8m0 scale row) x one split
-//     of K x one chunk of 8*NT <= 64 tokens; warp w takes the k32 blocks w, w+4, ... of the split
-//     (the four warps read adjacent 32-byte sectors). Per k32 block a lane loads 8 bytes of each
-//     of its 4 rows (L1 bypassed, L2 evict-first, 4 blocks in flight per warp), converts them
-//     exactly to f16 (cvt.rn.f16x2.e4m3x2; bf16 via f32 when act quant is off) and runs
-//     mma.sync m16n8k16 with the weight as A (2 m16 tiles) and the tokens as B (NT n8 tiles,
-//     16-byte panel loads through L1). The K order inside a block is permuted (lane quad t owns
-//     k = 8t..8t+7 of every row and token; a dot product does not care), so no shuffles or
-//     shared memory are needed. Each k32 block's product goes to a fresh accumulator that is
-//     added to the running sum times 2^(sa + sw) (one FFMA per output element and block): the
-//     reference's per-block scales, applied in f32. The 4 warps' sums meet in shared memory
-//     (fixed order); with split-K the CTAs store f32 partials and the last one to arrive (a
-//     counter per tile) adds them in split order, so results are deterministic.
+//     of K x one chunk of 8*NT <= 64 tokens. Per k32 block a lane holds 8 code bytes of each of
+//     its 4 rows, converts them exactly to f16 (cvt.rn.f16x2.e4m3x2; bf16 via f32 when act
+//     quant is off) and runs mma.sync m16n8k16 with the weight as A (2 m16 tiles) and the tokens
+//     as B (NT n8 tiles, 16-byte panel loads through L1), 2G independent products at a time.
+//     The K order inside a block is permuted (lane quad t owns k = 8t..8t+7 of every row and
+//     token; a dot product does not care), so the panel and the code bytes line up without
+//     shuffles. Each k32 block's product goes to a fresh accumulator that is added to the
+//     running sum times 2^(sa + sw) (one FFMA per output element and block): the reference's
+//     per-block scales, applied in f32. The 4 warps' sums meet in shared memory (fixed order);
+//     with split-K the CTAs store f32 partials and the last one to arrive (a counter per tile)
+//     adds them in split order, so results are deterministic.
+//   * How the bytes arrive (DSV41_FP8_VARIANT_*): PIPELINE (k % 16 == 0): every warp streams
+//     its own stages of 32 rows x 128 bytes (4 k32 blocks) into shared memory with cp.async,
+//     16 bytes per lane and whole 128-byte lines per instruction, 3 stages deep (12 KB per warp
+//     in flight, no registers held), and reads its fragments back with 8-byte shared loads
+//     (rows padded to 144 bytes). REGISTERS (any k): 8-byte loads per lane and row (32-byte
+//     sectors), 4 k32 blocks in flight per warp in a register ring (byte loads where k % 8 != 0).
+//     The first GPU run (8-byte loads only, products issued back to back) streamed at half the
+//     HBM rate even at m = 1: with one 32-byte sector per line request the loads in flight are
+//     few bytes each; whole lines per request is what PIPELINE changes.
 //   * Split-K: about 3 CTAs per SM, at least 16 k32 blocks per CTA (wo_b 8192 -> 5120: 3
 //     splits; wq_b 1280 -> 32768: none).
 //
@@ -53,7 +63,6 @@ namespace dsv41 {
 namespace fp8 {
 
 constexpr int kThreads = 128;   // 4 warps per CTA
-constexpr int kDepth = 4;       // k32 blocks in flight per warp
 constexpr int kMinBlocksPerSplit = 16;
 constexpr int kPrepThreads = 256;
 
@@ -87,11 +96,11 @@ __device__ __forceinline__ uint32_t cvt_codes(uint16_t h) {
 template <bool ACTQ>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, const float (&c)[4]) {
     if constexpr (ACTQ) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
                      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
     } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
                      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
     }
@@ -157,17 +166,146 @@ __device__ __forceinline__ void store_out4(const StreamArgs& a, int tok, int n0,
     }
 }
 
-// grid (mc, ceil(n/32), splits), 128 threads. See the header comment.
+constexpr int kLd = 36;        // padded row (32 rows + 4) of the reduction tile: conflict-free, float4-aligned
+constexpr int kStages = 3;     // smem pipeline: stages per warp
+constexpr int kStepBlocks = 4; // smem pipeline: k32 blocks per stage (128 bytes of each of 32 rows)
+constexpr int kSrow = 144;     // smem pipeline: bytes per staged row (128 + 16: conflict-free 8-byte reads)
+constexpr int kWarpStage = 32 * kSrow;
+constexpr int kSmemPipeBytes = 4 * kStages * kWarpStage;
+
+// One k32 block of the warp's 32 rows: w[i] = the lane's 8 code bytes of row g + 8i (k offsets
+// 8t..8t+7 of the block), sw = the block's weight scale. acc += (codes · panel) · 2^(sa + sw).
+template <int NT, bool ACTQ>
+__device__ __forceinline__ void block_step(float (&acc)[2][NT][4], const uint2 (&w)[4], float sw, int kb, const StreamArgs& a, int tok0,
+                                           int g, int t) {
+    constexpr int G = NT < 4 ? NT : 4;  // n8 tiles per group of independent products
+    const uint4* panel = reinterpret_cast<const uint4*>(a.panel);
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // A fragments: [m tile][k16 step]; a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
+    uint32_t af[2][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t lo = j == 0 ? w[2 * mt].x : w[2 * mt].y;
+            const uint32_t hi = j == 0 ? w[2 * mt + 1].x : w[2 * mt + 1].y;
+            af[mt][j][0] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo & 0xffffu));
+            af[mt][j][2] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo >> 16));
+            af[mt][j][1] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi & 0xffffu));
+            af[mt][j][3] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi >> 16));
+        }
+    // G n8 tiles at a time: 2G independent first-half products, then the second halves, then
+    // the scaled sums (no product waits on the one just issued).
+#pragma unroll
+    for (int n0 = 0; n0 < NT; n0 += G) {
+        uint4 b[G];
+        float s0[G], s1[G];
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            const int tok = tok0 + 8 * (n0 + u);
+            b[u] = __ldg(panel + ((static_cast<int64_t>(tok + g) * a.kpad + kb * 32 + 8 * t) >> 3));
+            s0[u] = sw;
+            s1[u] = sw;
+            if constexpr (ACTQ) {
+                const float2 sa = __ldg(reinterpret_cast<const float2*>(a.ascale + static_cast<int64_t>(kb) * a.mpad + tok + 2 * t));
+                s0[u] = sa.x * sw;
+                s1[u] = sa.y * sw;
+                // 2^(sa+sw) >= 2^128: clamp so that an all-zero block contributes 0, not NaN.
+                if (isinf(s0[u])) s0[u] = FLT_MAX;
+                if (isinf(s1[u])) s1[u] = FLT_MAX;
+            }
+        }
+        float p[2][G][4];
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][0], b[u].x, b[u].y, zero);
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][1], b[u].z, b[u].w, p[mt][u]);
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                float* c = acc[mt][n0 + u];
+                c[0] = fmaf(p[mt][u][0], s0[u], c[0]);
+                c[1] = fmaf(p[mt][u][1], s1[u], c[1]);
+                c[2] = fmaf(p[mt][u][2], s0[u], c[2]);
+                c[3] = fmaf(p[mt][u][3], s1[u], c[3]);
+            }
+    }
+}
+
+// The CTA's epilogue: the 4 warps' sums meet in red (fixed order), then bf16 stores, or with
+// split-K an f32 partial and, in the last CTA of the tile to arrive, the sum of the partials in
+// split order. red: [4][8 NT][kLd] floats; the caller's warps may still read other shared data.
+template <int NT>
+__device__ __forceinline__ void finish(const float (&acc)[2][NT][4], float* red, int* is_last, const StreamArgs& a, int warp, int g, int t) {
+    constexpr int TOK = 8 * NT;
+    const int mc = blockIdx.x, rb = blockIdx.y, s = blockIdx.z, tok0 = mc * TOK;
+    float* mine = red + warp * TOK * kLd;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int tk = 8 * nt + 2 * t, r = 16 * mt + g;
+            mine[tk * kLd + r] = acc[mt][nt][0];
+            mine[(tk + 1) * kLd + r] = acc[mt][nt][1];
+            mine[tk * kLd + r + 8] = acc[mt][nt][2];
+            mine[(tk + 1) * kLd + r + 8] = acc[mt][nt][3];
+        }
+    __syncthreads();
+
+    const int n_base = rb * 32;
+    const int64_t tile = static_cast<int64_t>(rb) * a.mc + mc;
+    for (int it = threadIdx.x; it < TOK * 8; it += kThreads) {
+        const int tk = it >> 3, q = (it & 7) * 4;
+        float4 v = *reinterpret_cast<const float4*>(red + tk * kLd + q);
+#pragma unroll
+        for (int w = 1; w < 4; ++w) {
+            const float4 u = *reinterpret_cast<const float4*>(red + (w * TOK + tk) * kLd + q);
+            v.x += u.x;
+            v.y += u.y;
+            v.z += u.z;
+            v.w += u.w;
+        }
+        if (a.splits == 1) store_out4(a, tok0 + tk, n_base + q, v);
+        else *reinterpret_cast<float4*>(a.ws + ((tile * a.splits + s) * TOK + tk) * 32 + q) = v;
+    }
+    if (a.splits == 1) return;
+
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *is_last = atomicAdd(a.ctr + tile, 1u) == static_cast<unsigned>(a.splits - 1);
+    __syncthreads();
+    if (!*is_last) return;
+    __threadfence();
+    for (int it = threadIdx.x; it < TOK * 8; it += kThreads) {
+        const int tk = it >> 3, q = (it & 7) * 4;
+        const float* p = a.ws + (tile * a.splits * TOK + tk) * 32 + q;
+        float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+        for (int sp = 1; sp < a.splits; ++sp) {
+            const float4 u = __ldcg(reinterpret_cast<const float4*>(p + static_cast<int64_t>(sp) * TOK * 32));
+            v.x += u.x;
+            v.y += u.y;
+            v.z += u.z;
+            v.w += u.w;
+        }
+        store_out4(a, tok0 + tk, n_base + q, v);
+    }
+}
+
+// Register-ring variant (any k and alignment): grid (mc, ceil(n/32), splits), 128 threads; warp
+// w takes the k32 blocks w, w+4, ... of the split, 4 of them in flight (8-byte loads per lane
+// and row, or byte loads when !VEC). See the header comment.
 template <int NT, bool ACTQ, bool VEC>
 __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(const StreamArgs a) {
-    constexpr int TOK = 8 * NT;
-    constexpr int LD = 36;  // padded row (32 rows + 4) of the reduction tile: conflict-free, float4-aligned
-    __shared__ __align__(16) float red[4][TOK][LD];
+    constexpr int D = 4;
+    __shared__ __align__(16) float red[4 * 8 * NT * kLd];
     __shared__ int is_last;
-
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int mc = blockIdx.x, rb = blockIdx.y, s = blockIdx.z;
-    const int tok0 = mc * TOK;
+    const int rb = blockIdx.y, s = blockIdx.z, tok0 = blockIdx.x * 8 * NT;
     const int kb_begin = static_cast<int>(static_cast<int64_t>(s) * a.kb / a.splits);
     const int kb_end = static_cast<int>(static_cast<int64_t>(s + 1) * a.kb / a.splits);
     const uint64_t pol = evict_first_policy();
@@ -190,8 +328,8 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(c
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
 
-    uint2 buf[kDepth][4];
-    uint32_t sbuf[kDepth];
+    uint2 buf[D][4];
+    uint32_t sbuf[D];
     auto issue = [&](int slot, int kb) {
         const bool ok = kb < kb_end;
 #pragma unroll
@@ -200,115 +338,96 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(c
     };
     const int first = kb_begin + warp;
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) issue(d, first + 4 * d);
+    for (int d = 0; d < D; ++d) issue(d, first + 4 * d);
     // Programmatic dependent launch: the weight loads above may overlap the prep kernel; the
     // panel, its scales and the counters are read only after it has finished.
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
-    const uint4* panel = reinterpret_cast<const uint4*>(a.panel);
-    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int base = first; base < kb_end; base += 4 * kDepth) {
+    for (int base = first; base < kb_end; base += 4 * D) {
 #pragma unroll
-        for (int d = 0; d < kDepth; ++d) {
+        for (int d = 0; d < D; ++d) {
             const int kb = base + 4 * d;
             if (kb >= kb_end) break;
             uint2 w[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) w[i] = buf[d][i];
             const float sw = e8m0_f32(sbuf[d]);
-            issue(d, kb + 4 * kDepth);
-
-            // A fragments: [m tile][k16 step]; a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
-            uint32_t af[2][2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const uint32_t lo = j == 0 ? w[2 * mt].x : w[2 * mt].y;
-                    const uint32_t hi = j == 0 ? w[2 * mt + 1].x : w[2 * mt + 1].y;
-                    af[mt][j][0] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo & 0xffffu));
-                    af[mt][j][2] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo >> 16));
-                    af[mt][j][1] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi & 0xffffu));
-                    af[mt][j][3] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi >> 16));
-                }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int tok = tok0 + 8 * nt;
-                const uint4 b = __ldg(panel + ((static_cast<int64_t>(tok + g) * a.kpad + kb * 32 + 8 * t) >> 3));
-                float s0 = sw, s1 = sw;
-                if constexpr (ACTQ) {
-                    const float2 sa = __ldg(reinterpret_cast<const float2*>(a.ascale + static_cast<int64_t>(kb) * a.mpad + tok + 2 * t));
-                    s0 = sa.x * sw;
-                    s1 = sa.y * sw;
-                    // 2^(sa+sw) >= 2^128: clamp so that an all-zero block contributes 0, not NaN.
-                    if (isinf(s0)) s0 = FLT_MAX;
-                    if (isinf(s1)) s1 = FLT_MAX;
-                }
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    float p[4];
-                    mma16816<ACTQ>(p, af[mt][0], b.x, b.y, zero);
-                    mma16816<ACTQ>(p, af[mt][1], b.z, b.w, p);
-                    acc[mt][nt][0] = fmaf(p[0], s0, acc[mt][nt][0]);
-                    acc[mt][nt][1] = fmaf(p[1], s1, acc[mt][nt][1]);
-                    acc[mt][nt][2] = fmaf(p[2], s0, acc[mt][nt][2]);
-                    acc[mt][nt][3] = fmaf(p[3], s1, acc[mt][nt][3]);
-                }
-            }
+            issue(d, kb + 4 * D);
+            block_step<NT, ACTQ>(acc, w, sw, kb, a, tok0, g, t);
         }
     }
+    finish<NT>(acc, red, &is_last, a, warp, g, t);
+}
 
-    // The warps' sums: red[warp][token][row].
+// Shared-memory pipeline variant (k % 16 == 0, 16-byte aligned codes): each warp streams its
+// own stages of 32 rows x 128 bytes (4 k32 blocks) with cp.async (16 bytes per lane, 4 whole
+// 128-byte lines per instruction, L1 bypassed), kStages deep, and reads the fragments back with
+// 8-byte shared loads (rows padded to 144 bytes: no bank conflicts beyond the minimum). Warp w
+// takes stages w, w+4, ... of the split. Dynamic shared memory: kSmemPipeBytes.
+template <int NT, bool ACTQ>
+__global__ void __launch_bounds__(kThreads, 3) fp8_stream_smem_kernel(const StreamArgs a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int is_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int rb = blockIdx.y, s = blockIdx.z, tok0 = blockIdx.x * 8 * NT;
+    const int kb_begin = static_cast<int>(static_cast<int64_t>(s) * a.kb / a.splits);
+    const int kb_end = static_cast<int>(static_cast<int64_t>(s + 1) * a.kb / a.splits);
+    const int nstages = (kb_end - kb_begin + kStepBlocks - 1) / kStepBlocks;
+    uint8_t* wsm = smem + warp * kStages * kWarpStage;
+    const uint32_t wsm_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wsm));
+    const uint8_t* srow = a.scales + static_cast<int64_t>(rb) * a.kb;
+
+    // Lane's copies: rows 4i + lane/8 (i = 0..7), 16-byte chunk lane % 8 of the stage's 128 bytes.
+    const int crow = lane >> 3, cchunk = lane & 7;
+    auto load_stage = [&](int slot, int st) {
+        const int kb = kb_begin + st * kStepBlocks + (cchunk >> 1);
+        const int64_t koff = static_cast<int64_t>(kb) * 32 + 16 * (cchunk & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int r = 4 * i + crow, row = rb * 32 + r;
+            const bool ok = row < a.n && kb < kb_end && koff < a.k;
+            const uint8_t* src = a.codes + (ok ? static_cast<int64_t>(row) * a.k + koff : 0);
+            const uint32_t dst = wsm_addr + slot * kWarpStage + r * kSrow + 16 * cchunk;
+            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+        }
+    };
+    const int first = warp;
+#pragma unroll
+    for (int d = 0; d < kStages - 1; ++d) {
+        if (first + 4 * d < nstages) load_stage(d, first + 4 * d);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    float acc[2][NT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int tk = 8 * nt + 2 * t, r = 16 * mt + g;
-            red[warp][tk][r] = acc[mt][nt][0];
-            red[warp][tk + 1][r] = acc[mt][nt][1];
-            red[warp][tk][r + 8] = acc[mt][nt][2];
-            red[warp][tk + 1][r + 8] = acc[mt][nt][3];
-        }
-    __syncthreads();
-
-    const int n_base = rb * 32;
-    const int64_t tile = static_cast<int64_t>(rb) * a.mc + mc;
-    for (int it = threadIdx.x; it < TOK * 8; it += kThreads) {
-        const int tk = it >> 3, q = (it & 7) * 4;
-        float4 v = *reinterpret_cast<const float4*>(&red[0][tk][q]);
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int w = 1; w < 4; ++w) {
-            const float4 u = *reinterpret_cast<const float4*>(&red[w][tk][q]);
-            v.x += u.x;
-            v.y += u.y;
-            v.z += u.z;
-            v.w += u.w;
-        }
-        if (a.splits == 1) store_out4(a, tok0 + tk, n_base + q, v);
-        else *reinterpret_cast<float4*>(a.ws + ((tile * a.splits + s) * TOK + tk) * 32 + q) = v;
-    }
-    if (a.splits == 1) return;
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
 
-    // Split-K: the last CTA of the tile to arrive adds the partials in split order.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(a.ctr + tile, 1u) == static_cast<unsigned>(a.splits - 1);
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int it = threadIdx.x; it < TOK * 8; it += kThreads) {
-        const int tk = it >> 3, q = (it & 7) * 4;
-        const float* p = a.ws + (tile * a.splits * TOK + tk) * 32 + q;
-        float4 v = __ldcg(reinterpret_cast<const float4*>(p));
-        for (int sp = 1; sp < a.splits; ++sp) {
-            const float4 u = __ldcg(reinterpret_cast<const float4*>(p + static_cast<int64_t>(sp) * TOK * 32));
-            v.x += u.x;
-            v.y += u.y;
-            v.z += u.z;
-            v.w += u.w;
+    int i = 0;
+    for (int st = first; st < nstages; st += 4, ++i) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
+        __syncwarp();
+        const int next = st + 4 * (kStages - 1);
+        if (next < nstages) load_stage((i + kStages - 1) % kStages, next);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        const uint8_t* stage = wsm + (i % kStages) * kWarpStage;
+#pragma unroll
+        for (int u = 0; u < kStepBlocks; ++u) {
+            const int kb = kb_begin + st * kStepBlocks + u;
+            if (kb >= kb_end) break;
+            uint2 w[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) w[r] = *reinterpret_cast<const uint2*>(stage + (g + 8 * r) * kSrow + 32 * u + 8 * t);
+            block_step<NT, ACTQ>(acc, w, e8m0_f32(__ldg(srow + kb)), kb, a, tok0, g, t);
         }
-        store_out4(a, tok0 + tk, n_base + q, v);
     }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // every warp is done with its stages: red may reuse them
+    finish<NT>(acc, reinterpret_cast<float*>(smem), &is_last, a, warp, g, t);
 }
 
 // One warp per (token row of the panel, k32 block): the panel row's 32 elements and, with
@@ -408,6 +527,7 @@ inline int sm_count() {
 inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->m < 1 || p->m > DSV41_FP8_STREAM_MAX_M || p->n < 1 || p->k < 1 || p->splits < 0) return DSV41_ERR_SHAPE;
+    if (p->variant < 0 || p->variant > 2) return DSV41_ERR_SHAPE;
     if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
     // Grid limits: ceil(n/32) CTAs in y (<= 65535).
     if ((p->n + 31) / 32 > 65535) return DSV41_ERR_SHAPE;
@@ -443,20 +563,29 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
     return q;
 }
 
+// kind: 0 register ring with byte loads, 1 register ring with 8-byte loads, 2 smem pipeline.
 template <int NT, bool ACTQ>
-cudaError_t launch_stream(const StreamArgs& a, const Plan& q, bool vec, cudaStream_t st) {
+cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
     const dim3 grid(q.mc, q.nb, q.splits);
-    auto* kernel = vec ? fp8_stream_kernel<NT, ACTQ, true> : fp8_stream_kernel<NT, ACTQ, false>;
+    if (kind == 2) {
+        static thread_local int configured_dev = -1;
+        int dev = 0;
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e == cudaSuccess) e = dsv41_launch::set_max_dynamic_smem(fp8_stream_smem_kernel<NT, ACTQ>, dev, kSmemPipeBytes, configured_dev);
+        if (e != cudaSuccess) return e;
+        return dsv41_launch::launch_pdl(fp8_stream_smem_kernel<NT, ACTQ>, grid, dim3(kThreads), kSmemPipeBytes, st, 1, a);
+    }
+    auto* kernel = kind == 1 ? fp8_stream_kernel<NT, ACTQ, true> : fp8_stream_kernel<NT, ACTQ, false>;
     return dsv41_launch::launch_pdl(kernel, grid, dim3(kThreads), 0, st, 1, a);
 }
 
 template <bool ACTQ>
-cudaError_t launch_stream_nt(const StreamArgs& a, const Plan& q, bool vec, cudaStream_t st) {
+cudaError_t launch_stream_nt(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
     switch (q.nt) {
-        case 1: return launch_stream<1, ACTQ>(a, q, vec, st);
-        case 2: return launch_stream<2, ACTQ>(a, q, vec, st);
-        case 4: return launch_stream<4, ACTQ>(a, q, vec, st);
-        default: return launch_stream<8, ACTQ>(a, q, vec, st);
+        case 1: return launch_stream<1, ACTQ>(a, q, kind, st);
+        case 2: return launch_stream<2, ACTQ>(a, q, kind, st);
+        case 4: return launch_stream<4, ACTQ>(a, q, kind, st);
+        default: return launch_stream<8, ACTQ>(a, q, kind, st);
     }
 }
 
@@ -512,8 +641,11 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
 
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
-    const bool vec = p->k % 8 == 0 && (reinterpret_cast<uintptr_t>(p->codes) & 7) == 0;
-    e = p->act_quant ? launch_stream_nt<true>(a, q, vec, st) : launch_stream_nt<false>(a, q, vec, st);
+    const uintptr_t cp = reinterpret_cast<uintptr_t>(p->codes);
+    const bool vec8 = p->k % 8 == 0 && (cp & 7) == 0, vec16 = p->k % 16 == 0 && (cp & 15) == 0;
+    // DSV41_FP8_VARIANT_*: the pipeline where its 16-byte copies are possible, else the ring.
+    const int kind = (p->variant == DSV41_FP8_VARIANT_REGISTERS || !vec16) ? (vec8 ? 1 : 0) : 2;
+    e = p->act_quant ? launch_stream_nt<true>(a, q, kind, st) : launch_stream_nt<false>(a, q, kind, st);
     return static_cast<int>(e);
 }
 

@@ -27,8 +27,14 @@ typedef struct {
     int32_t k;              // input features >= 1 (a multiple of 32 when act_quant)
     int32_t act_quant;      // 1: FP8 activation quantization per 1x32 block (Q1), 0: bf16 x as is
     int32_t splits;         // split-K factor; 0 = the launcher's choice
-    int32_t reserved;       // 0
+    int32_t variant;        // DSV41_FP8_VARIANT_*
 } Dsv41Fp8LinearParams;
+
+// Weight-streaming kernel variants: AUTO = PIPELINE when k % 16 == 0 and the codes are 16-byte
+// aligned, else REGISTERS (which also takes any k and alignment).
+#define DSV41_FP8_VARIANT_AUTO 0
+#define DSV41_FP8_VARIANT_REGISTERS 1  // 8-byte loads into a register ring, 4 k32 blocks in flight per warp
+#define DSV41_FP8_VARIANT_PIPELINE 2   // cp.async stages in shared memory, 3 x 4 KB per warp
 
 // Largest m of the weight-streaming kernel (tokens run in chunks of 64 columns).
 #define DSV41_FP8_STREAM_MAX_M 256

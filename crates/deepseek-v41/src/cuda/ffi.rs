@@ -348,7 +348,8 @@ pub(crate) struct Fp8LinearParams {
     pub act_quant: i32,
     /// Split-K factor, 0 = the launcher's choice.
     pub splits: i32,
-    pub reserved: i32,
+    /// `DSV41_FP8_VARIANT_*`: 0 auto, 1 register ring, 2 shared-memory pipeline.
+    pub variant: i32,
 }
 
 /// `DSV41_FP8_STREAM_MAX_M`: the largest `m` of the weight-streaming kernel.

@@ -5,7 +5,7 @@
 //! (`tests/cuda_fp8_linear.rs`).
 //!
 //! Two paths ([`Fp8LinearPath`]):
-//! * `Stream` (m <= [`FP8_STREAM_MAX_M`]): the weight-streaming kernel — every weight byte read
+//! * `Stream` (m <= [`FP8_STREAM_MAX_M`], [`Fp8StreamVariant`]): the weight-streaming kernel — every weight byte read
 //!   once from HBM into registers, tensor-core products with the block scales applied in f32
 //!   (design in the kernel's header comment). Decode and small prefills.
 //! * `Dequant`: the weight dequantized into a bf16 scratch by one kernel, then Candle's cuBLAS
@@ -25,8 +25,21 @@ use crate::quant::{fp8_activation_quant, Fp8Weight};
 /// The largest m the weight-streaming kernel takes (tokens in chunks of 64).
 pub const FP8_STREAM_MAX_M: usize = ffi::FP8_STREAM_MAX_M;
 
-/// The largest m for which [`fp8_linear`] streams the weight (above: dequantize + cuBLAS).
-pub const FP8_AUTO_STREAM_MAX_M: usize = FP8_STREAM_MAX_M;
+/// The largest m for which [`fp8_linear`] streams the weight (above: dequantize + cuBLAS, faster
+/// there on the H100 / H200 until the FP8 `wgmma` kernel; `docs/perf.md` "FP8 linear").
+pub const FP8_AUTO_STREAM_MAX_M: usize = 64;
+
+/// The weight-streaming kernel's variants (`DSV41_FP8_VARIANT_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8StreamVariant {
+    /// `Pipeline` where its 16-byte copies are possible (K a multiple of 16), else `Registers`.
+    #[default]
+    Auto,
+    /// 8-byte loads (byte loads for K not a multiple of 8) into a register ring.
+    Registers,
+    /// `cp.async` stages in shared memory (falls back to `Registers` where K % 16 != 0).
+    Pipeline,
+}
 
 /// Which kernel computes an FP8 linear.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -47,6 +60,8 @@ pub struct Fp8LinearOptions {
     /// Split-K factor of the streaming kernel; 0 = the launcher's choice (clamped to the k32
     /// blocks).
     pub splits: usize,
+    /// The streaming kernel's variant.
+    pub variant: Fp8StreamVariant,
 }
 
 /// `x · Wᵀ`: `x` `[M, K]` bf16 on a CUDA device, `w` `[N, K]` on the same device; returns
@@ -90,10 +105,10 @@ pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8Line
     if m > FP8_STREAM_MAX_M {
         candle_core::bail!("{op}: the streaming kernel takes M <= {FP8_STREAM_MAX_M}, got {m}")
     }
-    stream_launch(op, &x.contiguous()?, w, m, act_quant, opts.splits)
+    stream_launch(op, &x.contiguous()?, w, m, act_quant, opts)
 }
 
-fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, splits: usize) -> Result<Tensor> {
+fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: Fp8LinearOptions) -> Result<Tensor> {
     let (n, k) = w.dims();
     let mut params = Fp8LinearParams {
         x: std::ptr::null(),
@@ -106,8 +121,12 @@ fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool,
         n: n as i32,
         k: k as i32,
         act_quant: act_quant as i32,
-        splits: splits.min(i32::MAX as usize) as i32,
-        reserved: 0,
+        splits: opts.splits.min(i32::MAX as usize) as i32,
+        variant: match opts.variant {
+            Fp8StreamVariant::Auto => 0,
+            Fp8StreamVariant::Registers => 1,
+            Fp8StreamVariant::Pipeline => 2,
+        },
     };
     let mut bytes = 0i64;
     // SAFETY: the launcher reads the parameter block (its size is passed) and writes `bytes`.
