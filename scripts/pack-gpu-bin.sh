@@ -11,6 +11,8 @@
 # benches below), PACK_DIR (output folder, default gpu-bin). The chosen names are written to
 # $PACK_DIR/TARGETS so run.sh runs exactly what was packed; run.sh's BENCH_ARGS / TEST_FILTER
 # pass arguments through.
+# FP8 linear (issue 21): PACK_TESTS="cuda_fp8_linear" PACK_BENCHES="bench_fp8_linear"; its torch
+# anchors are examples/anchors/scaled_mm.py (run with /opt/torch/.venv/bin/python on the GPU machine).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"

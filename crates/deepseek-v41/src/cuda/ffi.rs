@@ -326,3 +326,53 @@ pub(crate) struct MhcSplitParams {
 extern "C" {
     pub(crate) fn dsv41_mhc_split_sinkhorn(p: *const MhcSplitParams, params_size: usize, stream: *mut c_void) -> i32;
 }
+
+/// `Dsv41Fp8LinearParams` of `kernels/include/dsv41_fp8_linear.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fp8LinearParams {
+    /// `[m, k]` bf16, contiguous.
+    pub x: *const c_void,
+    /// `[n, k]` e4m3 bytes, contiguous.
+    pub codes: *const u8,
+    /// `[ceil(n/32), ceil(k/32)]` e8m0 bytes, contiguous.
+    pub scales: *const u8,
+    /// `[m, n]` bf16 out.
+    pub out: *mut c_void,
+    /// `scratch_bytes` bytes, 256-byte aligned.
+    pub scratch: *mut c_void,
+    pub scratch_bytes: i64,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub act_quant: i32,
+    /// Split-K factor, 0 = the launcher's choice.
+    pub splits: i32,
+    /// `DSV41_FP8_VARIANT_*`: 0 auto, 1 register ring, 2 shared-memory pipeline.
+    pub variant: i32,
+}
+
+/// `DSV41_FP8_STREAM_MAX_M`: the largest `m` of the weight-streaming kernel.
+pub(crate) const FP8_STREAM_MAX_M: usize = 256;
+
+/// `Dsv41Fp8DequantParams` of `kernels/include/dsv41_fp8_linear.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fp8DequantParams {
+    /// `[n, k]` e4m3 bytes, contiguous.
+    pub codes: *const u8,
+    /// `[ceil(n/32), ceil(k/32)]` e8m0 bytes, contiguous.
+    pub scales: *const u8,
+    /// `[n, k]` bf16 or f32 (`out_f32`) out.
+    pub out: *mut c_void,
+    pub n: i32,
+    pub k: i32,
+    pub out_f32: i32,
+    pub reserved: i32,
+}
+
+extern "C" {
+    pub(crate) fn dsv41_fp8_linear_scratch_bytes(p: *const Fp8LinearParams, params_size: usize, bytes: *mut i64) -> i32;
+    pub(crate) fn dsv41_fp8_linear(p: *const Fp8LinearParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_fp8_dequant(p: *const Fp8DequantParams, params_size: usize, stream: *mut c_void) -> i32;
+}

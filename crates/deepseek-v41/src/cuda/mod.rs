@@ -27,6 +27,9 @@
 //!   (RMSNorm, the mHC mixes' rsqrt factor, collapse and post, the Engram gate, the MoE's f32
 //!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
 //!   CUDA device (the decode step of a small model is launch-bound).
+//! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
+//!   release format (weight streaming for small m, dequantize + cuBLAS for large m), and
+//!   [`fp8_dequantize_device`].
 //! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
 //!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
@@ -44,6 +47,7 @@ mod decode_device;
 mod decoder_ops;
 mod device;
 mod ffi;
+mod fp8_linear;
 mod index_key_insert;
 mod indexer_inputs;
 mod indexer_scores;
@@ -63,6 +67,10 @@ mod window_insert;
 pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
 pub use decode_device::decode_device;
+pub use fp8_linear::{
+    fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant, FP8_AUTO_STREAM_MAX_M,
+    FP8_STREAM_MAX_M,
+};
 pub use decoder_ops::{
     accumulate_device, accumulate_supported, collapse_device, collapse_supported, engram_mix_device, engram_mix_supported, mhc_post_device,
     mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, ROW_NORM_MAX_N,

@@ -1,13 +1,16 @@
-//! Number formats, QAT fake-quantization, packed cache rows and the FP8 activation quantization.
+//! Number formats, QAT fake-quantization, packed cache rows, the FP8 activation quantization and
+//! the block-scaled FP8 weight with its reference linear.
 
 pub mod act_quant;
 pub mod fake_quant;
 pub mod formats;
+pub mod fp8_weight;
 pub mod packed;
 #[cfg(test)]
 mod test_golden;
 
 pub use act_quant::fp8_activation_quant;
+pub use fp8_weight::{fp8_linear_ref, Fp8Weight};
 pub use fake_quant::{fake_quant, fake_quant_slice, quantize_block, QatFormat, QuantBlock};
 pub use packed::{
     pack_fp4_row, pack_fp8_row, pack_index_fp4_row, pack_row, unpack_fp4_row, unpack_fp8_row, unpack_index_fp4_row,

@@ -1,0 +1,198 @@
+//! The block-scaled FP8 linear on the GPU (`kernels/fp8_linear.cu`, issue 21): `x · Wᵀ` with
+//! the weight kept as e4m3 codes and e8m0 32×32 block scales ([`Fp8Weight`]), the reference's
+//! numerics ([`crate::quant::fp8_linear_ref`]: FP8 activation quantization per 1×32 block when
+//! on, f32 accumulation, bf16 output) up to the order of the f32 summation
+//! (`tests/cuda_fp8_linear.rs`).
+//!
+//! Two paths ([`Fp8LinearPath`]):
+//! * `Stream` (m <= [`FP8_STREAM_MAX_M`], [`Fp8StreamVariant`]): the weight-streaming kernel — every weight byte read
+//!   once from HBM into registers, tensor-core products with the block scales applied in f32
+//!   (design in the kernel's header comment). Decode and small prefills.
+//! * `Dequant`: the weight dequantized into a bf16 scratch by one kernel, then Candle's cuBLAS
+//!   bf16 matmul over the activation-quantized input (today's [`crate::nn::Linear`] on CUDA,
+//!   with the weight at rest in FP8). Large prefills, until an FP8 `wgmma` kernel replaces it.
+//!
+//! [`fp8_linear`] picks the path by m; [`fp8_linear_with`] forces one (tests, benchmarks).
+
+use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
+use candle_core::{DType, Layout, Result, Tensor};
+use half::bf16;
+
+use super::device::{as_cuda, cuda_tensor, float_alloc, float_write_ptr, raw_stream, read_ptr, stream_for};
+use super::ffi::{self, check_status, Fp8DequantParams, Fp8LinearParams};
+use crate::quant::{fp8_activation_quant, Fp8Weight};
+
+/// The largest m the weight-streaming kernel takes (tokens in chunks of 64).
+pub const FP8_STREAM_MAX_M: usize = ffi::FP8_STREAM_MAX_M;
+
+/// The largest m for which [`fp8_linear`] streams the weight (above: dequantize + cuBLAS, faster
+/// there on the H100 / H200 until the FP8 `wgmma` kernel; `docs/perf.md` "FP8 linear").
+pub const FP8_AUTO_STREAM_MAX_M: usize = 64;
+
+/// The weight-streaming kernel's variants (`DSV41_FP8_VARIANT_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8StreamVariant {
+    /// `Pipeline` where its 16-byte copies are possible (K a multiple of 16), else `Registers`.
+    #[default]
+    Auto,
+    /// 8-byte loads (byte loads for K not a multiple of 8) into a register ring.
+    Registers,
+    /// `cp.async` stages in shared memory (falls back to `Registers` where K % 16 != 0).
+    Pipeline,
+}
+
+/// Which kernel computes an FP8 linear.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8LinearPath {
+    /// By m: `Stream` up to [`FP8_AUTO_STREAM_MAX_M`], else `Dequant`.
+    #[default]
+    Auto,
+    /// The weight-streaming kernel (m <= [`FP8_STREAM_MAX_M`]).
+    Stream,
+    /// Dequantize into a bf16 scratch, then cuBLAS.
+    Dequant,
+}
+
+/// Options of [`fp8_linear_with`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fp8LinearOptions {
+    pub path: Fp8LinearPath,
+    /// Split-K factor of the streaming kernel; 0 = the launcher's choice (clamped to the k32
+    /// blocks).
+    pub splits: usize,
+    /// The streaming kernel's variant.
+    pub variant: Fp8StreamVariant,
+}
+
+/// `x · Wᵀ`: `x` `[M, K]` bf16 on a CUDA device, `w` `[N, K]` on the same device; returns
+/// `[M, N]` bf16. With `act_quant` the input is quantized per 1×32 block first (the reference's
+/// FP8 activation quantization; K must then be a multiple of 32). Errors (never panics) on
+/// another dtype, device or shape.
+pub fn fp8_linear(x: &Tensor, w: &Fp8Weight, act_quant: bool) -> Result<Tensor> {
+    fp8_linear_with(x, w, act_quant, Fp8LinearOptions::default())
+}
+
+/// [`fp8_linear`] with a chosen path and split-K factor.
+pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8LinearOptions) -> Result<Tensor> {
+    let op = "fp8_linear";
+    let (n, k) = w.dims();
+    let m = match x.dims() {
+        &[m, xk] if xk == k => m,
+        d => candle_core::bail!("{op}: x must be [M, {k}] for a weight [{n}, {k}] (out, in), got {d:?}"),
+    };
+    if x.dtype() != DType::BF16 {
+        candle_core::bail!("{op}: x must be bf16, got {:?}", x.dtype())
+    }
+    if !x.device().is_cuda() || !x.device().same_device(w.device()) {
+        candle_core::bail!("{op}: x ({:?}) and the weight ({:?}) must be on one CUDA device", x.device(), w.device())
+    }
+    if act_quant && !k.is_multiple_of(32) {
+        candle_core::bail!("{op}: the activation quantization needs K (= {k}) to be a multiple of 32")
+    }
+    if m == 0 {
+        return Tensor::zeros((0, n), DType::BF16, x.device());
+    }
+    let stream = match opts.path {
+        Fp8LinearPath::Auto => m <= FP8_AUTO_STREAM_MAX_M,
+        Fp8LinearPath::Stream => true,
+        Fp8LinearPath::Dequant => false,
+    };
+    if !stream {
+        let xq = if act_quant { fp8_activation_quant(x)? } else { x.clone() };
+        let wd = fp8_dequantize_device(w, DType::BF16)?;
+        return xq.matmul(&wd.t()?);
+    }
+    if m > FP8_STREAM_MAX_M {
+        candle_core::bail!("{op}: the streaming kernel takes M <= {FP8_STREAM_MAX_M}, got {m}")
+    }
+    stream_launch(op, &x.contiguous()?, w, m, act_quant, opts)
+}
+
+fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: Fp8LinearOptions) -> Result<Tensor> {
+    let (n, k) = w.dims();
+    let mut params = Fp8LinearParams {
+        x: std::ptr::null(),
+        codes: std::ptr::null(),
+        scales: std::ptr::null(),
+        out: std::ptr::null_mut(),
+        scratch: std::ptr::null_mut(),
+        scratch_bytes: 0,
+        m: m as i32,
+        n: n as i32,
+        k: k as i32,
+        act_quant: act_quant as i32,
+        splits: opts.splits.min(i32::MAX as usize) as i32,
+        variant: match opts.variant {
+            Fp8StreamVariant::Auto => 0,
+            Fp8StreamVariant::Registers => 1,
+            Fp8StreamVariant::Pipeline => 2,
+        },
+    };
+    let mut bytes = 0i64;
+    // SAFETY: the launcher reads the parameter block (its size is passed) and writes `bytes`.
+    check_status(op, unsafe { ffi::dsv41_fp8_linear_scratch_bytes(&params, std::mem::size_of::<Fp8LinearParams>(), &mut bytes) })?;
+
+    let (xs, xl) = x.storage_and_layout();
+    let (cs, cl) = w.codes().storage_and_layout();
+    let (ss, sl) = w.scales().storage_and_layout();
+    let (xc, cc, sc) = (as_cuda(&xs, "x")?, as_cuda(&cs, "codes")?, as_cuda(&ss, "scales")?);
+    let cdev = xc.device.clone();
+    let stream = stream_for(xc)?;
+    // SAFETY (both allocations): written by the kernels before they are read (every output
+    // element; the scratch's panel, scales and counters by the prep kernel, partials before the
+    // last CTA reads them).
+    let mut out = float_alloc(&cdev, m * n, false)?;
+    let mut scratch = unsafe { cdev.alloc::<u8>(bytes.max(1) as usize)? };
+    {
+        let out_layout = Layout::contiguous((m, n));
+        let (x_p, _gx) = read_ptr::<bf16>(xc, xl, &stream)?;
+        let (c_p, _gc) = read_ptr::<u8>(cc, cl, &stream)?;
+        let (s_p, _gs) = read_ptr::<u8>(sc, sl, &stream)?;
+        let (o_p, _go) = float_write_ptr(&mut out, &out_layout, false, &stream)?;
+        let (scr_p, _gscr) = scratch.device_ptr_mut(&stream);
+        params.x = x_p as *const std::ffi::c_void;
+        params.codes = c_p;
+        params.scales = s_p;
+        params.out = o_p;
+        params.scratch = scr_p as *mut std::ffi::c_void;
+        params.scratch_bytes = bytes;
+        // SAFETY: x is read-locked, contiguous [m, k] bf16; codes / scales are read-locked and
+        // contiguous with the weight's shapes; out is a fresh [m, n] bf16 buffer; the scratch
+        // holds the bytes the launcher asked for; the launcher checks sizes and alignment; the
+        // guards order the launches on the stream.
+        let code = unsafe { ffi::dsv41_fp8_linear(&params, std::mem::size_of::<Fp8LinearParams>(), raw_stream(&stream)) };
+        check_status(op, code)?;
+    }
+    drop((xs, cs, ss));
+    Ok(cuda_tensor(out, (m, n)))
+}
+
+/// The weight `[N, K]` dequantized on its CUDA device into f32 or bf16 (one kernel; bit for bit
+/// [`Fp8Weight::dequantize`]'s host computation, see there for bf16 exactness).
+pub fn fp8_dequantize_device(w: &Fp8Weight, dtype: DType) -> Result<Tensor> {
+    let op = "fp8_dequantize_device";
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        candle_core::bail!("{op}: dtype must be f32 or bf16, got {dtype:?}")
+    }
+    let (n, k) = w.dims();
+    let (cs, cl) = w.codes().storage_and_layout();
+    let (ss, sl) = w.scales().storage_and_layout();
+    let (cc, sc) = (as_cuda(&cs, "codes")?, as_cuda(&ss, "scales")?);
+    let cdev = cc.device.clone();
+    let stream = stream_for(cc)?;
+    let is_f32 = dtype == DType::F32;
+    let mut out = float_alloc(&cdev, n * k, is_f32)?;
+    {
+        let out_layout = Layout::contiguous((n, k));
+        let (c_p, _gc) = read_ptr::<u8>(cc, cl, &stream)?;
+        let (s_p, _gs) = read_ptr::<u8>(sc, sl, &stream)?;
+        let (o_p, _go) = float_write_ptr(&mut out, &out_layout, is_f32, &stream)?;
+        let params = Fp8DequantParams { codes: c_p, scales: s_p, out: o_p, n: n as i32, k: k as i32, out_f32: is_f32 as i32, reserved: 0 };
+        // SAFETY: codes / scales are read-locked and contiguous with the weight's shapes; out is
+        // a fresh [n, k] buffer of the flagged dtype, written in full; the launcher checks counts.
+        let code = unsafe { ffi::dsv41_fp8_dequant(&params, std::mem::size_of::<Fp8DequantParams>(), raw_stream(&stream)) };
+        check_status(op, code)?;
+    }
+    drop((cs, ss));
+    Ok(cuda_tensor(out, (n, k)))
+}

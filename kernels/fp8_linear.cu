@@ -1,0 +1,663 @@
+// fp8_linear: the block-scaled FP8 linear of the release's dense weights (spec §2.4-§2.5, issue
+// 21) without dequantizing the weight: y[m, n] = bf16( sum_k xq[m, k] * W[n, k] ), f32
+// accumulation, where W[n, k] = e4m3(codes[n, k]) * 2^(S[n/32, k/32] - 127) (32x32 blocks, e8m0
+// scale bytes, 255 = NaN) and xq = Q1(x) (1x32 e4m3 activation quantization with a power-of-two
+// scale, spec §0.1b.8) when act_quant is on, else x. CPU reference: quant::fp8_linear_ref (the
+// crate's nn::Linear over the dequantized weight); GPU tests: tests/cuda_fp8_linear.rs.
+//
+// Layout: x [m, k] bf16, codes [n, k] u8, scales [ceil(n/32), ceil(k/32)] u8, out [m, n] bf16,
+// all contiguous row-major. Also here: the exact dequantization W -> bf16 / f32
+// (`dsv41_fp8_dequant`), which the large-m path (Rust side: dequantize into a scratch, then
+// cuBLAS) and Fp8Weight::dequantize use.
+//
+// Design (weight streaming, m <= 256; decode is m <= 64): the weight is read once from HBM and
+// every byte meets all m tokens on the tensor cores.
+//   * prep kernel: the activation panel [mpad, kpad] of 16-bit elements (the f16 e4m3 code
+//     values of Q1(x) with the block scales 2^e as f32 [kb, mpad]; or the bf16 x itself),
+//     zero-padded to whole 32-blocks and token tiles, and the split-K arrival counters zeroed.
+//     It lets the stream kernel launch early (programmatic dependent launch): that one starts
+//     its weight copies, then waits for the panel (griddepcontrol.wait).
+//   * stream kernel: a CTA = 4 warps = one 32-row block of W (one e8m0 scale row) x one split
+//     of K x one chunk of 8*NT <= 64 tokens. Per k32 block a lane holds 8 code bytes of each of
+//     its 4 rows, converts them exactly to f16 (cvt.rn.f16x2.e4m3x2; bf16 via f32 when act
+//     quant is off) and runs mma.sync m16n8k16 with the weight as A (2 m16 tiles) and the tokens
+//     as B (NT n8 tiles, 16-byte panel loads through L1), 2G independent products at a time.
+//     The K order inside a block is permuted (lane quad t owns k = 8t..8t+7 of every row and
+//     token; a dot product does not care), so the panel and the code bytes line up without
+//     shuffles. Each k32 block's product goes to a fresh accumulator that is added to the
+//     running sum times 2^(sa + sw) (one FFMA per output element and block): the reference's
+//     per-block scales, applied in f32. The 4 warps' sums meet in shared memory (fixed order);
+//     with split-K the CTAs store f32 partials and the last one to arrive (a counter per tile)
+//     adds them in split order, so results are deterministic.
+//   * How the bytes arrive (DSV41_FP8_VARIANT_*): PIPELINE (k % 16 == 0): every warp streams
+//     its own stages of 32 rows x 128 bytes (4 k32 blocks) into shared memory with cp.async,
+//     16 bytes per lane and whole 128-byte lines per instruction, 3 stages deep (12 KB per warp
+//     in flight, no registers held), and reads its fragments back with 8-byte shared loads
+//     (rows padded to 144 bytes). REGISTERS (any k): 8-byte loads per lane and row (32-byte
+//     sectors), 4 k32 blocks in flight per warp in a register ring (byte loads where k % 8 != 0).
+//     The first GPU run (8-byte loads only, products issued back to back) streamed at half the
+//     HBM rate even at m = 1: with one 32-byte sector per line request the loads in flight are
+//     few bytes each; whole lines per request is what PIPELINE changes.
+//   * Split-K: about 3 CTAs per SM, at least 16 k32 blocks per CTA (wo_b 8192 -> 5120: 3
+//     splits; wq_b 1280 -> 32768: none).
+//
+// Numerics: the products of e4m3 codes are exact in f16 x f16 -> f32 tensor-core products;
+// with act quant off, bf16 x times the code is exact too. A block's 32 products are summed by
+// the tensor core in f32, then scaled by the power of two 2^(sa + sw) (exact unless it leaves
+// the f32 range: a scale product above 2^127 is clamped to FLT_MAX so that an all-zero block
+// stays zero; below 2^-149 it is 0 - never with the Q1 scales, which are >= 2^-22), then added
+// in f32. So the result equals the reference up to the order of the f32 summation; outputs are
+// rounded to bf16 once (RNE). Scale byte 255 (NaN) gives NaN like the reference.
+//
+// Measured (docs/perf.md "FP8 linear", H100, 2026-12-06): the first version (REGISTERS only, products
+// issued back to back) streamed wq_b (42 MB) at 1.7 TB/s for m = 1 and 16 and 0.77 TB/s at m = 64, below
+// cuBLASLt FP8; PIPELINE and the independent product groups are not measured yet. Numerics: 0.02 % of
+// outputs one bf16 ulp off the CPU reference (tests/cuda_fp8_linear.rs).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <float.h>
+
+#include "include/dsv41_fp8_linear.h"
+#include "include/dsv41_launch.cuh"
+#include "include/dsv41_numerics.cuh"
+
+namespace dsv41 {
+namespace fp8 {
+
+constexpr int kThreads = 128;   // 4 warps per CTA
+constexpr int kMinBlocksPerSplit = 16;
+constexpr int kPrepThreads = 256;
+
+// e8m0 byte -> 2^(b - 127) (b = 0: the subnormal 2^-127; 255: NaN).
+__device__ __forceinline__ float e8m0_f32(uint32_t b) {
+    return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
+}
+
+// Two e4m3 codes (low / high byte of h) -> f16x2 (low half from the low byte); exact.
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint16_t h) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(h));
+    return d;
+}
+
+// Two e4m3 codes -> bf16x2 (through f16 and f32, all exact).
+__device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint16_t h) {
+    const uint32_t f = e4m3x2_f16x2(h);
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&f));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+    return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <bool ACTQ>
+__device__ __forceinline__ uint32_t cvt_codes(uint16_t h) {
+    if constexpr (ACTQ) return e4m3x2_f16x2(h);
+    else return e4m3x2_bf16x2(h);
+}
+
+// d = a * b (+ c) for m16n8k16, f16 (ACTQ) or bf16 inputs, f32 accumulators.
+template <bool ACTQ>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, const float (&c)[4]) {
+    if constexpr (ACTQ) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    }
+}
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+    uint64_t pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
+// 8 weight bytes at row[k0..k0+8) (zeros past k or for an invalid row). VEC: one 8-byte load
+// (row and k0 8-byte aligned, k a multiple of 8); else byte loads.
+template <bool VEC>
+__device__ __forceinline__ uint2 load_w8(const uint8_t* row, int k0, int k, bool row_ok, uint64_t pol) {
+    uint2 v = make_uint2(0u, 0u);
+    if constexpr (VEC) {
+        if (row_ok && k0 < k) {
+            asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v2.u32 {%0,%1}, [%2], %3;"
+                         : "=r"(v.x), "=r"(v.y)
+                         : "l"(row + k0), "l"(pol));
+        }
+    } else {
+        if (row_ok) {
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                const uint32_t byte = k0 + b < k ? static_cast<uint32_t>(__ldg(row + k0 + b)) : 0u;
+                if (b < 4) v.x |= byte << (8 * b);
+                else v.y |= byte << (8 * (b - 4));
+            }
+        }
+    }
+    return v;
+}
+
+// What the stream kernel reads (pointers into the caller's buffers and the scratch).
+struct StreamArgs {
+    const uint8_t* codes;
+    const uint8_t* scales;
+    __nv_bfloat16* out;
+    const uint16_t* panel;  // [mpad, kpad]
+    const float* ascale;    // [kb, mpad] (ACTQ)
+    float* ws;              // [nb * mc, splits, 8 * NT * 32] (splits > 1)
+    unsigned* ctr;          // [nb * mc] (splits > 1)
+    int m, n, k, kb, kpad, mpad, mc, splits;
+};
+
+// Stores 4 consecutive outputs (row tok, columns n0..n0+3) as bf16.
+__device__ __forceinline__ void store_out4(const StreamArgs& a, int tok, int n0, float4 v) {
+    if (tok >= a.m) return;
+    __nv_bfloat16* o = a.out + static_cast<int64_t>(tok) * a.n + n0;
+    if ((a.n & 3) == 0 && n0 + 3 < a.n) {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+        uint2 w;
+        w.x = *reinterpret_cast<uint32_t*>(&lo);
+        w.y = *reinterpret_cast<uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(o) = w;
+    } else {
+        const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            if (n0 + c < a.n) o[c] = __float2bfloat16_rn(f[c]);
+    }
+}
+
+constexpr int kLd = 36;        // padded row (32 rows + 4) of the reduction tile: conflict-free, float4-aligned
+constexpr int kStages = 3;     // smem pipeline: stages per warp
+constexpr int kStepBlocks = 4; // smem pipeline: k32 blocks per stage (128 bytes of each of 32 rows)
+constexpr int kSrow = 144;     // smem pipeline: bytes per staged row (128 + 16: conflict-free 8-byte reads)
+constexpr int kWarpStage = 32 * kSrow;
+constexpr int kSmemPipeBytes = 4 * kStages * kWarpStage;
+
+// One k32 block of the warp's 32 rows: w[i] = the lane's 8 code bytes of row g + 8i (k offsets
+// 8t..8t+7 of the block), sw = the block's weight scale. acc += (codes · panel) · 2^(sa + sw).
+template <int NT, bool ACTQ>
+__device__ __forceinline__ void block_step(float (&acc)[2][NT][4], const uint2 (&w)[4], float sw, int kb, const StreamArgs& a, int tok0,
+                                           int g, int t) {
+    constexpr int G = NT < 4 ? NT : 4;  // n8 tiles per group of independent products
+    const uint4* panel = reinterpret_cast<const uint4*>(a.panel);
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // A fragments: [m tile][k16 step]; a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
+    uint32_t af[2][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t lo = j == 0 ? w[2 * mt].x : w[2 * mt].y;
+            const uint32_t hi = j == 0 ? w[2 * mt + 1].x : w[2 * mt + 1].y;
+            af[mt][j][0] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo & 0xffffu));
+            af[mt][j][2] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo >> 16));
+            af[mt][j][1] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi & 0xffffu));
+            af[mt][j][3] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi >> 16));
+        }
+    // G n8 tiles at a time: 2G independent first-half products, then the second halves, then
+    // the scaled sums (no product waits on the one just issued).
+#pragma unroll
+    for (int n0 = 0; n0 < NT; n0 += G) {
+        uint4 b[G];
+        float s0[G], s1[G];
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            const int tok = tok0 + 8 * (n0 + u);
+            b[u] = __ldg(panel + ((static_cast<int64_t>(tok + g) * a.kpad + kb * 32 + 8 * t) >> 3));
+            s0[u] = sw;
+            s1[u] = sw;
+            if constexpr (ACTQ) {
+                const float2 sa = __ldg(reinterpret_cast<const float2*>(a.ascale + static_cast<int64_t>(kb) * a.mpad + tok + 2 * t));
+                s0[u] = sa.x * sw;
+                s1[u] = sa.y * sw;
+                // 2^(sa+sw) >= 2^128: clamp so that an all-zero block contributes 0, not NaN.
+                if (isinf(s0[u])) s0[u] = FLT_MAX;
+                if (isinf(s1[u])) s1[u] = FLT_MAX;
+            }
+        }
+        float p[2][G][4];
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][0], b[u].x, b[u].y, zero);
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][1], b[u].z, b[u].w, p[mt][u]);
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                float* c = acc[mt][n0 + u];
+                c[0] = fmaf(p[mt][u][0], s0[u], c[0]);
+                c[1] = fmaf(p[mt][u][1], s1[u], c[1]);
+                c[2] = fmaf(p[mt][u][2], s0[u], c[2]);
+                c[3] = fmaf(p[mt][u][3], s1[u], c[3]);
+            }
+    }
+}
+
+// The CTA's epilogue: the 4 warps' sums meet in red (fixed order), then bf16 stores, or with
+// split-K an f32 partial and, in the last CTA of the tile to arrive, the sum of the partials in
+// split order. red: [4][8 NT][kLd] floats; the caller's warps may still read other shared data.
+template <int NT>
+__device__ __forceinline__ void finish(const float (&acc)[2][NT][4], float* red, int* is_last, const StreamArgs& a, int warp, int g, int t) {
+    constexpr int TOK = 8 * NT;
+    const int mc = blockIdx.x, rb = blockIdx.y, s = blockIdx.z, tok0 = mc * TOK;
+    float* mine = red + warp * TOK * kLd;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int tk = 8 * nt + 2 * t, r = 16 * mt + g;
+            mine[tk * kLd + r] = acc[mt][nt][0];
+            mine[(tk + 1) * kLd + r] = acc[mt][nt][1];
+            mine[tk * kLd + r + 8] = acc[mt][nt][2];
+            mine[(tk + 1) * kLd + r + 8] = acc[mt][nt][3];
+        }
+    __syncthreads();
+
+    const int n_base = rb * 32;
+    const int64_t tile = static_cast<int64_t>(rb) * a.mc + mc;
+    for (int it = threadIdx.x; it < TOK * 8; it += kThreads) {
+        const int tk = it >> 3, q = (it & 7) * 4;
+        float4 v = *reinterpret_cast<const float4*>(red + tk * kLd + q);
+#pragma unroll
+        for (int w = 1; w < 4; ++w) {
+            const float4 u = *reinterpret_cast<const float4*>(red + (w * TOK + tk) * kLd + q);
+            v.x += u.x;
+            v.y += u.y;
+            v.z += u.z;
+            v.w += u.w;
+        }
+        if (a.splits == 1) store_out4(a, tok0 + tk, n_base + q, v);
+        else *reinterpret_cast<float4*>(a.ws + ((tile * a.splits + s) * TOK + tk) * 32 + q) = v;
+    }
+    if (a.splits == 1) return;
+
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *is_last = atomicAdd(a.ctr + tile, 1u) == static_cast<unsigned>(a.splits - 1);
+    __syncthreads();
+    if (!*is_last) return;
+    __threadfence();
+    for (int it = threadIdx.x; it < TOK * 8; it += kThreads) {
+        const int tk = it >> 3, q = (it & 7) * 4;
+        const float* p = a.ws + (tile * a.splits * TOK + tk) * 32 + q;
+        float4 v = __ldcg(reinterpret_cast<const float4*>(p));
+        for (int sp = 1; sp < a.splits; ++sp) {
+            const float4 u = __ldcg(reinterpret_cast<const float4*>(p + static_cast<int64_t>(sp) * TOK * 32));
+            v.x += u.x;
+            v.y += u.y;
+            v.z += u.z;
+            v.w += u.w;
+        }
+        store_out4(a, tok0 + tk, n_base + q, v);
+    }
+}
+
+// Register-ring variant (any k and alignment): grid (mc, ceil(n/32), splits), 128 threads; warp
+// w takes the k32 blocks w, w+4, ... of the split, 4 of them in flight (8-byte loads per lane
+// and row, or byte loads when !VEC). See the header comment.
+template <int NT, bool ACTQ, bool VEC>
+__global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(const StreamArgs a) {
+    constexpr int D = 4;
+    __shared__ __align__(16) float red[4 * 8 * NT * kLd];
+    __shared__ int is_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int rb = blockIdx.y, s = blockIdx.z, tok0 = blockIdx.x * 8 * NT;
+    const int kb_begin = static_cast<int>(static_cast<int64_t>(s) * a.kb / a.splits);
+    const int kb_end = static_cast<int>(static_cast<int64_t>(s + 1) * a.kb / a.splits);
+    const uint64_t pol = evict_first_policy();
+
+    const uint8_t* rows[4];
+    bool row_ok[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = rb * 32 + g + 8 * i;
+        row_ok[i] = r < a.n;
+        rows[i] = a.codes + static_cast<int64_t>(row_ok[i] ? r : 0) * a.k;
+    }
+    const uint8_t* srow = a.scales + static_cast<int64_t>(rb) * a.kb;
+
+    float acc[2][NT][4] = {};
+
+    uint2 buf[D][4];
+    uint32_t sbuf[D];
+    auto issue = [&](int slot, int kb) {
+        const bool ok = kb < kb_end;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) buf[slot][i] = load_w8<VEC>(rows[i], kb * 32 + 8 * t, a.k, ok && row_ok[i], pol);
+        sbuf[slot] = ok ? static_cast<uint32_t>(__ldg(srow + kb)) : 0u;
+    };
+    const int first = kb_begin + warp;
+#pragma unroll
+    for (int d = 0; d < D; ++d) issue(d, first + 4 * d);
+    // Programmatic dependent launch: the weight loads above may overlap the prep kernel; the
+    // panel, its scales and the counters are read only after it has finished.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    for (int base = first; base < kb_end; base += 4 * D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const int kb = base + 4 * d;
+            if (kb >= kb_end) break;
+            uint2 w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) w[i] = buf[d][i];
+            const float sw = e8m0_f32(sbuf[d]);
+            issue(d, kb + 4 * D);
+            block_step<NT, ACTQ>(acc, w, sw, kb, a, tok0, g, t);
+        }
+    }
+    finish<NT>(acc, red, &is_last, a, warp, g, t);
+}
+
+// Shared-memory pipeline variant (k % 16 == 0, 16-byte aligned codes): each warp streams its
+// own stages of 32 rows x 128 bytes (4 k32 blocks) with cp.async (16 bytes per lane, 4 whole
+// 128-byte lines per instruction, L1 bypassed), kStages deep, and reads the fragments back with
+// 8-byte shared loads (rows padded to 144 bytes: no bank conflicts beyond the minimum). Warp w
+// takes stages w, w+4, ... of the split. Dynamic shared memory: kSmemPipeBytes.
+template <int NT, bool ACTQ>
+__global__ void __launch_bounds__(kThreads, 3) fp8_stream_smem_kernel(const StreamArgs a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int is_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int rb = blockIdx.y, s = blockIdx.z, tok0 = blockIdx.x * 8 * NT;
+    const int kb_begin = static_cast<int>(static_cast<int64_t>(s) * a.kb / a.splits);
+    const int kb_end = static_cast<int>(static_cast<int64_t>(s + 1) * a.kb / a.splits);
+    const int nstages = (kb_end - kb_begin + kStepBlocks - 1) / kStepBlocks;
+    uint8_t* wsm = smem + warp * kStages * kWarpStage;
+    const uint32_t wsm_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wsm));
+    const uint8_t* srow = a.scales + static_cast<int64_t>(rb) * a.kb;
+
+    // Lane's copies: rows 4i + lane/8 (i = 0..7), 16-byte chunk lane % 8 of the stage's 128 bytes.
+    const int crow = lane >> 3, cchunk = lane & 7;
+    auto load_stage = [&](int slot, int st) {
+        const int kb = kb_begin + st * kStepBlocks + (cchunk >> 1);
+        const int64_t koff = static_cast<int64_t>(kb) * 32 + 16 * (cchunk & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int r = 4 * i + crow, row = rb * 32 + r;
+            const bool ok = row < a.n && kb < kb_end && koff < a.k;
+            const uint8_t* src = a.codes + (ok ? static_cast<int64_t>(row) * a.k + koff : 0);
+            const uint32_t dst = wsm_addr + slot * kWarpStage + r * kSrow + 16 * cchunk;
+            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+        }
+    };
+    const int first = warp;
+#pragma unroll
+    for (int d = 0; d < kStages - 1; ++d) {
+        if (first + 4 * d < nstages) load_stage(d, first + 4 * d);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    float acc[2][NT][4] = {};
+
+    int i = 0;
+    for (int st = first; st < nstages; st += 4, ++i) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
+        __syncwarp();
+        const int next = st + 4 * (kStages - 1);
+        if (next < nstages) load_stage((i + kStages - 1) % kStages, next);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        const uint8_t* stage = wsm + (i % kStages) * kWarpStage;
+#pragma unroll
+        for (int u = 0; u < kStepBlocks; ++u) {
+            const int kb = kb_begin + st * kStepBlocks + u;
+            if (kb >= kb_end) break;
+            uint2 w[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) w[r] = *reinterpret_cast<const uint2*>(stage + (g + 8 * r) * kSrow + 32 * u + 8 * t);
+            block_step<NT, ACTQ>(acc, w, e8m0_f32(__ldg(srow + kb)), kb, a, tok0, g, t);
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // every warp is done with its stages: red may reuse them
+    finish<NT>(acc, reinterpret_cast<float*>(smem), &is_last, a, warp, g, t);
+}
+
+// One warp per (token row of the panel, k32 block): the panel row's 32 elements and, with
+// ACTQ, the block's scale; padding rows / columns are zeros (scale 0). Also zeroes ctr.
+template <bool ACTQ>
+__global__ void __launch_bounds__(kPrepThreads) fp8_prep_kernel(const __nv_bfloat16* __restrict__ x, uint16_t* __restrict__ panel,
+                                                                 float* __restrict__ ascale, unsigned* __restrict__ ctr, int n_ctr, int m,
+                                                                 int k, int kb, int kpad, int mpad) {
+    // Let the stream kernel start loading weights (it waits for this grid before reading).
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
+    for (int64_t i = gid; i < n_ctr; i += static_cast<int64_t>(gridDim.x) * kPrepThreads) ctr[i] = 0u;
+    const int64_t gw = gid >> 5;
+    const int lane = threadIdx.x & 31;
+    if (gw >= static_cast<int64_t>(mpad) * kb) return;  // whole warps leave together
+    const int row = static_cast<int>(gw / kb), blk = static_cast<int>(gw % kb);
+    const int kk = blk * 32 + lane;
+    const bool in = row < m && kk < k;
+    const __nv_bfloat16 xv = in ? x[static_cast<int64_t>(row) * k + kk] : __float2bfloat16_rn(0.0f);
+    uint16_t out;
+    if constexpr (ACTQ) {
+        using Q1 = QuantTraits<Quant::Fp8Ue8m0B32>;
+        const float v = __bfloat162float(xv);
+        float amax = fabsf(v);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        const BlockScale bs = Q1::scale(amax);
+        const __half h = __float2half_rn(Q1::round(Q1::quotient(v, bs)));  // an e4m3 value: exact
+        out = *reinterpret_cast<const uint16_t*>(&h);
+        if (lane == 0) ascale[static_cast<int64_t>(blk) * mpad + row] = row < m ? bs.s : 0.0f;
+    } else {
+        out = *reinterpret_cast<const uint16_t*>(&xv);
+    }
+    panel[static_cast<int64_t>(row) * kpad + kk] = out;
+}
+
+// Exact dequantization, 8 codes per thread (VEC: k % 8 == 0, aligned) or one.
+template <bool F32, bool VEC>
+__global__ void __launch_bounds__(256) fp8_dequant_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, void* out,
+                                                          int n, int k) {
+    constexpr int E = VEC ? 8 : 1;
+    const int64_t i = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) * E;
+    if (i >= static_cast<int64_t>(n) * k) return;
+    const int r = static_cast<int>(i / k), c = static_cast<int>(i % k);
+    const int kbn = (k + 31) / 32;
+    const float sc = e8m0_f32(__ldg(scales + static_cast<int64_t>(r / 32) * kbn + c / 32));
+    uint2 w = make_uint2(0u, 0u);
+    if constexpr (VEC) w = __ldg(reinterpret_cast<const uint2*>(codes + i));
+    else w.x = codes[i];
+    float v[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const uint32_t byte = ((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 0xffu;
+        const uint32_t h = e4m3x2_f16x2(static_cast<uint16_t>(byte));
+        // + 0: a stored -0 dequantizes to +0 (loader::dequant_fp8_block32).
+        v[e] = __fadd_rn(__fmul_rn(__half2float(__ushort_as_half(static_cast<uint16_t>(h & 0xffffu))), sc), 0.0f);
+    }
+    if constexpr (F32) {
+        float* o = static_cast<float*>(out) + i;
+#pragma unroll
+        for (int e = 0; e < E; ++e) o[e] = v[e];
+    } else {
+        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out) + i;
+        if constexpr (VEC) {
+            uint4 w;
+            uint32_t* wp = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const __nv_bfloat162 p = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+                wp[e] = *reinterpret_cast<const uint32_t*>(&p);
+            }
+            *reinterpret_cast<uint4*>(o) = w;
+        } else {
+            o[0] = __float2bfloat16_rn(v[0]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------- launchers
+
+struct Plan {
+    int nt, tok, mc, mpad, kb, kpad, nb, splits;
+    int64_t panel_off, ascale_off, ws_off, ctr_off, bytes;
+};
+
+inline int64_t align256(int64_t v) { return (v + 255) & ~int64_t{255}; }
+
+inline int sm_count() {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+        cudaGetLastError();
+        return 132;
+    }
+    return sms;
+}
+
+inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
+    if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->m < 1 || p->m > DSV41_FP8_STREAM_MAX_M || p->n < 1 || p->k < 1 || p->splits < 0) return DSV41_ERR_SHAPE;
+    if (p->variant < 0 || p->variant > 2) return DSV41_ERR_SHAPE;
+    if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
+    // Grid limits: ceil(n/32) CTAs in y (<= 65535).
+    if ((p->n + 31) / 32 > 65535) return DSV41_ERR_SHAPE;
+    return DSV41_OK;
+}
+
+inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
+    Plan q;
+    const int m = p->m;
+    q.nt = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
+    q.tok = 8 * q.nt;
+    q.mc = (m + q.tok - 1) / q.tok;
+    q.mpad = q.mc * q.tok;
+    q.kb = (p->k + 31) / 32;
+    q.kpad = 32 * q.kb;
+    q.nb = (p->n + 31) / 32;
+    int s;
+    if (p->splits > 0) {
+        s = p->splits < q.kb ? p->splits : q.kb;
+    } else {
+        const int tiles = q.nb * q.mc, want = 3 * sm_count();
+        s = (want + tiles - 1) / tiles;
+        const int cap = q.kb / kMinBlocksPerSplit > 1 ? q.kb / kMinBlocksPerSplit : 1;
+        s = s < 1 ? 1 : (s > cap ? cap : s);
+    }
+    q.splits = s;
+    q.panel_off = 0;
+    q.ascale_off = align256(static_cast<int64_t>(q.mpad) * q.kpad * 2);
+    q.ws_off = q.ascale_off + (p->act_quant ? align256(static_cast<int64_t>(q.kb) * q.mpad * 4) : 0);
+    const int64_t tiles = static_cast<int64_t>(q.nb) * q.mc;
+    q.ctr_off = q.ws_off + (s > 1 ? align256(tiles * s * q.tok * 32 * 4) : 0);
+    q.bytes = q.ctr_off + align256(tiles * 4);
+    return q;
+}
+
+// kind: 0 register ring with byte loads, 1 register ring with 8-byte loads, 2 smem pipeline.
+template <int NT, bool ACTQ>
+cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
+    const dim3 grid(q.mc, q.nb, q.splits);
+    if (kind == 2) {
+        static thread_local int configured_dev = -1;
+        int dev = 0;
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e == cudaSuccess) e = dsv41_launch::set_max_dynamic_smem(fp8_stream_smem_kernel<NT, ACTQ>, dev, kSmemPipeBytes, configured_dev);
+        if (e != cudaSuccess) return e;
+        return dsv41_launch::launch_pdl(fp8_stream_smem_kernel<NT, ACTQ>, grid, dim3(kThreads), kSmemPipeBytes, st, 1, a);
+    }
+    auto* kernel = kind == 1 ? fp8_stream_kernel<NT, ACTQ, true> : fp8_stream_kernel<NT, ACTQ, false>;
+    return dsv41_launch::launch_pdl(kernel, grid, dim3(kThreads), 0, st, 1, a);
+}
+
+template <bool ACTQ>
+cudaError_t launch_stream_nt(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
+    switch (q.nt) {
+        case 1: return launch_stream<1, ACTQ>(a, q, kind, st);
+        case 2: return launch_stream<2, ACTQ>(a, q, kind, st);
+        case 4: return launch_stream<4, ACTQ>(a, q, kind, st);
+        default: return launch_stream<8, ACTQ>(a, q, kind, st);
+    }
+}
+
+}  // namespace fp8
+}  // namespace dsv41
+
+extern "C" int dsv41_fp8_linear_scratch_bytes(const Dsv41Fp8LinearParams* p, size_t params_size, int64_t* bytes) {
+    using namespace dsv41::fp8;
+    const int v = validate(p, params_size);
+    if (v != DSV41_OK) return v;
+    if (!bytes) return DSV41_ERR_NULL;
+    *bytes = make_plan(p).bytes;
+    return DSV41_OK;
+}
+
+extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_size, void* stream) {
+    using namespace dsv41::fp8;
+    const int v = validate(p, params_size);
+    if (v != DSV41_OK) return v;
+    if (!p->x || !p->codes || !p->scales || !p->out || !p->scratch) return DSV41_ERR_NULL;
+    const Plan q = make_plan(p);
+    if (p->scratch_bytes < q.bytes) return DSV41_ERR_SHAPE;
+    if ((reinterpret_cast<uintptr_t>(p->scratch) & 255) != 0 || (reinterpret_cast<uintptr_t>(p->out) & 7) != 0 ||
+        (reinterpret_cast<uintptr_t>(p->x) & 1) != 0)
+        return DSV41_ERR_ALIGNMENT;
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    char* base = static_cast<char*>(p->scratch);
+    StreamArgs a;
+    a.codes = p->codes;
+    a.scales = p->scales;
+    a.out = static_cast<__nv_bfloat16*>(p->out);
+    a.panel = reinterpret_cast<const uint16_t*>(base + q.panel_off);
+    a.ascale = reinterpret_cast<const float*>(base + q.ascale_off);
+    a.ws = reinterpret_cast<float*>(base + q.ws_off);
+    a.ctr = reinterpret_cast<unsigned*>(base + q.ctr_off);
+    a.m = p->m;
+    a.n = p->n;
+    a.k = p->k;
+    a.kb = q.kb;
+    a.kpad = q.kpad;
+    a.mpad = q.mpad;
+    a.mc = q.mc;
+    a.splits = q.splits;
+
+    const int n_ctr = q.splits > 1 ? q.nb * q.mc : 0;
+    const int64_t prep_threads = static_cast<int64_t>(q.mpad) * q.kb * 32;
+    const unsigned prep_blocks = static_cast<unsigned>((prep_threads + kPrepThreads - 1) / kPrepThreads);
+    const auto* x = static_cast<const __nv_bfloat16*>(p->x);
+    auto* panel = reinterpret_cast<uint16_t*>(base + q.panel_off);
+    auto* ascale = reinterpret_cast<float*>(base + q.ascale_off);
+    if (p->act_quant) fp8_prep_kernel<true><<<prep_blocks, kPrepThreads, 0, st>>>(x, panel, ascale, a.ctr, n_ctr, p->m, p->k, q.kb, q.kpad, q.mpad);
+    else fp8_prep_kernel<false><<<prep_blocks, kPrepThreads, 0, st>>>(x, panel, ascale, a.ctr, n_ctr, p->m, p->k, q.kb, q.kpad, q.mpad);
+
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return static_cast<int>(e);
+    const uintptr_t cp = reinterpret_cast<uintptr_t>(p->codes);
+    const bool vec8 = p->k % 8 == 0 && (cp & 7) == 0, vec16 = p->k % 16 == 0 && (cp & 15) == 0;
+    // DSV41_FP8_VARIANT_*: the pipeline where its 16-byte copies are possible, else the ring.
+    const int kind = (p->variant == DSV41_FP8_VARIANT_REGISTERS || !vec16) ? (vec8 ? 1 : 0) : 2;
+    e = p->act_quant ? launch_stream_nt<true>(a, q, kind, st) : launch_stream_nt<false>(a, q, kind, st);
+    return static_cast<int>(e);
+}
+
+extern "C" int dsv41_fp8_dequant(const Dsv41Fp8DequantParams* p, size_t params_size, void* stream) {
+    using namespace dsv41::fp8;
+    if (params_size != sizeof(Dsv41Fp8DequantParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->n < 1 || p->k < 1) return DSV41_ERR_SHAPE;
+    if (!p->codes || !p->scales || !p->out) return DSV41_ERR_NULL;
+    const int64_t total = static_cast<int64_t>(p->n) * p->k;
+    const bool vec = p->k % 8 == 0 && (reinterpret_cast<uintptr_t>(p->codes) & 7) == 0 &&
+                     (reinterpret_cast<uintptr_t>(p->out) & (p->out_f32 ? 3 : 15)) == 0;
+    const int64_t threads = vec ? total / 8 : total;
+    if ((threads + 255) / 256 >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    const unsigned blocks = static_cast<unsigned>((threads + 255) / 256);
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p->out_f32) {
+        if (vec) fp8_dequant_kernel<true, true><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
+        else fp8_dequant_kernel<true, false><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
+    } else {
+        if (vec) fp8_dequant_kernel<false, true><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
+        else fp8_dequant_kernel<false, false><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
+    }
+    return static_cast<int>(cudaGetLastError());
+}

@@ -1,0 +1,65 @@
+// Parameter blocks of kernels/fp8_linear.cu (the block-scaled FP8 linear, spec §2.4-§2.5, issue
+// 21). Same conventions as dsv41_params.h: 8-byte fields first, then 4-byte fields; the Rust
+// mirror is crates/deepseek-v41/src/cuda/ffi.rs and the launchers refuse a size mismatch.
+//
+// Weight format (the release's dense FP8): codes e4m3fn [N, K] row-major (out = N, in = K),
+// scales e8m0 [ceil(N/32), ceil(K/32)] row-major, W[n, k] = e4m3(codes[n, k]) * 2^(scales[n/32,
+// k/32] - 127) (byte 255 = NaN).
+#pragma once
+#include <stdint.h>
+#include <stddef.h>
+
+#include "dsv41_params.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    const void* x;          // [m, k] bf16, contiguous
+    const uint8_t* codes;   // [n, k] e4m3fn bytes, contiguous
+    const uint8_t* scales;  // [ceil(n/32), ceil(k/32)] e8m0 bytes, contiguous
+    void* out;              // [m, n] bf16, contiguous
+    void* scratch;          // dsv41_fp8_linear_scratch_bytes() bytes, 256-byte aligned (NULL when 0)
+    int64_t scratch_bytes;  // size of scratch
+    int32_t m;              // tokens, 1 ..= DSV41_FP8_STREAM_MAX_M
+    int32_t n;              // output features >= 1
+    int32_t k;              // input features >= 1 (a multiple of 32 when act_quant)
+    int32_t act_quant;      // 1: FP8 activation quantization per 1x32 block (Q1), 0: bf16 x as is
+    int32_t splits;         // split-K factor; 0 = the launcher's choice
+    int32_t variant;        // DSV41_FP8_VARIANT_*
+} Dsv41Fp8LinearParams;
+
+// Weight-streaming kernel variants: AUTO = PIPELINE when k % 16 == 0 and the codes are 16-byte
+// aligned, else REGISTERS (which also takes any k and alignment).
+#define DSV41_FP8_VARIANT_AUTO 0
+#define DSV41_FP8_VARIANT_REGISTERS 1  // 8-byte loads into a register ring, 4 k32 blocks in flight per warp
+#define DSV41_FP8_VARIANT_PIPELINE 2   // cp.async stages in shared memory, 3 x 4 KB per warp
+
+// Largest m of the weight-streaming kernel (tokens run in chunks of 64 columns).
+#define DSV41_FP8_STREAM_MAX_M 256
+
+// Bytes of scratch the weight-streaming launch of *p needs (activation panel, block scales,
+// split-K partials, arrival counters); *bytes is set on success.
+int dsv41_fp8_linear_scratch_bytes(const Dsv41Fp8LinearParams* p, size_t params_size, int64_t* bytes);
+
+// out = bf16( sum_k xq[m, k] * W[n, k] ) with f32 accumulation (xq = Q1(x) when act_quant, else
+// x): the weight-streaming kernel (decode and small prefills).
+int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_size, void* stream);
+
+typedef struct {
+    const uint8_t* codes;   // [n, k] e4m3fn bytes, contiguous
+    const uint8_t* scales;  // [ceil(n/32), ceil(k/32)] e8m0 bytes, contiguous
+    void* out;              // [n, k] bf16 or f32 (out_f32), contiguous
+    int32_t n;              // >= 1
+    int32_t k;              // >= 1
+    int32_t out_f32;        // 1: f32 output, 0: bf16 (round to nearest even)
+    int32_t reserved;       // 0
+} Dsv41Fp8DequantParams;
+
+// out[n, k] = W[n, k] (negative zero as +0, as loader::dequant_fp8_block32).
+int dsv41_fp8_dequant(const Dsv41Fp8DequantParams* p, size_t params_size, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,387 @@
+//! GPU tests of the block-scaled FP8 linear (`kernels/fp8_linear.cu`, `cuda::fp8_linear`):
+//! against the CPU reference `quant::fp8_linear_ref` (today's `nn::Linear` over the dequantized
+//! weight) on fresh random data — e4m3 codes over every byte but the NaNs 0x7f / 0xff, scale
+//! bytes around 2^0 plus the extremes 0..3, 200, 253, 254 (and 255 = NaN), activation blocks from
+//! below the 1e-4 amax floor up to 2^100 — for m = 1, 2, 63, 64, 65, 200, 256, 4097, k not a
+//! multiple of 32 / 8 / the 4-warp step, n not a multiple of 32, both paths (weight streaming,
+//! dequantize + cuBLAS), forced split-K factors, act quant on and off; outputs allocated over
+//! NaN-poisoned memory; the exact dequantization kernel bit for bit against the host; the errors.
+//!
+//! Tolerance: the kernel sums in another order than the CPU (tensor-core k16 steps, then per
+//! 32-block f32 FFMAs, warps and splits), so a bf16 output may differ by one ulp where the f32
+//! sum sits near a rounding boundary; a larger difference is accepted only below 2^-14 of the
+//! sum of |products| (cancellation). The fractions are printed (`--nocapture`).
+//!
+//! These tests need a CUDA device and FAIL without one.
+//! Build: `cargo test --release --features cuda --test cuda_fp8_linear`.
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use deepseek_v41::cuda::{fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant};
+use deepseek_v41::quant::{fp8_activation_quant, fp8_linear_ref, Fp8Weight};
+
+#[path = "support/rng.rs"]
+#[allow(dead_code)]
+mod rng;
+use rng::Rng;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("tests/cuda_fp8_linear.rs needs a CUDA device (none found): these tests must run on a GPU")
+}
+
+/// Frees `n` f32 of NaN on `dev` so the next allocations of the stream-ordered pool are likely to
+/// reuse poisoned memory (an element a kernel forgets to write then shows up as NaN).
+fn poison(dev: &Device, n: usize) -> Result<()> {
+    drop(Tensor::full(f32::NAN, n.max(1), dev)?);
+    Ok(())
+}
+
+/// How the scale bytes of a weight are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Scales {
+    /// 2^-9 .. 2^8 (bytes 118..=135).
+    Typical,
+    /// The smallest exponents, bytes 0..=3 (2^-127 .. 2^-124).
+    Tiny,
+    /// Bytes 200, 253, 254 with codes limited so that every product stays finite.
+    Huge,
+    /// Typical, plus one NaN scale byte (255) in block (0, 0).
+    WithNan,
+}
+
+/// A random weight `[n, k]`.
+fn weight(rng: &mut Rng, n: usize, k: usize, scales: Scales) -> Result<Fp8Weight> {
+    let (nb, kb) = (n.div_ceil(32), k.div_ceil(32));
+    let sbytes: Vec<u8> = (0..nb * kb)
+        .map(|i| match scales {
+            Scales::Typical => 118 + rng.below(18) as u8,
+            Scales::WithNan => {
+                if i == 0 {
+                    255
+                } else {
+                    118 + rng.below(18) as u8
+                }
+            }
+            Scales::Tiny => rng.below(4) as u8,
+            Scales::Huge => [200u8, 253, 254][rng.below(3)],
+        })
+        .collect();
+    let mut codes = vec![0u8; n * k];
+    for (i, c) in codes.iter_mut().enumerate() {
+        let s = sbytes[(i / k / 32) * kb + (i % k) / 32];
+        *c = loop {
+            let b = rng.below(256) as u8;
+            if b & 0x7f == 0x7f {
+                continue;
+            }
+            // With 2^126 / 2^127 scales keep |code| <= 2^-6 (subnormal codes and the smallest
+            // normal ones): |W| <= 2^121.
+            if s >= 253 && b & 0x7f > 0x08 {
+                continue;
+            }
+            break b;
+        };
+    }
+    Ok(Fp8Weight::from_bytes(codes, sbytes, n, k, &Device::Cpu)?)
+}
+
+/// How the activation blocks' magnitudes are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Acts {
+    /// Blocks of 2^-6 .. 2^6, a few blocks under the 1e-4 amax floor, some zeros.
+    Typical,
+    /// Like Typical with some blocks around 2^100 (for weights with typical scales).
+    Huge,
+    /// Blocks of 2^-20 .. 2^-10 (for weights scaled up to 2^127: products stay below 2^114).
+    Small,
+}
+
+fn acts(rng: &mut Rng, m: usize, k: usize, kind: Acts) -> Result<Tensor> {
+    let kb = k.div_ceil(32);
+    let mags: Vec<f32> = (0..m * kb)
+        .map(|_| match (kind, rng.below(16)) {
+            (_, 0) => 2f32.powi(-16), // amax < 1e-4: the floor scale 2^-22
+            (Acts::Huge, 1 | 2) => 2f32.powi(96 + rng.below(5) as i32),
+            (Acts::Small, _) => 2f32.powi(rng.below(11) as i32 - 20),
+            _ => 2f32.powi(rng.below(13) as i32 - 6),
+        })
+        .collect();
+    let v: Vec<f32> = (0..m * k)
+        .map(|i| {
+            let mag = mags[(i / k) * kb + (i % k) / 32];
+            if rng.below(50) == 0 {
+                0.0
+            } else {
+                rng.normal() * mag
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, (m, k), &Device::Cpu)?.to_dtype(DType::BF16)?)
+}
+
+/// Counts of a comparison against the reference.
+#[derive(Default, Debug, Clone, Copy)]
+struct Diff {
+    total: usize,
+    one_ulp: usize,
+    beyond: usize,
+}
+
+/// Compares bf16 `got` (any device) with `want` (CPU) element by element: equal bits (NaN
+/// matching NaN), one ulp, or a difference <= 2^-14 of `absdot` (the sum of |products|).
+fn compare(got: &Tensor, want: &Tensor, absdot: &[f32], what: &str) -> Result<Diff> {
+    ensure!(got.dims() == want.dims() && got.dtype() == DType::BF16, "{what}: got {:?} {:?}, want {:?}", got.shape(), got.dtype(), want.shape());
+    let g = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let w = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut d = Diff { total: g.len(), ..Diff::default() };
+    for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+        if a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()) || (a == 0.0 && b == 0.0) {
+            continue;
+        }
+        ensure!(!a.is_nan() && !b.is_nan(), "{what}: element {i}: got {a:e}, want {b:e} (NaN on one side only)");
+        let ulps = ((a.to_bits() >> 16) as i64 - (b.to_bits() >> 16) as i64).unsigned_abs();
+        if ulps == 1 && a.signum() == b.signum() {
+            d.one_ulp += 1;
+        } else {
+            d.beyond += 1;
+            ensure!(
+                (a - b).abs() <= absdot[i] * 2f32.powi(-14),
+                "{what}: element {i} (row {}, col {}): got {a:e}, want {b:e}, sum of |products| {:e}",
+                i / want.dims()[1],
+                i % want.dims()[1],
+                absdot[i]
+            );
+        }
+    }
+    Ok(d)
+}
+
+/// The sum of |products| per output (f32 on the CPU): |Q(x)| · |W|ᵀ.
+fn abs_dot(x: &Tensor, w: &Fp8Weight, act_quant: bool) -> Result<Vec<f32>> {
+    let xf = x.to_dtype(DType::F32)?;
+    let xq = if act_quant { fp8_activation_quant(&xf)? } else { xf };
+    let wd = w.dequantize(DType::F32)?;
+    Ok(xq.abs()?.matmul(&wd.abs()?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Runs `paths` (with `splits`) on the GPU for x / w and compares each with the CPU reference;
+/// returns the summed counts.
+fn check(dev: &Device, x: &Tensor, w: &Fp8Weight, act_quant: bool, paths: &[Fp8LinearPath], splits: usize, what: &str) -> Result<Diff> {
+    let want = fp8_linear_ref(x, w, act_quant)?;
+    let absdot = abs_dot(x, w, act_quant)?;
+    let (xg, wg) = (x.to_device(dev)?, Fp8Weight::new(w.codes().to_device(dev)?, w.scales().to_device(dev)?)?);
+    let (m, (n, k)) = (x.dims()[0], w.dims());
+    let mut sum = Diff::default();
+    let runs = paths.iter().flat_map(|&path| match path {
+        Fp8LinearPath::Stream => vec![(path, Fp8StreamVariant::Registers), (path, Fp8StreamVariant::Pipeline)],
+        _ => vec![(path, Fp8StreamVariant::Auto)],
+    });
+    for (path, variant) in runs {
+        poison(dev, 4 * m * n + 4 * m * k + (1 << 20))?;
+        let got = fp8_linear_with(&xg, &wg, act_quant, Fp8LinearOptions { path, splits, variant })?;
+        let d = compare(&got, &want, &absdot, &format!("{what} m={m} n={n} k={k} aq={act_quant} {path:?} {variant:?} splits={splits}"))?;
+        sum.total += d.total;
+        sum.one_ulp += d.one_ulp;
+        sum.beyond += d.beyond;
+    }
+    Ok(sum)
+}
+
+fn report(what: &str, d: Diff) {
+    eprintln!(
+        "{what}: {} outputs, {} ({:.4} %) differ by 1 bf16 ulp, {} ({:.4} %) by more (within 2^-14 of the |products| sum)",
+        d.total,
+        d.one_ulp,
+        100.0 * d.one_ulp as f64 / d.total.max(1) as f64,
+        d.beyond,
+        100.0 * d.beyond as f64 / d.total.max(1) as f64
+    );
+}
+
+const BOTH: [Fp8LinearPath; 2] = [Fp8LinearPath::Stream, Fp8LinearPath::Dequant];
+
+#[test]
+fn matches_reference_over_shapes() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0001);
+    let mut all = [Diff::default(); 2];
+    // (m, n, k): m around the token tiles (8, 16, 32, 64) and chunks; n not a multiple of 32; k
+    // a multiple of 32 but not of the 4-warp step of 128 bytes.
+    let shapes = [(1, 96, 160), (2, 100, 1312), (7, 33, 96), (9, 64, 256), (17, 200, 480), (33, 40, 2080), (63, 130, 800), (64, 96, 4096), (65, 70, 640), (200, 64, 352), (256, 100, 288)];
+    for &(m, n, k) in &shapes {
+        for act_quant in [true, false] {
+            let w = weight(&mut rng, n, k, Scales::Typical)?;
+            let x = acts(&mut rng, m, k, Acts::Typical)?;
+            let d = check(&dev, &x, &w, act_quant, &BOTH, 0, "shapes")?;
+            let a = &mut all[act_quant as usize];
+            a.total += d.total;
+            a.one_ulp += d.one_ulp;
+            a.beyond += d.beyond;
+        }
+    }
+    report("shapes, act quant off", all[0]);
+    report("shapes, act quant on", all[1]);
+    for d in all {
+        ensure!(d.one_ulp + d.beyond <= d.total / 50, "more than 2 % of outputs differ: {d:?}");
+    }
+    // The auto path over m = 4097 (dequantize + cuBLAS), a modest n and k.
+    for act_quant in [true, false] {
+        let w = weight(&mut rng, 96, 256, Scales::Typical)?;
+        let x = acts(&mut rng, 4097, 256, Acts::Typical)?;
+        let d = check(&dev, &x, &w, act_quant, &[Fp8LinearPath::Auto], 0, "m=4097")?;
+        report(&format!("m = 4097, act quant {act_quant}"), d);
+    }
+    Ok(())
+}
+
+/// k not a multiple of 32 (a partial last scale block; act quant off, as the reference's
+/// activation quantization needs whole blocks), nor of 8 (the byte-load path).
+#[test]
+fn partial_k_blocks() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0002);
+    let mut sum = Diff::default();
+    for &(m, n, k) in &[(1, 40, 72), (3, 64, 37), (16, 33, 100), (64, 65, 1000), (65, 32, 8), (130, 31, 1), (5, 1, 33), (9, 48, 208), (40, 64, 1040)] {
+        let w = weight(&mut rng, n, k, Scales::Typical)?;
+        let x = acts(&mut rng, m, k, Acts::Typical)?;
+        let d = check(&dev, &x, &w, false, &BOTH, 0, "partial k")?;
+        sum.total += d.total;
+        sum.one_ulp += d.one_ulp;
+        sum.beyond += d.beyond;
+    }
+    report("partial k blocks", sum);
+    Ok(())
+}
+
+/// Every scale exponent extreme: weight scale bytes 0..3 (2^-127..2^-124), 200 / 253 / 254 (with
+/// small codes), NaN (255) and activation blocks at the 1e-4 floor and around 2^100.
+#[test]
+fn extreme_scales() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0003);
+    let cases = [(Scales::Tiny, Acts::Typical), (Scales::Huge, Acts::Small), (Scales::Typical, Acts::Huge), (Scales::WithNan, Acts::Typical)];
+    for (scales, a) in cases {
+        let mut sum = Diff::default();
+        for act_quant in [true, false] {
+            for &(m, n, k) in &[(1, 64, 256), (40, 70, 640), (64, 32, 2048)] {
+                let w = weight(&mut rng, n, k, scales)?;
+                let x = acts(&mut rng, m, k, a)?;
+                let d = check(&dev, &x, &w, act_quant, &[Fp8LinearPath::Stream], 0, &format!("{scales:?}/{a:?}"))?;
+                sum.total += d.total;
+                sum.one_ulp += d.one_ulp;
+                sum.beyond += d.beyond;
+            }
+        }
+        report(&format!("extremes {scales:?} weights, {a:?} activations"), sum);
+    }
+    // NaN scale: block (0, 0) poisons rows 0..32 of every token, the others stay finite.
+    let w = weight(&mut rng, 64, 64, Scales::WithNan)?;
+    let x = acts(&mut rng, 3, 64, Acts::Typical)?;
+    let y = fp8_linear(&x.to_device(&dev)?, &Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?, true)?;
+    let y = y.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    ensure!(y.iter().all(|r| r[..32].iter().all(|v| v.is_nan()) && r[32..].iter().all(|v| v.is_finite())), "NaN scale not propagated as the reference does");
+    Ok(())
+}
+
+/// Forced split-K factors give the reference (up to sum order), and each is deterministic.
+#[test]
+fn split_k_factors() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0004);
+    let (n, k) = (160, 4096);
+    let w = weight(&mut rng, n, k, Scales::Typical)?;
+    let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+    for m in [1usize, 24, 64, 100] {
+        let x = acts(&mut rng, m, k, Acts::Typical)?;
+        for splits in [1usize, 2, 3, 7, 64, 128, 1000] {
+            let d = check(&dev, &x, &w, true, &[Fp8LinearPath::Stream], splits, "split-k")?;
+            ensure!(d.one_ulp + d.beyond <= d.total / 50, "m {m} splits {splits}: {d:?}");
+            let xg = x.to_device(&dev)?;
+            for variant in [Fp8StreamVariant::Registers, Fp8StreamVariant::Pipeline] {
+                let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, splits, variant };
+                let a = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                poison(&dev, 1 << 20)?;
+                let b = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                ensure!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "m {m} splits {splits} {variant:?}: two runs differ");
+            }
+        }
+    }
+    // A realistic shape (wq_a-like, 5120 -> 1280) through the automatic choice.
+    let w = weight(&mut rng, 1280, 5120, Scales::Typical)?;
+    for m in [1usize, 16, 64] {
+        let x = acts(&mut rng, m, 5120, Acts::Typical)?;
+        let d = check(&dev, &x, &w, true, &[Fp8LinearPath::Auto], 0, "wq_a")?;
+        report(&format!("5120 -> 1280, m = {m}"), d);
+    }
+    Ok(())
+}
+
+/// The dequantization kernel is bit for bit the host's (f32 and bf16; extremes, NaN, -0, k not
+/// a multiple of 8).
+#[test]
+fn dequantize_bit_exact() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0005);
+    for &(n, k) in &[(64, 256), (33, 37), (100, 1000), (1, 8)] {
+        for scales in [Scales::Typical, Scales::Tiny, Scales::Huge, Scales::WithNan] {
+            let mut w = weight(&mut rng, n, k, scales)?;
+            // Also the NaN codes and a negative zero.
+            let mut codes = w.codes().flatten_all()?.to_vec1::<u8>()?;
+            codes[0] = 0x80;
+            if codes.len() > 2 {
+                codes[1] = 0x7f;
+                codes[2] = 0xff;
+            }
+            w = Fp8Weight::from_bytes(codes, w.scales().flatten_all()?.to_vec1::<u8>()?, n, k, &Device::Cpu)?;
+            let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+            for dtype in [DType::F32, DType::BF16] {
+                poison(&dev, n * k)?;
+                let g = fp8_dequantize_device(&wg, dtype)?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let h = w.dequantize(dtype)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let bad = g.iter().zip(&h).filter(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan())).count();
+                ensure!(bad == 0, "[{n}, {k}] {scales:?} {dtype:?}: {bad} elements differ from the host");
+                if !matches!(scales, Scales::WithNan) {
+                    ensure!(g[0].to_bits() == 0, "-0 must dequantize to +0");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn errors() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0006);
+    let w = weight(&mut rng, 64, 96, Scales::Typical)?;
+    let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+    let x = acts(&mut rng, 4, 96, Acts::Typical)?.to_device(&dev)?;
+    let msg = |r: candle_core::Result<Tensor>| r.map(|_| ()).unwrap_err().to_string();
+    let e = msg(fp8_linear(&x.to_dtype(DType::F32)?, &wg, true));
+    ensure!(e.contains("bf16") && e.contains("F32"), "{e}");
+    let e = msg(fp8_linear(&x.narrow(1, 0, 64)?, &wg, true));
+    ensure!(e.contains("[4, 64]") && e.contains("96"), "{e}");
+    let e = msg(fp8_linear(&x.to_device(&Device::Cpu)?, &wg, true));
+    ensure!(e.contains("CUDA"), "{e}");
+    let e = msg(fp8_linear(&x, &w, true));
+    ensure!(e.contains("CUDA"), "{e}");
+    let e = msg(fp8_linear(&x.unsqueeze(0)?, &wg, true));
+    ensure!(e.contains("[1, 4, 96]"), "{e}");
+    // K = 40 with the activation quantization: refused like the reference.
+    let w40 = weight(&mut rng, 8, 40, Scales::Typical)?;
+    let w40g = Fp8Weight::new(w40.codes().to_device(&dev)?, w40.scales().to_device(&dev)?)?;
+    let x40 = acts(&mut rng, 2, 40, Acts::Typical)?.to_device(&dev)?;
+    let e = msg(fp8_linear(&x40, &w40g, true));
+    ensure!(e.contains("40") && e.contains("32"), "{e}");
+    ensure!(fp8_linear(&x40, &w40g, false).is_ok(), "act quant off must take K = 40");
+    // The streaming kernel's m limit.
+    let big = acts(&mut rng, 257, 96, Acts::Typical)?.to_device(&dev)?;
+    let e = msg(fp8_linear_with(&big, &wg, true, Fp8LinearOptions { path: Fp8LinearPath::Stream, ..Default::default() }));
+    ensure!(e.contains("256") && e.contains("257"), "{e}");
+    // m = 0: an empty result.
+    let y = fp8_linear(&x.narrow(0, 0, 0)?, &wg, true)?;
+    ensure!(y.dims() == [0, 64], "{:?}", y.shape());
+    // The dequantization's dtype.
+    ensure!(fp8_dequantize_device(&wg, DType::F16).is_err(), "f16 dequantization accepted");
+    Ok(())
+}
