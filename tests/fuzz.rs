@@ -119,7 +119,7 @@ proptest! {
         let text = v["text_config"].as_object_mut().expect("text_config");
         // Every integer field, those that size run-time work with no weight shape to check them
         // against included (the config bounds them: config/validate.rs).
-        let ints: Vec<String> = text.iter().filter(|(k, x)| x.is_u64()).map(|(k, _)| k.clone()).collect();
+        let ints: Vec<String> = text.iter().filter(|(_, x)| x.is_u64()).map(|(k, _)| k.clone()).collect();
         let key = field.get(&ints).clone();
         let orig = text[&key].as_u64().expect("u64");
         let choices = [0u64, 1, orig.saturating_sub(1), orig + 1, orig.saturating_mul(2), orig / 2, 1 << 40, u64::MAX];

@@ -26,6 +26,9 @@ use crate::numerics::Numerics;
 /// Tensors a run produced, under golden names.
 pub type Produced = HashMap<String, Tensor>;
 
+/// One teacher-forced run of a case.
+type TeacherRun<'a> = dyn Fn() -> Result<Produced> + 'a;
+
 /// Numerics of a case: QAT as the case says, activation quantization always (it is part of the
 /// reference's linear operator in both modes).
 pub fn case_numerics(case: &Case) -> Numerics {
@@ -92,7 +95,7 @@ pub fn check_case(case: &Case, token_map: Option<&TokenMap>, device: &Device, st
     let has_all = |leaf: &str| (0..n_layers).all(|l| case.golden.contains_key(&format!("L{l}.{leaf}")));
     // The teacher-forced runs' outputs, kept for explaining end-to-end decisions.
     let mut teacher = Produced::new();
-    let tf_runs: [(&str, bool, &dyn Fn() -> Result<Produced>); 2] = [
+    let tf_runs: [(&str, bool, &TeacherRun); 2] = [
         ("teacher_forced", has_all("attn_in"), &|| run_attention_teacher_forced(case, &case.inputs.calls, device, storage)),
         ("teacher_forced_moe", has_all("ffn_in"), &|| run_moe_teacher_forced(case, device)),
     ];
