@@ -207,7 +207,7 @@ impl Indexer {
     }
 
     /// Selects the top-k of the call's tokens, on `x`'s device (CUDA: the indexer kernels of
-    /// [`crate::cuda::index_select`]; CPU: [`reference_selection`]).
+    /// `cuda::index_select`; CPU: [`reference_selection`]).
     ///
     /// `x`: `[T, hidden]` attn-normed input; `qr`: `[T, q_lora]` q-LoRA activation; positions of
     /// the tokens; `keys`: the key owner's index-key store (its N `[N, d_I]` entries, written

@@ -20,7 +20,40 @@ mod fused;
 #[cfg(feature = "cuda")]
 pub use fused::LayerPhase;
 
-/// `layers.N.attn`.
+/// The attention sublayer of one decoder layer (`layers.N.attn`): its weights and role; the
+/// state across calls lives in the caller's [`SequenceCache`].
+///
+/// One layer on the CPU with random weights, a prefill of 5 tokens then one decode step:
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use candle_core::{DType, Device, Tensor};
+/// use deepseek_v41::attention::{Attention, SequenceCache};
+/// use deepseek_v41::config::AttentionRole;
+/// use deepseek_v41::nn::RandomWeights;
+/// use deepseek_v41::{Config, Numerics};
+///
+/// let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny");
+/// let cfg = Config::from_file(format!("{dir}/config.json"))?;
+/// let dev = Device::Cpu;
+/// let vb = RandomWeights::new(7).var_builder(DType::BF16, &dev);
+/// // Layer 1 compresses 2:1 and is its own kv and index source, so it runs alone.
+/// let layer = 1;
+/// let attn = Attention::new(&cfg, layer, Numerics::REFERENCE, vb.pp(format!("layers.{layer}.attn")))?;
+/// assert!(matches!(attn.role(), AttentionRole::Compressed { ratio: 2, .. }));
+///
+/// let mut cache = SequenceCache::new(&cfg, DType::BF16, &dev)?;
+/// // x: the attn-normed input, [T, hidden] bf16.
+/// let x = Tensor::randn(0f32, 1.0, (5, cfg.hidden_size), &dev)?.to_dtype(DType::BF16)?;
+/// let y = attn.forward(&x, 0, &mut cache)?;
+/// assert_eq!(y.dims(), &[5, cfg.hidden_size]);
+/// let x = Tensor::randn(0f32, 1.0, (1, cfg.hidden_size), &dev)?.to_dtype(DType::BF16)?;
+/// let y = attn.forward(&x, 5, &mut cache)?;
+/// assert_eq!((y.dims(), y.dtype()), (&[1, cfg.hidden_size][..], DType::BF16));
+/// assert_eq!(cache.layer(layer)?.next_pos, 6);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Attention {
     layer: usize,

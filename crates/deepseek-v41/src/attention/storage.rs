@@ -11,12 +11,12 @@
 //! `Numerics::cache_fake_quant` (the formats ARE the Q1/Q2/Q3 quantization), so a layer gives
 //! bit for bit the same results with either storage; packed storage with the fake quant off is
 //! an error. Packed caches are pages of [`PACKED_PAGE_TOKENS`] slots (`[pages, page_bytes]` u8,
-//! data and scale regions segregated per page, [`crate::cuda::PackedLayout`]); the compressed
+//! data and scale regions segregated per page, `cuda::PackedLayout`); the compressed
 //! entries and index keys grow by whole pages (doubling), the window ring takes
 //! `ceil(W / PACKED_PAGE_TOKENS)` pages.
 //!
 //! Packed storage needs the crate's `cuda` feature: its inserts and its attention and indexer
-//! sources are the ops of [`crate::cuda`] (which also run on the CPU, through their references).
+//! sources are the ops of the `cuda` module (which also run on the CPU, through their references).
 //! Layers on a packed cache always run `Attention::forward_fused`.
 
 use candle_core::Result;

@@ -32,7 +32,9 @@ pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read config file {path}: {error}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// The I/O error.
         #[source]
         error: std::io::Error,
     },
@@ -41,7 +43,10 @@ pub enum ConfigError {
     Syntax(#[source] serde_json::Error),
     /// A field that must hold a JSON object holds something else (`<root>` for the document).
     #[error("`{field}` must be a JSON object")]
-    NotAnObject { field: String },
+    NotAnObject {
+        /// The field.
+        field: String,
+    },
     /// The document is neither the HF form nor the `inference/config.json` form.
     #[error(
         "cannot tell the config form: expected `text_config` or `hidden_size` (HF config.json) \
@@ -50,69 +55,163 @@ pub enum ConfigError {
     UnknownForm,
     /// A field holds a value of the wrong JSON type (or a negative count, ...).
     #[error("field `{field}`: {message}")]
-    FieldType { field: String, message: String },
+    FieldType {
+        /// The field (`<config>` when serde cannot name it).
+        field: String,
+        /// serde's message.
+        message: String,
+    },
     /// A required field is absent (or `null`).
     #[error("missing required field `{field}`{because}")]
     MissingField {
+        /// The field.
         field: String,
         /// Empty, or ` (required when ...)`.
         because: String,
     },
     /// Two spellings of the same field are both present.
     #[error("fields `{first}` and `{second}` name the same setting; give only one")]
-    DuplicateField { first: String, second: String },
+    DuplicateField {
+        /// One spelling.
+        first: String,
+        /// The other spelling.
+        second: String,
+    },
     /// A scalar field is out of its valid range.
     #[error("`{field}` = {value}: {requirement}")]
-    InvalidValue { field: String, value: String, requirement: String },
+    InvalidValue {
+        /// The field.
+        field: String,
+        /// Its value, as written.
+        value: String,
+        /// The range it must be in, in words.
+        requirement: String,
+    },
     /// A value the architecture could take but this implementation does not support.
     #[error("`{field}` = {value} is not supported: {supported}")]
-    Unsupported { field: String, value: String, supported: String },
+    Unsupported {
+        /// The field.
+        field: String,
+        /// Its value, as written.
+        value: String,
+        /// What this implementation supports, in words.
+        supported: String,
+    },
     /// A compress ratio outside {0, 1, 2} (spec §14 item 1).
     #[error("layer {layer}: compress_ratios[{layer}] = {ratio}; V4.1 compress ratios are 0, 1 or 2")]
-    BadRatio { layer: usize, ratio: usize },
+    BadRatio {
+        /// The layer.
+        layer: usize,
+        /// Its compress ratio.
+        ratio: usize,
+    },
     /// A layer-id list that is not strictly ascending (unsorted or duplicated).
     #[error("`{field}` must be strictly ascending: entry {index} = {value} follows {previous}")]
-    NotAscending { field: String, index: usize, previous: usize, value: usize },
+    NotAscending {
+        /// The list.
+        field: String,
+        /// Position in the list of the first offending entry.
+        index: usize,
+        /// The entry before it.
+        previous: usize,
+        /// The offending entry.
+        value: usize,
+    },
     /// A source (or Engram) layer outside the backbone `0..num_hidden_layers`.
     #[error(
         "layer {layer}: listed in `{field}` but the backbone has {num_hidden_layers} layers \
          (0..={last}); MTP layers cannot be listed",
         last = num_hidden_layers.saturating_sub(1)
     )]
-    LayerOutOfRange { field: String, layer: usize, num_hidden_layers: usize },
+    LayerOutOfRange {
+        /// The list.
+        field: String,
+        /// The listed layer.
+        layer: usize,
+        /// The number of backbone layers.
+        num_hidden_layers: usize,
+    },
     /// A source layer whose compress ratio is 0 (sources need a compressed path).
     #[error("layer {layer}: listed in `{field}` but compress_ratios[{layer}] = 0 (a source needs ratio 1 or 2)")]
-    SourceWithoutCompression { field: String, layer: usize },
+    SourceWithoutCompression {
+        /// The source list.
+        field: String,
+        /// The listed layer.
+        layer: usize,
+    },
     /// A kv source that is not an index source.
     #[error(
         "layer {layer}: listed in `{kv_field}` but not in `{index_field}` (every kv source must be an index source)"
     )]
-    KvSourceNotIndexSource { layer: usize, kv_field: String, index_field: String },
+    KvSourceNotIndexSource {
+        /// The kv source layer.
+        layer: usize,
+        /// The kv source list.
+        kv_field: String,
+        /// The index source list.
+        index_field: String,
+    },
     /// The candidate source is not an index source.
     #[error(
         "layer {layer}: `{field}` = {layer} but layer {layer} is not in `{index_field}` \
          (the candidate source must be an index source)"
     )]
-    CandidateNotIndexSource { layer: usize, field: String, index_field: String },
+    CandidateNotIndexSource {
+        /// The candidate source layer.
+        layer: usize,
+        /// The field naming the candidate source.
+        field: String,
+        /// The index source list.
+        index_field: String,
+    },
     /// A compressed layer with no source of the given kind at or below it.
     #[error(
         "layer {layer}: compress_ratios[{layer}] = {ratio} but no layer <= {layer} is in `{field}` \
          (a compressed layer needs a {kind} source at or below it)"
     )]
-    NoSource { layer: usize, ratio: usize, kind: SourceKind, field: String },
+    NoSource {
+        /// The compressed layer.
+        layer: usize,
+        /// Its compress ratio.
+        ratio: usize,
+        /// Which kind of source is missing.
+        kind: SourceKind,
+        /// The source list searched.
+        field: String,
+    },
     /// The latest source at or below a compressed layer has a different ratio (spec §0.1b.5).
     #[error(
         "layer {layer}: compress_ratios[{layer}] = {ratio} but its latest {kind} source \
          (layer {source_layer}) has ratio {source_ratio}"
     )]
-    SourceRatioMismatch { layer: usize, ratio: usize, kind: SourceKind, source_layer: usize, source_ratio: usize },
+    SourceRatioMismatch {
+        /// The compressed layer.
+        layer: usize,
+        /// Its compress ratio.
+        ratio: usize,
+        /// Which kind of source.
+        kind: SourceKind,
+        /// The latest source of that kind at or below `layer`.
+        source_layer: usize,
+        /// The source's compress ratio.
+        source_ratio: usize,
+    },
     /// A candidate consumer whose ratio differs from the candidate source's (block ids would
     /// index a different entry space).
     #[error(
         "layer {layer}: consumes the candidate blocks of layer {source_layer} but \
          compress_ratios[{layer}] = {ratio} differs from compress_ratios[{source_layer}] = {source_ratio}"
     )]
-    CandidateRatioMismatch { layer: usize, ratio: usize, source_layer: usize, source_ratio: usize },
+    CandidateRatioMismatch {
+        /// The consuming layer.
+        layer: usize,
+        /// Its compress ratio.
+        ratio: usize,
+        /// The candidate source layer.
+        source_layer: usize,
+        /// The candidate source's compress ratio.
+        source_ratio: usize,
+    },
     /// The candidate pool cannot hold `index_topk` entries (spec §1.4).
     #[error(
         "candidate pool too small: `{blocks_field}` = {blocks} and `{size_field}` = {block_size} give \
@@ -120,17 +219,33 @@ pub enum ConfigError {
          `{topk_field}` = {index_topk}"
     )]
     CandidatePoolTooSmall {
+        /// The field giving the number of candidate blocks.
         blocks_field: String,
+        /// The field giving the block size.
         size_field: String,
+        /// The `index_topk` field.
         topk_field: String,
+        /// Number of candidate blocks.
         blocks: usize,
+        /// Block size, in compressed entries.
         block_size: usize,
+        /// The guaranteed candidate entries, `blocks * block_size - (block_size - 1)`.
         pool: usize,
+        /// The top-k it must hold.
         index_topk: usize,
     },
     /// Two lists that must have one entry per item have different lengths.
     #[error("`{field}` has {len} entries but `{other_field}` has {other_len}; they must match")]
-    LengthMismatch { field: String, len: usize, other_field: String, other_len: usize },
+    LengthMismatch {
+        /// One list.
+        field: String,
+        /// Its length.
+        len: usize,
+        /// The other list.
+        other_field: String,
+        /// Its length.
+        other_len: usize,
+    },
 }
 
 impl From<ConfigError> for candle_core::Error {

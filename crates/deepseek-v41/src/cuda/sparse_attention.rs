@@ -157,21 +157,52 @@ impl KvRows<'_> {
 }
 
 /// The tensors of one sparse attention call: token t attends to the valid rows of
-/// `[window[idx_window[t]] ; extra[idx_extra[t]]]`.
+/// `[window[idx_window[t]] ; extra[idx_extra[t]]]` (K = V = the row). All tensors on one
+/// device: CUDA runs the kernels (D = 512), the CPU the crate's reference.
 ///
-/// * `q`: `[T, H, D]` bf16 (D = 512 on CUDA).
-/// * `window`, `extra`: the two [`KvRows`] sources (K = V = the row).
-/// * `idx_window`: `[T, Kw]` i64 or i32, −1 = none; `idx_extra`: `[T, Kc]`, same dtype.
-/// * `sink`: `[H]` f32 logit added to the denominator only (−inf = no sink).
-/// * `scale`: multiplies `q·k` (not the sink), usually `D^-0.5`.
+/// ```no_run
+/// # fn main() -> candle_core::Result<()> {
+/// use candle_core::{DType, Device, Tensor};
+/// use deepseek_v41::cuda::{KvRows, SparseAttentionInputs, SparseAttentionOptions};
+///
+/// let dev = Device::new_cuda(0)?; // `Device::Cpu` runs the reference instead
+/// let (t, h, d) = (1, 64, 512);
+/// let bf16 = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, &dev)?.to_dtype(DType::BF16);
+/// let (q, window, extra) = (bf16(&[t, h, d])?, bf16(&[128, d])?, bf16(&[1024, d])?);
+/// // Token 0 reads window rows 0..4 and compressed rows 10, 20, 30; −1 pads the list.
+/// let idx_window = Tensor::new(&[[0i64, 1, 2, 3]], &dev)?;
+/// let idx_extra = Tensor::new(&[[10i64, 20, 30, -1]], &dev)?;
+/// let sink = Tensor::zeros(h, DType::F32, &dev)?;
+/// let inputs = SparseAttentionInputs {
+///     q: &q,
+///     window: KvRows::Bf16(&window),
+///     idx_window: &idx_window,
+///     extra: KvRows::Bf16(&extra),
+///     idx_extra: &idx_extra,
+///     sink: &sink,
+///     scale: (d as f32).powf(-0.5),
+/// };
+/// let (out, lse) = inputs.forward(SparseAttentionOptions::default())?;
+/// assert_eq!((out.dims(), out.dtype()), (&[t, h, d][..], DType::BF16));
+/// assert_eq!((lse.dims(), lse.dtype()), (&[t, h][..], DType::F32));
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct SparseAttentionInputs<'a> {
+    /// `[T, H, D]` bf16 queries (D = [`SPARSE_ATTENTION_HEAD_DIM`] on CUDA).
     pub q: &'a Tensor,
+    /// The first source: the layer's window rows.
     pub window: KvRows<'a>,
+    /// `[T, Kw]` i64 or i32 row ids into `window` per token, −1 = none.
     pub idx_window: &'a Tensor,
+    /// The second source: the compressed rows (the selected top-k).
     pub extra: KvRows<'a>,
+    /// `[T, Kc]` row ids into `extra` per token, the dtype of `idx_window`, −1 = none.
     pub idx_extra: &'a Tensor,
+    /// `[H]` f32 sink logits, added to the softmax denominator only (−inf = no sink).
     pub sink: &'a Tensor,
+    /// Multiplies `q·k` (not the sink), usually `D^-0.5`.
     pub scale: f32,
 }
 

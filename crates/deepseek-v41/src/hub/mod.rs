@@ -18,6 +18,36 @@
 //! [`HubOptions::retries`] times within one call; a `.part` left by a failed or killed call is
 //! resumed the same way by the next call. It does not check the final size or hash: the server's
 //! `Content-Length` is what catches a connection closed early.
+//!
+//! **Example.** A hub entry of the `weights.toml` catalog, downloaded (or found in the cache)
+//! and loaded, as `examples/generate.rs --model <name>` does (`no_run`: this entry is the
+//! ~475 GiB release):
+//!
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! use candle_core::{DType, Device};
+//! use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
+//! use deepseek_v41::model::Pretrained;
+//! use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsSource};
+//! use deepseek_v41::Numerics;
+//!
+//! let catalog = WeightsCatalog::load(concat!(env!("CARGO_MANIFEST_DIR"), "/../../weights.toml"))?;
+//! let entry = catalog.get("deepseek-v4.1-flash")?;
+//! let WeightsSource::Hub { repo, revision } = entry.source()? else { panic!("a hub entry") };
+//! let weights = match entry.weight_files() {
+//!     WeightFiles::Index(index) => HubWeights::Index(index.to_string()),
+//!     WeightFiles::Files(files) => HubWeights::Files(files.to_vec()),
+//! };
+//! let extra = std::iter::once(entry.config.clone()).chain(entry.tokenizer.clone());
+//! let spec = HubCheckpoint::new(repo, revision, weights).with_extra_files(extra);
+//! let fetched = fetch(&spec, &HubOptions::from_env())?;
+//! // Every file of a revision lies in one snapshot folder of the hub cache.
+//! let dir = fetched.extra_files[0].parent().expect("a snapshot folder");
+//! // FP8 / MXFP4 weights are dequantized at load: the device needs room for all of them.
+//! let p = Pretrained::load_dir(dir, Numerics::REFERENCE, DType::BF16, &Device::Cpu)?;
+//! # Ok(())
+//! # }
+//! ```
 
 mod error;
 mod options;

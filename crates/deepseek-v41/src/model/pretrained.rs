@@ -76,7 +76,7 @@ impl Pretrained {
     /// A fresh cache for one sequence with its rows in `storage` ([`CacheStorage::Packed`]: the
     /// V4.1 formats A / B / E, ~3.6x fewer long-range bytes and the same results — bit for bit
     /// where the attention kernel is the same for both storages, see
-    /// [`crate::attention::Attention::forward_fused`]; needs the `cuda` feature and the reference
+    /// `Attention::forward_fused`; needs the `cuda` feature and the reference
     /// numerics' cache fake quant).
     pub fn new_cache_with(&self, storage: CacheStorage) -> Result<ModelCache> {
         ModelCache::with_storage(&self.config, storage, self.dtype, &self.device)

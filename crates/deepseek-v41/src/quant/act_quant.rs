@@ -22,7 +22,7 @@ pub fn fp8_act_quant_block(block: &mut [f32]) {
 /// Emulates the activation quantization of `x` (`[..., K]`, K a multiple of 32, any float
 /// dtype); returns the dequantized values `[..., K]` in `x`'s dtype and device. On the host in
 /// f32, except for bf16 / f32 tensors on a CUDA device (with the `cuda` feature): one kernel on
-/// the device, bit for bit equal ([`crate::cuda::fake_quant_device`]).
+/// the device, bit for bit equal (`cuda::fake_quant_device`).
 pub fn fp8_activation_quant(x: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::cuda::fused_kernels(x.device()) {

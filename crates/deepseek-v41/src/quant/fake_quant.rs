@@ -186,7 +186,7 @@ pub fn fake_quant_slice(fmt: QatFormat, x: &mut [f32]) -> Result<()> {
 /// the last dim; returns the dequantized values `[..., K]` in `x`'s dtype and device (exact in
 /// f32 and bf16). Computed on the host in f32, except for bf16 / f32 tensors on a CUDA device
 /// (with the `cuda` feature), which one kernel computes in place on the device, bit for bit
-/// equal ([`crate::cuda::fake_quant_device`]).
+/// equal (`cuda::fake_quant_device`).
 pub fn fake_quant(x: &Tensor, fmt: QatFormat) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::cuda::fused_kernels(x.device()) {
