@@ -77,17 +77,17 @@ fn relu_zero_ties_go_to_the_lowest_ids_in_prefill() -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(91);
     // A prefill chunk of 24 queries over a ratio-2 kv source of 400 entries; 20 positive keys.
-    let (t, h, n, k) = (24usize, 8usize, 400usize, 64usize);
-    let start = 2 * n - t;
+    let (t, h, n, k, ratio) = (24usize, 8usize, 400usize, 64usize, 2usize);
+    let start = ratio * n - t;
     let positive: Vec<usize> = (0..20).map(|i| 7 + 19 * i).collect();
     let keys = signed_keys(&mut rng, n, &positive)?;
     let q = fq(&mut rng, &[t, h, D])?.abs()?;
     let w = weights(&mut rng, t, h)?;
     let shape = CandidateShape { block: 8, n_keep: 6 };
-    let cpu_src = KeySource::sequence(IndexKeys::Rows(&keys), start, 2)?;
+    let cpu_src = KeySource::sequence(IndexKeys::Rows(&keys), start, ratio)?;
     let want = index_select(&q, &w, &cpu_src, k, None, Some(shape))?;
     let kg = keys.to_device(&dev)?;
-    let gpu_src = KeySource::sequence(IndexKeys::Rows(&kg), start, 2)?;
+    let gpu_src = KeySource::sequence(IndexKeys::Rows(&kg), start, ratio)?;
     poison(&dev, t * k)?;
     let got = index_select(&q.to_device(&dev)?, &w.to_device(&dev)?, &gpu_src, k, None, Some(shape))?;
     assert_ids_equal("prefill top-k with ReLU-zero ties", &got.topk, &want.topk)?;
@@ -98,7 +98,7 @@ fn relu_zero_ties_go_to_the_lowest_ids_in_prefill() -> Result<()> {
     let scores = rows(&masked_index_scores(&q, &w, &cpu_src, None)?)?;
     let picked = ids(&want.topk)?;
     for (i, s) in scores.iter().enumerate() {
-        let visible = (start + i + 1) / 2;
+        let visible = (start + i + 1) / ratio;
         ensure!(picked[i] == policy_top_k(s, k, visible), "query {i}: CPU top-k is not the lowest-id policy's");
         ensure!(s.iter().take(visible).filter(|&&v| v == 0.0).count() > k, "query {i}: the data must hold > k zero scores");
     }
@@ -106,7 +106,7 @@ fn relu_zero_ties_go_to_the_lowest_ids_in_prefill() -> Result<()> {
     // Candidate blocks: block score = max of its visible entries, the newest block pinned; blocks
     // of zeros tie, so the kept zero blocks must be the lowest-id ones.
     for (i, (s, kept)) in scores.iter().zip(ids(&wc.kept)?).enumerate() {
-        let visible = (start + i + 1) / 2;
+        let visible = (start + i + 1) / ratio;
         let mut beta: Vec<f32> = s.chunks(8).map(|c| c.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))).collect();
         beta[(visible - 1) / 8] = f32::INFINITY;
         let n_blocks = beta.len();

@@ -181,7 +181,7 @@ impl RowStore {
     /// storage ([`RowStore::buffer`]: `[capacity, width]` rows, or `[pages, page_bytes]` u8 pages
     /// with capacity `pages · page_size` slots; capacity ≥ `len + n`) and `write` must fill rows
     /// (slots) `first .. first + n` (`first` = the current `len`), e.g. with a fused insert
-    /// kernel ([`crate::cuda::compressed_insert`], [`crate::cuda::packed_insert`]) at slots
+    /// kernel (`cuda::compressed_insert`, `cuda::packed_insert`) at slots
     /// `first ..`. The rows count as appended only if `write` succeeds.
     pub fn append_in_place(&mut self, n: usize, write: impl FnOnce(&Tensor, usize) -> Result<()>) -> Result<()> {
         self.reserve(n)?;

@@ -56,6 +56,7 @@ pub enum Fp8LinearPath {
 /// Options of [`fp8_linear_with`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fp8LinearOptions {
+    /// The path: streaming kernel or dequantize + cuBLAS (default: by m).
     pub path: Fp8LinearPath,
     /// Split-K factor of the streaming kernel; 0 = the launcher's choice (clamped to the k32
     /// blocks).
