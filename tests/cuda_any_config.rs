@@ -26,6 +26,10 @@ use deepseek_v41::Numerics;
 mod rng;
 use rng::Rng;
 
+#[path = "support/layer_runs.rs"]
+mod layer_runs;
+use layer_runs::{layer_inputs, random_layers, run_layers_with};
+
 fn gpu() -> Device {
     Device::new_cuda(0).expect("tests/cuda_any_config.rs needs a CUDA device (none found): these tests must run on a GPU")
 }
@@ -42,35 +46,12 @@ fn odd_config() -> Result<Config> {
     Ok(cfg)
 }
 
-fn inputs(cfg: &Config, rng: &mut Rng, n: usize) -> Result<Vec<Tensor>> {
-    Ok((0..cfg.num_hidden_layers)
-        .map(|_| {
-            let v: Vec<f32> = (0..n * cfg.hidden_size).map(|_| rng.normal()).collect();
-            Tensor::from_vec(v, (n, cfg.hidden_size), &Device::Cpu)?.to_dtype(DType::BF16)
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?)
-}
-
 fn layers(cfg: &Config, dev: &Device) -> Result<Vec<Attention>> {
-    let vb = RandomWeights::new(19).var_builder(DType::BF16, dev);
-    Ok((0..cfg.num_hidden_layers)
-        .map(|l| Attention::new(cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn")))
-        .collect::<candle_core::Result<Vec<_>>>()?)
+    random_layers(cfg, dev, 19)
 }
 
-/// Every layer over `calls` (chunk lengths); each layer's outputs.
 fn run_layers(cfg: &Config, dev: &Device, xs: &[Tensor], calls: &[usize]) -> Result<Vec<Tensor>> {
-    let layers = layers(cfg, dev)?;
-    let mut cache = SequenceCache::new(cfg, DType::BF16, dev)?;
-    let mut outs = vec![Vec::new(); layers.len()];
-    let mut start = 0;
-    for &n in calls {
-        for (l, a) in layers.iter().enumerate() {
-            outs[l].push(a.forward(&xs[l].narrow(0, start, n)?.to_device(dev)?, start, &mut cache)?);
-        }
-        start += n;
-    }
-    Ok(outs.iter().map(|o| Tensor::cat(o, 0)).collect::<candle_core::Result<Vec<_>>>()?)
+    run_layers_with(cfg, dev, xs, calls, CacheStorage::Bf16, 19)
 }
 
 #[test]
@@ -83,7 +64,7 @@ fn unsupported_shapes_run_the_plain_path_on_the_gpu_and_match_the_cpu() -> Resul
     }
     let mut rng = Rng(0x192);
     let n = 3 * cfg.sliding_window + 9;
-    let xs = inputs(&cfg, &mut rng, n)?;
+    let xs = layer_inputs(&cfg, &mut rng, n)?;
     let mut decode = vec![cfg.sliding_window + 2];
     decode.resize(n - decode[0] + 1, 1);
     let chunked = vec![7, 2 * cfg.sliding_window, n - 7 - 2 * cfg.sliding_window];

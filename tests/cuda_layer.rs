@@ -26,6 +26,11 @@ use deepseek_v41::Numerics;
 mod rng;
 use rng::Rng;
 
+#[path = "support/layer_runs.rs"]
+#[allow(dead_code)]
+mod layer_runs;
+use layer_runs::{layer_inputs, run_layers_with};
+
 fn gpu() -> Device {
     Device::new_cuda(0).expect("tests/cuda_layer.rs needs a CUDA device (none found): these tests must run on a GPU")
 }
@@ -148,26 +153,7 @@ fn config_512() -> Result<Config> {
 }
 
 fn run_layers(cfg: &Config, dev: &Device, xs: &[Tensor], calls: &[usize]) -> Result<Vec<Tensor>> {
-    run_layers_with(cfg, dev, xs, calls, CacheStorage::Bf16)
-}
-
-/// Every layer of `cfg` (random weights) over `calls` (chunk lengths) on a cache in `storage`;
-/// each layer's outputs.
-fn run_layers_with(cfg: &Config, dev: &Device, xs: &[Tensor], calls: &[usize], storage: CacheStorage) -> Result<Vec<Tensor>> {
-    let vb = RandomWeights::new(5).var_builder(DType::BF16, dev);
-    let layers = (0..cfg.num_hidden_layers)
-        .map(|l| Attention::new(cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn")))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let mut cache = SequenceCache::with_storage(cfg, storage, DType::BF16, dev)?;
-    let mut outs = vec![Vec::new(); layers.len()];
-    let mut start = 0;
-    for &n in calls {
-        for (l, a) in layers.iter().enumerate() {
-            outs[l].push(a.forward(&xs[l].narrow(0, start, n)?.to_device(dev)?, start, &mut cache)?);
-        }
-        start += n;
-    }
-    Ok(outs.iter().map(|o| Tensor::cat(o, 0)).collect::<candle_core::Result<Vec<_>>>()?)
+    run_layers_with(cfg, dev, xs, calls, CacheStorage::Bf16, 5)
 }
 
 /// The fused path and the plain-Candle path (`cuda::with_plain_candle`: the reference layer's
@@ -210,16 +196,6 @@ fn head_dim_512_layers_on_the_gpu_match_the_cpu() -> Result<()> {
     Ok(())
 }
 
-/// Random bf16 inputs `[n, hidden]` for every layer of `cfg`.
-fn layer_inputs(cfg: &Config, rng: &mut Rng, n: usize) -> Result<Vec<Tensor>> {
-    Ok((0..cfg.num_hidden_layers)
-        .map(|_| {
-            let v: Vec<f32> = (0..n * cfg.hidden_size).map(|_| rng.normal()).collect();
-            Tensor::from_vec(v, (n, cfg.hidden_size), &Device::Cpu)?.to_dtype(DType::BF16)
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?)
-}
-
 /// The number of elements whose bits differ (shapes must agree).
 fn differing(a: &Tensor, b: &Tensor) -> Result<usize> {
     ensure!(a.dims() == b.dims(), "shapes {:?} vs {:?}", a.shape(), b.shape());
@@ -254,8 +230,8 @@ fn packed_caches_on_the_gpu_equal_bf16_caches() -> Result<()> {
     let mut decode = vec![n - 8];
     decode.resize(9, 1);
     for calls in [vec![n], vec![7, 2 * cfg.sliding_window + 1, 70, n - 78 - 2 * cfg.sliding_window], decode] {
-        let bf16 = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Bf16)?;
-        let packed = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Packed)?;
+        let bf16 = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Bf16, 5)?;
+        let packed = run_layers_with(&cfg, &dev, &xs, &calls, CacheStorage::Packed, 5)?;
         for l in 0..cfg.num_hidden_layers {
             ensure!(packed[l].device().is_cuda());
             let d = differing(&packed[l], &bf16[l])?;
