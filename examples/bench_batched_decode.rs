@@ -98,7 +98,7 @@ struct Args {
     closing: String,
     /// Also time the step replayed from a CUDA graph (with Candle's host-upload cache on, see
     /// `run_format`). Off by default: a failed replay poisons the CUDA context, so it runs last
-    /// in a separate invocation (session 5: without the upload cache the replay hit
+    /// in a separate invocation (without the upload cache the replay hit
     /// CUDA_ERROR_ILLEGAL_ADDRESS).
     #[arg(long)]
     graph: bool,

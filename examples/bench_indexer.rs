@@ -6,7 +6,7 @@
 //! * Decode: B = 1, 64, 256 queries, each sequence with its OWN 64K keys (one cache, per-query
 //!   base row): scores alone, top-k alone (on precomputed scores), both (`index_select`,
 //!   `select_us`). The queries are fake-quantized with Q3 (e2m1 x UE8M0 per 32-block, spec §2.3)
-//!   as the model's index queries are (since session 7; the packed-key kernel takes its integer
+//!   as the model's index queries are (the packed-key kernel takes its integer
 //!   MMAs for such queries, `kernels/include/dsv41_ix_int8.cuh`).
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
 //!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k); the

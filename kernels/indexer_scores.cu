@@ -50,7 +50,7 @@
 // (token, chunk) grid (indexer_scores_kernel: decode of < 64 queries, bf16 keys, prefill), or for
 // packed decode batches of 64..1024 queries resident CTAs taking equal shares of all tokens'
 // visible entries (indexer_scores_balanced_kernel).
-// One code form (session 8, helper idx9; the balanced kernel's options of rounds 5-7 in every
+// One code form (the balanced kernel's options of "Indexer rounds" 5-7 of the perf record in every
 // kernel, no numeric change): both m-tiles' MMAs for every H (rows >= H are zero; their heads are
 // not summed), the common path's scale multiplier without a select, 32-bit entry ids, the lane,
 // staging and product-buffer addresses (32-bit shared) and a loop-carried score pointer held in
@@ -59,13 +59,13 @@
 // (the grid kernels: scores at B = 16 / 32 -4 %, prefill select -9 %; round 8).
 // Compile-time options (V): V_SPEC, a copy for H = 32 without a mask (the model's); V_I8, below.
 // The kernels are latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
-// Integer MMAs (V_I8, session 7; the balanced kernel): tokens whose q is exactly s8 x 2^Eq per
+// Integer MMAs (V_I8; the balanced kernel): tokens whose q is exactly s8 x 2^Eq per
 // head (Q3 queries) and warp iterations whose keys' block scales span <= 3 run s8 x s8 m16n8k32
 // IMMA (exact; 11 instructions per 8 dims, half the MMAs; dsv41_ix_int8.cuh has the numerics)
 // with the same k permutation (word s of a lane's slice = k32-step s), else the bf16 path above;
 // same scores bit for bit. The s8 A fragments live in shared memory (4 KB per CTA, converted by
 // its 4 warps once per span). B = 256: 542 instead of 611 warp instructions per iteration. The
-// grid kernels keep the bf16 path (session 8, docs/perf.md "Indexer round 8"): with V_I8 the grid
+// grid kernels keep the bf16 path (docs/perf.md "Indexer round 8"): with V_I8 the grid
 // decode kernel was 10 % slower at B = 1 and 2-4 % at B = 16 / 32 (a span of <= 16 iterations
 // per warp does not repay the conversion and its barrier), and the prefill kernel with s8
 // fragments per warp 10 % slower. (On sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits

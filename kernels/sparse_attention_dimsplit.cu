@@ -69,7 +69,7 @@
 // mbarriers are initialised before any remote store (a cluster barrier). Diagnostics (the DIAG
 // instantiation, DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0) and every
 // CTA's globaltimer (TRACE=2: the 4th of 4 back-to-back calls), bit 4 skips the gather, bit 64 the
-// merge and epilogue (timing only), bit 8 the early window tiles (same results). (Session 10's bit
+// merge and epilogue (timing only), bit 8 the early window tiles (same results). (A bit
 // 16, no running-max hand-over, measured no faster and is gone.)
 // Measured (docs/perf.md "Round 13", H200, B = 64): 18.8-19.3 us called alone (the SM clock at
 // ~1.6-1.75 GHz under this load) and 18.8-19.1 us right behind the indexer's top-k, against the

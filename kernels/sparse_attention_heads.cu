@@ -32,7 +32,7 @@
 //        DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG): kernels/sparse_attention_pingpong.cu, two consumer
 //        warpgroups on alternate tiles of a slot ring, so one's softmax runs under the other's
 //        products. Forced HeadSplit (and packed rows) run this two-stage loop. (The one-consumer
-//        slot ring of session 8, round 9 in docs/perf.md, is gone: the ping-pong kernel replaced it.)
+//        slot ring of the perf record's "Round 9" is gone: the ping-pong kernel replaced it.)
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then

@@ -253,8 +253,8 @@ fn both_kernels_forced() -> Result<()> {
 
 #[test]
 fn a_full_gpu_of_decode_tokens() -> Result<()> {
-    // 256 tokens of 128 window + 512 extra rows: every SM busy, copies slow to land (lead run 7
-    // found the producer expanding rows whose copies had not landed only at such loads).
+    // 256 tokens of 128 window + 512 extra rows: every SM busy, copies slow to land (a run at
+    // this load found the producer expanding rows whose copies had not landed only at such loads).
     let (win, extra) = ([128usize; 256], [512usize; 256]);
     for (splits, kernel) in [(None, SparseAttentionKernel::Auto), (Some(2), SparseAttentionKernel::Auto), (None, SparseAttentionKernel::HeadSplit)] {
         let rows = Some((256 * 128, 1 << 17));

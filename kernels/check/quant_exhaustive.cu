@@ -301,7 +301,7 @@ static long check_q2_scale_hw() {
     return bad;
 }
 
-// The row-128 kernels' Q3 block scales from bf16 pairs of block maxima (session 5):
+// The row-128 kernels' Q3 block scales from bf16 pairs of block maxima:
 // q3_scale_bits2 of max(a, floor) (max.bf16x2, NaN -> floor) against q3_scale_exp of the block's
 // max for every non-negative bf16 pattern a (NaN patterns stand for an all-NaN block, whose
 // f32 fold from 0 gives 0) in both halves (the other half a permutation), q3_scale_bits2_ok

@@ -203,7 +203,7 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
             cp_async_mbar_arrive(bar_full + 8 * st);
             continue;
         }
-        // (Measured slower, session 4 lead run 2: a second tile's copies in flight together
+        // (Measured slower: a second tile's copies in flight together
         // with bank-spread raw chunk positions, 44 / 155 us instead of 41 / 131 us at decode
         // B = 64 / 256: the refilled stage frees only after the compute warps' previous
         // tile, which put the expansion on their critical path. Lead run 3: the compute

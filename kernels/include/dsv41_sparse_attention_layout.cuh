@@ -13,7 +13,7 @@ constexpr int HB = 64;          // heads per CTA
 constexpr int THREADS = 256;    // compute threads: 8 warps = 2 warpgroups (the producer warpgroup: threads 256..383)
 static_assert(THREADS == IDX_THREADS, "the compute threads compact the indices");
 constexpr int PROD_REGS = 40;      // its registers after setmaxnreg (2 x 232 + 40 = 3 x 168; the packed-row expansion
-                                   // spills 12 bytes at 40, but 56 / 224 made bf16 decode ~1.2 us slower: lead run 5)
+                                   // spills 12 bytes at 40, but 56 / 224 made bf16 decode ~1.2 us slower)
 constexpr int MMA_REGS = 232;      // the compute warpgroups' registers after setmaxnreg
 constexpr int MAX_SPLITS = 8;   // portable cluster size
 

@@ -10,9 +10,9 @@
 //! (digits of 11 and 5 bits). For rows of at most 64K entries (the decode shape) the selection
 //! kernel reads each row once: it first takes a digit below which no key of the top k lies from
 //! a sample of 4096 entries of the row (exact fallbacks cover rows where the sample misleads).
-//! (Sessions 5–6 also had a *fused histogram*, the first digit histogram built by the scores
-//! kernel; it cost the scores kernel more than it saved the selection and was removed in session
-//! 7: `docs/perf.md`, "Indexer selection (session 6, helper sel6)".) The candidate-block
+//! (A *fused histogram*, the first digit histogram built by the scores kernel, was measured and
+//! removed: it cost the scores kernel more than it saved the selection; the perf record
+//! "Indexer selection".) The candidate-block
 //! selection (`publish`) builds its own histogram (of block maxima). The separate ops
 //! [`super::masked_index_scores`] + [`super::index_topk`] run the same kernels.
 

@@ -62,8 +62,8 @@ pub enum SparseAttentionKernel {
     /// and the producer gathers the first two window tiles while the indices are compacted. The
     /// numerics of one split (p rounded to bf16 relative to the running max after each 64-row
     /// block); only f32 summation orders differ from `HeadSplit` (each consumer sums its own
-    /// tiles, merged once). bf16 rows (packed rows run `HeadSplit`'s loop); Auto's choice before
-    /// session 10. Takes no `num_splits` above 1.
+    /// tiles, merged once). bf16 rows (packed rows run `HeadSplit`'s loop); Auto's choice before the
+    /// dims-split pair. Takes no `num_splits` above 1.
     HeadSplitPingPong,
     /// All 64 heads of a block per CTA with the 512 dims split over the two CTAs of a cluster
     /// (`kernels/sparse_attention_dimsplit.cu`): each CTA gathers only its 256 dims of every row,
