@@ -17,29 +17,31 @@
 //     zero-padded to whole 32-blocks and token tiles, and the split-K arrival counters zeroed.
 //     It lets the stream kernel launch early (programmatic dependent launch): that one starts
 //     its weight copies, then waits for the panel (griddepcontrol.wait).
-//   * stream kernel: a CTA = 4 warps = one 32-row block of W (one e8m0 scale row) x one split
-//     of K x one chunk of 8*NT <= 64 tokens. Per k32 block a lane holds 8 code bytes of each of
+//   * products (both variants): a warp computes one 32-row block of W (one e8m0 scale row) x
+//     a chunk of 8*NT <= 64 tokens. Per k32 block a lane holds 8 code bytes of each of
 //     its 4 rows, converts them exactly to f16 (cvt.rn.f16x2.e4m3x2; bf16 via f32 when act
 //     quant is off) and runs mma.sync m16n8k16 with the weight as A (2 m16 tiles) and the tokens
-//     as B (NT n8 tiles, 16-byte panel loads through L1), 2G independent products at a time.
+//     as B (NT n8 tiles, 16-byte panel loads), 2G independent products at a time.
 //     The K order inside a block is permuted (lane quad t owns k = 8t..8t+7 of every row and
 //     token; a dot product does not care), so the panel and the code bytes line up without
 //     shuffles. Each k32 block's product goes to a fresh accumulator that is added to the
 //     running sum times 2^(sa + sw) (one FFMA per output element and block): the reference's
-//     per-block scales, applied in f32. The 4 warps' sums meet in shared memory (fixed order);
-//     with split-K the CTAs store f32 partials and the last one to arrive (a counter per tile)
-//     adds them in split order, so results are deterministic.
-//   * How the bytes arrive (DSV41_FP8_VARIANT_*): PIPELINE (k % 16 == 0): every warp streams
-//     its own stages of 32 rows x 128 bytes (4 k32 blocks) into shared memory with cp.async,
-//     16 bytes per lane and whole 128-byte lines per instruction, 3 stages deep (12 KB per warp
-//     in flight, no registers held), and reads its fragments back with 8-byte shared loads
-//     (rows padded to 144 bytes). REGISTERS (any k): 8-byte loads per lane and row (32-byte
-//     sectors), 4 k32 blocks in flight per warp in a register ring (byte loads where k % 8 != 0).
-//     The first GPU run (8-byte loads only, products issued back to back) streamed at half the
-//     HBM rate even at m = 1: with one 32-byte sector per line request the loads in flight are
-//     few bytes each; whole lines per request is what PIPELINE changes.
-//   * Split-K: about 3 CTAs per SM, at least 16 k32 blocks per CTA (wo_b 8192 -> 5120: 3
-//     splits; wq_b 1280 -> 32768: none).
+//     per-block scales, applied in f32. Partial sums always meet in a fixed order, so results
+//     are deterministic.
+//   * How the bytes arrive (DSV41_FP8_VARIANT_*): PIPELINE (k % 128 == 0; design above
+//     fp8_streamk_kernel): stream-K over units of 128 rows x 128 bytes of K, a persistent grid
+//     whose CTAs each stream an equal contiguous run of units through a cp.async ring in shared
+//     memory (16 bytes per lane, whole 128-byte lines per instruction, 3-4 stages of 16 KB of
+//     weights), the panel chunk of each stage shared by the CTA's 4 warps; partial row groups at
+//     the ends of a run are added deterministically by the group's last CTA. REGISTERS (any k):
+//     a CTA per 32-row block x split of K x token chunk, 8-byte loads per lane and row (byte
+//     loads where k % 8 != 0), 4 k32 blocks in flight per warp in a register ring, the panel read
+//     through L1; split-K partials are added in split order by the tile's last CTA (about 3 CTAs
+//     per SM, at least 16 k32 blocks per CTA).
+//   * Why stream-K (docs/perf.md "FP8 linear"): with a CTA per 32-row block, every CTA read
+//     only 40-340 KB and waited for its first bytes; the measured time was ~5.6 us plus the
+//     bytes at 2.3 TB/s on an H100, whether the bytes came through registers or a 3-stage
+//     cp.async pipeline per warp.
 //
 // Numerics: the products of e4m3 codes are exact in f16 x f16 -> f32 tensor-core products;
 // with act quant off, bf16 x times the code is exact too. A block's 32 products are summed by
@@ -49,9 +51,7 @@
 // in f32. So the result equals the reference up to the order of the f32 summation; outputs are
 // rounded to bf16 once (RNE). Scale byte 255 (NaN) gives NaN like the reference.
 //
-// Measured (docs/perf.md "FP8 linear", H100, 2026-12-06): the first version (REGISTERS only, products
-// issued back to back) streamed wq_b (42 MB) at 1.7 TB/s for m = 1 and 16 and 0.77 TB/s at m = 64, below
-// cuBLASLt FP8; PIPELINE and the independent product groups are not measured yet. Numerics: 0.02 % of
+// Measured: docs/perf.md "FP8 linear" (figures, card, command); numerics: at most a few in 10^4
 // outputs one bf16 ulp off the CPU reference (tests/cuda_fp8_linear.rs).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -170,19 +170,19 @@ __device__ __forceinline__ void store_out4(const StreamArgs& a, int tok, int n0,
 }
 
 constexpr int kLd = 36;        // padded row (32 rows + 4) of the reduction tile: conflict-free, float4-aligned
-constexpr int kStages = 3;     // smem pipeline: stages per warp
 constexpr int kStepBlocks = 4; // smem pipeline: k32 blocks per stage (128 bytes of each of 32 rows)
 constexpr int kSrow = 144;     // smem pipeline: bytes per staged row (128 + 16: conflict-free 8-byte reads)
 constexpr int kWarpStage = 32 * kSrow;
-constexpr int kSmemPipeBytes = 4 * kStages * kWarpStage;
 
 // One k32 block of the warp's 32 rows: w[i] = the lane's 8 code bytes of row g + 8i (k offsets
 // 8t..8t+7 of the block), sw = the block's weight scale. acc += (codes · panel) · 2^(sa + sw).
+// pb: the lane's 16 panel bytes of the block for token tok0 + g (global or shared memory),
+// pstride: uint4s from one n8 token tile to the next; sap (ACTQ): the block's activation scales
+// from token tok0 on (global or shared memory).
 template <int NT, bool ACTQ>
-__device__ __forceinline__ void block_step(float (&acc)[2][NT][4], const uint2 (&w)[4], float sw, int kb, const StreamArgs& a, int tok0,
-                                           int g, int t) {
+__device__ __forceinline__ void block_step(float (&acc)[2][NT][4], const uint2 (&w)[4], float sw, int t, const uint4* pb, int pstride,
+                                           const float* sap) {
     constexpr int G = NT < 4 ? NT : 4;  // n8 tiles per group of independent products
-    const uint4* panel = reinterpret_cast<const uint4*>(a.panel);
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // A fragments: [m tile][k16 step]; a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
     uint32_t af[2][2][4];
@@ -205,12 +205,11 @@ __device__ __forceinline__ void block_step(float (&acc)[2][NT][4], const uint2 (
         float s0[G], s1[G];
 #pragma unroll
         for (int u = 0; u < G; ++u) {
-            const int tok = tok0 + 8 * (n0 + u);
-            b[u] = __ldg(panel + ((static_cast<int64_t>(tok + g) * a.kpad + kb * 32 + 8 * t) >> 3));
+            b[u] = pb[(n0 + u) * pstride];
             s0[u] = sw;
             s1[u] = sw;
             if constexpr (ACTQ) {
-                const float2 sa = __ldg(reinterpret_cast<const float2*>(a.ascale + static_cast<int64_t>(kb) * a.mpad + tok + 2 * t));
+                const float2 sa = *reinterpret_cast<const float2*>(sap + 8 * (n0 + u) + 2 * t);
                 s0[u] = sa.x * sw;
                 s1[u] = sa.y * sw;
                 // 2^(sa+sw) >= 2^128: clamp so that an all-zero block contributes 0, not NaN.
@@ -350,75 +349,201 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(c
             for (int i = 0; i < 4; ++i) w[i] = buf[d][i];
             const float sw = e8m0_f32(sbuf[d]);
             issue(d, kb + 4 * D);
-            block_step<NT, ACTQ>(acc, w, sw, kb, a, tok0, g, t);
+            const uint4* pb = reinterpret_cast<const uint4*>(a.panel) + ((static_cast<int64_t>(tok0 + g) * a.kpad + kb * 32 + 8 * t) >> 3);
+            block_step<NT, ACTQ>(acc, w, sw, t, pb, a.kpad, a.ascale + static_cast<int64_t>(kb) * a.mpad + tok0);
         }
     }
     finish<NT>(acc, red, &is_last, a, warp, g, t);
 }
 
-// Shared-memory pipeline variant (k % 16 == 0, 16-byte aligned codes): each warp streams its
-// own stages of 32 rows x 128 bytes (4 k32 blocks) with cp.async (16 bytes per lane, 4 whole
-// 128-byte lines per instruction, L1 bypassed), kStages deep, and reads the fragments back with
-// 8-byte shared loads (rows padded to 144 bytes: no bank conflicts beyond the minimum). Warp w
-// takes stages w, w+4, ... of the split. Dynamic shared memory: kSmemPipeBytes.
+// Stream-K pipeline variant (k % 128 == 0, 16-byte aligned codes, 4-byte aligned scales). The
+// work is the sequence of units (token chunk, row group of 128 rows = 4 row blocks, stage of
+// 128 k = 4 k32 blocks), row-group-major; a persistent grid of `ctas` CTAs (every SM filled
+// once, at least kMinUnits units each) splits it into equal contiguous ranges, so every CTA
+// streams the same number of weight bytes back to back through one cp.async ring whatever N and
+// K are (no waves, no per-tile ramp-up). Warp w computes row block w of the group. A stage holds
+// everything its products read - the 4 warps' weight rows, the chunk's panel rows (tokens x 128
+// k, 16-bit) and activation scales, the 4 x 4 weight scale bytes - so no load waits inside the
+// products (a scale read from global memory there put one memory latency per unit on the
+// critical path: twice the time of the pure read, measured). Where a range starts or ends inside
+// a row group, the CTA stores its f32 partial (registers as they are: [warp][register][lane]) in
+// one of two slots of its own, and the last of the group's contributors to arrive (a counter per
+// group) adds the partials in CTA order: deterministic.
+constexpr int kPst = 320;     // bytes per staged panel row (256 + 64: conflict-free 16-byte reads)
+constexpr int kMinUnits = 3;  // units per CTA at least (fewer contributors per row group)
+
+template <int NT>
+__host__ __device__ constexpr int streamk_stages() { return NT <= 2 ? 4 : 3; }
+// Stage layout: weights [4][32][kSrow] | panel [TOK][kPst] | act scales [4][TOK] f32 | weight scales [4][4] u8.
+template <int NT>
+__host__ __device__ constexpr int streamk_stage_bytes() { return 4 * kWarpStage + 8 * NT * kPst + 4 * 8 * NT * 4 + 16; }
+template <int NT>
+__host__ __device__ constexpr int streamk_smem() { return streamk_stages<NT>() * streamk_stage_bytes<NT>(); }
+
+// The first unit of CTA c's range [c U / C, (c+1) U / C), and the CTA whose range holds unit u.
+__device__ __forceinline__ int64_t unit_begin(int c, int64_t units, int ctas) { return static_cast<int64_t>(c) * units / ctas; }
+__device__ __forceinline__ int cta_of(int64_t u, int64_t units, int ctas) { return static_cast<int>(((u + 1) * ctas - 1) / units); }
+
+// Stores the warp's 32 rows x 8 NT tokens from acc-shaped registers (bf16, bounds-checked).
+template <int NT>
+__device__ __forceinline__ void store_rows(const StreamArgs& a, const float (&acc)[2][NT][4], int row0, int tok0, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row0 + 16 * mt + g + (e >= 2 ? 8 : 0), tok = tok0 + 8 * nt + 2 * t + (e & 1);
+                if (r < a.n && tok < a.m) a.out[static_cast<int64_t>(tok) * a.n + r] = __float2bfloat16_rn(acc[mt][nt][e]);
+            }
+}
+
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
 template <int NT, bool ACTQ>
-__global__ void __launch_bounds__(kThreads, 3) fp8_stream_smem_kernel(const StreamArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamArgs a) {
+    constexpr int TOK = 8 * NT, S = streamk_stages<NT>(), R = 2 * NT * 4, SB = streamk_stage_bytes<NT>();
+    constexpr int kPanelOff = 4 * kWarpStage, kAsOff = kPanelOff + TOK * kPst, kWsOff = kAsOff + 4 * TOK * 4;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ int is_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int rb = blockIdx.y, s = blockIdx.z, tok0 = blockIdx.x * 8 * NT;
-    const int kb_begin = static_cast<int>(static_cast<int64_t>(s) * a.kb / a.splits);
-    const int kb_end = static_cast<int>(static_cast<int64_t>(s + 1) * a.kb / a.splits);
-    const int nstages = (kb_end - kb_begin + kStepBlocks - 1) / kStepBlocks;
-    uint8_t* wsm = smem + warp * kStages * kWarpStage;
-    const uint32_t wsm_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wsm));
-    const uint8_t* srow = a.scales + static_cast<int64_t>(rb) * a.kb;
+    const int nrg = (a.n + 127) / 128, sk = a.kb / kStepBlocks;
+    const int64_t units = static_cast<int64_t>(a.mc) * nrg * sk;
+    const int c = blockIdx.x, ctas = gridDim.x;
+    const int64_t u0 = unit_begin(c, units, ctas), u1 = unit_begin(c + 1, units, ctas);
+    const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
-    // Lane's copies: rows 4i + lane/8 (i = 0..7), 16-byte chunk lane % 8 of the stage's 128 bytes.
+    // Copies of unit u into slot. Weights: the warp's 32 rows x 128 bytes (8 x 16 bytes per lane)
+    // and its 4 scale bytes; activations (after the prep kernel): the chunk's TOK panel rows x
+    // 256 bytes and (ACTQ) 4 blocks x TOK scales, over the CTA's threads.
     const int crow = lane >> 3, cchunk = lane & 7;
-    auto load_stage = [&](int slot, int st) {
-        const int kb = kb_begin + st * kStepBlocks + (cchunk >> 1);
-        const int64_t koff = static_cast<int64_t>(kb) * 32 + 16 * (cchunk & 1);
+    auto load_w = [&](int slot, int64_t u) {
+        const int st = static_cast<int>(u % sk), rb = static_cast<int>((u / sk) % nrg) * 4 + warp;
+        const uint32_t base = smem_addr + slot * SB;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int r = 4 * i + crow, row = rb * 32 + r;
-            const bool ok = row < a.n && kb < kb_end && koff < a.k;
-            const uint8_t* src = a.codes + (ok ? static_cast<int64_t>(row) * a.k + koff : 0);
-            const uint32_t dst = wsm_addr + slot * kWarpStage + r * kSrow + 16 * cchunk;
-            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+            const bool ok = row < a.n;
+            cp_async(base + warp * kWarpStage + r * kSrow + 16 * cchunk, a.codes + (ok ? static_cast<int64_t>(row) * a.k + st * 128 + 16 * cchunk : 0), ok);
+        }
+        if (lane == 0) {
+            const bool ok = rb * 32 < a.n;
+            const uint8_t* src = a.scales + (ok ? static_cast<int64_t>(rb) * a.kb + st * kStepBlocks : 0);
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(base + kWsOff + 4 * warp), "l"(src), "r"(ok ? 4 : 0) : "memory");
         }
     };
-    const int first = warp;
-#pragma unroll
-    for (int d = 0; d < kStages - 1; ++d) {
-        if (first + 4 * d < nstages) load_stage(d, first + 4 * d);
+    auto load_act = [&](int slot, int64_t u) {
+        const int st = static_cast<int>(u % sk), tok0 = static_cast<int>(u / (static_cast<int64_t>(sk) * nrg)) * TOK;
+        const uint32_t base = smem_addr + slot * SB;
+        for (int i = threadIdx.x; i < TOK * 16; i += kThreads) {
+            const int tk = i >> 4, ch = i & 15;
+            cp_async(base + kPanelOff + tk * kPst + 16 * ch, a.panel + static_cast<int64_t>(tok0 + tk) * a.kpad + st * 128 + 8 * ch, true);
+        }
+        if constexpr (ACTQ) {
+            if (threadIdx.x < TOK) {  // 4 blocks x TOK / 4 chunks of 4 scales
+                const int blk = threadIdx.x / (TOK / 4), part = threadIdx.x % (TOK / 4);
+                cp_async(base + kAsOff + 16 * threadIdx.x, a.ascale + static_cast<int64_t>(st * kStepBlocks + blk) * a.mpad + tok0 + 4 * part, true);
+            }
+        }
+    };
+    // Prologue: the weights of the first S - 1 units may overlap the prep kernel (programmatic
+    // dependent launch); the activations are read after it has finished.
+    for (int d = 0; d < S - 1; ++d)
+        if (u0 + d < u1) load_w(d, u0 + d);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int d = 0; d < S - 1; ++d) {
+        if (u0 + d < u1) load_act(d, u0 + d);
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    asm volatile("griddepcontrol.wait;" ::: "memory");
 
     float acc[2][NT][4] = {};
-
-    int i = 0;
-    for (int st = first; st < nstages; st += 4, ++i) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
-        __syncwarp();
-        const int next = st + 4 * (kStages - 1);
-        if (next < nstages) load_stage((i + kStages - 1) % kStages, next);
+    for (int64_t u = u0; u < u1; ++u) {
+        const int i = static_cast<int>(u - u0);
+        asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
+        __syncthreads();  // the stage is complete for every thread; slot (i - 1) % S is free
+        if (u + S - 1 < u1) {
+            load_w((i + S - 1) % S, u + S - 1);
+            load_act((i + S - 1) % S, u + S - 1);
+        }
         asm volatile("cp.async.commit_group;" ::: "memory");
-        const uint8_t* stage = wsm + (i % kStages) * kWarpStage;
+        const int64_t grp = u / sk;  // chunk * nrg + row group
+        const int st = static_cast<int>(u % sk), rb = static_cast<int>(grp % nrg) * 4 + warp;
+        const int tok0 = static_cast<int>(grp / nrg) * TOK;
+        const uint8_t* stage = smem + (i % S) * SB;
+        const uint8_t* wst = stage + warp * kWarpStage;
+        const uint32_t wsc = *reinterpret_cast<const uint32_t*>(stage + kWsOff + 4 * warp);
 #pragma unroll
-        for (int u = 0; u < kStepBlocks; ++u) {
-            const int kb = kb_begin + st * kStepBlocks + u;
-            if (kb >= kb_end) break;
+        for (int ub = 0; ub < kStepBlocks; ++ub) {
             uint2 w[4];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) w[r] = *reinterpret_cast<const uint2*>(stage + (g + 8 * r) * kSrow + 32 * u + 8 * t);
-            block_step<NT, ACTQ>(acc, w, e8m0_f32(__ldg(srow + kb)), kb, a, tok0, g, t);
+            for (int r = 0; r < 4; ++r) w[r] = *reinterpret_cast<const uint2*>(wst + (g + 8 * r) * kSrow + 32 * ub + 8 * t);
+            const uint4* pb = reinterpret_cast<const uint4*>(stage + kPanelOff + g * kPst + 64 * ub + 16 * t);
+            const float* sap = reinterpret_cast<const float*>(stage + kAsOff) + ub * TOK;
+            block_step<NT, ACTQ>(acc, w, e8m0_f32((wsc >> (8 * ub)) & 0xffu), t, pb, 8 * kPst / 16, sap);
         }
+        if (st != sk - 1 && u + 1 < u1) continue;
+        // The range leaves this row group: store, or hand the partial to the group's last CTA.
+        const int64_t g_first = grp * sk, g_last = g_first + sk - 1;
+        const int c_first = cta_of(g_first, units, ctas), c_last = cta_of(g_last, units, ctas);
+        if (c_first == c_last) {
+            store_rows<NT>(a, acc, rb * 32, tok0, g, t);
+        } else {
+            const int slot = 2 * c + (g_first <= u0 ? 0 : 1);  // 2c: the range's first group
+            float* mine = a.ws + (static_cast<int64_t>(slot) * 4 + warp) * R * 32 + lane;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) mine[((mt * NT + nt) * 4 + e) * 32] = acc[mt][nt][e];
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) is_last = atomicAdd(a.ctr + grp, 1u) == static_cast<unsigned>(c_last - c_first);
+            __syncthreads();
+            if (is_last) {
+                __threadfence();
+                // The partials in CTA order, B contributors' loads in flight at a time.
+                constexpr int B = R >= 64 ? 1 : 64 / R;
+                float sum[R];
+#pragma unroll
+                for (int j = 0; j < R; ++j) sum[j] = 0.0f;
+                for (int c0 = c_first; c0 <= c_last; c0 += B) {
+                    float v[B][R];
+#pragma unroll
+                    for (int q = 0; q < B; ++q) {
+                        const int cc = c0 + q;
+                        if (cc > c_last) break;
+                        const int slot_cc = 2 * cc + (g_first <= unit_begin(cc, units, ctas) ? 0 : 1);
+                        const float* p = a.ws + (static_cast<int64_t>(slot_cc) * 4 + warp) * R * 32 + lane;
+#pragma unroll
+                        for (int j = 0; j < R; ++j) v[q][j] = __ldcg(p + j * 32);
+                    }
+#pragma unroll
+                    for (int q = 0; q < B; ++q) {
+                        if (c0 + q > c_last) break;
+#pragma unroll
+                        for (int j = 0; j < R; ++j) sum[j] += v[q][j];
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = sum[(mt * NT + nt) * 4 + e];
+                store_rows<NT>(a, acc, rb * 32, tok0, g, t);
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();  // every warp is done with its stages: red may reuse them
-    finish<NT>(acc, reinterpret_cast<float*>(smem), &is_last, a, warp, g, t);
 }
 
 // One warp per (token row of the panel, k32 block): the panel row's 32 elements and, with
@@ -501,6 +626,7 @@ __global__ void __launch_bounds__(256) fp8_dequant_kernel(const uint8_t* __restr
 
 struct Plan {
     int nt, tok, mc, mpad, kb, kpad, nb, splits;
+    int ctas;  // stream-K grid: the SMs x resident CTAs per SM, at most the units
     int64_t panel_off, ascale_off, ws_off, ctr_off, bytes;
 };
 
@@ -523,6 +649,39 @@ inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     // Grid limits: ceil(n/32) CTAs in y (<= 65535).
     if ((p->n + 31) / 32 > 65535) return DSV41_ERR_SHAPE;
     return DSV41_OK;
+}
+
+// Resident stream-K CTAs per SM (its dynamic shared memory limit set once per device); 1 if
+// the query fails.
+template <int NT, bool ACTQ>
+int streamk_per_sm() {
+    static thread_local int configured_dev = -1, per_sm = 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 1;
+    }
+    if (configured_dev != dev) {
+        int n = 0;
+        if (dsv41_launch::set_max_dynamic_smem(fp8_streamk_kernel<NT, ACTQ>, dev, streamk_smem<NT>(), configured_dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fp8_streamk_kernel<NT, ACTQ>, kThreads, streamk_smem<NT>()) != cudaSuccess) {
+            cudaGetLastError();
+            configured_dev = -1;
+            return 1;
+        }
+        per_sm = n > 0 ? n : 1;
+    }
+    return per_sm;
+}
+
+template <bool ACTQ>
+int streamk_per_sm_nt(int nt) {
+    switch (nt) {
+        case 1: return streamk_per_sm<1, ACTQ>();
+        case 2: return streamk_per_sm<2, ACTQ>();
+        case 4: return streamk_per_sm<4, ACTQ>();
+        default: return streamk_per_sm<8, ACTQ>();
+    }
 }
 
 inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
@@ -549,8 +708,16 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
     q.ascale_off = align256(static_cast<int64_t>(q.mpad) * q.kpad * 2);
     q.ws_off = q.ascale_off + (p->act_quant ? align256(static_cast<int64_t>(q.kb) * q.mpad * 4) : 0);
     const int64_t tiles = static_cast<int64_t>(q.nb) * q.mc;
-    q.ctr_off = q.ws_off + (s > 1 ? align256(tiles * s * q.tok * 32 * 4) : 0);
-    q.bytes = q.ctr_off + align256(tiles * 4);
+    // Stream-K: units = chunks x row groups x stages; two partial slots of 4 warps x 8 NT x 32
+    // lanes x 8 floats per CTA; a counter per (chunk, row group).
+    const int64_t groups = static_cast<int64_t>(q.mc) * ((p->n + 127) / 128);
+    const int64_t units = groups * ((q.kb + kStepBlocks - 1) / kStepBlocks);
+    const int64_t per_sm = p->act_quant ? streamk_per_sm_nt<true>(q.nt) : streamk_per_sm_nt<false>(q.nt);
+    const int64_t ctas = per_sm * sm_count(), by_units = units / kMinUnits > 1 ? units / kMinUnits : 1;
+    q.ctas = static_cast<int>(ctas < by_units ? ctas : by_units);
+    const int64_t ws_reg = s > 1 ? tiles * s * q.tok * 32 * 4 : 0, ws_sk = 2 * static_cast<int64_t>(q.ctas) * 4 * (8 * q.nt) * 32 * 4;
+    q.ctr_off = q.ws_off + align256(ws_reg > ws_sk ? ws_reg : ws_sk);
+    q.bytes = q.ctr_off + align256((tiles > groups ? tiles : groups) * 4);
     return q;
 }
 
@@ -559,12 +726,8 @@ template <int NT, bool ACTQ>
 cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
     const dim3 grid(q.mc, q.nb, q.splits);
     if (kind == 2) {
-        static thread_local int configured_dev = -1;
-        int dev = 0;
-        cudaError_t e = cudaGetDevice(&dev);
-        if (e == cudaSuccess) e = dsv41_launch::set_max_dynamic_smem(fp8_stream_smem_kernel<NT, ACTQ>, dev, kSmemPipeBytes, configured_dev);
-        if (e != cudaSuccess) return e;
-        return dsv41_launch::launch_pdl(fp8_stream_smem_kernel<NT, ACTQ>, grid, dim3(kThreads), kSmemPipeBytes, st, 1, a);
+        // make_plan set the kernel's shared memory limit (streamk_per_sm).
+        return dsv41_launch::launch_pdl(fp8_streamk_kernel<NT, ACTQ>, dim3(q.ctas), dim3(kThreads), streamk_smem<NT>(), st, 1, a);
     }
     auto* kernel = kind == 1 ? fp8_stream_kernel<NT, ACTQ, true> : fp8_stream_kernel<NT, ACTQ, false>;
     return dsv41_launch::launch_pdl(kernel, grid, dim3(kThreads), 0, st, 1, a);
@@ -621,7 +784,12 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     a.mc = q.mc;
     a.splits = q.splits;
 
-    const int n_ctr = q.splits > 1 ? q.nb * q.mc : 0;
+    const uintptr_t cp = reinterpret_cast<uintptr_t>(p->codes);
+    const bool vec8 = p->k % 8 == 0 && (cp & 7) == 0;
+    const bool streamk = p->k % 128 == 0 && (cp & 15) == 0 && (reinterpret_cast<uintptr_t>(p->scales) & 3) == 0;
+    // DSV41_FP8_VARIANT_*: the stream-K pipeline where its whole-stage copies are possible, else the ring.
+    const int kind = (p->variant == DSV41_FP8_VARIANT_REGISTERS || !streamk) ? (vec8 ? 1 : 0) : 2;
+    const int n_ctr = kind == 2 ? q.mc * ((p->n + 127) / 128) : q.splits > 1 ? q.nb * q.mc : 0;
     const int64_t prep_threads = static_cast<int64_t>(q.mpad) * q.kb * 32;
     const unsigned prep_blocks = static_cast<unsigned>((prep_threads + kPrepThreads - 1) / kPrepThreads);
     const auto* x = static_cast<const __nv_bfloat16*>(p->x);
@@ -632,10 +800,6 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
 
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
-    const uintptr_t cp = reinterpret_cast<uintptr_t>(p->codes);
-    const bool vec8 = p->k % 8 == 0 && (cp & 7) == 0, vec16 = p->k % 16 == 0 && (cp & 15) == 0;
-    // DSV41_FP8_VARIANT_*: the pipeline where its 16-byte copies are possible, else the ring.
-    const int kind = (p->variant == DSV41_FP8_VARIANT_REGISTERS || !vec16) ? (vec8 ? 1 : 0) : 2;
     e = p->act_quant ? launch_stream_nt<true>(a, q, kind, st) : launch_stream_nt<false>(a, q, kind, st);
     return static_cast<int>(e);
 }

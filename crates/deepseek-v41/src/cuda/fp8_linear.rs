@@ -37,7 +37,8 @@ pub enum Fp8StreamVariant {
     Auto,
     /// 8-byte loads (byte loads for K not a multiple of 8) into a register ring.
     Registers,
-    /// `cp.async` stages in shared memory (falls back to `Registers` where K % 16 != 0).
+    /// Stream-K: a persistent grid whose CTAs stream equal runs of 128-row x 128-byte units
+    /// through `cp.async` stages in shared memory (falls back to `Registers` where K % 128 != 0).
     Pipeline,
 }
 
