@@ -120,12 +120,11 @@
 // copies and the gather of its two window tiles before the wait saved another ~1.8 us of the
 // in-stream share; a sound variant, L2 prefetches of the same data before the wait, saved
 // nothing. A caller flag "inputs are two kernels old" would be the way to use the former.)
-// Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
-// prints the phase times of CTA (0, 0, 0) after the launch (synchronising; =2: the dims-split
-// pair's trace of the 4th of 4 back-to-back calls); DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the
-// tensor-core products / the row gather (wrong results, for timing the other parts), 8 the
-// ping-pong and dims-split kernels' early window tiles (same results), 64 the dims-split kernel's
-// merge and epilogue (timing only).
+// Diagnostics: compiled in only with the DSV41_SA_DIAG switch (crate feature `cuda-diag`; the
+// mode bits and their environment variables in include/dsv41_sparse_attention_common.cuh). In
+// this kernel's DIAG instantiation mode bit 0 traces the phase times of CTA (0, 0, 0) (printed
+// after the launch, synchronising), bit 1 skips the tensor-core products and bit 2 the row gather
+// (wrong results, for timing the other parts).
 // Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
 // (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
 // ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in
@@ -158,8 +157,11 @@ using namespace dsv41_ptx;
 
 // Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
 // R: the index rounds the compaction is unrolled for (Kw + Kc <= 256 R; ValidIndicesR: the V4.1
-// shape's 640 indices take R = 3, without the branches over 13 unused rounds).
-template <int R>
+// shape's 640 indices take R = 3, without the branches over 13 unused rounds). DIAG: the
+// diagnostics compiled in (`mode`: bit 0 phase trace, bit 1 no tensor-core products, bit 2 no
+// row gather); the production instantiation (DIAG = false) ignores `mode` and carries none of
+// their code.
+template <int R, bool DIAG>
 __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -183,9 +185,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     const int split = blockIdx.y, nsplit = gridDim.y;
     const int h0 = blockIdx.z * HB;
     const int nh = min(HB, p.num_heads - h0);
-    // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
-    // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
-    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
+    // Diagnostic modes (DIAG instantiation only): bit 0 phase trace, bit 1 skip the tensor-core
+    // products, bit 2 skip the row gather (timing of the other parts).
+    const bool trace = DIAG && (mode & 1), skip_mma = DIAG && (mode & 2), skip_gather = DIAG && (mode & 4);
     // Epilogue: bulk-copy exchange with S <= 2 splits, distributed shared memory stores with more.
     const bool xfer = nsplit <= 2;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
@@ -275,8 +277,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     auto wstamp = [&](int slot) {
         if (tracer_wg) g_trace[slot] = clock64();
     };
-    // The tile loop, compiled twice: with the products and without them (the diagnostic
-    // skip_mma; two instantiations keep every wgmma path free of register writes behind products
+    // The tile loop, with the products and (DIAG instantiation only) without them (the diagnostic
+    // skip_mma; a loop of its own keeps every wgmma path free of register writes behind products
     // in flight, which would serialise them).
     auto tile_loop = [&](auto skip_c) {
         constexpr bool kSkip = decltype(skip_c)::value;
@@ -412,10 +414,14 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             release(j);
         }
     };
-    if (skip_mma)
-        tile_loop(std::true_type{});
-    else
+    if constexpr (DIAG) {
+        if (skip_mma)
+            tile_loop(std::true_type{});
+        else
+            tile_loop(std::false_type{});
+    } else {
         tile_loop(std::false_type{});
+    }
     stamp(22);
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
@@ -576,18 +582,6 @@ bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, 
     return choose_splits(tokens_x_hblocks, tiles, sms) >= 2;
 }
 
-// Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
-// Diagnostics (see the header), read once per process, never on the launch path:
-// DSV41_SPARSE_ATTENTION_TRACE=1 / 2, DSV41_SPARSE_ATTENTION_DIAG bits 2 / 4 / 8 / 64.
-static int diagnostic_mode() {
-    static const int mode = [] {
-        const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
-        const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
-        return (tr && tr[0] == '1' ? 1 : 0) | (tr && tr[0] == '2' ? 32 : 0) | (dg ? (atoi(dg) & 78) : 0);
-    }();
-    return mode;
-}
-
 // The opt-in shared memory per block and the SM count of device `dev`, queried once per thread
 // and device (the launcher runs for every attention call of a decode step).
 static cudaError_t device_limits(int dev, int* max_smem, int* sms) {
@@ -603,6 +597,7 @@ static cudaError_t device_limits(int dev, int* max_smem, int* sms) {
     return cudaSuccess;
 }
 
+// Diagnostics (DIAG instantiation): prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
 void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
     long long h[TRACE_SLOTS] = {};
     const int khz = dsv41_launch::read_trace(g_trace, h, sizeof(h), stream, dev);
@@ -665,20 +660,23 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = device_limits(dev, &max_smem, &sms);
     if (e != cudaSuccess) return static_cast<int>(e);
-    const int mode = diagnostic_mode();
-    const int trace = mode & 1;
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {
         if (p->num_heads > 65535 * 32) return DSV41_ERR_SHAPE;
-        return launch_head_split(*p, static_cast<cudaStream_t>(stream), mode, dev, max_smem);
+        return launch_head_split(*p, static_cast<cudaStream_t>(stream), dev, max_smem);
     }
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
+    // Diagnostic bits (0 without the DSV41_SA_DIAG switch): a call with any of this kernel's runs
+    // its DIAG instantiation (which is the production one without the switch).
+    const int mode = diagnostic_mode() & 7;
+    const bool trace = mode & 1, diag = mode != 0;
     // Raise the dynamic limit to the maximum once per thread and device.
     const bool few = fits_few_rounds(ktot);
-    auto* kernel = few ? sparse_attention_kernel<FEW_ROUNDS> : sparse_attention_kernel<MAX_ROUNDS>;
-    static thread_local int configured_dev[2] = {-1, -1};
-    e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[few]);
+    auto* kernel = few ? (diag ? sparse_attention_kernel<FEW_ROUNDS, DIAG_BUILD> : sparse_attention_kernel<FEW_ROUNDS, false>)
+                       : (diag ? sparse_attention_kernel<MAX_ROUNDS, DIAG_BUILD> : sparse_attention_kernel<MAX_ROUNDS, false>);
+    static thread_local int configured_dev[4] = {-1, -1, -1, -1};
+    e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[2 * diag + few]);
     if (e != cudaSuccess) return static_cast<int>(e);
     const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -686,7 +684,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // Programmatic dependent launch (the kernel waits in griddepcontrol.wait before touching
     // global memory); the splits of a token form a cluster (one split: no cluster).
     e = dsv41_launch::launch_pdl(kernel, dim3(p->num_tokens, splits, hblocks), dim3(THREADS + PROD_THREADS, 1, 1), smem,
-                                 st, splits, *p, mode & 7);
+                                 st, splits, *p, mode);
     if (e == cudaSuccess && trace) print_trace(st, splits, tiles, dev);
     return static_cast<int>(e);
 }

@@ -67,10 +67,11 @@
 // griddepcontrol.wait; the mbarriers are initialised and the cluster arrival made before it). A CTA
 // leaves only after every remote store into it landed (it waits for all of them), and the peer's
 // mbarriers are initialised before any remote store (a cluster barrier). Diagnostics (the DIAG
-// instantiation, DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0) and every
-// CTA's globaltimer (TRACE=2: the 4th of 4 back-to-back calls), bit 4 skips the gather, bit 64 the
-// merge and epilogue (timing only), bit 8 the early window tiles (same results). (A bit
-// 16, no running-max hand-over, measured no faster and is gone.)
+// instantiation, compiled only with the DSV41_SA_DIAG switch: include/dsv41_sparse_attention_common.cuh):
+// mode bit 0 traces CTA (0, 0, 0) and every CTA's globaltimer (mode 32, TRACE=2: the 4th of 4
+// back-to-back calls), mode 4 skips the gather, 64 the merge and epilogue (timing only), 8 the
+// early window tiles (same results). (A mode 16, no running-max hand-over, measured no faster
+// and is gone.)
 // Measured (docs/perf.md "Round 13", H200, B = 64): 18.8-19.3 us called alone (the SM clock at
 // ~1.6-1.75 GHz under this load) and 18.8-19.1 us right behind the indexer's top-k, against the
 // ping-pong kernel's 25.6-26.5; B = 1 17.6-17.8 us. Auto's choice for bf16 rows and few tokens.
@@ -560,7 +561,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     if (cta_tracer) g_cta_ds[3 * cta + 2] = globaltimer();
 }
 
-// Prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
+// Diagnostics (DIAG instantiation): prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
 void print_trace_dimsplit(cudaStream_t stream, int dev) {
     long long h[DS_TRACE] = {};
     const int khz = dsv41_launch::read_trace(g_trace_ds, h, sizeof(h), stream, dev);
@@ -609,24 +610,26 @@ void print_cta_trace_dimsplit(int ctas) {
 
 }  // namespace dsplit
 
-int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
+int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int dev, int max_smem) {
     using namespace dsplit;
     const int ktot = p.kw + p.kc;
     const int nslot = min(NS_MAX, (max_smem - ring_offset(ktot)) / SLOTB);
     if (nslot < NS_MIN) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB;
     const bool few = fits_few_rounds(ktot);
-    // Mode bit 32 (DSV41_SPARSE_ATTENTION_TRACE=2, diagnostics): record the trace without clearing
-    // or synchronising, and print it after every 4th such launch (back-to-back calls).
+    // Diagnostic bits (0 without the DSV41_SA_DIAG switch). Mode 32 (DSV41_SPARSE_ATTENTION_TRACE=2):
+    // record the trace without clearing or synchronising, and print it after every 4th such launch
+    // (back-to-back calls).
+    int mode = diagnostic_mode();
     static thread_local int b2b_calls = 0;
     const bool b2b = mode & 32, b2b_print = b2b && ++b2b_calls % 4 == 0;
     if (b2b) mode |= 1;
-    // The diagnostics are compiled into a 3-round instantiation of their own (a traced or diagnostic
-    // call with more indices runs the production kernel: no trace, no diagnostic effect).
-    const int which = few ? ((mode & 77) ? 2 : 1) : 0;
-    auto* kernel = which == 2 ? dimsplit_kernel<FEW_ROUNDS, true> : which == 1 ? dimsplit_kernel<FEW_ROUNDS, false> : dimsplit_kernel<MAX_ROUNDS, false>;
-    static thread_local int configured_dev[3] = {-1, -1, -1};
-    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[which]);
+    // A call with diagnostic bits runs the DIAG instantiation.
+    const bool diag = (mode & 77) != 0;
+    auto* kernel = few ? (diag ? dimsplit_kernel<FEW_ROUNDS, DIAG_BUILD> : dimsplit_kernel<FEW_ROUNDS, false>)
+                       : (diag ? dimsplit_kernel<MAX_ROUNDS, DIAG_BUILD> : dimsplit_kernel<MAX_ROUNDS, false>);
+    static thread_local int configured_dev[4] = {-1, -1, -1, -1};
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[2 * diag + few]);
     if (e != cudaSuccess) return static_cast<int>(e);
     if ((mode & 1) && !b2b) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
     // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
