@@ -288,7 +288,7 @@ const TOPK_N: usize = 32 * 1024;
 /// plus the attention alone on the top-k's (fixed) indices, and after an L2 flush. Kernels: the
 /// launcher's choice (the dims-split pair at B = 64), the head-split two-stage and ping-pong loops and the
 /// dims-split pair forced. (The top-k lets its dependents launch before its emit step and the attention uses
-/// programmatic dependent launch: docs/perf.md "Round 8", "Round 12".)
+/// programmatic dependent launch: kernels/indexer_topk.cu and the chain contract in kernels/sparse_attention.cu.)
 fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor, b: usize) -> Result<()> {
     let pb = decode_problem(dev, pool, b)?;
     let scores = Tensor::randn(0f32, 1.0, (b, TOPK_N), dev)?.to_dtype(DType::BF16)?;

@@ -50,7 +50,7 @@
 //      slots the row's bf16 values will occupy, waits for its copies, expands them to bf16 in
 //      place (exactly: the tile equals the fake-quantized bf16 rows; include/dsv41_attn_rows.cuh)
 //      and then arrives with a plain mbarrier arrival after fence.proxy.async.
-//      Per tile, the "seesaw" (docs/perf.md "Round 11"): tile j belongs to compute warpgroup
+//      Per tile, the "seesaw" (measured below): tile j belongs to compute warpgroup
 //      j % 2, which alone computes its S and softmax; both warpgroups accumulate its P.V.
 //      S: the owner computes S_j for all 64 heads x 64 rows (32 wgmma m64n64k16, A = q and B =
 //        the row tile, both K-major from shared memory). In the m64n64 accumulator a head's 64
@@ -72,11 +72,11 @@
 //        tile it runs the other's last tile's P.V. A stage returns to the producer after S and
 //        both P.V halves (one arrival per compute warp and tile after its P.V: the empty count
 //        is unchanged). Each P.V is waited for at once because with two stages the gather of
-//        tile j + 2 can only start once both P.V halves of tile j completed (run 1 of round 11:
-//        releasing a stage only behind the next tile's S, or behind the next hand-over, made
-//        the gather wait ~3.2 us per tile). The P tile / alpha / max slots of a parity are
-//        rewritten two tiles later, after the other warpgroup's P.V of the tile that used them
-//        (it waits for that P.V before publishing the tile in between).
+//        tile j + 2 can only start once both P.V halves of tile j completed (measured: releasing
+//        a stage only behind the next tile's S, or behind the next hand-over, put the gather into
+//        every tile, 3.1-3.5 us apart instead of ~2.0). The P tile / alpha / max slots of a
+//        parity are rewritten two tiles later, after the other warpgroup's P.V of the tile that
+//        used them (it waits for that P.V before publishing the tile in between).
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: CTA r stores heads [r hs, r hs + hs), hs = ceil(64 / S); per head the S splits'
 //      (m, den) give the factors e^{m_r - M} / den and the lse, out = sum_r fl(factor_r O_r) in
@@ -96,9 +96,10 @@
 // previous kernel of the stream finishes; every thread waits (griddepcontrol.wait) before its
 // first global access, and the CTAs allow the next grid to launch at once. In a decode step the
 // attention follows the indexer's top-k, which lets its dependents launch once its selections are
-// done (kernels/indexer_topk.cu): the attention's launch overlaps the top-k's end (docs/perf.md
-// "Round 8": a trigger at the top-k's start took ~4 us off the in-stream share at B = 64; "Round
-// 12": the late trigger is faster still, and the dims-split pair's clusters need it).
+// done (kernels/indexer_topk.cu): the attention's launch overlaps the top-k's end (measured on the
+// H200 at B = 64: a trigger at the top-k's start took ~4 us off the head-split kernel's in-stream
+// share, 40.7 -> 36.6 us; the late trigger is faster still, and the dims-split pair's clusters need
+// it: its share 22.9-23.2 us against 29.9 behind the early trigger).
 // Chain contract (what a kernel could read before its griddepcontrol.wait). A grid launched with
 // the attribute may start as soon as every CTA of the previous grid in the stream executed
 // griddepcontrol.launch_dependents or exited: while that grid runs, before its writes are
@@ -116,7 +117,7 @@
 // index list and the window rows are two or more kernels old after a computed top-k (the
 // selection's kernels follow the inserts and the q RoPE), but not in window-only layers or with
 // a reused top-k list, where the attention's predecessor may be the window insert. So both
-// kernels read nothing before the wait. (Measured, round 8: the head-split kernel with its q
+// kernels read nothing before the wait. (Measured on the H200: the head-split kernel with its q
 // copies and the gather of its two window tiles before the wait saved another ~1.8 us of the
 // in-stream share; a sound variant, L2 prefetches of the same data before the wait, saved
 // nothing. A caller flag "inputs are two kernels old" would be the way to use the former.)
@@ -125,12 +126,12 @@
 // this kernel's DIAG instantiation mode bit 0 traces the phase times of CTA (0, 0, 0) (printed
 // after the launch, synchronising), bit 1 skips the tensor-core products and bit 2 the row gather
 // (wrong results, for timing the other parts).
-// Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
-// (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
-// ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in
-// series, also without the gather: the next tile's rows cannot be resident during the softmax
-// with two stages). Moving 64 KB between the two CTAs of a cluster takes ~2.5 us as a bulk copy,
-// ~3.5-4 us as distributed shared memory stores.
+// Measured on the H200: with the earlier loop (both warpgroups computing S over half the rows
+// each, then both the softmax) a 64-row tile cost ~2.4 us; with the seesaw ~2.0 us (P.V of the
+// previous tile ~0.55, S 0.58, softmax 0.63 in series, also without the gather: the next tile's
+// rows cannot be resident during the softmax with two stages; prefill +15 %). Moving 64 KB
+// between the two CTAs of a cluster takes ~2.5 us as a bulk copy, ~3.5-4 us as distributed shared
+// memory stores.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -572,10 +573,11 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
 
 // The kernel of a call: forced by the caller, the all-heads kernel with forced splits, else for
 // bf16 rows wherever the all-heads kernel would split (few tokens: 2 CTAs per token fit one wave)
-// the head-split launcher, which runs the dims-split pair (docs/perf.md "Round 13": 17.6 us at
-// B = 1 against the all-heads kernel's 18.5 with 8 splits, 19.0-19.3 us at B = 64 against 29) or
-// the ping-pong loop where its slots do not fit. Packed rows expand each tile on the producer,
-// which the head-split kernels would do twice per token (docs/perf.md, "Round 6"): all-heads.
+// the head-split launcher, which runs the dims-split pair (docs/perf.md "Sparse attention", H200:
+// 19.0 us median at B = 64 against the all-heads kernel's 27.9-28.4; at B = 1 17.8-17.9 against
+// 17.6-17.7) or the ping-pong loop where its slots do not fit. Packed rows expand each tile on the
+// producer, which the head-split kernels would do twice per token (67 us at B = 64 against the
+// all-heads kernel's 40.6, same section): all-heads.
 bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, int tiles, int sms) {
     if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel >= DSV41_SA_KERNEL_HEAD_SPLIT;
     if (p.num_splits > 0 || p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16) return false;

@@ -4,7 +4,7 @@
 // Why. At B = 64 decode the all-heads kernel (one CTA per token) fills only half of the SMs and its
 // split-KV merge is expensive; the head-split kernels (two CTAs per token, 32 heads each) fill
 // them, but each of a token's two CTAs gathers every row, and the loop is bound by the bytes one SM
-// can have in flight (~64 KB per ~1.5 us, docs/perf.md "Round 10"). Here the token's two CTAs split
+// can have in flight (~64 KB per ~1.5 us, measured on the H200). Here the token's two CTAs split
 // the 512 dims instead: each gathers only its half of every row (512 B), so a row crosses L2 -> SM
 // once per token and an SM moves half the bytes per tile; all 64 heads stay in one CTA, which keeps
 // the efficient M = 64 heads shape of the all-heads products (S: m64n64, P.V: m64n256).
@@ -59,7 +59,7 @@
 // Code size. Straight-line code that runs once per CTA is bound by instruction fetch here (about
 // 6 cycles per instruction), and so are branches over unused code: the compaction unrolled for 16
 // index rounds cost ~1 us of the prologue at 640 indices (3 rounds), the zeroing of O ~0.3 us, the
-// role selects of the epilogue ~0.5 us (docs/perf.md "Round 13"). Hence the instantiations: R = 3
+// role selects of the epilogue ~0.5 us (measured on the H200 at B = 64). Hence the instantiations: R = 3
 // index rounds for the V4.1 shape (R = 16 up to 4096 indices), DIAG for the diagnostics (the
 // production kernel carries no trace or diagnostic code), the first P.V of each warpgroup setting O
 // (accumulate = 0), one epilogue code path per role.
@@ -72,12 +72,13 @@
 // back-to-back calls), mode 4 skips the gather, 64 the merge and epilogue (timing only), 8 the
 // early window tiles (same results). (A mode 16, no running-max hand-over, measured no faster
 // and is gone.)
-// Measured (docs/perf.md "Round 13", H200, B = 64): 18.8-19.3 us called alone (the SM clock at
-// ~1.6-1.75 GHz under this load) and 18.8-19.1 us right behind the indexer's top-k, against the
-// ping-pong kernel's 25.6-26.5; B = 1 17.6-17.8 us. Auto's choice for bf16 rows and few tokens.
-// Behind a top-k triggering at its start, the clusters launched early cost ~5 us (Round 12: the
-// top-k triggers late). Tried and dropped: S of tile j + 2 issued before the P.V of tile j (slower
-// in-stream, no faster alone); 4-byte output stores without the transpose (+2.2 us).
+// Measured (docs/perf.md "Sparse attention", H200, B = 64): 18.8-20.0 us called alone, median 19.0
+// (the SM clock at ~1.6-1.75 GHz under this load), and 18.8-19.1 us right behind the indexer's
+// top-k, against the ping-pong kernel's 25.9-26.5; B = 1 17.8-17.9 us. Auto's choice for bf16 rows
+// and few tokens. Behind a top-k triggering at its start, the clusters launched early cost ~5 us
+// (so the top-k triggers late: kernels/indexer_topk.cu). Tried and dropped: S of tile j + 2
+// issued before the P.V of tile j (slower in-stream, no faster alone); 4-byte output stores
+// without the transpose (+2.2 us).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -632,9 +633,8 @@ int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t strea
     cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[2 * diag + few]);
     if (e != cudaSuccess) return static_cast<int>(e);
     if ((mode & 1) && !b2b) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
-    // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
-    // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
-    // top-k now triggers late).
+    // Programmatic dependent launch as the other kernels (measured: behind a top-k that triggered its
+    // dependents at its start the early-launched clusters cost ~5 us, so the top-k now triggers late).
     e = dsv41_launch::launch_pdl(kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
                                  2, p, mode & 77, nslot);
     if (e == cudaSuccess && (mode & 1) && (!b2b || b2b_print)) {

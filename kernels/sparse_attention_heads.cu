@@ -31,8 +31,10 @@
 //      Ping-pong kernel (bf16 rows; the launcher's choice where this kernel would run, and
 //        DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG): kernels/sparse_attention_pingpong.cu, two consumer
 //        warpgroups on alternate tiles of a slot ring, so one's softmax runs under the other's
-//        products. Forced HeadSplit (and packed rows) run this two-stage loop. (The one-consumer
-//        slot ring of the perf record's "Round 9" is gone: the ping-pong kernel replaced it.)
+//        products. Forced HeadSplit (and packed rows) run this two-stage loop. (A one-consumer
+//        slot ring, the next tile's Sᵀ issued during the softmax, measured 28.0-28.2 us at B = 64
+//        standalone against this loop's 25.5, 28.6-29.1 against 32.7-33.8 in-stream; the
+//        ping-pong kernel replaced it.)
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
@@ -44,7 +46,7 @@
 // kernels/sparse_attention.cu: nothing is read before griddepcontrol.wait). Diagnostics (the DIAG
 // instantiation, compiled only with the DSV41_SA_DIAG switch: include/dsv41_sparse_attention_common.cuh):
 // mode bit 0 traces CTA (0, 0), bit 2 skips the gather (bit 1 does not apply).
-// Prologue variants measured in round 8 (docs/perf.md, "Round 8"), none kept: the window tiles
+// Prologue variants measured on the H200 at B = 64, none kept: the window tiles
 // gathered by the producer before the compaction (slower: issuing 128 KB of cp.async delays the
 // producer's share of the compaction, 29.5 vs 26.8 us); L2 prefetches (cp.async.bulk.prefetch.L2)
 // of the CTA's q rows and first 128 window rows before griddepcontrol.wait, and of tile 2's
@@ -141,8 +143,8 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     float s[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    // Per tile: wait for the rows, S^T, softmax, P.V, hand the stage back. (Measured slower,
-    // round 6: the previous tile's P.V left in flight while this tile's rows are awaited and its
+    // Per tile: wait for the rows, S^T, softmax, P.V, hand the stage back. (Measured slower: the
+    // previous tile's P.V left in flight while this tile's rows are awaited and its
     // S^T issued; its stage then goes back only after this tile's rows landed, so at most one
     // tile is in flight.)
     for (int j = 0; j < ntiles; ++j) {

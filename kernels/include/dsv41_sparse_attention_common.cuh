@@ -74,7 +74,7 @@ __device__ __forceinline__ void load_q_tile(const Dsv41SparseAttentionParams& p,
 //   barrier; store (the entries of ranks [lo, hi) to ent_s[rank - lo] as (source << 31) | row).
 // R: the rounds the code is unrolled for (Kw + Kc <= 256 R). A kernel instantiated for the few
 // rounds of its usual shape skips the branches over the unused ones (each costs a fetch redirect:
-// ~0.6 us of the prologue at R = 16 and 640 indices, docs/perf.md "Round 13").
+// ~0.6 us of the prologue at R = 16 and 640 indices, measured on the H200).
 template <int R = MAX_ROUNDS>
 struct ValidIndicesR {
     static_assert(R >= 1 && R <= MAX_ROUNDS, "index rounds");
@@ -204,11 +204,11 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
             cp_async_mbar_arrive(bar_full + 8 * st);
             continue;
         }
-        // (Measured slower: a second tile's copies in flight together
-        // with bank-spread raw chunk positions, 44 / 155 us instead of 41 / 131 us at decode
-        // B = 64 / 256: the refilled stage frees only after the compute warps' previous
-        // tile, which put the expansion on their critical path. Lead run 3: the compute
-        // warps expanding the tile after their wait, 42.6 / 139.8 us instead of 40.6 / 130.3.)
+        // (Measured slower: a second tile's copies in flight together with bank-spread raw chunk
+        // positions, 44 / 155 us instead of 41 / 131 us at decode B = 64 / 256: the refilled stage
+        // frees only after the compute warps' previous tile, which put the expansion on their
+        // critical path. Likewise slower: the compute warps expanding the tile after their wait,
+        // 42.6 / 139.8 us instead of 40.6 / 130.3.)
         cp_async_wait_all();  // all of this thread's copies, committed or not
         __syncwarp();  // the 8 threads of a row copied its chunks
 #pragma unroll
