@@ -11,7 +11,7 @@
 //! * Prefill: a chunk of T = 4K / 16K / 32K tokens at the end of a 128K context (one sequence,
 //!   causal, ~64K visible keys per token), `index_select` (scores in query chunks + top-k); the
 //!   queries fake-quantized with Q3 as well, as the model's are (the prefill kernel runs the bf16
-//!   path on them: its integer path was slower, docs/perf.md "Indexer round 8").
+//!   path on them: its integer path was 10 % slower, docs/cuda.md "indexer_scores: tried and not kept").
 //!
 //! Timing: `Timer::calls` of examples/support/bench.rs: CUDA events on candle's stream around
 //! back-to-back calls after a warm-up, median of `reps` repetitions. GB/s: key bytes read (+ q, w, scores written and read back by the top-k)

@@ -37,6 +37,11 @@
 //!   largely stay in L2 between calls), and the attention after an L2 flush.
 //!
 //! Run: `cargo run --release --features cuda --example bench_sparse_attention` (needs a GPU).
+//! `--trace` and `--diag` need the kernels' diagnostics, which only a diagnostic build has:
+//! `cargo run --release --features cuda,cuda-diag --example bench_sparse_attention -- --trace`
+//! (the launchers then read `DSV41_SPARSE_ATTENTION_TRACE` / `_DIAG` at every call; see
+//! `kernels/include/dsv41_sparse_attention_common.cuh`). Time production figures with a build
+//! without `cuda-diag`.
 
 use std::time::Instant;
 
@@ -70,12 +75,14 @@ struct Args {
     /// Skip the decode cases over packed rows (528 B window rows, 288 B compressed rows).
     #[arg(long)]
     no_packed: bool,
-    /// Print the kernel's phase trace (CTA 0) once per case (DSV41_SPARSE_ATTENTION_TRACE).
+    /// Print the kernel's phase trace (CTA 0) once per case (DSV41_SPARSE_ATTENTION_TRACE; needs
+    /// a build with the `cuda-diag` feature), and the dims-split pair's trace of the 4th of 4
+    /// back-to-back calls.
     #[arg(long)]
     trace: bool,
     /// Also time each default case without the mma, without the gather and (the dims-split
     /// pair) without its merge and epilogue (DSV41_SPARSE_ATTENTION_DIAG, wrong results, timing
-    /// only). With --trace: also the dims-split pair's trace of the 4th of 4 back-to-back calls.
+    /// only; needs a build with the `cuda-diag` feature).
     #[arg(long)]
     diag: bool,
 }
@@ -281,7 +288,7 @@ const TOPK_N: usize = 32 * 1024;
 /// plus the attention alone on the top-k's (fixed) indices, and after an L2 flush. Kernels: the
 /// launcher's choice (the dims-split pair at B = 64), the head-split two-stage and ping-pong loops and the
 /// dims-split pair forced. (The top-k lets its dependents launch before its emit step and the attention uses
-/// programmatic dependent launch: docs/perf.md "Round 8", "Round 12".)
+/// programmatic dependent launch: kernels/indexer_topk.cu and the chain contract in kernels/sparse_attention.cu.)
 fn in_stream(timer: &Timer, args: &Args, dev: &Device, pool: &Tensor, sink: &Tensor, b: usize) -> Result<()> {
     let pb = decode_problem(dev, pool, b)?;
     let scores = Tensor::randn(0f32, 1.0, (b, TOPK_N), dev)?.to_dtype(DType::BF16)?;
@@ -434,6 +441,12 @@ fn report(
 
 fn main() -> Result<()> {
     let args: Args = parse_args(&[("reps", "11"), ("warmup", "5"), ("rep_ms", "3.0")]);
+    if (args.trace || args.diag) && !cfg!(feature = "cuda-diag") {
+        anyhow::bail!(
+            "--trace and --diag need the kernels' diagnostics, which this build does not have: build with \
+             `--features cuda,cuda-diag` (timing figures come from a build without it)"
+        );
+    }
     let (dev, stream) = cuda_device("bench_sparse_attention")?;
     let timer = Timer::new(&dev, args.common.timer(stream))?;
     let sink = Tensor::randn(0f32, 1.0, HEADS, &dev)?;

@@ -46,7 +46,8 @@ template <Quant Q>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) index_key_insert_row128_kernel(const Dsv41RowInsertParams p) {
     row128_loop<Norm::Weighted>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        // the norm etc., and the next set's loads (rows and slot right after the quotient, Run 16)
+        // the norm etc., and the next set's loads (rows and slot right after the quotient: the
+        // schedule options of dsv41_row128.cuh, 7.09 -> 6.87 us at G = 32768)
         compute_row128<Norm::Weighted, kRow128TreeMin | kRow128EarlyRows>(r, w, p.norm_eps, p.norm_inv_dim, j, h,
                                                                           amax2, prefetch);
         if constexpr (Q != Quant::None) {

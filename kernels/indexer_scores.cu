@@ -50,13 +50,13 @@
 // (token, chunk) grid (indexer_scores_kernel: decode of < 64 queries, bf16 keys, prefill), or for
 // packed decode batches of 64..1024 queries resident CTAs taking equal shares of all tokens'
 // visible entries (indexer_scores_balanced_kernel).
-// One code form (the balanced kernel's options of "Indexer rounds" 5-7 of the perf record in every
-// kernel, no numeric change): both m-tiles' MMAs for every H (rows >= H are zero; their heads are
-// not summed), the common path's scale multiplier without a select, 32-bit entry ids, the lane,
+// One code form (the options measured on the balanced kernel, in every kernel, no numeric
+// change): both m-tiles' MMAs for every H (rows >= H are zero; their heads are not summed), the
+// common path's scale multiplier without a select, 32-bit entry ids, the lane,
 // staging and product-buffer addresses (32-bit shared) and a loop-carried score pointer held in
 // registers (packed keys; with bf16 keys' 64 key registers they would spill), the head sum of
 // every lane without a branch (a predicated store), the score's bf16 from one F2FP and a select
-// (the grid kernels: scores at B = 16 / 32 -4 %, prefill select -9 %; round 8).
+// (measured on the H200, the grid kernels: scores at B = 16 / 32 -4 %, prefill select -9 %).
 // Compile-time options (V): V_SPEC, a copy for H = 32 without a mask (the model's); V_I8, below.
 // The kernels are latency-bound (fixed-latency dependencies and dispatch stalls at ~60 % issue).
 // Integer MMAs (V_I8; the balanced kernel): tokens whose q is exactly s8 x 2^Eq per
@@ -65,13 +65,13 @@
 // with the same k permutation (word s of a lane's slice = k32-step s), else the bf16 path above;
 // same scores bit for bit. The s8 A fragments live in shared memory (4 KB per CTA, converted by
 // its 4 warps once per span). B = 256: 542 instead of 611 warp instructions per iteration. The
-// grid kernels keep the bf16 path (docs/perf.md "Indexer round 8"): with V_I8 the grid
-// decode kernel was 10 % slower at B = 1 and 2-4 % at B = 16 / 32 (a span of <= 16 iterations
+// grid kernels keep the bf16 path (docs/cuda.md, "indexer_scores: tried and not kept"): with V_I8
+// the grid decode kernel was 10 % slower at B = 1 and 2-4 % at B = 16 / 32 (a span of <= 16 iterations
 // per warp does not repay the conversion and its barrier), and the prefill kernel with s8
 // fragments per warp 10 % slower. (On sm_90 mma.sync e4m3 is not FP8 hardware: ptxas emits
 // F2FP -> f16 conversions + HMMA.16816.)
 // What was measured and not kept (f32 product words, lane-pair staging, bf16x2-FMA unpacking of
-// the products, work stealing, ...) is listed in docs/cuda.md, "indexer_scores: tried".
+// the products, work stealing, ...) is listed in docs/cuda.md, "indexer_scores: tried and not kept".
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -152,7 +152,8 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     constexpr bool kI8 = kPacked && (V & V_I8) != 0;
     constexpr bool kSpec = (V & V_SPEC) != 0;
     // (The integer path needs the CTA's shared A fragments; the prefill kernel with s8 fragments per
-    // warp was slower: docs/perf.md "Indexer round 8", the form measured in commit 74ed9c9.)
+    // warp was 10 % slower: docs/cuda.md "indexer_scores: tried and not kept", the form measured in
+    // commit 74ed9c9.)
     static_assert(!kI8 || kSharedA, "V_I8: packed keys, one token per CTA");
     // Per warp: bf16 products [32 keys][PROD_STRIDE halves], key-major so a lane reads its key's
     // heads with 16-byte loads.
@@ -596,8 +597,8 @@ int launch_grid(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     return static_cast<int>(cudaGetLastError());
 }
 // The grid kernel compiled for H = 32 without a mask (the model's), else its general form; the
-// bf16 path only (V_I8 in the grid decode kernel was slower at B = 1..32: docs/perf.md "Indexer
-// round 8").
+// bf16 path only (V_I8 in the grid decode kernel was 2-10 % slower at B = 1..32: docs/cuda.md
+// "indexer_scores: tried and not kept").
 template <int KF, int TQ>
 int launch(const Dsv41IndexerScoresParams& p, cudaStream_t stream) {
     if (p.num_heads == 32 && !p.allowed) return launch_grid<KF, TQ, V_SPEC>(p, stream);
@@ -649,7 +650,7 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
             p->key_row_stride < static_cast<int64_t>(p->page_size) * 68)
             return DSV41_ERR_ALIGNMENT;
         // Prefill and small decode batches: the grid kernel on the bf16 path (its integer path was
-        // slower: docs/perf.md "Indexer round 8").
+        // slower: docs/cuda.md "indexer_scores: tried and not kept").
         if (shared) return launch<DSV41_INDEX_KEYS_MXFP4, 4>(*p, s);
         // Decode batches: the balanced kernel (resident CTAs, equal shares of the visible entries;
         // measured at B = 64 and 256). Small batches keep the (token, chunk) grid.

@@ -37,11 +37,11 @@
 // (griddepcontrol.launch_dependents) once its selection is done, before it writes its list: in a
 // decode step the sparse attention follows and its launch overlaps this grid's end; it waits in
 // griddepcontrol.wait for this grid's output (chain contract in kernels/sparse_attention.cu).
-// Measured (docs/perf.md "Round 12", runs 12-13): this late trigger gives the attention's in-stream
-// share B = 1 / 64 / 256 21.1 / 22.9-23.2 / 80.4-80.5 us against 22.4 / 23.7-24.0 / 81.5 with the
-// trigger at the kernel's start ("Round 8"), and lets the dims-split pair keep its own
+// Measured on the H200: this late trigger gives the attention's in-stream share B = 1 / 64 / 256
+// 21.1 / 22.9-23.2 / 80.4-80.5 us against 22.4 / 23.7-24.0 / 81.5 with the trigger at the kernel's
+// start (and the dims-split pair launched without PDL), and lets the dims-split pair keep its own
 // programmatic dependent launch (behind the early trigger its early-launched clusters cost ~5 us).
-// (The runs' DSV41_TOPK_TRIGGER switch between the two placements is gone.)
+// (The measurement's DSV41_TOPK_TRIGGER switch between the two placements is gone.)
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -189,20 +189,20 @@ __device__ __forceinline__ void st_codes_scales_if(uint8_t* d, uint8_t* ds, cons
 // 16 m + 2 j and 16 m + 2 j + 1 of the row: each lane stores them itself (4 two-byte stores; the
 // row's 64 code bytes are written by its 8 lanes, 16 contiguous bytes per chunk and store
 // instruction), and lane 0 of the group stores the row's 4 scale bytes as one word (at its code
-// address plus page_size * 64 - 60 row). (Run 10
-// staged the codes in shared memory for one 8-byte store per lane: ~13 more instructions per
-// row set and two warp barriers; the direct stores measured 0.5 points faster in run 11.)
+// address plus page_size * 64 - 60 row). (Staging the codes in shared memory for one 8-byte
+// store per lane costs ~13 more instructions per row set and two warp barriers; the direct stores
+// measured 0.5 points faster on the H200.)
 // P32 (packed_e_page32, chosen by the launcher): slots that fit 32 bits in power-of-two pages of
 // at most 2^24 rows take the page and row by one shift and one mask, with 32-bit offsets inside
 // the page; other layouts take page_and_row. With the unmasked codes (the 16-bit stores drop the
 // high half) this cut ~20 instructions per row set and measured +1.8 / +2.5 points at G = 32768 /
-// 65536 (docs/perf.md, Run 12). P32 also requires the whole cache below 2^32 bytes, so that the
+// 65536 on the H200. P32 also requires the whole cache below 2^32 bytes, so that the
 // code address is the cache pointer plus one 32-bit offset page * page_stride + 64 row + 2 j (one
 // multiply-add and one 64-bit add instead of a 64-bit product), and P32 stores by predicated
-// st.global (st_codes_scales_if) instead of branching around the stores (ins12's variant 2,
-// docs/perf.md Run 19: 6.72 -> 6.64 us at G = 32768). With the 32-bit source row stride
-// (packed_e_rows32, kRow128Rows32) the 32-bit offsets measured 6.64 -> 6.62 us at G = 32768 and
-// 11.52 -> 11.45 us at G = 65536 (Run 19; either one alone was slower: 6.66 / 6.68 us).
+// st.global (st_codes_scales_if) instead of branching around the stores (measured 6.72 -> 6.64 us
+// at G = 32768). With the 32-bit source row stride (packed_e_rows32, kRow128Rows32) the 32-bit
+// offsets measured 6.64 -> 6.62 us at G = 32768 and 11.52 -> 11.45 us at G = 65536 (either one
+// alone was slower: 6.66 / 6.68 us).
 inline bool packed_e_page32(const Dsv41PackedInsertParams& p) {
     const uint32_t ps = static_cast<uint32_t>(p.page_size);
     const uint64_t pages = (static_cast<uint64_t>(p.num_slots) + ps - 1) / ps;  // the cache's bytes below 2^32
@@ -216,7 +216,7 @@ inline bool packed_e_rows32(const Dsv41PackedInsertParams& p) {
 // page_shift = log2(page_size), page_mask = page_size - 1, scale_off = page_size * 64 (used by P32
 // only): per-launch constants as kernel arguments, read from the constant bank where used; computed
 // in the kernel, the shift (FFS: LDC + BREV + FLO) was rematerialized in every row set for want of
-// registers (docs/perf.md, Run 14: -0.06 us at G = 32768 and 65536).
+// registers (measured -0.06 us at G = 32768 and 65536).
 template <Norm N, bool P32>
 __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_row128_kernel(const Dsv41PackedInsertParams p,
                                                                                             const uint32_t page_shift,
@@ -224,13 +224,14 @@ __global__ void __launch_bounds__(kInsertThreads, kRow128BlocksPerSm) packed_e_r
                                                                                             const uint32_t scale_off) {
     row128_loop<N, kRow128Rows32>(p, [&](const Row128In& r, const float* w, int, int j, auto&& prefetch) {
         uint32_t h[8], amax2[2];
-        // the norm etc., then the next set's loads (no early rows / tree min: slower here, Run 16)
+        // the norm etc., then the next set's loads (no early rows / tree min: slower here, 6.74 ->
+        // 6.81 / 6.87 us at G = 32768)
         compute_row128<N, 0>(r, w, p.norm_eps, p.norm_inv_dim, j, h, amax2, prefetch);
         const Q3Blocks qb = q3_blocks_row128(amax2);
         uint32_t scales, code[4];
         if (qb.pairs_ok) {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) {  // the codes by integer steps (q3_codes4_raw_kc, Run 17)
+            for (int m = 0; m < 4; ++m) {  // the codes by integer steps (q3_codes4_raw_kc, dsv41_numerics.cuh)
                 const Q3Pair qp = q3_pair_from_bits2(qb.sb[m >> 1], m & 1);
                 code[m] = q3_codes4_raw_kc(h[2 * m], h[2 * m + 1], qp, q3_codes4_kc(qp));
             }
@@ -350,7 +351,7 @@ __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_b512_kernel
 // grid.x = ceil(T / (8 * ROWS)), block = 256 threads (8 warps, ROWS tokens each); MIN_BLOCKS:
 // the resident blocks per SM the registers are capped for (__launch_bounds__), 0 = no cap
 // (an explicit 1 is not the same: it let ptxas give the format A kernel 50 registers instead of
-// 40, 4 resident blocks instead of 6, and cost it 10 points of the read ceiling in run 9).
+// 40, 4 resident blocks instead of 6, and cost it 10 points of the read ceiling on the H200).
 template <int D, int ROWS, Quant Q, Norm N, int MIN_BLOCKS = 0>
 __global__ void __launch_bounds__(kInsertThreads, MIN_BLOCKS) packed_insert_kernel(const Dsv41PackedInsertParams p) {
     __shared__ float squares[N != Norm::None ? kInsertWarps : 1][N != Norm::None ? D : 1];
@@ -379,13 +380,13 @@ int launch_packed(const Dsv41PackedInsertParams* p, cudaStream_t s) {
         constexpr int ROWS = decltype(rows)::value;
         const dim3 grid(insert_blocks(p->num_tokens, ROWS));
         // Format B rows (512-wide, Q2, no norm): the bf16-pair kernel for R = 64 and power-of-two
-        // pages (56.6 -> 76.9 % of the read ceiling, docs/perf.md, issue 4, run 10); else the
-        // generic kernel capped at 32 registers (no spills) for 8 resident blocks per SM
-        // instead of 6 (instruction-bound, it gained ~2 points in run 9).
+        // pages (56.6 -> 76.9 % of the read ceiling, measured on the H200); else the generic
+        // kernel capped at 32 registers (no spills) for 8 resident blocks per SM instead of 6
+        // (instruction-bound, it gained ~2 points).
         if constexpr (ROWS == 1 && D == 512 && Q == Quant::Fp4E4m3B16) {
             if (!p->apply_norm && p->rope_dim == 64 && (p->page_size & (p->page_size - 1)) == 0) {
-                // Two rows per warp, 6 resident blocks (40 registers); run 10 measured the
-                // alternatives (one row / 8 blocks 77.4 %, two rows / 4 blocks 74.7 %).
+                // Two rows per warp, 6 resident blocks (40 registers); the alternatives measured
+                // one row / 8 blocks 77.4 %, two rows / 4 blocks 74.7 %.
                 const dim3 grid2(insert_blocks(p->num_tokens, 2));
                 packed_b512_kernel<2, 6><<<grid2, kInsertThreads, 0, s>>>(*p);
                 return static_cast<int>(cudaGetLastError());

@@ -50,7 +50,7 @@
 //      slots the row's bf16 values will occupy, waits for its copies, expands them to bf16 in
 //      place (exactly: the tile equals the fake-quantized bf16 rows; include/dsv41_attn_rows.cuh)
 //      and then arrives with a plain mbarrier arrival after fence.proxy.async.
-//      Per tile, the "seesaw" (docs/perf.md "Round 11"): tile j belongs to compute warpgroup
+//      Per tile, the "seesaw" (measured below): tile j belongs to compute warpgroup
 //      j % 2, which alone computes its S and softmax; both warpgroups accumulate its P.V.
 //      S: the owner computes S_j for all 64 heads x 64 rows (32 wgmma m64n64k16, A = q and B =
 //        the row tile, both K-major from shared memory). In the m64n64 accumulator a head's 64
@@ -72,11 +72,11 @@
 //        tile it runs the other's last tile's P.V. A stage returns to the producer after S and
 //        both P.V halves (one arrival per compute warp and tile after its P.V: the empty count
 //        is unchanged). Each P.V is waited for at once because with two stages the gather of
-//        tile j + 2 can only start once both P.V halves of tile j completed (run 1 of round 11:
-//        releasing a stage only behind the next tile's S, or behind the next hand-over, made
-//        the gather wait ~3.2 us per tile). The P tile / alpha / max slots of a parity are
-//        rewritten two tiles later, after the other warpgroup's P.V of the tile that used them
-//        (it waits for that P.V before publishing the tile in between).
+//        tile j + 2 can only start once both P.V halves of tile j completed (measured: releasing
+//        a stage only behind the next tile's S, or behind the next hand-over, put the gather into
+//        every tile, 3.1-3.5 us apart instead of ~2.0). The P tile / alpha / max slots of a
+//        parity are rewritten two tiles later, after the other warpgroup's P.V of the tile that
+//        used them (it waits for that P.V before publishing the tile in between).
 //      Shared layouts: the wgmma 128-byte-swizzle canonical layout (shared memory map below).
 //   3. epilogue: CTA r stores heads [r hs, r hs + hs), hs = ceil(64 / S); per head the S splits'
 //      (m, den) give the factors e^{m_r - M} / den and the lse, out = sum_r fl(factor_r O_r) in
@@ -96,9 +96,10 @@
 // previous kernel of the stream finishes; every thread waits (griddepcontrol.wait) before its
 // first global access, and the CTAs allow the next grid to launch at once. In a decode step the
 // attention follows the indexer's top-k, which lets its dependents launch once its selections are
-// done (kernels/indexer_topk.cu): the attention's launch overlaps the top-k's end (docs/perf.md
-// "Round 8": a trigger at the top-k's start took ~4 us off the in-stream share at B = 64; "Round
-// 12": the late trigger is faster still, and the dims-split pair's clusters need it).
+// done (kernels/indexer_topk.cu): the attention's launch overlaps the top-k's end (measured on the
+// H200 at B = 64: a trigger at the top-k's start took ~4 us off the head-split kernel's in-stream
+// share, 40.7 -> 36.6 us; the late trigger is faster still, and the dims-split pair's clusters need
+// it: its share 22.9-23.2 us against 29.9 behind the early trigger).
 // Chain contract (what a kernel could read before its griddepcontrol.wait). A grid launched with
 // the attribute may start as soon as every CTA of the previous grid in the stream executed
 // griddepcontrol.launch_dependents or exited: while that grid runs, before its writes are
@@ -116,22 +117,21 @@
 // index list and the window rows are two or more kernels old after a computed top-k (the
 // selection's kernels follow the inserts and the q RoPE), but not in window-only layers or with
 // a reused top-k list, where the attention's predecessor may be the window insert. So both
-// kernels read nothing before the wait. (Measured, round 8: the head-split kernel with its q
+// kernels read nothing before the wait. (Measured on the H200: the head-split kernel with its q
 // copies and the gather of its two window tiles before the wait saved another ~1.8 us of the
 // in-stream share; a sound variant, L2 prefetches of the same data before the wait, saved
 // nothing. A caller flag "inputs are two kernels old" would be the way to use the former.)
-// Diagnostics (env vars read by the launcher, off in normal use): DSV41_SPARSE_ATTENTION_TRACE=1
-// prints the phase times of CTA (0, 0, 0) after the launch (synchronising; =2: the dims-split
-// pair's trace of the 4th of 4 back-to-back calls); DSV41_SPARSE_ATTENTION_DIAG=2 / 4 skip the
-// tensor-core products / the row gather (wrong results, for timing the other parts), 8 the
-// ping-pong and dims-split kernels' early window tiles (same results), 64 the dims-split kernel's
-// merge and epilogue (timing only).
-// Measured on the H200 (docs/perf.md, "Round 3" to "Round 5", "Round 11"): with the earlier loop
-// (both warpgroups computing S over half the rows each, then both the softmax) a 64-row tile cost
-// ~2.4 us; with the seesaw ~2.0 us (P.V of the previous tile ~0.55, S 0.58, softmax 0.63 in
-// series, also without the gather: the next tile's rows cannot be resident during the softmax
-// with two stages). Moving 64 KB between the two CTAs of a cluster takes ~2.5 us as a bulk copy,
-// ~3.5-4 us as distributed shared memory stores.
+// Diagnostics: compiled in only with the DSV41_SA_DIAG switch (crate feature `cuda-diag`; the
+// mode bits and their environment variables in include/dsv41_sparse_attention_common.cuh). In
+// this kernel's DIAG instantiation mode bit 0 traces the phase times of CTA (0, 0, 0) (printed
+// after the launch, synchronising), bit 1 skips the tensor-core products and bit 2 the row gather
+// (wrong results, for timing the other parts).
+// Measured on the H200: with the earlier loop (both warpgroups computing S over half the rows
+// each, then both the softmax) a 64-row tile cost ~2.4 us; with the seesaw ~2.0 us (P.V of the
+// previous tile ~0.55, S 0.58, softmax 0.63 in series, also without the gather: the next tile's
+// rows cannot be resident during the softmax with two stages; prefill +15 %). Moving 64 KB
+// between the two CTAs of a cluster takes ~2.5 us as a bulk copy, ~3.5-4 us as distributed shared
+// memory stores.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -158,8 +158,11 @@ using namespace dsv41_ptx;
 
 // Warpgroups 0 and 1 compute (threads 0..255), warpgroup 2 is the producer (threads 256..383).
 // R: the index rounds the compaction is unrolled for (Kw + Kc <= 256 R; ValidIndicesR: the V4.1
-// shape's 640 indices take R = 3, without the branches over 13 unused rounds).
-template <int R>
+// shape's 640 indices take R = 3, without the branches over 13 unused rounds). DIAG: the
+// diagnostics compiled in (`mode`: bit 0 phase trace, bit 1 no tensor-core products, bit 2 no
+// row gather); the production instantiation (DIAG = false) ignores `mode` and carries none of
+// their code.
+template <int R, bool DIAG>
 __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     sparse_attention_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -183,9 +186,9 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     const int split = blockIdx.y, nsplit = gridDim.y;
     const int h0 = blockIdx.z * HB;
     const int nh = min(HB, p.num_heads - h0);
-    // Diagnostic modes (launcher env vars, never set in normal use): bit 0 phase trace, bit 1
-    // skip the tensor-core products, bit 2 skip the row gather (timing of the other parts).
-    const bool trace = mode & 1, skip_mma = mode & 2, skip_gather = mode & 4;
+    // Diagnostic modes (DIAG instantiation only): bit 0 phase trace, bit 1 skip the tensor-core
+    // products, bit 2 skip the row gather (timing of the other parts).
+    const bool trace = DIAG && (mode & 1), skip_mma = DIAG && (mode & 2), skip_gather = DIAG && (mode & 4);
     // Epilogue: bulk-copy exchange with S <= 2 splits, distributed shared memory stores with more.
     const bool xfer = nsplit <= 2;
     const bool tracer = trace && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
@@ -275,8 +278,8 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
     auto wstamp = [&](int slot) {
         if (tracer_wg) g_trace[slot] = clock64();
     };
-    // The tile loop, compiled twice: with the products and without them (the diagnostic
-    // skip_mma; two instantiations keep every wgmma path free of register writes behind products
+    // The tile loop, with the products and (DIAG instantiation only) without them (the diagnostic
+    // skip_mma; a loop of its own keeps every wgmma path free of register writes behind products
     // in flight, which would serialise them).
     auto tile_loop = [&](auto skip_c) {
         constexpr bool kSkip = decltype(skip_c)::value;
@@ -412,10 +415,14 @@ __global__ void __launch_bounds__(THREADS + PROD_THREADS, 1)
             release(j);
         }
     };
-    if (skip_mma)
-        tile_loop(std::true_type{});
-    else
+    if constexpr (DIAG) {
+        if (skip_mma)
+            tile_loop(std::true_type{});
+        else
+            tile_loop(std::false_type{});
+    } else {
         tile_loop(std::false_type{});
+    }
     stamp(22);
 
     // 3. Epilogue: per-head (m, den) of this split, merged over the cluster.
@@ -566,26 +573,15 @@ int choose_splits(long tokens_x_hblocks, int tiles, int sms) {
 
 // The kernel of a call: forced by the caller, the all-heads kernel with forced splits, else for
 // bf16 rows wherever the all-heads kernel would split (few tokens: 2 CTAs per token fit one wave)
-// the head-split launcher, which runs the dims-split pair (docs/perf.md "Round 13": 17.6 us at
-// B = 1 against the all-heads kernel's 18.5 with 8 splits, 19.0-19.3 us at B = 64 against 29) or
-// the ping-pong loop where its slots do not fit. Packed rows expand each tile on the producer,
-// which the head-split kernels would do twice per token (docs/perf.md, "Round 6"): all-heads.
+// the head-split launcher, which runs the dims-split pair (docs/perf.md "Sparse attention", H200:
+// 19.0 us median at B = 64 against the all-heads kernel's 27.9-28.4; at B = 1 17.8-17.9 against
+// 17.6-17.7) or the ping-pong loop where its slots do not fit. Packed rows expand each tile on the
+// producer, which the head-split kernels would do twice per token (67 us at B = 64 against the
+// all-heads kernel's 40.6, same section): all-heads.
 bool use_head_split(const Dsv41SparseAttentionParams& p, long tokens_x_hblocks, int tiles, int sms) {
     if (p.kernel != DSV41_SA_KERNEL_AUTO) return p.kernel >= DSV41_SA_KERNEL_HEAD_SPLIT;
     if (p.num_splits > 0 || p.window_format != DSV41_KV_BF16 || p.extra_format != DSV41_KV_BF16) return false;
     return choose_splits(tokens_x_hblocks, tiles, sms) >= 2;
-}
-
-// Debug aid: prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
-// Diagnostics (see the header), read once per process, never on the launch path:
-// DSV41_SPARSE_ATTENTION_TRACE=1 / 2, DSV41_SPARSE_ATTENTION_DIAG bits 2 / 4 / 8 / 64.
-static int diagnostic_mode() {
-    static const int mode = [] {
-        const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
-        const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
-        return (tr && tr[0] == '1' ? 1 : 0) | (tr && tr[0] == '2' ? 32 : 0) | (dg ? (atoi(dg) & 78) : 0);
-    }();
-    return mode;
 }
 
 // The opt-in shared memory per block and the SM count of device `dev`, queried once per thread
@@ -603,6 +599,7 @@ static cudaError_t device_limits(int dev, int* max_smem, int* sms) {
     return cudaSuccess;
 }
 
+// Diagnostics (DIAG instantiation): prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
 void print_trace(cudaStream_t stream, int splits, int tiles, int dev) {
     long long h[TRACE_SLOTS] = {};
     const int khz = dsv41_launch::read_trace(g_trace, h, sizeof(h), stream, dev);
@@ -665,20 +662,23 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = device_limits(dev, &max_smem, &sms);
     if (e != cudaSuccess) return static_cast<int>(e);
-    const int mode = diagnostic_mode();
-    const int trace = mode & 1;
     const int hblocks = (p->num_heads + HB - 1) / HB;
     const int tiles = (ktot + BLK - 1) / BLK;
     if (use_head_split(*p, static_cast<long>(p->num_tokens) * hblocks, tiles, sms)) {
         if (p->num_heads > 65535 * 32) return DSV41_ERR_SHAPE;
-        return launch_head_split(*p, static_cast<cudaStream_t>(stream), mode, dev, max_smem);
+        return launch_head_split(*p, static_cast<cudaStream_t>(stream), dev, max_smem);
     }
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
+    // Diagnostic bits (0 without the DSV41_SA_DIAG switch): a call with any of this kernel's runs
+    // its DIAG instantiation (which is the production one without the switch).
+    const int mode = diagnostic_mode() & 7;
+    const bool trace = mode & 1, diag = mode != 0;
     // Raise the dynamic limit to the maximum once per thread and device.
     const bool few = fits_few_rounds(ktot);
-    auto* kernel = few ? sparse_attention_kernel<FEW_ROUNDS> : sparse_attention_kernel<MAX_ROUNDS>;
-    static thread_local int configured_dev[2] = {-1, -1};
-    e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[few]);
+    auto* kernel = few ? (diag ? sparse_attention_kernel<FEW_ROUNDS, DIAG_BUILD> : sparse_attention_kernel<FEW_ROUNDS, false>)
+                       : (diag ? sparse_attention_kernel<MAX_ROUNDS, DIAG_BUILD> : sparse_attention_kernel<MAX_ROUNDS, false>);
+    static thread_local int configured_dev[4] = {-1, -1, -1, -1};
+    e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[2 * diag + few]);
     if (e != cudaSuccess) return static_cast<int>(e);
     const int splits = p->num_splits > 0 ? p->num_splits : choose_splits(static_cast<long>(p->num_tokens) * hblocks, tiles, sms);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -686,7 +686,7 @@ extern "C" int dsv41_sparse_attention(const Dsv41SparseAttentionParams* p, size_
     // Programmatic dependent launch (the kernel waits in griddepcontrol.wait before touching
     // global memory); the splits of a token form a cluster (one split: no cluster).
     e = dsv41_launch::launch_pdl(kernel, dim3(p->num_tokens, splits, hblocks), dim3(THREADS + PROD_THREADS, 1, 1), smem,
-                                 st, splits, *p, mode & 7);
+                                 st, splits, *p, mode);
     if (e == cudaSuccess && trace) print_trace(st, splits, tiles, dev);
     return static_cast<int>(e);
 }

@@ -4,7 +4,7 @@
 // Why. At B = 64 decode the all-heads kernel (one CTA per token) fills only half of the SMs and its
 // split-KV merge is expensive; the head-split kernels (two CTAs per token, 32 heads each) fill
 // them, but each of a token's two CTAs gathers every row, and the loop is bound by the bytes one SM
-// can have in flight (~64 KB per ~1.5 us, docs/perf.md "Round 10"). Here the token's two CTAs split
+// can have in flight (~64 KB per ~1.5 us, measured on the H200). Here the token's two CTAs split
 // the 512 dims instead: each gathers only its half of every row (512 B), so a row crosses L2 -> SM
 // once per token and an SM moves half the bytes per tile; all 64 heads stay in one CTA, which keeps
 // the efficient M = 64 heads shape of the all-heads products (S: m64n64, P.V: m64n256).
@@ -59,7 +59,7 @@
 // Code size. Straight-line code that runs once per CTA is bound by instruction fetch here (about
 // 6 cycles per instruction), and so are branches over unused code: the compaction unrolled for 16
 // index rounds cost ~1 us of the prologue at 640 indices (3 rounds), the zeroing of O ~0.3 us, the
-// role selects of the epilogue ~0.5 us (docs/perf.md "Round 13"). Hence the instantiations: R = 3
+// role selects of the epilogue ~0.5 us (measured on the H200 at B = 64). Hence the instantiations: R = 3
 // index rounds for the V4.1 shape (R = 16 up to 4096 indices), DIAG for the diagnostics (the
 // production kernel carries no trace or diagnostic code), the first P.V of each warpgroup setting O
 // (accumulate = 0), one epilogue code path per role.
@@ -67,16 +67,18 @@
 // griddepcontrol.wait; the mbarriers are initialised and the cluster arrival made before it). A CTA
 // leaves only after every remote store into it landed (it waits for all of them), and the peer's
 // mbarriers are initialised before any remote store (a cluster barrier). Diagnostics (the DIAG
-// instantiation, DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA (0, 0, 0) and every
-// CTA's globaltimer (TRACE=2: the 4th of 4 back-to-back calls), bit 4 skips the gather, bit 64 the
-// merge and epilogue (timing only), bit 8 the early window tiles (same results). (A bit
-// 16, no running-max hand-over, measured no faster and is gone.)
-// Measured (docs/perf.md "Round 13", H200, B = 64): 18.8-19.3 us called alone (the SM clock at
-// ~1.6-1.75 GHz under this load) and 18.8-19.1 us right behind the indexer's top-k, against the
-// ping-pong kernel's 25.6-26.5; B = 1 17.6-17.8 us. Auto's choice for bf16 rows and few tokens.
-// Behind a top-k triggering at its start, the clusters launched early cost ~5 us (Round 12: the
-// top-k triggers late). Tried and dropped: S of tile j + 2 issued before the P.V of tile j (slower
-// in-stream, no faster alone); 4-byte output stores without the transpose (+2.2 us).
+// instantiation, compiled only with the DSV41_SA_DIAG switch: include/dsv41_sparse_attention_common.cuh):
+// mode bit 0 traces CTA (0, 0, 0) and every CTA's globaltimer (mode 32, TRACE=2: the 4th of 4
+// back-to-back calls), mode 4 skips the gather, 64 the merge and epilogue (timing only), 8 the
+// early window tiles (same results). (A mode 16, no running-max hand-over, measured no faster
+// and is gone.)
+// Measured (docs/perf.md "Sparse attention", H200, B = 64): 18.8-20.0 us called alone, median 19.0
+// (the SM clock at ~1.6-1.75 GHz under this load), and 18.8-19.1 us right behind the indexer's
+// top-k, against the ping-pong kernel's 25.9-26.5; B = 1 17.8-17.9 us. Auto's choice for bf16 rows
+// and few tokens. Behind a top-k triggering at its start, the clusters launched early cost ~5 us
+// (so the top-k triggers late: kernels/indexer_topk.cu). Tried and dropped: S of tile j + 2
+// issued before the P.V of tile j (slower in-stream, no faster alone); 4-byte output stores
+// without the transpose (+2.2 us).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -560,7 +562,7 @@ __global__ void __launch_bounds__(DS_THREADS, 1) dimsplit_kernel(const Dsv41Spar
     if (cta_tracer) g_cta_ds[3 * cta + 2] = globaltimer();
 }
 
-// Prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
+// Diagnostics (DIAG instantiation): prints the phase timestamps of CTA (0, 0, 0) (synchronises the stream).
 void print_trace_dimsplit(cudaStream_t stream, int dev) {
     long long h[DS_TRACE] = {};
     const int khz = dsv41_launch::read_trace(g_trace_ds, h, sizeof(h), stream, dev);
@@ -609,29 +611,30 @@ void print_cta_trace_dimsplit(int ctas) {
 
 }  // namespace dsplit
 
-int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
+int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int dev, int max_smem) {
     using namespace dsplit;
     const int ktot = p.kw + p.kc;
     const int nslot = min(NS_MAX, (max_smem - ring_offset(ktot)) / SLOTB);
     if (nslot < NS_MIN) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(ring_offset(ktot)) + static_cast<size_t>(nslot) * SLOTB;
     const bool few = fits_few_rounds(ktot);
-    // Mode bit 32 (DSV41_SPARSE_ATTENTION_TRACE=2, diagnostics): record the trace without clearing
-    // or synchronising, and print it after every 4th such launch (back-to-back calls).
+    // Diagnostic bits (0 without the DSV41_SA_DIAG switch). Mode 32 (DSV41_SPARSE_ATTENTION_TRACE=2):
+    // record the trace without clearing or synchronising, and print it after every 4th such launch
+    // (back-to-back calls).
+    int mode = diagnostic_mode();
     static thread_local int b2b_calls = 0;
     const bool b2b = mode & 32, b2b_print = b2b && ++b2b_calls % 4 == 0;
     if (b2b) mode |= 1;
-    // The diagnostics are compiled into a 3-round instantiation of their own (a traced or diagnostic
-    // call with more indices runs the production kernel: no trace, no diagnostic effect).
-    const int which = few ? ((mode & 77) ? 2 : 1) : 0;
-    auto* kernel = which == 2 ? dimsplit_kernel<FEW_ROUNDS, true> : which == 1 ? dimsplit_kernel<FEW_ROUNDS, false> : dimsplit_kernel<MAX_ROUNDS, false>;
-    static thread_local int configured_dev[3] = {-1, -1, -1};
-    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[which]);
+    // A call with diagnostic bits runs the DIAG instantiation.
+    const bool diag = (mode & 77) != 0;
+    auto* kernel = few ? (diag ? dimsplit_kernel<FEW_ROUNDS, DIAG_BUILD> : dimsplit_kernel<FEW_ROUNDS, false>)
+                       : (diag ? dimsplit_kernel<MAX_ROUNDS, DIAG_BUILD> : dimsplit_kernel<MAX_ROUNDS, false>);
+    static thread_local int configured_dev[4] = {-1, -1, -1, -1};
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[2 * diag + few]);
     if (e != cudaSuccess) return static_cast<int>(e);
     if ((mode & 1) && !b2b) dsv41_launch::clear_trace(g_trace_ds, sizeof(long long) * DS_TRACE, stream);
-    // Programmatic dependent launch as the other kernels (docs/perf.md "Round 12": behind a top-k
-    // that triggered its dependents at its start the early-launched clusters cost ~5 us, so the
-    // top-k now triggers late).
+    // Programmatic dependent launch as the other kernels (measured: behind a top-k that triggered its
+    // dependents at its start the early-launched clusters cost ~5 us, so the top-k now triggers late).
     e = dsv41_launch::launch_pdl(kernel, dim3(p.num_tokens, 2, (p.num_heads + HH - 1) / HH), dim3(DS_THREADS, 1, 1), smem, stream,
                                  2, p, mode & 77, nslot);
     if (e == cudaSuccess && (mode & 1) && (!b2b || b2b_print)) {

@@ -31,8 +31,10 @@
 //      Ping-pong kernel (bf16 rows; the launcher's choice where this kernel would run, and
 //        DSV41_SA_KERNEL_HEAD_SPLIT_PINGPONG): kernels/sparse_attention_pingpong.cu, two consumer
 //        warpgroups on alternate tiles of a slot ring, so one's softmax runs under the other's
-//        products. Forced HeadSplit (and packed rows) run this two-stage loop. (The one-consumer
-//        slot ring of the perf record's "Round 9" is gone: the ping-pong kernel replaced it.)
+//        products. Forced HeadSplit (and packed rows) run this two-stage loop. (A one-consumer
+//        slot ring, the next tile's Sᵀ issued during the softmax, measured 28.0-28.2 us at B = 64
+//        standalone against this loop's 25.5, 28.6-29.1 against 32.7-33.8 in-stream; the
+//        ping-pong kernel replaced it.)
 //   3. Epilogue: per head (one lane) the factor fl(1 / (den + e^{sink - m})) as the all-heads
 //      kernel with one split, and lse = m + ln den; out = fl(O f) rounded to bf16 and transposed
 //      into [head][dim] rows by stmatrix .trans (in a stage tile, free after the last one), then
@@ -41,10 +43,10 @@
 // rounded to bf16 relative to the block's running max); only the f32 orders of the dot
 // products, tensor-core sums and denominators differ.
 // Launch: programmatic dependent launch as the all-heads kernel (chain contract in
-// kernels/sparse_attention.cu: nothing is read before griddepcontrol.wait). Diagnostics: mode
-// bit 0 traces CTA (0, 0) (DSV41_SPARSE_ATTENTION_TRACE=1), bit 2 skips the gather (bit 1 does
-// not apply).
-// Prologue variants measured in round 8 (docs/perf.md, "Round 8"), none kept: the window tiles
+// kernels/sparse_attention.cu: nothing is read before griddepcontrol.wait). Diagnostics (the DIAG
+// instantiation, compiled only with the DSV41_SA_DIAG switch: include/dsv41_sparse_attention_common.cuh):
+// mode bit 0 traces CTA (0, 0), bit 2 skips the gather (bit 1 does not apply).
+// Prologue variants measured on the H200 at B = 64, none kept: the window tiles
 // gathered by the producer before the compaction (slower: issuing 128 KB of cp.async delays the
 // producer's share of the compaction, 29.5 vs 26.8 us); L2 prefetches (cp.async.bulk.prefetch.L2)
 // of the CTA's q rows and first 128 window rows before griddepcontrol.wait, and of tile 2's
@@ -89,6 +91,8 @@ constexpr int TRACE_SLOTS = 40;
 // [37] softmax done (P^T written).
 __device__ long long g_trace_heads[TRACE_SLOTS];
 
+// DIAG: the diagnostics compiled in (`mode`); the production instantiation carries none of their code.
+template <bool DIAG>
 __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41SparseAttentionParams p, int mode) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -100,10 +104,10 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     const bool consumer = warp < CONSUMERS / 32;
     const int t = blockIdx.x, h0 = blockIdx.y * HS;
     const int nh = min(HS, p.num_heads - h0);
-    // mode: bit 0 trace, bit 2 skip the gather (diagnostic; bit 1, skip the products, does not
+    // mode (DIAG only): bit 0 trace, bit 2 skip the gather (bit 1, skip the products, does not
     // apply: the products have no run-time conditions, which keeps them asynchronous).
-    const bool skip_gather = mode & 4;
-    const bool tracer = (mode & 1) && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0;
+    const bool skip_gather = DIAG && (mode & 4);
+    const bool tracer = DIAG && (mode & 1) && tid == 0 && blockIdx.x == 0 && blockIdx.y == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace_heads[slot] = clock64();
     };
@@ -139,8 +143,8 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     float s[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    // Per tile: wait for the rows, S^T, softmax, P.V, hand the stage back. (Measured slower,
-    // round 6: the previous tile's P.V left in flight while this tile's rows are awaited and its
+    // Per tile: wait for the rows, S^T, softmax, P.V, hand the stage back. (Measured slower: the
+    // previous tile's P.V left in flight while this tile's rows are awaited and its
     // S^T issued; its stage then goes back only after this tile's rows landed, so at most one
     // tile is in flight.)
     for (int j = 0; j < ntiles; ++j) {
@@ -194,7 +198,7 @@ __global__ void __launch_bounds__(THREADS_ALL, 1) head_split_kernel(const Dsv41S
     stamp(3);
 }
 
-// Prints the phase timestamps of CTA (0, 0) (synchronises the stream).
+// Diagnostics (DIAG instantiation): prints the phase timestamps of CTA (0, 0) (synchronises the stream).
 void print_trace(cudaStream_t stream, int dev) {
     long long h[TRACE_SLOTS] = {};
     const int khz = dsv41_launch::read_trace(g_trace_heads, h, sizeof(h), stream, dev);
@@ -215,7 +219,7 @@ void print_trace(cudaStream_t stream, int dev) {
 
 }  // namespace heads
 
-int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
+int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
     // Else bf16 rows: the ping-pong kernel (forced, or the fallback), unless its slots do not fit;
@@ -223,21 +227,26 @@ int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, 
     const bool bf16_rows = p.window_format == DSV41_KV_BF16 && p.extra_format == DSV41_KV_BF16;
     // bf16 rows: the dims-split pair (Auto's choice, or forced), unless its slots do not fit.
     if (bf16_rows && (p.kernel == DSV41_SA_KERNEL_DIM_SPLIT_PAIR || p.kernel == DSV41_SA_KERNEL_AUTO)) {
-        const int r = launch_dimsplit_pair(p, stream, mode, dev, max_smem);
+        const int r = launch_dimsplit_pair(p, stream, dev, max_smem);
         if (r != DSV41_ERR_SHAPE) return r;
     }
     if (bf16_rows && p.kernel != DSV41_SA_KERNEL_HEAD_SPLIT) {
-        const int r = launch_head_split_pingpong(p, stream, mode, dev, max_smem);
+        const int r = launch_head_split_pingpong(p, stream, dev, max_smem);
         if (r != DSV41_ERR_SHAPE) return r;
     }
     const size_t smem = SM_ENT + sizeof(uint32_t) * static_cast<size_t>(ktot > 0 ? ktot : 1);
     if (smem > static_cast<size_t>(max_smem)) return DSV41_ERR_SHAPE;
-    static thread_local int configured_dev = -1;
-    cudaError_t e = dsv41_launch::set_max_dynamic_smem(head_split_kernel, dev, max_smem, configured_dev);
+    // Diagnostic bits (0 without the DSV41_SA_DIAG switch): a call with any of this kernel's runs
+    // its DIAG instantiation.
+    const int mode = diagnostic_mode() & 5;
+    const bool diag = mode != 0;
+    auto* kernel = diag ? head_split_kernel<DIAG_BUILD> : head_split_kernel<false>;
+    static thread_local int configured_dev[2] = {-1, -1};
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[diag]);
     if (e != cudaSuccess) return static_cast<int>(e);
     if (mode & 1) dsv41_launch::clear_trace(g_trace_heads, sizeof(long long) * TRACE_SLOTS, stream);
-    e = dsv41_launch::launch_pdl(head_split_kernel, dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1), dim3(THREADS_ALL, 1, 1), smem,
-                                 stream, 1, p, mode & 7);
+    e = dsv41_launch::launch_pdl(kernel, dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1), dim3(THREADS_ALL, 1, 1), smem,
+                                 stream, 1, p, mode);
     if (e == cudaSuccess && (mode & 1)) print_trace(stream, dev);
     return static_cast<int>(e);
 }

@@ -22,11 +22,12 @@
 //   each slot handed back to the producer as its group completes).
 // While one consumer runs its softmax the other's products run (different warps issue: within
 // one warpgroup a warp's wgmma issue stalls while ~5 are queued, so its softmax could not overlap
-// them, docs/perf.md "Round 9"). The chain: tile j's softmax needs the running max after tile
-// j - 1, which the other consumer computed; consumer c writes m_j (32 floats, one buffer per tile
-// parity) and arrives on named barrier 4 + c (256 threads: its 128 arrive, the other's 128 wait
-// there before reading). A consumer reads m_{j-1} before it publishes m_j, so the other cannot
-// overwrite the buffer it reads, and no barrier phase is arrived at twice before it is waited on.
+// them: issuing the next tile's 24 m64n32k16 before the softmax made it 0.80 us instead of 0.43).
+// The chain: tile j's softmax needs the running max after tile j - 1, which the other consumer
+// computed; consumer c writes m_j (32 floats, one buffer per tile parity) and arrives on named
+// barrier 4 + c (256 threads: its 128 arrive, the other's 128 wait there before reading). A
+// consumer reads m_{j-1} before it publishes m_j, so the other cannot overwrite the buffer it
+// reads, and no barrier phase is arrived at twice before it is waited on.
 // The last tile publishes nothing (nobody waits).
 // End: the consumer of the last tile (the receiver) merges: the other (sender, last tile n - 2)
 // writes its raw O into the four slots of its last tile (free: no later ring position reuses them
@@ -43,13 +44,15 @@
 // Checked against the CPU reference at the head-split tests' strict tolerance (with at most one
 // tile per token the result is bitwise the two-stage kernel's: consumer B then has no tile).
 // Launch: programmatic dependent launch as the other kernels (nothing read before
-// griddepcontrol.wait). Diagnostics (DSV41_SPARSE_ATTENTION_TRACE / _DIAG): mode bit 0 traces CTA
-// (0, 0) (per tile the rows' arrival, Sᵀ, the hand-over wait, softmax, P.V; the early tiles, the
-// merge and the epilogue), bit 2 skips the gather (timing only), bit 8 the early window tiles.
-// Measured (docs/perf.md "Round 10"): B = 64 standalone 0.35-0.65 us under the two-stage loop,
-// in-stream behind the top-k ~7 us under it. The loop is bound by the row supply (each consumer
-// waits 1.2-1.8 us per tile for its rows: the token's two CTAs each pull every row from L2), not by
-// the products or the softmax; without the gather the kernel takes 21.6 us at B = 64.
+// griddepcontrol.wait). Diagnostics (the DIAG instantiation, compiled only with the DSV41_SA_DIAG
+// switch: include/dsv41_sparse_attention_common.cuh): mode bit 0 traces CTA (0, 0) (per tile the
+// rows' arrival, Sᵀ, the hand-over wait, softmax, P.V; the early tiles, the merge and the
+// epilogue), bit 2 skips the gather (timing only), bit 3 the early window tiles (same results).
+// Measured on the H200 when it was built (B = 64, both loops ~25 us standalone): 0.35-0.65 us
+// under the two-stage loop standalone, ~7 us under it in-stream behind the top-k. The loop is
+// bound by the row supply (each consumer waits 1.2-1.8 us per tile for its rows: the token's two
+// CTAs each pull every row from L2), not by the products or the softmax; without the gather the
+// kernel takes 21.6 us at B = 64.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -113,6 +116,8 @@ constexpr int PP_TRACE = 96;
 // staged, [40 + j] running max received, [56 + j] softmax done, [72 + j] P.V done.
 __device__ long long g_trace_pp[PP_TRACE];
 
+// DIAG: the diagnostics compiled in (`mode`); the production instantiation carries none of their code.
+template <bool DIAG>
 __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(const Dsv41SparseAttentionParams p, int mode, int nslot) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sbase = smem_addr(smem);
@@ -125,8 +130,8 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     const int wg = warp >> 2;  // 0, 1: consumers; 2: producer
     const int t = blockIdx.x, h0 = blockIdx.y * HS;
     const int nh = min(HS, p.num_heads - h0);
-    const bool skip_gather = mode & 4;
-    const bool tracer = (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0;
+    const bool skip_gather = DIAG && (mode & 4);
+    const bool tracer = DIAG && (mode & 1) && (tid & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0;
     auto stamp = [&](int slot) {
         if (tracer) g_trace_pp[slot] = clock64();
     };
@@ -146,7 +151,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
         const int ptid = tid - 2 * CONSUMERS;
         uint32_t* win_s = reinterpret_cast<uint32_t*>(smem + (slots - sbase) + (nslot - 1) * PP_SLOTB);
         int pos0 = 0;
-        if (!(mode & 8) && p.kw >= 2 * BLK && nslot >= 9) {
+        if (!(DIAG && (mode & 8)) && p.kw >= 2 * BLK && nslot >= 9) {
             if (early_window_entries(p, t, ptid, win_s, BAR_PROD)) {
                 produce_ring(p, slots, nslot, win_s, 2 * BLK, bar_full, bar_empty, ptid, skip_gather, 0, 8);
                 pos0 = 8;
@@ -324,7 +329,7 @@ __global__ void __launch_bounds__(PP_THREADS, 1) head_split_pingpong_kernel(cons
     stamp(3);
 }
 
-// Prints the phase timestamps of CTA (0, 0) (synchronises the stream).
+// Diagnostics (DIAG instantiation): prints the phase timestamps of CTA (0, 0) (synchronises the stream).
 void print_trace_pingpong(cudaStream_t stream, int dev) {
     long long h[PP_TRACE] = {};
     const int khz = dsv41_launch::read_trace(g_trace_pp, h, sizeof(h), stream, dev);
@@ -346,18 +351,23 @@ void print_trace_pingpong(cudaStream_t stream, int dev) {
 
 }  // namespace heads
 
-int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem) {
+int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int dev, int max_smem) {
     using namespace heads;
     const int ktot = p.kw + p.kc;
     const int nslot = min(PP_MAX_SLOTS, (max_smem - pp_ring_offset(ktot)) / PP_SLOTB);
     if (nslot < PP_MIN_SLOTS) return DSV41_ERR_SHAPE;
     const size_t smem = static_cast<size_t>(pp_ring_offset(ktot)) + static_cast<size_t>(nslot) * PP_SLOTB;
-    static thread_local int configured_dev = -1;
-    cudaError_t e = dsv41_launch::set_max_dynamic_smem(head_split_pingpong_kernel, dev, max_smem, configured_dev);
+    // Diagnostic bits (0 without the DSV41_SA_DIAG switch): a call with any of this kernel's runs
+    // its DIAG instantiation.
+    const int mode = diagnostic_mode() & 13;
+    const bool diag = mode != 0;
+    auto* kernel = diag ? head_split_pingpong_kernel<DIAG_BUILD> : head_split_pingpong_kernel<false>;
+    static thread_local int configured_dev[2] = {-1, -1};
+    cudaError_t e = dsv41_launch::set_max_dynamic_smem(kernel, dev, max_smem, configured_dev[diag]);
     if (e != cudaSuccess) return static_cast<int>(e);
     if (mode & 1) dsv41_launch::clear_trace(g_trace_pp, sizeof(long long) * PP_TRACE, stream);
-    e = dsv41_launch::launch_pdl(head_split_pingpong_kernel, dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1), dim3(PP_THREADS, 1, 1),
-                                 smem, stream, 1, p, mode & 15, nslot);
+    e = dsv41_launch::launch_pdl(kernel, dim3(p.num_tokens, (p.num_heads + HS - 1) / HS, 1), dim3(PP_THREADS, 1, 1),
+                                 smem, stream, 1, p, mode, nslot);
     if (e == cudaSuccess && (mode & 1)) print_trace_pingpong(stream, dev);
     return static_cast<int>(e);
 }

@@ -8,7 +8,9 @@
 #   scripts/pack-gpu-bin.sh          # then copy "$DIR"/ to the GPU machine: bash "$DIR"/run.sh
 #
 # Environment: PACK_TESTS / PACK_BENCHES (space-separated target names, "" = none; unset: the CUDA tests /
-# benches below), PACK_DIR (output folder, default gpu-bin). The chosen names are written to
+# benches below), PACK_DIR (output folder, default gpu-bin), PACK_FEATURES (cargo features, default
+# cuda; "cuda,cuda-diag" for the sparse attention diagnostics of `bench_sparse_attention --trace /
+# --diag`, never for timing or test figures). The chosen names are written to
 # $PACK_DIR/TARGETS so run.sh runs exactly what was packed; run.sh's BENCH_ARGS / TEST_FILTER
 # pass arguments through.
 # FP8 linear (issue 21): PACK_TESTS="cuda_fp8_linear" PACK_BENCHES="bench_fp8_linear"; its torch
@@ -25,9 +27,10 @@ msgs="$(mktemp)"
 read -r -a TESTS <<< "${PACK_TESTS-cuda_insert cuda_sparse_attention}"
 read -r -a BENCHES <<< "${PACK_BENCHES-bench_insert bench_sparse_attention}"
 DIR="${PACK_DIR:-gpu-bin}"
+FEATURES="${PACK_FEATURES:-cuda}"
 : > "$msgs"
-((${#TESTS[@]} == 0)) || $NICE cargo test --release --features cuda "${TESTS[@]/#/--test=}" --no-run --message-format=json >> "$msgs"
-((${#BENCHES[@]} == 0)) || $NICE cargo build --release --features cuda "${BENCHES[@]/#/--example=}" --message-format=json >> "$msgs"
+((${#TESTS[@]} == 0)) || $NICE cargo test --release --features "$FEATURES" "${TESTS[@]/#/--test=}" --no-run --message-format=json >> "$msgs"
+((${#BENCHES[@]} == 0)) || $NICE cargo build --release --features "$FEATURES" "${BENCHES[@]/#/--example=}" --message-format=json >> "$msgs"
 exe_of() {
     python3 - "$msgs" "$1" <<'PY'
 import json, sys

@@ -504,7 +504,7 @@ fn balanced_decode_integer_path_and_its_fallbacks_match_the_cpu() -> Result<()> 
 }
 
 /// The (token, chunk) grid kernel (decode batches below 64 queries; the bf16 path, its integer
-/// path was slower, docs/perf.md "Indexer round 8") on the same data: 7 queries and 5 with longer
+/// path was slower, docs/cuda.md "indexer_scores: tried and not kept") on the same data: 7 queries and 5 with longer
 /// rows (every kind of token of [`integer_path_data`]).
 #[test]
 fn grid_decode_on_integer_path_data_matches_the_cpu() -> Result<()> {
@@ -701,7 +701,7 @@ fn one_read_topk_kernel_on_64k_rows_matches_the_reference() -> Result<()> {
                 // Positive NaNs (above +inf in the total order: in the top k). Negative NaNs are
                 // left out: the reference masks invisible entries with −inf, which `total_cmp`
                 // ranks above a negative NaN, so it pads with −1 where the kernels (this one and
-                // indexer_select.cu's) take the visible negative NaNs (sel6 run 2).
+                // indexer_select.cu's) take the visible negative NaNs (seen on the GPU).
                 _ => match rng.below(1000) {
                     0..=9 => f32::NAN,
                     _ => rng.normal(),

@@ -2,7 +2,9 @@
 //! repository's top-level `kernels/` folder (`kernels/*.cu`, headers in `kernels/include/`) into
 //! the static library `libdsv41_kernels.a` with nvcc (through the `cudaforge` crate), and links
 //! it together with the CUDA runtime. Needs nvcc 13.0 (scripts/install-cuda.sh) and
-//! `CUDA_COMPUTE_CAP` (90 for H100 / H200) when no GPU is visible.
+//! `CUDA_COMPUTE_CAP` (90 for H100 / H200) when no GPU is visible. With the `cuda-diag` feature the
+//! sparse attention kernels are compiled with their diagnostics (`-DDSV41_SA_DIAG=1`, see
+//! `kernels/include/dsv41_sparse_attention_common.cuh`).
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
@@ -41,7 +43,7 @@ mod cuda {
         println!("cargo::rerun-if-env-changed=CUDA_HOME");
 
         let lib = out_dir.join("libdsv41_kernels.a");
-        cudaforge::KernelBuilder::new()
+        let mut builder = cudaforge::KernelBuilder::new()
             .source_files(sources)
             .watch(headers)
             .include_path(&include)
@@ -49,8 +51,12 @@ mod cuda {
             .arg("-std=c++17")
             .arg("-O3")
             .arg("--expt-relaxed-constexpr")
-            .arg("-lineinfo")
-            .build_lib(&lib)?;
+            .arg("-lineinfo");
+        // The sparse attention diagnostics (phase traces, timing-only modes): a diagnostic build only.
+        if cfg!(feature = "cuda-diag") {
+            builder = builder.arg("-DDSV41_SA_DIAG=1");
+        }
+        builder.build_lib(&lib)?;
 
         println!("cargo::rustc-link-search=native={}", out_dir.display());
         println!("cargo::rustc-link-lib=static=dsv41_kernels");

@@ -343,7 +343,7 @@ __device__ __forceinline__ void warp_rows(const P& p, float* smem, F&& finish) {
     }
 }
 
-// Rows per warp of the insert kernels, as measured on the H200 (docs/perf.md, issue 4): one
+// Rows per warp of the insert kernels, as measured on the H200 (bench_insert): one
 // 512-wide row per warp keeps the most warps resident, which is what the compute-heavier calls
 // need (the packed formats, grids of a few waves); a second row per warp pays off only for
 // memory-bound bf16 inserts of at least 65536 rows. 128-wide rows: 2 per warp; 64-wide: 4.

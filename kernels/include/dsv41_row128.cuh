@@ -32,7 +32,7 @@
 // `prefetch` at its end, ptxas hoists the loads up to just after the weights' multiply; with
 // kRow128EarlyRows the row and slot loads right after the quotient, see there): the first sets'
 // data, which every warp waits for, then reaches the SMs sooner, and the later sets' loads still
-// have the rest of a set's compute to arrive (docs/perf.md, Run 13, format E at G = 32768:
+// have the rest of a set's compute to arrive (measured on the H200, format E at G = 32768:
 // 7.64 µs with the weights first, 7.32 µs with the first set's loads before them, 7.08 µs with
 // the next set's loads after the norm as well, 7.90 µs with both sets' loads before the barrier).
 //
@@ -46,7 +46,8 @@
 //
 // Code layout: the rare paths (the IEEE division and two-rounding squares of the norm, the f32
 // element path) are out-of-line functions, so that the loop spans about the hot path only
-// (~550 instead of ~1100 instructions, which the instruction cache holds; docs/perf.md, Run 11).
+// (~550 instead of ~1100 instructions, which the instruction cache holds; measured no slower and
+// up to 0.4 points faster).
 //
 // Numerics: every operation and its order is that of dsv41_row.cuh (rms_norm_row, rope_row /
 // rope_loaded_row, fake_quant_row / the packed codes), and the pair path equals the element
@@ -118,8 +119,8 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //     so the vote is off the dependence chain. The partial sums p[c] (L = 4 j + c) are reduced by
 //     a butterfly over j with all four columns per level (xor 2, 4, 1: 12 shuffles in 3 dependent
 //     levels) and then (S0 + S1) + (S2 + S3) in the lane, each addition one of candle's butterfly
-//     (commutativity aside). (Run 11's reduce-scatter needed 6 shuffles but 5 dependent levels and
-//     the lane selects; the shorter chain measured faster, docs/perf.md Run 15.) The mean's `+ 0`
+//     (commutativity aside). (A reduce-scatter needs 6 shuffles but 5 dependent levels and the
+//     lane selects; the shorter chain measured ~0.1 us faster at G = 32768.) The mean's `+ 0`
 //     and the `* 1` of the eps step are identities here (the sum is >= +0 or NaN) and are left
 //     out. The quotient is division-free where norm_div_row_ok / norm_div_x_ok hold, else IEEE
 //     (out of line).
@@ -133,7 +134,7 @@ static __device__ __noinline__ Row128F16 row128_divide_slow(Row128F16 x, float r
 //   branches, right after the quotient (ahead of the weights' shared-memory loads), cos / sin at
 //   the end; without it all of the next set's loads at the end (ptxas hoists them up to just
 //   after the weights' multiply).
-// The bf16 index keys take both (docs/perf.md, Run 16: 7.09 -> 6.87 us at G = 32768, 86.0 -> 88.8 %
+// The bf16 index keys take both (measured on the H200: 7.09 -> 6.87 us at G = 32768, 86.0 -> 88.8 %
 // of 4.17 TB/s), format E neither (each was slower there: 6.74 -> 6.81 / 6.87 us).
 constexpr int kRow128TreeMin = 1;
 constexpr int kRow128EarlyRows = 2;
@@ -328,8 +329,8 @@ __device__ __forceinline__ void load_row128(const Row128Src<RB>& a, uint32_t tc,
 // 32-bit (T < 2^31), the lane's pointers are set up once, the slot is checked where it is used.
 // Loop options (bit set LO): kRow128Rows32: the source row stride in bytes as 32 bits (the
 // caller checks 2 * src_row_stride < 2^32), one 32 x 32 -> 64-bit multiply-add per row address
-// instead of a 64-bit product (format E takes it, docs/perf.md Run 19; the bf16 index keys keep the
-// 64-bit product, not measured with it).
+// instead of a 64-bit product (format E takes it: with packed_insert.cu's 32-bit offsets 6.64 ->
+// 6.62 us at G = 32768; the bf16 index keys keep the 64-bit product, not measured with it).
 constexpr int kRow128Rows32 = 1;
 template <Norm N, int LO = 0, class P, class F>
 __device__ __forceinline__ void row128_loop(const P& p, F&& finish) {

@@ -7,6 +7,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "dsv41_attn_rows.cuh"
 #include "dsv41_warp.cuh"
@@ -73,7 +74,7 @@ __device__ __forceinline__ void load_q_tile(const Dsv41SparseAttentionParams& p,
 //   barrier; store (the entries of ranks [lo, hi) to ent_s[rank - lo] as (source << 31) | row).
 // R: the rounds the code is unrolled for (Kw + Kc <= 256 R). A kernel instantiated for the few
 // rounds of its usual shape skips the branches over the unused ones (each costs a fetch redirect:
-// ~0.6 us of the prologue at R = 16 and 640 indices, docs/perf.md "Round 13").
+// ~0.6 us of the prologue at R = 16 and 640 indices, measured on the H200).
 template <int R = MAX_ROUNDS>
 struct ValidIndicesR {
     static_assert(R >= 1 && R <= MAX_ROUNDS, "index rounds");
@@ -203,11 +204,11 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
             cp_async_mbar_arrive(bar_full + 8 * st);
             continue;
         }
-        // (Measured slower: a second tile's copies in flight together
-        // with bank-spread raw chunk positions, 44 / 155 us instead of 41 / 131 us at decode
-        // B = 64 / 256: the refilled stage frees only after the compute warps' previous
-        // tile, which put the expansion on their critical path. Lead run 3: the compute
-        // warps expanding the tile after their wait, 42.6 / 139.8 us instead of 40.6 / 130.3.)
+        // (Measured slower: a second tile's copies in flight together with bank-spread raw chunk
+        // positions, 44 / 155 us instead of 41 / 131 us at decode B = 64 / 256: the refilled stage
+        // frees only after the compute warps' previous tile, which put the expansion on their
+        // critical path. Likewise slower: the compute warps expanding the tile after their wait,
+        // 42.6 / 139.8 us instead of 40.6 / 130.3.)
         cp_async_wait_all();  // all of this thread's copies, committed or not
         __syncwarp();  // the 8 threads of a row copied its chunks
 #pragma unroll
@@ -217,15 +218,42 @@ __device__ __forceinline__ void produce_tiles(const Dsv41SparseAttentionParams& 
     }
 }
 
+// Diagnostics of the sparse attention kernels (phase traces, timing-only modes with wrong
+// results), a compile-time switch: DSV41_SA_DIAG=1 (build.rs defines it with the crate feature
+// `cuda-diag`) compiles them in; the default build has none of their code. Every kernel is a
+// template on `bool DIAG`: the production instantiation (DIAG = false) carries no trace or
+// diagnostic branch, and only a diagnostic build instantiates DIAG = true, which its launcher
+// runs for a call with diagnostic bits set (any index count). The bits come from the environment,
+// read at every call of a diagnostic build (a constant 0 in the default build, so the launchers'
+// diagnostic branches vanish at compile time too):
+//   DSV41_SPARSE_ATTENTION_TRACE=1: bit 0, the phase trace of CTA 0 printed after the call
+//     (synchronises the stream); =2: bit 32, the dims-split pair's trace of every 4th
+//     back-to-back call (no synchronisation in between).
+//   DSV41_SPARSE_ATTENTION_DIAG (bits): 2 no tensor-core products (all-heads kernel), 4 no row
+//     gather (every kernel), 8 no early window tiles (ping-pong and dims-split), 64 no merge or
+//     epilogue (dims-split: out and lse not written).
+#ifndef DSV41_SA_DIAG
+#define DSV41_SA_DIAG 0
+#endif
+constexpr bool DIAG_BUILD = DSV41_SA_DIAG != 0;
+#if DSV41_SA_DIAG
+inline int diagnostic_mode() {
+    const char* tr = getenv("DSV41_SPARSE_ATTENTION_TRACE");
+    const char* dg = getenv("DSV41_SPARSE_ATTENTION_DIAG");
+    return (tr && tr[0] == '1' ? 1 : 0) | (tr && tr[0] == '2' ? 32 : 0) | (dg ? (atoi(dg) & 78) : 0);
+}
+#else
+constexpr int diagnostic_mode() { return 0; }
+#endif
+
 // The head-split kernels' launch (kernels/sparse_attention_heads.cu), called by the launcher of
 // kernels/sparse_attention.cu after it validated `p` (bf16 or packed rows, any H): grid (T,
 // ceil(H / 32)), no cluster; bf16 rows run the ping-pong kernel unless p.kernel ==
-// DSV41_SA_KERNEL_HEAD_SPLIT (then, and for packed rows, the two-stage kernel). `mode`: the
-// diagnostic bits of the launcher (1 trace, 2 no mma, 4 no gather, 8 no early window tiles).
-// Returns a cudaError_t or a DSV41 status.
-int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
+// DSV41_SA_KERNEL_HEAD_SPLIT (then, and for packed rows, the two-stage kernel). Returns a
+// cudaError_t or a DSV41 status.
+int launch_head_split(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int dev, int max_smem);
 // The dims-split pair kernel's launch (kernels/sparse_attention_dimsplit.cu; bf16 rows, `p`
 // validated): a cudaError_t or a DSV41 status, DSV41_ERR_SHAPE when its slots do not fit `max_smem`.
-int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
+int launch_dimsplit_pair(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int dev, int max_smem);
 
 }  // namespace dsv41_sa

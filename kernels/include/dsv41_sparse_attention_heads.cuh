@@ -297,6 +297,6 @@ __device__ __forceinline__ void produce_ring(const Dsv41SparseAttentionParams& p
 
 // The ping-pong kernel's launch (kernels/sparse_attention_pingpong.cu; bf16 rows, `p` validated):
 // a cudaError_t or a DSV41 status, DSV41_ERR_SHAPE when its slots do not fit `max_smem`.
-int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int mode, int dev, int max_smem);
+int launch_head_split_pingpong(const Dsv41SparseAttentionParams& p, cudaStream_t stream, int dev, int max_smem);
 
 }  // namespace dsv41_sa

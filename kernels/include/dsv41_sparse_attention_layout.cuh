@@ -53,8 +53,8 @@ static_assert(SM_ENT + 4 * MAX_INDICES <= 227 * 1024, "shared memory of the larg
 // The pushed partial tiles (S slots of ceil(64 / S) f32 head rows, at most 7 x 10) stay below SM_P.
 static_assert(SM_O + 7 * 10 * D * 4 <= SM_P && SM_O + HB * D * 4 <= SM_P, "partial O tiles overlap the P tile");
 
-// Phase timestamps (SM clock) of CTA (0, 0, 0) when the launcher is asked to trace
-// (DSV41_SPARSE_ATTENTION_TRACE=1), thread 0 unless said: [0] start, [23] indices loaded, [1]
+// Phase timestamps (SM clock) of CTA (0, 0, 0) in a traced call (the DIAG instantiation of a
+// diagnostic build, DSV41_SPARSE_ATTENTION_TRACE=1), thread 0 unless said: [0] start, [23] indices loaded, [1]
 // compaction done; per tile j < 16, by thread 0 / 128 of its owner warpgroup j % 2: [24 + j] its
 // rows arrived, [48 + j] S_j done, [2 + j] P_j published; [22] thread 0's tile loop done; S > 2:
 // [21] / [19] first / second cluster barrier passed, [18] partial tiles pushed + factors merged;

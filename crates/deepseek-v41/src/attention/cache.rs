@@ -154,7 +154,7 @@ impl RowStore {
     }
 }
 
-// ---- In-place appends for the device path (issue 6, layer helper) ----------------------------
+// ---- In-place appends for the device path (issue 6) ------------------------------------------
 
 impl RowStore {
     /// Rows per allocation unit of `buf`: 1 (rows) or the page size (packed).

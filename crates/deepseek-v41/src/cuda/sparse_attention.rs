@@ -73,9 +73,9 @@ pub enum SparseAttentionKernel {
     /// (p rounded to bf16 relative to the running max after each 64-row block); only f32
     /// summation orders differ. bf16 rows (packed rows run `HeadSplit`'s loop). Takes no
     /// `num_splits` above 1. Auto's choice for bf16 rows and few tokens: on an H200 at B = 64
-    /// 19.0-19.3 µs called alone and 19.0-19.2 µs right behind the indexer's top-k (25.6-26.0 µs
-    /// for `HeadSplitPingPong`), at B = 1 17.6 µs (the all-heads kernel 18.5) (docs/perf.md,
-    /// "Round 13").
+    /// 19.0 µs (median) called alone and 18.8-19.1 µs right behind the indexer's top-k
+    /// (`HeadSplitPingPong` 25.9-26.5 µs alone), at B = 1 17.8-17.9 µs (docs/perf.md, "Sparse
+    /// attention").
     DimSplitPair,
 }
 
