@@ -204,7 +204,7 @@ impl Model {
         self.check_tokens(tokens)?;
         let start = cache.seq_len();
         let t = tokens.len();
-        let dev = self.head.weight().device().clone();
+        let dev = self.head.device().clone();
         let ids = Tensor::new(tokens, &dev)?;
         let h0 = self.embed.forward(&ids)?.to_dtype(self.dtype)?;
         let d = h0.dim(1)?;
