@@ -43,7 +43,13 @@ impl Pretrained {
 
     /// [`Pretrained::load_dir`] with the given policy for the quantized weights
     /// ([`QuantizedWeights::Dequantized`]: every weight dense, the baseline).
-    pub fn load_dir_with(dir: impl AsRef<Path>, numerics: Numerics, dtype: DType, device: &Device, quantized: QuantizedWeights) -> Result<Self> {
+    pub fn load_dir_with(
+        dir: impl AsRef<Path>,
+        numerics: Numerics,
+        dtype: DType,
+        device: &Device,
+        quantized: QuantizedWeights,
+    ) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
         let tokenizer = Tokenizer::from_file(find(dir, &["tokenizer.json", "tokenizer.json.gz"])?)?;

@@ -1,5 +1,6 @@
-//! What a [`Linear`](super::Linear) multiplies by ([`LinearWeight`]): a dense `[out, in]` tensor, or an FP8
-//! weight kept in its release format ([`Fp8Weight`], spec §2.4), and the product over each.
+//! What a [`Linear`](super::Linear) multiplies by ([`LinearWeight`]): a dense `[out, in]`
+//! tensor, or an FP8 weight kept in its release format ([`Fp8Weight`], spec §2.4), and the
+//! product over each.
 //!
 //! [`LinearWeight::load`] picks the form. An FP8 weight is kept as stored only where the FP8
 //! kernels compute with it: a [`LinearKind::Quantized`] linear on a CUDA device (feature `cuda`)
@@ -15,8 +16,8 @@ use crate::loader::dequant::blocks;
 use crate::loader::StoredPart;
 use crate::quant::{fp8_activation_quant, Fp8Weight};
 
-/// The weight of a [`Linear`](super::Linear), `[out, in]` in one of its forms. More forms (MXFP4 experts) can
-/// join: every user matches on it.
+/// The weight of a [`Linear`](super::Linear), `[out, in]` in one of its forms. More forms (MXFP4
+/// experts) can join: every user matches on it.
 #[derive(Debug, Clone)]
 pub enum LinearWeight {
     /// `[out, in]`: f32 on the CPU, the model dtype elsewhere (f32 for [`LinearKind::F32`]).
@@ -173,7 +174,8 @@ mod tests {
 
     fn x(dims: &[usize], seed: u64) -> Tensor {
         let n = dims.iter().product();
-        let v: Vec<f32> = bytes(seed, n).iter().enumerate().map(|(i, &b)| (b as f32 - 127.5) / 32.0 * 2f32.powi((i / 32 % 7) as i32 - 3)).collect();
+        let scale = |i: usize| 2f32.powi((i / 32 % 7) as i32 - 3);
+        let v: Vec<f32> = bytes(seed, n).iter().enumerate().map(|(i, &b)| (b as f32 - 127.5) / 32.0 * scale(i)).collect();
         Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
     }
 
