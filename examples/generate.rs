@@ -26,7 +26,7 @@ use deepseek_v41::attention::CacheStorage;
 use deepseek_v41::generation::{generate, Sampler, Sampling};
 use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
 use deepseek_v41::input::check_context;
-use deepseek_v41::loader::ReleaseCheckpoint;
+use deepseek_v41::loader::{QuantizedWeights, ReleaseCheckpoint};
 use deepseek_v41::model::{ModelCache, Pretrained};
 use deepseek_v41::tokenizer::{ChatPrompt, Tokenizer};
 use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSource};
@@ -57,6 +57,12 @@ enum NumericsArg {
 enum CacheArg {
     Bf16,
     Packed,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum QuantizedWeightsArg {
+    Native,
+    Dequantized,
 }
 
 #[derive(Parser, Debug)]
@@ -98,6 +104,10 @@ struct Args {
     /// caches; needs the `cuda` feature and `--numerics reference`).
     #[arg(long, value_enum, default_value = "bf16")]
     cache: CacheArg,
+    /// FP8 weights on CUDA: kept as stored (FP8 kernels, about half the memory of bf16), or
+    /// dequantized to bf16 at load (the baseline). No effect on the CPU.
+    #[arg(long, value_enum, default_value = "native")]
+    quantized_weights: QuantizedWeightsArg,
     /// After generating, replay the decode steps of the generated tokens on a fresh cache and
     /// report the mean time per step: the model's forward call (on CUDA: launching the step's
     /// work, plus the MoE routing reads) and the sampling (on CUDA: waiting for the device).
@@ -278,7 +288,11 @@ fn run() -> Result<()> {
     let loading = bar(ckpt.stored_bytes(), format!("loading {}", dir.display()), LOAD_BAR);
     let counter = loading.clone();
     ckpt.set_progress(move |bytes| counter.inc(bytes));
-    let p = Pretrained::load(config, tokenizer, ckpt, numerics, dtype, &device)
+    let quantized = match args.quantized_weights {
+        QuantizedWeightsArg::Native => QuantizedWeights::Native,
+        QuantizedWeightsArg::Dequantized => QuantizedWeights::Dequantized,
+    };
+    let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, quantized)
         .with_context(|| format!("loading {}", dir.display()))?;
     loading.finish_and_clear();
     eprintln!("loaded {} in {:.2}s", dir.display(), t0.elapsed().as_secs_f64());

@@ -2,10 +2,16 @@
 //!
 //! ```text
 //! cargo run --release --example golden -- <golden-dir> [--device cpu|cuda] [--cache bf16|packed]
+//!     [--weights native|dequantized]
 //! ```
 //!
 //! `--cache packed` stores the attention caches in the packed V4.1 formats (A / B / E, needs the
 //! `cuda` feature; it runs on the CPU too); cases with QAT off run bf16 caches.
+//!
+//! `--weights` chooses how the FP8 weights are held on CUDA (`deepseek_v41::loader::QuantizedWeights`):
+//! `native` (default) keeps the quantized linears' FP8 weights as stored and runs the FP8 kernels,
+//! `dequantized` holds every weight dense in bf16 (the baseline). On the CPU both are the dense
+//! f32 reference.
 //!
 //! Prints one line per compared tensor (`PASS|FAIL name max_abs max_rel rel_fro ...`), `SKIP`
 //! lines for tensors that need parts not built yet, then `N passed, M failed`. Exits non-zero
@@ -19,7 +25,8 @@
 
 use clap::{Parser, ValueEnum};
 use deepseek_v41::attention::CacheStorage;
-use deepseek_v41::golden;
+use deepseek_v41::golden::{self, RunOptions};
+use deepseek_v41::loader::QuantizedWeights;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DeviceArg {
@@ -33,6 +40,12 @@ enum CacheArg {
     Packed,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum WeightsArg {
+    Native,
+    Dequantized,
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Check a DeepSeek V4.1 golden set")]
 struct Args {
@@ -44,6 +57,9 @@ struct Args {
     /// Storage of the attention caches: bf16 rows, or the packed formats A / B / E.
     #[arg(long, value_enum, default_value = "bf16")]
     cache: CacheArg,
+    /// FP8 weights on CUDA: kept as stored (FP8 kernels), or dequantized to bf16 at load.
+    #[arg(long, value_enum, default_value = "native", alias = "quantized-weights")]
+    weights: WeightsArg,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,7 +72,11 @@ fn main() -> anyhow::Result<()> {
         CacheArg::Bf16 => CacheStorage::Bf16,
         CacheArg::Packed => CacheStorage::Packed,
     };
-    let report = golden::check_set_with(&args.golden_dir, &device, storage)?;
+    let weights = match args.weights {
+        WeightsArg::Native => QuantizedWeights::Native,
+        WeightsArg::Dequantized => QuantizedWeights::Dequantized,
+    };
+    let report = golden::check_set_opts(&args.golden_dir, &device, RunOptions { storage, weights })?;
     println!(
         "{} explained divergences, {} downstream decisions, {} downstream comparisons (see DECISIONS lines)",
         report.explained,

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use candle_core::{DType, Device};
-use deepseek_v41::attention::{Attention, CacheStorage, SequenceCache};
+use deepseek_v41::attention::{Attention, SequenceCache};
 use deepseek_v41::golden::runner::{
-    compare_produced, run_attention_teacher_forced, Produced, Regime,
+    compare_produced, run_attention_teacher_forced, Produced, Regime, RunOptions,
 };
 use deepseek_v41::golden::{compare, Call, GoldenSet, Report, Tolerance};
 use deepseek_v41::loader;
@@ -21,14 +21,14 @@ fn set() -> Result<GoldenSet> {
 fn run_chunked(calls: &[Call]) -> Result<Produced> {
     let set = set()?;
     let case = set.load_case(&set.root.join("prefill_full"), &Device::Cpu)?;
-    Ok(run_attention_teacher_forced(&case, calls, &Device::Cpu, CacheStorage::Bf16)?)
+    Ok(run_attention_teacher_forced(&case, calls, &Device::Cpu, RunOptions::default())?)
 }
 
 #[test]
 fn teacher_forced_attention_matches_the_reference() -> Result<()> {
     let set = set()?;
     let case = set.load_case(&set.root.join("prefill_full"), &Device::Cpu)?;
-    let produced = run_attention_teacher_forced(&case, &case.inputs.calls, &Device::Cpu, CacheStorage::Bf16)?;
+    let produced = run_attention_teacher_forced(&case, &case.inputs.calls, &Device::Cpu, RunOptions::default())?;
     let mut report = Report::default();
     let names = compare_produced(&case, &produced, Regime::TeacherForced, &mut report)?;
     // Every attention-level golden of the case must have been produced.

@@ -14,7 +14,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::{Attention, CacheStorage, SequenceCache};
 use deepseek_v41::config::Config;
-use deepseek_v41::golden::runner::{compare_produced, run_attention_teacher_forced, Regime};
+use deepseek_v41::golden::runner::{compare_produced, run_attention_teacher_forced, Regime, RunOptions};
 use deepseek_v41::golden::{compare, Call, GoldenSet, Report, Tolerance};
 use deepseek_v41::model::split_sinkhorn;
 use deepseek_v41::nn::RandomWeights;
@@ -108,7 +108,7 @@ fn tiny_run_with(
 ) -> Result<(deepseek_v41::golden::Case, deepseek_v41::golden::runner::Produced)> {
     let set = GoldenSet::open(fixtures())?;
     let case = set.load_case(&set.root.join("prefill_full"), &Device::Cpu)?;
-    let produced = run_attention_teacher_forced(&case, calls, dev, storage)?;
+    let produced = run_attention_teacher_forced(&case, calls, dev, RunOptions { storage, ..Default::default() })?;
     Ok((case, produced))
 }
 

@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::attention::CacheStorage;
 use deepseek_v41::golden::{check_set, runner, GoldenSet, Report};
 
 fn fixture(name: &str) -> PathBuf {
@@ -56,7 +55,7 @@ fn check_with_wrong_routing(layer: usize, row: usize) -> anyhow::Result<Report> 
     case.golden.insert(name, Tensor::new(changed, &Device::Cpu)?.to_dtype(DType::I32)?);
     let token_map = set.token_map(&case)?;
     let mut report = Report::default();
-    runner::check_case(&case, token_map.as_ref(), &Device::Cpu, CacheStorage::Bf16, &mut report)?;
+    runner::check_case(&case, token_map.as_ref(), &Device::Cpu, runner::RunOptions::default(), &mut report)?;
     Ok(report)
 }
 

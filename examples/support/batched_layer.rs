@@ -77,21 +77,9 @@ impl Weights {
 
     /// Bytes of the weights one step reads.
     pub fn bytes(&self) -> f64 {
-        let b = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as f64;
-        [
-            self.wq_a.weight(),
-            self.wq_b.weight(),
-            self.wkv.weight(),
-            &self.wo_a,
-            self.wo_b.weight(),
-            self.c_wkv.weight(),
-            self.c_wgate.weight(),
-            self.iq_b.weight(),
-            self.w_proj.weight(),
-        ]
-        .into_iter()
-        .map(b)
-        .sum::<f64>()
+        let linears = [&self.wq_a, &self.wq_b, &self.wkv, &self.wo_b, &self.c_wkv, &self.c_wgate, &self.iq_b, &self.w_proj];
+        linears.into_iter().map(|l| l.weight().bytes() as f64).sum::<f64>()
+            + (self.wo_a.elem_count() * self.wo_a.dtype().size_in_bytes()) as f64
             + (self.keys.k_norm().weight().elem_count() + self.di * self.hd) as f64 * 2.0
     }
 }

@@ -13,6 +13,7 @@ use candle_nn::VarBuilder;
 
 use super::history::PositionRing;
 use crate::config::Config;
+use crate::nn::linear::{named, NamedLinears};
 use crate::nn::{Linear, LinearKind, RmsNorm};
 use crate::numerics::Numerics;
 
@@ -200,6 +201,14 @@ impl Compressor {
         match &self.pooling {
             Pooling::PerToken { .. } => 1,
             Pooling::Gated { ratio, .. } => *ratio,
+        }
+    }
+
+    /// The projections with their checkpoint prefixes (`wkv`, `wgate`).
+    pub fn linears(&self) -> NamedLinears<'_> {
+        match &self.pooling {
+            Pooling::PerToken { wkv } => named([("wkv", wkv)]),
+            Pooling::Gated { wkv, wgate, .. } => named([("wkv", wkv), ("wgate", wgate)]),
         }
     }
 }

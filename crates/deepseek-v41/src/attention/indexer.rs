@@ -12,6 +12,7 @@ use candle_nn::VarBuilder;
 
 use super::cache::RowStore;
 use crate::config::{CandidateRole, Config};
+use crate::nn::linear::{named, NamedLinears};
 use crate::nn::{Linear, LinearKind, RmsNorm, RopeTable};
 use crate::numerics::Numerics;
 use crate::quant::fake_quant::{fake_quant, QatFormat};
@@ -56,6 +57,11 @@ impl IndexKeyProjection {
         } else {
             Ok(k)
         }
+    }
+
+    /// The key projection with its checkpoint prefix (`wk`).
+    pub fn linears(&self) -> NamedLinears<'_> {
+        named([("wk", &self.wk)])
     }
 }
 
@@ -240,6 +246,11 @@ impl Indexer {
         }
         let visible: Vec<usize> = positions.iter().map(|&p| (p + 1) / self.ratio).collect();
         reference_selection(index_scores(&q, &w, &keys.rows()?)?, &visible, self.topk, consume, publish, x.device())
+    }
+
+    /// The query-side projections with their checkpoint prefixes (`wq_b`, `weights_proj`).
+    pub fn linears(&self) -> NamedLinears<'_> {
+        named([("wq_b", &self.wq_b), ("weights_proj", &self.weights_proj)])
     }
 }
 

@@ -10,6 +10,7 @@ use super::indexer::{IndexKeyProjection, Indexer};
 use super::sparse_attention::sparse_attention;
 use crate::config::{AttentionRole, Config, TopkRole};
 use crate::nn::linear::compute_dtype;
+use crate::nn::linear::{named, prefixed, NamedLinears};
 use crate::nn::{Linear, LinearKind, RmsNorm, RopeKind, RopeTable};
 use crate::numerics::Numerics;
 use crate::quant::fake_quant::{fake_quant, QatFormat};
@@ -285,6 +286,22 @@ impl Attention {
         // [G, T, hd'] x [G, hd', o_lora] -> [G, T, o_lora]
         let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
         self.wo_b.forward(&z.flatten_from(1)?)
+    }
+
+    /// Every linear of the layer with its checkpoint prefix (`wq_a`, `compressor.wkv`,
+    /// `indexer.wq_b`, ...). The grouped `wo_a` is a dense tensor, not a linear.
+    pub fn linears(&self) -> NamedLinears<'_> {
+        let mut v = named([("wq_a", &self.wq_a), ("wq_b", &self.wq_b), ("wkv", &self.wkv), ("wo_b", &self.wo_b)]);
+        if let Some(c) = &self.compressor {
+            v.extend(prefixed("compressor", c.linears()));
+        }
+        if let Some(k) = &self.key_projection {
+            v.extend(prefixed("indexer", k.linears()));
+        }
+        if let Some(i) = &self.indexer {
+            v.extend(prefixed("indexer", i.linears()));
+        }
+        v
     }
 }
 

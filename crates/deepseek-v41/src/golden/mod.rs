@@ -24,6 +24,7 @@ use serde::Deserialize;
 use crate::config::Config;
 use crate::model::TokenMap;
 pub use compare::{compare, Outcome, Report, Tolerance};
+pub use runner::RunOptions;
 
 /// One forward call of a case: tokens `input_ids[start_pos .. start_pos + length]`.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -201,12 +202,19 @@ fn resolve_pointer(p: &Path) -> Option<PathBuf> {
 /// needs are moved to `device`, and results are compared on the host). The module goldens are
 /// bit-level checks of the host reference functions and always run on the host.
 pub fn check_set(root: impl AsRef<Path>, device: &Device) -> Result<Report> {
-    check_set_with(root, device, crate::attention::CacheStorage::Bf16)
+    check_set_opts(root, device, RunOptions::default())
 }
 
 /// [`check_set`] with the attention caches of the model runs in `storage` (packed: cases with
 /// QAT off still run bf16 caches, see `runner::check_case`).
 pub fn check_set_with(root: impl AsRef<Path>, device: &Device, storage: crate::attention::CacheStorage) -> Result<Report> {
+    check_set_opts(root, device, RunOptions { storage, ..Default::default() })
+}
+
+/// [`check_set`] with the model runs set up as `opts` says: cache storage (as
+/// [`check_set_with`]) and how the quantized weights are held (FP8 as stored or dequantized; on
+/// CUDA only).
+pub fn check_set_opts(root: impl AsRef<Path>, device: &Device, opts: RunOptions) -> Result<Report> {
     let set = GoldenSet::open(root)?;
     let mut report = Report::default();
     if let Some(m) = &set.modules {
@@ -218,7 +226,7 @@ pub fn check_set_with(root: impl AsRef<Path>, device: &Device, storage: crate::a
     for dir in &set.cases {
         let case = set.load_case(dir, &Device::Cpu)?;
         let token_map = set.token_map(&case)?;
-        runner::check_case(&case, token_map.as_ref(), device, storage, &mut report)?;
+        runner::check_case(&case, token_map.as_ref(), device, opts, &mut report)?;
     }
     Ok(report)
 }

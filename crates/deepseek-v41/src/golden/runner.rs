@@ -19,7 +19,7 @@ use super::compare::{Report, Tolerance};
 use super::Case;
 use crate::attention::{Attention, CacheStorage, SequenceCache, Trace};
 use crate::config::{AttentionRole, Config};
-use crate::loader;
+use crate::loader::{self, QuantizedWeights};
 use crate::model::{Model, ModelCache, Moe, TokenMap};
 use crate::numerics::Numerics;
 
@@ -28,6 +28,22 @@ pub type Produced = HashMap<String, Tensor>;
 
 /// One teacher-forced run of a case.
 type TeacherRun<'a> = dyn Fn() -> Result<Produced> + 'a;
+
+/// How the model runs of a case are set up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Storage of the attention caches (packed: only where the case fake-quantizes its caches,
+    /// see [`check_case`]).
+    pub storage: CacheStorage,
+    /// How the quantized weights are held ([`QuantizedWeights::Native`]: FP8 linears keep their
+    /// release format on CUDA; no effect on the CPU).
+    pub weights: QuantizedWeights,
+}
+
+/// The case's checkpoint as a var builder on `device` with `weights` (bf16 activations).
+fn case_var_builder(case: &Case, device: &Device, weights: QuantizedWeights) -> Result<candle_nn::VarBuilder<'static>> {
+    Ok(loader::var_builder_with(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device, weights))
+}
 
 /// Numerics of a case: QAT as the case says, activation quantization always (it is part of the
 /// reference's linear operator in both modes).
@@ -87,17 +103,17 @@ fn case_storage(case: &Case, requested: CacheStorage) -> CacheStorage {
     requested
 }
 
-/// Checks one case: the teacher-forced attention run (where the case has every layer's
-/// `attn_in`) and the end-to-end model run, both with the attention caches in `storage`.
-pub fn check_case(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage, report: &mut Report) -> Result<()> {
-    let storage = case_storage(case, storage);
+/// Checks one case: the teacher-forced attention and MoE runs (where the case has every layer's
+/// `attn_in` / `ffn_in`) and the end-to-end model run, set up as `opts` says.
+pub fn check_case(case: &Case, token_map: Option<&TokenMap>, device: &Device, opts: RunOptions, report: &mut Report) -> Result<()> {
+    let opts = RunOptions { storage: case_storage(case, opts.storage), ..opts };
     let n_layers = case.config.num_hidden_layers;
     let has_all = |leaf: &str| (0..n_layers).all(|l| case.golden.contains_key(&format!("L{l}.{leaf}")));
     // The teacher-forced runs' outputs, kept for explaining end-to-end decisions.
     let mut teacher = Produced::new();
     let tf_runs: [(&str, bool, &TeacherRun); 2] = [
-        ("teacher_forced", has_all("attn_in"), &|| run_attention_teacher_forced(case, &case.inputs.calls, device, storage)),
-        ("teacher_forced_moe", has_all("ffn_in"), &|| run_moe_teacher_forced(case, device)),
+        ("teacher_forced", has_all("attn_in"), &|| run_attention_teacher_forced(case, &case.inputs.calls, device, opts)),
+        ("teacher_forced_moe", has_all("ffn_in"), &|| run_moe_teacher_forced(case, device, opts.weights)),
     ];
     for (label, available, run) in tf_runs {
         if !available {
@@ -111,7 +127,7 @@ pub fn check_case(case: &Case, token_map: Option<&TokenMap>, device: &Device, st
             Err(e) => report.add(run_error(&format!("{}/{label}", case.name), &e)),
         }
     }
-    let compared = match run_model(case, token_map, device, storage) {
+    let compared = match run_model(case, token_map, device, opts) {
         Ok(produced) => {
             let analysis = super::end_to_end::analyze(case, &produced, &teacher)?;
             super::end_to_end::report_divergences(case, &analysis, report);
@@ -220,12 +236,13 @@ pub(crate) fn sorted(m: &HashMap<String, Tensor>) -> Vec<(&String, &Tensor)> {
 
 /// Replays `calls` (the case's own, `&case.inputs.calls`, or another chunking of the same tokens:
 /// contiguous from position 0 within the case's golden `attn_in` rows) through every layer's
-/// attention fed with the golden `attn_in`, on a cache in `storage` (packed: the case must
-/// fake-quantize its caches, else the layers return an error).
-pub fn run_attention_teacher_forced(case: &Case, calls: &[super::Call], device: &Device, storage: CacheStorage) -> Result<Produced> {
+/// attention fed with the golden `attn_in`, on a cache in `opts.storage` (packed: the case must
+/// fake-quantize its caches, else the layers return an error), weights held as `opts.weights`.
+pub fn run_attention_teacher_forced(case: &Case, calls: &[super::Call], device: &Device, opts: RunOptions) -> Result<Produced> {
     let cfg = &case.config;
     let numerics = case_numerics(case);
-    let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
+    let storage = opts.storage;
+    let vb = case_var_builder(case, device, opts.weights)?;
     let layers = (0..cfg.num_hidden_layers)
         .map(|l| Attention::new(cfg, l, numerics, vb.pp("layers").pp(l).pp("attn")))
         .collect::<Result<Vec<_>>>()?;
@@ -251,10 +268,10 @@ pub fn run_attention_teacher_forced(case: &Case, calls: &[super::Call], device: 
 }
 
 /// Feeds every layer's golden `L{l}.ffn_in` to its MoE (the FFN sublayer teacher forced):
-/// `L{l}.ffn_out`, `L{l}.moe_ids`, `L{l}.moe_weights`.
-pub fn run_moe_teacher_forced(case: &Case, device: &Device) -> Result<Produced> {
+/// `L{l}.ffn_out`, `L{l}.moe_ids`, `L{l}.moe_weights`, with the weights held as `weights`.
+pub fn run_moe_teacher_forced(case: &Case, device: &Device, weights: QuantizedWeights) -> Result<Produced> {
     let cfg = &case.config;
-    let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
+    let vb = case_var_builder(case, device, weights)?;
     let mut produced = Produced::new();
     for l in 0..cfg.num_hidden_layers {
         let moe = Moe::new(cfg, case_numerics(case), vb.pp("layers").pp(l).pp("ffn"))?;
@@ -267,13 +284,13 @@ pub fn run_moe_teacher_forced(case: &Case, device: &Device) -> Result<Produced> 
     Ok(produced)
 }
 
-/// Runs the whole model over the case's calls with the attention caches in `storage` and
-/// collects every traced tensor and cache state.
-pub fn run_model(case: &Case, token_map: Option<&TokenMap>, device: &Device, storage: CacheStorage) -> Result<Produced> {
+/// Runs the whole model over the case's calls, set up as `opts` says, and collects every traced
+/// tensor and cache state.
+pub fn run_model(case: &Case, token_map: Option<&TokenMap>, device: &Device, opts: RunOptions) -> Result<Produced> {
     let cfg = &case.config;
-    let vb = loader::var_builder(loader::ReleaseCheckpoint::open(&[&case.weights])?, DType::BF16, device);
+    let vb = case_var_builder(case, device, opts.weights)?;
     let model = Model::new(cfg, case_numerics(case), token_map.cloned(), vb)?;
-    let mut cache = ModelCache::with_storage(cfg, storage, DType::BF16, device)?;
+    let mut cache = ModelCache::with_storage(cfg, opts.storage, DType::BF16, device)?;
     cache.set_trace(Some(Trace::new()));
     let mut produced = Produced::new();
     for call in &case.inputs.calls {

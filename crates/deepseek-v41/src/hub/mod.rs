@@ -43,7 +43,7 @@
 //! let fetched = fetch(&spec, &HubOptions::from_env())?;
 //! // Every file of a revision lies in one snapshot folder of the hub cache.
 //! let dir = fetched.extra_files[0].parent().expect("a snapshot folder");
-//! // FP8 / MXFP4 weights are dequantized at load: the device needs room for all of them.
+//! // On the CPU every FP8 / MXFP4 weight is dequantized at load: the host needs room for all of them.
 //! let p = Pretrained::load_dir(dir, Numerics::REFERENCE, DType::BF16, &Device::Cpu)?;
 //! # Ok(())
 //! # }

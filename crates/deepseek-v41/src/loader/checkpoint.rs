@@ -38,7 +38,8 @@ struct Inner {
 ///
 /// Tensors are addressed by their checkpoint names (`layers.0.attn.wq_a.weight`). Quantized
 /// weights are dequantized on [`get`](Self::get) (see [`WeightFormat`]); their `.scale`
-/// companions are not variables of their own. Cloning is cheap (shared maps and usage record).
+/// companions are not variables of their own. The stored bytes of an FP8 weight are available
+/// as they are through [`get_stored_part`](Self::get_stored_part) (`loader::native`). Cloning is cheap (shared maps and usage record).
 ///
 /// Every successful `get` / row lookup records the name as used, for
 /// [`check_all_used`](Self::check_all_used).
@@ -227,7 +228,7 @@ impl ReleaseCheckpoint {
     }
 
     /// Releases the mapped pages of `t` (see [`Shard::release`]) once its bytes were copied.
-    fn release(&self, t: &StoredTensor) {
+    pub(super) fn release(&self, t: &StoredTensor) {
         if let Some(e) = self.inner.entries.get(&t.name) {
             self.inner.shards[e.shard].release(e.raw.range.clone());
         }
@@ -289,10 +290,7 @@ impl ReleaseCheckpoint {
         if let Some(scale) = &info.scale {
             self.release(scale);
         }
-        let read = info.stored.byte_range.len() + info.scale.as_ref().map_or(0, |s| s.byte_range.len());
-        if let Some(progress) = self.inner.progress.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            progress(read as u64);
-        }
+        self.report_progress(info.stored.byte_range.len() + info.scale.as_ref().map_or(0, |s| s.byte_range.len()));
         let t = t.to_dtype(dtype)?.to_device(device)?;
         self.mark_used(name);
         Ok(t)
@@ -302,6 +300,13 @@ impl ReleaseCheckpoint {
     /// reads from now on, e.g. to drive a progress bar over [`stored_bytes`](Self::stored_bytes).
     pub fn set_progress(&self, progress: impl Fn(u64) + Send + Sync + 'static) {
         *self.inner.progress.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(progress));
+    }
+
+    /// Calls the progress callback (if any) with `bytes` stored bytes read.
+    pub(super) fn report_progress(&self, bytes: usize) {
+        if let Some(progress) = self.inner.progress.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            progress(bytes as u64);
+        }
     }
 
     /// The bytes of every stored tensor of every shard (headers excluded).

@@ -8,7 +8,10 @@
 //!   `model.safetensors.index.json`), dequantizing `get`, Engram row lookups.
 //! * [`rows`]: row lookups without materializing a table ([`RowTable`], for Engram).
 //! * [`usage`]: strict loading (unused tensors, collect mode for missing ones).
-//! * [`backend`]: the [`candle_nn::var_builder::SimpleBackend`] and [`var_builder`].
+//! * [`native`]: quantized weights kept in their release format ([`QuantizedWeights`]) and the
+//!   virtual tensor names through which the backend hands out an FP8 weight's stored bytes.
+//! * [`backend`]: the [`candle_nn::var_builder::SimpleBackend`] and [`var_builder`] /
+//!   [`var_builder_with`].
 //!
 //! ```no_run
 //! use deepseek_v41::loader::{var_builder, ReleaseCheckpoint};
@@ -26,15 +29,17 @@ pub mod checkpoint;
 pub mod dequant;
 pub mod error;
 pub mod layout;
+pub mod native;
 pub mod rows;
 pub mod shard;
 pub mod usage;
 
-pub use backend::{var_builder, ReleaseBackend};
+pub use backend::{var_builder, var_builder_with, ReleaseBackend};
 pub use checkpoint::ReleaseCheckpoint;
 pub use dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
 pub use error::LoadError;
 pub use layout::{StoredTensor, TensorInfo, WeightFormat};
+pub use native::{QuantizedWeights, StoredPart};
 pub use rows::RowTable;
 pub use shard::StoredDtype;
 pub use usage::{DEFAULT_DENSE_LIMIT, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};

@@ -13,6 +13,7 @@ use super::moe::Moe;
 use crate::attention::{Attention, CacheStorage, RollbackError, SequenceCache, Trace};
 use crate::config::Config;
 use crate::input::{check_tokens, InputError};
+use crate::nn::linear::{named, prefixed, NamedLinears};
 use crate::nn::{Linear, LinearKind, RmsNorm};
 use crate::numerics::Numerics;
 
@@ -139,6 +140,17 @@ impl DecoderLayer {
         let x2 = post(&z.out, &x1, &f.post, &f.comb)?;
         Ok((x2, f.pre))
     }
+
+    /// Every linear of the block with its checkpoint prefix (`attn.wq_a`, `ffn.experts.0.w1`,
+    /// `engram.wkv`, ...).
+    pub fn linears(&self) -> NamedLinears<'_> {
+        let mut v = prefixed("attn", self.attn.linears());
+        v.extend(prefixed("ffn", self.ffn.linears()));
+        if let Some(e) = &self.engram {
+            v.extend(prefixed("engram", e.linears()));
+        }
+        v
+    }
 }
 
 /// The V4.1 text model.
@@ -204,7 +216,7 @@ impl Model {
         self.check_tokens(tokens)?;
         let start = cache.seq_len();
         let t = tokens.len();
-        let dev = self.head.weight().device().clone();
+        let dev = self.head.device().clone();
         let ids = Tensor::new(tokens, &dev)?;
         let h0 = self.embed.forward(&ids)?.to_dtype(self.dtype)?;
         let d = h0.dim(1)?;
@@ -230,5 +242,17 @@ impl Model {
         let logits = self.head.forward(&h)?;
         cache.attention.record(|| "logits".to_string(), &logits);
         Ok(logits)
+    }
+
+    /// Every linear of the model with its checkpoint prefix (`layers.3.attn.wq_a`, `head`, ...;
+    /// the weight is `<prefix>.weight`), e.g. to see which hold FP8 weights
+    /// ([`crate::nn::LinearWeight`]) and how many bytes.
+    pub fn linears(&self) -> NamedLinears<'_> {
+        let mut v = NamedLinears::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            v.extend(prefixed(&format!("layers.{l}"), layer.linears()));
+        }
+        v.extend(named([("head", &self.head)]));
+        v
     }
 }

@@ -10,6 +10,7 @@ use candle_nn::VarBuilder;
 
 use crate::config::Config;
 use crate::loader::RowTable;
+use crate::nn::linear::{named, NamedLinears};
 use crate::nn::{Linear, LinearKind};
 use crate::numerics::Numerics;
 
@@ -172,6 +173,11 @@ impl Engram {
             .to_dtype(DType::F32)?;
         let qk = self.qk_weight.to_device(x.device())?;
         engram_mix(x, &kv, &qk, self.eps)
+    }
+
+    /// The projection with its checkpoint prefix (`wkv`).
+    pub fn linears(&self) -> NamedLinears<'_> {
+        named([("wkv", &self.wkv)])
     }
 }
 

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::config::{Config, ScoringFunc};
+use crate::nn::linear::{named, prefixed, NamedLinears};
 use crate::nn::{Linear, LinearKind};
 use crate::numerics::Numerics;
 
@@ -245,6 +246,11 @@ impl Expert {
         }
         self.w2.forward(&act.to_dtype(xp.dtype())?)
     }
+
+    /// The three projections with their checkpoint prefixes (`w1`, `w2`, `w3`).
+    pub fn linears(&self) -> NamedLinears<'_> {
+        named([("w1", &self.w1), ("w2", &self.w2), ("w3", &self.w3)])
+    }
 }
 
 /// The MoE output with the routing decision kept for checking.
@@ -349,6 +355,18 @@ impl Moe {
             (None, None) => Tensor::zeros((t, d), x.dtype(), dev)?,
         };
         Ok(MoeOutput { out, ids: routing.ids_tensor(dev)?, weights })
+    }
+
+    /// Every linear with its checkpoint prefix (`gate`, `experts.E.w1`, `shared_experts.w2`, ...).
+    pub fn linears(&self) -> NamedLinears<'_> {
+        let mut v = named([("gate", &self.gate.proj)]);
+        for (e, expert) in self.experts.iter().enumerate() {
+            v.extend(prefixed(&format!("experts.{e}"), expert.linears()));
+        }
+        if let Some(shared) = &self.shared {
+            v.extend(prefixed("shared_experts", shared.linears()));
+        }
+        v
     }
 }
 

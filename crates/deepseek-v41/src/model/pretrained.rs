@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Result};
 use super::decoder::{Model, ModelCache};
 use crate::attention::CacheStorage;
 use crate::config::Config;
-use crate::loader::{var_builder, ReleaseCheckpoint};
+use crate::loader::{var_builder_with, QuantizedWeights, ReleaseCheckpoint};
 use crate::numerics::Numerics;
 use crate::tokenizer::{engram_token_map, Tokenizer};
 
@@ -26,19 +26,35 @@ pub struct Pretrained {
     pub dtype: DType,
     /// Device the model runs on.
     pub device: Device,
+    /// How the quantized weights were loaded (takes effect on CUDA only; see
+    /// [`QuantizedWeights`]).
+    pub quantized_weights: QuantizedWeights,
 }
 
 impl Pretrained {
     /// Loads the model folder `dir` strictly: one error ([`crate::loader::LoadError::Mismatch`])
     /// lists every missing or malformed text-model tensor and every unexpected one (MTP `mtp.*`,
     /// vision `vision.*` / `aligner.*` / `image_*` tensors are recognised and not loaded, spec
-    /// §10). Activations run in `dtype` on `device`.
+    /// §10). Activations run in `dtype` on `device`; quantized weights are loaded
+    /// [`QuantizedWeights::Native`] (FP8 linears keep their release format on CUDA).
     pub fn load_dir(dir: impl AsRef<Path>, numerics: Numerics, dtype: DType, device: &Device) -> Result<Self> {
+        Self::load_dir_with(dir, numerics, dtype, device, QuantizedWeights::default())
+    }
+
+    /// [`Pretrained::load_dir`] with the given policy for the quantized weights
+    /// ([`QuantizedWeights::Dequantized`]: every weight dense, the baseline).
+    pub fn load_dir_with(
+        dir: impl AsRef<Path>,
+        numerics: Numerics,
+        dtype: DType,
+        device: &Device,
+        quantized: QuantizedWeights,
+    ) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
         let tokenizer = Tokenizer::from_file(find(dir, &["tokenizer.json", "tokenizer.json.gz"])?)?;
         let ckpt = ReleaseCheckpoint::open_dir(dir)?;
-        Self::load(config, tokenizer, ckpt, numerics, dtype, device)
+        Self::load_with(config, tokenizer, ckpt, numerics, dtype, device, quantized)
     }
 
     /// Builds the model from parts (see [`Pretrained::load_dir`]).
@@ -50,6 +66,19 @@ impl Pretrained {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::load_with(config, tokenizer, ckpt, numerics, dtype, device, QuantizedWeights::default())
+    }
+
+    /// [`Pretrained::load`] with the given policy for the quantized weights.
+    pub fn load_with(
+        config: Config,
+        tokenizer: Tokenizer,
+        ckpt: ReleaseCheckpoint,
+        numerics: Numerics,
+        dtype: DType,
+        device: &Device,
+        quantized: QuantizedWeights,
+    ) -> Result<Self> {
         if tokenizer.vocab_size() > config.vocab_size {
             candle_core::bail!("tokenizer has {} ids but the model's vocab_size is {}", tokenizer.vocab_size(), config.vocab_size)
         }
@@ -58,14 +87,14 @@ impl Pretrained {
             None => None,
         };
         ckpt.set_collect_missing(true);
-        let model = match Model::new(&config, numerics, token_map, var_builder(ckpt.clone(), dtype, device)) {
+        let model = match Model::new(&config, numerics, token_map, var_builder_with(ckpt.clone(), dtype, device, quantized)) {
             // A failure unrelated to the checkpoint's names: the unused list would be noise.
             Err(e) if ckpt.load_problems().is_empty() => return Err(e),
             model => model,
         };
         ckpt.check_strict(&[])?;
         let model = model?;
-        Ok(Self { config, model, tokenizer, dtype, device: device.clone() })
+        Ok(Self { config, model, tokenizer, dtype, device: device.clone(), quantized_weights: quantized })
     }
 
     /// A fresh cache for one sequence.

@@ -1,6 +1,8 @@
 //! The reference's linear operator (spec §0.1b.8, §2.5).
 //!
-//! Weights are held dequantized (`[out, in]`, exact in bf16 for FP8 and MXFP4 checkpoints).
+//! The weight ([`LinearWeight`]) is dense `[out, in]` (dequantized, exact in bf16 for FP8 and
+//! MXFP4 checkpoints; f32 on the CPU), or — for a quantized linear on CUDA — an FP8 weight kept
+//! in its release format and multiplied by the FP8 kernels (`nn/linear_weight.rs`).
 //! A [`LinearKind::Quantized`] linear (FP8/FP4 weights in the release) quantizes its input per
 //! 1x32 block to e4m3 when [`Numerics::activation_quant`] is on; the plain kinds never do. Every
 //! product is accumulated in f32; the output is rounded to the activation dtype, or kept in f32
@@ -9,8 +11,9 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use super::linear_weight::{dense_product, fp8_product, LinearWeight};
 use crate::numerics::Numerics;
-use crate::quant::fp8_activation_quant;
+use crate::quant::{fp8_activation_quant, Fp8Weight};
 
 /// How a linear computes, mirroring the reference's three linear flavours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,10 +30,24 @@ pub enum LinearKind {
 /// A bias-free linear `y = x·Wᵀ`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    /// `[out, in]`; f32 on CPU, the model dtype elsewhere.
-    weight: Tensor,
+    /// `[out, in]`: dense (f32 on CPU, the model dtype elsewhere) or FP8 as stored.
+    weight: LinearWeight,
     kind: LinearKind,
     quantize_input: bool,
+}
+
+/// Linears with their checkpoint prefixes, as the modules' `linears()` list them: relative to
+/// the module's var builder (`wq_a`, `attn.wq_a`, `layers.3.attn.wq_a`, ...).
+pub type NamedLinears<'a> = Vec<(String, &'a Linear)>;
+
+/// `(name, linear)` pairs as [`NamedLinears`].
+pub fn named<'a, const N: usize>(linears: [(&str, &'a Linear); N]) -> NamedLinears<'a> {
+    linears.into_iter().map(|(n, l)| (n.to_string(), l)).collect()
+}
+
+/// `linears` with `prefix.` put before every name.
+pub fn prefixed<'a>(prefix: &str, linears: NamedLinears<'a>) -> NamedLinears<'a> {
+    linears.into_iter().map(|(n, l)| (format!("{prefix}.{n}"), l)).collect()
 }
 
 /// The dtype weights are held in for computing on `device`: f32 on CPU (the reference's f32
@@ -44,25 +61,44 @@ pub fn compute_dtype(device: &Device, dtype: DType) -> DType {
 }
 
 impl Linear {
-    /// Loads `<prefix>.weight` `[out, in]` (dequantized by the checkpoint backend).
+    /// Loads `<prefix>.weight` `[out, in]` ([`LinearWeight::load`]: dequantized by the
+    /// checkpoint backend, or the FP8 weight as stored for a quantized linear on CUDA when the
+    /// backend offers it).
     pub fn new(in_dim: usize, out_dim: usize, kind: LinearKind, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
-        let dtype = match kind {
-            LinearKind::F32 => DType::F32,
-            _ => compute_dtype(vb.device(), vb.dtype()),
-        };
-        let weight = vb.get_with_hints_dtype((out_dim, in_dim), "weight", Default::default(), dtype)?;
-        Ok(Self::from_weight(weight, kind, numerics))
+        Ok(Self::with_weight(LinearWeight::load(in_dim, out_dim, kind, &vb)?, kind, numerics))
     }
 
-    /// Wraps a weight `[out, in]`.
+    /// Wraps a dense weight `[out, in]`.
     pub fn from_weight(weight: Tensor, kind: LinearKind, numerics: Numerics) -> Self {
+        Self::with_weight(LinearWeight::Dense(weight), kind, numerics)
+    }
+
+    /// A [`LinearKind::Quantized`] linear over an FP8 weight kept as stored. On CUDA (feature
+    /// `cuda`) it runs the FP8 kernels; on the CPU every call dequantizes the weight to f32 (the
+    /// reference [`crate::quant::fp8_linear_ref`], bit for bit).
+    pub fn from_fp8(weight: Fp8Weight, numerics: Numerics) -> Self {
+        Self::with_weight(LinearWeight::Fp8(weight), LinearKind::Quantized, numerics)
+    }
+
+    fn with_weight(weight: LinearWeight, kind: LinearKind, numerics: Numerics) -> Self {
         let quantize_input = kind == LinearKind::Quantized && numerics.activation_quant;
         Self { weight, kind, quantize_input }
     }
 
-    /// `[out, in]`.
-    pub fn weight(&self) -> &Tensor {
+    /// The weight `[out, in]`, dense or FP8 ([`LinearWeight::to_dense`] gives a dense copy of
+    /// either).
+    pub fn weight(&self) -> &LinearWeight {
         &self.weight
+    }
+
+    /// The linear's kind.
+    pub fn kind(&self) -> LinearKind {
+        self.kind
+    }
+
+    /// The device the weight lives on.
+    pub fn device(&self) -> &Device {
+        self.weight.device()
     }
 
     /// The input this linear's product consumes for `x` `[..., in]`: the FP8 activation
@@ -83,13 +119,13 @@ impl Linear {
     /// [`Module::forward`] of an input already passed through [`Linear::prepare_input`] (of this
     /// linear, or of one with the same kind and numerics): `xp` `[..., in]`; returns `[..., out]`
     /// in `xp`'s dtype (f32 for [`LinearKind::F32`]). Bit for bit `forward(x)` when
-    /// `xp = prepare_input(x)`.
+    /// `xp = prepare_input(x)`, for a dense weight; for an FP8 weight on CUDA up to the kernels'
+    /// f32 summation order (the quantized values are the same).
     pub fn forward_prepared(&self, xp: &Tensor) -> Result<Tensor> {
         let out_dtype = if self.kind == LinearKind::F32 { DType::F32 } else { xp.dtype() };
-        let x = xp.to_dtype(self.weight.dtype())?;
-        let y = match x.rank() {
-            2 => x.matmul(&self.weight.t()?)?,
-            _ => x.broadcast_matmul(&self.weight.t()?)?,
+        let y = match &self.weight {
+            LinearWeight::Dense(w) => dense_product(xp, w)?,
+            LinearWeight::Fp8(w) => fp8_product(xp, w, false)?,
         };
         y.to_dtype(out_dtype)
     }
@@ -97,7 +133,17 @@ impl Linear {
 
 impl Module for Linear {
     /// `x`: `[..., in]`; returns `[..., out]` in `x`'s dtype (f32 for [`LinearKind::F32`]).
+    ///
+    /// An FP8 weight on CUDA with a bf16 `x` whose width is a multiple of 32 runs the activation
+    /// quantization inside the FP8 kernel; any other input is prepared first
+    /// ([`Linear::prepare_input`], in `x`'s dtype as for a dense weight) and multiplied as is.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let LinearWeight::Fp8(w) = &self.weight {
+            let fused = x.device().is_cuda() && x.dtype() == DType::BF16 && w.dims().1.is_multiple_of(32);
+            if self.quantize_input && fused {
+                return fp8_product(x, w, true)?.to_dtype(x.dtype());
+            }
+        }
         self.forward_prepared(&self.prepare_input(x)?)
     }
 }

@@ -1,11 +1,14 @@
-//! Numerical building blocks shared by every module: RMSNorm, RoPE, the reference linear.
+//! Numerical building blocks shared by every module: RMSNorm, RoPE, the reference linear and its
+//! weight (dense, or FP8 as stored).
 
 pub mod linear;
+pub mod linear_weight;
 pub mod random_weights;
 pub mod rms_norm;
 pub mod rope;
 
 pub use linear::{Linear, LinearKind};
+pub use linear_weight::LinearWeight;
 pub use random_weights::RandomWeights;
 pub use rms_norm::RmsNorm;
 pub use rope::{RopeKind, RopeRows, RopeTable, ROPE_BLOCK};

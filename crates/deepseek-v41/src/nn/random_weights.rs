@@ -67,8 +67,10 @@ impl SimpleBackend for RandomWeights {
         candle_core::bail!("RandomWeights: `{name}` requested without a shape (the backend needs one to make it up)")
     }
 
-    fn contains_tensor(&self, _name: &str) -> bool {
-        true
+    /// Every name, except the virtual names of stored FP8 parts (`crate::loader::native`): the
+    /// random weights are dense.
+    fn contains_tensor(&self, name: &str) -> bool {
+        crate::loader::StoredPart::parse(name).is_none()
     }
 }
 

@@ -1,0 +1,147 @@
+//! Quantized weights kept in their release format (spec §2.4, §12.1): the loading policy
+//! [`QuantizedWeights`] and the protocol through which a `VarBuilder` hands out the stored bytes
+//! of an FP8 weight instead of its dequantized values.
+//!
+//! A `VarBuilder` knows tensors by name only, so the two stored parts of an FP8 weight with 32×32
+//! block scales ([`WeightFormat::Fp8Block32`]) `<x>.weight` have virtual names
+//! ([`StoredPart::name`]):
+//! * `<x>.weight#e4m3`: the e4m3 codes `[out, in]`, u8, the bytes of `<x>.weight`;
+//! * `<x>.weight#e8m0`: the e8m0 scales `[ceil(out/32), ceil(in/32)]`, u8, the bytes of `<x>.scale`.
+//!
+//! [`super::ReleaseBackend`] reports them (`contains_tensor`) only under
+//! [`QuantizedWeights::Native`] and only for weights stored in that format; its `get` returns the
+//! bytes with their stored shapes ([`ReleaseCheckpoint::get_stored_part`]) and records
+//! `<x>.weight` as used, so the strictness checks (`check_all_used`, `check_strict`) see the
+//! weight loaded. Every other backend (candle's safetensors and `VarMap` builders,
+//! [`crate::nn::RandomWeights`]) reports no such name, and the consumer loads the dense
+//! `<x>.weight` as before. The consumer is [`crate::nn::LinearWeight::load`]: a
+//! [`crate::nn::LinearKind::Quantized`] linear on a CUDA device with bf16 weights. Tensor names
+//! ending in `#e4m3` / `#e8m0` are reserved for this protocol.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::checkpoint::{missing_scale, ReleaseCheckpoint};
+use super::error::LoadError;
+use super::layout::WeightFormat;
+
+/// How the quantized (FP8) weights of a release checkpoint are held once loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QuantizedWeights {
+    /// In their release format wherever a module computes with that format: on a CUDA device, a
+    /// quantized linear over an FP8 (32×32 block) weight holds the e4m3 codes and e8m0 scales
+    /// (about half the bytes of bf16) and runs the FP8 kernels (`cuda::fp8_linear`). Everything
+    /// else — the CPU (the reference keeps dense f32 weights), MXFP4 experts, the grouped `wo_a`,
+    /// plain and f32 linears — is dequantized at load as with [`QuantizedWeights::Dequantized`].
+    #[default]
+    Native,
+    /// Every quantized weight dequantized at load (exact, spec §2.4) into a dense tensor: the
+    /// baseline the native weights are compared against, and a second opinion.
+    Dequantized,
+}
+
+impl QuantizedWeights {
+    /// `"native"` or `"dequantized"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::Dequantized => "dequantized",
+        }
+    }
+}
+
+impl std::fmt::Display for QuantizedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One stored part of an FP8 weight, addressed by a virtual tensor name (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredPart {
+    /// The e4m3 codes `[out, in]` (the bytes of `<x>.weight`).
+    Codes,
+    /// The e8m0 block scales `[ceil(out/32), ceil(in/32)]` (the bytes of `<x>.scale`).
+    Scales,
+}
+
+impl StoredPart {
+    /// The suffix of the part's virtual name: `#e4m3` or `#e8m0`.
+    pub const fn suffix(self) -> &'static str {
+        match self {
+            Self::Codes => "#e4m3",
+            Self::Scales => "#e8m0",
+        }
+    }
+
+    /// The virtual name of this part of `weight` (`<x>.weight` → `<x>.weight#e4m3`).
+    pub fn name(self, weight: &str) -> String {
+        format!("{weight}{}", self.suffix())
+    }
+
+    /// Splits a virtual name into the weight's name and the part; `None` for any other name.
+    pub fn parse(name: &str) -> Option<(&str, Self)> {
+        [Self::Codes, Self::Scales].into_iter().find_map(|p| name.strip_suffix(p.suffix()).map(|w| (w, p)))
+    }
+}
+
+impl ReleaseCheckpoint {
+    /// Whether `weight` is stored as FP8 with 32×32 block scales, the format whose parts
+    /// [`get_stored_part`](Self::get_stored_part) hands out.
+    pub fn is_fp8_block32(&self, weight: &str) -> bool {
+        self.info(weight).is_ok_and(|i| i.format == WeightFormat::Fp8Block32)
+    }
+
+    /// The stored bytes of `part` of the FP8 (32×32 block) weight `weight`, as a u8 tensor of the
+    /// stored shape on `device`: no dequantization, no f32 / bf16 copy. The bytes go from the
+    /// memory map to the device in one copy (`Tensor::from_raw_buffer`: on CUDA one host-to-device
+    /// copy of the mapped slice into a fresh device buffer; on the CPU one copy into the tensor's
+    /// own buffer); the mapped pages are released afterwards and the progress callback gets the
+    /// bytes read. Records `weight` as used.
+    ///
+    /// Errors ([`LoadError::BadFormat`]) if `weight` is not stored in that format.
+    pub fn get_stored_part(&self, weight: &str, part: StoredPart, device: &Device) -> candle_core::Result<Tensor> {
+        let info = self.info(weight)?;
+        if info.format != WeightFormat::Fp8Block32 {
+            return Err(LoadError::BadFormat {
+                name: weight.to_string(),
+                detail: format!(
+                    "stored as {:?} ({}), not FP8 with 32x32 block scales: it has no stored part `{}`; load it dequantized",
+                    info.format,
+                    info.stored.dtype,
+                    part.suffix()
+                ),
+            }
+            .into());
+        }
+        let stored = match part {
+            StoredPart::Codes => &info.stored,
+            StoredPart::Scales => info.scale.as_ref().ok_or_else(|| missing_scale(weight))?,
+        };
+        let t = Tensor::from_raw_buffer(self.bytes_of(stored)?, DType::U8, &stored.shape, device)?;
+        // `t` owns its bytes (host buffer or device copy): the mapped pages can go.
+        self.release(stored);
+        self.report_progress(stored.byte_range.len());
+        self.mark_used(weight);
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn virtual_names_round_trip() {
+        for part in [StoredPart::Codes, StoredPart::Scales] {
+            let name = part.name("layers.0.attn.wq_a.weight");
+            assert_eq!(StoredPart::parse(&name), Some(("layers.0.attn.wq_a.weight", part)));
+        }
+        assert_eq!(StoredPart::Codes.name("a.weight"), "a.weight#e4m3");
+        assert_eq!(StoredPart::Scales.name("a.weight"), "a.weight#e8m0");
+        assert_eq!(StoredPart::parse("a.weight"), None);
+        assert_eq!(StoredPart::parse("a.scale"), None);
+        assert_eq!(StoredPart::parse("a.weight#e5m2"), None);
+        assert_eq!(QuantizedWeights::default(), QuantizedWeights::Native);
+        assert_eq!(QuantizedWeights::Dequantized.to_string(), "dequantized");
+    }
+}
