@@ -25,6 +25,12 @@ fn softplus(x: f32) -> f32 {
     }
 }
 
+/// The router score `sqrt(softplus(l))` of one logit already divided by `gate_temp` (spec §8
+/// step 2).
+pub(crate) fn router_score(l: f32) -> f32 {
+    softplus(l).sqrt()
+}
+
 /// The routing decision for `T` tokens, `k` experts each, on the host.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routing {
@@ -128,7 +134,7 @@ impl Gate {
         let rows = logits.to_vec2::<f32>()?;
         Ok(rows
             .into_iter()
-            .map(|r| r.into_iter().map(|l| softplus(l).sqrt()).collect())
+            .map(|r| r.into_iter().map(router_score).collect())
             .collect())
     }
 
@@ -146,7 +152,7 @@ impl Gate {
 
 /// Top-`k` of `score + bias` per row (ties: lower expert id first), weights
 /// `score / (Σ_sel score + 1e-20) · route_scale` from the unbiased `scores` (`[T][E]` f32).
-fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32) -> Routing {
+pub(crate) fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32) -> Routing {
     let mut ids = Vec::with_capacity(scores.len() * k);
     let mut weights = Vec::with_capacity(scores.len() * k);
     let mut order: Vec<usize> = Vec::with_capacity(bias.len());
