@@ -1,11 +1,15 @@
 //! Checks a golden set produced by the official DeepSeek V4.1 reference.
 //!
 //! ```text
-//! cargo run --release --example golden -- <golden-dir> [--device cpu|cuda] [--cache bf16|packed]
+//! cargo run --release --example golden -- <golden-dir> [--device cpu|cuda] [--cache bf16|packed] [--routing host|device]
 //! ```
 //!
 //! `--cache packed` stores the attention caches in the packed V4.1 formats (A / B / E, needs the
 //! `cuda` feature; it runs on the CPU too); cases with QAT off run bf16 caches.
+//!
+//! `--routing device` makes the MoE routing decision on the GPU (`cuda::with_device_routing`:
+//! the `moe_route` kernel, only the ids and weights read back); needs `--device cuda`. The
+//! default, `host`, routes on the host from the router logits.
 //!
 //! Prints one line per compared tensor (`PASS|FAIL name max_abs max_rel rel_fro ...`), `SKIP`
 //! lines for tensors that need parts not built yet, then `N passed, M failed`. Exits non-zero
@@ -33,6 +37,12 @@ enum CacheArg {
     Packed,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RoutingArg {
+    Host,
+    Device,
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Check a DeepSeek V4.1 golden set")]
 struct Args {
@@ -44,6 +54,9 @@ struct Args {
     /// Storage of the attention caches: bf16 rows, or the packed formats A / B / E.
     #[arg(long, value_enum, default_value = "bf16")]
     cache: CacheArg,
+    /// Where the MoE routing decision is made (`device`: the moe_route kernel, with `--device cuda`).
+    #[arg(long, value_enum, default_value = "host")]
+    routing: RoutingArg,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,7 +69,13 @@ fn main() -> anyhow::Result<()> {
         CacheArg::Bf16 => CacheStorage::Bf16,
         CacheArg::Packed => CacheStorage::Packed,
     };
-    let report = golden::check_set_with(&args.golden_dir, &device, storage)?;
+    let check = || golden::check_set_with(&args.golden_dir, &device, storage);
+    let report = match args.routing {
+        RoutingArg::Host => check()?,
+        #[cfg(feature = "cuda")]
+        RoutingArg::Device if device.is_cuda() => deepseek_v41::cuda::with_device_routing(check)?,
+        RoutingArg::Device => anyhow::bail!("--routing device needs --device cuda (and the `cuda` feature)"),
+    };
     println!(
         "{} explained divergences, {} downstream decisions, {} downstream comparisons (see DECISIONS lines)",
         report.explained,
