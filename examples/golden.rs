@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release --example golden -- <golden-dir> [--device cpu|cuda] [--cache bf16|packed]
-//!     [--weights native|dequantized]
+//!     [--weights native|dequantized] [--routing host|device]
 //! ```
 //!
 //! `--cache packed` stores the attention caches in the packed V4.1 formats (A / B / E, needs the
@@ -12,6 +12,10 @@
 //! `native` (default) keeps the quantized linears' FP8 weights as stored and runs the FP8 kernels,
 //! `dequantized` holds every weight dense in bf16 (the baseline). On the CPU both are the dense
 //! f32 reference.
+//!
+//! `--routing device` makes the MoE routing decision on the GPU (`cuda::with_device_routing`:
+//! the `moe_route` kernel, only the ids and weights read back); needs `--device cuda`. The
+//! default, `host`, routes on the host from the router logits.
 //!
 //! Prints one line per compared tensor (`PASS|FAIL name max_abs max_rel rel_fro ...`), `SKIP`
 //! lines for tensors that need parts not built yet, then `N passed, M failed`. Exits non-zero
@@ -46,6 +50,12 @@ enum WeightsArg {
     Dequantized,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RoutingArg {
+    Host,
+    Device,
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Check a DeepSeek V4.1 golden set")]
 struct Args {
@@ -60,6 +70,9 @@ struct Args {
     /// FP8 weights on CUDA: kept as stored (FP8 kernels), or dequantized to bf16 at load.
     #[arg(long, value_enum, default_value = "native", alias = "quantized-weights")]
     weights: WeightsArg,
+    /// Where the MoE routing decision is made (`device`: the moe_route kernel, with `--device cuda`).
+    #[arg(long, value_enum, default_value = "host")]
+    routing: RoutingArg,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -76,7 +89,13 @@ fn main() -> anyhow::Result<()> {
         WeightsArg::Native => QuantizedWeights::Native,
         WeightsArg::Dequantized => QuantizedWeights::Dequantized,
     };
-    let report = golden::check_set_opts(&args.golden_dir, &device, RunOptions { storage, weights })?;
+    let check = || golden::check_set_opts(&args.golden_dir, &device, RunOptions { storage, weights });
+    let report = match args.routing {
+        RoutingArg::Host => check()?,
+        #[cfg(feature = "cuda")]
+        RoutingArg::Device if device.is_cuda() => deepseek_v41::cuda::with_device_routing(check)?,
+        RoutingArg::Device => anyhow::bail!("--routing device needs --device cuda (and the `cuda` feature)"),
+    };
     println!(
         "{} explained divergences, {} downstream decisions, {} downstream comparisons (see DECISIONS lines)",
         report.explained,

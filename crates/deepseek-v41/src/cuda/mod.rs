@@ -30,6 +30,10 @@
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS for large m), and
 //!   [`fp8_dequantize_device`].
+//! * [`moe_route_device`]: the MoE router's decision (sqrt-softplus scores, biased top-k, weights)
+//!   and the slots sorted by expert for a grouped expert kernel, from the `[T, E]` logits, all on
+//!   the device ([`crate::model::moe_route_ref`] is its CPU reference); `model::Gate::route` uses
+//!   it inside [`with_device_routing`].
 //! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
 //!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
@@ -54,6 +58,7 @@ mod indexer_scores;
 mod indexer_select;
 mod indexer_topk;
 mod mhc_sinkhorn;
+mod moe_route;
 mod insert_op;
 mod packed_insert;
 mod policy;
@@ -82,8 +87,9 @@ pub use indexer_select::{index_select, index_select_with_options, SelectOptions,
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
+pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};
 pub use packed_insert::{packed_insert, PackedLayout};
-pub use policy::{fused_kernels, with_plain_candle};
+pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;
 pub use swiglu::{swiglu_device, swiglu_supported};

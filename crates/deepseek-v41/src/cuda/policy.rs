@@ -5,6 +5,10 @@
 //!
 //! The switch is per thread and scoped ([`with_plain_candle`]); nothing else changes: the same
 //! modules, weights and caches serve both paths.
+//!
+//! A second scoped switch, [`with_device_routing`], opts in to the MoE routing decision on the
+//! device (`moe_route_device` in `model::Gate::route`); off by default, because its softplus can
+//! differ from the host's libm by an ulp (`kernels/moe_route.cu`), which decides near-ties.
 
 use std::cell::Cell;
 
@@ -12,6 +16,20 @@ use candle_core::Device;
 
 thread_local! {
     static PLAIN: Cell<bool> = const { Cell::new(false) };
+    static DEVICE_ROUTING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Sets `cell` to `on` for the duration of `f`, restoring the previous value when `f` returns or
+/// unwinds.
+fn scoped<R>(cell: &'static std::thread::LocalKey<Cell<bool>>, on: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(&'static std::thread::LocalKey<Cell<bool>>, bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            self.0.set(self.1);
+        }
+    }
+    let _restore = Restore(cell, cell.replace(on));
+    f()
 }
 
 /// Runs `f` with the fused CUDA kernels switched off on this thread: the attention layer,
@@ -20,14 +38,21 @@ thread_local! {
 /// plain Candle paths (the reference path of [`crate::attention::Attention::forward`]) on CUDA
 /// tensors too. The previous setting is restored when `f` returns or unwinds.
 pub fn with_plain_candle<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            PLAIN.set(self.0);
-        }
-    }
-    let _restore = Restore(PLAIN.replace(true));
-    f()
+    scoped(&PLAIN, true, f)
+}
+
+/// Runs `f` with the MoE routing decision made on the device on this thread: `model::Gate::route`
+/// of CUDA tensors then calls [`crate::cuda::moe_route_device`] and reads back the `[T, k]` ids
+/// and weights instead of the `[T, E]` router logits. Inside [`with_plain_candle`] the host
+/// routing is kept. The previous setting is restored when `f` returns or unwinds.
+pub fn with_device_routing<R>(f: impl FnOnce() -> R) -> R {
+    scoped(&DEVICE_ROUTING, true, f)
+}
+
+/// Whether `model::Gate::route` on tensors of `device` makes its decision on the device:
+/// [`fused_kernels`] holds and [`with_device_routing`] is in effect on this thread.
+pub fn device_routing(device: &Device) -> bool {
+    fused_kernels(device) && DEVICE_ROUTING.get()
 }
 
 /// Whether an operation on tensors of `device` runs the fused CUDA kernels: `device` is a CUDA
@@ -54,5 +79,15 @@ mod tests {
         let caught = std::panic::catch_unwind(|| with_plain_candle(|| panic!("unwinds")));
         assert!(caught.is_err());
         assert!(!PLAIN.get(), "an unwinding scope must restore the setting");
+    }
+
+    #[test]
+    fn device_routing_is_scoped_and_needs_a_cuda_device() {
+        assert!(!DEVICE_ROUTING.get());
+        with_device_routing(|| {
+            assert!(DEVICE_ROUTING.get());
+            assert!(!device_routing(&Device::Cpu), "host tensors are always routed on the host");
+        });
+        assert!(!DEVICE_ROUTING.get());
     }
 }

@@ -5,6 +5,7 @@ pub mod engram;
 pub mod engram_hash;
 pub mod mhc;
 pub mod moe;
+pub mod moe_sort;
 pub mod numpy_rng;
 pub mod pretrained;
 
@@ -16,3 +17,4 @@ pub use engram_hash::{
 pub use mhc::{collapse, post, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
 pub use pretrained::Pretrained;
 pub use moe::{Expert, Gate, Moe, MoeOutput, Routing};
+pub use moe_sort::{moe_route_ref, sort_by_expert, ExpertSort};

@@ -3,7 +3,10 @@
 //! clamped SwiGLU.
 //!
 //! Routing decisions are made on the host: the expert dispatch needs the ids there anyway, and
-//! the router tensor is only `[T, n_routed_experts]`.
+//! the router tensor is only `[T, n_routed_experts]`. On a CUDA device inside
+//! `cuda::with_device_routing` the decision is made by the kernel `cuda::moe_route_device`
+//! instead and only the ids and weights are read back (`docs/kernels.md`); the host path is the
+//! reference ([`super::moe_sort::moe_route_ref`]).
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -24,6 +27,12 @@ fn softplus(x: f32) -> f32 {
     } else {
         x.exp().ln_1p()
     }
+}
+
+/// The router score `sqrt(softplus(l))` of one logit already divided by `gate_temp` (spec §8
+/// step 2).
+pub(crate) fn router_score(l: f32) -> f32 {
+    softplus(l).sqrt()
 }
 
 /// The routing decision for `T` tokens, `k` experts each, on the host.
@@ -63,6 +72,9 @@ pub struct Gate {
     proj: Linear,
     /// `[E]` f32 selection bias for text tokens.
     bias: Vec<f32>,
+    /// `bias` as loaded (on the model's device), for the device routing.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    bias_t: Tensor,
     /// `[E]` f32 selection bias for tokens inside image spans (unused for text).
     bias_vl: Tensor,
     top_k: usize,
@@ -98,13 +110,13 @@ impl Gate {
             vb.clone(),
         )?;
         let hints = Default::default();
-        let bias = vb
-            .get_with_hints_dtype(e, "bias", hints, DType::F32)?
-            .to_vec1::<f32>()?;
+        let bias_t = vb.get_with_hints_dtype(e, "bias", hints, DType::F32)?;
+        let bias = bias_t.to_vec1::<f32>()?;
         let bias_vl = vb.get_with_hints_dtype(e, "bias_vl", hints, DType::F32)?;
         Ok(Self {
             proj,
             bias,
+            bias_t,
             bias_vl,
             top_k: cfg.num_experts_per_tok,
             route_scale: cfg.routed_scaling_factor as f32,
@@ -117,10 +129,15 @@ impl Gate {
         &self.bias_vl
     }
 
+    /// The router logits `x·Wᵀ` `[T, E]` f32 for `x` `[T, D]` (bf16), before `gate_temp`.
+    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        self.proj.forward(x)
+    }
+
     /// The router scores `sqrt(softplus(x·Wᵀ / gate_temp))` in f32 for `x` `[T, D]` (bf16), as
     /// host rows `[T][E]`.
     fn scores(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
-        let logits = self.proj.forward(x)?;
+        let logits = self.logits(x)?;
         let logits = if self.temp == 1.0 {
             logits
         } else {
@@ -129,13 +146,23 @@ impl Gate {
         let rows = logits.to_vec2::<f32>()?;
         Ok(rows
             .into_iter()
-            .map(|r| r.into_iter().map(|l| softplus(l).sqrt()).collect())
+            .map(|r| r.into_iter().map(router_score).collect())
             .collect())
     }
 
     /// Routes `x` `[T, D]` (bf16): top-k of score + bias (ties: lower expert id first), weights
     /// `score / (Σ_sel score + 1e-20) · routed_scaling_factor` from the unbiased scores.
+    ///
+    /// On a CUDA device inside `cuda::with_device_routing` (and when the kernel takes E and k)
+    /// the decision is made on the device (`cuda::moe_route_device`) and only the ids and
+    /// weights come back, in one copy, instead of the `[T, E]` logits. Equal to the host
+    /// decision except where two biased scores are within ~1 ulp (the kernel's softplus is
+    /// correctly rounded, the host's is the platform libm's), the weights then within a few ulp.
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::device_routing(x.device()) && crate::cuda::moe_route_supported(self.bias.len(), self.top_k) {
+            return self.route_on_device(&self.logits(x)?);
+        }
         Ok(select_experts(
             &self.scores(x)?,
             &self.bias,
@@ -143,11 +170,27 @@ impl Gate {
             self.route_scale,
         ))
     }
+
+    /// [`Gate::route`]'s device path for the router `logits` `[T, E]` f32 on a CUDA device.
+    #[cfg(feature = "cuda")]
+    fn route_on_device(&self, logits: &Tensor) -> Result<Routing> {
+        let r = crate::cuda::moe_route_device(logits, &self.bias_t, self.top_k, self.temp, self.route_scale)?;
+        // One device → host copy: the ids as f32 (exact, they are < 2^24) beside the weights.
+        let rows = Tensor::cat(&[&r.ids.to_dtype(DType::F32)?, &r.weights], 1)?.to_vec2::<f32>()?;
+        let k = self.top_k;
+        let mut ids = Vec::with_capacity(rows.len() * k);
+        let mut weights = Vec::with_capacity(rows.len() * k);
+        for row in rows {
+            ids.extend(row[..k].iter().map(|&v| v as u32));
+            weights.extend_from_slice(&row[k..]);
+        }
+        Ok(Routing { k, ids, weights })
+    }
 }
 
 /// Top-`k` of `score + bias` per row (ties: lower expert id first), weights
 /// `score / (Σ_sel score + 1e-20) · route_scale` from the unbiased `scores` (`[T][E]` f32).
-fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32) -> Routing {
+pub(crate) fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_scale: f32) -> Routing {
     let mut ids = Vec::with_capacity(scores.len() * k);
     let mut weights = Vec::with_capacity(scores.len() * k);
     let mut order: Vec<usize> = Vec::with_capacity(bias.len());
@@ -307,8 +350,9 @@ impl Moe {
     /// summed per token in f32 in expert-id order, the shared expert's output is added, and the
     /// sum is rounded to `x`'s dtype.
     ///
-    /// The routing decision is made on the host (one copy of the `[T, E]` router logits); the
-    /// input's activation quantization is computed once and shared by every expert. An expert
+    /// The routing decision is made on the host (one copy of the `[T, E]` router logits, or of
+    /// the `[T, k]` ids and weights with the device routing: [`Gate::route`]); the input's
+    /// activation quantization is computed once and shared by every expert. An expert
     /// chosen by every token of the call (always the case for a decode token) runs on the whole
     /// input and its output is added directly, with no row gather / scatter (the same values as
     /// the gathered path: the rows are `0..T` in order).

@@ -1,0 +1,301 @@
+// moe_route: the MoE router's decision (spec §8 steps 1–4) and the token sort a grouped expert
+// kernel needs, on the device, for the router logits of T tokens:
+//   l' = l · f32(1 / gate_temp) + 0           (only when gate_temp != 1: candle's `Tensor / f64`)
+//   s  = sqrt(softplus(l'))                   (softplus(x) = x for x > 20, as torch)
+//   ids[t, 0..k)     = top-k of s + bias, descending, equal values by the lower expert id
+//   weights[t, 0..k) = s_e / (Σ_sel s + 1e-20) · route_scale   (unbiased s, summed in selection order)
+//   counts[e], offsets[e] (exclusive prefix sum, offsets[E] = T·k), and order[T·k]: the slots
+//   t·k + j grouped by expert ascending and, within an expert, by slot ascending.
+// The CPU reference is model::moe_sort::moe_route_ref (model::moe's select_experts plus
+// moe_sort::sort_by_expert); tests/cuda_moe_route.rs compares every output against it.
+//
+// Layout: logits [T, E] f32 contiguous, bias [E] f32; ids / weights [T, k] contiguous; E <= 512,
+// k <= min(E, 16), T·k < 2^31.
+//
+// Design:
+//   * Route: one warp per token (4 tokens per 128-thread CTA). E <= 512 scores fit a warp's
+//     registers (16 per lane, element e in lane e % 32), so the selection needs no shared memory
+//     and no block barrier: k rounds of a warp arg-max over 64-bit keys (total-order key of the
+//     biased score << 32 | ~id, so the larger key is the larger score and then the lower id),
+//     each two `redux.sync` max reductions; the owner lane removes the winner and rescans its own
+//     registers. A CTA per token would leave most threads idle for E = 384 and pay a block
+//     reduction per round.
+//   * Sort: each token has at most one slot per expert (top-k ids are distinct), so the position
+//     of slot (t, j) with expert e is offsets[e] + #{t' < t chose e}. A 512-thread CTA owns a
+//     range of >= 2048 tokens; it first counts the slots before its range and all slots
+//     (per-warp shared histograms, order-free), scans the totals into the offsets, then walks its
+//     range in chunks of 512 tokens, one token per thread: each warp marks its tokens in a
+//     per-expert lane bitmap (shared atomicOr: the result does not depend on their order), a
+//     thread per expert scans the 16 warps' bitmaps into bases, and a slot lands at
+//     base[warp][e] + popc(bitmap[warp][e] & lanes below). Deterministic: no atomic decides a
+//     position. Each CTA reads all T·k ids once for its counts (redundant across CTAs; at most
+//     128 CTAs, so T = 65536, k = 6 reads 32 × 1.5 MB from L2).
+//   * T <= 8 (decode): one launch, one CTA routes the tokens (a warp each) and then sorts them.
+//     Else two launches (route grid, then sort grid) on the caller's stream.
+//
+// Numerics:
+//   * temp scale, sqrt, sum, division and product are IEEE roundings (__fmul_rn, __fadd_rn,
+//     __fsqrt_rn, __fdiv_rn, no FMA contraction), the same operations in the same order as the
+//     CPU reference, so equal scores give bit-equal weights;
+//   * softplus: (float)log1p((double)(float)exp((double)l')), i.e. expf then log1pf, each
+//     correctly rounded to f32 (up to double rounding, ~2^-29 of inputs). The CPU reference calls
+//     the platform libm (Rust's f32::exp / ln_1p): glibc's expf agrees but on ~0.01 % of inputs;
+//     glibc 2.36's log1pf (fdlibm, < 1 ulp) differs by 1 ulp on ~1.5 %, which moves the score
+//     s by 1 ulp on ~1.3 % of logits in [-30, 25] (never more). The decisions therefore equal the
+//     CPU's except where two biased scores lie within ~1 ulp; exact ties (equal biased scores on
+//     both sides, e.g. equal logits and biases, or saturated logits > 20 where s = sqrt(l) exactly)
+//     are taken lowest id first like the CPU. A 1-ulp score moves a weight by a few ulp (the sum
+//     and the division compound it; measured <= 5 ulp); with saturated logits the weights are
+//     bit exact;
+//   * ordering is Rust's f32::total_cmp (NaN above +inf, −NaN below −inf), with the NaNs the CPU
+//     produces on x86-64: a NaN logit's biased score is that NaN quieted (sign and payload kept
+//     through the multiply, expf, log1pf, sqrt and the add), else a NaN bias quieted, else
+//     +inf + −inf gives x86's default NaN 0xFFC00000 (below every number). The GPU's own NaNs
+//     are canonical, so these bits are set explicitly. A NaN score makes its token's weights NaN.
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "include/dsv41_moe_route.h"
+#include "include/dsv41_warp.cuh"
+
+namespace dsv41_moe {
+
+constexpr int MAX_E = DSV41_MOE_ROUTE_MAX_EXPERTS;
+constexpr int MAX_K = DSV41_MOE_ROUTE_MAX_K;
+constexpr int ROUTE_WARPS = 4;              // tokens per CTA of the route kernel
+constexpr int SORT_THREADS = 512;           // sort CTA: one token per thread and chunk
+constexpr int SORT_WARPS = SORT_THREADS / 32;
+constexpr int FUSED_MAX_T = 8;              // one launch up to this many tokens
+constexpr int64_t SORT_MIN_TOKENS = 2048;   // tokens per sort CTA, at least
+constexpr int64_t SORT_MAX_CTAS = 128;
+constexpr unsigned FULL = 0xFFFFFFFFu;
+static_assert(MAX_E <= SORT_THREADS, "one sort thread per expert");
+static_assert(MAX_E <= 32 * 16 && MAX_K <= 32, "16 scores and at most one selected id per lane");
+
+// Key of Rust's f32::total_cmp: unsigned order of the keys = IEEE totalOrder of the floats.
+__device__ __forceinline__ uint32_t order_key(uint32_t bits) { return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u); }
+
+// The biased score's bits of logit `l_raw` with bias `b` as the CPU reference computes them
+// (NaNs included, see the header), and the unbiased score `s`.
+__device__ __forceinline__ uint32_t biased_bits(float l_raw, float b, const Dsv41MoeRouteParams& p, float& s) {
+    const float l = p.apply_temp ? __fadd_rn(__fmul_rn(l_raw, p.temp_scale), 0.0f) : l_raw;
+    const float e = __double2float_rn(exp(static_cast<double>(l)));
+    const float sp = l > 20.0f ? l : __double2float_rn(log1p(static_cast<double>(e)));
+    s = __fsqrt_rn(sp);
+    const float v = __fadd_rn(s, b);
+    if (!isnan(v)) return __float_as_uint(v);
+    if (isnan(l_raw)) return __float_as_uint(l_raw) | 0x00400000u;
+    if (isnan(b)) return __float_as_uint(b) | 0x00400000u;
+    return 0xFFC00000u;
+}
+
+// Routes token t with the calling warp (all 32 lanes call it): writes ids[t, 0..k) and
+// weights[t, 0..k). PER: scores per lane (E <= 32 · PER).
+template <int PER>
+__device__ __forceinline__ void route_token(const Dsv41MoeRouteParams& p, int64_t t, int lane) {
+    const int E = p.num_experts, k = p.k;
+    const float* row = p.logits + t * E;
+    uint64_t key[PER];  // 0 = no expert (past E, or already selected)
+    float sc[PER];
+    uint64_t best = 0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int e = lane + 32 * i;
+        key[i] = 0;
+        sc[i] = 0.0f;
+        if (e < E) {
+            float s;
+            const uint32_t bits = biased_bits(row[e], p.bias[e], p, s);
+            key[i] = (static_cast<uint64_t>(order_key(bits)) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(e));
+            sc[i] = s;
+            best = key[i] > best ? key[i] : best;
+        }
+    }
+    uint32_t my_id = 0;
+    float my_s = 0.0f, sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        // The warp's largest key: its high word, then the largest low word among lanes with it
+        // (a lane with no expert left has key 0; its low word 0 loses to every real ~id).
+        const uint32_t hi = __reduce_max_sync(FULL, static_cast<uint32_t>(best >> 32));
+        const uint32_t lo = __reduce_max_sync(FULL, static_cast<uint32_t>(best >> 32) == hi ? static_cast<uint32_t>(best) : 0u);
+        const uint32_t id = ~lo;
+        const int owner = static_cast<int>(id & 31u), slot = static_cast<int>(id >> 5);
+        float ws = 0.0f;
+        if (lane == owner) {
+            best = 0;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                if (i == slot) {
+                    ws = sc[i];
+                    key[i] = 0;
+                }
+                best = key[i] > best ? key[i] : best;
+            }
+        }
+        ws = __shfl_sync(FULL, ws, owner);
+        // Σ_sel s in selection order, from the first score (the CPU's sum from ±0 adds it exactly).
+        sum = j == 0 ? ws : __fadd_rn(sum, ws);
+        if (lane == j) {
+            my_id = id;
+            my_s = ws;
+        }
+    }
+    if (lane < k) {
+        p.ids[t * k + lane] = my_id;
+        p.weights[t * k + lane] = __fmul_rn(__fdiv_rn(my_s, __fadd_rn(sum, 1e-20f)), p.route_scale);
+    }
+}
+
+// How many of the slots [lo, hi) chose each expert: returned to thread e < E (0 elsewhere).
+// bm: SORT_WARPS · E words of scratch, one histogram per warp.
+__device__ __forceinline__ uint32_t count_slots(const uint32_t* ids, int64_t lo, int64_t hi, int E, uint32_t* bm) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    uint32_t* h = bm + warp * E;
+    __syncthreads();  // earlier readers of bm are done
+    for (int e = lane; e < E; e += 32) h[e] = 0;
+    __syncwarp();
+    int64_t s = lo + tid;
+    for (; s + 3 * SORT_THREADS < hi; s += 4 * SORT_THREADS) {
+        uint32_t v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = ids[s + u * SORT_THREADS];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) atomicAdd(&h[v[u]], 1u);
+    }
+    for (; s < hi; s += SORT_THREADS) atomicAdd(&h[ids[s]], 1u);
+    __syncthreads();
+    uint32_t c = 0;
+    if (tid < E)
+        for (int w = 0; w < SORT_WARPS; ++w) c += bm[w * E + tid];
+    return c;
+}
+
+// The sort of the tokens [t0, t1) by one CTA of SORT_THREADS (see the header); the CTA with
+// `first` also writes counts and offsets. Reads ids written before (by an earlier launch, or by
+// this CTA before a __syncthreads).
+__device__ __forceinline__ void sort_tokens(const Dsv41MoeRouteParams& p, int64_t t0, int64_t t1, bool first, uint32_t* bm,
+                                            uint32_t* wsum) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int E = p.num_experts, k = p.k;
+    const int64_t T = p.num_tokens;
+    const uint32_t* ids = p.ids;
+    const uint32_t before = count_slots(ids, 0, t0 * k, E, bm);
+    const uint32_t all = before + count_slots(ids, t0 * k, T * k, E, bm);
+
+    // offsets: exclusive block scan of the totals (threads >= E hold 0).
+    const uint32_t incl = dsv41_warp::inclusive_sum(all, lane);
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    uint32_t pre = 0;
+#pragma unroll
+    for (int w = 0; w < SORT_WARPS; ++w) pre += w < warp ? wsum[w] : 0u;
+    const uint32_t excl = pre + incl - all;
+    if (first && tid < E) {
+        p.counts[tid] = all;
+        p.offsets[tid] = excl;
+    }
+    if (first && tid == 0) p.offsets[E] = static_cast<uint32_t>(T * k);
+    // Thread e: the position of expert e's next slot (of a token >= the current chunk).
+    uint32_t base = excl + before;
+
+    const uint32_t below = (1u << lane) - 1u;
+    uint32_t* mine = bm + warp * E;
+    for (int64_t c0 = t0; c0 < t1; c0 += SORT_THREADS) {
+        const int64_t t = c0 + tid;
+        const bool has = t < t1;
+        __syncthreads();  // the previous chunk's readers of bm are done
+        for (int e = lane; e < E; e += 32) mine[e] = 0;
+        __syncwarp();
+        uint32_t ex[MAX_K], rank[MAX_K];
+#pragma unroll
+        for (int j = 0; j < MAX_K; ++j) {
+            ex[j] = 0;
+            if (j < k && has) {
+                ex[j] = ids[t * k + j];
+                atomicOr(&mine[ex[j]], 1u << lane);
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < MAX_K; ++j) rank[j] = j < k && has ? __popc(mine[ex[j]] & below) : 0u;
+        __syncthreads();  // every warp's bitmaps are complete and read
+        if (tid < E) {
+            uint32_t acc = base;
+            for (int w = 0; w < SORT_WARPS; ++w) {
+                const uint32_t m = bm[w * E + tid];
+                bm[w * E + tid] = acc;
+                acc += __popc(m);
+            }
+            base = acc;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < MAX_K; ++j)
+            if (j < k && has) p.order[mine[ex[j]] + rank[j]] = static_cast<uint32_t>(t * k + j);
+    }
+}
+
+template <int PER>
+__global__ void __launch_bounds__(ROUTE_WARPS * 32) moe_route_kernel(const Dsv41MoeRouteParams p) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * ROUTE_WARPS + threadIdx.x / 32;
+    if (t < p.num_tokens) route_token<PER>(p, t, threadIdx.x & 31);
+}
+
+__global__ void __launch_bounds__(SORT_THREADS) moe_sort_kernel(const Dsv41MoeRouteParams p, int64_t tokens_per_cta) {
+    __shared__ uint32_t bm[SORT_WARPS * MAX_E];
+    __shared__ uint32_t wsum[SORT_WARPS];
+    const int64_t t0 = static_cast<int64_t>(blockIdx.x) * tokens_per_cta;
+    const int64_t t1 = t0 + tokens_per_cta < p.num_tokens ? t0 + tokens_per_cta : p.num_tokens;
+    sort_tokens(p, t0, t1, blockIdx.x == 0, bm, wsum);
+}
+
+// T <= FUSED_MAX_T: route (a warp per token) and sort in one CTA.
+template <int PER>
+__global__ void __launch_bounds__(SORT_THREADS) moe_route_sort_kernel(const Dsv41MoeRouteParams p) {
+    __shared__ uint32_t bm[SORT_WARPS * MAX_E];
+    __shared__ uint32_t wsum[SORT_WARPS];
+    for (int64_t t = threadIdx.x / 32; t < p.num_tokens; t += SORT_WARPS) route_token<PER>(p, t, threadIdx.x & 31);
+    // sort_tokens starts with a __syncthreads: the ids written above are then visible to the CTA.
+    sort_tokens(p, 0, p.num_tokens, true, bm, wsum);
+}
+
+template <int PER>
+cudaError_t launch(const Dsv41MoeRouteParams& p, cudaStream_t s) {
+    const int64_t T = p.num_tokens;
+    if (T <= FUSED_MAX_T) {
+        moe_route_sort_kernel<PER><<<1, SORT_THREADS, 0, s>>>(p);
+        return cudaGetLastError();
+    }
+    moe_route_kernel<PER><<<static_cast<unsigned>((T + ROUTE_WARPS - 1) / ROUTE_WARPS), ROUTE_WARPS * 32, 0, s>>>(p);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    // Tokens per sort CTA: a multiple of the chunk, at least SORT_MIN_TOKENS, at most SORT_MAX_CTAS CTAs.
+    int64_t per_cta = (T + SORT_MAX_CTAS - 1) / SORT_MAX_CTAS;
+    per_cta = (per_cta + SORT_THREADS - 1) / SORT_THREADS * SORT_THREADS;
+    per_cta = per_cta > SORT_MIN_TOKENS ? per_cta : SORT_MIN_TOKENS;
+    moe_sort_kernel<<<static_cast<unsigned>((T + per_cta - 1) / per_cta), SORT_THREADS, 0, s>>>(p, per_cta);
+    return cudaGetLastError();
+}
+
+}  // namespace dsv41_moe
+
+extern "C" int dsv41_moe_route(const Dsv41MoeRouteParams* p, size_t params_size, void* stream) {
+    using namespace dsv41_moe;
+    if (params_size != sizeof(Dsv41MoeRouteParams)) return DSV41_ERR_PARAMS_SIZE;
+    const int64_t T = p->num_tokens;
+    const int E = p->num_experts, k = p->k;
+    if (T < 0 || E < 1 || E > MAX_E || k < 1 || k > E || k > MAX_K) return DSV41_ERR_SHAPE;
+    if (T >= (int64_t{1} << 31) || T * k >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (!isfinite(p->route_scale) || (p->apply_temp && !(isfinite(p->temp_scale) && p->temp_scale > 0.0f))) return DSV41_ERR_SHAPE;
+    if (!p->bias || !p->counts || !p->offsets) return DSV41_ERR_NULL;
+    if (T > 0 && (!p->logits || !p->ids || !p->weights || !p->order)) return DSV41_ERR_NULL;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    cudaError_t e;
+    if (E <= 32) e = launch<1>(*p, s);
+    else if (E <= 128) e = launch<4>(*p, s);
+    else if (E <= 256) e = launch<8>(*p, s);
+    else if (E <= 384) e = launch<12>(*p, s);
+    else e = launch<16>(*p, s);
+    return static_cast<int>(e);
+}
