@@ -151,9 +151,6 @@ fn main() -> Result<()> {
             print(&Row { shape: name, m, what: "fp8 auto", graph_ms: g, calls_ms: c, weight_bytes: fp8_bytes, flops });
             if m <= FP8_STREAM_MAX_M {
                 for (what, variant) in [("fp8 stream (pipeline)", Fp8StreamVariant::Pipeline), ("fp8 stream (registers)", Fp8StreamVariant::Registers)] {
-                    if m <= 64 && variant == Fp8StreamVariant::Pipeline {
-                        continue; // = fp8 auto
-                    }
                     let (g, _) = time(&timer, sets, false, |s| {
                         fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant })?;
                         Ok(())

@@ -787,8 +787,11 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     const uintptr_t cp = reinterpret_cast<uintptr_t>(p->codes);
     const bool vec8 = p->k % 8 == 0 && (cp & 7) == 0;
     const bool streamk = p->k % 128 == 0 && (cp & 15) == 0 && (reinterpret_cast<uintptr_t>(p->scales) & 3) == 0;
-    // DSV41_FP8_VARIANT_*: the stream-K pipeline where its whole-stage copies are possible, else the ring.
-    const int kind = (p->variant == DSV41_FP8_VARIANT_REGISTERS || !streamk) ? (vec8 ? 1 : 0) : 2;
+    // DSV41_FP8_VARIANT_*: AUTO takes the stream-K pipeline for m > 16 where its whole-stage copies
+    // are possible (faster there on an H100: 48 vs 57 us for wq_b at m = 64), the ring for m <= 16
+    // (as fast or faster: 9.5 vs 12.6 us for wq_a at m = 1; docs/perf.md "FP8 linear").
+    const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE || (p->variant == DSV41_FP8_VARIANT_AUTO && p->m > 16);
+    const int kind = (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
     const int n_ctr = kind == 2 ? q.mc * ((p->n + 127) / 128) : q.splits > 1 ? q.nb * q.mc : 0;
     const int64_t prep_threads = static_cast<int64_t>(q.mpad) * q.kb * 32;
     const unsigned prep_blocks = static_cast<unsigned>((prep_threads + kPrepThreads - 1) / kPrepThreads);

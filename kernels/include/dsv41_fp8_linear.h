@@ -30,8 +30,8 @@ typedef struct {
     int32_t variant;        // DSV41_FP8_VARIANT_*
 } Dsv41Fp8LinearParams;
 
-// Weight-streaming kernel variants: AUTO = PIPELINE when k % 128 == 0, the codes are 16-byte and the scales 4-byte
-// aligned, else REGISTERS (which also takes any k and alignment).
+// Weight-streaming kernel variants: AUTO = PIPELINE for m > 16 when k % 128 == 0, the codes are
+// 16-byte and the scales 4-byte aligned, else REGISTERS (which also takes any k and alignment).
 #define DSV41_FP8_VARIANT_AUTO 0
 #define DSV41_FP8_VARIANT_REGISTERS 1  // 8-byte loads into a register ring, 4 k32 blocks in flight per warp
 #define DSV41_FP8_VARIANT_PIPELINE 2   // stream-K: a persistent grid, cp.async stages of 128 rows x 128 bytes in shared memory

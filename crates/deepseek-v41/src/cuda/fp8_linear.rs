@@ -32,7 +32,8 @@ pub const FP8_AUTO_STREAM_MAX_M: usize = 64;
 /// The weight-streaming kernel's variants (`DSV41_FP8_VARIANT_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8StreamVariant {
-    /// `Pipeline` where its 16-byte copies are possible (K a multiple of 16), else `Registers`.
+    /// `Pipeline` for m > 16 where its copies are possible (K a multiple of 128, aligned codes and
+    /// scales), else `Registers` (the faster one at m <= 16, `docs/perf.md` "FP8 linear").
     #[default]
     Auto,
     /// 8-byte loads (byte loads for K not a multiple of 8) into a register ring.
