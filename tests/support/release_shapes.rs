@@ -28,7 +28,10 @@ pub fn expected_shapes(cfg: &serde_json::Value) -> BTreeMap<String, Vec<usize>> 
         u("index_n_heads"),
         u("index_head_dim"),
     );
-    let ratios = ids("compress_ratios");
+    // One ratio per backbone layer, optionally followed by the MTP layers' (spec §1.1).
+    let mut ratios = ids("compress_ratios");
+    assert!(ratios.len() >= u("num_hidden_layers"), "compress_ratios shorter than num_hidden_layers");
+    ratios.truncate(u("num_hidden_layers"));
     let (kv_src, idx_src, eng) = (
         ids("kv_source_layer_ids"),
         ids("index_source_layer_ids"),
@@ -43,7 +46,6 @@ pub fn expected_shapes(cfg: &serde_json::Value) -> BTreeMap<String, Vec<usize>> 
     add("embed.weight".into(), &[v, d]);
     add("head.weight".into(), &[v, d]);
     add("norm.weight".into(), &[d]);
-    assert_eq!(ratios.len(), u("num_hidden_layers"));
     for (l, &ratio) in ratios.iter().enumerate() {
         let p = format!("layers.{l}");
         add(format!("{p}.attn_norm.weight"), &[d]);
