@@ -376,3 +376,24 @@ extern "C" {
     pub(crate) fn dsv41_fp8_linear(p: *const Fp8LinearParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_fp8_dequant(p: *const Fp8DequantParams, params_size: usize, stream: *mut c_void) -> i32;
 }
+
+/// `Dsv41Mxfp4DequantParams` of `kernels/include/dsv41_mxfp4.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mxfp4DequantParams {
+    /// `[n, k/2]` packed e2m1 bytes, contiguous.
+    pub codes: *const u8,
+    /// `[n, k/32]` e8m0 bytes, contiguous.
+    pub scales: *const u8,
+    /// `[n, k]` bf16 or f32 (`out_f32`) out.
+    pub out: *mut c_void,
+    pub n: i32,
+    /// A multiple of 32.
+    pub k: i32,
+    pub out_f32: i32,
+    pub reserved: i32,
+}
+
+extern "C" {
+    pub(crate) fn dsv41_mxfp4_dequant(p: *const Mxfp4DequantParams, params_size: usize, stream: *mut c_void) -> i32;
+}

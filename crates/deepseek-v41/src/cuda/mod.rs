@@ -30,6 +30,9 @@
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS for large m), and
 //!   [`fp8_dequantize_device`].
+//! * [`mxfp4_dequantize_device`]: the exact dequantization of an [`crate::quant::Mxfp4Weight`]
+//!   (the routed experts, packed e2m1 codes + e8m0 scales kept on the device), which every
+//!   product of an MXFP4 linear runs before the dense path's matmul.
 //! * [`moe_route_device`]: the MoE router's decision (sqrt-softplus scores, biased top-k, weights)
 //!   and the slots sorted by expert for a grouped expert kernel, from the `[T, E]` logits, all on
 //!   the device ([`crate::model::moe_route_ref`] is its CPU reference); `model::Gate::route` uses
@@ -59,6 +62,7 @@ mod indexer_select;
 mod indexer_topk;
 mod mhc_sinkhorn;
 mod moe_route;
+mod mxfp4;
 mod insert_op;
 mod packed_insert;
 mod policy;
@@ -87,6 +91,7 @@ pub use indexer_select::{index_select, index_select_with_options, SelectOptions,
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
+pub use mxfp4::mxfp4_dequantize_device;
 pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_candle};
