@@ -12,8 +12,9 @@ use super::native::{QuantizedWeights, StoredPart};
 /// logical (dequantized) shape and returns the dequantized tensor in the requested dtype.
 ///
 /// Under [`QuantizedWeights::Native`] (the default) it also hands out the stored parts of FP8
-/// weights under their virtual names `<x>.weight#e4m3` / `<x>.weight#e8m0`
-/// ([`super::native`]); under [`QuantizedWeights::Dequantized`] it knows no such name.
+/// (32×32 block) weights under their virtual names `<x>.weight#e4m3` / `<x>.weight#e8m0`, and of
+/// MXFP4 weights under `<x>.weight#e2m1` / `<x>.weight#e8m0` ([`super::native`]); under
+/// [`QuantizedWeights::Dequantized`] it knows no such name.
 #[derive(Clone)]
 pub struct ReleaseBackend {
     ckpt: ReleaseCheckpoint,
@@ -41,19 +42,19 @@ impl ReleaseBackend {
         self.quantized
     }
 
-    /// Whether the virtual names of `weight`'s stored parts exist: native policy, FP8 (32×32
-    /// block) storage.
-    fn has_part(&self, weight: &str) -> bool {
-        self.quantized == QuantizedWeights::Native && self.ckpt.is_fp8_block32(weight)
+    /// Whether the virtual name of `part` of `weight` exists: native policy, and `weight` stored in
+    /// a format that has `part` (FP8 32×32 block: `#e4m3`, `#e8m0`; MXFP4: `#e2m1`, `#e8m0`).
+    fn has_part(&self, weight: &str, part: StoredPart) -> bool {
+        self.quantized == QuantizedWeights::Native && self.ckpt.has_stored_part(weight, part)
     }
 
     /// `get` of a virtual name `name` = `part` of `weight` (see [`super::native`]): the stored
     /// bytes as u8, checked against the requested shape `s` when there is one.
     fn get_part(&self, s: Option<&Shape>, name: &str, weight: &str, part: StoredPart, dtype: DType, dev: &Device) -> Result<Tensor> {
-        if !self.has_part(weight) {
+        if !self.has_part(weight, part) {
             candle_core::bail!(
-                "`{name}`: no such stored part (the policy is {}; only FP8 weights with 32x32 block scales have one under `native`); \
-                 check contains_tensor first and load `{weight}` dequantized otherwise",
+                "`{name}`: no such stored part (the policy is {}; under `native` FP8 weights with 32x32 block scales have `#e4m3` / \
+                 `#e8m0`, MXFP4 weights `#e2m1` / `#e8m0`); check contains_tensor first and load `{weight}` dequantized otherwise",
                 self.quantized
             )
         }
@@ -62,7 +63,7 @@ impl ReleaseBackend {
         }
         let info = self.ckpt.info(weight)?;
         let stored = match part {
-            StoredPart::Codes => Some(&info.stored),
+            StoredPart::Codes | StoredPart::Fp4Codes => Some(&info.stored),
             StoredPart::Scales => info.scale.as_ref(),
         };
         if let (Some(s), Some(stored)) = (s, stored) {
@@ -100,7 +101,7 @@ impl SimpleBackend for ReleaseBackend {
     /// `name`'s logical tensor as `dtype` on `dev`; errors (naming the tensor and both shapes)
     /// unless its logical shape is `s`. The init hint is ignored: nothing is ever created.
     ///
-    /// A virtual name `<x>.weight#e4m3` / `<x>.weight#e8m0` ([`super::native`]) returns the stored
+    /// A virtual name `<x>.weight#e4m3` / `#e2m1` / `#e8m0` ([`super::native`]) returns the stored
     /// bytes (`dtype` must be u8, `s` the stored shape) and records `<x>.weight` as used; a shape
     /// mismatch is collected like any other in collect mode.
     fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, dev: &Device) -> Result<Tensor> {
@@ -131,11 +132,12 @@ impl SimpleBackend for ReleaseBackend {
     }
 
     /// Whether `name` is a logical tensor (`.scale` companions are not), or — under
-    /// [`QuantizedWeights::Native`] — a stored part `<x>.weight#e4m3` / `<x>.weight#e8m0` of an
-    /// FP8 weight with 32×32 block scales.
+    /// [`QuantizedWeights::Native`] — a stored part of a weight stored in its format:
+    /// `<x>.weight#e4m3` / `#e8m0` of an FP8 weight with 32×32 block scales, `<x>.weight#e2m1` /
+    /// `#e8m0` of an MXFP4 weight.
     fn contains_tensor(&self, name: &str) -> bool {
         match StoredPart::parse(name) {
-            Some((weight, _)) => self.has_part(weight),
+            Some((weight, part)) => self.has_part(weight, part),
             None => self.ckpt.contains(name),
         }
     }

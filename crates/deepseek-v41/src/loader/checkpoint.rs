@@ -38,7 +38,7 @@ struct Inner {
 ///
 /// Tensors are addressed by their checkpoint names (`layers.0.attn.wq_a.weight`). Quantized
 /// weights are dequantized on [`get`](Self::get) (see [`WeightFormat`]); their `.scale`
-/// companions are not variables of their own. The stored bytes of an FP8 weight are available
+/// companions are not variables of their own. The stored bytes of an FP8 or MXFP4 weight are available
 /// as they are through [`get_stored_part`](Self::get_stored_part) (`loader::native`). Cloning is cheap (shared maps and usage record).
 ///
 /// Every successful `get` / row lookup records the name as used, for

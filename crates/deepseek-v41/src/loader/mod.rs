@@ -9,7 +9,7 @@
 //! * [`rows`]: row lookups without materializing a table ([`RowTable`], for Engram).
 //! * [`usage`]: strict loading (unused tensors, collect mode for missing ones).
 //! * [`native`]: quantized weights kept in their release format ([`QuantizedWeights`]) and the
-//!   virtual tensor names through which the backend hands out an FP8 weight's stored bytes.
+//!   virtual tensor names through which the backend hands out an FP8 or MXFP4 weight's stored bytes.
 //! * [`backend`]: the [`candle_nn::var_builder::SimpleBackend`] and [`var_builder`] /
 //!   [`var_builder_with`].
 //!
