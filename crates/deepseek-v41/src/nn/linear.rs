@@ -2,7 +2,8 @@
 //!
 //! The weight ([`LinearWeight`]) is dense `[out, in]` (dequantized, exact in bf16 for FP8 and
 //! MXFP4 checkpoints; f32 on the CPU), or — for a quantized linear on CUDA — an FP8 weight kept
-//! in its release format and multiplied by the FP8 kernels (`nn/linear_weight.rs`).
+//! in its release format and multiplied by the FP8 kernels, or an MXFP4 weight kept in its
+//! release format and dequantized on the device for each product (`nn/linear_weight.rs`).
 //! A [`LinearKind::Quantized`] linear (FP8/FP4 weights in the release) quantizes its input per
 //! 1x32 block to e4m3 when [`Numerics::activation_quant`] is on; the plain kinds never do. Every
 //! product is accumulated in f32; the output is rounded to the activation dtype, or kept in f32
@@ -11,9 +12,9 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::linear_weight::{dense_product, fp8_product, LinearWeight};
+use super::linear_weight::{dense_product, fp8_product, mxfp4_product, LinearWeight};
 use crate::numerics::Numerics;
-use crate::quant::{fp8_activation_quant, Fp8Weight};
+use crate::quant::{fp8_activation_quant, Fp8Weight, Mxfp4Weight};
 
 /// How a linear computes, mirroring the reference's three linear flavours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +31,7 @@ pub enum LinearKind {
 /// A bias-free linear `y = x·Wᵀ`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    /// `[out, in]`: dense (f32 on CPU, the model dtype elsewhere) or FP8 as stored.
+    /// `[out, in]`: dense (f32 on CPU, the model dtype elsewhere), or FP8 / MXFP4 as stored.
     weight: LinearWeight,
     kind: LinearKind,
     quantize_input: bool,
@@ -62,8 +63,8 @@ pub fn compute_dtype(device: &Device, dtype: DType) -> DType {
 
 impl Linear {
     /// Loads `<prefix>.weight` `[out, in]` ([`LinearWeight::load`]: dequantized by the
-    /// checkpoint backend, or the FP8 weight as stored for a quantized linear on CUDA when the
-    /// backend offers it).
+    /// checkpoint backend, or the FP8 / MXFP4 weight as stored for a quantized linear on CUDA
+    /// when the backend offers it).
     pub fn new(in_dim: usize, out_dim: usize, kind: LinearKind, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
         Ok(Self::with_weight(LinearWeight::load(in_dim, out_dim, kind, &vb)?, kind, numerics))
     }
@@ -80,13 +81,21 @@ impl Linear {
         Self::with_weight(LinearWeight::Fp8(weight), LinearKind::Quantized, numerics)
     }
 
+    /// A [`LinearKind::Quantized`] linear over an MXFP4 weight kept as stored. Every product
+    /// dequantizes the weight (on CUDA, feature `cuda`: one kernel into a bf16 scratch; on the CPU
+    /// to f32) and runs the dense path's matmul: bit for bit the dense linear over the
+    /// dequantized weight ([`crate::quant::mxfp4_linear_ref`] on the CPU).
+    pub fn from_mxfp4(weight: Mxfp4Weight, numerics: Numerics) -> Self {
+        Self::with_weight(LinearWeight::Mxfp4(weight), LinearKind::Quantized, numerics)
+    }
+
     fn with_weight(weight: LinearWeight, kind: LinearKind, numerics: Numerics) -> Self {
         let quantize_input = kind == LinearKind::Quantized && numerics.activation_quant;
         Self { weight, kind, quantize_input }
     }
 
-    /// The weight `[out, in]`, dense or FP8 ([`LinearWeight::to_dense`] gives a dense copy of
-    /// either).
+    /// The weight `[out, in]`, dense, FP8 or MXFP4 ([`LinearWeight::to_dense`] gives a dense copy
+    /// of any).
     pub fn weight(&self) -> &LinearWeight {
         &self.weight
     }
@@ -119,13 +128,14 @@ impl Linear {
     /// [`Module::forward`] of an input already passed through [`Linear::prepare_input`] (of this
     /// linear, or of one with the same kind and numerics): `xp` `[..., in]`; returns `[..., out]`
     /// in `xp`'s dtype (f32 for [`LinearKind::F32`]). Bit for bit `forward(x)` when
-    /// `xp = prepare_input(x)`, for a dense weight; for an FP8 weight on CUDA up to the kernels'
-    /// f32 summation order (the quantized values are the same).
+    /// `xp = prepare_input(x)`, for a dense or MXFP4 weight; for an FP8 weight on CUDA up to the
+    /// kernels' f32 summation order (the quantized values are the same).
     pub fn forward_prepared(&self, xp: &Tensor) -> Result<Tensor> {
         let out_dtype = if self.kind == LinearKind::F32 { DType::F32 } else { xp.dtype() };
         let y = match &self.weight {
             LinearWeight::Dense(w) => dense_product(xp, w)?,
             LinearWeight::Fp8(w) => fp8_product(xp, w, false)?,
+            LinearWeight::Mxfp4(w) => mxfp4_product(xp, w)?,
         };
         y.to_dtype(out_dtype)
     }

@@ -1,5 +1,5 @@
 //! Numerical building blocks shared by every module: RMSNorm, RoPE, the reference linear and its
-//! weight (dense, or FP8 as stored).
+//! weight (dense, or FP8 / MXFP4 as stored).
 
 pub mod linear;
 pub mod linear_weight;
