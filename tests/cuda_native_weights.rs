@@ -2,7 +2,8 @@
 //! `nn::LinearWeight::Fp8`, multiplied by `cuda::fp8_linear`), on the v41-tiny fixture model:
 //! * which linears hold FP8 weights (every quantized linear whose checkpoint tensor is FP8 with
 //!   32×32 block scales, nothing else) and what they hold on the device (the stored bytes: codes
-//!   plus scales, half the bf16 bytes);
+//!   plus scales, half the bf16 bytes); the routed experts hold MXFP4 weights
+//!   (`nn::LinearWeight::Mxfp4`, checked in detail by `tests/cuda_mxfp4.rs`);
 //! * the logits of the native and dequantized policies on the GPU against each other and against
 //!   the CPU reference (margin-aware, the end-to-end tolerance of the golden README, check 5),
 //!   for one prefill over the weight-streaming kernel (M <= 64), one over dequantize + cuBLAS
@@ -111,10 +112,12 @@ fn quantized_linears_over_fp8_weights_hold_the_stored_bytes() -> Result<()> {
     let (linears, dense_linears) = (native.linears(), dequantized.linears());
     ensure!(linears.len() == dense_linears.len());
     let (mut n_fp8, mut fp8_bytes, mut scale_bytes, mut bf16_bytes) = (0, 0, 0, 0);
+    let (mut n_mxfp4, mut mxfp4_saved) = (0, 0);
     for ((name, l), (dname, dl)) in linears.iter().zip(&dense_linears) {
         ensure!(name == dname, "{name} vs {dname}");
         let weight = format!("{name}.weight");
         let expected = l.kind() == LinearKind::Quantized && ckpt.is_fp8_block32(&weight);
+        let expected_mxfp4 = l.kind() == LinearKind::Quantized && ckpt.is_mxfp4(&weight);
         let dense = dl.weight().dense().with_context(|| format!("{name}: dense under the dequantized policy"))?;
         ensure!(dense.device().is_cuda() && l.device().is_cuda(), "{name}: not on the GPU");
         match l.weight() {
@@ -134,8 +137,14 @@ fn quantized_linears_over_fp8_weights_hold_the_stored_bytes() -> Result<()> {
                 scale_bytes += scale.byte_range.len();
                 bf16_bytes += dl.weight().bytes();
             }
+            LinearWeight::Mxfp4(w) => {
+                ensure!(expected_mxfp4, "{name}: MXFP4 but its kind is {:?} / its tensor is not MXFP4", l.kind());
+                ensure!(bits(&w.dequantize(DType::BF16)?)? == bits(dense)?, "{name}: MXFP4 dequantization");
+                n_mxfp4 += 1;
+                mxfp4_saved += dl.weight().bytes() - w.bytes();
+            }
             LinearWeight::Dense(w) => {
-                ensure!(!expected, "{name}: dense, but it is a quantized linear over an FP8 32x32 weight");
+                ensure!(!expected && !expected_mxfp4, "{name}: dense, but it is a quantized linear over an FP8 32x32 or MXFP4 weight");
                 ensure!(bits(w)? == bits(dense)?, "{name}: dense weights differ between the policies");
             }
         }
@@ -145,9 +154,11 @@ fn quantized_linears_over_fp8_weights_hold_the_stored_bytes() -> Result<()> {
     ensure!(n_fp8 == 9 * 4 + 4 + 2 + 9 * 3, "{n_fp8} FP8 linears");
     println!("{n_fp8} FP8 linears: {fp8_bytes} bytes (codes + {scale_bytes} scale bytes) instead of {bf16_bytes} bf16 bytes");
     ensure!(2 * (fp8_bytes - scale_bytes) == bf16_bytes, "codes must be half the bf16 bytes");
+    // The routed experts: 3 projections of 8 experts in 9 layers.
+    ensure!(n_mxfp4 == 9 * 8 * 3, "{n_mxfp4} MXFP4 linears");
     // The whole model holds that much less.
     let total = |m: &Model| m.linears().iter().map(|(_, l)| l.weight().bytes()).sum::<usize>();
-    ensure!(total(&dequantized) - total(&native) == bf16_bytes - fp8_bytes);
+    ensure!(total(&dequantized) - total(&native) == bf16_bytes - fp8_bytes + mxfp4_saved);
     Ok(())
 }
 
@@ -168,7 +179,8 @@ fn native_logits_match_the_dequantized_and_the_cpu() -> Result<()> {
         check_logits(&format!("calls {calls:?}: native vs CPU"), &got, &want)?;
         check_logits(&format!("calls {calls:?}: dequantized vs CPU"), &base, &want)?;
         check_logits(&format!("calls {calls:?}: native vs dequantized"), &got, &base)?;
-        // Plain Candle: the FP8 linear is the device dequantization + the dense path's GEMM.
+        // Plain Candle: the FP8 linear is the device dequantization + the dense path's GEMM (the
+        // MXFP4 linears are that everywhere).
         let plain = |m: &Model| deepseek_v41::cuda::with_plain_candle(|| run(m, &case, &tokens, &dev, &calls));
         let (p_native, p_dense) = (plain(&native)?, plain(&dequantized)?);
         ensure!(bits(&p_native.0)? == bits(&p_dense.0)?, "calls {calls:?}: plain-Candle logits of the two policies differ");
@@ -187,6 +199,9 @@ fn the_embedded_model_loads_strictly_with_native_weights() -> Result<()> {
     let n_fp8 = p.model.linears().iter().filter(|(_, l)| l.weight().fp8().is_some()).count();
     // wq_a, wq_b, wkv, wo_b and the shared expert's 3 of 6 layers, 3 indexer wq_b, 2 Engram wkv.
     ensure!(n_fp8 == 6 * 7 + 3 + 2, "{n_fp8} FP8 linears");
+    // The routed experts' 3 projections, 8 experts in 6 layers.
+    let n_mxfp4 = p.model.linears().iter().filter(|(_, l)| l.weight().mxfp4().is_some()).count();
+    ensure!(n_mxfp4 == 6 * 8 * 3, "{n_mxfp4} MXFP4 linears");
     let d = Pretrained::load_dir_with(&dir, Numerics::REFERENCE, DType::BF16, &dev, QuantizedWeights::Dequantized)?;
     ensure!(d.model.linears().iter().all(|(_, l)| l.weight().dense().is_some()));
     // One prefill of the prompt: the two policies' logits agree.
