@@ -20,7 +20,7 @@
 //!   (heap: tensors and temporaries) and `RssFile` (pages of the memory-mapped checkpoint)
 //!   sampled every millisecond by a second thread during the load;
 //! * **held**: the bytes of the model's linears (`Model::linears`, `LinearWeight::bytes`: dense,
-//!   or FP8 codes plus scales where kept as stored), routed experts among them, plus the other
+//!   or FP8 / MXFP4 codes plus scales where kept as stored), routed experts among them, plus the other
 //!   weights computed from the checkpoint (embedding in the activation dtype, grouped `wo_a` in
 //!   the linears' dtype, Engram tables bf16, norms / mHC / router / sinks f32);
 //! * **device** (CUDA, feature `cuda`): `total − free` (`cuMemGetInfo`) before and after loading
@@ -284,13 +284,14 @@ fn main() -> Result<()> {
         gb(read) / secs
     );
 
-    let (mut dense, mut fp8, mut experts) = (0u64, 0u64, 0u64);
+    let (mut dense, mut fp8, mut mxfp4, mut experts) = (0u64, 0u64, 0u64, 0u64);
     let mut linear_names = HashSet::new();
     for (name, linear) in model.model.linears() {
         let b = linear.weight().bytes() as u64;
         match linear.weight() {
             LinearWeight::Fp8(_) => fp8 += b,
-            _ => dense += b,
+            LinearWeight::Mxfp4(_) => mxfp4 += b,
+            LinearWeight::Dense(_) => dense += b,
         }
         if name.contains(".ffn.experts.") {
             experts += b;
@@ -298,14 +299,15 @@ fn main() -> Result<()> {
         linear_names.insert(format!("{name}.weight"));
     }
     let other = other_bytes(&ckpt, &linear_names, dtype, &device)?;
-    let held = dense + fp8 + other;
+    let held = dense + fp8 + mxfp4 + other;
     println!(
-        "held   {:.3} GB = linears {:.3} GB (dense {:.3}, FP8 as stored {:.3}; routed experts {:.3}) + other weights {:.3} GB; \
-         {:.2} x stored",
+        "held   {:.3} GB = linears {:.3} GB (dense {:.3}, FP8 as stored {:.3}, MXFP4 as stored {:.3}; routed experts {:.3}) + \
+         other weights {:.3} GB; {:.2} x stored",
         gb(held),
-        gb(dense + fp8),
+        gb(dense + fp8 + mxfp4),
         gb(dense),
         gb(fp8),
+        gb(mxfp4),
         gb(experts),
         gb(other),
         held as f64 / stored as f64

@@ -106,7 +106,7 @@ fn dequantize_every_byte_under_every_scale() -> Result<()> {
 }
 
 /// Random codes over edge shapes (K = 32, N = 1, N = 1 with a long row, odd N) and a V4.1-Flash
-/// expert projection (`w1` `[2304, 5120]`... and its `w2` `[5120, 2304]`), with extreme scales;
+/// expert projection (`w1` / `w3` `[2304, 5120]`, `w2` `[5120, 2304]`), with extreme scales;
 /// and code views whose first byte is not 16-byte aligned (the byte-load path) or is a whole row
 /// further (the vector path with an offset).
 #[test]
