@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
 
 /// The stream candle enqueues this storage's work on, with its context bound to the calling
@@ -132,4 +132,37 @@ pub(crate) fn aligned_rows(x: &candle_core::Tensor) -> Result<candle_core::Tenso
     } else {
         c.copy()
     }
+}
+
+/// Runs a packed-weight dequantization kernel: `codes` and `scales` (u8, contiguous, on one CUDA
+/// device) into a fresh `[n, k]` f32 or bf16 tensor. `launch(codes, scales, out, out_f32, stream)`
+/// fills the kernel's parameter block and returns its status; it must write every output element.
+/// Shared by the FP8 and MXFP4 weights (`fp8_dequantize_device`, `mxfp4_dequantize_device`).
+pub(crate) fn dequant_launch(
+    op: &str,
+    codes: &Tensor,
+    scales: &Tensor,
+    (n, k): (usize, usize),
+    dtype: DType,
+    launch: impl FnOnce(*const u8, *const u8, *mut c_void, bool, *mut c_void) -> i32,
+) -> Result<Tensor> {
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        candle_core::bail!("{op}: dtype must be f32 or bf16, got {dtype:?}")
+    }
+    let (cs, cl) = codes.storage_and_layout();
+    let (ss, sl) = scales.storage_and_layout();
+    let (cc, sc) = (as_cuda(&cs, "codes")?, as_cuda(&ss, "scales")?);
+    let cdev = cc.device.clone();
+    let stream = stream_for(cc)?;
+    let is_f32 = dtype == DType::F32;
+    let mut out = float_alloc(&cdev, n * k, is_f32)?;
+    {
+        let out_layout = Layout::contiguous((n, k));
+        let (c_p, _gc) = read_ptr::<u8>(cc, cl, &stream)?;
+        let (s_p, _gs) = read_ptr::<u8>(sc, sl, &stream)?;
+        let (o_p, _go) = float_write_ptr(&mut out, &out_layout, is_f32, &stream)?;
+        super::ffi::check_status(op, launch(c_p, s_p, o_p, is_f32, raw_stream(&stream)))?;
+    }
+    drop((cs, ss));
+    Ok(cuda_tensor(out, (n, k)))
 }

@@ -18,7 +18,7 @@ use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
 use candle_core::{DType, Layout, Result, Tensor};
 use half::bf16;
 
-use super::device::{as_cuda, cuda_tensor, float_alloc, float_write_ptr, raw_stream, read_ptr, stream_for};
+use super::device::{as_cuda, cuda_tensor, dequant_launch, float_alloc, float_write_ptr, raw_stream, read_ptr, stream_for};
 use super::ffi::{self, check_status, Fp8DequantParams, Fp8LinearParams};
 use crate::quant::{fp8_activation_quant, Fp8Weight};
 
@@ -173,29 +173,11 @@ fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool,
 /// The weight `[N, K]` dequantized on its CUDA device into f32 or bf16 (one kernel; bit for bit
 /// [`Fp8Weight::dequantize`]'s host computation, see there for bf16 exactness).
 pub fn fp8_dequantize_device(w: &Fp8Weight, dtype: DType) -> Result<Tensor> {
-    let op = "fp8_dequantize_device";
-    if !matches!(dtype, DType::F32 | DType::BF16) {
-        candle_core::bail!("{op}: dtype must be f32 or bf16, got {dtype:?}")
-    }
     let (n, k) = w.dims();
-    let (cs, cl) = w.codes().storage_and_layout();
-    let (ss, sl) = w.scales().storage_and_layout();
-    let (cc, sc) = (as_cuda(&cs, "codes")?, as_cuda(&ss, "scales")?);
-    let cdev = cc.device.clone();
-    let stream = stream_for(cc)?;
-    let is_f32 = dtype == DType::F32;
-    let mut out = float_alloc(&cdev, n * k, is_f32)?;
-    {
-        let out_layout = Layout::contiguous((n, k));
-        let (c_p, _gc) = read_ptr::<u8>(cc, cl, &stream)?;
-        let (s_p, _gs) = read_ptr::<u8>(sc, sl, &stream)?;
-        let (o_p, _go) = float_write_ptr(&mut out, &out_layout, is_f32, &stream)?;
-        let params = Fp8DequantParams { codes: c_p, scales: s_p, out: o_p, n: n as i32, k: k as i32, out_f32: is_f32 as i32, reserved: 0 };
+    dequant_launch("fp8_dequantize_device", w.codes(), w.scales(), (n, k), dtype, |codes, scales, out, out_f32, stream| {
+        let params = Fp8DequantParams { codes, scales, out, n: n as i32, k: k as i32, out_f32: out_f32 as i32, reserved: 0 };
         // SAFETY: codes / scales are read-locked and contiguous with the weight's shapes; out is
         // a fresh [n, k] buffer of the flagged dtype, written in full; the launcher checks counts.
-        let code = unsafe { ffi::dsv41_fp8_dequant(&params, std::mem::size_of::<Fp8DequantParams>(), raw_stream(&stream)) };
-        check_status(op, code)?;
-    }
-    drop((cs, ss));
-    Ok(cuda_tensor(out, (n, k)))
+        unsafe { ffi::dsv41_fp8_dequant(&params, std::mem::size_of::<Fp8DequantParams>(), stream) }
+    })
 }

@@ -6,41 +6,23 @@
 //! dense path's cuBLAS matmul over the bf16 scratch, until a grouped expert kernel computes with
 //! the packed codes.
 
-use candle_core::{DType, Layout, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
-use super::device::{as_cuda, cuda_tensor, float_alloc, float_write_ptr, raw_stream, read_ptr, stream_for};
-use super::ffi::{self, check_status, Mxfp4DequantParams};
+use super::device::dequant_launch;
+use super::ffi::{self, Mxfp4DequantParams};
 use crate::quant::Mxfp4Weight;
 
 /// The weight `[N, K]` dequantized on its CUDA device into f32 or bf16 (one kernel; bit for bit
 /// [`Mxfp4Weight::dequantize`]'s host computation — exact in both dtypes, code 8 as `+0`, scale
 /// byte 255 as the host's NaN). Errors (never panics) on another dtype or a weight off CUDA.
 pub fn mxfp4_dequantize_device(w: &Mxfp4Weight, dtype: DType) -> Result<Tensor> {
-    let op = "mxfp4_dequantize_device";
-    if !matches!(dtype, DType::F32 | DType::BF16) {
-        candle_core::bail!("{op}: dtype must be f32 or bf16, got {dtype:?}")
-    }
     let (n, k) = w.dims();
-    let (cs, cl) = w.codes().storage_and_layout();
-    let (ss, sl) = w.scales().storage_and_layout();
-    let (cc, sc) = (as_cuda(&cs, "codes")?, as_cuda(&ss, "scales")?);
-    let cdev = cc.device.clone();
-    let stream = stream_for(cc)?;
-    let is_f32 = dtype == DType::F32;
-    let mut out = float_alloc(&cdev, n * k, is_f32)?;
-    {
-        let out_layout = Layout::contiguous((n, k));
-        let (c_p, _gc) = read_ptr::<u8>(cc, cl, &stream)?;
-        let (s_p, _gs) = read_ptr::<u8>(sc, sl, &stream)?;
-        let (o_p, _go) = float_write_ptr(&mut out, &out_layout, is_f32, &stream)?;
+    dequant_launch("mxfp4_dequantize_device", w.codes(), w.scales(), (n, k), dtype, |codes, scales, out, out_f32, stream| {
         // `Mxfp4Weight::new` checked n, k >= 1, k % 32 == 0 and both within i32.
-        let params = Mxfp4DequantParams { codes: c_p, scales: s_p, out: o_p, n: n as i32, k: k as i32, out_f32: is_f32 as i32, reserved: 0 };
+        let params = Mxfp4DequantParams { codes, scales, out, n: n as i32, k: k as i32, out_f32: out_f32 as i32, reserved: 0 };
         // SAFETY: codes / scales are read-locked and contiguous with the weight's shapes ([n, k/2],
         // [n, k/32]); out is a fresh [n, k] buffer of the flagged dtype, written in full; the
         // launcher checks the counts and picks vector accesses only for aligned pointers.
-        let code = unsafe { ffi::dsv41_mxfp4_dequant(&params, std::mem::size_of::<Mxfp4DequantParams>(), raw_stream(&stream)) };
-        check_status(op, code)?;
-    }
-    drop((cs, ss));
-    Ok(cuda_tensor(out, (n, k)))
+        unsafe { ffi::dsv41_mxfp4_dequant(&params, std::mem::size_of::<Mxfp4DequantParams>(), stream) }
+    })
 }
