@@ -375,4 +375,6 @@ extern "C" {
     pub(crate) fn dsv41_fp8_linear_scratch_bytes(p: *const Fp8LinearParams, params_size: usize, bytes: *mut i64) -> i32;
     pub(crate) fn dsv41_fp8_linear(p: *const Fp8LinearParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_fp8_dequant(p: *const Fp8DequantParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_fp8_gemm_scratch_bytes(p: *const Fp8LinearParams, params_size: usize, bytes: *mut i64) -> i32;
+    pub(crate) fn dsv41_fp8_gemm(p: *const Fp8LinearParams, params_size: usize, stream: *mut c_void) -> i32;
 }
