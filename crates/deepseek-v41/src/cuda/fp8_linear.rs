@@ -4,7 +4,7 @@
 //! on, f32 accumulation, bf16 output) up to the order of the f32 summation
 //! (`tests/cuda_fp8_linear.rs`).
 //!
-//! Two paths ([`Fp8LinearPath`]):
+//! Three paths ([`Fp8LinearPath`]):
 //! * `Stream` (m <= [`FP8_STREAM_MAX_M`], [`Fp8StreamVariant`]): the weight-streaming kernel — every weight byte read
 //!   once from HBM into registers, tensor-core products with the block scales applied in f32
 //!   (design in the kernel's header comment). Decode and small prefills.
