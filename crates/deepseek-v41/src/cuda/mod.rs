@@ -29,8 +29,7 @@
 //!   CUDA device (the decode step of a small model is launch-bound).
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS or the FP8 wgmma GEMM for
-//!   large m), and
-//!   [`fp8_dequantize_device`].
+//!   large m), and [`fp8_dequantize_device`].
 //! * [`moe_route_device`]: the MoE router's decision (sqrt-softplus scores, biased top-k, weights)
 //!   and the slots sorted by expert for a grouped expert kernel, from the `[T, E]` logits, all on
 //!   the device ([`crate::model::moe_route_ref`] is its CPU reference); `model::Gate::route` uses
