@@ -13,6 +13,8 @@
 //!   else dequantize + cuBLAS);
 //! * `fp8 stream (pipeline | registers)`: the streaming kernel's variants forced (up to m = 256);
 //! * `fp8 dequant+cuBLAS`: that path forced (m = 64 .. 256);
+//! * `fp8 gemm (wgmma)`: the FP8 wgmma GEMM forced (m >= 64; with `--no-act-quant` it falls back
+//!   to dequantize + cuBLAS);
 //! * `bf16 linear`: today's `nn::Linear` forward over the bf16 dequantized weight;
 //! * `dequant only`: the dequantization kernel alone (FP8 -> bf16 scratch).
 //!
@@ -157,6 +159,13 @@ fn main() -> Result<()> {
                     })?;
                     print(&Row { shape: name, m, what, graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
                 }
+            }
+            if m >= 64 {
+                let (g, _) = time(&timer, sets, false, |s| {
+                    fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Gemm, ..Default::default() })?;
+                    Ok(())
+                })?;
+                print(&Row { shape: name, m, what: "fp8 gemm (wgmma)", graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
             }
             if (64..=FP8_STREAM_MAX_M).contains(&m) {
                 let (g, _) = time(&timer, sets, false, |s| {

@@ -4,8 +4,10 @@
 //! bytes around 2^0 plus the extremes 0..3, 200, 253, 254 (and 255 = NaN), activation blocks from
 //! below the 1e-4 amax floor up to 2^100 — for m = 1, 2, 63, 64, 65, 200, 256, 4097, k not a
 //! multiple of 32 / 8 / the 4-warp step, n not a multiple of 32, both paths (weight streaming,
-//! dequantize + cuBLAS), forced split-K factors, act quant on and off; outputs allocated over
-//! NaN-poisoned memory; the exact dequantization kernel bit for bit against the host; the errors.
+//! dequantize + cuBLAS), forced split-K factors, act quant on and off; the FP8 wgmma GEMM over m,
+//! n, k around its tiles, the scale extremes, NaN scales and two runs bit for bit; outputs
+//! allocated over NaN-poisoned memory; the exact dequantization kernel bit for bit against the
+//! host; the errors.
 //!
 //! Tolerance: the kernel sums in another order than the CPU (tensor-core k16 steps, then per
 //! 32-block f32 FFMAs, warps and splits), so a bf16 output may differ by one ulp where the f32
@@ -383,5 +385,83 @@ fn errors() -> Result<()> {
     ensure!(y.dims() == [0, 64], "{:?}", y.shape());
     // The dequantization's dtype.
     ensure!(fp8_dequantize_device(&wg, DType::F16).is_err(), "f16 dequantization accepted");
+    Ok(())
+}
+
+/// The FP8 wgmma GEMM (`Fp8LinearPath::Gemm`, `kernels/fp8_gemm.cu`) against the reference: m
+/// around its 128-token tiles and 64-token warpgroup halves, n around its 128-row tiles and 32-row
+/// scale blocks, k from one 128-byte stage to 64 stages.
+#[test]
+fn gemm_matches_reference() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0007);
+    let gemm = [Fp8LinearPath::Gemm];
+    let mut sum = Diff::default();
+    let mut shapes = Vec::new();
+    for m in [1usize, 63, 64, 65, 128, 129] {
+        for n in [32usize, 100, 128, 1000] {
+            for k in [128usize, 256, 1280, 8192] {
+                shapes.push((m, n, k));
+            }
+        }
+    }
+    // m = 4097: 33 token tiles, the last with one row.
+    shapes.extend([(4097, 100, 128), (4097, 1000, 1280), (4097, 128, 8192)]);
+    for (m, n, k) in shapes {
+        let w = weight(&mut rng, n, k, Scales::Typical)?;
+        let x = acts(&mut rng, m, k, Acts::Typical)?;
+        let d = check(&dev, &x, &w, true, &gemm, 0, "gemm")?;
+        ensure!(d.one_ulp + d.beyond <= d.total / 50 + 1, "m {m} n {n} k {k}: more than 2 % of outputs differ: {d:?}");
+        sum.total += d.total;
+        sum.one_ulp += d.one_ulp;
+        sum.beyond += d.beyond;
+    }
+    report("gemm over shapes", sum);
+    // Where the GEMM does not apply (act quant off; K not a multiple of 128) the path dequantizes.
+    for (m, n, k, act_quant) in [(70, 64, 256, false), (70, 64, 160, true), (3, 40, 96, true)] {
+        let w = weight(&mut rng, n, k, Scales::Typical)?;
+        let x = acts(&mut rng, m, k, Acts::Typical)?;
+        check(&dev, &x, &w, act_quant, &gemm, 0, "gemm fallback")?;
+    }
+    Ok(())
+}
+
+/// The GEMM with the scale extremes of `extreme_scales`, a NaN scale block, and two runs bit for
+/// bit equal.
+#[test]
+fn gemm_extremes_and_determinism() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0008);
+    let gemm = [Fp8LinearPath::Gemm];
+    let cases = [(Scales::Tiny, Acts::Typical), (Scales::Huge, Acts::Small), (Scales::Typical, Acts::Huge), (Scales::WithNan, Acts::Typical)];
+    for (scales, a) in cases {
+        let mut sum = Diff::default();
+        for &(m, n, k) in &[(1, 64, 256), (129, 70, 640), (64, 32, 2048), (200, 300, 1280)] {
+            let w = weight(&mut rng, n, k, scales)?;
+            let x = acts(&mut rng, m, k, a)?;
+            let d = check(&dev, &x, &w, true, &gemm, 0, &format!("gemm {scales:?}/{a:?}"))?;
+            sum.total += d.total;
+            sum.one_ulp += d.one_ulp;
+            sum.beyond += d.beyond;
+        }
+        report(&format!("gemm extremes {scales:?} weights, {a:?} activations"), sum);
+    }
+    // NaN scale: block (0, 0) poisons columns 0..32 of every token (both token tiles), the
+    // others stay finite.
+    let w = weight(&mut rng, 64, 128, Scales::WithNan)?;
+    let x = acts(&mut rng, 130, 128, Acts::Typical)?;
+    let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+    let opts = Fp8LinearOptions { path: Fp8LinearPath::Gemm, ..Default::default() };
+    poison(&dev, 1 << 20)?;
+    let y = fp8_linear_with(&x.to_device(&dev)?, &wg, true, opts)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    ensure!(y.iter().all(|r| r[..32].iter().all(|v| v.is_nan()) && r[32..].iter().all(|v| v.is_finite())), "gemm: NaN scale not propagated as the reference does");
+    // Determinism: a multi-tile shape twice, poisoned memory in between.
+    let w = weight(&mut rng, 1000, 1280, Scales::Typical)?;
+    let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+    let xg = acts(&mut rng, 300, 1280, Acts::Typical)?.to_device(&dev)?;
+    let a = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    poison(&dev, 1 << 22)?;
+    let b = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    ensure!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "gemm: two runs differ");
     Ok(())
 }

@@ -47,6 +47,13 @@ int dsv41_fp8_linear_scratch_bytes(const Dsv41Fp8LinearParams* p, size_t params_
 // x): the weight-streaming kernel (decode and small prefills).
 int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_size, void* stream);
 
+// The large-m FP8 GEMM (kernels/fp8_gemm.cu, wgmma m64n128k32 e4m3): the same parameter block,
+// splits and variant ignored (0). Needs act_quant = 1 and k a multiple of 128 (else
+// DSV41_ERR_SHAPE: the caller dequantizes instead), any m >= 1 and n >= 1; x 16-byte, codes
+// 16-byte, scales 4-byte and out 4-byte aligned (else DSV41_ERR_ALIGNMENT).
+int dsv41_fp8_gemm_scratch_bytes(const Dsv41Fp8LinearParams* p, size_t params_size, int64_t* bytes);
+int dsv41_fp8_gemm(const Dsv41Fp8LinearParams* p, size_t params_size, void* stream);
+
 typedef struct {
     const uint8_t* codes;   // [n, k] e4m3fn bytes, contiguous
     const uint8_t* scales;  // [ceil(n/32), ceil(k/32)] e8m0 bytes, contiguous

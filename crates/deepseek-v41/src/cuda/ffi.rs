@@ -375,6 +375,8 @@ extern "C" {
     pub(crate) fn dsv41_fp8_linear_scratch_bytes(p: *const Fp8LinearParams, params_size: usize, bytes: *mut i64) -> i32;
     pub(crate) fn dsv41_fp8_linear(p: *const Fp8LinearParams, params_size: usize, stream: *mut c_void) -> i32;
     pub(crate) fn dsv41_fp8_dequant(p: *const Fp8DequantParams, params_size: usize, stream: *mut c_void) -> i32;
+    pub(crate) fn dsv41_fp8_gemm_scratch_bytes(p: *const Fp8LinearParams, params_size: usize, bytes: *mut i64) -> i32;
+    pub(crate) fn dsv41_fp8_gemm(p: *const Fp8LinearParams, params_size: usize, stream: *mut c_void) -> i32;
 }
 
 /// `Dsv41Mxfp4DequantParams` of `kernels/include/dsv41_mxfp4.h`.

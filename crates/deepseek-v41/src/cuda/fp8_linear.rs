@@ -4,13 +4,16 @@
 //! on, f32 accumulation, bf16 output) up to the order of the f32 summation
 //! (`tests/cuda_fp8_linear.rs`).
 //!
-//! Two paths ([`Fp8LinearPath`]):
+//! Three paths ([`Fp8LinearPath`]):
 //! * `Stream` (m <= [`FP8_STREAM_MAX_M`], [`Fp8StreamVariant`]): the weight-streaming kernel — every weight byte read
 //!   once from HBM into registers, tensor-core products with the block scales applied in f32
 //!   (design in the kernel's header comment). Decode and small prefills.
 //! * `Dequant`: the weight dequantized into a bf16 scratch by one kernel, then Candle's cuBLAS
 //!   bf16 matmul over the activation-quantized input (today's [`crate::nn::Linear`] on CUDA,
-//!   with the weight at rest in FP8). Large prefills, until an FP8 `wgmma` kernel replaces it.
+//!   with the weight at rest in FP8). Large prefills.
+//! * `Gemm` (`kernels/fp8_gemm.cu`): an FP8 `wgmma` GEMM over the activation-quantized input
+//!   with the block scales applied per k32 block in f32; needs the activation quantization and K
+//!   a multiple of 128 (else `Dequant`). Large prefills; explicit only until measured.
 //!
 //! [`fp8_linear`] picks the path by m; [`fp8_linear_with`] forces one (tests, benchmarks).
 
@@ -53,6 +56,9 @@ pub enum Fp8LinearPath {
     Stream,
     /// Dequantize into a bf16 scratch, then cuBLAS.
     Dequant,
+    /// The FP8 `wgmma` GEMM (any m); `Dequant` where it does not apply (activation quantization
+    /// off, or K not a multiple of 128).
+    Gemm,
 }
 
 /// Options of [`fp8_linear_with`].
@@ -95,12 +101,16 @@ pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8Line
     if m == 0 {
         return Tensor::zeros((0, n), DType::BF16, x.device());
     }
-    let stream = match opts.path {
-        Fp8LinearPath::Auto => m <= FP8_AUTO_STREAM_MAX_M,
-        Fp8LinearPath::Stream => true,
-        Fp8LinearPath::Dequant => false,
+    let kernel = match opts.path {
+        Fp8LinearPath::Auto if m <= FP8_AUTO_STREAM_MAX_M => Kernel::Stream,
+        Fp8LinearPath::Stream => Kernel::Stream,
+        Fp8LinearPath::Gemm if act_quant && k.is_multiple_of(128) => Kernel::Gemm,
+        Fp8LinearPath::Auto | Fp8LinearPath::Dequant | Fp8LinearPath::Gemm => Kernel::Dequant,
     };
-    if !stream {
+    if kernel == Kernel::Gemm {
+        return launch(op, &x.contiguous()?, w, m, act_quant, opts, Kernel::Gemm);
+    }
+    if kernel == Kernel::Dequant {
         let xq = if act_quant { fp8_activation_quant(x)? } else { x.clone() };
         let wd = fp8_dequantize_device(w, DType::BF16)?;
         return xq.matmul(&wd.t()?);
@@ -108,11 +118,24 @@ pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8Line
     if m > FP8_STREAM_MAX_M {
         candle_core::bail!("{op}: the streaming kernel takes M <= {FP8_STREAM_MAX_M}, got {m}")
     }
-    stream_launch(op, &x.contiguous()?, w, m, act_quant, opts)
+    launch(op, &x.contiguous()?, w, m, act_quant, opts, Kernel::Stream)
 }
 
-fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: Fp8LinearOptions) -> Result<Tensor> {
+/// The kernel a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    Stream,
+    Gemm,
+    Dequant,
+}
+
+/// Launches the streaming kernel or the GEMM (same parameter block and scratch protocol).
+fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: Fp8LinearOptions, kernel: Kernel) -> Result<Tensor> {
+    let gemm = kernel == Kernel::Gemm;
     let (n, k) = w.dims();
+    if [m, n, k].iter().any(|&d| d > i32::MAX as usize - 128) {
+        candle_core::bail!("{op}: dimensions must stay below 2^31 - 128, got m {m}, n {n}, k {k}")
+    }
     let mut params = Fp8LinearParams {
         x: std::ptr::null(),
         codes: std::ptr::null(),
@@ -124,16 +147,25 @@ fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool,
         n: n as i32,
         k: k as i32,
         act_quant: act_quant as i32,
-        splits: opts.splits.min(i32::MAX as usize) as i32,
+        splits: if gemm { 0 } else { opts.splits.min(i32::MAX as usize) as i32 },
         variant: match opts.variant {
+            _ if gemm => 0,
             Fp8StreamVariant::Auto => 0,
             Fp8StreamVariant::Registers => 1,
             Fp8StreamVariant::Pipeline => 2,
         },
     };
     let mut bytes = 0i64;
+    let size = std::mem::size_of::<Fp8LinearParams>();
     // SAFETY: the launcher reads the parameter block (its size is passed) and writes `bytes`.
-    check_status(op, unsafe { ffi::dsv41_fp8_linear_scratch_bytes(&params, std::mem::size_of::<Fp8LinearParams>(), &mut bytes) })?;
+    let code = unsafe {
+        if gemm {
+            ffi::dsv41_fp8_gemm_scratch_bytes(&params, size, &mut bytes)
+        } else {
+            ffi::dsv41_fp8_linear_scratch_bytes(&params, size, &mut bytes)
+        }
+    };
+    check_status(op, code)?;
 
     let (xs, xl) = x.storage_and_layout();
     let (cs, cl) = w.codes().storage_and_layout();
@@ -163,7 +195,13 @@ fn stream_launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool,
         // contiguous with the weight's shapes; out is a fresh [m, n] bf16 buffer; the scratch
         // holds the bytes the launcher asked for; the launcher checks sizes and alignment; the
         // guards order the launches on the stream.
-        let code = unsafe { ffi::dsv41_fp8_linear(&params, std::mem::size_of::<Fp8LinearParams>(), raw_stream(&stream)) };
+        let code = unsafe {
+            if gemm {
+                ffi::dsv41_fp8_gemm(&params, size, raw_stream(&stream))
+            } else {
+                ffi::dsv41_fp8_linear(&params, size, raw_stream(&stream))
+            }
+        };
         check_status(op, code)?;
     }
     drop((xs, cs, ss));

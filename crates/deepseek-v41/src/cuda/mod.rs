@@ -28,8 +28,8 @@
 //!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
 //!   CUDA device (the decode step of a small model is launch-bound).
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
-//!   release format (weight streaming for small m, dequantize + cuBLAS for large m), and
-//!   [`fp8_dequantize_device`].
+//!   release format (weight streaming for small m, dequantize + cuBLAS or the FP8 wgmma GEMM for
+//!   large m), and [`fp8_dequantize_device`].
 //! * [`mxfp4_dequantize_device`]: the exact dequantization of an [`crate::quant::Mxfp4Weight`]
 //!   (the routed experts, packed e2m1 codes + e8m0 scales kept on the device), which every
 //!   product of an MXFP4 linear runs before the dense path's matmul.
