@@ -131,7 +131,23 @@ struct Diff {
 
 /// Compares bf16 `got` (any device) with `want` (CPU) element by element: equal bits (NaN
 /// matching NaN), one ulp, or a difference <= 2^-14 of `absdot` (the sum of |products|).
-fn compare(got: &Tensor, want: &Tensor, absdot: &[f32], what: &str) -> Result<Diff> {
+/// The error a path may add beyond one bf16 ulp, as a fraction of the sum of |products|: f32
+/// summation order only (2^-14) for the streaming kernels and cuBLAS. The FP8 wgmma GEMM sums each
+/// k32 block's 32 products inside the tensor core, whose FP8 accumulation aligns them to the
+/// largest and keeps about 13-14 bits (DeepSeek-V3 technical report §3.3.2): up to 2^-13 of the
+/// largest product lost per product, so 32 · 2^-13 = 2^-8 of the block's |products| sum in the
+/// worst case (measured on an H100: up to 2^-11.6). The reference's own FP8 GEMM (docs/spec §2.5)
+/// has the same property.
+fn error_bound(path: Fp8LinearPath) -> f32 {
+    if path == Fp8LinearPath::Gemm {
+        2f32.powi(-8)
+    } else {
+        2f32.powi(-14)
+    }
+}
+
+/// `bound`: the allowed |got - want| beyond one bf16 ulp, as a fraction of the sum of |products|.
+fn compare(got: &Tensor, want: &Tensor, absdot: &[f32], bound: f32, what: &str) -> Result<Diff> {
     ensure!(got.dims() == want.dims() && got.dtype() == DType::BF16, "{what}: got {:?} {:?}, want {:?}", got.shape(), got.dtype(), want.shape());
     let g = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let w = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -147,7 +163,7 @@ fn compare(got: &Tensor, want: &Tensor, absdot: &[f32], what: &str) -> Result<Di
         } else {
             d.beyond += 1;
             ensure!(
-                (a - b).abs() <= absdot[i] * 2f32.powi(-14),
+                (a - b).abs() <= absdot[i] * bound,
                 "{what}: element {i} (row {}, col {}): got {a:e}, want {b:e}, sum of |products| {:e}",
                 i / want.dims()[1],
                 i % want.dims()[1],
@@ -181,7 +197,7 @@ fn check(dev: &Device, x: &Tensor, w: &Fp8Weight, act_quant: bool, paths: &[Fp8L
     for (path, variant) in runs {
         poison(dev, 4 * m * n + 4 * m * k + (1 << 20))?;
         let got = fp8_linear_with(&xg, &wg, act_quant, Fp8LinearOptions { path, splits, variant })?;
-        let d = compare(&got, &want, &absdot, &format!("{what} m={m} n={n} k={k} aq={act_quant} {path:?} {variant:?} splits={splits}"))?;
+        let d = compare(&got, &want, &absdot, error_bound(path), &format!("{what} m={m} n={n} k={k} aq={act_quant} {path:?} {variant:?} splits={splits}"))?;
         sum.total += d.total;
         sum.one_ulp += d.one_ulp;
         sum.beyond += d.beyond;
@@ -191,7 +207,7 @@ fn check(dev: &Device, x: &Tensor, w: &Fp8Weight, act_quant: bool, paths: &[Fp8L
 
 fn report(what: &str, d: Diff) {
     eprintln!(
-        "{what}: {} outputs, {} ({:.4} %) differ by 1 bf16 ulp, {} ({:.4} %) by more (within 2^-14 of the |products| sum)",
+        "{what}: {} outputs, {} ({:.4} %) differ by 1 bf16 ulp, {} ({:.4} %) by more (within the path's bound of the |products| sum)",
         d.total,
         d.one_ulp,
         100.0 * d.one_ulp as f64 / d.total.max(1) as f64,
@@ -411,7 +427,9 @@ fn gemm_matches_reference() -> Result<()> {
         let w = weight(&mut rng, n, k, Scales::Typical)?;
         let x = acts(&mut rng, m, k, Acts::Typical)?;
         let d = check(&dev, &x, &w, true, &gemm, 0, "gemm")?;
-        ensure!(d.one_ulp + d.beyond <= d.total / 50 + 1, "m {m} n {n} k {k}: more than 2 % of outputs differ: {d:?}");
+        // The tensor core's FP8 accumulation moves more roundings by one bf16 ulp than an f32 sum
+        // (3 of 32 outputs at m = 1, n = 32, k = 1280 on an H100): at most 10 % + 2 per shape.
+        ensure!(d.one_ulp + d.beyond <= d.total / 10 + 2, "m {m} n {n} k {k}: more than 10 % of outputs differ: {d:?}");
         sum.total += d.total;
         sum.one_ulp += d.one_ulp;
         sum.beyond += d.beyond;
