@@ -54,10 +54,13 @@
 // from zero here and is promoted to f32 at once); each block sum is scaled by the power of two sa *
 // sw (exact unless it leaves the f32 range) and added in f32 in block order; outputs rounded to
 // bf16 once (RNE). Scale byte 255 gives NaN outputs like the reference. Deterministic: fixed
-// order everywhere, no atomics.
+// order everywhere, no atomics. Against the CPU reference (tests/cuda_fp8_linear.rs, H100): 4.4 %
+// of outputs one bf16 ulp off, 0.66 % more, all within 2^-8 of the |products| sum (the worst case
+// of a block accumulated with ~13 bits).
 //
-// Measured: not yet (bench: examples/bench_fp8_linear.rs, row "fp8 gemm (wgmma)"; figures go to
-// docs/perf.md "FP8 linear").
+// Measured (docs/perf.md "FP8 linear", H100): the fastest FP8 path at m = 256 (wq_b 59.7 us) but
+// 412-445 TFLOP/s at m = 4096: the promotion's FFMAs overlap the products only across the two
+// consumer warpgroups.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <float.h>
