@@ -134,8 +134,9 @@ struct Diff {
 /// The error a path may add beyond one bf16 ulp, as a fraction of the sum of |products|: f32
 /// summation order only (2^-14) for the streaming kernels and cuBLAS. The FP8 wgmma GEMM sums each
 /// k32 block's 32 products inside the tensor core, whose FP8 accumulation aligns them to the
-/// largest and keeps about 13-14 bits (DeepSeek-V3 technical report §3.3.2): up to 2^-13 of the
-/// largest product lost per product, so 32 · 2^-13 = 2^-8 of the block's |products| sum in the
+/// largest and keeps about 13-14 bits (DeepSeek-V3 technical report, "Increasing Accumulation
+/// Precision"): up to 2^-13 of the largest product lost per product, so 32 · 2^-13 = 2^-8 of the
+/// block's |products| sum in the
 /// worst case (measured on an H100: up to 2^-11.6). The reference's own FP8 GEMM (docs/spec §2.5)
 /// has the same property.
 fn error_bound(path: Fp8LinearPath) -> f32 {
