@@ -65,6 +65,7 @@
 #include <cuda_runtime.h>
 #include <float.h>
 
+#include "include/dsv41_fp8.cuh"
 #include "include/dsv41_fp8_linear.h"
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
@@ -74,6 +75,7 @@ namespace dsv41 {
 namespace fp8g {
 
 using namespace dsv41_ptx;
+using fp8::e8m0_f32;
 
 constexpr int BM = 128;          // tokens per tile
 constexpr int BN = 128;          // weight rows per tile
@@ -106,11 +108,6 @@ struct GemmArgs {
     __nv_bfloat16* out;      // [m, n]
     int m, n, k, mpad, nbpad, mt, tiles;
 };
-
-// e8m0 byte -> 2^(b - 127) (b = 0: the subnormal 2^-127; 255: NaN), as kernels/fp8_linear.cu.
-__device__ __forceinline__ float e8m0_f32(uint32_t b) {
-    return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
-}
 
 // min(v, FLT_MAX) with NaN kept (min.NaN): a scale product of 2^128 or more becomes FLT_MAX.
 __device__ __forceinline__ float clamp_scale(float v) {

@@ -6,9 +6,8 @@
 // crate's nn::Linear over the dequantized weight); GPU tests: tests/cuda_fp8_linear.rs.
 //
 // Layout: x [m, k] bf16, codes [n, k] u8, scales [ceil(n/32), ceil(k/32)] u8, out [m, n] bf16,
-// all contiguous row-major. Also here: the exact dequantization W -> bf16 / f32
-// (`dsv41_fp8_dequant`), which the large-m path (Rust side: dequantize into a scratch, then
-// cuBLAS) and Fp8Weight::dequantize use.
+// all contiguous row-major. The exact dequantization W -> bf16 / f32 (the large-m path's first
+// step) is kernels/fp8_dequant.cu; the FP8 wgmma GEMM kernels/fp8_gemm.cu.
 //
 // Design (weight streaming, m <= 256; decode is m <= 64): the weight is read once from HBM and
 // every byte meets all m tokens on the tensor cores.
@@ -58,6 +57,7 @@
 #include <cuda_runtime.h>
 #include <float.h>
 
+#include "include/dsv41_fp8.cuh"
 #include "include/dsv41_fp8_linear.h"
 #include "include/dsv41_launch.cuh"
 #include "include/dsv41_numerics.cuh"
@@ -68,18 +68,6 @@ namespace fp8 {
 constexpr int kThreads = 128;   // 4 warps per CTA
 constexpr int kMinBlocksPerSplit = 16;
 constexpr int kPrepThreads = 256;
-
-// e8m0 byte -> 2^(b - 127) (b = 0: the subnormal 2^-127; 255: NaN).
-__device__ __forceinline__ float e8m0_f32(uint32_t b) {
-    return __uint_as_float(b == 0 ? 0x00400000u : (b == 255 ? 0x7fc00000u : b << 23));
-}
-
-// Two e4m3 codes (low / high byte of h) -> f16x2 (low half from the low byte); exact.
-__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint16_t h) {
-    uint32_t d;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(h));
-    return d;
-}
 
 // Two e4m3 codes -> bf16x2 (through f16 and f32, all exact).
 __device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint16_t h) {
@@ -580,48 +568,6 @@ __global__ void __launch_bounds__(kPrepThreads) fp8_prep_kernel(const __nv_bfloa
     panel[static_cast<int64_t>(row) * kpad + kk] = out;
 }
 
-// Exact dequantization, 8 codes per thread (VEC: k % 8 == 0, aligned) or one.
-template <bool F32, bool VEC>
-__global__ void __launch_bounds__(256) fp8_dequant_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, void* out,
-                                                          int n, int k) {
-    constexpr int E = VEC ? 8 : 1;
-    const int64_t i = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) * E;
-    if (i >= static_cast<int64_t>(n) * k) return;
-    const int r = static_cast<int>(i / k), c = static_cast<int>(i % k);
-    const int kbn = (k + 31) / 32;
-    const float sc = e8m0_f32(__ldg(scales + static_cast<int64_t>(r / 32) * kbn + c / 32));
-    uint2 w = make_uint2(0u, 0u);
-    if constexpr (VEC) w = __ldg(reinterpret_cast<const uint2*>(codes + i));
-    else w.x = codes[i];
-    float v[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const uint32_t byte = ((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 0xffu;
-        const uint32_t h = e4m3x2_f16x2(static_cast<uint16_t>(byte));
-        // + 0: a stored -0 dequantizes to +0 (loader::dequant_fp8_block32).
-        v[e] = __fadd_rn(__fmul_rn(__half2float(__ushort_as_half(static_cast<uint16_t>(h & 0xffffu))), sc), 0.0f);
-    }
-    if constexpr (F32) {
-        float* o = static_cast<float*>(out) + i;
-#pragma unroll
-        for (int e = 0; e < E; ++e) o[e] = v[e];
-    } else {
-        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(out) + i;
-        if constexpr (VEC) {
-            uint4 w;
-            uint32_t* wp = reinterpret_cast<uint32_t*>(&w);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const __nv_bfloat162 p = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
-                wp[e] = *reinterpret_cast<const uint32_t*>(&p);
-            }
-            *reinterpret_cast<uint4*>(o) = w;
-        } else {
-            o[0] = __float2bfloat16_rn(v[0]);
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------- launchers
 
 struct Plan {
@@ -805,26 +751,4 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     if (e != cudaSuccess) return static_cast<int>(e);
     e = p->act_quant ? launch_stream_nt<true>(a, q, kind, st) : launch_stream_nt<false>(a, q, kind, st);
     return static_cast<int>(e);
-}
-
-extern "C" int dsv41_fp8_dequant(const Dsv41Fp8DequantParams* p, size_t params_size, void* stream) {
-    using namespace dsv41::fp8;
-    if (params_size != sizeof(Dsv41Fp8DequantParams)) return DSV41_ERR_PARAMS_SIZE;
-    if (p->n < 1 || p->k < 1) return DSV41_ERR_SHAPE;
-    if (!p->codes || !p->scales || !p->out) return DSV41_ERR_NULL;
-    const int64_t total = static_cast<int64_t>(p->n) * p->k;
-    const bool vec = p->k % 8 == 0 && (reinterpret_cast<uintptr_t>(p->codes) & 7) == 0 &&
-                     (reinterpret_cast<uintptr_t>(p->out) & (p->out_f32 ? 3 : 15)) == 0;
-    const int64_t threads = vec ? total / 8 : total;
-    if ((threads + 255) / 256 >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
-    const unsigned blocks = static_cast<unsigned>((threads + 255) / 256);
-    cudaStream_t st = static_cast<cudaStream_t>(stream);
-    if (p->out_f32) {
-        if (vec) fp8_dequant_kernel<true, true><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
-        else fp8_dequant_kernel<true, false><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
-    } else {
-        if (vec) fp8_dequant_kernel<false, true><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
-        else fp8_dequant_kernel<false, false><<<blocks, 256, 0, st>>>(p->codes, p->scales, p->out, p->n, p->k);
-    }
-    return static_cast<int>(cudaGetLastError());
 }
