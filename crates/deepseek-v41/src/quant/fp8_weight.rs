@@ -102,12 +102,25 @@ impl Fp8Weight {
         if self.device().is_cuda() && matches!(dtype, DType::F32 | DType::BF16) {
             return crate::cuda::fp8_dequantize_device(self, dtype);
         }
-        let (n, k) = self.dims();
-        let codes = self.codes.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
-        let scales = self.scales.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
-        let w = dequant_fp8_block32(&codes, &scales, n, k).map_err(candle_core::Error::wrap)?;
-        Tensor::from_vec(w, (n, k), &Device::Cpu)?.to_dtype(dtype)?.to_device(self.device())
+        host_dequantize(&self.codes, &self.scales, self.dims(), dtype, dequant_fp8_block32)
     }
+}
+
+/// The host path of a packed weight's `dequantize`: `codes` and `scales` (u8, any device) read to
+/// the host, decoded by the loader's `decode(codes, scales, n, k)` into f32 `[n, k]`, cast to
+/// `dtype` and moved back to the weight's device. Shared by [`Fp8Weight`] and
+/// [`crate::quant::Mxfp4Weight`].
+pub(crate) fn host_dequantize<E: std::error::Error + Send + Sync + 'static>(
+    codes: &Tensor,
+    scales: &Tensor,
+    (n, k): (usize, usize),
+    dtype: DType,
+    decode: impl FnOnce(&[u8], &[u8], usize, usize) -> std::result::Result<Vec<f32>, E>,
+) -> Result<Tensor> {
+    let c = codes.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
+    let s = scales.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
+    let w = decode(&c, &s, n, k).map_err(candle_core::Error::wrap)?;
+    Tensor::from_vec(w, (n, k), &Device::Cpu)?.to_dtype(dtype)?.to_device(codes.device())
 }
 
 /// The reference FP8 linear: `x` `[M, K]` (bf16 or f32) times the dequantized `w` transposed,

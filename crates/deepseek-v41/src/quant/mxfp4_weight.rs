@@ -120,11 +120,7 @@ impl Mxfp4Weight {
         if self.device().is_cuda() && matches!(dtype, DType::F32 | DType::BF16) {
             return crate::cuda::mxfp4_dequantize_device(self, dtype);
         }
-        let (n, k) = self.dims();
-        let codes = self.codes.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
-        let scales = self.scales.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
-        let w = dequant_mxfp4(&codes, &scales, n, k).map_err(candle_core::Error::wrap)?;
-        Tensor::from_vec(w, (n, k), &Device::Cpu)?.to_dtype(dtype)?.to_device(self.device())
+        super::fp8_weight::host_dequantize(&self.codes, &self.scales, self.dims(), dtype, dequant_mxfp4)
     }
 }
 
