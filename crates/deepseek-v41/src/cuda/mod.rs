@@ -37,6 +37,9 @@
 //!   and the slots sorted by expert for a grouped expert kernel, from the `[T, E]` logits, all on
 //!   the device ([`crate::model::moe_route_ref`] is its CPU reference); `model::Gate::route` uses
 //!   it inside [`with_device_routing`].
+//! * [`moe_experts_device`] over [`GroupedExperts`]: the routed MXFP4 experts of a layer in
+//!   grouped launches (gate/up with the SwiGLU, down, the combine with the shared expert), over the
+//!   packed codes, for any number of tokens and without a host read.
 //! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
 //!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
@@ -61,6 +64,7 @@ mod indexer_scores;
 mod indexer_select;
 mod indexer_topk;
 mod mhc_sinkhorn;
+mod moe_experts;
 mod moe_route;
 mod mxfp4;
 mod insert_op;
@@ -92,6 +96,7 @@ pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use mxfp4::mxfp4_dequantize_device;
+pub use moe_experts::{moe_experts_device, GroupedExperts, MoeExpertsOutput, MOE_EXPERTS_MAX_E, MOE_EXPERTS_MAX_K};
 pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_candle};

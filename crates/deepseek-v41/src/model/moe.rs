@@ -171,6 +171,14 @@ impl Gate {
         ))
     }
 
+    /// The routing decision of `x` `[T, D]` (bf16) on its CUDA device, left there
+    /// ([`crate::cuda::moe_route_device`]: ids, weights and the slots sorted by expert); no host
+    /// read. Errors where the kernel does not take E and k.
+    #[cfg(feature = "cuda")]
+    pub fn route_device(&self, x: &Tensor) -> Result<crate::cuda::DeviceRouting> {
+        crate::cuda::moe_route_device(&self.logits(x)?, &self.bias_t, self.top_k, self.temp, self.route_scale)
+    }
+
     /// [`Gate::route`]'s device path for the router `logits` `[T, E]` f32 on a CUDA device.
     #[cfg(feature = "cuda")]
     fn route_on_device(&self, logits: &Tensor) -> Result<Routing> {
@@ -313,7 +321,17 @@ pub struct Moe {
     gate: Gate,
     experts: Vec<Expert>,
     shared: Option<Expert>,
+    /// The routed experts for the grouped kernels (`cuda::moe_experts_device`): on a CUDA device
+    /// when every routed expert is MXFP4 and the linears quantize their activations.
+    #[cfg(feature = "cuda")]
+    grouped: Option<crate::cuda::GroupedExperts>,
 }
+
+/// The average slots per expert up to which [`Moe::forward`] takes the grouped kernels (decode
+/// and small batches; above, a prefill's many tokens per expert run the per-expert loop, whose
+/// products use cuBLAS).
+#[cfg(feature = "cuda")]
+const GROUPED_MAX_AVG_SLOTS: usize = 16;
 
 impl Moe {
     /// Loads `gate`, `experts.0..E` and `shared_experts` (intermediate width
@@ -334,10 +352,14 @@ impl Moe {
                 vb.pp("shared_experts"),
             )?),
         };
+        #[cfg(feature = "cuda")]
+        let grouped = grouped_experts(&experts, numerics)?;
         Ok(Self {
             gate,
             experts,
             shared,
+            #[cfg(feature = "cuda")]
+            grouped,
         })
     }
 
@@ -356,9 +378,27 @@ impl Moe {
     /// chosen by every token of the call (always the case for a decode token) runs on the whole
     /// input and its output is added directly, with no row gather / scatter (the same values as
     /// the gathered path: the rows are `0..T` in order).
+    ///
+    /// On a CUDA device inside `cuda::with_device_routing`, with MXFP4 experts (the release's,
+    /// loaded natively) and at most 16 slots per expert on average, the whole layer stays on the
+    /// device with no host read: the routing kernel, the shared expert, and the grouped expert
+    /// kernels ([`crate::cuda::moe_experts_device`]; the same sequence, the products summed in
+    /// another f32 order).
     pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
         let (t, d) = x.dims2()?;
         let dev = x.device();
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.grouped {
+            let k = self.gate.top_k;
+            if crate::cuda::device_routing(dev)
+                && x.dtype() == DType::BF16
+                && crate::cuda::moe_route_supported(g.len(), k)
+                && k <= crate::cuda::MOE_EXPERTS_MAX_K
+                && t * k <= GROUPED_MAX_AVG_SLOTS * g.len()
+            {
+                return self.forward_on_device(x, g);
+            }
+        }
         let routing = self.gate.route(x)?;
         let k = routing.k;
         let weights = routing.weights_tensor(dev)?;
@@ -401,6 +441,19 @@ impl Moe {
         Ok(MoeOutput { out, ids: routing.ids_tensor(dev)?, weights })
     }
 
+    /// [`Moe::forward`] on the device: routing, shared expert, grouped routed experts.
+    #[cfg(feature = "cuda")]
+    fn forward_on_device(&self, x: &Tensor, g: &crate::cuda::GroupedExperts) -> Result<MoeOutput> {
+        let r = self.gate.route_device(x)?;
+        let shared = match &self.shared {
+            Some(s) => Some(s.forward_prepared(&s.prepare_input(x)?, None)?),
+            None => None,
+        };
+        let limit = self.experts.first().and_then(|e| e.limit).map(|l| l as f32);
+        let out = crate::cuda::moe_experts_device(x, &r, g, limit, shared.as_ref(), None)?.out;
+        Ok(MoeOutput { out, ids: r.ids, weights: r.weights })
+    }
+
     /// Every linear with its checkpoint prefix (`gate`, `experts.E.w1`, `shared_experts.w2`, ...).
     pub fn linears(&self) -> NamedLinears<'_> {
         let mut v = named([("gate", &self.gate.proj)]);
@@ -412,6 +465,24 @@ impl Moe {
         }
         v
     }
+}
+
+/// The grouped form of `experts` when every one holds MXFP4 `w1`, `w3`, `w2` on a CUDA device
+/// with the activation quantization on (the kernels always quantize), else `None`.
+#[cfg(feature = "cuda")]
+fn grouped_experts(experts: &[Expert], numerics: Numerics) -> Result<Option<crate::cuda::GroupedExperts>> {
+    if !numerics.activation_quant || experts.is_empty() || experts.len() > crate::cuda::MOE_EXPERTS_MAX_E {
+        return Ok(None);
+    }
+    let mut ws = Vec::with_capacity(experts.len());
+    for e in experts {
+        let w = [&e.w1, &e.w3, &e.w2].map(|l| l.weight().mxfp4().cloned());
+        match w {
+            [Some(w1), Some(w3), Some(w2)] => ws.push([w1, w3, w2]),
+            _ => return Ok(None),
+        }
+    }
+    crate::cuda::GroupedExperts::new(ws).map(Some)
 }
 
 #[cfg(test)]
