@@ -4,6 +4,7 @@
 //! not loaded: plain generation does not run them (spec §10).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
@@ -13,7 +14,7 @@ use super::engram::Engram;
 use super::engram_hash::{EngramHasher, EngramHistory, EngramIds, TokenMap};
 use super::mhc::{collapse, post, HcMix, HcSublayer};
 use super::moe::Moe;
-use crate::attention::{Attention, CacheStorage, RollbackError, SequenceCache, Trace};
+use crate::attention::{Attention, CachePool, CacheStorage, PoolLease, RollbackError, SequenceCache, Trace};
 use crate::config::Config;
 use crate::input::{check_tokens, InputError};
 use crate::nn::linear::{named, prefixed, NamedLinears};
@@ -27,6 +28,9 @@ pub struct ModelCache {
     pub attention: SequenceCache,
     /// The last `max_ngram_size − 1` compressed token ids (Engram lookback).
     pub engram: EngramHistory,
+    /// The pool pages holding the window rings, for a cache admitted to a [`CachePool`]
+    /// (given back when the cache and its clones are dropped).
+    lease: Option<Arc<PoolLease>>,
 }
 
 impl ModelCache {
@@ -39,7 +43,28 @@ impl ModelCache {
     /// [`SequenceCache::with_storage`]).
     pub fn with_storage(cfg: &Config, storage: CacheStorage, dtype: DType, device: &Device) -> Result<Self> {
         let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
-        Ok(Self { attention: SequenceCache::with_storage(cfg, storage, dtype, device)?, engram: EngramHistory::new(ngram) })
+        Ok(Self { attention: SequenceCache::with_storage(cfg, storage, dtype, device)?, engram: EngramHistory::new(ngram), lease: None })
+    }
+
+    /// Admits a new sequence to `pool`: an empty cache whose window rings are pages of the pool
+    /// (zeroed; the storage and dtype are the pool's), the compressed entries, index keys,
+    /// compressor carry and Engram history its own. Runs exactly like a private cache
+    /// (`tests/batched.rs`). The pages go back to the pool when the cache (and every clone of it)
+    /// is dropped. Fails with a [`PoolError::Full`](crate::attention::PoolError) when the pool
+    /// has not enough free pages, taking none and changing no other sequence.
+    pub fn admit(pool: &CachePool) -> Result<Self> {
+        let cfg = pool.config();
+        let (lease, rings) = pool.lease()?;
+        let device = rings.first().map_or(Device::Cpu, |r| r.device().clone());
+        let attention = SequenceCache::with_rings(cfg, pool.storage(), pool.dtype(), &device, rings)?;
+        let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
+        Ok(Self { attention, engram: EngramHistory::new(ngram), lease: Some(Arc::new(lease)) })
+    }
+
+    /// The pool pages of a cache admitted with [`ModelCache::admit`] (its page table: layer l's
+    /// ring is page `pages()[l]`).
+    pub fn pool_pages(&self) -> Option<&[usize]> {
+        self.lease.as_deref().map(PoolLease::pages)
     }
 
     /// Tokens processed so far.
