@@ -7,7 +7,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::input::{check_context, check_sampling, InputError};
-use crate::model::{Model, ModelCache};
+use crate::model::{BatchItem, Model, ModelCache};
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -122,6 +122,67 @@ pub fn generate(
             break;
         }
         logits = model.forward(&[next], cache)?;
+    }
+    Ok(out)
+}
+
+/// One sequence of [`generate_batch_greedy`].
+#[derive(Debug)]
+pub struct BatchRequest<'a> {
+    /// The prompt (ids, BOS included), prefilled in one chunk.
+    pub prompt: &'a [u32],
+    /// The sequence's cache (continued from its current length).
+    pub cache: &'a mut ModelCache,
+    /// The new-token budget.
+    pub max_new: usize,
+    /// The step at which the sequence joins the batch (0: the first call); its prompt then
+    /// shares a call with the decode tokens of the sequences already running.
+    pub join_step: usize,
+}
+
+/// Greedy generation of several sequences in batched forwards ([`Model::forward_batch`]): at
+/// every step one call holds the decode token of each running sequence and the prompt of each
+/// sequence joining at that step; a sequence leaves after `eos` or its `max_new` tokens. Returns
+/// each request's new ids; on the CPU the same as [`generate`] with [`Sampling::GREEDY`] of each
+/// request alone (`tests/batched.rs`).
+///
+/// Errors before any work for a request whose prompt is empty or holds an id outside the
+/// vocabulary, or whose cache, prompt and `max_new` do not fit the model's
+/// `max_position_embeddings` ([`InputError`]).
+pub fn generate_batch_greedy(model: &Model, requests: &mut [BatchRequest], eos: Option<u32>) -> Result<Vec<Vec<u32>>> {
+    for r in requests.iter() {
+        model.check_tokens(r.prompt)?;
+        check_context(r.cache.seq_len() + r.prompt.len(), r.max_new, model.max_positions())?;
+    }
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+    let mut done: Vec<bool> = requests.iter().map(|r| r.max_new == 0).collect();
+    let mut step = 0;
+    while done.iter().any(|d| !d) {
+        // (request, whether this call holds its prompt)
+        let mut running = Vec::new();
+        let mut items = Vec::new();
+        for (i, r) in requests.iter_mut().enumerate() {
+            if done[i] || r.join_step > step {
+                continue;
+            }
+            let tokens = match out[i].last() {
+                Some(t) => std::slice::from_ref(t),
+                None if r.join_step == step => r.prompt,
+                None => candle_core::bail!("generate_batch_greedy: request {i} missed its join step {}", r.join_step),
+            };
+            running.push(i);
+            items.push(BatchItem::new(tokens, r.cache));
+        }
+        if !items.is_empty() {
+            let logits = model.forward_batch(&mut items)?;
+            drop(items);
+            for (j, &i) in running.iter().enumerate() {
+                let next = argmax(&logits.last(j)?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                out[i].push(next);
+                done[i] = Some(next) == eos || out[i].len() == requests[i].max_new;
+            }
+        }
+        step += 1;
     }
     Ok(out)
 }

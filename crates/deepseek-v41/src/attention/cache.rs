@@ -260,7 +260,21 @@ impl SequenceCache {
     /// layers run with `Numerics::cache_fake_quant`). Rows read back from a packed cache
     /// ([`RowStore::rows`], [`WindowCache::ring_rows`]) come in `dtype`.
     pub fn with_storage(cfg: &Config, storage: CacheStorage, dtype: DType, device: &Device) -> Result<Self> {
+        Self::build(cfg, storage, dtype, device, None)
+    }
+
+    /// An empty cache whose window rings are `rings` (one per layer, zeroed: the pages of a
+    /// [`super::pool::CachePool`]).
+    pub(crate) fn with_rings(cfg: &Config, storage: CacheStorage, dtype: DType, device: &Device, rings: Vec<Tensor>) -> Result<Self> {
+        if rings.len() != cfg.layers.len() {
+            candle_core::bail!("SequenceCache: {} rings for {} layers", rings.len(), cfg.layers.len())
+        }
+        Self::build(cfg, storage, dtype, device, Some(rings))
+    }
+
+    fn build(cfg: &Config, storage: CacheStorage, dtype: DType, device: &Device, rings: Option<Vec<Tensor>>) -> Result<Self> {
         let store = |width, kind| RowStore::with_storage(width, storage, kind, dtype, device);
+        let mut rings = rings.map(|r| r.into_iter());
         let layers = cfg
             .layers
             .iter()
@@ -275,7 +289,10 @@ impl SequenceCache {
                 } else {
                     None
                 };
-                let window = WindowCache::with_storage(cfg.sliding_window, cfg.head_dim, storage, dtype, device)?;
+                let window = match rings.as_mut().and_then(|r| r.next()) {
+                    Some(ring) => WindowCache::from_ring(ring, cfg.sliding_window, storage.packing(CacheKind::Window, cfg.head_dim)?, dtype)?,
+                    None => WindowCache::with_storage(cfg.sliding_window, cfg.head_dim, storage, dtype, device)?,
+                };
                 Ok(LayerState { window, source, next_pos: 0 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -11,7 +11,7 @@
 //!   device path in `layer_fused.rs`).
 //! * [`cache`]: the caller-owned per-sequence cache through which layers share compressed KV,
 //!   index keys, top-k sets and candidate blocks; [`storage`]: its storage choice (bf16 rows or
-//!   the packed V4.1 formats).
+//!   the packed V4.1 formats); [`pool`]: a pool of window-ring pages shared by many sequences.
 //! * [`rollback`]: truncating a cache to a shorter length, with the bounded [`history`] of rows
 //!   it keeps for that.
 
@@ -21,6 +21,7 @@ mod device_cache;
 pub mod history;
 pub mod indexer;
 pub mod layer;
+pub mod pool;
 pub mod rollback;
 pub mod selection;
 pub mod sparse_attention;
@@ -30,6 +31,7 @@ pub mod window;
 
 pub use cache::SequenceCache;
 pub use layer::Attention;
+pub use pool::{CachePool, PoolError, PoolLease, PoolOccupancy};
 pub use rollback::RollbackError;
 #[cfg(feature = "cuda")]
 pub use layer::LayerPhase;

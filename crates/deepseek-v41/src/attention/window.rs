@@ -64,6 +64,12 @@ impl WindowCache {
             None => Tensor::zeros((window, head_dim), dtype, device)?,
             Some(p) => p.zeros(window.div_ceil(p.page_size()), device)?,
         };
+        Self::from_ring(ring, window, packing, dtype)
+    }
+
+    /// A ring over `ring` (zeroed, `[window, head_dim]` or the format-A pages of `packing`), e.g.
+    /// a page of a [`super::pool::CachePool`]: every write goes to `ring`'s storage.
+    pub(crate) fn from_ring(ring: Tensor, window: usize, packing: Option<Packing>, dtype: DType) -> Result<Self> {
         Ok(Self {
             ring,
             window,

@@ -3,18 +3,22 @@
 //! collapse with the last FFN pre, RMSNorm and the f32 head. MTP (`mtp.*`) and vision weights are
 //! not loaded: plain generation does not run them (spec §10).
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 
+use super::batch::{BatchItem, BatchOutput, BatchPlan, LogitRows};
 use super::engram::Engram;
-use super::engram_hash::{EngramHasher, EngramHistory, TokenMap};
+use super::engram_hash::{EngramHasher, EngramHistory, EngramIds, TokenMap};
 use super::mhc::{collapse, post, HcMix, HcSublayer};
 use super::moe::Moe;
-use crate::attention::{Attention, CacheStorage, RollbackError, SequenceCache, Trace};
+use crate::attention::{Attention, CachePool, CacheStorage, PoolLease, RollbackError, SequenceCache, Trace};
 use crate::config::Config;
 use crate::input::{check_tokens, InputError};
 use crate::nn::linear::{named, prefixed, NamedLinears};
-use crate::nn::{Linear, LinearKind, RmsNorm};
+use crate::nn::{Linear, LinearKind, RmsNorm, RowGroup, RowGroups};
 use crate::numerics::Numerics;
 
 /// The caller-owned state of one sequence: attention caches and the Engram token history.
@@ -24,6 +28,9 @@ pub struct ModelCache {
     pub attention: SequenceCache,
     /// The last `max_ngram_size − 1` compressed token ids (Engram lookback).
     pub engram: EngramHistory,
+    /// The pool pages holding the window rings, for a cache admitted to a [`CachePool`]
+    /// (given back when the cache and its clones are dropped).
+    lease: Option<Arc<PoolLease>>,
 }
 
 impl ModelCache {
@@ -36,7 +43,28 @@ impl ModelCache {
     /// [`SequenceCache::with_storage`]).
     pub fn with_storage(cfg: &Config, storage: CacheStorage, dtype: DType, device: &Device) -> Result<Self> {
         let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
-        Ok(Self { attention: SequenceCache::with_storage(cfg, storage, dtype, device)?, engram: EngramHistory::new(ngram) })
+        Ok(Self { attention: SequenceCache::with_storage(cfg, storage, dtype, device)?, engram: EngramHistory::new(ngram), lease: None })
+    }
+
+    /// Admits a new sequence to `pool`: an empty cache whose window rings are pages of the pool
+    /// (zeroed; the storage and dtype are the pool's), the compressed entries, index keys,
+    /// compressor carry and Engram history its own. Runs exactly like a private cache
+    /// (`tests/batched.rs`). The pages go back to the pool when the cache (and every clone of it)
+    /// is dropped. Fails with a [`PoolError::Full`](crate::attention::PoolError) when the pool
+    /// has not enough free pages, taking none and changing no other sequence.
+    pub fn admit(pool: &CachePool) -> Result<Self> {
+        let cfg = pool.config();
+        let (lease, rings) = pool.lease()?;
+        let device = rings.first().map_or(Device::Cpu, |r| r.device().clone());
+        let attention = SequenceCache::with_rings(cfg, pool.storage(), pool.dtype(), &device, rings)?;
+        let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
+        Ok(Self { attention, engram: EngramHistory::new(ngram), lease: Some(Arc::new(lease)) })
+    }
+
+    /// The pool pages of a cache admitted with [`ModelCache::admit`] (its page table: layer l's
+    /// ring is page `pages()[l]`).
+    pub fn pool_pages(&self) -> Option<&[usize]> {
+        self.lease.as_deref().map(PoolLease::pages)
     }
 
     /// Tokens processed so far.
@@ -113,32 +141,61 @@ impl DecoderLayer {
         hashes: Option<&Tensor>,
         cache: &mut SequenceCache,
     ) -> Result<(Tensor, Tensor)> {
+        let rows = 0..x.dim(0)?;
+        self.forward_segments(x, p_in, hashes, &mut [Segment { rows, start, cache }])
+    }
+
+    /// [`DecoderLayer::forward`] over the concatenated rows of several sequences: every
+    /// row-wise part (Engram, mixes, norms, MoE) runs once on all rows, the attention once per
+    /// segment on its rows and its cache.
+    pub(crate) fn forward_segments(
+        &self,
+        x: &Tensor,
+        p_in: &Tensor,
+        hashes: Option<&Tensor>,
+        segs: &mut [Segment],
+    ) -> Result<(Tensor, Tensor)> {
         let l = self.layer;
+        let groups = RowGroups::from_lens(segs.iter().map(|s| s.rows.len()));
         let mut x = x.clone();
         if let (Some(engram), Some(h)) = (&self.engram, hashes) {
-            x = engram.forward(&x, h)?;
-            cache.record(|| format!("L{l}.engram_out"), &x);
+            x = engram.forward_grouped(&x, h, &groups)?;
+            record(segs, || format!("L{l}.engram_out"), &x)?;
         }
-        let a = self.hc_attn.mixes(&x)?;
+        let a = self.hc_attn.mixes_grouped(&x, &groups)?;
         let h = self.attn_norm.forward(&collapse(&x, p_in)?)?;
-        cache.record(|| format!("L{l}.attn_in"), &h);
-        let y = self.attn.forward(&h, start, cache)?;
-        cache.record(|| format!("L{l}.attn_out"), &y);
+        record(segs, || format!("L{l}.attn_in"), &h)?;
+        let y = self.attention(&h, segs)?;
+        record(segs, || format!("L{l}.attn_out"), &y)?;
         let x1 = post(&y, &x, &a.post, &a.comb)?;
-        let f = self.hc_ffn.mixes(&x1)?;
+        let f = self.hc_ffn.mixes_grouped(&x1, &groups)?;
         let h2 = self.ffn_norm.forward(&collapse(&x1, &a.pre)?)?;
-        cache.record(|| format!("L{l}.ffn_in"), &h2);
-        let z = self.ffn.forward(&h2)?;
-        cache.record(|| format!("L{l}.ffn_out"), &z.out);
-        cache.record(|| format!("L{l}.moe_ids"), &z.ids);
-        cache.record(|| format!("L{l}.moe_weights"), &z.weights);
+        record(segs, || format!("L{l}.ffn_in"), &h2)?;
+        let z = self.ffn.forward_grouped(&h2, &groups)?;
+        record(segs, || format!("L{l}.ffn_out"), &z.out)?;
+        record(segs, || format!("L{l}.moe_ids"), &z.ids)?;
+        record(segs, || format!("L{l}.moe_weights"), &z.weights)?;
         for (name, c) in [("attn", &a), ("ffn", &f)] {
-            cache.record(|| format!("L{l}.hc_{name}_pre"), &c.pre);
-            cache.record(|| format!("L{l}.hc_{name}_post"), &c.post);
-            cache.record(|| format!("L{l}.hc_{name}_comb"), &c.comb);
+            record(segs, || format!("L{l}.hc_{name}_pre"), &c.pre)?;
+            record(segs, || format!("L{l}.hc_{name}_post"), &c.post)?;
+            record(segs, || format!("L{l}.hc_{name}_comb"), &c.comb)?;
         }
         let x2 = post(&z.out, &x1, &f.post, &f.comb)?;
         Ok((x2, f.pre))
+    }
+
+    /// The attention of each segment on its rows of `h` `[T, D]` and its cache, concatenated.
+    fn attention(&self, h: &Tensor, segs: &mut [Segment]) -> Result<Tensor> {
+        if let [seg] = segs {
+            if seg.rows == (0..h.dim(0)?) {
+                return self.attn.forward(h, seg.start, seg.cache);
+            }
+        }
+        let ys = segs
+            .iter_mut()
+            .map(|s| self.attn.forward(&h.narrow(0, s.rows.start, s.rows.len())?, s.start, s.cache))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&ys, 0)
     }
 
     /// Every linear of the block with its checkpoint prefix (`attn.wq_a`, `ffn.experts.0.w1`,
@@ -151,6 +208,39 @@ impl DecoderLayer {
         }
         v
     }
+}
+
+/// One sequence's part of a batched layer call: rows `rows` of the stream, at positions
+/// `start ..` of `cache`.
+pub(crate) struct Segment<'c> {
+    pub(crate) rows: Range<usize>,
+    pub(crate) start: usize,
+    pub(crate) cache: &'c mut SequenceCache,
+}
+
+/// Records each segment's rows of `t` in its cache's trace (when it has one).
+fn record(segs: &mut [Segment], name: impl Fn() -> String, t: &Tensor) -> Result<()> {
+    for s in segs.iter_mut().filter(|s| s.cache.is_tracing()) {
+        let part = if s.rows == (0..t.dim(0)?) { t.clone() } else { t.narrow(0, s.rows.start, s.rows.len())? };
+        s.cache.record(&name, &part);
+    }
+    Ok(())
+}
+
+/// Engram layer `layer`'s row ids of all items, concatenated in item order: `[T, n]` u32.
+fn engram_ids(hashes: &[EngramIds], layer: usize, t: usize, device: &Device) -> Result<Tensor> {
+    if let [one] = hashes {
+        return one.tensor(layer, device);
+    }
+    let n = hashes.first().map_or(0, |h| h.n_cols());
+    let mut ids = Vec::with_capacity(t * n);
+    for h in hashes {
+        match h.layer(layer) {
+            Some(v) => ids.extend_from_slice(v),
+            None => candle_core::bail!("EngramIds: layer {layer} is not an Engram layer"),
+        }
+    }
+    Tensor::from_vec(ids, (t, n), device)
 }
 
 /// The V4.1 text model.
@@ -208,16 +298,37 @@ impl Model {
         check_tokens(tokens, self.vocab_size)
     }
 
-    /// Logits `[T, vocab]` (f32) of `tokens` at positions `cache.seq_len() ..`.
+    /// Logits `[T, vocab]` (f32) of `tokens` at positions `cache.seq_len() ..`: a batch of one
+    /// item asking for every row ([`Model::forward_batch`]).
     ///
     /// Errors with an [`InputError`] (naming the id and the vocabulary size) for an empty
     /// `tokens` or an id outside the vocabulary, before touching the cache.
     pub fn forward(&self, tokens: &[u32], cache: &mut ModelCache) -> Result<Tensor> {
         self.check_tokens(tokens)?;
-        let start = cache.seq_len();
+        Ok(self.forward_batch(&mut [BatchItem::new(tokens, cache).with_logits(LogitRows::All)])?.logits)
+    }
+
+    /// One forward over several sequences, each an item: a chunk of tokens (a prefill chunk or
+    /// one decode token, mixed freely) at positions `item.cache.seq_len() ..` of its own cache.
+    /// Returns the logits of the rows each item asks for ([`LogitRows`], default its last token).
+    ///
+    /// The embedding, Engram lookups, mHC mixes, norms, every MoE linear and the head run once
+    /// over the concatenated rows of all items (the head only over the requested rows); the
+    /// attention runs per item on its rows and its cache, as do the Engram n-gram history and
+    /// everything else held per sequence. On the CPU every item's logits are bit for bit those
+    /// of [`Model::forward`] of its chunk alone: each row-wise product multiplies an item's rows
+    /// in a product that takes the kernel of the item's own call ([`crate::nn::grouped_matmul`];
+    /// `tests/batched.rs`); a batch of one is the plain product.
+    ///
+    /// Errors before touching any cache with a [`BatchError`](super::BatchError) for an empty
+    /// batch, an empty chunk or a logit row outside its chunk, and with an [`InputError`] for a token id outside the
+    /// vocabulary. The same cache cannot be passed twice (each item borrows it mutably).
+    pub fn forward_batch(&self, items: &mut [BatchItem]) -> Result<BatchOutput> {
+        let plan = BatchPlan::new(self, items)?;
+        let tokens: Vec<u32> = items.iter().flat_map(|it| it.tokens.iter().copied()).collect();
         let t = tokens.len();
         let dev = self.head.device().clone();
-        let ids = Tensor::new(tokens, &dev)?;
+        let ids = Tensor::new(tokens.as_slice(), &dev)?;
         let h0 = self.embed.forward(&ids)?.to_dtype(self.dtype)?;
         let d = h0.dim(1)?;
         let mut x = h0.unsqueeze(1)?.broadcast_as((t, self.hc, d))?.contiguous()?;
@@ -225,23 +336,40 @@ impl Model {
         one_hot[0] = 1.0;
         let mut pre = Tensor::new(one_hot, &dev)?.unsqueeze(0)?.broadcast_as((t, self.hc))?.contiguous()?;
         let hashes = match &self.engram {
-            Some(hasher) => Some(hasher.hash(tokens, &mut cache.engram)?),
+            Some(hasher) => Some(items.iter_mut().map(|it| hasher.hash(it.tokens, &mut it.cache.engram)).collect::<Result<Vec<_>>>()?),
             None => None,
         };
+        let mut segs: Vec<Segment> = items
+            .iter_mut()
+            .zip(&plan.spans)
+            .map(|(it, rows)| Segment { rows: rows.clone(), start: it.cache.seq_len(), cache: &mut it.cache.attention })
+            .collect();
         for layer in &self.layers {
             let h = match (&hashes, &layer.engram) {
-                (Some(hs), Some(_)) => Some(hs.tensor(layer.layer, &dev)?),
+                (Some(hs), Some(_)) => Some(engram_ids(hs, layer.layer, t, &dev)?),
                 _ => None,
             };
             if let Some(h) = &h {
-                cache.attention.record(|| format!("L{}.engram_hash", layer.layer), h);
+                record(&mut segs, || format!("L{}.engram_hash", layer.layer), h)?;
             }
-            (x, pre) = layer.forward(&x, &pre, start, h.as_ref(), &mut cache.attention)?;
+            (x, pre) = layer.forward_segments(&x, &pre, h.as_ref(), &mut segs)?;
+        }
+        // Only the requested rows go on (every part from here is row-wise).
+        let every_row = plan.logit_rows.len() == t && plan.logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+        if !every_row {
+            let rows = Tensor::new(plan.logit_rows.as_slice(), &dev)?;
+            (x, pre) = (x.index_select(&rows, 0)?, pre.index_select(&rows, 0)?);
         }
         let h = self.norm.forward(&collapse(&x, &pre)?)?;
-        let logits = self.head.forward(&h)?;
-        cache.attention.record(|| "logits".to_string(), &logits);
-        Ok(logits)
+        // Each item's head rows as in its own call, which multiplies all its chunk's rows.
+        let head_groups = RowGroups::new(plan.out_rows.iter().zip(&plan.spans).map(|(o, s)| RowGroup { len: o.len(), alone: s.len().max(o.len()) }).collect())?;
+        let logits = self.head.forward_grouped(&h, &head_groups)?;
+        for (seg, rows) in segs.iter_mut().zip(&plan.out_rows) {
+            if seg.cache.is_tracing() {
+                seg.cache.record(|| "logits".to_string(), &logits.narrow(0, rows.start, rows.len())?);
+            }
+        }
+        Ok(BatchOutput { logits, rows: plan.out_rows })
     }
 
     /// Every linear of the model with its checkpoint prefix (`layers.3.attn.wq_a`, `head`, ...;

@@ -5,13 +5,13 @@
 //! The hash ids come from [`super::engram_hash::EngramHasher`]. Text only: the reference's zero
 //! gate for image tokens (spec §9.5 step 4) is not implemented.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
 use crate::loader::RowTable;
 use crate::nn::linear::{named, NamedLinears};
-use crate::nn::{Linear, LinearKind};
+use crate::nn::{Linear, LinearKind, RowGroups};
 use crate::numerics::Numerics;
 
 /// Floor of `|dot|` under the signed square root of the gate.
@@ -152,6 +152,13 @@ impl Engram {
     /// `x[k] + σ(signed_sqrt(dot_k))·value` with, in f32,
     /// `dot_k = Σ_d x[k]·qw[k]·kw[k]·key[k] · rsqrt(mean(x[k]²)+eps) · rsqrt(mean(key[k]²)+eps) / sqrt(D)`.
     pub fn forward(&self, x: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        self.forward_grouped(x, ids, &RowGroups::whole(x.dim(0)?))
+    }
+
+    /// [`Engram::forward`] of a stream holding the tokens of several sequences split as
+    /// `groups`: on the CPU each sequence's rows are bit for bit those of its own call
+    /// ([`Linear::forward_grouped`]).
+    pub fn forward_grouped(&self, x: &Tensor, ids: &Tensor, groups: &RowGroups) -> Result<Tensor> {
         let (t, hc, d) = x.dims3()?;
         if hc != self.hc || d != self.dim || ids.dims() != [t, self.n_cols] {
             candle_core::bail!(
@@ -169,7 +176,7 @@ impl Engram {
             .reshape((t, ()))?;
         let kv = self
             .wkv
-            .forward(&rows.to_dtype(x.dtype())?)?
+            .forward_grouped(&rows.to_dtype(x.dtype())?, groups)?
             .to_dtype(DType::F32)?;
         let qk = self.qk_weight.to_device(x.device())?;
         engram_mix(x, &kv, &qk, self.eps)

@@ -10,6 +10,7 @@ use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
+use crate::nn::{grouped_matmul, RowGroups};
 
 /// Which sublayer's mixing weights to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +88,13 @@ impl HcMix {
     /// mixes `(x·fnᵀ)·rsqrt(mean(x²) + rms_norm_eps)` over all `hc·D` elements in f32, then
     /// [`split_sinkhorn`].
     pub fn mixes(&self, x: &Tensor) -> Result<HcCoeffs> {
+        self.mixes_grouped(x, &RowGroups::whole(x.dim(0)?))
+    }
+
+    /// [`HcMix::mixes`] of a stream holding the tokens of several sequences split as `groups`:
+    /// on the CPU each sequence's mixes are bit for bit those of its own call
+    /// ([`grouped_matmul`]).
+    pub fn mixes_grouped(&self, x: &Tensor, groups: &RowGroups) -> Result<HcCoeffs> {
         let (t, hc, d) = x.dims3()?;
         if hc != self.hc || hc * d != self.func.dim(1)? {
             candle_core::bail!(
@@ -106,7 +114,7 @@ impl HcMix {
         #[cfg(not(feature = "cuda"))]
         let (xf, rsqrt) = rms_scale(&x2, self.norm_eps)?;
         let func = self.func.to_device(xf.device())?;
-        let mixes = xf.matmul(&func.t()?)?.broadcast_mul(&rsqrt)?;
+        let mixes = grouped_matmul(&xf, &func.t()?, groups)?.broadcast_mul(&rsqrt)?;
         split_sinkhorn(
             &mixes,
             &self.scale,

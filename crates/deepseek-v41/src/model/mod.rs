@@ -1,5 +1,6 @@
 //! The decoder's non-attention parts: mHC hyper-connections (spec §3.2), MoE (§8), Engram (§9).
 
+pub mod batch;
 pub mod decoder;
 pub mod engram;
 pub mod engram_hash;
@@ -9,6 +10,7 @@ pub mod moe_sort;
 pub mod numpy_rng;
 pub mod pretrained;
 
+pub use batch::{BatchError, BatchItem, BatchOutput, LogitRows};
 pub use decoder::{DecoderLayer, Model, ModelCache};
 pub use engram::{engram_mix, Engram, EngramTable};
 pub use engram_hash::{

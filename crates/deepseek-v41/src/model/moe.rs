@@ -13,7 +13,7 @@ use candle_nn::VarBuilder;
 
 use crate::config::{Config, ScoringFunc};
 use crate::nn::linear::{named, prefixed, NamedLinears};
-use crate::nn::{Linear, LinearKind};
+use crate::nn::{Linear, LinearKind, RowGroups};
 use crate::numerics::Numerics;
 
 /// The literal added to the sum of the selected scores before renormalizing (spec §8 step 4,
@@ -136,8 +136,8 @@ impl Gate {
 
     /// The router scores `sqrt(softplus(x·Wᵀ / gate_temp))` in f32 for `x` `[T, D]` (bf16), as
     /// host rows `[T][E]`.
-    fn scores(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
-        let logits = self.logits(x)?;
+    fn scores(&self, x: &Tensor, groups: &RowGroups) -> Result<Vec<Vec<f32>>> {
+        let logits = self.proj.forward_grouped(x, groups)?;
         let logits = if self.temp == 1.0 {
             logits
         } else {
@@ -159,12 +159,18 @@ impl Gate {
     /// decision except where two biased scores are within ~1 ulp (the kernel's softplus is
     /// correctly rounded, the host's is the platform libm's), the weights then within a few ulp.
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
+        self.route_grouped(x, &RowGroups::whole(x.dim(0)?))
+    }
+
+    /// [`Gate::route`] of tokens of several sequences split as `groups`: on the CPU each
+    /// sequence's decisions are bit for bit those of its own call ([`Linear::forward_grouped`]).
+    pub fn route_grouped(&self, x: &Tensor, groups: &RowGroups) -> Result<Routing> {
         #[cfg(feature = "cuda")]
         if crate::cuda::device_routing(x.device()) && crate::cuda::moe_route_supported(self.bias.len(), self.top_k) {
             return self.route_on_device(&self.logits(x)?);
         }
         Ok(select_experts(
-            &self.scores(x)?,
+            &self.scores(x, groups)?,
             &self.bias,
             self.top_k,
             self.route_scale,
@@ -279,7 +285,14 @@ impl Expert {
     /// [`Expert::forward`] of `xp` = [`Expert::prepare_input`]`(x)` `[n, D]` (of this expert or
     /// one with the same numerics); bit for bit `forward(x, weight)`.
     pub fn forward_prepared(&self, xp: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
-        let (gate, up) = (self.w1.forward_prepared(xp)?, self.w3.forward_prepared(xp)?);
+        self.forward_prepared_grouped(xp, weight, &RowGroups::whole(xp.dim(0)?))
+    }
+
+    /// [`Expert::forward_prepared`] of the rows of several sequences split as `groups`: on the
+    /// CPU each sequence's rows are bit for bit those of its own call
+    /// ([`Linear::forward_grouped`]).
+    pub fn forward_prepared_grouped(&self, xp: &Tensor, weight: Option<&Tensor>, groups: &RowGroups) -> Result<Tensor> {
+        let (gate, up) = (self.w1.forward_prepared_grouped(xp, groups)?, self.w3.forward_prepared_grouped(xp, groups)?);
         #[cfg(feature = "cuda")]
         if crate::cuda::fused_kernels(gate.device()) && crate::cuda::swiglu_supported(&gate) && gate.dtype() == xp.dtype() {
             // One launch, bit for bit the op sequence below.
@@ -295,13 +308,28 @@ impl Expert {
         if let Some(w) = weight {
             act = act.broadcast_mul(w)?;
         }
-        self.w2.forward(&act.to_dtype(xp.dtype())?)
+        self.w2.forward_grouped(&act.to_dtype(xp.dtype())?, groups)
     }
 
     /// The three projections with their checkpoint prefixes (`w1`, `w2`, `w3`).
     pub fn linears(&self) -> NamedLinears<'_> {
         named([("w1", &self.w1), ("w2", &self.w2), ("w3", &self.w3)])
     }
+}
+
+/// Row groups of the runs of equal owners (the rows of one sequence routed to an expert, in
+/// order): each its own whole product.
+fn runs(owners: impl Iterator<Item = usize>) -> RowGroups {
+    let mut lens: Vec<usize> = Vec::new();
+    let mut last = None;
+    for o in owners {
+        match lens.last_mut() {
+            Some(n) if last == Some(o) => *n += 1,
+            _ => lens.push(1),
+        }
+        last = Some(o);
+    }
+    RowGroups::from_lens(lens)
 }
 
 /// The MoE output with the routing decision kept for checking.
@@ -385,6 +413,15 @@ impl Moe {
     /// kernels ([`crate::cuda::moe_experts_device`]; the same sequence, the products summed in
     /// another f32 order).
     pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
+        self.forward_grouped(x, &RowGroups::whole(x.dim(0)?))
+    }
+
+    /// [`Moe::forward`] of the tokens of several sequences split as `groups` (whole groups: every
+    /// token of a sequence's call): on the CPU each sequence's rows are bit for bit those of its
+    /// own call — the router, the shared expert and every routed expert multiply each sequence's
+    /// rows as its own call does ([`Linear::forward_grouped`]; a routed expert's groups are the
+    /// sequences' runs of rows routed to it).
+    pub fn forward_grouped(&self, x: &Tensor, groups: &RowGroups) -> Result<MoeOutput> {
         let (t, d) = x.dims2()?;
         let dev = x.device();
         #[cfg(feature = "cuda")]
@@ -399,7 +436,12 @@ impl Moe {
                 return self.forward_on_device(x, g);
             }
         }
-        let routing = self.gate.route(x)?;
+        let routing = self.gate.route_grouped(x, groups)?;
+        // The sequence (group) of every token, for the routed experts' groups.
+        let owner: Vec<usize> = groups.groups().iter().enumerate().flat_map(|(i, g)| std::iter::repeat_n(i, g.len)).collect();
+        if owner.len() != t {
+            candle_core::bail!("Moe: the row groups cover {} rows, the input has {t}", owner.len())
+        }
         let k = routing.k;
         let weights = routing.weights_tensor(dev)?;
         let xp = match (self.experts.first(), &self.shared) {
@@ -420,12 +462,13 @@ impl Moe {
             } else {
                 Tensor::from_vec(slots.iter().map(|&s| routing.weights[s]).collect::<Vec<_>>(), (n, 1), dev)?
             };
+            let eg = runs(slots.iter().map(|&s| owner[s / k]));
             if n == t {
                 // Every token chose e (top-k ids are distinct): its rows are 0..T in order.
-                y = Some(accumulate(y.as_ref(), &expert.forward_prepared(&xp, Some(&ws))?, DType::F32)?);
+                y = Some(accumulate(y.as_ref(), &expert.forward_prepared_grouped(&xp, Some(&ws), &eg)?, DType::F32)?);
             } else {
                 let rows = Tensor::from_vec(slots.iter().map(|&s| (s / k) as u32).collect::<Vec<_>>(), n, dev)?;
-                let out = expert.forward_prepared(&xp.index_select(&rows, 0)?, Some(&ws))?;
+                let out = expert.forward_prepared_grouped(&xp.index_select(&rows, 0)?, Some(&ws), &eg)?;
                 let acc = match y {
                     Some(y) => y,
                     None => Tensor::zeros((t, d), DType::F32, dev)?,
@@ -434,7 +477,7 @@ impl Moe {
             }
         }
         let out = match (&self.shared, y) {
-            (Some(shared), y) => accumulate(y.as_ref(), &shared.forward_prepared(&xp, None)?, x.dtype())?,
+            (Some(shared), y) => accumulate(y.as_ref(), &shared.forward_prepared_grouped(&xp, None, groups)?, x.dtype())?,
             (None, Some(y)) => y.to_dtype(x.dtype())?,
             (None, None) => Tensor::zeros((t, d), x.dtype(), dev)?,
         };

@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::linear_weight::{dense_product, fp8_product, mxfp4_product, LinearWeight};
+use super::row_groups::{grouped_matmul, RowGroups};
 use crate::numerics::Numerics;
 use crate::quant::{fp8_activation_quant, Fp8Weight, Mxfp4Weight};
 
@@ -138,6 +139,34 @@ impl Linear {
             LinearWeight::Mxfp4(w) => mxfp4_product(xp, w)?,
         };
         y.to_dtype(out_dtype)
+    }
+
+    /// [`Module::forward`] of `x` `[m, in]` holding the rows of several sequences split as
+    /// `groups`: on the CPU with a dense weight each group's rows are bit for bit those of the
+    /// group's own call ([`grouped_matmul`]); otherwise (one whole group, a CUDA device, an FP8 or
+    /// MXFP4 weight) exactly `forward(x)`.
+    pub fn forward_grouped(&self, x: &Tensor, groups: &RowGroups) -> Result<Tensor> {
+        if self.groups_apply(x, groups) {
+            return self.forward_prepared_grouped(&self.prepare_input(x)?, groups);
+        }
+        self.forward(x)
+    }
+
+    /// [`Linear::forward_prepared`] of `xp` `[m, in]` split as `groups`, as
+    /// [`Linear::forward_grouped`].
+    pub fn forward_prepared_grouped(&self, xp: &Tensor, groups: &RowGroups) -> Result<Tensor> {
+        match &self.weight {
+            LinearWeight::Dense(w) if self.groups_apply(xp, groups) => {
+                let out_dtype = if self.kind == LinearKind::F32 { DType::F32 } else { xp.dtype() };
+                grouped_matmul(&xp.to_dtype(w.dtype())?, &w.t()?, groups)?.to_dtype(out_dtype)
+            }
+            _ => self.forward_prepared(xp),
+        }
+    }
+
+    /// Whether a grouped call differs from the plain one: several groups, a dense weight, the CPU.
+    fn groups_apply(&self, x: &Tensor, groups: &RowGroups) -> bool {
+        matches!(self.weight, LinearWeight::Dense(_)) && x.device().is_cpu() && !groups.is_whole()
     }
 }
 
