@@ -7,7 +7,9 @@
 //! * [`checkpoint`]: [`ReleaseCheckpoint`] (one file, several files, or a folder with
 //!   `model.safetensors.index.json`), dequantizing `get`, Engram row lookups.
 //! * [`rows`]: row lookups without materializing a table ([`RowTable`], for Engram).
-//! * [`usage`]: strict loading (unused tensors, collect mode for missing ones).
+//! * [`staging`]: how a tensor goes from the map to its device with a bounded host footprint.
+//! * [`usage`]: strict loading (unused tensors, collect mode for missing ones) and the bytes
+//!   placed per tensor.
 //! * [`native`]: quantized weights kept in their release format ([`QuantizedWeights`]) and the
 //!   virtual tensor names through which the backend hands out an FP8 or MXFP4 weight's stored bytes.
 //! * [`backend`]: the [`candle_nn::var_builder::SimpleBackend`] and [`var_builder`] /
@@ -32,6 +34,7 @@ pub mod layout;
 pub mod native;
 pub mod rows;
 pub mod shard;
+pub mod staging;
 pub mod usage;
 
 pub use backend::{var_builder, var_builder_with, ReleaseBackend};
