@@ -8,38 +8,23 @@
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::loader::staging::STAGING_CHUNK_BYTES;
-use deepseek_v41::loader::{dequant_fp8_rows, ReleaseCheckpoint};
-use safetensors::Dtype;
+use deepseek_v41::loader::dequant_fp8_rows;
 
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;
 
 #[path = "support/release_writer.rs"]
 mod release_writer;
-use release_writer::{bytes, raw, scales, write_st, TempDir};
+use release_writer::TempDir;
+
+#[path = "support/plan_check.rs"]
+mod plan_check;
+use plan_check::{staging_checkpoint, TABLE_ROWS};
 
 #[global_allocator]
 static ALLOC: counting_alloc::Counting = counting_alloc::Counting;
 
 const MIB: f64 = (1 << 20) as f64;
-
-/// A checkpoint with a bf16 matrix `[4096, 8192]` (64 MiB), an FP8-rows table `[262144, 256]`
-/// (64 MiB + scales, an Engram table's format) and an FP8 32x32 weight `[4096, 4096]`.
-fn checkpoint(dir: &TempDir) -> Result<ReleaseCheckpoint> {
-    let path = dir.0.join("model.safetensors");
-    let (rows, cols) = (262_144, 256);
-    write_st(
-        &path,
-        &[
-            raw("big.weight", Dtype::BF16, &[4096, 8192], bytes(4096 * 8192 * 2, 1, true)),
-            raw("table.weight", Dtype::F8_E4M3, &[rows, cols], bytes(rows * cols, 2, true)),
-            raw("table.scale", Dtype::F8_E8M0, &[rows, cols / 32], scales(rows * cols / 32, 3)),
-            raw("lin.weight", Dtype::F8_E4M3, &[4096, 4096], bytes(4096 * 4096, 4, true)),
-            raw("lin.scale", Dtype::F8_E8M0, &[128, 128], scales(128 * 128, 5)),
-        ],
-    )?;
-    Ok(ReleaseCheckpoint::open(&[path])?)
-}
 
 fn bits(t: &Tensor) -> Result<Vec<u32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
@@ -51,7 +36,7 @@ fn bits(t: &Tensor) -> Result<Vec<u32>> {
 #[test]
 fn cpu_placement_peaks_at_the_tensor_plus_one_chunk() -> Result<()> {
     let dir = TempDir::new("host-peak")?;
-    let ckpt = checkpoint(&dir)?;
+    let ckpt = staging_checkpoint(&dir.0)?;
     let cpu = Device::Cpu;
     let bar = |held: usize| held + STAGING_CHUNK_BYTES * 3 / 2 + (1 << 20);
     for (name, dtype) in [("big.weight", DType::F32), ("table.weight", DType::BF16), ("lin.weight", DType::F32), ("big.weight", DType::BF16)] {
@@ -79,8 +64,8 @@ fn cpu_placement_peaks_at_the_tensor_plus_one_chunk() -> Result<()> {
     ensure!(bits(&old)? == bits(&ckpt.get("big.weight", DType::F32, &cpu)?)?);
     let (w, s) = (ckpt.raw_bytes("table.weight")?, ckpt.raw_bytes("table.scale")?);
     let (old, peak, _) = counting_alloc::measure(|| -> Result<Tensor> {
-        let v = dequant_fp8_rows(w, s, 262_144, 256)?;
-        Ok(Tensor::from_vec(v, (262_144, 256), &cpu)?.to_dtype(DType::BF16)?)
+        let v = dequant_fp8_rows(w, s, TABLE_ROWS, 256)?;
+        Ok(Tensor::from_vec(v, (TABLE_ROWS, 256), &cpu)?.to_dtype(DType::BF16)?)
     });
     let old = old?;
     let held = old.elem_count() * 2;

@@ -20,6 +20,13 @@ mod repo_files;
 #[path = "../examples/support/flash_config.rs"]
 mod flash_config;
 
+#[path = "support/release_writer.rs"]
+mod release_writer;
+
+#[path = "support/plan_check.rs"]
+mod plan_check;
+use plan_check::{differences, linear_bytes};
+
 /// The embedded model: a release-format checkpoint (FP8 linears, MXFP4 experts, an FP8 Engram
 /// table) with its tokenizer.
 const EMBEDDED: &str = "models/v41-shakespeare-tiny";
@@ -33,35 +40,7 @@ fn load(dtype: DType, quantized: QuantizedWeights) -> Result<(LoadPlan, BTreeMap
     let ckpt = ReleaseCheckpoint::open_dir(&dir)?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let p = Pretrained::load_with(cfg, tok, ckpt.clone(), Numerics::REFERENCE, dtype, &Device::Cpu, quantized)?;
-    let linears = p.model.linears().into_iter().map(|(n, l)| (format!("{n}.weight"), l.weight().bytes() as u64)).collect();
-    Ok((plan, ckpt.placed_bytes(), linears, ckpt))
-}
-
-/// Every planned device tensor was placed with exactly its planned bytes, nothing else was, and
-/// the totals agree; returns a description of every difference.
-fn differences(plan: &LoadPlan, placed: &BTreeMap<String, u64>, linears: &BTreeMap<String, u64>) -> Vec<String> {
-    let mut out = Vec::new();
-    let planned: BTreeMap<&str, u64> = plan.tensors.iter().filter(|t| t.place == Place::Device).map(|t| (t.name.as_str(), t.held_bytes)).collect();
-    for (name, &bytes) in &planned {
-        match placed.get(*name) {
-            Some(&b) if b == bytes => {}
-            got => out.push(format!("{name}: planned {bytes} B, placed {got:?}")),
-        }
-    }
-    for name in placed.keys().filter(|n| !planned.contains_key(n.as_str())) {
-        out.push(format!("{name}: placed but not planned on the device"));
-    }
-    for (name, &bytes) in linears {
-        if planned.get(name.as_str()) != Some(&bytes) {
-            out.push(format!("linear {name}: holds {bytes} B, planned {:?}", planned.get(name.as_str())));
-        }
-    }
-    let total: u64 = placed.values().sum();
-    let by_linears = linears.values().sum::<u64>() + placed.iter().filter(|(n, _)| !linears.contains_key(*n)).map(|(_, b)| b).sum::<u64>();
-    if plan.device_bytes() != total || total != by_linears {
-        out.push(format!("totals: planned {}, placed {total}, linears + other tensors {by_linears}", plan.device_bytes()));
-    }
-    out
+    Ok((plan, ckpt.placed_bytes(), linear_bytes(&p), ckpt))
 }
 
 /// On the CPU the plan is the loader's placement to the byte under both policies and both
