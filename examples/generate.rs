@@ -172,7 +172,7 @@ fn model_dir(args: &Args) -> Result<PathBuf> {
 /// Where `--model` is: a local folder, or a catalog entry to download.
 enum ModelSource {
     Local(PathBuf),
-    Hub { entry: WeightsEntry, repo: String, revision: String },
+    Hub { entry: Box<WeightsEntry>, repo: String, revision: String },
 }
 
 /// The local folder of `--model`, or the catalog entry and its hub repository and revision
@@ -200,7 +200,7 @@ fn model_source(args: &Args) -> Result<ModelSource> {
             let dir = cat.local_dir(entry).context("local entry without a folder")?;
             local_entry_dir(&entry.name, local, dir).map(ModelSource::Local)
         }
-        WeightsSource::Hub { repo, revision } => Ok(ModelSource::Hub { entry: entry.clone(), repo: repo.to_string(), revision: revision.to_string() }),
+        WeightsSource::Hub { repo, revision } => Ok(ModelSource::Hub { entry: Box::new(entry.clone()), repo: repo.to_string(), revision: revision.to_string() }),
     }
 }
 

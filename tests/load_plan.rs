@@ -31,16 +31,25 @@ use plan_check::{differences, linear_bytes};
 /// table) with its tokenizer.
 const EMBEDDED: &str = "models/v41-shakespeare-tiny";
 
-/// Loads the embedded model with `dtype` / `quantized` on the CPU; returns its plan, the bytes
-/// the loader placed per tensor, and the linears' bytes per weight name.
-fn load(dtype: DType, quantized: QuantizedWeights) -> Result<(LoadPlan, BTreeMap<String, u64>, BTreeMap<String, u64>, ReleaseCheckpoint)> {
+/// A load of the embedded model on the CPU and its plan.
+struct Loaded {
+    plan: LoadPlan,
+    /// The bytes the loader placed per tensor.
+    placed: BTreeMap<String, u64>,
+    /// The linears' bytes per weight name.
+    linears: BTreeMap<String, u64>,
+    ckpt: ReleaseCheckpoint,
+}
+
+/// Loads the embedded model with `dtype` / `quantized` on the CPU.
+fn load(dtype: DType, quantized: QuantizedWeights) -> Result<Loaded> {
     let dir = repo_files::repo_file(EMBEDDED);
     let cfg = Config::from_file(dir.join("config.json"))?;
     let plan = LoadPlan::new(&cfg, LoadOptions { dtype, device: PlanDevice::Cpu, quantized });
     let ckpt = ReleaseCheckpoint::open_dir(&dir)?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let p = Pretrained::load_with(cfg, tok, ckpt.clone(), Numerics::REFERENCE, dtype, &Device::Cpu, quantized)?;
-    Ok((plan, ckpt.placed_bytes(), linear_bytes(&p), ckpt))
+    Ok(Loaded { plan, placed: ckpt.placed_bytes(), linears: linear_bytes(&p), ckpt })
 }
 
 /// On the CPU the plan is the loader's placement to the byte under both policies and both
@@ -49,7 +58,7 @@ fn load(dtype: DType, quantized: QuantizedWeights) -> Result<(LoadPlan, BTreeMap
 fn the_plan_is_the_cpu_placement_to_the_byte() -> Result<()> {
     for dtype in [DType::BF16, DType::F32] {
         for quantized in [QuantizedWeights::Native, QuantizedWeights::Dequantized] {
-            let (plan, placed, linears, ckpt) = load(dtype, quantized)?;
+            let Loaded { plan, placed, linears, ckpt } = load(dtype, quantized)?;
             let diff = differences(&plan, &placed, &linears);
             ensure!(diff.is_empty(), "{dtype:?} {quantized}: {} differences:\n{}", diff.len(), diff.join("\n"));
             ensure!(plan.host_bytes() == 0 && plan.device_bytes() > 0);
@@ -67,7 +76,7 @@ fn the_plan_is_the_cpu_placement_to_the_byte() -> Result<()> {
         }
     }
     // The check can fail: one byte off is reported.
-    let (mut plan, placed, linears, _) = load(DType::BF16, QuantizedWeights::Native)?;
+    let Loaded { mut plan, placed, linears, .. } = load(DType::BF16, QuantizedWeights::Native)?;
     let norm = plan.tensors.iter().position(|t| t.name == "norm.weight").expect("final norm");
     plan.tensors[norm].held_bytes += 1;
     ensure!(differences(&plan, &placed, &linears).len() == 2, "a one-byte error must show in the tensor and the totals");
