@@ -14,6 +14,12 @@
 //! prefill and decode speeds separately. On a terminal, loading (bytes of the checkpoint read)
 //! and long prefills (chunks of 512 tokens) show progress bars on stderr; nothing is drawn when
 //! stderr is piped.
+//!
+//! `--dry-run` reads only `config.json` (a folder holding nothing else will do, e.g.
+//! `--model tests/fixtures/deepseek-v41-flash`) and prints what loading it with the given
+//! `--device`, `--dtype` and `--quantized-weights` would place where (`loader::LoadPlan`: bytes
+//! per component, on the device and mapped on the host, and the caches per token), then a total
+//! line; it needs no GPU and no CUDA build.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -26,7 +32,7 @@ use deepseek_v41::attention::CacheStorage;
 use deepseek_v41::generation::{generate, Sampler, Sampling};
 use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
 use deepseek_v41::input::check_context;
-use deepseek_v41::loader::{QuantizedWeights, ReleaseCheckpoint};
+use deepseek_v41::loader::{LoadOptions, LoadPlan, PlanDevice, QuantizedWeights, ReleaseCheckpoint};
 use deepseek_v41::model::{ModelCache, Pretrained};
 use deepseek_v41::tokenizer::{ChatPrompt, Tokenizer};
 use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSource};
@@ -113,6 +119,10 @@ struct Args {
     /// work, plus the MoE routing reads) and the sampling (on CUDA: waiting for the device).
     #[arg(long)]
     profile: bool,
+    /// Read only config.json and print the bytes loading would place per component, on the
+    /// device and on the host (no weights read, no tokenizer, no device needed).
+    #[arg(long)]
+    dry_run: bool,
 }
 
 /// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
@@ -153,10 +163,25 @@ fn looks_like_path(m: &str) -> bool {
 /// The local folder of `--model` (a catalog name or a path), checked to hold a config and a
 /// tokenizer.
 fn model_dir(args: &Args) -> Result<PathBuf> {
+    match model_source(args)? {
+        ModelSource::Local(dir) => Ok(dir),
+        ModelSource::Hub { entry, repo, revision } => download(&entry, &repo, &revision),
+    }
+}
+
+/// Where `--model` is: a local folder, or a catalog entry to download.
+enum ModelSource {
+    Local(PathBuf),
+    Hub { entry: Box<WeightsEntry>, repo: String, revision: String },
+}
+
+/// The local folder of `--model`, or the catalog entry and its hub repository and revision
+/// when it must be downloaded.
+fn model_source(args: &Args) -> Result<ModelSource> {
     if let Some(m) = args.model.as_deref() {
         let p = PathBuf::from(m);
         if p.is_dir() {
-            return Ok(p);
+            return Ok(ModelSource::Local(p));
         }
         if p.exists() {
             bail!("--model {m}: this is a file; give a model folder (config.json, the checkpoint, tokenizer.json) or a catalog name")
@@ -173,9 +198,9 @@ fn model_dir(args: &Args) -> Result<PathBuf> {
     match entry.source()? {
         WeightsSource::Local(local) => {
             let dir = cat.local_dir(entry).context("local entry without a folder")?;
-            local_entry_dir(&entry.name, local, dir)
+            local_entry_dir(&entry.name, local, dir).map(ModelSource::Local)
         }
-        WeightsSource::Hub { repo, revision } => download(entry, repo, revision),
+        WeightsSource::Hub { repo, revision } => Ok(ModelSource::Hub { entry: Box::new(entry.clone()), repo: repo.to_string(), revision: revision.to_string() }),
     }
 }
 
@@ -249,6 +274,9 @@ fn run() -> Result<()> {
     // Everything that does not need the weights is checked first.
     let sampling = Sampling { temperature: args.temperature, top_p: args.top_p, seed: args.seed };
     sampling.validate().context("check --temperature and --top-p")?;
+    if args.dry_run {
+        return dry_run(&args);
+    }
     let device = match args.device {
         DeviceArg::Cpu => Device::Cpu,
         // The library's decode setup (no per-buffer CUDA events, a pool that keeps its memory).
@@ -262,10 +290,7 @@ fn run() -> Result<()> {
         CacheArg::Packed if cfg!(feature = "cuda") => CacheStorage::Packed,
         CacheArg::Packed => bail!("--cache packed: {CUDA_HINT}"),
     };
-    let dtype = match args.dtype {
-        DTypeArg::Bf16 => DType::BF16,
-        DTypeArg::F32 => DType::F32,
-    };
+    let dtype = dtype_of(args.dtype);
     let numerics = match args.numerics {
         NumericsArg::Reference => Numerics::REFERENCE,
         NumericsArg::Plain => Numerics::PLAIN,
@@ -288,10 +313,7 @@ fn run() -> Result<()> {
     let loading = bar(ckpt.stored_bytes(), format!("loading {}", dir.display()), LOAD_BAR);
     let counter = loading.clone();
     ckpt.set_progress(move |bytes| counter.inc(bytes));
-    let quantized = match args.quantized_weights {
-        QuantizedWeightsArg::Native => QuantizedWeights::Native,
-        QuantizedWeightsArg::Dequantized => QuantizedWeights::Dequantized,
-    };
+    let quantized = quantized_of(args.quantized_weights);
     let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, quantized)
         .with_context(|| format!("loading {}", dir.display()))?;
     loading.finish_and_clear();
@@ -337,6 +359,54 @@ fn run() -> Result<()> {
     if args.profile {
         profile_steps(&p, storage, &prompt_ids, &new, &mut sampler)?;
     }
+    Ok(())
+}
+
+fn dtype_of(arg: DTypeArg) -> DType {
+    match arg {
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F32 => DType::F32,
+    }
+}
+
+fn quantized_of(arg: QuantizedWeightsArg) -> QuantizedWeights {
+    match arg {
+        QuantizedWeightsArg::Native => QuantizedWeights::Native,
+        QuantizedWeightsArg::Dequantized => QuantizedWeights::Dequantized,
+    }
+}
+
+/// `--dry-run`: the load plan of the model's `config.json` for the chosen device, dtype and
+/// quantized-weights policy, and a total line. Reads nothing else.
+fn dry_run(args: &Args) -> Result<()> {
+    let dir = match model_source(args)? {
+        ModelSource::Local(dir) => dir,
+        ModelSource::Hub { entry, repo, .. } => bail!(
+            "--dry-run: `{}` is downloaded from the hub ({repo}); pass --model <folder> holding its config.json (no weights needed)",
+            entry.name
+        ),
+    };
+    let path = dir.join("config.json");
+    let config = Config::from_file(&path).with_context(|| format!("--dry-run reads {}", path.display()))?;
+    let device = match args.device {
+        DeviceArg::Cpu => PlanDevice::Cpu,
+        DeviceArg::Cuda => PlanDevice::Cuda,
+    };
+    let plan = LoadPlan::new(&config, LoadOptions { dtype: dtype_of(args.dtype), device, quantized: quantized_of(args.quantized_weights) });
+    print!("{plan}");
+    let (per_token, storage) = match args.cache {
+        CacheArg::Bf16 => (plan.cache.per_token_rows, "bf16 rows"),
+        CacheArg::Packed => (plan.cache.per_token_packed, "packed"),
+    };
+    println!(
+        "dry run of {}: {:.3} GB ({} B) on {}, {:.3} GB mapped on the host, {:.3} GB stored; cache ({storage}) {per_token:.1} B/token; no weights read",
+        dir.display(),
+        plan.device_bytes() as f64 / 1e9,
+        plan.device_bytes(),
+        device.name(),
+        plan.host_bytes() as f64 / 1e9,
+        plan.stored_bytes() as f64 / 1e9
+    );
     Ok(())
 }
 

@@ -18,17 +18,22 @@
 //!   device; on CUDA until the device is synchronized); GB/s = stored bytes read / total time;
 //! * **host**: the process's peak RSS (`VmHWM`) before and after, and the peaks of `RssAnon`
 //!   (heap: tensors and temporaries) and `RssFile` (pages of the memory-mapped checkpoint)
-//!   sampled every millisecond by a second thread during the load;
+//!   sampled every millisecond by a second thread during the load, and the peak `RssAnon` rise as
+//!   a multiple of the largest stored tensor on CUDA (the staging bar of `docs/perf.md` "Loading");
 //! * **held**: the bytes of the model's linears (`Model::linears`, `LinearWeight::bytes`: dense,
 //!   or FP8 / MXFP4 codes plus scales where kept as stored), routed experts among them, plus the other
-//!   weights computed from the checkpoint (embedding in the activation dtype, grouped `wo_a` in
-//!   the linears' dtype, Engram tables bf16, norms / mHC / router / sinks f32);
+//!   tensors the loader placed (`ReleaseCheckpoint::placed_bytes`: embedding in the activation
+//!   dtype, grouped `wo_a` in the linears' dtype, Engram tables bf16, norms / mHC / router /
+//!   sinks f32);
+//! * **plan**: the load plan of the config (`loader::LoadPlan`, printed first) checked against
+//!   what the loader placed, tensor by tensor and in total, to the byte: any difference is listed
+//!   and the report exits with an error;
 //! * **device** (CUDA, feature `cuda`): `total − free` (`cuMemGetInfo`) before and after loading
 //!   and its sampled peak, and the high-water mark of the memory pool candle allocates from
 //!   (`examples/support/bench.rs` `PoolPeak`: tensors only, transients included, no context or
 //!   cuBLAS workspace); the ratio of the device bytes added by loading to the stored bytes.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -38,9 +43,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
 use deepseek_v41::config::Config;
-use deepseek_v41::loader::{QuantizedWeights, ReleaseCheckpoint, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};
+use deepseek_v41::loader::plan::Place;
+use deepseek_v41::loader::{LoadOptions, LoadPlan, PlanDevice, QuantizedWeights, ReleaseCheckpoint, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};
 use deepseek_v41::model::Pretrained;
-use deepseek_v41::nn::linear::compute_dtype;
 use deepseek_v41::nn::LinearWeight;
 use deepseek_v41::tokenizer::Tokenizer;
 use deepseek_v41::Numerics;
@@ -170,24 +175,21 @@ fn text_names(ckpt: &ReleaseCheckpoint) -> Vec<String> {
         .collect()
 }
 
-/// Bytes of the weights that are not linears, as the model holds them on `device` (see the
-/// module docs), from the checkpoint's logical shapes.
-fn other_bytes(ckpt: &ReleaseCheckpoint, linears: &HashSet<String>, dtype: DType, device: &Device) -> Result<u64> {
-    let mut bytes = 0u64;
-    for name in text_names(ckpt).into_iter().filter(|n| !linears.contains(n)) {
-        let n: usize = ckpt.info(&name)?.shape.iter().product();
-        let size = if name == "embed.weight" {
-            dtype.size_in_bytes()
-        } else if name.ends_with(".attn.wo_a.weight") {
-            compute_dtype(device, dtype).size_in_bytes()
-        } else if name.ends_with(".engram.embed.weight") {
-            DType::BF16.size_in_bytes()
-        } else {
-            DType::F32.size_in_bytes()
-        };
-        bytes += (n * size) as u64;
+/// The differences between the plan's device tensors and what the loader placed (by name, to
+/// the byte), and between the totals; empty when they agree.
+fn plan_differences(plan: &LoadPlan, placed: &BTreeMap<String, u64>) -> Vec<String> {
+    let planned: BTreeMap<&str, u64> = plan.tensors.iter().filter(|t| t.place == Place::Device).map(|t| (t.name.as_str(), t.held_bytes)).collect();
+    let mut out: Vec<String> = planned
+        .iter()
+        .filter(|(n, &b)| placed.get(**n) != Some(&b))
+        .map(|(n, b)| format!("{n}: planned {b} B, placed {:?}", placed.get(*n)))
+        .collect();
+    out.extend(placed.keys().filter(|n| !planned.contains_key(n.as_str())).map(|n| format!("{n}: placed, not planned on the device")));
+    let total: u64 = placed.values().sum();
+    if total != plan.device_bytes() {
+        out.push(format!("total: planned {} B, placed {total} B", plan.device_bytes()));
     }
-    Ok(bytes)
+    out
 }
 
 fn find_tokenizer(dir: &Path) -> Result<PathBuf> {
@@ -262,6 +264,7 @@ fn main() -> Result<()> {
         });
     }
     let stored = stored_text_bytes(&ckpt)?;
+    let plan = LoadPlan::new(&config, LoadOptions { dtype, device: PlanDevice::of(&device), quantized });
     let setup = t0.elapsed().as_secs_f64();
     let model = Pretrained::load_with(config, tokenizer, ckpt.clone(), Numerics::REFERENCE, dtype, &device, quantized)?;
     device.synchronize()?;
@@ -285,7 +288,7 @@ fn main() -> Result<()> {
     );
 
     let (mut dense, mut fp8, mut mxfp4, mut experts) = (0u64, 0u64, 0u64, 0u64);
-    let mut linear_names = HashSet::new();
+    let mut linear_names = std::collections::HashSet::new();
     for (name, linear) in model.model.linears() {
         let b = linear.weight().bytes() as u64;
         match linear.weight() {
@@ -298,7 +301,8 @@ fn main() -> Result<()> {
         }
         linear_names.insert(format!("{name}.weight"));
     }
-    let other = other_bytes(&ckpt, &linear_names, dtype, &device)?;
+    let placed = ckpt.placed_bytes();
+    let other: u64 = placed.iter().filter(|(n, _)| !linear_names.contains(*n)).map(|(_, b)| b).sum();
     let held = dense + fp8 + mxfp4 + other;
     println!(
         "held   {:.3} GB = linears {:.3} GB (dense {:.3}, FP8 as stored {:.3}, MXFP4 as stored {:.3}; routed experts {:.3}) + \
@@ -311,6 +315,24 @@ fn main() -> Result<()> {
         gb(experts),
         gb(other),
         held as f64 / stored as f64
+    );
+
+    print!("{plan}");
+    let diff = plan_differences(&plan, &placed);
+    let placed_total: u64 = placed.values().sum();
+    if !diff.is_empty() || placed_total != held {
+        bail!(
+            "plan check FAILED: planned {} B on the device, placed {placed_total} B, linears + other tensors {held} B; {} differences:\n{}",
+            plan.device_bytes(),
+            diff.len(),
+            diff.join("\n")
+        );
+    }
+    println!(
+        "plan   check OK: planned {} B on {} = placed {placed_total} B = linears + other tensors, tensor by tensor ({} tensors)",
+        plan.device_bytes(),
+        PlanDevice::of(&device).name(),
+        placed.len()
     );
 
     let base = field(&before, "VmRSS");
@@ -327,6 +349,15 @@ fn main() -> Result<()> {
     for (what, x) in [("peak RSS rise (VmHWM after - VmRSS before)", rise), ("peak RssAnon rise", anon_rise), ("RssAnon kept after loading", kept)] {
         let (h, s) = r(x);
         println!("host   {what:<43} {:9.1} MiB = {h:.2} x held = {s:.2} x stored", x as f64 / MIB);
+    }
+    if let Some(big) = plan.tensors.iter().max_by_key(|t| t.stored_bytes).filter(|_| !device.is_cpu()) {
+        println!(
+            "host   peak RssAnon rise = {:.2} x the largest stored tensor ({}, {:.1} MiB stored, {:.1} MiB held)",
+            anon_rise as f64 / big.stored_bytes as f64,
+            big.name,
+            big.stored_bytes as f64 / MIB,
+            big.held_bytes as f64 / MIB
+        );
     }
 
     #[cfg(feature = "cuda")]

@@ -2,7 +2,7 @@
 //! with a non-zero status and a clear message on stderr, never a panic (exit code 101 or
 //! "panicked") or an abort. Runs the binary `cargo test` builds next to the test executables
 //! (`target/<profile>/examples/generate`); every case except the last fails before the weights
-//! load, so the whole file takes a few seconds.
+//! load, so the whole file takes a few seconds. Also the `--dry-run` plan, which loads nothing.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -118,4 +118,20 @@ fn help_lists_the_catalog_and_a_run_reports_prefill_and_decode_speed() {
     assert!(stderr.contains("prefill: ") && stderr.contains("decode: 2 tokens"), "{stderr}");
     assert!(!stderr.contains('\r') && !stderr.contains("\x1b["), "progress drawn on a pipe: {stderr:?}");
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("-HAMLET."));
+}
+
+/// `--dry-run` plans from a folder holding only `config.json` (the released Flash config): no
+/// weights, no tokenizer, no GPU or CUDA build for `--device cuda`; it prints the table and a
+/// total line and exits with success.
+#[test]
+fn dry_run_plans_from_a_config_alone() {
+    let out = run(&["--model", "tests/fixtures/deepseek-v41-flash", "--dry-run", "--device", "cuda", "--cache", "packed"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    for want in ["routed experts", "MXFP4", "Engram tables", "mapped FP8 rows", "dry run of", "on cuda", "890.0 B/token", "no weights read"] {
+        assert!(stdout.contains(want), "--dry-run output lacks {want:?}:\n{stdout}");
+    }
+    let out = run(&["--model", "tests/fixtures/deepseek-v41-flash", "--dry-run", "--quantized-weights", "dequantized", "--device", "cuda"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && !stdout.contains("MXFP4") && stdout.contains("bf16"), "{stdout}");
 }

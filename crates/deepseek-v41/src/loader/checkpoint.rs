@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
-use super::dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
 use super::error::LoadError;
-use super::layout::{classify, scale_name, weight_of_scale, StoredTensor, TensorInfo, WeightFormat};
+use super::layout::{classify, scale_name, weight_of_scale, StoredTensor, TensorInfo};
 use super::shard::{RawEntry, Shard};
+use super::staging::materialize;
 use super::usage::Usage;
 
 /// The index file name of a sharded checkpoint.
@@ -237,8 +237,12 @@ impl ReleaseCheckpoint {
     /// The logical tensor `name`, dequantized, as `dtype` on `device`.
     ///
     /// Returns the logical shape of [`info`](Self::info) (e.g. `[out, in]` for an MXFP4 weight
-    /// stored as `[out, in/2]`). FP8 / MXFP4 weights are dequantized to f32 exactly (spec §2.4),
-    /// then cast; unquantized tensors are cast from their stored dtype. Records `name` as used.
+    /// stored as `[out, in/2]`). FP8 / MXFP4 weights are dequantized exactly (spec §2.4, the
+    /// values of the f32 dequantization cast to `dtype`); unquantized tensors are cast from their
+    /// stored dtype. The bytes go from the map to `device` with a bounded host footprint: on CUDA
+    /// in their stored dtype, cast or dequantized on the device where a kernel exists, otherwise
+    /// in chunks of [`super::staging::STAGING_CHUNK_BYTES`] (`loader::staging`). Records `name`
+    /// as used and the bytes of the result as placed ([`placed_bytes`](Self::placed_bytes)).
     /// The tensor's mapped pages are released once copied out (see [`Shard::release`]), so the
     /// process does not keep the checkpoint resident while loading.
     ///
@@ -258,40 +262,14 @@ impl ReleaseCheckpoint {
             }
             .into());
         }
-        let w = self.bytes_of(&info.stored)?;
-        let t = match (info.format, info.shape.as_slice()) {
-            (WeightFormat::Plain, _) => {
-                let sd = info.stored.dtype.candle().ok_or_else(|| LoadError::BadFormat {
-                    name: name.to_string(),
-                    detail: format!("dtype {} is not supported", info.stored.dtype),
-                })?;
-                Tensor::from_raw_buffer(w, sd, &info.shape, &Device::Cpu)?
-            }
-            (format, &[out, inp]) => {
-                let s = self.bytes_of(info.scale.as_ref().ok_or_else(|| missing_scale(name))?)?;
-                let v = match format {
-                    WeightFormat::Fp8Block32 => dequant_fp8_block32(w, s, out, inp),
-                    WeightFormat::Fp8Rows => dequant_fp8_rows(w, s, out, inp),
-                    _ => dequant_mxfp4(w, s, out, inp),
-                }
-                .map_err(|e| with_name(name, e))?;
-                Tensor::from_vec(v, (out, inp), &Device::Cpu)?
-            }
-            (_, shape) => {
-                return Err(LoadError::BadFormat {
-                    name: name.to_string(),
-                    detail: format!("quantized tensor of shape {shape:?}"),
-                }
-                .into())
-            }
-        };
+        let t = materialize(self, &info, dtype, device)?;
         // `t` owns its data: the mapped pages of the weight and scale can go.
         self.release(&info.stored);
         if let Some(scale) = &info.scale {
             self.release(scale);
         }
         self.report_progress(info.stored.byte_range.len() + info.scale.as_ref().map_or(0, |s| s.byte_range.len()));
-        let t = t.to_dtype(dtype)?.to_device(device)?;
+        self.record_placed(name, &t);
         self.mark_used(name);
         Ok(t)
     }

@@ -7,7 +7,10 @@
 //! * [`checkpoint`]: [`ReleaseCheckpoint`] (one file, several files, or a folder with
 //!   `model.safetensors.index.json`), dequantizing `get`, Engram row lookups.
 //! * [`rows`]: row lookups without materializing a table ([`RowTable`], for Engram).
-//! * [`usage`]: strict loading (unused tensors, collect mode for missing ones).
+//! * [`staging`]: how a tensor goes from the map to its device with a bounded host footprint.
+//! * [`usage`]: strict loading (unused tensors, collect mode for missing ones) and the bytes
+//!   placed per tensor.
+//! * [`plan`]: what a load will place where, from the config alone ([`LoadPlan`]).
 //! * [`native`]: quantized weights kept in their release format ([`QuantizedWeights`]) and the
 //!   virtual tensor names through which the backend hands out an FP8 or MXFP4 weight's stored bytes.
 //! * [`backend`]: the [`candle_nn::var_builder::SimpleBackend`] and [`var_builder`] /
@@ -30,8 +33,10 @@ pub mod dequant;
 pub mod error;
 pub mod layout;
 pub mod native;
+pub mod plan;
 pub mod rows;
 pub mod shard;
+pub mod staging;
 pub mod usage;
 
 pub use backend::{var_builder, var_builder_with, ReleaseBackend};
@@ -40,6 +45,7 @@ pub use dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
 pub use error::LoadError;
 pub use layout::{StoredTensor, TensorInfo, WeightFormat};
 pub use native::{QuantizedWeights, StoredPart};
+pub use plan::{LoadOptions, LoadPlan, PlanDevice};
 pub use rows::RowTable;
 pub use shard::StoredDtype;
 pub use usage::{DEFAULT_DENSE_LIMIT, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};

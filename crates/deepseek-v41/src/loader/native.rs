@@ -135,7 +135,8 @@ impl ReleaseCheckpoint {
     /// memory map to the device in one copy (`Tensor::from_raw_buffer`: on CUDA one host-to-device
     /// copy of the mapped slice into a fresh device buffer; on the CPU one copy into the tensor's
     /// own buffer); the mapped pages are released afterwards and the progress callback gets the
-    /// bytes read. Records `weight` as used.
+    /// bytes read. Records `weight` as used and the part's bytes as placed under `weight`'s name
+    /// ([`ReleaseCheckpoint::placed_bytes`]).
     ///
     /// Errors ([`LoadError::BadFormat`]) if `weight` is not stored in a format that has `part`
     /// ([`StoredPart::belongs_to`]).
@@ -162,6 +163,7 @@ impl ReleaseCheckpoint {
         // `t` owns its bytes (host buffer or device copy): the mapped pages can go.
         self.release(stored);
         self.report_progress(stored.byte_range.len());
+        self.record_placed(weight, &t);
         self.mark_used(weight);
         Ok(t)
     }

@@ -1,7 +1,10 @@
 //! Strict loading: which tensors the model requested, which it never used, and (in collect
-//! mode) every missing / mis-shaped tensor of a load at once.
+//! mode) every missing / mis-shaped tensor of a load at once; and the bytes each tensor handed
+//! out took ([`ReleaseCheckpoint::placed_bytes`], what `loader::plan` predicts).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+
+use candle_core::Tensor;
 
 use super::checkpoint::ReleaseCheckpoint;
 use super::error::LoadError;
@@ -20,6 +23,7 @@ pub struct Usage {
     collect: bool,
     problems: Vec<String>,
     dense_limit: usize,
+    placed: BTreeMap<String, u64>,
 }
 
 /// Default largest tensor [`ReleaseCheckpoint::get`] materializes: 32 GiB as f32 (the release's
@@ -33,6 +37,7 @@ impl Default for Usage {
             collect: false,
             problems: Vec::new(),
             dense_limit: DEFAULT_DENSE_LIMIT,
+            placed: BTreeMap::new(),
         }
     }
 }
@@ -40,6 +45,25 @@ impl Default for Usage {
 impl ReleaseCheckpoint {
     pub(super) fn mark_used(&self, name: &str) {
         self.usage().used.insert(name.to_string());
+    }
+
+    /// Adds the bytes of `t` (elements × dtype size), handed out for the logical tensor `name`,
+    /// to [`placed_bytes`](Self::placed_bytes).
+    pub(super) fn record_placed(&self, name: &str, t: &Tensor) {
+        let bytes = (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        *self.usage().placed.entry(name.to_string()).or_default() += bytes;
+    }
+
+    /// The bytes of every tensor handed out since the checkpoint was opened (or
+    /// [`reset_usage`](Self::reset_usage)), by logical tensor name: what [`get`](Self::get)
+    /// returned (elements × dtype size), or the sum of the stored parts
+    /// [`get_stored_part`](Self::get_stored_part) returned for an FP8 / MXFP4 weight. A tensor
+    /// requested twice counts twice; row lookups ([`row_table`](Self::row_table)) and the zero
+    /// stand-ins of collect mode place nothing. The model's device holds these bytes (the
+    /// weights a loaded model keeps, before any product computed from them at load), which
+    /// `loader::plan::LoadPlan` predicts from the config alone.
+    pub fn placed_bytes(&self) -> BTreeMap<String, u64> {
+        self.usage().placed.clone()
     }
 
     /// The names requested so far (successful `get` / row lookups, and in collect mode the
@@ -138,11 +162,12 @@ impl ReleaseCheckpoint {
         self.usage().dense_limit
     }
 
-    /// Forgets the used names and recorded problems (e.g. before loading a second model from
-    /// the same checkpoint).
+    /// Forgets the used names, recorded problems and placed bytes (e.g. before loading a second
+    /// model from the same checkpoint).
     pub fn reset_usage(&self) {
         let mut u = self.usage();
         u.used.clear();
         u.problems.clear();
+        u.placed.clear();
     }
 }
