@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo build --release --features cuda --example bench_moe_experts
-//! bench_moe_experts [--b 1,64,256,4096] [--reps 9]
+//! bench_moe_experts [--b 1,64,256] [--reps 9]
 //! ```
 //!
 //! Rows per B: `route+experts+combine` (router logits → ids/weights/order → the three grouped
@@ -39,14 +39,11 @@ struct Args {
     #[command(flatten)]
     common: BenchArgs,
     /// Tokens per step.
-    #[arg(long, value_delimiter = ',', default_value = "1,64,256,4096")]
+    #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
     b: Vec<usize>,
     /// Experts per layer.
     #[arg(long, default_value_t = 384)]
     experts: usize,
-    /// Token tile (1, 2, 4; default: by the average slots per expert).
-    #[arg(long)]
-    nt: Option<usize>,
 }
 
 const HIDDEN: usize = 5120;
@@ -92,14 +89,14 @@ fn main() -> Result<()> {
             let s = i % SETS;
             i += 1;
             let r = moe_route_device(&logits[s], &bias, TOP_K, 1.0, 1.5)?;
-            moe_experts_device(&xs[s], &r, &grouped, Some(10.0), None, args.nt)?;
+            moe_experts_device(&xs[s], &r, &grouped, Some(10.0), None)?;
             Ok(())
         })?;
         let mut j = 0usize;
         let experts_only = timer.graph(SETS, || {
             let s = j % SETS;
             j += 1;
-            moe_experts_device(&xs[s], &routings[s], &grouped, Some(10.0), None, args.nt)?;
+            moe_experts_device(&xs[s], &routings[s], &grouped, Some(10.0), None)?;
             Ok(())
         })?;
         for (what, ms) in [("route+experts+combine", full), ("experts+combine", experts_only)] {

@@ -18,16 +18,19 @@
 //   * prep kernel: the Q1 panel of the inputs — e4m3 code values as f16 (exact) with the block
 //     scales 2^e as f32 [rows, K/32] — and, for GATE_UP, each slot's token row, its routing
 //     weight and pos[order[p]] = p, all in expert order.
-//   * stream kernel: a persistent grid (2 CTAs of 8 warps per SM). A unit is (expert with
-//     slots, chunk of 8·NT of its slots, group of 16 weight rows: GATE_UP 8 rows of w1 and the
-//     same 8 of w3, DOWN 16 rows of w2); the units of all experts are numbered from an in-CTA
-//     scan of the counts and each CTA takes an equal contiguous run of them, so the grid is
-//     fixed by the device (graph capture) while the work follows the routing. The run's code
-//     bytes stream through an 8-stage cp.async ring (16 rows x 512 bytes = 32 k32 blocks per
-//     stage, rows padded to 528 bytes: conflict-free 4-byte reads) with their scales; the 8
-//     warps split each stage's blocks and meet in shared memory at the end of the unit (fixed
-//     warp order: deterministic), where the GATE_UP epilogue has a and u of the same row and
-//     token in one thread (rows 0-7 of the mma tile are w1, 8-15 w3) and applies the SwiGLU.
+//   * stream kernel: a persistent grid (one CTA of 16 warps per SM). A unit is (chunk of up to
+//     8 slots of one expert, group of 16 weight rows: GATE_UP 8 rows of w1 and the same 8 of w3,
+//     DOWN 16 rows of w2); the units of all experts are numbered from an in-CTA scan of the
+//     counts and each CTA takes an equal contiguous run of them, so the grid is fixed by the
+//     device (graph capture) while the work follows the routing. The run's code bytes stream
+//     through a 6-stage cp.async ring (16 rows x 1024 bytes = 64 k32 blocks per stage, rows
+//     padded to 1040 bytes: conflict-free 4-byte reads) with their scales and the stage's unit
+//     (computed once by the issuing threads, read by the compute side); the chunk's panel rows
+//     and activation scales are copied into shared memory once per chunk (consecutive units of a
+//     run share it), so a stage's products read shared memory only. The 16 warps split each
+//     stage's blocks and meet in shared memory at the end of the unit (fixed warp order:
+//     deterministic), where the GATE_UP epilogue has a and u of the same row and token in one
+//     thread (rows 0-7 of the mma tile are w1, 8-15 w3) and applies the SwiGLU.
 //   * products: per k32 block a lane holds 8 nibbles of each of its 2 rows (4 bytes). e2m1 is
 //     e4m3 shifted: placing the sign at bit 7 and (e1 e0 m) at bits 4-2 gives the e4m3 code of
 //     the value · 2^-6 (also for the subnormal 0.5), so each 4-byte word becomes 8 e4m3 codes
@@ -35,9 +38,9 @@
 //     and mma.sync m16n8k16 f16 -> f32 against the panel. The K order inside a block is
 //     permuted (a dot product does not care; the panel is written in the same order), so no
 //     shuffles. Each block's product starts from zero and is added to the running sum times
-//     (2^sa · 64) · 2^sw in f32. A warp loads all its blocks of a stage (weights and scales from
-//     shared memory, the panel and its scales through L1/L2) before the products, so one L2
-//     round trip serves the stage.
+//     (2^sa · 64) · 2^sw in f32.
+//   * Why the resident chunk: with the panel read through L1/L2 in the products, every stage
+//     waited for an L2 round trip (H100: 1.1 TB/s at B = 64, docs/perf.md "MoE experts").
 //
 // Numerics: products of e4m3 panel codes and e2m1 weights are exact in f16 x f16 -> f32; a
 // block's 32 products are summed by the tensor core in f32 and added to the running sum as
@@ -59,22 +62,43 @@
 namespace dsv41 {
 namespace moe_x {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRows = 16;                   // weight rows per unit
-constexpr int kBps = 32;                    // k32 blocks per stage
-constexpr int kRowBytes = kBps * 16;        // code bytes per row and stage
-constexpr int kSrow = kRowBytes + 16;       // padded shared-memory row
-constexpr int kScaleOff = kRows * kSrow;    // stage: scales [16][32] after the codes
-constexpr int kTokOff = kScaleOff + kRows * kBps;  // then TOK token rows (u32) and TOK weights (f32)
-constexpr int kStages = 8;
+constexpr int kTok = 8;                            // slots per chunk: one n8 tile
+constexpr int kRows = 16;                          // weight rows per unit
+constexpr int kBps = 64;                           // k32 blocks per stage
+constexpr int kRowBytes = kBps * 16;               // code bytes per row and stage
+constexpr int kSrow = kRowBytes + 16;              // padded shared-memory row
+constexpr int kScaleOff = kRows * kSrow;           // stage: scales [16][64] after the codes
+constexpr int kInfoOff = kScaleOff + kRows * kBps; // then the stage's unit (expert, row group, first slot, count, chunk)
+constexpr int kStages = 6;
+constexpr int kRedBytes = kWarps * 4 * 32 * 4;
 constexpr int kPrepThreads = 256;
+constexpr int kMaxSmem = 226 * 1024;  // dynamic shared memory: the sm_90 opt-in limit (227 KB) less the static part
 
 constexpr int align128(int v) { return (v + 127) & ~127; }
-template <int NT> constexpr int stage_bytes() { return align128(kTokOff + 2 * 8 * NT * 4); }
-template <int NT> constexpr int red_bytes() { return kWarps * NT * 4 * 32 * 4; }
-inline int table_bytes(int e) { return e * 32 + 2 * (e + 1) * 4; }
-template <int NT> int smem_bytes(int e) { return kStages * stage_bytes<NT>() + red_bytes<NT>() + table_bytes(e); }
+constexpr int kStageBytes = align128(kInfoOff + 5 * 4);
+
+// Dynamic shared memory of the stream kernel for K inputs and E experts: the weight stages, the
+// resident chunk (panel rows, activation scales, token rows and routing weights), the warps'
+// partial sums, and the expert table with the two scans.
+struct Smem {
+    int prow;    // panel row stride in bytes: 2K + 64 (= 64 mod 128: conflict-free 16-byte reads)
+    int arow;    // activation-scale row stride in floats: K/32 made odd (conflict-free)
+    int panel, ascale, tok, red, tab, bytes;
+};
+__host__ __device__ inline Smem smem_layout(int k, int e) {
+    Smem m;
+    m.prow = 2 * k + 64;
+    m.arow = (k / 32) | 1;
+    m.panel = kStages * kStageBytes;
+    m.ascale = m.panel + kTok * m.prow;
+    m.tok = m.ascale + ((kTok * m.arow * 4 + 15) & ~15);
+    m.red = m.tok + 2 * kTok * 4;
+    m.tab = m.red + kRedBytes;
+    m.bytes = m.tab + e * 32 + 2 * (e + 1) * 4;
+    return m;
+}
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -97,17 +121,18 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 struct Args {
     const uint64_t* experts;
     const uint32_t* counts;
-    const uint16_t* panel;    // [rows, K] f16 e4m3 code values, 8-groups permuted
-    const float* ascale;      // [rows, kb]
+    const uint16_t* panel;       // [rows, K] f16 e4m3 code values, 8-groups permuted
+    const float* ascale;         // [rows, kb] block scales · 64
     const uint32_t* tok_sorted;  // [S] (GATE_UP)
     const float* rw_sorted;      // [S] (GATE_UP)
-    __nv_bfloat16* out;       // [S, N]
+    __nv_bfloat16* out;          // [S, N]
     int e, n, k, kb, parts, n_rg;
     float limit;
 };
 
 struct Unit {
     int e, rg, base, cnt;
+    int chunk_id;  // global chunk index (the resident chunk changes with it)
 };
 
 // The SwiGLU of kernels/swiglu.cu on bf16-rounded a and u, times the routing weight.
@@ -120,12 +145,16 @@ __device__ __forceinline__ float swiglu(float a, float u, float w, float limit) 
     return __fmul_rn(__fmul_rn(s, u), w);
 }
 
-template <int NT, int MODE>
-__global__ void __launch_bounds__(kThreads, 2) moe_stream_kernel(const Args a) {
-    constexpr int TOK = 8 * NT, SB = stage_bytes<NT>();
+template <int MODE>
+__global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
     extern __shared__ __align__(128) uint8_t smem[];
-    float* red = reinterpret_cast<float*>(smem + kStages * SB);
-    uint64_t* tab = reinterpret_cast<uint64_t*>(smem + kStages * SB + red_bytes<NT>());
+    const Smem L = smem_layout(a.k, a.e);
+    uint8_t* panel_s = smem + L.panel;
+    float* asc_s = reinterpret_cast<float*>(smem + L.ascale);
+    uint32_t* tok_s = reinterpret_cast<uint32_t*>(smem + L.tok);
+    float* rw_s = reinterpret_cast<float*>(tok_s + kTok);
+    float* red = reinterpret_cast<float*>(smem + L.red);
+    uint64_t* tab = reinterpret_cast<uint64_t*>(smem + L.tab);
     int* off = reinterpret_cast<int*>(tab + 4 * a.e);  // [E + 1] exclusive prefix of the counts
     int* item = off + (a.e + 1);                       // [E + 1] exclusive prefix of the chunks
     __shared__ int warp_sum[2][kWarps];
@@ -136,16 +165,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_stream_kernel(const Args a) {
     for (int i = tid; i < 4 * a.e; i += kThreads) tab[i] = a.experts[i];
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
-    // Exclusive scans of the counts and of the chunks per expert (two experts per thread).
+    // Exclusive scans of the counts and of the chunks per expert (one expert per thread).
     {
-        int c[2], it[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int e = 2 * tid + j;
-            c[j] = e < a.e ? static_cast<int>(a.counts[e]) : 0;
-            it[j] = (c[j] + TOK - 1) / TOK;
-        }
-        int sc = c[0] + c[1], si = it[0] + it[1];
+        const int c = tid < a.e ? static_cast<int>(a.counts[tid]) : 0, it = (c + kTok - 1) / kTok;
+        int sc = c, si = it;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
             const int vc = __shfl_up_sync(0xffffffffu, sc, d), vi = __shfl_up_sync(0xffffffffu, si, d);
@@ -164,14 +187,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_stream_kernel(const Args a) {
             bc += warp_sum[0][w];
             bi += warp_sum[1][w];
         }
-        const int ec = bc + sc - c[0] - c[1], ei = bi + si - it[0] - it[1];  // exclusive, first of the pair
-        if (2 * tid < a.e) {
-            off[2 * tid] = ec;
-            item[2 * tid] = ei;
-        }
-        if (2 * tid + 1 < a.e) {
-            off[2 * tid + 1] = ec + c[0];
-            item[2 * tid + 1] = ei + it[0];
+        if (tid < a.e) {
+            off[tid] = bc + sc - c;
+            item[tid] = bi + si - it;
         }
         if (tid == kThreads - 1) {
             off[a.e] = bc + sc;
@@ -180,13 +198,14 @@ __global__ void __launch_bounds__(kThreads, 2) moe_stream_kernel(const Args a) {
         __syncthreads();
     }
 
+    // units < 2^31: the launcher checks slots · row groups (a chunk has at least one slot).
     const int64_t units = static_cast<int64_t>(item[a.e]) * a.n_rg;
-    const int64_t u0 = units * blockIdx.x / gridDim.x, u1 = units * (blockIdx.x + 1) / gridDim.x;
-    const int n_stages = static_cast<int>((u1 - u0) * a.parts);
+    const int u0 = static_cast<int>(units * blockIdx.x / gridDim.x), u1 = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
+    const int n_stages = (u1 - u0) * a.parts;
     if (n_stages == 0) return;
 
-    auto unit_of = [&](int64_t u) {
-        const int it_id = static_cast<int>(u / a.n_rg);
+    auto unit_of = [&](int u) {
+        const int it_id = static_cast<int>(static_cast<unsigned>(u) / static_cast<unsigned>(a.n_rg));
         int lo = 0, hi = a.e;  // the largest expert whose first chunk is <= it_id
         while (hi - lo > 1) {
             const int mid = (lo + hi) >> 1;
@@ -195,74 +214,70 @@ __global__ void __launch_bounds__(kThreads, 2) moe_stream_kernel(const Args a) {
         }
         Unit un;
         un.e = lo;
-        un.rg = static_cast<int>(u % a.n_rg);
-        const int chunk = it_id - item[lo];
-        un.base = off[lo] + chunk * TOK;
+        un.rg = u - it_id * a.n_rg;
+        un.chunk_id = it_id;
+        un.base = off[lo] + (it_id - item[lo]) * kTok;
         const int left = off[lo + 1] - un.base;
-        un.cnt = left < TOK ? left : TOK;
+        un.cnt = left < kTok ? left : kTok;
         return un;
     };
     const int half_k = a.k / 2;
-    // The weight row of tile row `row` (0..15) of the unit's row group, with its codes and scales
-    // (null past the last row).
-    auto tile_row = [&](const Unit& un, int row, const uint8_t*& codes, const uint8_t*& scales) {
+    struct RowPtrs {
+        const uint8_t *codes, *scales;
+    };
+    // The weight row of tile row `row` (0..15) of the unit's row group: its codes and scales (null
+    // past the last row).
+    auto tile_row = [&](const Unit& un, int row) {
         const uint64_t* te = tab + 4 * un.e;
         const int w = MODE == DSV41_MOE_GATE_UP ? row >> 3 : 0;
         const int wr = MODE == DSV41_MOE_GATE_UP ? un.rg * 8 + (row & 7) : un.rg * 16 + row;
-        const bool ok = wr < a.n;
-        codes = ok ? reinterpret_cast<const uint8_t*>(te[2 * w]) + static_cast<int64_t>(wr) * half_k : nullptr;
-        scales = ok ? reinterpret_cast<const uint8_t*>(te[2 * w + 1]) + static_cast<int64_t>(wr) * a.kb : nullptr;
+        if (wr >= a.n) return RowPtrs{nullptr, nullptr};
+        return RowPtrs{reinterpret_cast<const uint8_t*>(te[2 * w]) + static_cast<int64_t>(wr) * half_k,
+                       reinterpret_cast<const uint8_t*>(te[2 * w + 1]) + static_cast<int64_t>(wr) * a.kb};
     };
-    // Issue side: this thread's copies of each stage are fixed (code chunks tid and tid + 256 =
-    // rows tid / 32 and tid / 32 + 8 at byte 16 (tid % 32); scale piece tid % 8 of row tid / 8
-    // for tid < 128; token tid - (256 - TOK)), so their sources are set once per unit and each
-    // stage only adds its offset.
+    // Issue side: this thread's copies of every stage are fixed (code chunks tid and tid + 512 =
+    // rows tid / 64 and tid / 64 + 8 at byte 16 (tid % 64); scale piece tid % 16 of row tid / 16
+    // for tid < 256, or scale bytes tid % 64 of rows tid / 64 and + 8), so their sources are set
+    // once per unit and each stage adds its offset. Thread 0 also writes the stage's unit for
+    // the compute side.
     const bool scale_vec = (a.kb & 3) == 0;
-    const int crow = tid >> 5, cch = tid & 31;
-    const uint8_t *isrc0 = nullptr, *isrc1 = nullptr, *iscale = nullptr, *iscale_row[2] = {nullptr, nullptr};
-    int iss_part = 0, iss_cnt = 0, iss_base = 0;
-    int64_t iss_unit = 0;
-    auto issue_unit = [&](int64_t ui) {
-        const Unit un = unit_of(u0 + ui);
-        const uint8_t* dummy;
-        tile_row(un, crow, isrc0, dummy);
-        tile_row(un, crow + 8, isrc1, dummy);
-        if (tid < kRows * 8) tile_row(un, tid >> 3, dummy, iscale);
-        tile_row(un, crow, dummy, iscale_row[0]);
-        tile_row(un, crow + 8, dummy, iscale_row[1]);
-        iss_cnt = un.cnt;
-        iss_base = un.base;
-    };
-    auto issue = [&](int s) {  // the next stage in order: unit iss_unit, part iss_part, into slot s % S
-        if (iss_part == 0) issue_unit(iss_unit);
+    const int crow = tid >> 6, cch = tid & 63;
+    RowPtrs ip0{nullptr, nullptr}, ip1{nullptr, nullptr}, ips{nullptr, nullptr};
+    Unit iun;
+    int iss_part = 0, iss_unit = 0;
+    auto issue = [&](int s) {  // the next stage in order (unit iss_unit, part iss_part) into slot s % S
+        if (iss_part == 0) {
+            iun = unit_of(u0 + iss_unit);
+            ip0 = tile_row(iun, crow);
+            ip1 = tile_row(iun, crow + 8);
+            if (scale_vec && tid < kRows * 16) ips = tile_row(iun, tid >> 4);
+        }
         const int part = iss_part;
-        const uint32_t base = smem_addr + static_cast<uint32_t>(s % kStages) * SB;
+        uint8_t* slot = smem + (s % kStages) * kStageBytes;
+        const uint32_t base = smem_addr + static_cast<uint32_t>(s % kStages) * kStageBytes;
         const int col = part * kRowBytes + 16 * cch;
-        const bool cok = col < half_k;
-        cp_async16(base + crow * kSrow + 16 * cch, isrc0 && cok ? static_cast<const void*>(isrc0 + col) : a.panel, isrc0 && cok);
-        cp_async16(base + (crow + 8) * kSrow + 16 * cch, isrc1 && cok ? static_cast<const void*>(isrc1 + col) : a.panel, isrc1 && cok);
+        const bool c0 = ip0.codes && col < half_k, c1 = ip1.codes && col < half_k;
+        cp_async16(base + crow * kSrow + 16 * cch, c0 ? static_cast<const void*>(ip0.codes + col) : a.panel, c0);
+        cp_async16(base + (crow + 8) * kSrow + 16 * cch, c1 ? static_cast<const void*>(ip1.codes + col) : a.panel, c1);
         if (scale_vec) {
-            if (tid < kRows * 8) {
-                const int scol = part * kBps + 4 * (tid & 7);
-                const bool ok = iscale && scol < a.kb;
-                cp_async4(base + kScaleOff + 4 * tid, ok ? static_cast<const void*>(iscale + scol) : a.ascale, ok);
+            if (tid < kRows * 16) {
+                const int scol = part * kBps + 4 * (tid & 15);
+                const bool ok = ips.scales && scol < a.kb;
+                cp_async4(base + kScaleOff + 4 * tid, ok ? static_cast<const void*>(ips.scales + scol) : a.ascale, ok);
             }
         } else {
             // K / 32 not a multiple of 4 (small test models): byte copies, synchronous.
-            uint8_t* dst = smem + (s % kStages) * SB + kScaleOff;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int scol = part * kBps + cch;
-                const uint8_t* src = iscale_row[h];
-                dst[(crow + 8 * h) * kBps + cch] = (src && scol < a.kb) ? src[scol] : 0;
-            }
+            const int scol = part * kBps + cch;
+            slot[kScaleOff + crow * kBps + cch] = (ip0.scales && scol < a.kb) ? ip0.scales[scol] : 0;
+            slot[kScaleOff + (crow + 8) * kBps + cch] = (ip1.scales && scol < a.kb) ? ip1.scales[scol] : 0;
         }
-        if (MODE == DSV41_MOE_GATE_UP && tid >= kThreads - TOK) {
-            const int nn = tid - (kThreads - TOK);
-            const bool ok = nn < iss_cnt;
-            const int p = iss_base + (ok ? nn : 0);
-            cp_async4(base + kTokOff + 4 * nn, a.tok_sorted + p, ok);
-            cp_async4(base + kTokOff + 4 * TOK + 4 * nn, a.rw_sorted + p, ok);
+        if (tid == 0) {
+            int* info = reinterpret_cast<int*>(slot + kInfoOff);
+            info[0] = iun.e;
+            info[1] = iun.rg;
+            info[2] = iun.base;
+            info[3] = iun.cnt;
+            info[4] = iun.chunk_id;
         }
         if (++iss_part == a.parts) {
             iss_part = 0;
@@ -275,124 +290,106 @@ __global__ void __launch_bounds__(kThreads, 2) moe_stream_kernel(const Args a) {
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
 
-    float acc[NT][4] = {};
-    // Per unit: this lane's panel row (B operand, token 8 nt + g, at k = 8 t) and activation
-    // scale rows (tokens 8 nt + 2 t and + 1); null for a token past the unit's count.
-    const uint16_t* pb[NT];
-    const float *ps0[NT], *ps1[NT];
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    bool vg = false, v0 = false, v1 = false;  // tokens g, 2t, 2t + 1 of the chunk exist
     Unit un;
-    int part = 0;
-    int64_t cur_unit = 0;
+    int part = 0, resident = -1;
     for (int s = 0; s < n_stages; ++s) {
         asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
         __syncthreads();  // stage s is complete for every thread; slot (s - 1) % S is free
         if (s + kStages - 1 < n_stages) issue(s + kStages - 1);
         asm volatile("cp.async.commit_group;" ::: "memory");
 
-        const uint8_t* st = smem + (s % kStages) * SB;
+        const uint8_t* st = smem + (s % kStages) * kStageBytes;
         if (part == 0) {
-            un = unit_of(u0 + cur_unit);
-            const uint32_t* trow = reinterpret_cast<const uint32_t*>(st + kTokOff);
-            auto row_of = [&](int nn) -> int {
-                if (nn >= un.cnt) return -1;
-                return MODE == DSV41_MOE_GATE_UP ? static_cast<int>(trow[nn]) : un.base + nn;
-            };
-            auto srow = [&](int nn) -> const float* {
-                const int r = row_of(nn);
-                return r < 0 ? nullptr : a.ascale + static_cast<int64_t>(r) * a.kb;
-            };
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int r = row_of(8 * nt + g);
-                pb[nt] = r < 0 ? nullptr : a.panel + static_cast<int64_t>(r) * a.k + 8 * t;
-                ps0[nt] = srow(8 * nt + 2 * t);
-                ps1[nt] = srow(8 * nt + 2 * t + 1);
+            const int* info = reinterpret_cast<const int*>(st + kInfoOff);
+            un.e = info[0];
+            un.rg = info[1];
+            un.base = info[2];
+            un.cnt = info[3];
+            un.chunk_id = info[4];
+            if (un.chunk_id != resident) {
+                // A new chunk of slots: its panel rows, activation scales, token rows and routing
+                // weights into shared memory (every thread is past the previous unit's epilogue).
+                if (tid < un.cnt) {
+                    const int p = un.base + tid;
+                    tok_s[tid] = MODE == DSV41_MOE_GATE_UP ? a.tok_sorted[p] : static_cast<uint32_t>(p);
+                    rw_s[tid] = MODE == DSV41_MOE_GATE_UP ? a.rw_sorted[p] : 0.0f;
+                }
+                __syncthreads();
+                const int vec = a.k / 8;  // 16-byte pieces per panel row
+                for (int nn = 0; nn < un.cnt; ++nn) {
+                    const uint4* src = reinterpret_cast<const uint4*>(a.panel + static_cast<int64_t>(tok_s[nn]) * a.k);
+                    for (int c = tid; c < vec; c += kThreads) *reinterpret_cast<uint4*>(panel_s + nn * L.prow + 16 * c) = __ldg(src + c);
+                    const float* srs = a.ascale + static_cast<int64_t>(tok_s[nn]) * a.kb;
+                    for (int c = tid; c < a.kb; c += kThreads) asc_s[nn * L.arow + c] = __ldg(srs + c);
+                }
+                __syncthreads();
+                resident = un.chunk_id;
             }
+            vg = g < un.cnt;
+            v0 = 2 * t < un.cnt;
+            v1 = 2 * t + 1 < un.cnt;
         }
 
-        // The warp's blocks of this stage (lb = warp + 8i): all loads first (shared memory and the
-        // panel's L2 lines), then the products, so that one L2 round trip serves them all.
-        constexpr int NB = kBps / kWarps;
-        constexpr int G = NT == 1 ? NB : (NT == 2 ? 2 : 1);  // blocks per load group (registers)
+        // The warp's blocks of this stage (lb = warp + 16 i): weights, scales and the panel from
+        // shared memory.
 #pragma unroll
-        for (int g0 = 0; g0 < NB; g0 += G) {
-            uint32_t wa[G], wb[G];
-            float swa[G], swb[G];
-            uint4 b[G][NT];
-            float sa0[G][NT], sa1[G][NT];
-#pragma unroll
-            for (int i = 0; i < G; ++i) {
-                const int lb = warp + kWarps * (g0 + i), kb = part * kBps + lb;
-                const bool ok = kb < a.kb;
-                wa[i] = *reinterpret_cast<const uint32_t*>(st + g * kSrow + 16 * lb + 4 * t);
-                wb[i] = *reinterpret_cast<const uint32_t*>(st + (g + 8) * kSrow + 16 * lb + 4 * t);
-                swa[i] = fp8::e8m0_f32(st[kScaleOff + g * kBps + lb]);
-                swb[i] = fp8::e8m0_f32(st[kScaleOff + (g + 8) * kBps + lb]);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    b[i][nt] = (ok && pb[nt]) ? __ldg(reinterpret_cast<const uint4*>(pb[nt] + 32 * kb)) : make_uint4(0u, 0u, 0u, 0u);
-                    sa0[i][nt] = (ok && ps0[nt]) ? __ldg(ps0[nt] + kb) : 0.0f;
-                    sa1[i][nt] = (ok && ps1[nt]) ? __ldg(ps1[nt] + kb) : 0.0f;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < G; ++i) {
-                if (part * kBps + warp + kWarps * (g0 + i) >= a.kb) break;
-                const uint32_t ea = e2m1_even_e4m3(wa[i]), oa = e2m1_odd_e4m3(wa[i]), eb = e2m1_even_e4m3(wb[i]), ob = e2m1_odd_e4m3(wb[i]);
-                const uint32_t a0[4] = {fp8::e4m3x2_f16x2(static_cast<uint16_t>(ea & 0xffffu)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(eb & 0xffffu)),
-                                        fp8::e4m3x2_f16x2(static_cast<uint16_t>(oa & 0xffffu)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(ob & 0xffffu))};
-                const uint32_t a1[4] = {fp8::e4m3x2_f16x2(static_cast<uint16_t>(ea >> 16)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(eb >> 16)),
-                                        fp8::e4m3x2_f16x2(static_cast<uint16_t>(oa >> 16)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(ob >> 16))};
-                const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    float p[4];
-                    mma16816(p, a0, b[i][nt].x, b[i][nt].y, zero);
-                    mma16816(p, a1, b[i][nt].z, b[i][nt].w, p);
-                    // (p · 2^sa · 64) · 2^sw: the first product is exact, the FMA rounds once; an
-                    // all-zero block stays 0 (the activation scale is finite for finite x).
-                    acc[nt][0] = fmaf(p[0] * sa0[i][nt], swa[i], acc[nt][0]);
-                    acc[nt][1] = fmaf(p[1] * sa1[i][nt], swa[i], acc[nt][1]);
-                    acc[nt][2] = fmaf(p[2] * sa0[i][nt], swb[i], acc[nt][2]);
-                    acc[nt][3] = fmaf(p[3] * sa1[i][nt], swb[i], acc[nt][3]);
-                }
-            }
+        for (int i = 0; i < kBps / kWarps; ++i) {
+            const int lb = warp + kWarps * i, kb = part * kBps + lb;
+            if (kb >= a.kb) break;
+            const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + g * kSrow + 16 * lb + 4 * t);
+            const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (g + 8) * kSrow + 16 * lb + 4 * t);
+            const float swa = fp8::e8m0_f32(st[kScaleOff + g * kBps + lb]);
+            const float swb = fp8::e8m0_f32(st[kScaleOff + (g + 8) * kBps + lb]);
+            const uint4 b = vg ? *reinterpret_cast<const uint4*>(panel_s + g * L.prow + 64 * kb + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
+            const float sa0 = v0 ? asc_s[2 * t * L.arow + kb] : 0.0f;
+            const float sa1 = v1 ? asc_s[(2 * t + 1) * L.arow + kb] : 0.0f;
+            const uint32_t ea = e2m1_even_e4m3(wa), oa = e2m1_odd_e4m3(wa), eb = e2m1_even_e4m3(wb), ob = e2m1_odd_e4m3(wb);
+            const uint32_t a0[4] = {fp8::e4m3x2_f16x2(static_cast<uint16_t>(ea & 0xffffu)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(eb & 0xffffu)),
+                                    fp8::e4m3x2_f16x2(static_cast<uint16_t>(oa & 0xffffu)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(ob & 0xffffu))};
+            const uint32_t a1[4] = {fp8::e4m3x2_f16x2(static_cast<uint16_t>(ea >> 16)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(eb >> 16)),
+                                    fp8::e4m3x2_f16x2(static_cast<uint16_t>(oa >> 16)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(ob >> 16))};
+            const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float p[4];
+            mma16816(p, a0, b.x, b.y, zero);
+            mma16816(p, a1, b.z, b.w, p);
+            // (p · 2^sa · 64) · 2^sw: the first product is exact, the FMA rounds once; an all-zero
+            // block stays 0 (the activation scale is finite for finite x).
+            acc[0] = fmaf(p[0] * sa0, swa, acc[0]);
+            acc[1] = fmaf(p[1] * sa1, swa, acc[1]);
+            acc[2] = fmaf(p[2] * sa0, swb, acc[2]);
+            acc[3] = fmaf(p[3] * sa1, swb, acc[3]);
         }
         if (++part != a.parts) continue;
         part = 0;
-        ++cur_unit;
 
         // End of the unit: the warps' sums meet in red (fixed order), then the epilogue.
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                red[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[nt][i];
-                acc[nt][i] = 0.0f;
-            }
+        for (int i = 0; i < 4; ++i) {
+            red[(warp * 4 + i) * 32 + lane] = acc[i];
+            acc[i] = 0.0f;
+        }
         __syncthreads();
-        auto sum_of = [&](int r, int nn) {  // tile row r (0..15), chunk column nn
-            const int nt = nn >> 3, i = (r >= 8 ? 2 : 0) + (nn & 1), ln = (r & 7) * 4 + ((nn & 7) >> 1);
+        auto sum_of = [&](int r, int nn) {  // tile row r (0..15), chunk column nn (0..7)
+            const int i = (r >= 8 ? 2 : 0) + (nn & 1), ln = (r & 7) * 4 + (nn >> 1);
             float v = 0.0f;
 #pragma unroll
-            for (int w = 0; w < kWarps; ++w) v += red[((w * NT + nt) * 4 + i) * 32 + ln];
+            for (int w = 0; w < kWarps; ++w) v += red[(w * 4 + i) * 32 + ln];
             return v;
         };
         if (MODE == DSV41_MOE_GATE_UP) {
-            const float* rw = reinterpret_cast<const float*>(st + kTokOff + 4 * TOK);
-            for (int o = tid; o < 8 * TOK; o += kThreads) {
-                const int r = o & 7, nn = o >> 3, row = un.rg * 8 + r;
-                if (nn >= un.cnt || row >= a.n) continue;
-                const float av = __bfloat162float(__float2bfloat16_rn(sum_of(r, nn)));
-                const float uv = __bfloat162float(__float2bfloat16_rn(sum_of(r + 8, nn)));
-                a.out[static_cast<int64_t>(un.base + nn) * a.n + row] = __float2bfloat16_rn(swiglu(av, uv, rw[nn], a.limit));
+            if (tid < 8 * kTok) {
+                const int r = tid & 7, nn = tid >> 3, row = un.rg * 8 + r;
+                if (nn < un.cnt && row < a.n) {
+                    const float av = __bfloat162float(__float2bfloat16_rn(sum_of(r, nn)));
+                    const float uv = __bfloat162float(__float2bfloat16_rn(sum_of(r + 8, nn)));
+                    a.out[static_cast<int64_t>(un.base + nn) * a.n + row] = __float2bfloat16_rn(swiglu(av, uv, rw_s[nn], a.limit));
+                }
             }
-        } else {
-            for (int o = tid; o < 16 * TOK; o += kThreads) {
-                const int r = o & 15, nn = o >> 4, row = un.rg * 16 + r;
-                if (nn >= un.cnt || row >= a.n) continue;
-                a.out[static_cast<int64_t>(un.base + nn) * a.n + row] = __float2bfloat16_rn(sum_of(r, nn));
-            }
+        } else if (tid < 16 * kTok) {
+            const int r = tid & 15, nn = tid >> 4, row = un.rg * 16 + r;
+            if (nn < un.cnt && row < a.n) a.out[static_cast<int64_t>(un.base + nn) * a.n + row] = __float2bfloat16_rn(sum_of(r, nn));
         }
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -486,7 +483,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const Dsv41MoeCombineP
 }
 
 struct Plan {
-    int nt, kb, parts, n_rg;
+    int kb, parts, n_rg;
     int64_t rows, slots, panel_off, ascale_off, tok_off, rw_off, bytes;
 };
 
@@ -497,16 +494,17 @@ inline int validate(const Dsv41MoeExpertsParams* p, size_t params_size) {
     if (p->num_experts < 1 || p->num_experts > DSV41_MOE_EXPERTS_MAX_E || p->k < 1 || p->num_tokens < 0) return DSV41_ERR_SHAPE;
     if (p->n < 1 || p->kdim < 32 || p->kdim % 32 != 0) return DSV41_ERR_SHAPE;
     if (p->mode != DSV41_MOE_GATE_UP && p->mode != DSV41_MOE_DOWN) return DSV41_ERR_SHAPE;
-    if (p->nt != 0 && p->nt != 1 && p->nt != 2 && p->nt != 4) return DSV41_ERR_SHAPE;
     if (p->num_tokens * p->k >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (p->kdim > DSV41_MOE_EXPERTS_MAX_KDIM || smem_layout(p->kdim, p->num_experts).bytes > kMaxSmem) return DSV41_ERR_SHAPE;
+    // The units (chunks x row groups) are numbered in 32 bits; a chunk holds at least one slot.
+    const int64_t n_rg = p->mode == DSV41_MOE_GATE_UP ? (p->n + 7) / 8 : (p->n + 15) / 16;
+    if ((p->num_tokens * p->k + p->num_experts) * n_rg >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
     return DSV41_OK;
 }
 
 inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     Plan q;
     q.slots = p->num_tokens * p->k;
-    const int64_t avg = (q.slots + p->num_experts - 1) / p->num_experts;
-    q.nt = p->nt != 0 ? p->nt : (avg <= 8 ? 1 : avg <= 16 ? 2 : 4);
     q.kb = p->kdim / 32;
     q.parts = (q.kb + kBps - 1) / kBps;
     q.n_rg = p->mode == DSV41_MOE_GATE_UP ? (p->n + 7) / 8 : (p->n + 15) / 16;
@@ -529,35 +527,19 @@ inline int sm_count() {
     return sms;
 }
 
-template <int NT, int MODE>
+template <int MODE>
 cudaError_t launch_stream(const Args& a, cudaStream_t st) {
-    static thread_local int configured_dev = -1, configured_smem = 0, per_sm = 1;
-    const int smem = smem_bytes<NT>(a.e);
+    static thread_local int configured_dev = -1;
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
-    if (configured_dev != dev || configured_smem < smem) {
-        // The limit for the largest table (E = 512), so a smaller E never re-configures.
-        const int max_smem = smem_bytes<NT>(DSV41_MOE_EXPERTS_MAX_E);
-        err = cudaFuncSetAttribute(moe_stream_kernel<NT, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+    if (configured_dev != dev) {
+        err = cudaFuncSetAttribute(moe_stream_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
         if (err != cudaSuccess) return err;
-        int n = 0;
-        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, moe_stream_kernel<NT, MODE>, kThreads, max_smem);
-        if (err != cudaSuccess) return err;
-        per_sm = n > 0 ? n : 1;
         configured_dev = dev;
-        configured_smem = max_smem;
     }
-    return dsv41_launch::launch_pdl(moe_stream_kernel<NT, MODE>, dim3(per_sm * sm_count()), dim3(kThreads), smem, st, 1, a);
-}
-
-template <int MODE>
-cudaError_t launch_stream_nt(const Args& a, int nt, cudaStream_t st) {
-    switch (nt) {
-        case 1: return launch_stream<1, MODE>(a, st);
-        case 2: return launch_stream<2, MODE>(a, st);
-        default: return launch_stream<4, MODE>(a, st);
-    }
+    const int smem = smem_layout(a.k, a.e).bytes;
+    return dsv41_launch::launch_pdl(moe_stream_kernel<MODE>, dim3(sm_count()), dim3(kThreads), smem, st, 1, a);
 }
 
 }  // namespace moe_x
@@ -615,7 +597,7 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     a.parts = q.parts;
     a.n_rg = q.n_rg;
     a.limit = p->limit;
-    e = gu ? launch_stream_nt<DSV41_MOE_GATE_UP>(a, q.nt, st) : launch_stream_nt<DSV41_MOE_DOWN>(a, q.nt, st);
+    e = gu ? launch_stream<DSV41_MOE_GATE_UP>(a, st) : launch_stream<DSV41_MOE_DOWN>(a, st);
     return static_cast<int>(e);
 }
 

@@ -8,7 +8,7 @@
 //! * combine: bit for bit the CPU's f32 sum in expert-id order plus the shared expert's output;
 //! * end to end against the all-CPU pipeline (relative Frobenius error);
 //! * routings: near-uniform, skewed (all tokens on the same k experts, most experts empty),
-//!   T = 1 / 63 / 64 / 65 / 257 / 4097, token tiles nt = 1 / 2 / 4, small and large expert counts,
+//!   T = 1 / 8 / 9 / 63 / 64 / 65 / 257 / 4097 (chunks of 8 slots), small and large expert counts,
 //!   K / 32 not a multiple of 4 (the byte-copy scale path), outputs over NaN-poisoned memory;
 //! * the errors.
 //!
@@ -96,14 +96,13 @@ struct Case {
     inter: usize,
     t: usize,
     skew: bool,
-    nt: Option<usize>,
     tiny_scales: bool,
 }
 
 fn run_case(c: &Case, seed: u64) -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(seed);
-    let name = format!("E {} k {} D {} inter {} T {} skew {} nt {:?}", c.e, c.k, c.d, c.inter, c.t, c.skew, c.nt);
+    let name = format!("E {} k {} D {} inter {} T {} skew {}", c.e, c.k, c.d, c.inter, c.t, c.skew);
     let limit = Some(10.0f64);
     // Experts and the shared expert's output.
     let host: Vec<[Mxfp4Weight; 3]> = (0..c.e)
@@ -131,7 +130,7 @@ fn run_case(c: &Case, seed: u64) -> Result<()> {
         1.5,
     )?;
     poison(&dev, c.t * c.k * (c.d + c.inter) + c.t * c.d)?;
-    let got = moe_experts_device(&x, &routing, &grouped, limit.map(|l| l as f32), Some(&shared), c.nt)?;
+    let got = moe_experts_device(&x, &routing, &grouped, limit.map(|l| l as f32), Some(&shared))?;
     let (act, y, out) = (host_f32(&got.act)?, host_f32(&got.y)?, host_f32(&got.out)?);
 
     let ids = routing.ids.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?;
@@ -203,25 +202,25 @@ fn small_models_shapes() -> Result<()> {
             .iter()
             .enumerate()
     {
-        run_case(&Case { e, k, d, inter, t, skew, nt: None, tiny_scales: i == 0 }, 0x3e_0001 + i as u64)?;
+        run_case(&Case { e, k, d, inter, t, skew, tiny_scales: i == 0 }, 0x3e_0001 + i as u64)?;
     }
     Ok(())
 }
 
 #[test]
 fn token_tiles_and_loads() -> Result<()> {
-    for (i, &(t, nt, skew)) in [(64, Some(1), false), (65, Some(2), false), (65, Some(4), false), (257, None, true), (257, Some(1), false)].iter().enumerate()
-    {
-        run_case(&Case { e: 32, k: 6, d: 512, inter: 128, t, skew, nt, tiny_scales: true }, 0x3e_0100 + i as u64)?;
+    // Chunks of 8 slots: experts with 1..7, exactly 8, 9 and many slots (all tokens on k experts).
+    for (i, &(t, skew)) in [(64, false), (65, false), (8, true), (9, true), (257, true), (257, false)].iter().enumerate() {
+        run_case(&Case { e: 32, k: 6, d: 512, inter: 128, t, skew, tiny_scales: true }, 0x3e_0100 + i as u64)?;
     }
     Ok(())
 }
 
 #[test]
 fn many_experts_few_tokens_and_a_long_prefill() -> Result<()> {
-    run_case(&Case { e: 384, k: 6, d: 1024, inter: 256, t: 1, skew: false, nt: None, tiny_scales: false }, 0x3e_0200)?;
-    run_case(&Case { e: 384, k: 6, d: 1024, inter: 256, t: 4, skew: false, nt: None, tiny_scales: false }, 0x3e_0201)?;
-    run_case(&Case { e: 16, k: 2, d: 256, inter: 64, t: 4097, skew: false, nt: None, tiny_scales: false }, 0x3e_0202)?;
+    run_case(&Case { e: 384, k: 6, d: 1024, inter: 256, t: 1, skew: false, tiny_scales: false }, 0x3e_0200)?;
+    run_case(&Case { e: 384, k: 6, d: 1024, inter: 256, t: 4, skew: false, tiny_scales: false }, 0x3e_0201)?;
+    run_case(&Case { e: 16, k: 2, d: 256, inter: 64, t: 4097, skew: false, tiny_scales: false }, 0x3e_0202)?;
     Ok(())
 }
 
@@ -231,19 +230,20 @@ fn errors() -> Result<()> {
     let mut rng = Rng(0x3e_0300);
     let w = |n, k, rng: &mut Rng| -> Result<Mxfp4Weight> { to_dev(&weight(rng, n, k, false)?, &dev) };
     ensure!(GroupedExperts::new(vec![]).is_err());
+    let wide = GroupedExperts::new(vec![[w(64, 5152, &mut rng)?, w(64, 5152, &mut rng)?, w(5152, 64, &mut rng)?]]);
+    ensure!(wide.as_ref().is_err_and(|e| e.to_string().contains("5120")), "{:?}", wide.err());
     let bad = GroupedExperts::new(vec![[w(64, 256, &mut rng)?, w(64, 256, &mut rng)?, w(256, 64, &mut rng)?], [w(64, 256, &mut rng)?, w(32, 256, &mut rng)?, w(256, 64, &mut rng)?]]);
     ensure!(bad.as_ref().is_err_and(|e| e.to_string().contains("expert 1 w3")), "{:?}", bad.err());
     let g = GroupedExperts::new(vec![[w(64, 256, &mut rng)?, w(64, 256, &mut rng)?, w(256, 64, &mut rng)?]; 4])?;
     let routing = moe_route_device(&Tensor::ones((3, 4), DType::F32, &dev)?, &Tensor::zeros(4, DType::F32, &dev)?, 2, 1.0, 1.0)?;
     let x = Tensor::ones((3, 256), DType::BF16, &dev)?;
-    ensure!(moe_experts_device(&x, &routing, &g, None, None, None).is_ok());
-    ensure!(moe_experts_device(&Tensor::ones((3, 128), DType::BF16, &dev)?, &routing, &g, None, None, None).is_err());
-    ensure!(moe_experts_device(&x.to_dtype(DType::F32)?, &routing, &g, None, None, None).is_err());
-    ensure!(moe_experts_device(&Tensor::ones((2, 256), DType::BF16, &dev)?, &routing, &g, None, None, None).is_err());
-    ensure!(moe_experts_device(&x, &routing, &g, None, Some(&Tensor::ones((3, 255), DType::BF16, &dev)?), None).is_err());
-    ensure!(moe_experts_device(&x, &routing, &g, None, None, Some(3)).is_err());
-    ensure!(moe_experts_device(&x, &routing, &g, Some(f32::NAN), None, None).is_err());
+    ensure!(moe_experts_device(&x, &routing, &g, None, None).is_ok());
+    ensure!(moe_experts_device(&Tensor::ones((3, 128), DType::BF16, &dev)?, &routing, &g, None, None).is_err());
+    ensure!(moe_experts_device(&x.to_dtype(DType::F32)?, &routing, &g, None, None).is_err());
+    ensure!(moe_experts_device(&Tensor::ones((2, 256), DType::BF16, &dev)?, &routing, &g, None, None).is_err());
+    ensure!(moe_experts_device(&x, &routing, &g, None, Some(&Tensor::ones((3, 255), DType::BF16, &dev)?)).is_err());
+    ensure!(moe_experts_device(&x, &routing, &g, Some(f32::NAN), None).is_err());
     let five = moe_route_device(&Tensor::ones((3, 5), DType::F32, &dev)?, &Tensor::zeros(5, DType::F32, &dev)?, 2, 1.0, 1.0)?;
-    ensure!(moe_experts_device(&x, &five, &g, None, None, None).is_err());
+    ensure!(moe_experts_device(&x, &five, &g, None, None).is_err());
     Ok(())
 }

@@ -17,7 +17,8 @@
 extern "C" {
 #endif
 
-#define DSV41_MOE_EXPERTS_MAX_E 512  // experts per layer (one scan thread per two experts)
+#define DSV41_MOE_EXPERTS_MAX_E 512      // experts per layer (one scan thread per expert)
+#define DSV41_MOE_EXPERTS_MAX_KDIM 5120  // inputs per projection (a chunk's panel stays in shared memory)
 
 // mode
 #define DSV41_MOE_GATE_UP 0  // act[p] = bf16(silu(min(bf16(x·w1ᵀ), L)) · clamp(bf16(x·w3ᵀ), ±L) · g)
@@ -37,11 +38,9 @@ typedef struct {
     int32_t num_experts;      // E in 1 ..= DSV41_MOE_EXPERTS_MAX_E
     int32_t k;                // experts per token, >= 1
     int32_t n;                // rows of each weight (N): inter for GATE_UP, hidden for DOWN
-    int32_t kdim;             // K, a positive multiple of 32
+    int32_t kdim;             // K, a positive multiple of 32, at most DSV41_MOE_EXPERTS_MAX_KDIM
     int32_t mode;             // DSV41_MOE_GATE_UP / DSV41_MOE_DOWN
-    int32_t nt;               // token tile: 8·nt tokens per chunk, nt in {1, 2, 4}; 0 = by T·k / E
     float limit;              // SwiGLU limit L (GATE_UP); <= 0: no clamp
-    int32_t _pad;
 } Dsv41MoeExpertsParams;
 
 // Bytes of scratch the launch of *p needs (activation panel and scales, sorted token rows and

@@ -20,6 +20,9 @@ use crate::quant::Mxfp4Weight;
 pub const MOE_EXPERTS_MAX_E: usize = 512;
 /// Largest `k` the combine takes.
 pub const MOE_EXPERTS_MAX_K: usize = 16;
+/// Largest input width (`hidden` for gate/up, `inter` for down) the kernels take
+/// (`DSV41_MOE_EXPERTS_MAX_KDIM`: a chunk's activations stay in shared memory).
+pub const MOE_EXPERTS_MAX_KDIM: usize = 5120;
 
 const MODE_GATE_UP: i32 = 0;
 const MODE_DOWN: i32 = 1;
@@ -43,9 +46,7 @@ struct MoeExpertsParams {
     n: i32,
     kdim: i32,
     mode: i32,
-    nt: i32,
     limit: f32,
-    _pad: i32,
 }
 
 /// `Dsv41MoeCombineParams` of `kernels/include/dsv41_moe_experts.h`.
@@ -95,8 +96,8 @@ impl GroupedExperts {
             candle_core::bail!("{op}: {} experts, the kernels take at most {MOE_EXPERTS_MAX_E}", experts.len())
         }
         let (inter, hidden) = first[0].dims();
-        if inter > i32::MAX as usize || hidden > i32::MAX as usize {
-            candle_core::bail!("{op}: expert dims [{inter}, {hidden}] must fit in i32")
+        if inter > MOE_EXPERTS_MAX_KDIM || hidden > MOE_EXPERTS_MAX_KDIM {
+            candle_core::bail!("{op}: expert dims [{inter}, {hidden}]: the kernels take widths up to {MOE_EXPERTS_MAX_KDIM}")
         }
         let dev = first[0].device().clone();
         if !dev.is_cuda() {
@@ -177,15 +178,15 @@ pub struct MoeExpertsOutput {
 /// SwiGLU of `w1`/`w3` (limit `L`, none when `None`) times its weight, `w2`, and the f32 sum per
 /// token in expert-id order plus `shared` (`[T, D]` bf16, the shared expert's output, or none),
 /// rounded to bf16 — [`crate::model::Moe::forward`]'s sequence with the FP8 activation
-/// quantization of every expert linear. `nt`: tokens per chunk / 8 (1, 2 or 4; `None`: by the
-/// average slots per expert). Five launches, no host read.
+/// quantization of every expert linear. An expert's slots run in chunks of 8 (each chunk streams
+/// the expert's weights once: the kernels are for decode and small batches). Five launches, no
+/// host read.
 pub fn moe_experts_device(
     x: &Tensor,
     routing: &DeviceRouting,
     experts: &GroupedExperts,
     limit: Option<f32>,
     shared: Option<&Tensor>,
-    nt: Option<usize>,
 ) -> Result<MoeExpertsOutput> {
     let op = "moe_experts_device";
     let (t, d) = x.dims2()?;
@@ -209,11 +210,6 @@ pub fn moe_experts_device(
             candle_core::bail!("{op}: shared must be [{t}, {d}] bf16, got {:?} {:?}", s.dtype(), s.shape())
         }
     }
-    let nt = match nt {
-        None => 0,
-        Some(v @ (1 | 2 | 4)) => v as i32,
-        Some(v) => candle_core::bail!("{op}: nt must be 1, 2 or 4, got {v}"),
-    };
     let limit = limit.unwrap_or(0.0);
     if limit.is_nan() {
         candle_core::bail!("{op}: the SwiGLU limit is NaN")
@@ -248,9 +244,7 @@ pub fn moe_experts_device(
         n: 0,
         kdim: 0,
         mode: 0,
-        nt,
         limit,
-        _pad: 0,
     };
     let size = std::mem::size_of::<MoeExpertsParams>();
     let scratch_for = |p: &MoeExpertsParams| -> Result<i64> {

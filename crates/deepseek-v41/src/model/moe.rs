@@ -356,10 +356,10 @@ pub struct Moe {
 }
 
 /// The average slots per expert up to which [`Moe::forward`] takes the grouped kernels (decode
-/// and small batches; above, a prefill's many tokens per expert run the per-expert loop, whose
-/// products use cuBLAS).
+/// and small batches: they stream an expert's weights once per 8 of its slots; above, a
+/// prefill's many tokens per expert run the per-expert loop, whose products use cuBLAS).
 #[cfg(feature = "cuda")]
-const GROUPED_MAX_AVG_SLOTS: usize = 16;
+const GROUPED_MAX_AVG_SLOTS: usize = 8;
 
 impl Moe {
     /// Loads `gate`, `experts.0..E` and `shared_experts` (intermediate width
@@ -408,7 +408,7 @@ impl Moe {
     /// the gathered path: the rows are `0..T` in order).
     ///
     /// On a CUDA device inside `cuda::with_device_routing`, with MXFP4 experts (the release's,
-    /// loaded natively) and at most 16 slots per expert on average, the whole layer stays on the
+    /// loaded natively) and at most 8 slots per expert on average, the whole layer stays on the
     /// device with no host read: the routing kernel, the shared expert, and the grouped expert
     /// kernels ([`crate::cuda::moe_experts_device`]; the same sequence, the products summed in
     /// another f32 order).
@@ -493,7 +493,7 @@ impl Moe {
             None => None,
         };
         let limit = self.experts.first().and_then(|e| e.limit).map(|l| l as f32);
-        let out = crate::cuda::moe_experts_device(x, &r, g, limit, shared.as_ref(), None)?.out;
+        let out = crate::cuda::moe_experts_device(x, &r, g, limit, shared.as_ref())?.out;
         Ok(MoeOutput { out, ids: r.ids, weights: r.weights })
     }
 
