@@ -4,10 +4,11 @@
 //!
 //! ```text
 //! cargo build --release --features cuda --example bench_moe_route
-//! bench_moe_route [--t 1,8,64,256,4096] [--experts 384] [--k 6] [--reps 15]
+//! bench_moe_route [--t 1,2,8,9,64,256,1024,1025,4096] [--experts 384] [--k 6] [--reps 15]
 //! ```
 //!
-//! Rows per T: the launches (1 for T <= 8, else route + sort), `graph` = median microseconds per
+//! Rows per T (the defaults straddle the kernel's path bounds: one launch up to 8, one-token route
+//! CTAs up to 1024, the one-CTA sort up to 256): the launches (1 for T <= 8, else route + sort), `graph` = median microseconds per
 //! call with the calls captured into a CUDA graph and replayed ([`Timer::graph`]: GPU time plus
 //! the gaps between graph nodes, no host launch overhead), `loop` = back-to-back calls of the Rust
 //! op ([`Timer::calls`]: host work included, as an application without graphs pays it). Each call
@@ -29,7 +30,7 @@ struct Args {
     #[command(flatten)]
     common: BenchArgs,
     /// Tokens per call.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,64,256,4096")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,8,9,64,256,1024,1025,4096")]
     t: Vec<usize>,
     /// Experts (router outputs).
     #[arg(long, default_value_t = 384)]

@@ -17,8 +17,9 @@
 //     chain) are spread over all its threads, element i = (token, e) = (i / E, i % E), into
 //     shared memory (the order key of the biased score and the unbiased score); then one warp per
 //     token selects. At E = 384 a 256-thread CTA of one token computes at most 2 scores per thread
-//     (a warp alone would chain 12), the fused 512-thread CTA at most 6 for 8 tokens. Each score is the same function of its logit and bias whichever thread computes
-//     it, so the outputs do not depend on the mapping.
+//     (a warp alone would chain 12), a 512-thread CTA of the fused path 1. Each score is the
+//     same function of its logit and bias whichever thread computes it, so the outputs do not
+//     depend on the mapping.
 //   * Selection: a lane holds the 16 keys of elements e = lane + 32 i (read from shared memory),
 //     so the selection needs no block barrier: k rounds of a warp arg-max over 64-bit keys
 //     (total-order key of the biased score << 32 | ~id, so the larger key is the larger score and
@@ -30,7 +31,7 @@
 //     ids are distinct), so a per-expert token bitmap (bit t of word t / 32; shared atomicOr, the
 //     result does not depend on their order) gives counts[e] = popcount, the offsets by a block
 //     scan, and slot (t, j) with expert e lands at offsets[e] + #{t' < t chose e} (popcounts of
-//     the words and the bits below t). One 512-thread CTA, one read of the ids, three barriers.
+//     the words and the bits below t). One 512-thread CTA, one read of the ids, four barriers.
 //   * Sort (T > 256): the position of slot (t, j) with expert e is offsets[e] + #{t' < t chose e}.
 //     A 512-thread CTA owns a range of >= 2048 tokens; it first counts the slots before its range
 //     and all slots (per-warp shared histograms, order-free), scans the totals into the offsets,
@@ -40,9 +41,13 @@
 //     below). Each CTA reads all T·k ids once for its counts (redundant across CTAs; at most 128
 //     CTAs, so T = 65536, k = 6 reads 32 × 1.5 MB from L2).
 //   * Deterministic: no atomic decides a position or a value.
-//   * T <= 8 (decode): one launch, one 512-thread CTA scores, routes (a warp per token) and sorts
-//     (small sort, the ids from registers). Else two launches (route grid, then sort) on the
-//     caller's stream.
+//   * T <= 8 (decode): one launch, a thread-block cluster of T 512-thread CTAs (one CTA, no
+//     cluster, for T = 1): CTA t scores and routes token t and stores its k ids into CTA 0's
+//     shared memory (distributed shared memory); after a cluster barrier CTA 0 runs the small
+//     sort. A CTA per token rather than one CTA for all: a score is ~80 dependent FP64
+//     instructions (exp, log1p with a division), so 8 · 384 scores would keep one SM's FP64 units
+//     (64 lanes) busy for ~4000 cycles. Else two launches (route grid, then sort) on the caller's
+//     stream.
 //   * Launch: programmatic dependent launch (kernels/include/dsv41_launch.cuh). Every kernel here
 //     waits (griddepcontrol.wait) before its first global access and then lets the next grid of
 //     the stream launch (the chain contract of kernels/sparse_attention.cu: wait before trigger),
@@ -69,6 +74,7 @@
 //     through the multiply, expf, log1pf, sqrt and the add), else a NaN bias quieted, else
 //     +inf + −inf gives x86's default NaN 0xFFC00000 (below every number). The GPU's own NaNs
 //     are canonical, so these bits are set explicitly. A NaN score makes its token's weights NaN.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -78,6 +84,8 @@
 #include "include/dsv41_warp.cuh"
 
 namespace dsv41_moe {
+
+namespace cg = cooperative_groups;
 
 constexpr int MAX_E = DSV41_MOE_ROUTE_MAX_EXPERTS;
 constexpr int MAX_K = DSV41_MOE_ROUTE_MAX_K;
@@ -95,7 +103,7 @@ constexpr int64_t SORT_MAX_CTAS = 128;
 constexpr unsigned FULL = 0xFFFFFFFFu;
 static_assert(MAX_E <= SORT_THREADS, "one sort thread per expert");
 static_assert(MAX_E <= 32 * 16 && MAX_K <= 32, "16 scores and at most one selected id per lane");
-static_assert(FUSED_MAX_T <= 32 && FUSED_MAX_T <= SORT_WARPS, "fused path: one bitmap word, a warp per token");
+static_assert(FUSED_MAX_T <= 8, "fused path: one bitmap word, a portable cluster of a CTA per token");
 static_assert(SMALL_MAX_T * MAX_K == int64_t{SMALL_SLOTS} * SORT_THREADS, "small sort: every slot has a thread");
 
 // Programmatic dependent launch (header): wait for the stream's previous grids, then let the next
@@ -378,36 +386,53 @@ __global__ void __launch_bounds__(SORT_THREADS) moe_sort_kernel(const Dsv41MoeRo
     sort_tokens(p, t0, t1, blockIdx.x == 0, bm, wsum);
 }
 
-// T <= FUSED_MAX_T: scores (all threads), route (a warp per token) and small sort in one CTA.
+// T <= FUSED_MAX_T: a cluster of T CTAs (gridDim.y; one CTA and no cluster for T <= 1). CTA r
+// scores token r (all threads) and routes it (warp 0), and writes its ids into CTA 0's `sel`
+// (distributed shared memory); after a cluster barrier CTA 0 sorts the T·k slots (small sort).
 template <int PER>
 __global__ void __launch_bounds__(SORT_THREADS) moe_route_sort_kernel(const Dsv41MoeRouteParams p) {
-    __shared__ uint32_t khi[FUSED_MAX_T * MAX_E];
-    __shared__ float sc[FUSED_MAX_T * MAX_E];
+    __shared__ uint32_t khi[MAX_E];
+    __shared__ float sc[MAX_E];
+    __shared__ uint32_t sel[FUSED_MAX_T * MAX_K];  // CTA 0: the chosen ids, slot t·k + j
     __shared__ uint32_t mask[MAX_E];
     __shared__ uint32_t pre[MAX_E];
     __shared__ uint32_t wsum[SORT_WARPS];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, E = p.num_experts, k = p.k;
-    const int n = static_cast<int>(p.num_tokens);
+    const int tid = threadIdx.x, E = p.num_experts, k = p.k, n = static_cast<int>(p.num_tokens);
+    const int r = static_cast<int>(blockIdx.y);
+    const bool cluster = gridDim.y > 1;
+    // Every CTA of the cluster has started (its shared memory may be written) once the matching
+    // wait below returns.
+    if (cluster) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     for (int i = tid; i < E; i += SORT_THREADS) mask[i] = 0;
     wait_then_allow_dependents();
-    score_tokens<SORT_THREADS>(p, 0, n, khi, sc);
-    __syncthreads();  // scores complete, bitmaps zeroed
-    uint32_t id = 0;
-    if (warp < n) {
-        id = route_token<PER>(p, warp, lane, khi + warp * E, sc + warp * E);
-        if (lane < k) atomicOr(&mask[id], 1u << warp);
+    if (r < n) score_tokens<SORT_THREADS>(p, r, 1, khi, sc);
+    __syncthreads();
+    if (cluster) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (r < n && tid < 32) {
+        const uint32_t id = route_token<PER>(p, r, tid, khi, sc);
+        uint32_t* dst = cluster ? cg::this_cluster().map_shared_rank(sel, 0) : sel;
+        if (tid < k) dst[r * k + tid] = id;
     }
+    // Release / acquire: CTA 0 sees every CTA's sel writes (a CTA barrier without a cluster).
+    if (cluster) cg::this_cluster().sync();
+    else __syncthreads();
+    if (r != 0) return;
+    const int slots = n * k;
+    for (int s = tid; s < slots; s += SORT_THREADS) atomicOr(&mask[sel[s]], 1u << (s / k));
     __syncthreads();
     small_sort_bases<1>(p, mask, pre, wsum);
     __syncthreads();
-    if (warp < n && lane < k) p.order[small_sort_position(mask, pre, E, id, warp)] = static_cast<uint32_t>(warp * k + lane);
+    for (int s = tid; s < slots; s += SORT_THREADS) p.order[small_sort_position(mask, pre, E, sel[s], s / k)] = static_cast<uint32_t>(s);
 }
 
 template <int PER>
 cudaError_t launch(const Dsv41MoeRouteParams& p, cudaStream_t s) {
     using dsv41_launch::launch_pdl;
     const int64_t T = p.num_tokens;
-    if (T <= FUSED_MAX_T) return launch_pdl(moe_route_sort_kernel<PER>, dim3(1), dim3(SORT_THREADS), 0, s, 1, p);
+    if (T <= FUSED_MAX_T) {
+        const int ctas = T > 1 ? static_cast<int>(T) : 1;  // a cluster of T CTAs (launch_pdl: none for 1)
+        return launch_pdl(moe_route_sort_kernel<PER>, dim3(1, ctas, 1), dim3(SORT_THREADS), 0, s, ctas, p);
+    }
     const int per_route = T <= ROUTE_SINGLE_MAX_T ? 1 : ROUTE_MAX_TOKENS;
     const unsigned route_ctas = static_cast<unsigned>((T + per_route - 1) / per_route);
     cudaError_t e = launch_pdl(moe_route_kernel<PER>, dim3(route_ctas), dim3(ROUTE_THREADS), 0, s, 1, p, per_route);
