@@ -187,20 +187,23 @@ fn random_problem(rng: &mut Rng, t: usize, e: usize, k: usize, dist: Dist, temp:
     Ok(Problem { t, e, k, temp, scale: 1.5, logits, bias })
 }
 
-/// Random tie-free logits over the shapes of the brief: E 4 / 16 / 384 / 511, k 1 / 6 / 8 (k = E
-/// for E = 4), T around the one-launch bound (8), the route kernel's CTAs (4 tokens) and the sort
-/// chunks and CTAs (512 / 2048 tokens); near-uniform and skewed logits; gate_temp 1 and 0.8.
+/// Random tie-free logits over the shapes of the brief: E 4 / 16 / 100 / 384 / 511, k 1 / 6 / 8
+/// (k = E for E = 4); T around the kernel's bounds: the one-launch path (T <= 8: a cluster of T
+/// CTAs, odd sizes included), the route grid's one-token CTAs (T <= 1024) and 8-token CTAs (a partial
+/// last CTA at 1025 and 4097), the one-CTA bitmap sort (T <= 256: 1, 2 and 8 bitmap words) and the
+/// chunked sort beyond (512 / 2048 tokens); E 100 / 384 / 511 are not multiples of the 256 or
+/// 512 scoring threads; near-uniform and skewed logits; gate_temp 1 and 0.8.
 #[test]
 fn random_logits_match_the_cpu_reference() -> Result<()> {
     let dev = gpu();
     let mut rng = Rng(0x5eed_0008);
     let mut worst = 0;
     let mut runs = 0;
-    for e in [4usize, 16, 384, 511] {
+    for e in [4usize, 16, 100, 384, 511] {
         let mut ks: Vec<usize> = [1usize, 6, 8].iter().map(|&k| k.min(e)).collect();
         ks.dedup();
         for &k in &ks {
-            for t in [1usize, 8, 9, 63, 64, 65, 4097] {
+            for t in [1usize, 2, 3, 5, 8, 9, 63, 64, 65, 256, 257, 1024, 1025, 4097] {
                 for dist in [Dist::NearUniform, Dist::Skewed] {
                     let temp = if (t + k) % 2 == 0 { 1.0 } else { 0.8 };
                     let p = random_problem(&mut rng, t, e, k, dist, temp)?;
@@ -225,7 +228,7 @@ fn saturated_logits_are_bit_exact_with_ties() -> Result<()> {
     let mut rng = Rng(0x5a7);
     let mut tied_rows = 0;
     for (e, k) in [(16usize, 6usize), (384, 6), (511, 8), (384, 1), (16, 16)] {
-        for t in [1usize, 9, 65, 4097] {
+        for t in [1usize, 5, 9, 65, 256, 1025, 4097] {
             for temp in [1.0f32, 0.5] {
                 let bias: Vec<f32> = (0..e).map(|_| [0.0, 0.5, 1.0, 2.0][rng.below(4)]).collect();
                 let logits: Vec<f32> = (0..t * e)
@@ -273,7 +276,7 @@ fn exact_ties_pick_the_lowest_ids() -> Result<()> {
     let mut rng = Rng(0x71e5);
     let (mut tied, mut rows) = (0, 0);
     for (e, k) in [(4usize, 4usize), (4, 2), (16, 6), (384, 6), (511, 8)] {
-        for t in [1usize, 9, 65, 4097] {
+        for t in [1usize, 5, 9, 65, 256, 1025, 4097] {
             let bias: Vec<f32> = (0..e).map(|_| [0.0, 0.25][rng.below(2)]).collect();
             let mut logits: Vec<f32> = (0..t * e).map(|_| [-1.0, 0.5, 2.0][rng.below(3)]).collect();
             // Token 0: all equal logits; with zero bias the ids are 0..k.

@@ -32,8 +32,9 @@ typedef struct {
     int32_t _pad;
 } Dsv41MoeRouteParams;
 
-// One launch for T <= 8 (route and sort in one CTA), else two (route: one warp per token; sort:
-// ceil(T / tokens-per-CTA) CTAs). Every output element is written.
+// One launch for T <= 8 (a cluster of T CTAs: scores and route per CTA, sort in CTA 0), else two (route: a CTA of 1 or 8
+// tokens; sort: one CTA up to 256 tokens, else ceil(T / tokens-per-CTA) CTAs), launched with
+// programmatic dependent launch. Every output element is written.
 int dsv41_moe_route(const Dsv41MoeRouteParams* p, size_t params_size, void* stream);
 
 #ifdef __cplusplus
