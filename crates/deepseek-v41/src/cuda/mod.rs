@@ -37,6 +37,9 @@
 //!   and the slots sorted by expert for a grouped expert kernel, from the `[T, E]` logits, all on
 //!   the device ([`crate::model::moe_route_ref`] is its CPU reference); `model::Gate::route` uses
 //!   it inside [`with_device_routing`].
+//! * `PinnedStaging` (crate-internal): a reused page-locked host buffer and one asynchronous
+//!   copy per call, for the rows of the Engram tables kept in host memory
+//!   ([`crate::model::engram_host`]).
 //! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
 //!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
@@ -65,6 +68,7 @@ mod moe_route;
 mod mxfp4;
 mod insert_op;
 mod packed_insert;
+mod pinned_staging;
 mod policy;
 mod q_rope;
 mod row_inputs;
@@ -94,6 +98,7 @@ pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use mxfp4::mxfp4_dequantize_device;
 pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};
 pub use packed_insert::{packed_insert, PackedLayout};
+pub(crate) use pinned_staging::PinnedStaging;
 pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;

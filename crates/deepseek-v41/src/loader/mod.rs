@@ -36,7 +36,7 @@ pub mod usage;
 
 pub use backend::{var_builder, var_builder_with, ReleaseBackend};
 pub use checkpoint::ReleaseCheckpoint;
-pub use dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
+pub use dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4, fp8_rows_products};
 pub use error::LoadError;
 pub use layout::{StoredTensor, TensorInfo, WeightFormat};
 pub use native::{QuantizedWeights, StoredPart};

@@ -8,6 +8,7 @@ use candle_nn::{Embedding, VarBuilder};
 
 use super::engram::Engram;
 use super::engram_hash::{EngramHasher, EngramHistory, TokenMap};
+use super::engram_placement::{EngramOptions, EngramTableInfo};
 use super::mhc::{collapse, post, HcMix, HcSublayer};
 use super::moe::Moe;
 use crate::attention::{Attention, CacheStorage, RollbackError, SequenceCache, Trace};
@@ -87,9 +88,17 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// Loads block `layer` from `vb` (= `layers.N`).
+    /// Loads block `layer` from `vb` (= `layers.N`), an Engram table resident on `vb`'s device.
     pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
-        let engram = if cfg.layers[layer].engram { Some(Engram::new(cfg, layer, numerics, vb.pp("engram"))?) } else { None };
+        Self::with_engram(cfg, layer, numerics, vb, &EngramOptions::default())
+    }
+
+    /// [`DecoderLayer::new`] with the Engram table placed as `engram` says ([`Engram::load`]).
+    pub fn with_engram(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder, engram: &EngramOptions) -> Result<Self> {
+        let engram = match cfg.layers[layer].engram {
+            true => Some(Engram::load(cfg, layer, numerics, vb.pp("engram"), engram)?),
+            false => None,
+        };
         Ok(Self {
             layer,
             engram,
@@ -141,6 +150,11 @@ impl DecoderLayer {
         Ok((x2, f.pre))
     }
 
+    /// The block's Engram module, if it has one.
+    pub fn engram(&self) -> Option<&Engram> {
+        self.engram.as_ref()
+    }
+
     /// Every linear of the block with its checkpoint prefix (`attn.wq_a`, `ffn.experts.0.w1`,
     /// `engram.wkv`, ...).
     pub fn linears(&self) -> NamedLinears<'_> {
@@ -169,11 +183,20 @@ pub struct Model {
 
 impl Model {
     /// Loads the text model from `vb` (checkpoint root). `token_map` maps token ids to Engram
-    /// compressed ids (required when the config has Engram layers).
+    /// compressed ids (required when the config has Engram layers). The Engram tables are taken
+    /// whole and kept on `vb`'s device; [`Model::with_engram`] can leave large ones in host memory.
     pub fn new(cfg: &Config, numerics: Numerics, token_map: Option<TokenMap>, vb: VarBuilder) -> Result<Self> {
+        Self::with_engram(cfg, numerics, token_map, vb, &EngramOptions::default())
+    }
+
+    /// [`Model::new`] with the Engram tables placed as `engram` says: with the checkpoint `vb`
+    /// reads in [`EngramOptions::checkpoint`], [`super::EngramPlacement::Auto`] keeps the tables
+    /// over [`super::AUTO_DEVICE_MAX_BYTES`] (the released ones) in host memory, read by rows per
+    /// call ([`super::HostRows`]); see [`Model::engram_placements`].
+    pub fn with_engram(cfg: &Config, numerics: Numerics, token_map: Option<TokenMap>, vb: VarBuilder, engram: &EngramOptions) -> Result<Self> {
         let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed"))?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|l| DecoderLayer::new(cfg, l, numerics, vb.pp("layers").pp(l)))
+            .map(|l| DecoderLayer::with_engram(cfg, l, numerics, vb.pp("layers").pp(l), engram))
             .collect::<Result<Vec<_>>>()?;
         let engram = match (&cfg.engram, token_map) {
             (None, _) => None,
@@ -230,7 +253,7 @@ impl Model {
         };
         for layer in &self.layers {
             let h = match (&hashes, &layer.engram) {
-                (Some(hs), Some(_)) => Some(hs.tensor(layer.layer, &dev)?),
+                (Some(hs), Some(e)) => Some(hs.tensor(layer.layer, &e.table().ids_device(&dev))?),
                 _ => None,
             };
             if let Some(h) = &h {
@@ -242,6 +265,12 @@ impl Model {
         let logits = self.head.forward(&h)?;
         cache.attention.record(|| "logits".to_string(), &logits);
         Ok(logits)
+    }
+
+    /// Every Engram table of the model, by layer: rows, width, where it lives
+    /// ([`super::EngramLocation`]) and its bytes there (for a load plan or a report).
+    pub fn engram_placements(&self) -> Vec<EngramTableInfo> {
+        self.layers.iter().filter_map(|l| l.engram.as_ref()).map(Engram::table_info).collect()
     }
 
     /// Every linear of the model with its checkpoint prefix (`layers.3.attn.wq_a`, `head`, ...;
