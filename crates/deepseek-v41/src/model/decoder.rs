@@ -267,6 +267,11 @@ impl Model {
         Ok(logits)
     }
 
+    /// The Engram modules, by layer.
+    pub fn engram_modules(&self) -> Vec<&Engram> {
+        self.layers.iter().filter_map(|l| l.engram.as_ref()).collect()
+    }
+
     /// Every Engram table of the model, by layer: rows, width, where it lives
     /// ([`super::EngramLocation`]) and its bytes there (for a load plan or a report).
     pub fn engram_placements(&self) -> Vec<EngramTableInfo> {

@@ -8,11 +8,13 @@
 //!    buffer, all codes first, then all scales ([`RowTable::gather_stored`]);
 //! 2. copies that buffer to the device in one copy (on CUDA from page-locked memory,
 //!    `cuda::PinnedStaging`, falling back to a pageable buffer if none can be allocated);
-//! 3. decodes on the device with three gathers and an add, no float arithmetic: the row
-//!    `[scale byte · 256 + code byte]` of a 65536-entry bf16 table holding every product
+//! 3. decodes on the device with integer ops and one gather, no float arithmetic: entry
+//!    `scale byte · 256 + code byte` of a 65536-entry bf16 table holding every product
 //!    `e4m3(code) · 2^(scale − 127)` ([`crate::loader::fp8_rows_products`], cast to bf16 on the
-//!    host as the resident table is). The result is bit for bit [`RowTable::lookup`] in bf16, and so
-//!    the resident table's rows.
+//!    host as the resident table is). The result is bit for bit [`RowTable::lookup`] in bf16, and
+//!    so the resident table's rows. (The bytes are widened to u32 by casts, not by a gather with
+//!    u8 ids: candle's index ops read an id equal to its dtype's maximum — u8 255, a valid code
+//!    and scale byte — as "no row" and return zeros.)
 //!
 //! The staging buffer belongs to the layer and is reused: it grows to the largest call seen
 //! (a power of two) and never shrinks, so decode steps allocate no host memory. Tables stored
@@ -28,31 +30,29 @@ use crate::loader::{fp8_rows_products, RowTable, WeightFormat};
 /// Columns per e8m0 scale of an FP8 row (spec §2.4).
 const BLOCK: usize = 32;
 
-/// The device tables of the row decoder (see the module doc).
+/// The device table of the row decoder (see the module doc).
 #[derive(Debug, Clone)]
 struct Decoder {
     /// `[65536]` bf16: entry `s · 256 + c` is `e4m3(c) · 2^(s − 127)`.
     products: Tensor,
-    /// `[256]` u32: entry `b` is `b` (widens the code bytes).
-    codes: Tensor,
-    /// `[256]` u32: entry `b` is `b · 256` (the scale bytes' offset into `products`).
-    scales: Tensor,
 }
 
 impl Decoder {
+    /// Device bytes of the table.
+    const BYTES: u64 = 65536 * 2;
+
     fn new(device: &Device) -> Result<Self> {
         let products = Tensor::from_vec(fp8_rows_products()?, 65536, &Device::Cpu)?.to_dtype(DType::BF16)?.to_device(device)?;
-        let codes = Tensor::from_vec((0..256u32).collect::<Vec<_>>(), 256, device)?;
-        let scales = Tensor::from_vec((0..256u32).map(|b| b * 256).collect::<Vec<_>>(), 256, device)?;
-        Ok(Self { products, codes, scales })
+        Ok(Self { products })
     }
 
     /// `[n, width]` bf16 from the staged bytes `[n · (width + width/32)]` u8 (codes, then
-    /// scales) on the device; `width` is a multiple of 32.
+    /// scales) on the device; `width` is a multiple of 32. Five launches on CUDA: two casts, the
+    /// scale offsets (`· 256`), the broadcast add, the gather.
     fn decode(&self, staged: &Tensor, n: usize, width: usize) -> Result<Tensor> {
         let sb = width / BLOCK;
-        let codes = self.codes.index_select(&staged.narrow(0, 0, n * width)?, 0)?.reshape((n, sb, BLOCK))?;
-        let scales = self.scales.index_select(&staged.narrow(0, n * width, n * sb)?, 0)?.reshape((n, sb, 1))?;
+        let codes = staged.narrow(0, 0, n * width)?.to_dtype(DType::U32)?.reshape((n, sb, BLOCK))?;
+        let scales = staged.narrow(0, n * width, n * sb)?.to_dtype(DType::U32)?.affine(256.0, 0.0)?.reshape((n, sb, 1))?;
         let idx = codes.broadcast_add(&scales)?.flatten_all()?;
         self.products.index_select(&idx, 0)?.reshape((n, width))
     }
@@ -155,10 +155,10 @@ impl HostRows {
         self.decoder.is_some()
     }
 
-    /// Device bytes of the decoder's tables (the 65536-entry bf16 products and two `[256]` u32
-    /// index tables), 0 without a device decoder.
+    /// Device bytes of the decoder's table (the 65536 bf16 products, 128 KiB), 0 without a
+    /// device decoder.
     pub fn decoder_bytes(&self) -> u64 {
-        self.decoder.as_ref().map_or(0, |_| 65536 * 2 + 2 * 256 * 4)
+        self.decoder.as_ref().map_or(0, |_| Decoder::BYTES)
     }
 
     /// The bytes the staging buffer holds now (it grows to the largest call and is kept).

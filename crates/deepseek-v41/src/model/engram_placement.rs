@@ -127,7 +127,7 @@ pub struct EngramTableInfo {
     /// memory-mapped checkpoint, of which only the pages of rows read become resident.
     pub bytes: u64,
     /// Device bytes besides a resident table: for a host table the 128 KiB decode table
-    /// (bf16 `[65536]`) and the two 1 KiB index tables; 0 for a resident one. The per-call
+    /// (bf16 `[65536]`); 0 for a resident one. The per-call
     /// staging buffer (`rows per call · (width + width / 32)` bytes) is not counted.
     pub device_extra_bytes: u64,
 }
