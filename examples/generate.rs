@@ -27,7 +27,7 @@ use deepseek_v41::generation::{generate, Sampler, Sampling};
 use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
 use deepseek_v41::input::check_context;
 use deepseek_v41::loader::{QuantizedWeights, ReleaseCheckpoint};
-use deepseek_v41::model::{ModelCache, Pretrained};
+use deepseek_v41::model::{EngramPlacement, LoadOptions, ModelCache, Pretrained};
 use deepseek_v41::tokenizer::{ChatPrompt, Tokenizer};
 use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSource};
 use deepseek_v41::{Config, Numerics};
@@ -63,6 +63,13 @@ enum CacheArg {
 enum QuantizedWeightsArg {
     Native,
     Dequantized,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum EngramPlacementArg {
+    Auto,
+    Device,
+    Host,
 }
 
 #[derive(Parser, Debug)]
@@ -108,6 +115,11 @@ struct Args {
     /// dequantized to bf16 at load (the baseline). No effect on the CPU.
     #[arg(long, value_enum, default_value = "native")]
     quantized_weights: QuantizedWeightsArg,
+    /// Engram tables: auto keeps small ones on the device and leaves ones over 1 GiB (the
+    /// released ~100 GB tables) in the memory-mapped checkpoint, read by rows each step; device
+    /// and host force one or the other (same tokens).
+    #[arg(long, value_enum, default_value = "auto")]
+    engram_placement: EngramPlacementArg,
     /// After generating, replay the decode steps of the generated tokens on a fresh cache and
     /// report the mean time per step: the model's forward call (on CUDA: launching the step's
     /// work, plus the MoE routing reads) and the sampling (on CUDA: waiting for the device).
@@ -292,7 +304,12 @@ fn run() -> Result<()> {
         QuantizedWeightsArg::Native => QuantizedWeights::Native,
         QuantizedWeightsArg::Dequantized => QuantizedWeights::Dequantized,
     };
-    let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, quantized)
+    let engram = match args.engram_placement {
+        EngramPlacementArg::Auto => EngramPlacement::Auto,
+        EngramPlacementArg::Device => EngramPlacement::Device,
+        EngramPlacementArg::Host => EngramPlacement::Host,
+    };
+    let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, LoadOptions { quantized, engram })
         .with_context(|| format!("loading {}", dir.display()))?;
     loading.finish_and_clear();
     eprintln!("loaded {} in {:.2}s", dir.display(), t0.elapsed().as_secs_f64());

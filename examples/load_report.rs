@@ -8,6 +8,7 @@
 //! cargo run --release --example load_report -- /tmp/v41-flash
 //! cargo run --release --features cuda --example load_report -- /tmp/v41-flash --device cuda
 //! cargo run --release --features cuda --example load_report -- /tmp/v41-flash --device cuda --quantized-weights dequantized
+//! cargo run --release --example load_report -- /tmp/v41-flash --engram-placement host
 //! ```
 //!
 //! Linux only (reads `/proc/self/status`). Reported:
@@ -22,7 +23,9 @@
 //! * **held**: the bytes of the model's linears (`Model::linears`, `LinearWeight::bytes`: dense,
 //!   or FP8 / MXFP4 codes plus scales where kept as stored), routed experts among them, plus the other
 //!   weights computed from the checkpoint (embedding in the activation dtype, grouped `wo_a` in
-//!   the linears' dtype, Engram tables bf16, norms / mHC / router / sinks f32);
+//!   the linears' dtype, resident Engram tables bf16 — host ones count nothing but their 128 KiB
+//!   decode table, `Model::engram_placements` — norms / mHC / router / sinks f32); one line per
+//!   Engram table says where it went (`--engram-placement`, `model::EngramPlacement`);
 //! * **device** (CUDA, feature `cuda`): `total − free` (`cuMemGetInfo`) before and after loading
 //!   and its sampled peak, and the high-water mark of the memory pool candle allocates from
 //!   (`examples/support/bench.rs` `PoolPeak`: tensors only, transients included, no context or
@@ -39,7 +42,7 @@ use candle_core::{DType, Device};
 use clap::Parser;
 use deepseek_v41::config::Config;
 use deepseek_v41::loader::{QuantizedWeights, ReleaseCheckpoint, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};
-use deepseek_v41::model::Pretrained;
+use deepseek_v41::model::{EngramLocation, EngramPlacement, LoadOptions, Pretrained};
 use deepseek_v41::nn::linear::compute_dtype;
 use deepseek_v41::nn::LinearWeight;
 use deepseek_v41::tokenizer::Tokenizer;
@@ -69,6 +72,10 @@ struct Args {
     /// How quantized weights are held (takes effect on CUDA only, see `loader::QuantizedWeights`).
     #[arg(long, default_value = "native", value_parser = ["native", "dequantized"])]
     quantized_weights: String,
+    /// Where the Engram tables live (see `model::EngramPlacement`): auto keeps tables over 1 GiB
+    /// as bf16 in the memory-mapped checkpoint, read by rows.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "device", "host"])]
+    engram_placement: String,
 }
 
 /// The `kB` fields of `/proc/self/status`, in bytes.
@@ -170,18 +177,17 @@ fn text_names(ckpt: &ReleaseCheckpoint) -> Vec<String> {
         .collect()
 }
 
-/// Bytes of the weights that are not linears, as the model holds them on `device` (see the
-/// module docs), from the checkpoint's logical shapes.
+/// Bytes of the weights that are not linears nor Engram tables, as the model holds them on
+/// `device` (see the module docs), from the checkpoint's logical shapes.
 fn other_bytes(ckpt: &ReleaseCheckpoint, linears: &HashSet<String>, dtype: DType, device: &Device) -> Result<u64> {
     let mut bytes = 0u64;
-    for name in text_names(ckpt).into_iter().filter(|n| !linears.contains(n)) {
+    let engram_table = |n: &String| n.ends_with(".engram.embed.weight");
+    for name in text_names(ckpt).into_iter().filter(|n| !linears.contains(n) && !engram_table(n)) {
         let n: usize = ckpt.info(&name)?.shape.iter().product();
         let size = if name == "embed.weight" {
             dtype.size_in_bytes()
         } else if name.ends_with(".attn.wo_a.weight") {
             compute_dtype(device, dtype).size_in_bytes()
-        } else if name.ends_with(".engram.embed.weight") {
-            DType::BF16.size_in_bytes()
         } else {
             DType::F32.size_in_bytes()
         };
@@ -210,6 +216,7 @@ fn main() -> Result<()> {
         "native" => QuantizedWeights::Native,
         _ => QuantizedWeights::Dequantized,
     };
+    let engram: EngramPlacement = args.engram_placement.parse().map_err(anyhow::Error::msg)?;
     let device = match args.device.as_str() {
         "cpu" => Device::Cpu,
         _ if cfg!(feature = "cuda") => Device::new_cuda(0).context("--device cuda needs a CUDA device")?,
@@ -224,7 +231,7 @@ fn main() -> Result<()> {
         ckpt.files().iter().map(|f| std::fs::metadata(f).map(|m| m.len())).sum::<std::io::Result<u64>>()?
     };
     println!(
-        "device {}, quantized weights {quantized}, activations {dtype:?}; checkpoint on disk {:.3} GB",
+        "device {}, quantized weights {quantized}, Engram placement {engram}, activations {dtype:?}; checkpoint on disk {:.3} GB",
         args.device,
         gb(on_disk)
     );
@@ -263,7 +270,7 @@ fn main() -> Result<()> {
     }
     let stored = stored_text_bytes(&ckpt)?;
     let setup = t0.elapsed().as_secs_f64();
-    let model = Pretrained::load_with(config, tokenizer, ckpt.clone(), Numerics::REFERENCE, dtype, &device, quantized)?;
+    let model = Pretrained::load_with(config, tokenizer, ckpt.clone(), Numerics::REFERENCE, dtype, &device, LoadOptions { quantized, engram })?;
     device.synchronize()?;
     let secs = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
@@ -298,7 +305,19 @@ fn main() -> Result<()> {
         }
         linear_names.insert(format!("{name}.weight"));
     }
-    let other = other_bytes(&ckpt, &linear_names, dtype, &device)?;
+    let mut other = other_bytes(&ckpt, &linear_names, dtype, &device)?;
+    for t in model.engram_placements() {
+        println!(
+            "engram layer {} [{} x {}]: {} ({:.3} GB there{})",
+            t.layer,
+            t.rows,
+            t.width,
+            t.location,
+            gb(t.bytes),
+            if t.location == EngramLocation::Host { ", read by rows" } else { "" }
+        );
+        other += t.device_extra_bytes + if t.location == EngramLocation::Device { t.bytes } else { 0 };
+    }
     let held = dense + fp8 + mxfp4 + other;
     println!(
         "held   {:.3} GB = linears {:.3} GB (dense {:.3}, FP8 as stored {:.3}, MXFP4 as stored {:.3}; routed experts {:.3}) + \

@@ -32,7 +32,7 @@ pub enum EngramTable {
     /// Rows gathered from the checkpoint in their stored form on lookup, copied to the device
     /// in one copy and decoded there ([`HostRows`]; what [`EngramLocation::Host`] builds for the
     /// released ~384M-row FP8 tables).
-    Host(HostRows),
+    Host(Box<HostRows>),
 }
 
 impl std::fmt::Debug for EngramTable {
@@ -131,7 +131,7 @@ impl Engram {
         let table = match (opts.placement.resolve(rows, head_dim, opts.checkpoint.is_some())?, &opts.checkpoint) {
             (EngramLocation::Host, Some(ckpt)) => {
                 let rows = ckpt.row_table(&format!("{}.embed.weight", vb.prefix()))?;
-                EngramTable::Host(HostRows::new(rows, vb.device())?)
+                EngramTable::Host(Box::new(HostRows::new(rows, vb.device())?))
             }
             _ => Self::resident_table(cfg, layer, &vb)?,
         };
@@ -141,12 +141,15 @@ impl Engram {
     /// The whole table `embed.weight`, dequantized, bf16, on `vb`'s device.
     fn resident_table(cfg: &Config, layer: usize, vb: &VarBuilder) -> Result<EngramTable> {
         let (rows, head_dim, _) = Self::table_shape(cfg, layer)?;
-        let table = vb.pp("embed").get_with_hints_dtype(
-            (rows, head_dim),
-            "weight",
-            Default::default(),
-            DType::BF16,
-        )?;
+        let table = vb
+            .pp("embed")
+            .get_with_hints_dtype((rows, head_dim), "weight", Default::default(), DType::BF16)
+            .map_err(|e| {
+                e.context(format!(
+                    "Engram layer {layer}: loading its whole [{rows}, {head_dim}] table to keep it on the device; \
+                     a large table is read by rows with EngramPlacement::Auto or Host and the checkpoint (Model::with_engram, Pretrained)"
+                ))
+            })?;
         Ok(EngramTable::Resident(table))
     }
 
