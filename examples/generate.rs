@@ -17,9 +17,9 @@
 //!
 //! `--dry-run` reads only `config.json` (a folder holding nothing else will do, e.g.
 //! `--model tests/fixtures/deepseek-v41-flash`) and prints what loading it with the given
-//! `--device`, `--dtype` and `--quantized-weights` would place where (`loader::LoadPlan`: bytes
-//! per component, on the device and mapped on the host, and the caches per token), then a total
-//! line; it needs no GPU and no CUDA build.
+//! `--device`, `--dtype`, `--quantized-weights` and `--engram-placement` would place where
+//! (`loader::LoadPlan`: bytes per component, on the device and mapped on the host, and the caches
+//! per token), then a total line; it needs no GPU and no CUDA build.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -32,8 +32,8 @@ use deepseek_v41::attention::CacheStorage;
 use deepseek_v41::generation::{generate, Sampler, Sampling};
 use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
 use deepseek_v41::input::check_context;
-use deepseek_v41::loader::{LoadOptions, LoadPlan, PlanDevice, QuantizedWeights, ReleaseCheckpoint};
-use deepseek_v41::model::{ModelCache, Pretrained};
+use deepseek_v41::loader::{LoadPlan, PlanDevice, PlanOptions, QuantizedWeights, ReleaseCheckpoint};
+use deepseek_v41::model::{EngramPlacement, LoadOptions, ModelCache, Pretrained};
 use deepseek_v41::tokenizer::{ChatPrompt, Tokenizer};
 use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSource};
 use deepseek_v41::{Config, Numerics};
@@ -69,6 +69,13 @@ enum CacheArg {
 enum QuantizedWeightsArg {
     Native,
     Dequantized,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum EngramPlacementArg {
+    Auto,
+    Device,
+    Host,
 }
 
 #[derive(Parser, Debug)]
@@ -114,6 +121,11 @@ struct Args {
     /// dequantized to bf16 at load (the baseline). No effect on the CPU.
     #[arg(long, value_enum, default_value = "native")]
     quantized_weights: QuantizedWeightsArg,
+    /// Engram tables: auto keeps small ones on the device and leaves ones over 1 GiB (the
+    /// released ~100 GB tables) in the memory-mapped checkpoint, read by rows each step; device
+    /// and host force one or the other (same tokens).
+    #[arg(long, value_enum, default_value = "auto")]
+    engram_placement: EngramPlacementArg,
     /// After generating, replay the decode steps of the generated tokens on a fresh cache and
     /// report the mean time per step: the model's forward call (on CUDA: launching the step's
     /// work, plus the MoE routing reads) and the sampling (on CUDA: waiting for the device).
@@ -313,8 +325,8 @@ fn run() -> Result<()> {
     let loading = bar(ckpt.stored_bytes(), format!("loading {}", dir.display()), LOAD_BAR);
     let counter = loading.clone();
     ckpt.set_progress(move |bytes| counter.inc(bytes));
-    let quantized = quantized_of(args.quantized_weights);
-    let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, quantized)
+    let (quantized, engram) = (quantized_of(args.quantized_weights), engram_of(args.engram_placement));
+    let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, LoadOptions { quantized, engram })
         .with_context(|| format!("loading {}", dir.display()))?;
     loading.finish_and_clear();
     eprintln!("loaded {} in {:.2}s", dir.display(), t0.elapsed().as_secs_f64());
@@ -376,8 +388,16 @@ fn quantized_of(arg: QuantizedWeightsArg) -> QuantizedWeights {
     }
 }
 
-/// `--dry-run`: the load plan of the model's `config.json` for the chosen device, dtype and
-/// quantized-weights policy, and a total line. Reads nothing else.
+fn engram_of(arg: EngramPlacementArg) -> EngramPlacement {
+    match arg {
+        EngramPlacementArg::Auto => EngramPlacement::Auto,
+        EngramPlacementArg::Device => EngramPlacement::Device,
+        EngramPlacementArg::Host => EngramPlacement::Host,
+    }
+}
+
+/// `--dry-run`: the load plan of the model's `config.json` for the chosen device, dtype,
+/// quantized-weights policy and Engram placement, and a total line. Reads nothing else.
 fn dry_run(args: &Args) -> Result<()> {
     let dir = match model_source(args)? {
         ModelSource::Local(dir) => dir,
@@ -392,7 +412,13 @@ fn dry_run(args: &Args) -> Result<()> {
         DeviceArg::Cpu => PlanDevice::Cpu,
         DeviceArg::Cuda => PlanDevice::Cuda,
     };
-    let plan = LoadPlan::new(&config, LoadOptions { dtype: dtype_of(args.dtype), device, quantized: quantized_of(args.quantized_weights) });
+    let options = PlanOptions {
+        dtype: dtype_of(args.dtype),
+        device,
+        quantized: quantized_of(args.quantized_weights),
+        engram: engram_of(args.engram_placement),
+    };
+    let plan = LoadPlan::new(&config, options);
     print!("{plan}");
     let (per_token, storage) = match args.cache {
         CacheArg::Bf16 => (plan.cache.per_token_rows, "bf16 rows"),

@@ -8,6 +8,7 @@
 //! cargo run --release --example load_report -- /tmp/v41-flash
 //! cargo run --release --features cuda --example load_report -- /tmp/v41-flash --device cuda
 //! cargo run --release --features cuda --example load_report -- /tmp/v41-flash --device cuda --quantized-weights dequantized
+//! cargo run --release --example load_report -- /tmp/v41-flash --engram-placement host
 //! ```
 //!
 //! Linux only (reads `/proc/self/status`). Reported:
@@ -23,11 +24,13 @@
 //! * **held**: the bytes of the model's linears (`Model::linears`, `LinearWeight::bytes`: dense,
 //!   or FP8 / MXFP4 codes plus scales where kept as stored), routed experts among them, plus the other
 //!   tensors the loader placed (`ReleaseCheckpoint::placed_bytes`: embedding in the activation
-//!   dtype, grouped `wo_a` in the linears' dtype, Engram tables bf16, norms / mHC / router /
-//!   sinks f32);
-//! * **plan**: the load plan of the config (`loader::LoadPlan`, printed first) checked against
-//!   what the loader placed, tensor by tensor and in total, to the byte: any difference is listed
-//!   and the report exits with an error;
+//!   dtype, grouped `wo_a` in the linears' dtype, resident Engram tables bf16, norms / mHC /
+//!   router / sinks f32) and the 128 KiB decode table of each Engram table left in host memory
+//!   (`Model::engram_placements`); one line per Engram table says where it went
+//!   (`--engram-placement`, `model::EngramPlacement`);
+//! * **plan**: the load plan of the config (`loader::LoadPlan`, printed first, with the same Engram
+//!   placement) checked against what the loader placed, tensor by tensor and in total, to the
+//!   byte: any difference is listed and the report exits with an error;
 //! * **device** (CUDA, feature `cuda`): `total − free` (`cuMemGetInfo`) before and after loading
 //!   and its sampled peak, and the high-water mark of the memory pool candle allocates from
 //!   (`examples/support/bench.rs` `PoolPeak`: tensors only, transients included, no context or
@@ -44,8 +47,8 @@ use candle_core::{DType, Device};
 use clap::Parser;
 use deepseek_v41::config::Config;
 use deepseek_v41::loader::plan::Place;
-use deepseek_v41::loader::{LoadOptions, LoadPlan, PlanDevice, QuantizedWeights, ReleaseCheckpoint, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};
-use deepseek_v41::model::Pretrained;
+use deepseek_v41::loader::{LoadPlan, PlanDevice, PlanOptions, QuantizedWeights, ReleaseCheckpoint, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};
+use deepseek_v41::model::{EngramLocation, EngramPlacement, LoadOptions, Pretrained};
 use deepseek_v41::nn::LinearWeight;
 use deepseek_v41::tokenizer::Tokenizer;
 use deepseek_v41::Numerics;
@@ -74,6 +77,10 @@ struct Args {
     /// How quantized weights are held (takes effect on CUDA only, see `loader::QuantizedWeights`).
     #[arg(long, default_value = "native", value_parser = ["native", "dequantized"])]
     quantized_weights: String,
+    /// Where the Engram tables live (see `model::EngramPlacement`): auto keeps tables over 1 GiB
+    /// as bf16 in the memory-mapped checkpoint, read by rows.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "device", "host"])]
+    engram_placement: String,
 }
 
 /// The `kB` fields of `/proc/self/status`, in bytes.
@@ -212,6 +219,7 @@ fn main() -> Result<()> {
         "native" => QuantizedWeights::Native,
         _ => QuantizedWeights::Dequantized,
     };
+    let engram: EngramPlacement = args.engram_placement.parse().map_err(anyhow::Error::msg)?;
     let device = match args.device.as_str() {
         "cpu" => Device::Cpu,
         _ if cfg!(feature = "cuda") => Device::new_cuda(0).context("--device cuda needs a CUDA device")?,
@@ -226,7 +234,7 @@ fn main() -> Result<()> {
         ckpt.files().iter().map(|f| std::fs::metadata(f).map(|m| m.len())).sum::<std::io::Result<u64>>()?
     };
     println!(
-        "device {}, quantized weights {quantized}, activations {dtype:?}; checkpoint on disk {:.3} GB",
+        "device {}, quantized weights {quantized}, Engram placement {engram}, activations {dtype:?}; checkpoint on disk {:.3} GB",
         args.device,
         gb(on_disk)
     );
@@ -264,9 +272,9 @@ fn main() -> Result<()> {
         });
     }
     let stored = stored_text_bytes(&ckpt)?;
-    let plan = LoadPlan::new(&config, LoadOptions { dtype, device: PlanDevice::of(&device), quantized });
+    let plan = LoadPlan::new(&config, PlanOptions { dtype, device: PlanDevice::of(&device), quantized, engram });
     let setup = t0.elapsed().as_secs_f64();
-    let model = Pretrained::load_with(config, tokenizer, ckpt.clone(), Numerics::REFERENCE, dtype, &device, quantized)?;
+    let model = Pretrained::load_with(config, tokenizer, ckpt.clone(), Numerics::REFERENCE, dtype, &device, LoadOptions { quantized, engram })?;
     device.synchronize()?;
     let secs = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
@@ -302,7 +310,22 @@ fn main() -> Result<()> {
         linear_names.insert(format!("{name}.weight"));
     }
     let placed = ckpt.placed_bytes();
-    let other: u64 = placed.iter().filter(|(n, _)| !linear_names.contains(*n)).map(|(_, b)| b).sum();
+    let mut other: u64 = placed.iter().filter(|(n, _)| !linear_names.contains(*n)).map(|(_, b)| b).sum();
+    // Host tables hold a decode table on the device that the loader does not place.
+    let mut engram_extra = 0u64;
+    for t in model.engram_placements() {
+        println!(
+            "engram layer {} [{} x {}]: {} ({:.3} GB there{})",
+            t.layer,
+            t.rows,
+            t.width,
+            t.location,
+            gb(t.bytes),
+            if t.location == EngramLocation::Host { ", read by rows" } else { "" }
+        );
+        engram_extra += t.device_extra_bytes;
+    }
+    other += engram_extra;
     let held = dense + fp8 + mxfp4 + other;
     println!(
         "held   {:.3} GB = linears {:.3} GB (dense {:.3}, FP8 as stored {:.3}, MXFP4 as stored {:.3}; routed experts {:.3}) + \
@@ -320,18 +343,20 @@ fn main() -> Result<()> {
     print!("{plan}");
     let diff = plan_differences(&plan, &placed);
     let placed_total: u64 = placed.values().sum();
-    if !diff.is_empty() || placed_total != held {
+    if !diff.is_empty() || placed_total + engram_extra != held {
         bail!(
-            "plan check FAILED: planned {} B on the device, placed {placed_total} B, linears + other tensors {held} B; {} differences:\n{}",
+            "plan check FAILED: planned {} B on the device, placed {placed_total} B (+ {engram_extra} B of Engram decode tables), \
+             linears + other tensors {held} B; {} differences:\n{}",
             plan.device_bytes(),
             diff.len(),
             diff.join("\n")
         );
     }
     println!(
-        "plan   check OK: planned {} B on {} = placed {placed_total} B = linears + other tensors, tensor by tensor ({} tensors)",
+        "plan   check OK: planned {} B on {} = placed {placed_total} B = linears + other tensors{}, tensor by tensor ({} tensors)",
         plan.device_bytes(),
         PlanDevice::of(&device).name(),
+        if engram_extra > 0 { format!(" - {engram_extra} B of Engram decode tables (not planned)") } else { String::new() },
         placed.len()
     );
 

@@ -1,6 +1,7 @@
 //! Loading onto CUDA (`loader::staging`, `loader::LoadPlan`):
 //! * the plan is the CUDA placement to the byte (`ReleaseCheckpoint::placed_bytes` and the
-//!   linears' `bytes()`) for the embedded model under native bf16, dequantized bf16 and f32;
+//!   linears' `bytes()`) for the embedded model under native bf16, dequantized bf16 and f32, and
+//!   with its Engram table left in host memory (`EngramPlacement::Host`);
 //! * every tensor placed on the GPU (cast there, or dequantized there for FP8 32x32 and MXFP4,
 //!   or in host chunks for the FP8-rows Engram table) is the CPU's placement bit for bit;
 //! * placing a tensor on the GPU allocates no host copy of it: under 1 MiB of Rust heap for a
@@ -15,8 +16,8 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::config::Config;
 use deepseek_v41::loader::staging::STAGING_CHUNK_BYTES;
-use deepseek_v41::loader::{LoadOptions, LoadPlan, PlanDevice, QuantizedWeights, ReleaseCheckpoint};
-use deepseek_v41::model::Pretrained;
+use deepseek_v41::loader::{LoadPlan, PlanDevice, PlanOptions, QuantizedWeights, ReleaseCheckpoint};
+use deepseek_v41::model::{EngramPlacement, LoadOptions, Pretrained};
 use deepseek_v41::tokenizer::Tokenizer;
 use deepseek_v41::Numerics;
 
@@ -48,20 +49,29 @@ fn bits(t: &Tensor) -> Result<Vec<u32>> {
 }
 
 /// The plan of the embedded model for CUDA is what `Pretrained::load_with` places there, tensor
-/// by tensor and in total, under native bf16 (FP8 and MXFP4 as stored), dequantized bf16 and f32.
+/// by tensor and in total, under native bf16 (FP8 and MXFP4 as stored), dequantized bf16 and f32,
+/// and with the Engram table in host memory (nothing placed for it).
 #[test]
 fn the_plan_is_the_cuda_placement_to_the_byte() -> Result<()> {
     let dev = gpu();
     let dir = repo_files::repo_file(EMBEDDED);
-    for (dtype, quantized) in [(DType::BF16, QuantizedWeights::Native), (DType::BF16, QuantizedWeights::Dequantized), (DType::F32, QuantizedWeights::Native)] {
+    let (auto, host) = (EngramPlacement::Auto, EngramPlacement::Host);
+    let cases = [
+        (DType::BF16, QuantizedWeights::Native, auto),
+        (DType::BF16, QuantizedWeights::Dequantized, auto),
+        (DType::F32, QuantizedWeights::Native, auto),
+        (DType::BF16, QuantizedWeights::Native, host),
+    ];
+    for (dtype, quantized, engram) in cases {
         let cfg = Config::from_file(dir.join("config.json"))?;
-        let plan = LoadPlan::new(&cfg, LoadOptions { dtype, device: PlanDevice::of(&dev), quantized });
+        let plan = LoadPlan::new(&cfg, PlanOptions { dtype, device: PlanDevice::of(&dev), quantized, engram });
         let ckpt = ReleaseCheckpoint::open_dir(&dir)?;
         let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-        let p = Pretrained::load_with(cfg, tok, ckpt.clone(), Numerics::REFERENCE, dtype, &dev, quantized)?;
+        let p = Pretrained::load_with(cfg, tok, ckpt.clone(), Numerics::REFERENCE, dtype, &dev, LoadOptions { quantized, engram })?;
         let diff = differences(&plan, &ckpt.placed_bytes(), &linear_bytes(&p));
-        ensure!(diff.is_empty(), "{dtype:?} {quantized}: {} differences:\n{}", diff.len(), diff.join("\n"));
-        println!("{dtype:?} {quantized}: {} B planned = placed on the GPU", plan.device_bytes());
+        ensure!(diff.is_empty(), "{dtype:?} {quantized} Engram {engram}: {} differences:\n{}", diff.len(), diff.join("\n"));
+        ensure!((plan.host_bytes() > 0) == (engram == host), "Engram {engram}: {} B planned on the host", plan.host_bytes());
+        println!("{dtype:?} {quantized} Engram {engram}: {} B planned = placed on the GPU", plan.device_bytes());
     }
     Ok(())
 }

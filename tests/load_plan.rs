@@ -9,8 +9,8 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
 use deepseek_v41::config::Config;
 use deepseek_v41::loader::plan::{Component, Held, Place};
-use deepseek_v41::loader::{LoadOptions, LoadPlan, PlanDevice, QuantizedWeights, ReleaseCheckpoint};
-use deepseek_v41::model::Pretrained;
+use deepseek_v41::loader::{LoadPlan, PlanDevice, PlanOptions, QuantizedWeights, ReleaseCheckpoint};
+use deepseek_v41::model::{EngramLocation, EngramPlacement, LoadOptions, Pretrained};
 use deepseek_v41::tokenizer::Tokenizer;
 use deepseek_v41::Numerics;
 
@@ -39,17 +39,21 @@ struct Loaded {
     /// The linears' bytes per weight name.
     linears: BTreeMap<String, u64>,
     ckpt: ReleaseCheckpoint,
+    /// Where each Engram table went.
+    location: Vec<EngramLocation>,
 }
 
-/// Loads the embedded model with `dtype` / `quantized` on the CPU.
-fn load(dtype: DType, quantized: QuantizedWeights) -> Result<Loaded> {
+/// Loads the embedded model with `dtype` / `quantized` on the CPU, its Engram tables placed as
+/// `engram`.
+fn load(dtype: DType, quantized: QuantizedWeights, engram: EngramPlacement) -> Result<Loaded> {
     let dir = repo_files::repo_file(EMBEDDED);
     let cfg = Config::from_file(dir.join("config.json"))?;
-    let plan = LoadPlan::new(&cfg, LoadOptions { dtype, device: PlanDevice::Cpu, quantized });
+    let plan = LoadPlan::new(&cfg, PlanOptions { dtype, device: PlanDevice::Cpu, quantized, engram });
     let ckpt = ReleaseCheckpoint::open_dir(&dir)?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-    let p = Pretrained::load_with(cfg, tok, ckpt.clone(), Numerics::REFERENCE, dtype, &Device::Cpu, quantized)?;
-    Ok(Loaded { plan, placed: ckpt.placed_bytes(), linears: linear_bytes(&p), ckpt })
+    let p = Pretrained::load_with(cfg, tok, ckpt.clone(), Numerics::REFERENCE, dtype, &Device::Cpu, LoadOptions { quantized, engram })?;
+    let location = p.model.engram_placements().iter().map(|t| t.location).collect();
+    Ok(Loaded { plan, placed: ckpt.placed_bytes(), linears: linear_bytes(&p), ckpt, location })
 }
 
 /// On the CPU the plan is the loader's placement to the byte under both policies and both
@@ -58,7 +62,7 @@ fn load(dtype: DType, quantized: QuantizedWeights) -> Result<Loaded> {
 fn the_plan_is_the_cpu_placement_to_the_byte() -> Result<()> {
     for dtype in [DType::BF16, DType::F32] {
         for quantized in [QuantizedWeights::Native, QuantizedWeights::Dequantized] {
-            let Loaded { plan, placed, linears, ckpt } = load(dtype, quantized)?;
+            let Loaded { plan, placed, linears, ckpt, .. } = load(dtype, quantized, EngramPlacement::Auto)?;
             let diff = differences(&plan, &placed, &linears);
             ensure!(diff.is_empty(), "{dtype:?} {quantized}: {} differences:\n{}", diff.len(), diff.join("\n"));
             ensure!(plan.host_bytes() == 0 && plan.device_bytes() > 0);
@@ -76,10 +80,33 @@ fn the_plan_is_the_cpu_placement_to_the_byte() -> Result<()> {
         }
     }
     // The check can fail: one byte off is reported.
-    let Loaded { mut plan, placed, linears, .. } = load(DType::BF16, QuantizedWeights::Native)?;
+    let Loaded { mut plan, placed, linears, .. } = load(DType::BF16, QuantizedWeights::Native, EngramPlacement::Auto)?;
     let norm = plan.tensors.iter().position(|t| t.name == "norm.weight").expect("final norm");
     plan.tensors[norm].held_bytes += 1;
     ensure!(differences(&plan, &placed, &linears).len() == 2, "a one-byte error must show in the tensor and the totals");
+    Ok(())
+}
+
+/// Under each Engram placement the plan puts the embedded model's table where the load does
+/// (`EngramPlacement::with_checkpoint`): `host` leaves it mapped, placing nothing for it, and the
+/// plan is still the placement to the byte; `auto` and `device` keep it resident.
+#[test]
+fn the_plan_follows_the_engram_placement() -> Result<()> {
+    for engram in [EngramPlacement::Auto, EngramPlacement::Device, EngramPlacement::Host] {
+        let Loaded { plan, placed, linears, location, .. } = load(DType::BF16, QuantizedWeights::Native, engram)?;
+        let diff = differences(&plan, &placed, &linears);
+        ensure!(diff.is_empty(), "{engram}: {} differences:\n{}", diff.len(), diff.join("\n"));
+        let tables: Vec<_> = plan.tensors.iter().filter(|t| t.component == Component::EngramTables).collect();
+        ensure!(!tables.is_empty() && tables.len() == location.len(), "{engram}: {} planned tables, {} loaded", tables.len(), location.len());
+        let host = engram == EngramPlacement::Host;
+        for (t, &at) in tables.iter().zip(&location) {
+            ensure!(at == if host { EngramLocation::Host } else { EngramLocation::Device }, "{engram}: {} loaded {at}", t.name);
+            let want = if host { (Place::HostMapped, Held::Mapped) } else { (Place::Device, Held::Dense(DType::BF16)) };
+            ensure!((t.place, t.held) == want, "{engram}: {} planned {:?} {}", t.name, t.place, t.held);
+            ensure!(placed.contains_key(&t.name) != host, "{engram}: {} placed {:?}", t.name, placed.get(&t.name));
+        }
+        ensure!(host == (plan.host_bytes() > 0), "{engram}: {} B planned on the host", plan.host_bytes());
+    }
     Ok(())
 }
 
@@ -89,7 +116,7 @@ fn the_plan_is_the_cpu_placement_to_the_byte() -> Result<()> {
 #[test]
 fn the_cuda_plan_holds_each_weight_in_its_form() -> Result<()> {
     let cfg = Config::from_file(repo_files::repo_file(EMBEDDED).join("config.json"))?;
-    let plan = |dtype, quantized| LoadPlan::new(&cfg, LoadOptions { dtype, device: PlanDevice::Cuda, quantized });
+    let plan = |dtype, quantized| LoadPlan::new(&cfg, PlanOptions { dtype, device: PlanDevice::Cuda, quantized, engram: EngramPlacement::Auto });
     let held = |p: &LoadPlan, name: &str| p.tensors.iter().find(|t| t.name == name).map(|t| t.held);
     let native = plan(DType::BF16, QuantizedWeights::Native);
     for (name, want) in [
@@ -130,7 +157,8 @@ fn the_cuda_plan_holds_each_weight_in_its_form() -> Result<()> {
 #[test]
 fn the_flash_plans_match_the_measured_load_and_the_spec() -> Result<()> {
     let fc = flash_config::flash_config(&[0, 1, 2, 3], None, Some(1 << 20))?;
-    let plan = LoadPlan::new(&fc.config, LoadOptions { dtype: DType::BF16, device: PlanDevice::Cuda, quantized: QuantizedWeights::Native });
+    let native = PlanOptions { dtype: DType::BF16, device: PlanDevice::Cuda, quantized: QuantizedWeights::Native, engram: EngramPlacement::Auto };
+    let plan = LoadPlan::new(&fc.config, native);
     let gb = |b: u64| (b as f64 / 1e9 * 100.0).round() / 100.0;
     let by = |h: Held| plan.tensors.iter().filter(|t| t.held == h).map(|t| t.held_bytes).sum::<u64>();
     ensure!(gb(plan.stored_bytes()) == 32.66, "stored {}", plan.stored_bytes());
@@ -145,10 +173,13 @@ fn the_flash_plans_match_the_measured_load_and_the_spec() -> Result<()> {
     }
 
     let released = Config::from_file(repo_files::repo_file(flash_config::FLASH_CONFIG))?;
-    let plan = LoadPlan::new(&released, LoadOptions { dtype: DType::BF16, device: PlanDevice::Cuda, quantized: QuantizedWeights::Native });
+    let plan = LoadPlan::new(&released, native);
     let tables: Vec<_> = plan.tensors.iter().filter(|t| t.component == Component::EngramTables).collect();
     ensure!(tables.len() == 2 && tables.iter().all(|t| t.place == Place::HostMapped && t.held == Held::Mapped));
     ensure!(plan.host_bytes() == tables.iter().map(|t| t.stored_bytes).sum::<u64>());
+    // `device` would hold them as bf16 (the load then stops at the checkpoint's dense limit).
+    let device = LoadPlan::new(&released, PlanOptions { engram: EngramPlacement::Device, ..native });
+    ensure!(device.host_bytes() == 0 && device.device_bytes() > plan.device_bytes() + 2 * 190_000_000_000);
     ensure!(plan.cache.per_token_packed == 890.0, "packed {} B/token", plan.cache.per_token_packed);
     // Rows: 3 ratio-2 sources x (512 + 128) x 2 B / 2 + 1 ratio-1 source x (512 + 128) x 2 B.
     ensure!(plan.cache.per_token_rows == 3200.0, "rows {} B/token", plan.cache.per_token_rows);

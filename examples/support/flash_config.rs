@@ -9,8 +9,9 @@
 //! each layer's resolved role compared with its released role, so a pick that loses a layer's
 //! source (layer 21 without 20, say) is an error naming the layer.
 //!
-//! Engram tables: a released table has ~384M rows (~101 GB as FP8 rows plus scales, spec §12.1)
-//! and the model holds it whole once loaded (`model::EngramTable::Resident`), so the rows can be
+//! Engram tables: a released table has ~384M rows (~101 GB as FP8 rows plus scales, spec §12.1);
+//! the model leaves a table that large in the checkpoint and reads it by rows
+//! (`model::EngramPlacement::Auto`), but writing it takes the disk space, so the rows can be
 //! capped. The row count of a table is fixed by the hash's prime walk (spec §9.2: 24 primes
 //! above `engram_vocab_size`, summed), so capping sets `engram_vocab_size` to about
 //! `rows / 24` and `engram_num_embeddings` to the walk's sums: the hash differs from the

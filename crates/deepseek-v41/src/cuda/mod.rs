@@ -40,6 +40,9 @@
 //! * [`moe_experts_device`] over [`GroupedExperts`]: the routed MXFP4 experts of a layer in
 //!   grouped launches (gate/up with the SwiGLU, down, the combine with the shared expert), over the
 //!   packed codes, for any number of tokens and without a host read.
+//! * `PinnedStaging` (crate-internal): a reused page-locked host buffer and one asynchronous
+//!   copy per call, for the rows of the Engram tables kept in host memory
+//!   ([`crate::model::engram_host`]).
 //! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
 //!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
@@ -69,6 +72,7 @@ mod moe_route;
 mod mxfp4;
 mod insert_op;
 mod packed_insert;
+mod pinned_staging;
 mod policy;
 mod q_rope;
 mod row_inputs;
@@ -99,6 +103,7 @@ pub use mxfp4::mxfp4_dequantize_device;
 pub use moe_experts::{moe_experts_device, GroupedExperts, MoeExpertsOutput, MOE_EXPERTS_MAX_E, MOE_EXPERTS_MAX_K};
 pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};
 pub use packed_insert::{packed_insert, PackedLayout};
+pub(crate) use pinned_staging::PinnedStaging;
 pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use slots::keep_last_writer;

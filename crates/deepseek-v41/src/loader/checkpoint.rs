@@ -234,6 +234,13 @@ impl ReleaseCheckpoint {
         }
     }
 
+    /// Marks the pages of `t` as read at random (see [`Shard::advise_random`]).
+    pub(super) fn advise_random(&self, t: &StoredTensor) {
+        if let Some(e) = self.inner.entries.get(&t.name) {
+            self.inner.shards[e.shard].advise_random(e.raw.range.clone());
+        }
+    }
+
     /// The logical tensor `name`, dequantized, as `dtype` on `device`.
     ///
     /// Returns the logical shape of [`info`](Self::info) (e.g. `[out, in]` for an MXFP4 weight

@@ -149,6 +149,19 @@ pub fn dequant_fp8_rows(weight: &[u8], scale: &[u8], rows: usize, cols: usize) -
     Ok(dst)
 }
 
+/// Every product of [`dequant_fp8_rows`]: entry `s · 256 + c` is `e4m3(c) · 2^(s − 127)` in f32
+/// (signed zeros kept, scale byte 255 NaN), computed by [`dequant_fp8_rows`] itself. A row
+/// decoder that looks these up by `(scale byte, code byte)` — e.g. a gather on the device
+/// (`model::engram_host`) — returns exactly what [`dequant_fp8_rows`] returns, with no float
+/// arithmetic of its own.
+pub fn fp8_rows_products() -> Result<Vec<f32>, LoadError> {
+    let codes: Vec<u8> = (0..256 * 256).map(|i| (i % 256) as u8).collect();
+    let scales: Vec<u8> = (0..256 * 8).map(|i| (i / 8) as u8).collect();
+    // 256 rows of 256 columns, row s scaled by s in each of its 8 blocks: row s, column c is
+    // e4m3(c) · 2^(s − 127).
+    dequant_fp8_rows(&codes, &scales, 256, 256)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +255,19 @@ mod tests {
         // Signed zero kept in the row path.
         let z = dequant_fp8_rows(&[0x80], &[127], 1, 1).unwrap();
         assert_eq!(z[0].to_bits(), 0x8000_0000);
+    }
+
+    /// The product table: every (scale, code) pair as `dequant_fp8_rows` of a one-element row.
+    #[test]
+    fn fp8_rows_product_table() {
+        let t = fp8_rows_products().unwrap();
+        assert_eq!(t.len(), 65536);
+        for s in 0..=255u8 {
+            for c in 0..=255u8 {
+                let want = dequant_fp8_rows(&[c], &[s], 1, 1).unwrap()[0];
+                assert_eq!(t[s as usize * 256 + c as usize].to_bits(), want.to_bits(), "s={s} c={c}");
+            }
+        }
     }
 
     /// e8m0 255 is NaN; scale bytes are read raw (2^-7 stays 2^-7, not 0).

@@ -41,11 +41,11 @@ pub mod usage;
 
 pub use backend::{var_builder, var_builder_with, ReleaseBackend};
 pub use checkpoint::ReleaseCheckpoint;
-pub use dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4};
+pub use dequant::{dequant_fp8_block32, dequant_fp8_rows, dequant_mxfp4, fp8_rows_products};
 pub use error::LoadError;
 pub use layout::{StoredTensor, TensorInfo, WeightFormat};
 pub use native::{QuantizedWeights, StoredPart};
-pub use plan::{LoadOptions, LoadPlan, PlanDevice};
+pub use plan::{LoadPlan, PlanDevice, PlanOptions};
 pub use rows::RowTable;
 pub use shard::StoredDtype;
 pub use usage::{DEFAULT_DENSE_LIMIT, NON_TEXT_PREFIXES, NON_TEXT_SUFFIXES};

@@ -30,6 +30,7 @@ use super::dequant::{blocks, BLOCK};
 use super::native::QuantizedWeights;
 use crate::attention::storage::{CacheKind, CacheStorage, PACKED_PAGE_TOKENS};
 use crate::config::{AttentionRole, Config};
+use crate::model::{EngramLocation, EngramPlacement};
 
 #[path = "plan_display.rs"]
 mod display;
@@ -63,18 +64,21 @@ impl PlanDevice {
     }
 }
 
-/// The options a load runs with (those of `Pretrained::load_with`).
+/// The options a load runs with (those of `Pretrained::load_with`: its dtype and device, and its
+/// [`crate::model::LoadOptions`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoadOptions {
+pub struct PlanOptions {
     /// The activation dtype (bf16 or f32).
     pub dtype: DType,
     /// Where the model runs.
     pub device: PlanDevice,
     /// How the quantized weights are held (takes effect on CUDA with bf16 activations only).
     pub quantized: QuantizedWeights,
+    /// Where the Engram tables go ([`engram_table_place`]).
+    pub engram: EngramPlacement,
 }
 
-impl LoadOptions {
+impl PlanOptions {
     /// The dtype the dense linear weights are held in: f32 on the CPU, the activation dtype
     /// elsewhere (`nn::linear::compute_dtype`).
     pub fn compute_dtype(&self) -> DType {
@@ -197,21 +201,16 @@ pub struct PlannedTensor {
     pub linear: bool,
 }
 
-/// Largest Engram table (as bf16) held whole on the device; larger ones stay mapped (1 GiB).
-pub const ENGRAM_RESIDENT_LIMIT: u64 = 1 << 30;
-
-/// Where an Engram table of `rows × head_dim` lives: on the device, dequantized to bf16, when it
-/// takes at most [`ENGRAM_RESIDENT_LIMIT`] there; else in host memory, its FP8 rows read from the
-/// memory-mapped checkpoint on lookup (`loader::RowTable`, `model::EngramTable::Rows`; the
-/// released tables have ~384M rows, ~101 GB each). The one placement rule of the plan that is a
-/// policy rather than a fact of the code: replace this function when the loader gains an Engram
-/// placement option. (`Pretrained` holds every table whole today, so a plan with a mapped table
-/// describes that option, not today's load.)
-pub fn engram_table_place(rows: usize, head_dim: usize, _device: PlanDevice) -> Place {
-    if (rows as u64) * (head_dim as u64) * 2 <= ENGRAM_RESIDENT_LIMIT {
-        Place::Device
-    } else {
-        Place::HostMapped
+/// Where an Engram table of `rows × head_dim` lives under `placement`, by the model's rule for a
+/// load from a checkpoint ([`EngramPlacement::with_checkpoint`]): on the device, dequantized to
+/// bf16; or in host memory, its stored rows read from the memory-mapped checkpoint per call
+/// (`model::HostRows`; the released tables have ~384M rows, ~101 GB each).
+/// [`EngramPlacement::Auto`] keeps a table on the device when it takes at most
+/// [`crate::model::AUTO_DEVICE_MAX_BYTES`] (1 GiB) as bf16.
+pub fn engram_table_place(rows: usize, head_dim: usize, placement: EngramPlacement) -> Place {
+    match placement.with_checkpoint(rows, head_dim) {
+        EngramLocation::Device => Place::Device,
+        EngramLocation::Host => Place::HostMapped,
     }
 }
 
@@ -266,7 +265,7 @@ impl CachePlan {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadPlan {
     /// The options planned for.
-    pub options: LoadOptions,
+    pub options: PlanOptions,
     /// Backbone layers.
     pub layers: usize,
     /// Routed experts per layer.
@@ -330,7 +329,7 @@ enum Kind {
 /// Builds the tensor list.
 struct Planner<'a> {
     cfg: &'a Config,
-    opts: LoadOptions,
+    opts: PlanOptions,
     tensors: Vec<PlannedTensor>,
 }
 
@@ -438,7 +437,7 @@ impl Planner<'_> {
         self.linear(&format!("{prefix}.w3"), component, (inter, d), Kind::Quantized, stored);
     }
 
-    /// `layers.l.engram.*` (`model::Engram::new`).
+    /// `layers.l.engram.*` (`model::Engram::load`).
     fn engram(&mut self, l: usize) {
         let c = self.cfg;
         let (Some(e), Some(slot)) = (&c.engram, c.engram_slot(l)) else { return };
@@ -447,7 +446,7 @@ impl Planner<'_> {
         let p = format!("layers.{l}.engram");
         let table = [rows, e.head_dim];
         let stored = if c.quantization.is_some() { Stored::Fp8Rows } else { Stored::Bf16 };
-        match engram_table_place(rows, e.head_dim, self.opts.device) {
+        match engram_table_place(rows, e.head_dim, self.opts.engram) {
             Place::Device => self.dense(format!("{p}.embed.weight"), Component::EngramTables, &table, stored, DType::BF16),
             Place::HostMapped => self.push(format!("{p}.embed.weight"), Component::EngramTables, &table, stored, Held::Mapped, Place::HostMapped),
         }
@@ -480,7 +479,7 @@ impl Planner<'_> {
 
 impl LoadPlan {
     /// The plan of loading a model of `cfg` with `options` (see the module docs). Reads nothing.
-    pub fn new(cfg: &Config, options: LoadOptions) -> Self {
+    pub fn new(cfg: &Config, options: PlanOptions) -> Self {
         let mut p = Planner { cfg, opts: options, tensors: Vec::new() };
         let (v, d) = (cfg.vocab_size, cfg.hidden_size);
         p.dense("embed.weight".into(), Component::Embedding, &[v, d], Stored::Bf16, options.dtype);

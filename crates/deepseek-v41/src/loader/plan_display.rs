@@ -3,6 +3,7 @@
 use std::fmt;
 
 use super::{Held, LoadPlan, Place, PlanDevice};
+use crate::model::{EngramPlacement, AUTO_DEVICE_MAX_BYTES};
 
 /// `bytes` in GB (10^9 bytes), three decimals.
 fn gb(bytes: u64) -> String {
@@ -16,7 +17,7 @@ fn forms(held: &[Held]) -> String {
 
 impl fmt::Display for LoadPlan {
     /// ```text
-    /// load plan: 4 layers, 384 routed experts; bf16 activations on cuda, quantized weights native
+    /// load plan: 4 layers, 384 routed experts; bf16 activations on cuda, quantized weights native, Engram placement auto
     /// component               tensors  stored GB  device GB  host GB      device bytes  held as
     /// routed experts             4608     28.877     28.877    0.000    28 876 652 544  MXFP4
     /// ...
@@ -27,12 +28,13 @@ impl fmt::Display for LoadPlan {
         let dev = o.device.name();
         writeln!(
             f,
-            "load plan: {} layers, {} routed experts; {} activations on {dev}, quantized weights {}{}",
+            "load plan: {} layers, {} routed experts; {} activations on {dev}, quantized weights {}{}, Engram placement {}",
             self.layers,
             self.experts,
             Held::Dense(o.dtype),
             o.quantized,
-            if o.device == PlanDevice::Cuda && !o.native() { " (held dense: native needs bf16 on CUDA)" } else { "" }
+            if o.device == PlanDevice::Cuda && !o.native() { " (held dense: native needs bf16 on CUDA)" } else { "" },
+            o.engram
         )?;
         let head = format!("{:<24} {:>8} {:>11} {:>11} {:>9} {:>18}  held as", "component", "tensors", "stored GB", format!("{dev} GB"), "host GB", format!("{dev} bytes"));
         writeln!(f, "{head}")?;
@@ -67,7 +69,11 @@ impl fmt::Display for LoadPlan {
             per_m(c.per_token_packed)
         )?;
         if self.tensors.iter().any(|t| t.place == Place::HostMapped) {
-            writeln!(f, "Engram tables above {} GiB stay mapped (loader::plan::engram_table_place)", super::ENGRAM_RESIDENT_LIMIT >> 30)?;
+            let why = match o.engram {
+                EngramPlacement::Auto => format!("auto: those above {} GiB as bf16", AUTO_DEVICE_MAX_BYTES >> 30),
+                p => p.to_string(),
+            };
+            writeln!(f, "Engram tables in host memory, read by rows per call (Engram placement {why}; loader::plan::engram_table_place)")?;
         }
         Ok(())
     }

@@ -90,6 +90,68 @@ impl RowTable {
         self.info.format
     }
 
+    /// The bytes the table takes in the checkpoint (weight and scales), read by rows from the
+    /// memory map rather than held.
+    pub fn stored_bytes(&self) -> u64 {
+        (self.info.stored.byte_range.len() + self.info.scale.as_ref().map_or(0, |s| s.byte_range.len())) as u64
+    }
+
+    /// Bytes of one row in its stored form when the table is FP8 rows with 1×32 scales (the
+    /// release's Engram tables, [`WeightFormat::Fp8Rows`]): `width` e4m3 codes plus
+    /// `ceil(width / 32)` e8m0 scales (256 + 8 for the release). `None` for any other format.
+    pub fn stored_row_bytes(&self) -> Option<usize> {
+        (self.info.format == WeightFormat::Fp8Rows).then(|| self.cols + blocks(self.cols))
+    }
+
+    /// Tells the OS that the table is read a few rows at a time (no read-ahead around each row;
+    /// best effort, Unix only). Worth it for a table much larger than the page cache.
+    pub fn advise_random(&self) {
+        self.ckpt.advise_random(&self.info.stored);
+        if let Some(scale) = &self.info.scale {
+            self.ckpt.advise_random(scale);
+        }
+    }
+
+    /// Copies rows `row_ids` (may repeat, any order) in their stored form into `out`, which
+    /// must be `row_ids.len() ·` [`stored_row_bytes`](Self::stored_row_bytes) long: first the
+    /// e4m3 codes of every row (`[n, width]`, row-major), then their e8m0 scales
+    /// (`[n, ceil(width/32)]`). No dequantization: [`super::dequant_fp8_rows`] of the two parts
+    /// gives [`rows`](Self::rows)' values. Errors (naming the table) unless the table is FP8 rows
+    /// with 1×32 scales, on a row id ≥ [`num_rows`](Self::num_rows) or a wrong `out` length.
+    pub fn gather_stored(&self, row_ids: &[u32], out: &mut [u8]) -> Result<(), LoadError> {
+        let name = self.name();
+        let Some(row_bytes) = self.stored_row_bytes() else {
+            return Err(LoadError::BadFormat {
+                name: name.to_string(),
+                detail: format!("stored rows are gathered for FP8 rows with 1x32 scales only, the table is {:?}", self.info.format),
+            });
+        };
+        let (n, cols, sc) = (row_ids.len(), self.cols, blocks(self.cols));
+        if out.len() != n * row_bytes {
+            return Err(LoadError::BufferLength {
+                what: "stored Engram rows (e4m3 codes, then e8m0 scales)",
+                dims: format!("{n} rows of {cols} + {sc} bytes"),
+                expected: n * row_bytes,
+                found: out.len(),
+            });
+        }
+        if let Some(&row) = row_ids.iter().find(|&&r| r as usize >= self.rows) {
+            return Err(LoadError::RowOutOfRange { name: name.to_string(), row: row as i64, rows: self.rows });
+        }
+        if n == 0 || cols == 0 {
+            return Ok(());
+        }
+        let w = self.ckpt.bytes_of(&self.info.stored)?;
+        let s = self.ckpt.bytes_of(self.info.scale.as_ref().ok_or_else(|| missing_scale(name))?)?;
+        let (codes, scales) = out.split_at_mut(n * cols);
+        for ((&r, c), sd) in row_ids.iter().zip(codes.chunks_exact_mut(cols)).zip(scales.chunks_exact_mut(sc)) {
+            let r = r as usize;
+            c.copy_from_slice(&w[r * cols..(r + 1) * cols]);
+            sd.copy_from_slice(&s[r * sc..(r + 1) * sc]);
+        }
+        Ok(())
+    }
+
     /// Rows `row_ids` (may repeat, any order), dequantized: `[row_ids.len(), width]` as `dtype`
     /// on `device`. Errors on a row id ≥ [`num_rows`](Self::num_rows), naming the table.
     pub fn rows(&self, row_ids: &[usize], dtype: DType, device: &Device) -> candle_core::Result<Tensor> {

@@ -281,4 +281,18 @@ impl Shard {
         #[cfg(not(unix))]
         let _ = range;
     }
+
+    /// Tells the OS that `range` is read at random (best effort, Unix only): a page fault there
+    /// reads that page, not the read-ahead window around it. For tables read a few rows at a time
+    /// (the Engram tables, [`super::RowTable::advise_random`]), where read-ahead would read
+    /// ~32 pages of unrelated rows per row looked up.
+    pub fn advise_random(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        {
+            // The range lies in the map (validated at open time); a refusal only costs read-ahead.
+            let _ = self.mmap.advise_range(memmap2::Advice::Random, range.start, range.len());
+        }
+        #[cfg(not(unix))]
+        let _ = range;
+    }
 }

@@ -12,6 +12,7 @@ use candle_nn::{Embedding, VarBuilder};
 use super::batch::{BatchItem, BatchOutput, BatchPlan, LogitRows};
 use super::engram::Engram;
 use super::engram_hash::{EngramHasher, EngramHistory, EngramIds, TokenMap};
+use super::engram_placement::{EngramOptions, EngramTableInfo};
 use super::mhc::{collapse, post, HcMix, HcSublayer};
 use super::moe::Moe;
 use crate::attention::{Attention, CachePool, CacheStorage, PoolLease, RollbackError, SequenceCache, Trace};
@@ -115,9 +116,17 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// Loads block `layer` from `vb` (= `layers.N`).
+    /// Loads block `layer` from `vb` (= `layers.N`), an Engram table resident on `vb`'s device.
     pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
-        let engram = if cfg.layers[layer].engram { Some(Engram::new(cfg, layer, numerics, vb.pp("engram"))?) } else { None };
+        Self::with_engram(cfg, layer, numerics, vb, &EngramOptions::default())
+    }
+
+    /// [`DecoderLayer::new`] with the Engram table placed as `engram` says ([`Engram::load`]).
+    pub fn with_engram(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder, engram: &EngramOptions) -> Result<Self> {
+        let engram = match cfg.layers[layer].engram {
+            true => Some(Engram::load(cfg, layer, numerics, vb.pp("engram"), engram)?),
+            false => None,
+        };
         Ok(Self {
             layer,
             engram,
@@ -184,6 +193,11 @@ impl DecoderLayer {
         Ok((x2, f.pre))
     }
 
+    /// The block's Engram module, if it has one.
+    pub fn engram(&self) -> Option<&Engram> {
+        self.engram.as_ref()
+    }
+
     /// The attention of each segment on its rows of `h` `[T, D]` and its cache, concatenated.
     fn attention(&self, h: &Tensor, segs: &mut [Segment]) -> Result<Tensor> {
         if let [seg] = segs {
@@ -227,7 +241,8 @@ fn record(segs: &mut [Segment], name: impl Fn() -> String, t: &Tensor) -> Result
     Ok(())
 }
 
-/// Engram layer `layer`'s row ids of all items, concatenated in item order: `[T, n]` u32.
+/// Engram layer `layer`'s row ids of all items, concatenated in item order: `[T, n]` u32 on
+/// `device` (the table's [`super::EngramTable::ids_device`]: the CPU for a table in host memory).
 fn engram_ids(hashes: &[EngramIds], layer: usize, t: usize, device: &Device) -> Result<Tensor> {
     if let [one] = hashes {
         return one.tensor(layer, device);
@@ -259,11 +274,20 @@ pub struct Model {
 
 impl Model {
     /// Loads the text model from `vb` (checkpoint root). `token_map` maps token ids to Engram
-    /// compressed ids (required when the config has Engram layers).
+    /// compressed ids (required when the config has Engram layers). The Engram tables are taken
+    /// whole and kept on `vb`'s device; [`Model::with_engram`] can leave large ones in host memory.
     pub fn new(cfg: &Config, numerics: Numerics, token_map: Option<TokenMap>, vb: VarBuilder) -> Result<Self> {
+        Self::with_engram(cfg, numerics, token_map, vb, &EngramOptions::default())
+    }
+
+    /// [`Model::new`] with the Engram tables placed as `engram` says: with the checkpoint `vb`
+    /// reads in [`EngramOptions::checkpoint`], [`super::EngramPlacement::Auto`] keeps the tables
+    /// over [`super::AUTO_DEVICE_MAX_BYTES`] (the released ones) in host memory, read by rows per
+    /// call ([`super::HostRows`]); see [`Model::engram_placements`].
+    pub fn with_engram(cfg: &Config, numerics: Numerics, token_map: Option<TokenMap>, vb: VarBuilder, engram: &EngramOptions) -> Result<Self> {
         let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed"))?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|l| DecoderLayer::new(cfg, l, numerics, vb.pp("layers").pp(l)))
+            .map(|l| DecoderLayer::with_engram(cfg, l, numerics, vb.pp("layers").pp(l), engram))
             .collect::<Result<Vec<_>>>()?;
         let engram = match (&cfg.engram, token_map) {
             (None, _) => None,
@@ -346,7 +370,7 @@ impl Model {
             .collect();
         for layer in &self.layers {
             let h = match (&hashes, &layer.engram) {
-                (Some(hs), Some(_)) => Some(engram_ids(hs, layer.layer, t, &dev)?),
+                (Some(hs), Some(e)) => Some(engram_ids(hs, layer.layer, t, &e.table().ids_device(&dev))?),
                 _ => None,
             };
             if let Some(h) = &h {
@@ -370,6 +394,17 @@ impl Model {
             }
         }
         Ok(BatchOutput { logits, rows: plan.out_rows })
+    }
+
+    /// The Engram modules, by layer.
+    pub fn engram_modules(&self) -> Vec<&Engram> {
+        self.layers.iter().filter_map(|l| l.engram.as_ref()).collect()
+    }
+
+    /// Every Engram table of the model, by layer: rows, width, where it lives
+    /// ([`super::EngramLocation`]) and its bytes there (for a load plan or a report).
+    pub fn engram_placements(&self) -> Vec<EngramTableInfo> {
+        self.layers.iter().filter_map(|l| l.engram.as_ref()).map(Engram::table_info).collect()
     }
 
     /// Every linear of the model with its checkpoint prefix (`layers.3.attn.wq_a`, `head`, ...;

@@ -2,12 +2,16 @@
 //! one key per hc copy plus a shared value, and adds the value into every copy of the residual
 //! stream with a per-copy gate. Applied before the layer's mixes (spec §3.2 step 1).
 //!
-//! The hash ids come from [`super::engram_hash::EngramHasher`]. Text only: the reference's zero
-//! gate for image tokens (spec §9.5 step 4) is not implemented.
+//! The hash ids come from [`super::engram_hash::EngramHasher`]. The table is resident on the
+//! model's device or read by rows from the checkpoint in host memory
+//! ([`super::engram_placement`], [`super::engram_host`]). Text only: the reference's zero gate
+//! for image tokens (spec §9.5 step 4) is not implemented.
 
 use candle_core::{DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
+use super::engram_host::HostRows;
+use super::engram_placement::{EngramLocation, EngramOptions, EngramTableInfo};
 use crate::config::Config;
 use crate::loader::RowTable;
 use crate::nn::linear::{named, NamedLinears};
@@ -22,9 +26,13 @@ const GATE_CLAMP: f64 = 1e-6;
 pub enum EngramTable {
     /// The whole dequantized table `[rows, head_dim]` bf16 in memory (small models).
     Resident(Tensor),
-    /// Rows read and dequantized on lookup from the checkpoint (the released ~384M-row FP8
-    /// tables): `ckpt.row_table("layers.N.engram.embed.weight")`.
+    /// Rows read and dequantized on the host on lookup from the checkpoint:
+    /// `ckpt.row_table("layers.N.engram.embed.weight")`, then copied to the device.
     Rows(Box<RowTable>),
+    /// Rows gathered from the checkpoint in their stored form on lookup, copied to the device
+    /// in one copy and decoded there ([`HostRows`]; what [`EngramLocation::Host`] builds for the
+    /// released ~384M-row FP8 tables).
+    Host(Box<HostRows>),
 }
 
 impl std::fmt::Debug for EngramTable {
@@ -32,6 +40,7 @@ impl std::fmt::Debug for EngramTable {
         match self {
             EngramTable::Resident(t) => write!(f, "EngramTable::Resident({:?})", t.shape()),
             EngramTable::Rows(r) => write!(f, "EngramTable::Rows({})", r.name()),
+            EngramTable::Host(h) => write!(f, "EngramTable::{h:?}"),
         }
     }
 }
@@ -46,6 +55,35 @@ impl EngramTable {
             EngramTable::Rows(r) => r
                 .lookup(&ids.to_device(&candle_core::Device::Cpu)?, DType::BF16)?
                 .to_device(device),
+            EngramTable::Host(h) => h.rows(&ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?)?.to_device(device),
+        }
+    }
+
+    /// `[rows, width]` of the table.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            EngramTable::Resident(t) => (t.dims().first().copied().unwrap_or(0), t.dims().get(1).copied().unwrap_or(0)),
+            EngramTable::Rows(r) => (r.num_rows(), r.width()),
+            EngramTable::Host(h) => (h.table().num_rows(), h.table().width()),
+        }
+    }
+
+    /// Where the table is: a resident tensor on its device, or rows read from the checkpoint in
+    /// host memory ([`EngramTable::Rows`] and [`EngramTable::Host`]).
+    pub fn location(&self) -> EngramLocation {
+        match self {
+            EngramTable::Resident(_) => EngramLocation::Device,
+            EngramTable::Rows(_) | EngramTable::Host(_) => EngramLocation::Host,
+        }
+    }
+
+    /// The device the lookups' ids are best given on: the CPU for the tables read from the
+    /// checkpoint (their ids are used on the host, so ids made there need no device round trip),
+    /// `model` for a resident table.
+    pub fn ids_device(&self, model: &candle_core::Device) -> candle_core::Device {
+        match self {
+            EngramTable::Resident(_) => model.clone(),
+            EngramTable::Rows(_) | EngramTable::Host(_) => candle_core::Device::Cpu,
         }
     }
 }
@@ -53,6 +91,8 @@ impl EngramTable {
 /// The Engram of one layer: `layers.N.engram.{embed, wkv, q_weight, k_weight}`.
 #[derive(Debug, Clone)]
 pub struct Engram {
+    /// The backbone layer.
+    layer: usize,
     /// The `[rows, head_dim]` table (dequantized rows are bf16).
     table: EngramTable,
     /// `[(hc+1)·D, cols·head_dim]`, quantized linear.
@@ -72,16 +112,45 @@ impl Engram {
     /// `[(hc+1)·D, cols·head_dim]` (FP8), `q_weight` and `k_weight` `[hc, D]` (bf16).
     ///
     /// Holding the whole table suits small models only: the released tables have ~384M rows
-    /// (~100 GB each in FP8); use [`Engram::with_table`] with [`EngramTable::Rows`] there.
+    /// (~100 GB each in FP8); use [`Engram::load`] (placement [`EngramPlacement::Auto`] or
+    /// [`EngramPlacement::Host`]) there.
+    ///
+    /// [`EngramPlacement::Auto`]: super::EngramPlacement::Auto
+    /// [`EngramPlacement::Host`]: super::EngramPlacement::Host
     pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
+        let table = Self::resident_table(cfg, layer, &vb)?;
+        Self::with_table(cfg, layer, numerics, vb, table)
+    }
+
+    /// As [`Engram::new`], with the table placed as `opts` says
+    /// ([`super::EngramPlacement::resolve`] on the config's table size): resident as in
+    /// [`Engram::new`], or [`EngramTable::Host`] rows of `<vb prefix>.embed.weight` in
+    /// `opts.checkpoint` (the checkpoint `vb` reads), of which nothing is read now.
+    pub fn load(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder, opts: &EngramOptions) -> Result<Self> {
         let (rows, head_dim, _) = Self::table_shape(cfg, layer)?;
-        let table = vb.pp("embed").get_with_hints_dtype(
-            (rows, head_dim),
-            "weight",
-            Default::default(),
-            DType::BF16,
-        )?;
-        Self::with_table(cfg, layer, numerics, vb, EngramTable::Resident(table))
+        let table = match (opts.placement.resolve(rows, head_dim, opts.checkpoint.is_some())?, &opts.checkpoint) {
+            (EngramLocation::Host, Some(ckpt)) => {
+                let rows = ckpt.row_table(&format!("{}.embed.weight", vb.prefix()))?;
+                EngramTable::Host(Box::new(HostRows::new(rows, vb.device())?))
+            }
+            _ => Self::resident_table(cfg, layer, &vb)?,
+        };
+        Self::with_table(cfg, layer, numerics, vb, table)
+    }
+
+    /// The whole table `embed.weight`, dequantized, bf16, on `vb`'s device.
+    fn resident_table(cfg: &Config, layer: usize, vb: &VarBuilder) -> Result<EngramTable> {
+        let (rows, head_dim, _) = Self::table_shape(cfg, layer)?;
+        let table = vb
+            .pp("embed")
+            .get_with_hints_dtype((rows, head_dim), "weight", Default::default(), DType::BF16)
+            .map_err(|e| {
+                e.context(format!(
+                    "Engram layer {layer}: loading its whole [{rows}, {head_dim}] table to keep it on the device; \
+                     a large table is read by rows with EngramPlacement::Auto or Host and the checkpoint (Model::with_engram, Pretrained)"
+                ))
+            })?;
+        Ok(EngramTable::Resident(table))
     }
 
     /// As [`Engram::new`], with the table rows taken from `table` instead of `embed.weight`;
@@ -96,7 +165,10 @@ impl Engram {
         let (rows, head_dim, n_cols) = Self::table_shape(cfg, layer)?;
         let found = match &table {
             EngramTable::Resident(t) => t.dims().to_vec(),
-            EngramTable::Rows(r) => vec![r.num_rows(), r.width()],
+            table => {
+                let (r, w) = table.dims();
+                vec![r, w]
+            }
         };
         if found != [rows, head_dim] {
             candle_core::bail!(
@@ -115,6 +187,7 @@ impl Engram {
         let q = vb.get_with_hints_dtype((hc, dim), "q_weight", hints, DType::F32)?;
         let k = vb.get_with_hints_dtype((hc, dim), "k_weight", hints, DType::F32)?;
         Ok(Self {
+            layer,
             table,
             wkv,
             qk_weight: (q * k)?,
@@ -180,6 +253,22 @@ impl Engram {
             .to_dtype(DType::F32)?;
         let qk = self.qk_weight.to_device(x.device())?;
         engram_mix(x, &kv, &qk, self.eps)
+    }
+
+    /// The table.
+    pub fn table(&self) -> &EngramTable {
+        &self.table
+    }
+
+    /// The table's size and where it lives.
+    pub fn table_info(&self) -> EngramTableInfo {
+        let (rows, width) = self.table.dims();
+        let (bytes, device_extra_bytes) = match &self.table {
+            EngramTable::Resident(t) => ((t.elem_count() * t.dtype().size_in_bytes()) as u64, 0),
+            EngramTable::Rows(r) => (r.stored_bytes(), 0),
+            EngramTable::Host(h) => (h.table().stored_bytes(), h.decoder_bytes()),
+        };
+        EngramTableInfo { layer: self.layer, rows, width, location: self.table.location(), bytes, device_extra_bytes }
     }
 
     /// The projection with its checkpoint prefix (`wkv`).

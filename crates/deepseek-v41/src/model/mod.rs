@@ -4,6 +4,8 @@ pub mod batch;
 pub mod decoder;
 pub mod engram;
 pub mod engram_hash;
+pub mod engram_host;
+pub mod engram_placement;
 pub mod mhc;
 pub mod moe;
 pub mod moe_sort;
@@ -16,7 +18,9 @@ pub use engram::{engram_mix, Engram, EngramTable};
 pub use engram_hash::{
     EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap,
 };
+pub use engram_host::HostRows;
+pub use engram_placement::{EngramLocation, EngramOptions, EngramPlacement, EngramTableInfo, AUTO_DEVICE_MAX_BYTES};
 pub use mhc::{collapse, post, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
-pub use pretrained::Pretrained;
+pub use pretrained::{LoadOptions, Pretrained};
 pub use moe::{Expert, Gate, Moe, MoeOutput, Routing};
 pub use moe_sort::{moe_route_ref, sort_by_expert, ExpertSort};

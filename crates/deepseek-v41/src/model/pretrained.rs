@@ -7,11 +7,36 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Result};
 
 use super::decoder::{Model, ModelCache};
+use super::engram_placement::{EngramOptions, EngramPlacement, EngramTableInfo};
 use crate::attention::CacheStorage;
 use crate::config::Config;
 use crate::loader::{var_builder_with, QuantizedWeights, ReleaseCheckpoint};
 use crate::numerics::Numerics;
 use crate::tokenizer::{engram_token_map, Tokenizer};
+
+/// How [`Pretrained`] holds the weights it loads. A [`QuantizedWeights`] converts into it (with
+/// the default [`EngramPlacement::Auto`]), so `load_with(.., QuantizedWeights::Native)` reads
+/// as before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadOptions {
+    /// The quantized weights' format once loaded (takes effect on CUDA only).
+    pub quantized: QuantizedWeights,
+    /// Where the Engram tables live: [`EngramPlacement::Auto`] keeps the released tables
+    /// (~100 GB each) in the memory-mapped checkpoint and small ones on the device.
+    pub engram: EngramPlacement,
+}
+
+impl From<QuantizedWeights> for LoadOptions {
+    fn from(quantized: QuantizedWeights) -> Self {
+        Self { quantized, ..Self::default() }
+    }
+}
+
+impl From<EngramPlacement> for LoadOptions {
+    fn from(engram: EngramPlacement) -> Self {
+        Self { engram, ..Self::default() }
+    }
+}
 
 /// A loaded model with its configuration and tokenizer.
 #[derive(Debug)]
@@ -29,6 +54,8 @@ pub struct Pretrained {
     /// How the quantized weights were loaded (takes effect on CUDA only; see
     /// [`QuantizedWeights`]).
     pub quantized_weights: QuantizedWeights,
+    /// The Engram placement asked for ([`Pretrained::engram_placements`]: where each table went).
+    pub engram_placement: EngramPlacement,
 }
 
 impl Pretrained {
@@ -41,20 +68,21 @@ impl Pretrained {
         Self::load_dir_with(dir, numerics, dtype, device, QuantizedWeights::default())
     }
 
-    /// [`Pretrained::load_dir`] with the given policy for the quantized weights
-    /// ([`QuantizedWeights::Dequantized`]: every weight dense, the baseline).
+    /// [`Pretrained::load_dir`] with the given options: the policy for the quantized weights
+    /// ([`QuantizedWeights::Dequantized`]: every weight dense, the baseline) and the Engram
+    /// placement ([`LoadOptions`]; a bare [`QuantizedWeights`] or [`EngramPlacement`] converts).
     pub fn load_dir_with(
         dir: impl AsRef<Path>,
         numerics: Numerics,
         dtype: DType,
         device: &Device,
-        quantized: QuantizedWeights,
+        options: impl Into<LoadOptions>,
     ) -> Result<Self> {
         let dir = dir.as_ref();
         let config = Config::from_file(dir.join("config.json"))?;
         let tokenizer = Tokenizer::from_file(find(dir, &["tokenizer.json", "tokenizer.json.gz"])?)?;
         let ckpt = ReleaseCheckpoint::open_dir(dir)?;
-        Self::load_with(config, tokenizer, ckpt, numerics, dtype, device, quantized)
+        Self::load_with(config, tokenizer, ckpt, numerics, dtype, device, options)
     }
 
     /// Builds the model from parts (see [`Pretrained::load_dir`]).
@@ -66,10 +94,11 @@ impl Pretrained {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        Self::load_with(config, tokenizer, ckpt, numerics, dtype, device, QuantizedWeights::default())
+        Self::load_with(config, tokenizer, ckpt, numerics, dtype, device, LoadOptions::default())
     }
 
-    /// [`Pretrained::load`] with the given policy for the quantized weights.
+    /// [`Pretrained::load`] with the given options ([`LoadOptions`]: quantized weights, Engram
+    /// placement; the tables placed in host memory are read by rows from `ckpt`).
     pub fn load_with(
         config: Config,
         tokenizer: Tokenizer,
@@ -77,8 +106,9 @@ impl Pretrained {
         numerics: Numerics,
         dtype: DType,
         device: &Device,
-        quantized: QuantizedWeights,
+        options: impl Into<LoadOptions>,
     ) -> Result<Self> {
+        let LoadOptions { quantized, engram } = options.into();
         if tokenizer.vocab_size() > config.vocab_size {
             candle_core::bail!("tokenizer has {} ids but the model's vocab_size is {}", tokenizer.vocab_size(), config.vocab_size)
         }
@@ -87,14 +117,21 @@ impl Pretrained {
             None => None,
         };
         ckpt.set_collect_missing(true);
-        let model = match Model::new(&config, numerics, token_map, var_builder_with(ckpt.clone(), dtype, device, quantized)) {
+        let vb = var_builder_with(ckpt.clone(), dtype, device, quantized);
+        let model = match Model::with_engram(&config, numerics, token_map, vb, &EngramOptions::new(engram, &ckpt)) {
             // A failure unrelated to the checkpoint's names: the unused list would be noise.
             Err(e) if ckpt.load_problems().is_empty() => return Err(e),
             model => model,
         };
         ckpt.check_strict(&[])?;
         let model = model?;
-        Ok(Self { config, model, tokenizer, dtype, device: device.clone(), quantized_weights: quantized })
+        Ok(Self { config, model, tokenizer, dtype, device: device.clone(), quantized_weights: quantized, engram_placement: engram })
+    }
+
+    /// Every Engram table by layer: rows, width, where it lives and its bytes there
+    /// ([`Model::engram_placements`]).
+    pub fn engram_placements(&self) -> Vec<EngramTableInfo> {
+        self.model.engram_placements()
     }
 
     /// A fresh cache for one sequence.

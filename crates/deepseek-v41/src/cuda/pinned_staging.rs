@@ -1,0 +1,90 @@
+//! A page-locked host staging buffer for host → device copies that recur every step (the host
+//! Engram tables' rows, `model::engram_host`): filled on the host, copied to a fresh device
+//! buffer with one asynchronous copy on the device's stream, reused by the next call.
+//!
+//! Page-locked (pinned) memory comes from cudarc (`CudaContext::alloc_pinned`, `cuMemHostAlloc`
+//! with `CU_MEMHOSTALLOC_WRITECOMBINED`: fast for the host to write and the DMA engine to read;
+//! never read back on the host here). A copy from pinned memory is a true asynchronous DMA, so the
+//! buffer must not be refilled before the copy has read it: each copy records an event on the
+//! stream and the next fill waits for it. (cudarc's own per-buffer events are not relied upon:
+//! `cuda::decode_device` switches them off.)
+
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, PinnedHostSlice};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, Result, Tensor};
+
+use super::device::cuda_tensor;
+
+/// A reusable page-locked staging buffer for one device (see the module doc).
+pub(crate) struct PinnedStaging {
+    dev: CudaDevice,
+    buf: Option<PinnedHostSlice<u8>>,
+    /// Recorded after the last copy out of `buf`.
+    copied: Option<CudaEvent>,
+}
+
+impl PinnedStaging {
+    /// An empty buffer for `dev` (nothing allocated yet).
+    pub(crate) fn new(dev: &CudaDevice) -> Self {
+        Self { dev: dev.clone(), buf: None, copied: None }
+    }
+
+    /// The bytes allocated.
+    pub(crate) fn capacity(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// Waits until the last copy out of the buffer has read it.
+    fn wait(&self) -> Result<()> {
+        match &self.copied {
+            Some(e) => e.synchronize().w(),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the buffer hold at least `len` bytes, growing it to the next power of two (so that a
+    /// run of calls of similar sizes allocates once). Errors when page-locked memory cannot be
+    /// allocated; the caller may then stage in pageable memory.
+    pub(crate) fn reserve(&mut self, len: usize) -> Result<()> {
+        if self.capacity() >= len {
+            return Ok(());
+        }
+        self.wait()?;
+        self.buf = None;
+        let cap = len.checked_next_power_of_two().unwrap_or(len);
+        let ctx = self.dev.cuda_stream().context().clone();
+        // SAFETY: the buffer's contents are uninitialized; `upload` writes the bytes it copies
+        // (`fill` gets exactly the `len` bytes that go to the device) and nothing else reads it.
+        self.buf = Some(unsafe { ctx.alloc_pinned::<u8>(cap) }.w()?);
+        Ok(())
+    }
+
+    /// Fills the first `len` bytes of the buffer with `fill` (after the previous copy has read
+    /// them) and copies them into a fresh `[len]` u8 tensor on the device: one asynchronous copy
+    /// on the device's stream, ordered before every later op on it.
+    pub(crate) fn upload(&mut self, len: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Tensor> {
+        self.reserve(len)?;
+        self.wait()?;
+        let Some(buf) = self.buf.as_mut() else { candle_core::bail!("pinned staging: no buffer after reserving {len} bytes") };
+        let host = &mut buf.as_mut_slice().w()?[..len];
+        fill(host)?;
+        // SAFETY: uninitialized device memory, fully written by the copy below before any read.
+        let mut dst = unsafe { self.dev.alloc::<u8>(len) }?;
+        // A `[u8]` source: cudarc adds no stream synchronization; the driver sees page-locked
+        // memory and runs an asynchronous DMA, which `copied` tracks.
+        self.dev.memcpy_htod(&*host, &mut dst)?;
+        let stream = self.dev.cuda_stream();
+        match &self.copied {
+            Some(e) => e.record(&stream).w()?,
+            None => self.copied = Some(stream.record_event(None).w()?),
+        }
+        Ok(cuda_tensor(CudaStorage::wrap_cuda_slice(dst, self.dev.clone()), len))
+    }
+}
+
+impl Drop for PinnedStaging {
+    /// The buffer is freed only after the last copy out of it has read it.
+    fn drop(&mut self) {
+        let _ = self.wait();
+    }
+}
