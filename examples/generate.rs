@@ -39,7 +39,7 @@ use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSo
 use deepseek_v41::{Config, Numerics};
 use indicatif::{ProgressBar, ProgressStyle};
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum DeviceArg {
     Cpu,
     Cuda,
@@ -135,6 +135,11 @@ struct Args {
     /// device and on the host (no weights read, no tokenizer, no device needed).
     #[arg(long)]
     dry_run: bool,
+    /// On CUDA, keep every MoE layer on the device: the routing kernel and, with MXFP4 experts and
+    /// up to 8 slots per expert on average, the grouped expert kernels (`cuda::with_device_routing`;
+    /// no host read inside a decode step's MoE). Off: the routing decision is read back per layer.
+    #[arg(long)]
+    moe_on_device: bool,
 }
 
 /// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
@@ -282,7 +287,18 @@ fn run() -> Result<()> {
         Ok(args) => args,
         Err(e) => e.exit(),
     };
+    if args.moe_on_device {
+        if args.device != DeviceArg::Cuda {
+            bail!("--moe-on-device needs --device cuda");
+        }
+        #[cfg(feature = "cuda")]
+        return deepseek_v41::cuda::with_device_routing(|| run_args(args));
+    }
+    run_args(args)
+}
 
+/// [`run`] after parsing the arguments.
+fn run_args(args: Args) -> Result<()> {
     // Everything that does not need the weights is checked first.
     let sampling = Sampling { temperature: args.temperature, top_p: args.top_p, seed: args.seed };
     sampling.validate().context("check --temperature and --top-p")?;

@@ -304,7 +304,7 @@ struct Plan {
     int64_t xq_off, ascale_off, wscale_off, bytes;
 };
 
-inline int64_t align256(int64_t v) { return (v + 255) & ~int64_t{255}; }
+using dsv41_launch::align256;
 
 inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
@@ -331,14 +331,7 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
     return q;
 }
 
-inline int sm_count() {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-        cudaGetLastError();
-        return 132;
-    }
-    return sms;
-}
+using dsv41_launch::sm_count;
 
 }  // namespace fp8g
 }  // namespace dsv41

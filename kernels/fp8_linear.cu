@@ -576,16 +576,9 @@ struct Plan {
     int64_t panel_off, ascale_off, ws_off, ctr_off, bytes;
 };
 
-inline int64_t align256(int64_t v) { return (v + 255) & ~int64_t{255}; }
+using dsv41_launch::align256;
 
-inline int sm_count() {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-        cudaGetLastError();
-        return 132;
-    }
-    return sms;
-}
+using dsv41_launch::sm_count;
 
 inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;

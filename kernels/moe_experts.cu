@@ -487,7 +487,7 @@ struct Plan {
     int64_t rows, slots, panel_off, ascale_off, tok_off, rw_off, bytes;
 };
 
-inline int64_t align256(int64_t v) { return (v + 255) & ~int64_t{255}; }
+using dsv41_launch::align256;
 
 inline int validate(const Dsv41MoeExpertsParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41MoeExpertsParams)) return DSV41_ERR_PARAMS_SIZE;
@@ -518,14 +518,7 @@ inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     return q;
 }
 
-inline int sm_count() {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-        cudaGetLastError();
-        return 132;
-    }
-    return sms;
-}
+using dsv41_launch::sm_count;
 
 template <int MODE>
 cudaError_t launch_stream(const Args& a, cudaStream_t st) {

@@ -1,5 +1,5 @@
-// Host-side launch helpers shared by the sparse attention launchers (kernels/sparse_attention.cu,
-// sparse_attention_heads.cu, sparse_attention_pingpong.cu): the dynamic shared-memory limit raised
+// Host-side launch helpers shared by the launchers (the sparse attention ones, kernels/fp8_linear.cu,
+// fp8_gemm.cu, moe_experts.cu): scratch alignment and the SM count, the dynamic shared-memory limit raised
 // once per device and thread, the diagnostic trace buffer cleared, and a launch with programmatic
 // dependent launch (the grid may start while the previous kernel of the stream finishes; every
 // kernel launched this way waits in griddepcontrol.wait before its first global access) and an
@@ -7,10 +7,25 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <stdint.h>
 
 #include <utility>
 
 namespace dsv41_launch {
+
+// 256-byte alignment of scratch offsets.
+inline int64_t align256(int64_t v) { return (v + 255) & ~int64_t{255}; }
+
+// The current device's SM count (132 if the query fails).
+inline int sm_count() {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+        cudaGetLastError();
+        return 132;
+    }
+    return sms;
+}
+
 
 // Raises `kernel`'s dynamic shared-memory limit to `max_smem` bytes when `configured_dev` (the
 // caller's thread_local memo for this kernel) is not `dev`; per-device attributes are re-applied
