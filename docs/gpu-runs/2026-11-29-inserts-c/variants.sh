@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B measurements of the row-128 switch of issue 4, run 11 (DSV41_ROW128_VARIANT, helper ins5) with the packed
+# A/B measurements of the row-128 switch of issue 4, run 11 (DSV41_ROW128_VARIANT) with the packed
 # cuda_insert and bench_insert of the same folder; all logs appended to $OUT/variants.log (one file).
 #
 #   OUT=... bash variants.sh          # in the pack folder, after run.sh

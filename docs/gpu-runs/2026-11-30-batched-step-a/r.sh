@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11 run 17: the batched decode step (graph replay, packed index keys, bf16 KV rows) at B = 128 and 256 with
+# Run: the batched decode step (graph replay, packed index keys, bf16 KV rows) at B = 128 and 256 with
 # Auto (the all-heads kernel there) against the dims-split pair forced (run-12 binary = final code): does the pair's
 # in-stream advantage at B = 256 (74.8 vs 79.2 us, Round 13) carry over to the whole step?
 set -u

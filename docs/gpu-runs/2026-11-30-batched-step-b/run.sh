@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 7 lead run on merged main: tests, memcheck of the indexer + layer tests, golden (bf16 and packed
+# Run on merged main: tests, memcheck of the indexer + layer tests, golden (bf16 and packed
 # caches), decode benches, and last the graph-replayed batched step (may poison the context).
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

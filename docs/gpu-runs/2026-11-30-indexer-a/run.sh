@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Helper idx9, run 2 (final, commit 1f0a266): cuda_indexer; cuda_indexer_brk = the same tests against a deliberately
+# Run 2 (final, commit 1f0a266): cuda_indexer; cuda_indexer_brk = the same tests against a deliberately
 # broken kernel (the balanced kernel's key-range fallback disabled: `kok = true || ...`, not committed) - the
-# integer-path test must FAIL; bench_indexer interleaved with main 35f2b55's binary (bench_indexer_ref = lead run
+# integer-path test must FAIL; bench_indexer interleaved with main 35f2b55's binary (bench_indexer_ref = run
 # s7-2's bench_indexer); memcheck of cuda_indexer (integer-path, balanced, packed-key and prefill tests).
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 7 lead run 2 on the final merged main: cuda_insert + cuda_indexer tests, bench_indexer interleaved with the
-# previous main's binary (bench_indexer_ref, lead run 1), the layer bench (decode + prefill 4K-32K), memcheck last.
+# Run on the final merged main: cuda_insert + cuda_indexer tests, bench_indexer interleaved with the
+# previous main's binary (bench_indexer_ref, run 1), the layer bench (decode + prefill 4K-32K), memcheck last.
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-$HERE/out}"; mkdir -p "$OUT"

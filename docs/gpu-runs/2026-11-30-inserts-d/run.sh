@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 8 lead run 4 (final main): attention tests (with the ring-vs-two-stage bitwise test) and indexer tests
+# Run (final main): attention tests (with the ring-vs-two-stage bitwise test) and indexer tests
 # (top-k without its switch), memcheck of both filtered to the changed paths, bench_insert's format-E rows (final
 # kernels, interleaved repetitions), bench_sparse_attention (standalone + in-stream, Auto vs HeadSplitRing) and the
 # batched decode step at B = 64 with --attention-kernel auto / ring (event breakdown + graph replay).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11 run 12 (candidate final): Auto runs the dims-split pair for bf16 rows wherever the all-heads kernel
+# Candidate final run: Auto runs the dims-split pair for bf16 rows wherever the all-heads kernel
 # would split (B = 1 too), the all-heads kernel instantiated for 3 index rounds as well. Tests (attention, layer),
 # golden --device cuda (bf16, packed), memcheck of the dims-split and all-heads (seesaw) tests, the decode bench
 # twice (with prefill once), the batched decode step, nvidia-smi clock / power sampling during one bench.

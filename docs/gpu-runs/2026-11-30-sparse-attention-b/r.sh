@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11 run 13: the run-12 bench binary (final code) three more times (decode, bf16 rows), for the spread of the
+# Run: the run-12 bench binary (final code) three more times (decode, bf16 rows), for the spread of the
 # B = 64 figures across repetitions of the whole bench; nvidia-smi clock / power sampling.
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

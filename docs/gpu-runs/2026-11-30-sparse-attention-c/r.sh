@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 11 run 14 (final code): the packed-rows attention tests (the all-heads kernel changed: 3-round
+# Run on the final code: the packed-rows attention tests (the all-heads kernel changed: 3-round
 # instantiation) with memcheck, and generate --device cuda on the embedded model (decode now runs the dims-split pair
-# at B = 1), its text compared with session 9's (gen9 run 2).
+# at B = 1), its text compared with the earlier generate run's.
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-$HERE/out}"; mkdir -p "$OUT"
