@@ -5,7 +5,7 @@
 //! page of each layer; its ring is a view of that page, so the attention reads and writes the
 //! pool in place, with no copy (Candle views keep their start offset; so do the CUDA inserts).
 //!
-//! [`CachePool::admit`] takes the pages of one sequence (all layers) or fails with
+//! [`crate::model::ModelCache::admit`] takes the pages of one sequence (all layers) or fails with
 //! [`PoolError::Full`] before taking any, [`PoolLease`] gives them back when the sequence's cache
 //! (and every clone of it) is dropped, [`CachePool::occupancy`] reports the use. The compressed
 //! entries and index keys of a pooled sequence, its compressor carry and its Engram history stay

@@ -37,7 +37,7 @@ struct Inner {
 /// A release-format checkpoint (spec §12), memory-mapped.
 ///
 /// Tensors are addressed by their checkpoint names (`layers.0.attn.wq_a.weight`). Quantized
-/// weights are dequantized on [`get`](Self::get) (see [`WeightFormat`]); their `.scale`
+/// weights are dequantized on [`get`](Self::get) (see [`WeightFormat`](super::layout::WeightFormat)); their `.scale`
 /// companions are not variables of their own. The stored bytes of an FP8 or MXFP4 weight are available
 /// as they are through [`get_stored_part`](Self::get_stored_part) (`loader::native`). Cloning is cheap (shared maps and usage record).
 ///

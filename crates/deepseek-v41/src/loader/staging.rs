@@ -1,5 +1,5 @@
 //! How a logical tensor goes from the memory-mapped checkpoint to its device with a bounded
-//! host footprint ([`materialize`], behind [`super::ReleaseCheckpoint::get`]; `docs/perf.md`
+//! host footprint (`materialize`, behind [`super::ReleaseCheckpoint::get`]; `docs/perf.md`
 //! "Loading").
 //!
 //! | stored as | requested on | path | host memory beyond the mapped pages |

@@ -410,7 +410,7 @@ impl Moe {
     /// On a CUDA device inside `cuda::with_device_routing`, with MXFP4 experts (the release's,
     /// loaded natively) and at most 8 slots per expert on average, the whole layer stays on the
     /// device with no host read: the routing kernel, the shared expert, and the grouped expert
-    /// kernels ([`crate::cuda::moe_experts_device`]; the same sequence, the products summed in
+    /// kernels (`cuda::moe_experts_device`; the same sequence, the products summed in
     /// another f32 order).
     pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
         self.forward_grouped(x, &RowGroups::whole(x.dim(0)?))

@@ -4,16 +4,14 @@
 //! * [`Fp8Weight`]: e4m3fn codes `[N, K]` (`out`, `in`) and one e8m0 scale byte per 32×32 block,
 //!   `[ceil(N/32), ceil(K/32)]`; `W[n, k] = e4m3(codes[n, k]) · 2^(scales[n/32, k/32] − 127)`
 //!   (scale byte 255 is NaN). Both are `u8` tensors on one device.
-//! * [`fp8_linear_ref`]: the reference linear over it — today's [`Linear`] of kind
-//!   [`LinearKind::Quantized`] over the dequantized weight (activation quantization per 1×32
+//! * [`fp8_linear_ref`]: the reference linear over it — today's [`Linear`](crate::nn::Linear) of kind
+//!   [`LinearKind::Quantized`](crate::nn::LinearKind::Quantized) over the dequantized weight (activation quantization per 1×32
 //!   block when on, f32 accumulation, output rounded to the input's dtype). The CUDA kernels of
 //!   `cuda::fp8_linear` (feature `cuda`) are checked against it (`tests/cuda_fp8_linear.rs`).
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use crate::loader::dequant::{blocks, dequant_fp8_block32};
-use crate::nn::{Linear, LinearKind};
-use crate::numerics::Numerics;
 
 /// A block-scaled FP8 weight `[N, K]` (see the module docs).
 #[derive(Debug, Clone)]
@@ -126,24 +124,11 @@ pub(crate) fn host_dequantize<E: std::error::Error + Send + Sync + 'static>(
 /// The reference FP8 linear: `x` `[M, K]` (bf16 or f32) times the dequantized `w` transposed,
 /// with the FP8 activation quantization of `x` (1×32 blocks, e8m0 scale, e4m3 values;
 /// [`crate::quant::fp8_activation_quant`], which needs K to be a multiple of 32) when `act_quant`
-/// is on, accumulated in f32, returned `[M, N]` in `x`'s dtype — exactly what today's [`Linear`]
-/// of kind [`LinearKind::Quantized`] computes over the f32 dequantized weight (it is that
+/// is on, accumulated in f32, returned `[M, N]` in `x`'s dtype — exactly what today's [`Linear`](crate::nn::Linear)
+/// of kind [`LinearKind::Quantized`](crate::nn::LinearKind::Quantized) computes over the f32 dequantized weight (it is that
 /// linear). Any device; on the CPU it is the reference the CUDA kernels are tested against.
 pub fn fp8_linear_ref(x: &Tensor, w: &Fp8Weight, act_quant: bool) -> Result<Tensor> {
-    let op = "fp8_linear_ref";
-    let (n, k) = w.dims();
-    match x.dims() {
-        &[_, xk] if xk == k => {}
-        d => candle_core::bail!("{op}: x must be [M, {k}] for a weight [{n}, {k}], got {d:?}"),
-    }
-    if !matches!(x.dtype(), DType::BF16 | DType::F32) {
-        candle_core::bail!("{op}: x must be bf16 or f32, got {:?}", x.dtype())
-    }
-    if !x.device().same_device(w.device()) {
-        candle_core::bail!("{op}: x on {:?} and the weight on {:?} must share a device", x.device(), w.device())
-    }
-    let numerics = Numerics { activation_quant: act_quant, ..Numerics::PLAIN };
-    Linear::from_weight(w.dequantize(DType::F32)?, LinearKind::Quantized, numerics).forward(x)
+    super::quantized_linear_ref("fp8_linear_ref", x, w.dims(), w.device(), || w.dequantize(DType::F32), act_quant)
 }
 
 #[cfg(test)]
@@ -151,6 +136,8 @@ mod tests {
     use candle_core::{DType, Device, Module, Tensor};
 
     use super::*;
+    use crate::nn::{Linear, LinearKind};
+    use crate::numerics::Numerics;
     use crate::quant::formats::e4m3_to_f32;
 
     /// Deterministic bytes (xorshift), codes without the NaN patterns 0x7f / 0xff.

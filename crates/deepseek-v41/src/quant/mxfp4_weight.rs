@@ -6,18 +6,16 @@
 //!   inputs, `[N, K/32]`; `W[n, k] = e2m1(code(n, k)) · 2^(scales[n, k/32] − 127)` (scale byte
 //!   255 is NaN, code 8 — "−0" — is `+0`). Both are `u8` tensors on one device; K is a multiple
 //!   of 32 (every release expert's is).
-//! * [`mxfp4_linear_ref`]: the reference linear over it — the dense [`Linear`] of kind
-//!   [`LinearKind::Quantized`] over the dequantized weight (activation quantization per 1×32
+//! * [`mxfp4_linear_ref`]: the reference linear over it — the dense [`Linear`](crate::nn::Linear) of kind
+//!   [`LinearKind::Quantized`](crate::nn::LinearKind::Quantized) over the dequantized weight (activation quantization per 1×32
 //!   block when on, f32 accumulation, output rounded to the input's dtype), as
 //!   [`crate::quant::fp8_linear_ref`] is for FP8 weights. On CUDA the MXFP4 linear dequantizes
 //!   the weight on the device (`cuda::mxfp4_dequantize_device`, bit for bit [`Mxfp4Weight::dequantize`])
 //!   and runs the dense path's matmul (`tests/cuda_mxfp4.rs`).
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use crate::loader::dequant::{dequant_mxfp4, BLOCK};
-use crate::nn::{Linear, LinearKind};
-use crate::numerics::Numerics;
 
 /// An MXFP4 weight `[N, K]` kept as stored (see the module docs).
 #[derive(Debug, Clone)]
@@ -127,23 +125,10 @@ impl Mxfp4Weight {
 /// The reference MXFP4 linear: `x` `[M, K]` (bf16 or f32) times the dequantized `w` transposed,
 /// with the FP8 activation quantization of `x` (1×32 blocks, e8m0 scale, e4m3 values;
 /// [`crate::quant::fp8_activation_quant`]) when `act_quant` is on, accumulated in f32, returned
-/// `[M, N]` in `x`'s dtype — exactly what a [`Linear`] of kind [`LinearKind::Quantized`]
+/// `[M, N]` in `x`'s dtype — exactly what a [`Linear`](crate::nn::Linear) of kind [`LinearKind::Quantized`](crate::nn::LinearKind::Quantized)
 /// computes over the f32 dequantized weight (it is that linear). Any device.
 pub fn mxfp4_linear_ref(x: &Tensor, w: &Mxfp4Weight, act_quant: bool) -> Result<Tensor> {
-    let op = "mxfp4_linear_ref";
-    let (n, k) = w.dims();
-    match x.dims() {
-        &[_, xk] if xk == k => {}
-        d => candle_core::bail!("{op}: x must be [M, {k}] for a weight [{n}, {k}], got {d:?}"),
-    }
-    if !matches!(x.dtype(), DType::BF16 | DType::F32) {
-        candle_core::bail!("{op}: x must be bf16 or f32, got {:?}", x.dtype())
-    }
-    if !x.device().same_device(w.device()) {
-        candle_core::bail!("{op}: x on {:?} and the weight on {:?} must share a device", x.device(), w.device())
-    }
-    let numerics = Numerics { activation_quant: act_quant, ..Numerics::PLAIN };
-    Linear::from_weight(w.dequantize(DType::F32)?, LinearKind::Quantized, numerics).forward(x)
+    super::quantized_linear_ref("mxfp4_linear_ref", x, w.dims(), w.device(), || w.dequantize(DType::F32), act_quant)
 }
 
 #[cfg(test)]
@@ -151,6 +136,8 @@ mod tests {
     use candle_core::{DType, Device, Module, Tensor};
 
     use super::*;
+    use crate::nn::{Linear, LinearKind};
+    use crate::numerics::Numerics;
     use crate::quant::formats::{e2m1_to_f32, e8m0_to_f32};
 
     /// Deterministic bytes (xorshift).
