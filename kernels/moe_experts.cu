@@ -39,8 +39,9 @@
 //     permuted (a dot product does not care; the panel is written in the same order), so no
 //     shuffles. Each block's product starts from zero and is added to the running sum times
 //     (2^sa · 64) · 2^sw in f32.
-//   * Why the resident chunk: with the panel read through L1/L2 in the products, every stage
-//     waited for an L2 round trip (H100: 1.1 TB/s at B = 64, docs/perf.md "MoE experts").
+//   * Where the time goes (ncu, docs/perf.md "MoE experts"): the kernel is instruction-bound, not
+//     bandwidth-bound (~1.1 TB/s at B = 64 on an H100); keeping the panel in shared memory did not
+//     help by itself, fewer bookkeeping instructions per stage did.
 //
 // Numerics: products of e4m3 panel codes and e2m1 weights are exact in f16 x f16 -> f32; a
 // block's 32 products are summed by the tensor core in f32 and added to the running sum as
