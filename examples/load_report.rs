@@ -24,7 +24,7 @@
 //! * **held**: the bytes of the model's linears (`Model::linears`, `LinearWeight::bytes`: dense,
 //!   or FP8 / MXFP4 codes plus scales where kept as stored), routed experts among them, plus the other
 //!   tensors the loader placed (`ReleaseCheckpoint::placed_bytes`: embedding in the activation
-//!   dtype, grouped `wo_a` in the linears' dtype, resident Engram tables bf16, norms / mHC /
+//!   dtype, grouped `wo_a` as the linears hold their weights (FP8 as stored under native), resident Engram tables bf16, norms / mHC /
 //!   router / sinks f32) and the 128 KiB decode table of each Engram table left in host memory
 //!   (`Model::engram_placements`); one line per Engram table says where it went
 //!   (`--engram-placement`, `model::EngramPlacement`);

@@ -484,3 +484,46 @@ fn gemm_extremes_and_determinism() -> Result<()> {
     ensure!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "gemm: two runs differ");
     Ok(())
 }
+
+/// The grouped `wo_a` over an FP8 weight as stored (`nn::GroupedLinear`: each group's rows a view
+/// of the weight, one `fp8_linear` without activation quantization per group) against the CPU
+/// reference's einsum over the dequantized weight (the dense `GroupedLinear` in f32): the
+/// V4.1-Flash group shape (8 × 1024 rows over 4096 inputs, the stream-K variant), the embedded
+/// model's (2 × 64 over 256) and inputs whose width is not a multiple of 128 (the register
+/// variant), m from 1 to 300, outputs over poisoned memory.
+#[test]
+fn grouped_wo_a_over_fp8_groups() -> Result<()> {
+    use deepseek_v41::nn::{GroupedLinear, LinearWeight};
+    let dev = gpu();
+    let mut rng = Rng(0xf8_00a0);
+    let mut sum = Diff::default();
+    for &(g, og, k, ms) in &[(8, 1024, 4096, &[1usize, 64][..]), (2, 64, 256, &[1, 5, 65][..]), (3, 96, 160, &[2, 300][..])] {
+        let w = weight(&mut rng, g * og, k, Scales::Typical)?;
+        let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+        let grouped = GroupedLinear::from_weight(LinearWeight::Fp8(wg), g)?;
+        let reference = GroupedLinear::from_weight(LinearWeight::Dense(w.dequantize(DType::F32)?), g)?;
+        for &m in ms {
+            let x = acts(&mut rng, m * g, k, Acts::Typical)?.reshape((m, g, k))?;
+            let want = reference.forward(&x.to_dtype(DType::F32)?)?.to_dtype(DType::BF16)?;
+            // Sum of |products| per output, group by group.
+            let xf = x.to_dtype(DType::F32)?.abs()?;
+            let wd = w.dequantize(DType::F32)?.abs()?;
+            let absdot: Vec<f32> = {
+                let parts = (0..g)
+                    .map(|gi| xf.narrow(1, gi, 1)?.squeeze(1)?.matmul(&wd.narrow(0, gi * og, og)?.t()?))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 1)?.flatten_all()?.to_vec1::<f32>()?
+            };
+            poison(&dev, 4 * m * g * (og + k) + (1 << 20))?;
+            let got = grouped.forward(&x.to_device(&dev)?)?;
+            ensure!(got.dims() == [m, g * og], "grouped wo_a: shape {:?}", got.dims());
+            let d = compare(&got, &want, &absdot, error_bound(Fp8LinearPath::Auto), &format!("grouped wo_a {g}x{og}x{k} m={m}"))?;
+            sum.total += d.total;
+            sum.one_ulp += d.one_ulp;
+            sum.beyond += d.beyond;
+        }
+    }
+    report("grouped wo_a (FP8 groups)", sum);
+    ensure!(sum.one_ulp + sum.beyond <= sum.total / 100, "grouped wo_a: {sum:?}");
+    Ok(())
+}

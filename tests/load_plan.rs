@@ -112,7 +112,8 @@ fn the_plan_follows_the_engram_placement() -> Result<()> {
 
 /// The same config planned for CUDA: quantized linears FP8 and routed experts MXFP4 as stored
 /// under `native` with bf16, dense bf16 under `dequantized`, dense f32 with f32 activations; the
-/// f32 linears, norms, mHC and router stay f32; `wo_a` and the Engram table dense.
+/// f32 linears, norms, mHC and router stay f32; the grouped `wo_a` FP8 as stored under `native`
+/// (its groups are whole 32-row blocks) and the Engram table dense.
 #[test]
 fn the_cuda_plan_holds_each_weight_in_its_form() -> Result<()> {
     let cfg = Config::from_file(repo_files::repo_file(EMBEDDED).join("config.json"))?;
@@ -121,7 +122,7 @@ fn the_cuda_plan_holds_each_weight_in_its_form() -> Result<()> {
     let native = plan(DType::BF16, QuantizedWeights::Native);
     for (name, want) in [
         ("layers.0.attn.wq_a.weight", Held::Fp8),
-        ("layers.0.attn.wo_a.weight", Held::Dense(DType::BF16)),
+        ("layers.0.attn.wo_a.weight", Held::Fp8),
         ("layers.0.ffn.experts.0.w2.weight", Held::Mxfp4),
         ("layers.0.ffn.shared_experts.w1.weight", Held::Fp8),
         ("layers.0.ffn.gate.weight", Held::Dense(DType::F32)),
@@ -148,10 +149,10 @@ fn the_cuda_plan_holds_each_weight_in_its_form() -> Result<()> {
 }
 
 /// The 4-layer Flash-width checkpoint (`synthetic_checkpoint --flash-shapes`) planned for CUDA
-/// (native, bf16) is what an H100 measured loading it (`docs/perf.md`, 2026-12-06, 0.01 GB
-/// figures): 32.66 GB stored; held MXFP4 experts 28.88 + FP8 linears 0.68 + dense linears 2.70 +
-/// other weights 2.15 GB; 34.43 GB of device memory added (the weights plus the context's and
-/// cuBLAS's own). The full
+/// (native, bf16) is what loading it places (`load_report`'s plan check on an H100, `docs/perf.md`
+/// "Loading", 0.01 GB figures): 32.66 GB stored; held MXFP4 experts 28.88 + FP8 weights 0.81
+/// (the quantized linears and the grouped `wo_a`) + dense linears 2.70 + other weights 1.88 GB;
+/// under 34.43 GB of device memory added (the weights plus the context's and cuBLAS's own). The full
 /// released config keeps its Engram tables mapped, and its caches take the spec's 890 B per
 /// token packed (spec §7.4).
 #[test]
@@ -163,7 +164,7 @@ fn the_flash_plans_match_the_measured_load_and_the_spec() -> Result<()> {
     let by = |h: Held| plan.tensors.iter().filter(|t| t.held == h).map(|t| t.held_bytes).sum::<u64>();
     ensure!(gb(plan.stored_bytes()) == 32.66, "stored {}", plan.stored_bytes());
     let dense = |linear: bool| plan.tensors.iter().filter(|t| t.linear == linear && matches!(t.held, Held::Dense(_))).map(|t| t.held_bytes).sum::<u64>();
-    let measured = [(by(Held::Mxfp4), 28.88), (by(Held::Fp8), 0.68), (dense(true), 2.70), (dense(false), 2.15)];
+    let measured = [(by(Held::Mxfp4), 28.88), (by(Held::Fp8), 0.81), (dense(true), 2.70), (dense(false), 1.88)];
     ensure!(measured.iter().all(|&(b, want)| gb(b) == want), "planned {measured:?}");
     ensure!(plan.device_bytes() == measured.iter().map(|m| m.0).sum::<u64>() && plan.device_bytes() < 34_430_000_000);
     ensure!(plan.host_bytes() == 0);

@@ -251,7 +251,7 @@ fn the_model_on_the_cpu_stays_dense_under_either_policy() -> Result<()> {
         ckpt.check_all_used(&[])?;
         let linears = model.linears();
         let quantized_fp8 = linears.iter().filter(|(n, l)| l.kind() == LinearKind::Quantized && ckpt.is_fp8_block32(&format!("{n}.weight"))).count();
-        // Every FP8 weight but the grouped wo_a (a dense tensor) belongs to a quantized linear.
+        // Every FP8 weight but the grouped wo_a (`nn::GroupedLinear`, not a linear) belongs to a quantized linear.
         ensure!(quantized_fp8 == fp8_weights(&ckpt)?.len() - 9, "{q}: {quantized_fp8} quantized linears over FP8 weights");
         for (name, l) in &linears {
             ensure!(ckpt.contains(&format!("{name}.weight")), "{q}: linear `{name}` has no checkpoint tensor `{name}.weight`");

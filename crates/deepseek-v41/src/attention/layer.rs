@@ -9,9 +9,8 @@ use super::compressor::{Compressor, Latents};
 use super::indexer::{IndexKeyProjection, Indexer};
 use super::sparse_attention::sparse_attention;
 use crate::config::{AttentionRole, Config, TopkRole};
-use crate::nn::linear::compute_dtype;
 use crate::nn::linear::{named, prefixed, NamedLinears};
-use crate::nn::{Linear, LinearKind, RmsNorm, RopeKind, RopeTable};
+use crate::nn::{GroupedLinear, Linear, LinearKind, RmsNorm, RopeKind, RopeTable};
 use crate::numerics::Numerics;
 use crate::quant::fake_quant::{fake_quant, QatFormat};
 
@@ -64,8 +63,9 @@ pub struct Attention {
     wq_b: Linear,
     wkv: Linear,
     kv_norm: RmsNorm,
-    /// `[o_groups, o_lora, heads_per_group·head_dim]`: the grouped (block-diagonal) `wo_a`.
-    wo_a: Tensor,
+    /// The grouped (block-diagonal) `wo_a`: `o_groups` groups of `o_lora` rows over
+    /// `heads_per_group·head_dim` inputs.
+    wo_a: GroupedLinear,
     wo_b: Linear,
     /// `[H]` f32 sink logits.
     attn_sink: Tensor,
@@ -100,10 +100,7 @@ impl Attention {
             AttentionRole::WindowOnly => 0,
             AttentionRole::Compressed { ratio, .. } => ratio,
         };
-        let wo_a = vb
-            .pp("wo_a")
-            .get_with_hints_dtype((g * ol, h / g * hd), "weight", Default::default(), compute_dtype(vb.device(), vb.dtype()))?
-            .reshape((g, ol, h / g * hd))?;
+        let wo_a = GroupedLinear::new(h / g * hd, g * ol, g, vb.pp("wo_a"))?;
         let (mut compressor, mut key_projection, mut indexer) = (None, None, None);
         if let AttentionRole::Compressed { ratio, kv_source, topk } = role {
             if kv_source == layer {
@@ -280,16 +277,17 @@ impl Attention {
     fn output(&self, o: &Tensor) -> Result<Tensor> {
         let t = o.dim(0)?;
         let g = self.o_groups;
-        let dtype = o.dtype();
-        // Contiguous per group: cuBLAS's batched matmul needs a dense batch stride.
-        let o = o.reshape((t, g, self.n_heads / g * self.head_dim))?.transpose(0, 1)?.to_dtype(self.wo_a.dtype())?.contiguous()?;
-        // [G, T, hd'] x [G, hd', o_lora] -> [G, T, o_lora]
-        let z = o.matmul(&self.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?;
-        self.wo_b.forward(&z.flatten_from(1)?)
+        let z = self.wo_a.forward(&o.reshape((t, g, self.n_heads / g * self.head_dim))?)?;
+        self.wo_b.forward(&z)
+    }
+
+    /// The grouped `wo_a` (`nn::GroupedLinear`: dense, or FP8 as stored on CUDA).
+    pub fn wo_a(&self) -> &GroupedLinear {
+        &self.wo_a
     }
 
     /// Every linear of the layer with its checkpoint prefix (`wq_a`, `compressor.wkv`,
-    /// `indexer.wq_b`, ...). The grouped `wo_a` is a dense tensor, not a linear.
+    /// `indexer.wq_b`, ...). The grouped `wo_a` is not a linear ([`Attention::wo_a`]).
     pub fn linears(&self) -> NamedLinears<'_> {
         let mut v = named([("wq_a", &self.wq_a), ("wq_b", &self.wq_b), ("wkv", &self.wkv), ("wo_b", &self.wo_b)]);
         if let Some(c) = &self.compressor {

@@ -40,9 +40,10 @@ pub enum QuantizedWeights {
     /// linear over an MXFP4 weight (the routed experts) holds the packed e2m1 codes and e8m0
     /// scales (about a quarter of the bf16 bytes) and dequantizes them on the device into a bf16
     /// scratch for each call (`cuda::mxfp4_dequantize_device`, then the dense path's matmul: the
-    /// same numbers as [`QuantizedWeights::Dequantized`]). Everything else — the CPU (the
-    /// reference keeps dense f32 weights), the grouped `wo_a`, the Engram tables, plain and f32
-    /// linears — is dequantized at load as with [`QuantizedWeights::Dequantized`].
+    /// same numbers as [`QuantizedWeights::Dequantized`]); the grouped `wo_a` keeps its FP8 codes
+    /// and scales too (`nn::GroupedLinear`). Everything else — the CPU (the reference keeps dense
+    /// f32 weights), the Engram tables, plain and f32 linears — is dequantized at load as with
+    /// [`QuantizedWeights::Dequantized`].
     #[default]
     Native,
     /// Every quantized weight dequantized at load (exact, spec §2.4) into a dense tensor: the

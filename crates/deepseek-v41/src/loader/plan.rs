@@ -9,7 +9,8 @@
 //! |---|---|---|---|
 //! | quantized linears stored FP8 32×32 (`wq_a`, `wq_b`, `wkv`, `wo_b`, `indexer.wq_b`, `engram.wkv`, shared experts) | f32 | FP8 codes + scales | activation dtype |
 //! | routed experts stored MXFP4 | f32 | MXFP4 codes + scales (`in` a multiple of 32) | activation dtype |
-//! | grouped `wo_a`, plain linears (`compressor.wkv` of ratio 1, `indexer.wk`, `weights_proj`) | f32 | activation dtype | activation dtype |
+//! | grouped `wo_a` (each group whole 32-row blocks) | f32 | FP8 codes + scales | activation dtype |
+//! | plain linears (`compressor.wkv` of ratio 1, `indexer.wk`, `weights_proj`) | f32 | activation dtype | activation dtype |
 //! | f32 linears (`head`, `ffn.gate`, ratio-2 `compressor.wkv` / `wgate`) | f32 | f32 | f32 |
 //! | norms, mHC, sinks, router biases, Engram `q_weight` / `k_weight` | f32 | f32 | f32 |
 //! | embedding | activation dtype | activation dtype | activation dtype |
@@ -392,7 +393,12 @@ impl Planner<'_> {
         self.linear(&format!("{p}.wkv"), at, (hd, d), Kind::Quantized, Stored::Fp8Block32);
         self.norm(&format!("{p}.kv_norm"), hd);
         let wo_a = [g * ol, h.checked_div(g).unwrap_or(0) * hd];
-        self.dense(format!("{p}.wo_a.weight"), at, &wo_a, fp8, self.opts.compute_dtype());
+        // `nn::GroupedLinear::new`: FP8 as stored when native and each group is whole 32-row blocks.
+        let held = match fp8 {
+            Stored::Fp8Block32 if self.opts.native() && (g == 1 || ol.is_multiple_of(BLOCK)) => Held::Fp8,
+            _ => Held::Dense(self.opts.compute_dtype()),
+        };
+        self.push(format!("{p}.wo_a.weight"), at, &wo_a, fp8, held, Place::Device);
         self.linear(&format!("{p}.wo_b"), at, (d, g * ol), Kind::Quantized, Stored::Fp8Block32);
         self.f32(format!("{p}.attn_sink"), at, &[h], Stored::F32);
         let ci = Component::CompressorIndexer;

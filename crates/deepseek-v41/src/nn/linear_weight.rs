@@ -43,7 +43,13 @@ impl LinearWeight {
             LinearKind::F32 => DType::F32,
             _ => compute_dtype(vb.device(), vb.dtype()),
         };
-        let native = cfg!(feature = "cuda") && kind == LinearKind::Quantized && dtype == DType::BF16 && vb.device().is_cuda();
+        let native = kind == LinearKind::Quantized && native_on(vb.device(), dtype);
+        Self::load_as(in_dim, out_dim, dtype, native, vb)
+    }
+
+    /// [`LinearWeight::load`] with the choice made: the stored FP8 / MXFP4 parts when `native`
+    /// and the var builder offers them, else the dense weight in `dtype`.
+    pub(crate) fn load_as(in_dim: usize, out_dim: usize, dtype: DType, native: bool, vb: &VarBuilder) -> Result<Self> {
         let scales = StoredPart::Scales.name("weight");
         let has = |part: StoredPart| vb.contains_tensor(&part.name("weight"));
         let hints = Default::default();
@@ -123,6 +129,12 @@ impl LinearWeight {
             Self::Mxfp4(w) => w.dequantize(dtype),
         }
     }
+}
+
+/// Whether weights in `dtype` on `device` may stay in their release format: bf16 on a CUDA
+/// device of a build with the feature `cuda` (see the module docs).
+pub(crate) fn native_on(device: &Device, dtype: DType) -> bool {
+    cfg!(feature = "cuda") && dtype == DType::BF16 && device.is_cuda()
 }
 
 /// The dense product `x · wᵀ` of `x` `[..., in]` (cast to `w`'s dtype) and `w` `[out, in]`, in

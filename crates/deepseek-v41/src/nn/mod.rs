@@ -1,6 +1,7 @@
 //! Numerical building blocks shared by every module: RMSNorm, RoPE, the reference linear and its
 //! weight (dense, or FP8 / MXFP4 as stored), products over the rows of several sequences.
 
+pub mod grouped_linear;
 pub mod linear;
 pub mod linear_weight;
 pub mod random_weights;
@@ -8,6 +9,7 @@ pub mod rms_norm;
 pub mod rope;
 pub mod row_groups;
 
+pub use grouped_linear::GroupedLinear;
 pub use linear::{Linear, LinearKind};
 pub use linear_weight::LinearWeight;
 pub use random_weights::RandomWeights;

@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::loader::dequant::{blocks, dequant_fp8_block32};
+use crate::loader::dequant::{blocks, dequant_fp8_block32, BLOCK as BLOCK32};
 
 /// A block-scaled FP8 weight `[N, K]` (see the module docs).
 #[derive(Debug, Clone)]
@@ -83,6 +83,26 @@ impl Fp8Weight {
     /// The device both tensors live on.
     pub fn device(&self) -> &Device {
         self.codes.device()
+    }
+
+    /// Rows `start .. start + len` of the weight, `[len, K]`, sharing this weight's memory (no
+    /// copy: views of the codes and of the scale rows of those blocks). `start` must be a multiple
+    /// of 32 and `len` one too unless the range ends at N, so that the view's 32×32 blocks are the
+    /// weight's (the grouped `wo_a`'s groups, `nn::GroupedLinear`). Errors, naming the values, on
+    /// another range.
+    pub fn rows(&self, start: usize, len: usize) -> Result<Self> {
+        let (n, _) = self.dims();
+        let end = start.checked_add(len).filter(|&e| e <= n && len > 0);
+        if end.is_none() || !start.is_multiple_of(BLOCK32) || !(len.is_multiple_of(BLOCK32) || end == Some(n)) {
+            candle_core::bail!(
+                "Fp8Weight::rows: rows {start}..{} of a weight with {n} rows: the range must be non-empty, inside the weight, \
+                 start at a multiple of {BLOCK32} and end at one or at the last row (whole 32x32 scale blocks)",
+                start.saturating_add(len)
+            )
+        }
+        let codes = self.codes.narrow(0, start, len)?;
+        let scales = self.scales.narrow(0, start / BLOCK32, blocks(len))?;
+        Ok(Self { codes, scales })
     }
 
     /// Bytes held: codes plus scales.
