@@ -20,17 +20,34 @@
 //     weight and pos[order[p]] = p, all in expert order.
 //   * stream kernel: a persistent grid (one CTA of 16 warps per SM). A unit is (chunk of up to
 //     8 slots of one expert, group of 16 weight rows: GATE_UP 8 rows of w1 and the same 8 of w3,
-//     DOWN 16 rows of w2); the units of all experts are numbered from an in-CTA scan of the
-//     counts and each CTA takes an equal contiguous run of them, so the grid is fixed by the
-//     device (graph capture) while the work follows the routing. The run's code bytes stream
-//     through a 6-stage cp.async ring (16 rows x 1024 bytes = 64 k32 blocks per stage, rows
-//     padded to 1040 bytes: conflict-free 4-byte reads) with their scales and the stage's unit
-//     (computed once by the issuing threads, read by the compute side); the chunk's panel rows
-//     and activation scales are copied into shared memory once per chunk (consecutive units of a
-//     run share it), so a stage's products read shared memory only. The 16 warps split each
-//     stage's blocks and meet in shared memory at the end of the unit (fixed warp order:
-//     deterministic), where the GATE_UP epilogue has a and u of the same row and token in one
-//     thread (rows 0-7 of the mma tile are w1, 8-15 w3) and applies the SwiGLU.
+//     DOWN 16 rows of w2) over the whole K; the units of all experts are numbered from an in-CTA
+//     scan of the counts (chunk-major) and each CTA takes an equal contiguous run of them, so the
+//     grid is fixed by the device (graph capture) while the work follows the routing.
+//   * warp-owned units: each weight byte is used by one warp only, so a warp reads its unit's
+//     codes straight from global memory into registers (4-byte read-only loads in the mma
+//     fragment pattern: lane (g, t) takes bytes 4t..4t+3 of each k32 block of tile rows g and
+//     g + 8; the other half of each 32-byte sector is the next block, an L1 hit) with the
+//     scales as one 4-byte word per row and 4 blocks. Loads run D groups of 4 blocks ahead of
+//     the products (D = 2 when K/128 is even, else 1; D divides the groups of a unit, so a
+//     unit's last loads are the warp's next unit's first groups): 16 warps x 2 KB in flight
+//     per SM, and each load asks L2 for the aligned 256 bytes around it (the row's next
+//     groups). Deeper register pipelines do not fit: at D = 3 or 4 the 128 registers of a
+//     512-thread CTA spill and ptxas moves the loads behind the products. No shared-memory
+//     weight ring, no per-stage barrier, no cross-warp reduction: the unit's sums end in the
+//     warp, where the GATE_UP epilogue has a and u of the same row and token in one lane (tile
+//     rows 0-7 are w1, 8-15 w3) and applies the SwiGLU.
+//   * rounds: the CTA's run is cut into rounds of at most 16 consecutive units (warp w takes
+//     unit w of the round) that span at most two chunks; the chunks' panel rows, activation
+//     scales and routing weights are resident in two shared-memory slots (chunk c in slot
+//     c % 2), loaded with cp.async by the whole CTA between two barriers only when a round needs
+//     a chunk not yet resident (barriers per chunk, not per stage). The weight loads of the
+//     warps' next units are already in flight during that load. One CTA of 16 warps rather than
+//     two of 8: two slots take 171 KB at K = 5120, and at B = 1 a run of ~13 units straddles a
+//     chunk boundary on some SMs, which a single slot per CTA would serialise. A warp's unit
+//     (chunk, row group, expert) advances incrementally from its previous one.
+//   * weight scales: a lane decodes 2 of the 64 scales of a group (tile row lane/2, blocks
+//     2(lane%2) and 2(lane%2)+1) and the warp shares them through a small shared-memory buffer
+//     (one __syncwarp per group), instead of every lane decoding the 8 its fragment needs.
 //   * products: per k32 block a lane holds 8 nibbles of each of its 2 rows (4 bytes). e2m1 is
 //     e4m3 shifted: placing the sign at bit 7 and (e1 e0 m) at bits 4-2 gives the e4m3 code of
 //     the value · 2^-6 (also for the subnormal 0.5), so each 4-byte word becomes 8 e4m3 codes
@@ -38,10 +55,10 @@
 //     and mma.sync m16n8k16 f16 -> f32 against the panel. The K order inside a block is
 //     permuted (a dot product does not care; the panel is written in the same order), so no
 //     shuffles. Each block's product starts from zero and is added to the running sum times
-//     (2^sa · 64) · 2^sw in f32.
-//   * Where the time goes (ncu, docs/perf.md "MoE experts"): the kernel is instruction-bound, not
-//     bandwidth-bound (~1.1 TB/s at B = 64 on an H100); keeping the panel in shared memory did not
-//     help by itself, fewer bookkeeping instructions per stage did.
+//     (2^sa · 64) · 2^sw in f32, blocks in ascending k.
+//   * Where the time goes with this design: not measured yet (docs/perf.md "MoE experts" holds
+//     the figures and the ncu analysis of the previous design, a shared-memory ring of weight
+//     stages with a CTA barrier per stage, which was instruction-bound).
 //
 // Numerics: products of e4m3 panel codes and e2m1 weights are exact in f16 x f16 -> f32; a
 // block's 32 products are summed by the tensor core in f32 and added to the running sum as
@@ -50,7 +67,8 @@
 // the scales (a NaN weight scale, byte 255, still gives NaN like the reference). So a and u
 // equal the reference up to the order of the f32 summation; everything after (bf16 rounding,
 // clamp, silu, the products, the combine's f32 sum) is the CPU's sequence. Scale bytes >= 253
-// make weights overflow f32 in the reference too.
+// make weights overflow f32 in the reference too. The summation order is fixed by the unit
+// (one warp, ascending k), whatever the timing: the results are deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -65,53 +83,81 @@ namespace moe_x {
 
 constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kTok = 8;                            // slots per chunk: one n8 tile
-constexpr int kRows = 16;                          // weight rows per unit
-constexpr int kBps = 64;                           // k32 blocks per stage
-constexpr int kRowBytes = kBps * 16;               // code bytes per row and stage
-constexpr int kSrow = kRowBytes + 16;              // padded shared-memory row
-constexpr int kScaleOff = kRows * kSrow;           // stage: scales [16][64] after the codes
-constexpr int kInfoOff = kScaleOff + kRows * kBps; // then the stage's unit (expert, row group, first slot, count, chunk)
-constexpr int kStages = 6;
-constexpr int kRedBytes = kWarps * 4 * 32 * 4;
+constexpr int kTok = 8;                    // slots per chunk: one n8 tile
+constexpr int kGroup = 4;                  // k32 blocks per load group: one 4-byte scale word per weight row
+constexpr int kSlots = 2;                  // resident chunks: a round spans at most two
+constexpr int kSwBufs = 2;                 // a warp's decoded-scale buffers: by pipeline stage (D = 2) or group parity (D = 1)
+constexpr int kSwFloats = 16 * kGroup;     // one buffer: 16 tile rows x 4 blocks
 constexpr int kPrepThreads = 256;
 constexpr int kMaxSmem = 226 * 1024;  // dynamic shared memory: the sm_90 opt-in limit (227 KB) less the static part
 
 constexpr int align128(int v) { return (v + 127) & ~127; }
-constexpr int kStageBytes = align128(kInfoOff + 5 * 4);
 
-// Dynamic shared memory of the stream kernel for K inputs and E experts: the weight stages, the
-// resident chunk (panel rows, activation scales, token rows and routing weights), the warps'
-// partial sums, and the expert table with the two scans.
+// Dynamic shared memory of the stream kernel for K inputs and E experts: two chunk slots (panel
+// rows, activation scales, routing weights), the warps' decoded weight scales, and the expert
+// table with the two scans.
 struct Smem {
-    int prow;    // panel row stride in bytes: 2K + 64 (= 64 mod 128: conflict-free 16-byte reads)
-    int arow;    // activation-scale row stride in floats: K/32 made odd (conflict-free)
-    int panel, ascale, tok, red, tab, bytes;
+    int prow;   // panel row stride in bytes: 2K + 64 (= 64 mod 128: conflict-free 16-byte reads)
+    int asc;    // in a slot: activation scales [ceil(K/64)][4][2][2] f32 (block pair, t, block, token)
+    int rw;     // in a slot: the chunk's routing weights [8] f32 (GATE_UP), then its first slot and count
+    int slot;   // bytes per slot
+    int sw, tab, bytes;
 };
 __host__ __device__ inline Smem smem_layout(int k, int e) {
     Smem m;
     m.prow = 2 * k + 64;
-    m.arow = (k / 32) | 1;
-    m.panel = kStages * kStageBytes;
-    m.ascale = m.panel + kTok * m.prow;
-    m.tok = m.ascale + ((kTok * m.arow * 4 + 15) & ~15);
-    m.red = m.tok + 2 * kTok * 4;
-    m.tab = m.red + kRedBytes;
+    m.asc = kTok * m.prow;
+    m.rw = m.asc + ((k / 32 + 1) / 2) * 64;
+    m.slot = align128(m.rw + kTok * 4 + 8);
+    m.sw = kSlots * m.slot;
+    m.tab = m.sw + kWarps * kSwBufs * kSwFloats * 4;
     m.bytes = m.tab + e * 32 + 2 * (e + 1) * 4;
     return m;
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+// A read-only 4-byte load that asks L2 to fetch the whole aligned 256 bytes around it on a miss
+// (the next groups of the same weight row).
+__device__ __forceinline__ uint32_t ldg32(const uint8_t* p) {
+    uint32_t v;
+    asm("ld.global.nc.L2::256B.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
 }
 
 // 8 e2m1 codes (a 4-byte word, code i in nibble i) -> 8 e4m3 codes of the values · 2^-6:
 // even = codes 0, 2, 4, 6 (one per byte), odd = codes 1, 3, 5, 7.
 __device__ __forceinline__ uint32_t e2m1_even_e4m3(uint32_t w) { return ((w << 2) & 0x1c1c1c1cu) | ((w << 4) & 0x80808080u); }
 __device__ __forceinline__ uint32_t e2m1_odd_e4m3(uint32_t w) { return ((w >> 2) & 0x1c1c1c1cu) | (w & 0x80808080u); }
+// The e4m3 codes in the low / high 16 bits of w -> f16x2 (exact); the high half is read in place.
+__device__ __forceinline__ uint32_t e4m3x2_lo_f16x2(uint32_t w) {
+    uint32_t d;
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(d) : "r"(w));
+    return d;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_f16x2(uint32_t w) {
+    uint32_t d;
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}" : "=r"(d) : "r"(w));
+    return d;
+}
+
+// x · 0 + x: x for finite x, NaN for ±inf (not folded by the compiler).
+__device__ __forceinline__ float nan_if_inf(float x) {
+    float r;
+    asm("fma.rn.f32 %0, %1, 0f00000000, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+// e8m0 bytes 0 and 1 of w -> 2^(b - 127), the values of fp8::e8m0_f32: the byte placed at the
+// f32 exponent, then byte 0 -> the subnormal 2^-127 (max) and byte 255 (+inf so far) -> NaN.
+__device__ __forceinline__ float2 e8m0x2_f32(uint32_t w) {
+    const float lo = fmaxf(__uint_as_float((w << 23) & 0x7f800000u), 0x1p-127f);
+    const float hi = fmaxf(__uint_as_float((w << 15) & 0x7f800000u), 0x1p-127f);
+    return make_float2(nan_if_inf(lo), nan_if_inf(hi));
+}
 
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, const float (&c)[4]) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
@@ -127,13 +173,14 @@ struct Args {
     const uint32_t* tok_sorted;  // [S] (GATE_UP)
     const float* rw_sorted;      // [S] (GATE_UP)
     __nv_bfloat16* out;          // [S, N]
-    int e, n, k, kb, parts, n_rg;
+    int e, n, k, kb, groups, n_rg;  // groups = ceil(kb / 4) per unit
     float limit;
 };
 
-struct Unit {
-    int e, rg, base, cnt;
-    int chunk_id;  // global chunk index (the resident chunk changes with it)
+// A unit of the warp: the start of its round (the unit is rs + warp), its chunk, row group and
+// expert.
+struct UnitPos {
+    int rs, chunk, rg, e;
 };
 
 // The SwiGLU of kernels/swiglu.cu on bf16-rounded a and u, times the routing weight.
@@ -146,19 +193,20 @@ __device__ __forceinline__ float swiglu(float a, float u, float w, float limit) 
     return __fmul_rn(__fmul_rn(s, u), w);
 }
 
-template <int MODE>
+// D: load groups in flight per warp (divides a.groups); FULL: K/32 % 4 == 0 (4-byte scale words;
+// otherwise byte loads and a partial last group, with D = 1).
+template <int MODE, int D, bool FULL>
 __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
+    static_assert((FULL || D == 1) && D <= kSwBufs, "the partial-group path runs one group ahead; a scale buffer per stage");
     extern __shared__ __align__(128) uint8_t smem[];
     const Smem L = smem_layout(a.k, a.e);
-    uint8_t* panel_s = smem + L.panel;
-    float* asc_s = reinterpret_cast<float*>(smem + L.ascale);
-    uint32_t* tok_s = reinterpret_cast<uint32_t*>(smem + L.tok);
-    float* rw_s = reinterpret_cast<float*>(tok_s + kTok);
-    float* red = reinterpret_cast<float*>(smem + L.red);
     uint64_t* tab = reinterpret_cast<uint64_t*>(smem + L.tab);
     int* off = reinterpret_cast<int*>(tab + 4 * a.e);  // [E + 1] exclusive prefix of the counts
     int* item = off + (a.e + 1);                       // [E + 1] exclusive prefix of the chunks
     __shared__ int warp_sum[2][kWarps];
+    // CTA-uniform round state kept in shared memory rather than registers (the load pipeline
+    // needs them): the end of the run, the last chunk loaded and its expert.
+    __shared__ int run_end, resident, resident_e;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
@@ -200,200 +248,263 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
     }
 
     // units < 2^31: the launcher checks slots · row groups (a chunk has at least one slot).
-    const int64_t units = static_cast<int64_t>(item[a.e]) * a.n_rg;
+    const int n_rg = a.n_rg;
+    const int64_t units = static_cast<int64_t>(item[a.e]) * n_rg;
     const int u0 = static_cast<int>(units * blockIdx.x / gridDim.x), u1 = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
-    const int n_stages = (u1 - u0) * a.parts;
-    if (n_stages == 0) return;
+    if (u0 == u1) return;
+    if (tid == 0) {
+        run_end = u1;
+        resident = -1;
+        resident_e = -1;
+    }
+    __syncthreads();
 
-    auto unit_of = [&](int u) {
-        const int it_id = static_cast<int>(static_cast<unsigned>(u) / static_cast<unsigned>(a.n_rg));
-        int lo = 0, hi = a.e;  // the largest expert whose first chunk is <= it_id
+    // A round: units [rs, round_end(rs)), at most one per warp (unit rs + warp) and two chunks.
+    auto round_end = [&](int rs) {
+        const int64_t cap = (static_cast<int64_t>(rs / n_rg) + kSlots) * n_rg;
+        const int re = rs + kWarps < run_end ? rs + kWarps : run_end;
+        return re < cap ? re : static_cast<int>(cap);
+    };
+    // The expert of chunk c: the largest e with item[e] <= c (an expert with chunks). By binary
+    // search once, then onwards from the previous one (chunks are visited in increasing order).
+    auto expert_search = [&](int c) {
+        int lo = 0, hi = a.e;
         while (hi - lo > 1) {
             const int mid = (lo + hi) >> 1;
-            if (item[mid] <= it_id) lo = mid;
+            if (item[mid] <= c) lo = mid;
             else hi = mid;
         }
-        Unit un;
-        un.e = lo;
-        un.rg = u - it_id * a.n_rg;
-        un.chunk_id = it_id;
-        un.base = off[lo] + (it_id - item[lo]) * kTok;
-        const int left = off[lo + 1] - un.base;
-        un.cnt = left < kTok ? left : kTok;
-        return un;
+        return lo;
     };
+    auto expert_from = [&](int e, int c) {
+        while (item[e + 1] <= c) ++e;
+        return e;
+    };
+    // The warp's first unit from round rs on (p.rs set), if any.
+    auto find_unit = [&](int rs, UnitPos& p) {
+        while (rs < run_end) {
+            const int re = round_end(rs);
+            if (rs + warp < re) {
+                p.rs = rs;
+                return true;
+            }
+            rs = re;
+        }
+        return false;
+    };
+    // The warp's unit after p (same rule, incremental chunk, row group and expert).
+    auto next_unit = [&](UnitPos& p) {
+        const int prev = p.rs + warp;
+        if (!find_unit(round_end(p.rs), p)) return false;
+        p.rg += p.rs + warp - prev;
+        while (p.rg >= n_rg) {
+            p.rg -= n_rg;
+            ++p.chunk;
+        }
+        p.e = expert_from(p.e, p.chunk);
+        return true;
+    };
+
+    // Load side: the rows of tile rows g and g + 8 from byte 4t, and the scale row of tile row
+    // lane / 2 from byte 2 (lane % 2) (the two scales this lane decodes); rows past N read row
+    // N - 1 (their sums are never stored).
     const int half_k = a.k / 2;
-    struct RowPtrs {
-        const uint8_t *codes, *scales;
-    };
-    // The weight row of tile row `row` (0..15) of the unit's row group: its codes and scales (null
-    // past the last row).
-    auto tile_row = [&](const Unit& un, int row) {
-        const uint64_t* te = tab + 4 * un.e;
-        const int w = MODE == DSV41_MOE_GATE_UP ? row >> 3 : 0;
-        const int wr = MODE == DSV41_MOE_GATE_UP ? un.rg * 8 + (row & 7) : un.rg * 16 + row;
-        if (wr >= a.n) return RowPtrs{nullptr, nullptr};
-        return RowPtrs{reinterpret_cast<const uint8_t*>(te[2 * w]) + static_cast<int64_t>(wr) * half_k,
-                       reinterpret_cast<const uint8_t*>(te[2 * w + 1]) + static_cast<int64_t>(wr) * a.kb};
-    };
-    // Issue side: this thread's copies of every stage are fixed (code chunks tid and tid + 512 =
-    // rows tid / 64 and tid / 64 + 8 at byte 16 (tid % 64); scale piece tid % 16 of row tid / 16
-    // for tid < 256, or scale bytes tid % 64 of rows tid / 64 and + 8), so their sources are set
-    // once per unit and each stage adds its offset. Thread 0 also writes the stage's unit for
-    // the compute side.
-    const bool scale_vec = (a.kb & 3) == 0;
-    const int crow = tid >> 6, cch = tid & 63;
-    RowPtrs ip0{nullptr, nullptr}, ip1{nullptr, nullptr}, ips{nullptr, nullptr};
-    Unit iun;
-    int iss_part = 0, iss_unit = 0;
-    auto issue = [&](int s) {  // the next stage in order (unit iss_unit, part iss_part) into slot s % S
-        if (iss_part == 0) {
-            iun = unit_of(u0 + iss_unit);
-            ip0 = tile_row(iun, crow);
-            ip1 = tile_row(iun, crow + 8);
-            if (scale_vec && tid < kRows * 16) ips = tile_row(iun, tid >> 4);
-        }
-        const int part = iss_part;
-        uint8_t* slot = smem + (s % kStages) * kStageBytes;
-        const uint32_t base = smem_addr + static_cast<uint32_t>(s % kStages) * kStageBytes;
-        const int col = part * kRowBytes + 16 * cch;
-        const bool c0 = ip0.codes && col < half_k, c1 = ip1.codes && col < half_k;
-        cp_async16(base + crow * kSrow + 16 * cch, c0 ? static_cast<const void*>(ip0.codes + col) : a.panel, c0);
-        cp_async16(base + (crow + 8) * kSrow + 16 * cch, c1 ? static_cast<const void*>(ip1.codes + col) : a.panel, c1);
-        if (scale_vec) {
-            if (tid < kRows * 16) {
-                const int scol = part * kBps + 4 * (tid & 15);
-                const bool ok = ips.scales && scol < a.kb;
-                cp_async4(base + kScaleOff + 4 * tid, ok ? static_cast<const void*>(ips.scales + scol) : a.ascale, ok);
-            }
+    const uint8_t *lp0 = nullptr, *lp1 = nullptr, *lps = nullptr;
+    auto point = [&](const UnitPos& p) {
+        const uint64_t* te = tab + 4 * p.e;
+        const int sr = lane >> 1;
+        int r0, r1, rsc;
+        const uint8_t *c0, *c1, *sc;
+        if (MODE == DSV41_MOE_GATE_UP) {
+            r0 = r1 = min(p.rg * 8 + g, a.n - 1);
+            rsc = min(p.rg * 8 + (sr & 7), a.n - 1);
+            c0 = reinterpret_cast<const uint8_t*>(te[0]);
+            c1 = reinterpret_cast<const uint8_t*>(te[2]);
+            sc = reinterpret_cast<const uint8_t*>(te[sr < 8 ? 1 : 3]);
         } else {
-            // K / 32 not a multiple of 4 (small test models): byte copies, synchronous.
-            const int scol = part * kBps + cch;
-            slot[kScaleOff + crow * kBps + cch] = (ip0.scales && scol < a.kb) ? ip0.scales[scol] : 0;
-            slot[kScaleOff + (crow + 8) * kBps + cch] = (ip1.scales && scol < a.kb) ? ip1.scales[scol] : 0;
+            r0 = min(p.rg * 16 + g, a.n - 1);
+            r1 = min(p.rg * 16 + g + 8, a.n - 1);
+            rsc = min(p.rg * 16 + sr, a.n - 1);
+            c0 = c1 = reinterpret_cast<const uint8_t*>(te[0]);
+            sc = reinterpret_cast<const uint8_t*>(te[1]);
         }
-        if (tid == 0) {
-            int* info = reinterpret_cast<int*>(slot + kInfoOff);
-            info[0] = iun.e;
-            info[1] = iun.rg;
-            info[2] = iun.base;
-            info[3] = iun.cnt;
-            info[4] = iun.chunk_id;
-        }
-        if (++iss_part == a.parts) {
-            iss_part = 0;
-            ++iss_unit;
+        lp0 = c0 + static_cast<int64_t>(r0) * half_k + 4 * t;
+        lp1 = c1 + static_cast<int64_t>(r1) * half_k + 4 * t;
+        lps = sc + static_cast<int64_t>(rsc) * a.kb + 2 * (lane & 1);
+    };
+    uint32_t cw[D][kGroup][2], scw[D];
+    int lj = 0;  // partial path: the group index in its unit of the next load
+    auto issue = [&](int s) {  // the next group into buffer s (lp0/lp1/lps at the stage's first group)
+        if (FULL) {
+#pragma unroll
+            for (int i = 0; i < kGroup; ++i) {
+                cw[s][i][0] = ldg32(lp0 + 64 * s + 16 * i);
+                cw[s][i][1] = ldg32(lp1 + 64 * s + 16 * i);
+            }
+            scw[s] = __ldg(reinterpret_cast<const unsigned short*>(lps + 4 * s));
+        } else {
+#pragma unroll
+            for (int i = 0; i < kGroup; ++i) {
+                const bool ok = kGroup * lj + i < a.kb;
+                cw[s][i][0] = ok ? ldg32(lp0 + 16 * i) : 0u;
+                cw[s][i][1] = ok ? ldg32(lp1 + 16 * i) : 0u;
+            }
+            const int b = kGroup * lj + 2 * (lane & 1);
+            scw[s] = (b < a.kb ? static_cast<uint32_t>(__ldg(lps)) : 0u) | (b + 1 < a.kb ? static_cast<uint32_t>(__ldg(lps + 1)) << 8 : 0u);
+            ++lj;
         }
     };
+    auto advance = [&]() {
+        lp0 += 64 * D;
+        lp1 += 64 * D;
+        lps += 4 * D;
+    };
 
-    for (int d = 0; d < kStages - 1; ++d) {
-        if (d < n_stages) issue(d);
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    }
-
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    bool vg = false, v0 = false, v1 = false;  // tokens g, 2t, 2t + 1 of the chunk exist
-    Unit un;
-    int part = 0, resident = -1;
-    for (int s = 0; s < n_stages; ++s) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
-        __syncthreads();  // stage s is complete for every thread; slot (s - 1) % S is free
-        if (s + kStages - 1 < n_stages) issue(s + kStages - 1);
-        asm volatile("cp.async.commit_group;" ::: "memory");
-
-        const uint8_t* st = smem + (s % kStages) * kStageBytes;
-        if (part == 0) {
-            const int* info = reinterpret_cast<const int*>(st + kInfoOff);
-            un.e = info[0];
-            un.rg = info[1];
-            un.base = info[2];
-            un.cnt = info[3];
-            un.chunk_id = info[4];
-            if (un.chunk_id != resident) {
-                // A new chunk of slots: its panel rows, activation scales, token rows and routing
-                // weights into shared memory (every thread is past the previous unit's epilogue).
-                if (tid < un.cnt) {
-                    const int p = un.base + tid;
-                    tok_s[tid] = MODE == DSV41_MOE_GATE_UP ? a.tok_sorted[p] : static_cast<uint32_t>(p);
-                    rw_s[tid] = MODE == DSV41_MOE_GATE_UP ? a.rw_sorted[p] : 0.0f;
-                }
-                __syncthreads();
-                const int vec = a.k / 8;  // 16-byte pieces per panel row
-                for (int nn = 0; nn < un.cnt; ++nn) {
-                    const uint4* src = reinterpret_cast<const uint4*>(a.panel + static_cast<int64_t>(tok_s[nn]) * a.k);
-                    for (int c = tid; c < vec; c += kThreads) *reinterpret_cast<uint4*>(panel_s + nn * L.prow + 16 * c) = __ldg(src + c);
-                    const float* srs = a.ascale + static_cast<int64_t>(tok_s[nn]) * a.kb;
-                    for (int c = tid; c < a.kb; c += kThreads) asc_s[nn * L.arow + c] = __ldg(srs + c);
-                }
-                __syncthreads();
-                resident = un.chunk_id;
-            }
-            vg = g < un.cnt;
-            v0 = 2 * t < un.cnt;
-            v1 = 2 * t + 1 < un.cnt;
-        }
-
-        // The warp's blocks of this stage (lb = warp + 16 i): weights, scales and the panel from
-        // shared memory.
+    // Compute side: group jg of the unit from buffer s; pb / ab: this lane's panel and
+    // activation-scale addresses of block 0 in the unit's slot.
+    float* const sw_warp = reinterpret_cast<float*>(smem + L.sw) + warp * (kSwBufs * kSwFloats);
+    const int h = lane & 1;
+    auto compute = [&](int s, int jg, const uint8_t* pb, const uint8_t* ab, float (&acc)[4]) {
+        // Weight scales: this lane decodes 2 of the group's 64 (tile row lane / 2, blocks 2h and
+        // 2h + 1); the warp reads its fragment's 8 back.
+        float* buf = sw_warp + (D > 1 ? s : (jg & 1)) * kSwFloats;
+        *reinterpret_cast<float2*>(buf + (lane >> 1) * kGroup + 2 * h) = e8m0x2_f32(scw[s]);
+        __syncwarp();
+        const float4 swa = *reinterpret_cast<const float4*>(buf + g * kGroup);
+        const float4 swb = *reinterpret_cast<const float4*>(buf + (g + 8) * kGroup);
+        float4 sa = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int i = 0; i < kBps / kWarps; ++i) {
-            const int lb = warp + kWarps * i, kb = part * kBps + lb;
-            if (kb >= a.kb) break;
-            const uint32_t wa = *reinterpret_cast<const uint32_t*>(st + g * kSrow + 16 * lb + 4 * t);
-            const uint32_t wb = *reinterpret_cast<const uint32_t*>(st + (g + 8) * kSrow + 16 * lb + 4 * t);
-            const float swa = fp8::e8m0_f32(st[kScaleOff + g * kBps + lb]);
-            const float swb = fp8::e8m0_f32(st[kScaleOff + (g + 8) * kBps + lb]);
-            const uint4 b = vg ? *reinterpret_cast<const uint4*>(panel_s + g * L.prow + 64 * kb + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
-            const float sa0 = v0 ? asc_s[2 * t * L.arow + kb] : 0.0f;
-            const float sa1 = v1 ? asc_s[(2 * t + 1) * L.arow + kb] : 0.0f;
+        for (int i = 0; i < kGroup; ++i) {
+            const int kb = kGroup * jg + i;
+            if (!FULL && kb >= a.kb) break;
+            const uint4 b = *reinterpret_cast<const uint4*>(pb + 64 * kb);
+            if ((i & 1) == 0) sa = *reinterpret_cast<const float4*>(ab + 32 * kb);
+            const float sa0 = (i & 1) ? sa.z : sa.x, sa1 = (i & 1) ? sa.w : sa.y;
+            const float sw0 = i == 0 ? swa.x : i == 1 ? swa.y : i == 2 ? swa.z : swa.w;
+            const float sw1 = i == 0 ? swb.x : i == 1 ? swb.y : i == 2 ? swb.z : swb.w;
+            const uint32_t wa = cw[s][i][0], wb = cw[s][i][1];
             const uint32_t ea = e2m1_even_e4m3(wa), oa = e2m1_odd_e4m3(wa), eb = e2m1_even_e4m3(wb), ob = e2m1_odd_e4m3(wb);
-            const uint32_t a0[4] = {fp8::e4m3x2_f16x2(static_cast<uint16_t>(ea & 0xffffu)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(eb & 0xffffu)),
-                                    fp8::e4m3x2_f16x2(static_cast<uint16_t>(oa & 0xffffu)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(ob & 0xffffu))};
-            const uint32_t a1[4] = {fp8::e4m3x2_f16x2(static_cast<uint16_t>(ea >> 16)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(eb >> 16)),
-                                    fp8::e4m3x2_f16x2(static_cast<uint16_t>(oa >> 16)), fp8::e4m3x2_f16x2(static_cast<uint16_t>(ob >> 16))};
+            const uint32_t a0[4] = {e4m3x2_lo_f16x2(ea), e4m3x2_lo_f16x2(eb), e4m3x2_lo_f16x2(oa), e4m3x2_lo_f16x2(ob)};
+            const uint32_t a1[4] = {e4m3x2_hi_f16x2(ea), e4m3x2_hi_f16x2(eb), e4m3x2_hi_f16x2(oa), e4m3x2_hi_f16x2(ob)};
             const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             float p[4];
             mma16816(p, a0, b.x, b.y, zero);
             mma16816(p, a1, b.z, b.w, p);
             // (p · 2^sa · 64) · 2^sw: the first product is exact, the FMA rounds once; an all-zero
             // block stays 0 (the activation scale is finite for finite x).
-            acc[0] = fmaf(p[0] * sa0, swa, acc[0]);
-            acc[1] = fmaf(p[1] * sa1, swa, acc[1]);
-            acc[2] = fmaf(p[2] * sa0, swb, acc[2]);
-            acc[3] = fmaf(p[3] * sa1, swb, acc[3]);
+            acc[0] = fmaf(p[0] * sa0, sw0, acc[0]);
+            acc[1] = fmaf(p[1] * sa1, sw0, acc[1]);
+            acc[2] = fmaf(p[2] * sa0, sw1, acc[2]);
+            acc[3] = fmaf(p[3] * sa1, sw1, acc[3]);
         }
-        if (++part != a.parts) continue;
-        part = 0;
+    };
 
-        // End of the unit: the warps' sums meet in red (fixed order), then the epilogue.
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            red[(warp * 4 + i) * 32 + lane] = acc[i];
-            acc[i] = 0.0f;
+    // A chunk into its slot (by the whole CTA, 64 threads per panel row): the panel rows and
+    // activation scales of its slots by cp.async, the routing weights; its first slot and count.
+    auto load_chunk = [&](int c, int e) {
+        const int base = off[e] + (c - item[e]) * kTok, left = off[e + 1] - base, cnt = left < kTok ? left : kTok;
+        const int sl = c & 1, nn = tid >> 6, q = tid & 63;
+        const uint32_t dst = smem_addr + static_cast<uint32_t>(sl * L.slot);
+        if (nn < cnt) {
+            const int p = base + nn;
+            const uint32_t tok = MODE == DSV41_MOE_GATE_UP ? __ldg(a.tok_sorted + p) : static_cast<uint32_t>(p);
+            const uint16_t* src = a.panel + static_cast<int64_t>(tok) * a.k;
+            for (int c8 = q; c8 < a.k / 8; c8 += 64) cp_async16(dst + nn * L.prow + 16 * c8, src + 8 * c8);
+            const float* ss = a.ascale + static_cast<int64_t>(tok) * a.kb;
+            for (int b = q; b < a.kb; b += 64) cp_async4(dst + L.asc + 64 * (b >> 1) + 16 * (nn >> 1) + 8 * (b & 1) + 4 * (nn & 1), ss + b);
+            if (MODE == DSV41_MOE_GATE_UP && q == 0) reinterpret_cast<float*>(smem + sl * L.slot + L.rw)[nn] = __ldg(a.rw_sorted + p);
         }
-        __syncthreads();
-        auto sum_of = [&](int r, int nn) {  // tile row r (0..15), chunk column nn (0..7)
-            const int i = (r >= 8 ? 2 : 0) + (nn & 1), ln = (r & 7) * 4 + (nn >> 1);
-            float v = 0.0f;
+        if (tid == 0) {
+            int* info = reinterpret_cast<int*>(smem + sl * L.slot + L.rw + kTok * 4);
+            info[0] = base;
+            info[1] = cnt;
+        }
+    };
+
+    // The warp's first unit and its first D groups in flight.
+    UnitPos cur{0, 0, 0, 0};
+    if (find_unit(u0, cur)) {
+        const int u = cur.rs + warp;
+        cur.chunk = u / n_rg;
+        cur.rg = u - cur.chunk * n_rg;
+        cur.e = expert_search(cur.chunk);
+        point(cur);
 #pragma unroll
-            for (int w = 0; w < kWarps; ++w) v += red[(w * 4 + i) * 32 + ln];
-            return v;
-        };
-        if (MODE == DSV41_MOE_GATE_UP) {
-            if (tid < 8 * kTok) {
-                const int r = tid & 7, nn = tid >> 3, row = un.rg * 8 + r;
-                if (nn < un.cnt && row < a.n) {
-                    const float av = __bfloat162float(__float2bfloat16_rn(sum_of(r, nn)));
-                    const float uv = __bfloat162float(__float2bfloat16_rn(sum_of(r + 8, nn)));
-                    a.out[static_cast<int64_t>(un.base + nn) * a.n + row] = __float2bfloat16_rn(swiglu(av, uv, rw_s[nn], a.limit));
+        for (int s = 0; s < D; ++s) issue(s);
+        advance();
+    }
+    UnitPos nxt = cur;  // the unit whose groups are being issued
+
+    for (int rs = u0; rs < run_end;) {
+        const int re = round_end(rs), c_hi = (re - 1) / n_rg;
+        if (c_hi > resident) {
+            // Every warp is past the earlier rounds (whose chunks are older than this round's).
+            const int c_lo = rs / n_rg, c_first = resident + 1 > c_lo ? resident + 1 : c_lo;
+            int le = resident_e;
+            __syncthreads();
+            for (int c = c_first; c <= c_hi; ++c) {
+                le = le < 0 ? expert_search(c) : expert_from(le, c);
+                load_chunk(c, le);
+            }
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            if (tid == 0) {
+                resident = c_hi;
+                resident_e = le;
+            }
+            __syncthreads();
+        }
+        if (rs + warp < re) {  // the warp's unit `cur` of this round: groups 0..D-1 are in flight
+            const int sl = cur.chunk & 1;
+            const uint8_t* slot = smem + sl * L.slot;
+            const uint8_t* pb = slot + g * L.prow + 16 * t;
+            const uint8_t* ab = slot + L.asc + 16 * t;
+            if (D == 1) __syncwarp();  // the scale buffers alternate by group parity within a unit
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int j = 0; j < a.groups; j += D) {
+                if (j + D == a.groups) {  // this pass's loads are the next unit's first groups
+                    // (without one, the same unit's again: unconditional loads keep their place in
+                    // the schedule, and the warp's last D groups are read twice)
+                    next_unit(nxt);
+                    point(nxt);
+                    lj = 0;
+                }
+#pragma unroll
+                for (int s = 0; s < D; ++s) {
+                    compute(s, j + s, pb, ab, acc);
+                    issue(s);
+                }
+                advance();
+            }
+            // Epilogue: lane (g, t) holds tile rows g, g + 8 of slots 2t, 2t + 1 of the chunk.
+            const int* info = reinterpret_cast<const int*>(slot + L.rw + kTok * 4);
+            const int base = info[0], cnt = info[1];
+            if (MODE == DSV41_MOE_GATE_UP) {
+                const int row = cur.rg * 8 + g;
+                const float* rw = reinterpret_cast<const float*>(slot + L.rw);
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int nn = 2 * t + c;
+                    if (nn < cnt && row < a.n) {
+                        const float av = __bfloat162float(__float2bfloat16_rn(acc[c]));
+                        const float uv = __bfloat162float(__float2bfloat16_rn(acc[2 + c]));
+                        a.out[static_cast<int64_t>(base + nn) * a.n + row] = __float2bfloat16_rn(swiglu(av, uv, rw[nn], a.limit));
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = cur.rg * 16 + g + 8 * r;
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int nn = 2 * t + c;
+                        if (nn < cnt && row < a.n) a.out[static_cast<int64_t>(base + nn) * a.n + row] = __float2bfloat16_rn(acc[2 * r + c]);
+                    }
                 }
             }
-        } else if (tid < 16 * kTok) {
-            const int r = tid & 15, nn = tid >> 4, row = un.rg * 16 + r;
-            if (nn < un.cnt && row < a.n) a.out[static_cast<int64_t>(un.base + nn) * a.n + row] = __float2bfloat16_rn(sum_of(r, nn));
+            cur = nxt;
         }
+        rs = re;
     }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
 // One warp per (panel row, k32 block): Q1 of the block (spec §0.1b.8) as f16 e4m3 code values,
@@ -484,7 +595,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const Dsv41MoeCombineP
 }
 
 struct Plan {
-    int kb, parts, n_rg;
+    int kb, groups, n_rg;
     int64_t rows, slots, panel_off, ascale_off, tok_off, rw_off, bytes;
 };
 
@@ -507,7 +618,7 @@ inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     Plan q;
     q.slots = p->num_tokens * p->k;
     q.kb = p->kdim / 32;
-    q.parts = (q.kb + kBps - 1) / kBps;
+    q.groups = (q.kb + kGroup - 1) / kGroup;
     q.n_rg = p->mode == DSV41_MOE_GATE_UP ? (p->n + 7) / 8 : (p->n + 15) / 16;
     q.rows = p->mode == DSV41_MOE_GATE_UP ? p->num_tokens : q.slots;
     q.panel_off = 0;
@@ -521,19 +632,25 @@ inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
 
 using dsv41_launch::sm_count;
 
-template <int MODE>
-cudaError_t launch_stream(const Args& a, cudaStream_t st) {
+template <int MODE, int D, bool FULL>
+cudaError_t launch_variant(const Args& a, cudaStream_t st) {
     static thread_local int configured_dev = -1;
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
-    if (configured_dev != dev) {
-        err = cudaFuncSetAttribute(moe_stream_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-        if (err != cudaSuccess) return err;
-        configured_dev = dev;
-    }
+    err = dsv41_launch::set_max_dynamic_smem(moe_stream_kernel<MODE, D, FULL>, dev, kMaxSmem, configured_dev);
+    if (err != cudaSuccess) return err;
     const int smem = smem_layout(a.k, a.e).bytes;
-    return dsv41_launch::launch_pdl(moe_stream_kernel<MODE>, dim3(sm_count()), dim3(kThreads), smem, st, 1, a);
+    return dsv41_launch::launch_pdl(moe_stream_kernel<MODE, D, FULL>, dim3(sm_count()), dim3(kThreads), smem, st, 1, a);
+}
+
+// Two load groups in flight when they divide the groups of a unit (4-byte scale words), else one;
+// the byte path for K/32 not a multiple of 4.
+template <int MODE>
+cudaError_t launch_stream(const Args& a, cudaStream_t st) {
+    if (a.kb % kGroup != 0) return launch_variant<MODE, 1, false>(a, st);
+    if (a.groups % 2 == 0) return launch_variant<MODE, 2, true>(a, st);
+    return launch_variant<MODE, 1, true>(a, st);
 }
 
 }  // namespace moe_x
@@ -588,7 +705,7 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     a.n = p->n;
     a.k = p->kdim;
     a.kb = q.kb;
-    a.parts = q.parts;
+    a.groups = q.groups;
     a.n_rg = q.n_rg;
     a.limit = p->limit;
     e = gu ? launch_stream<DSV41_MOE_GATE_UP>(a, st) : launch_stream<DSV41_MOE_DOWN>(a, st);

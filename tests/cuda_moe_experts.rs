@@ -9,7 +9,9 @@
 //! * end to end against the all-CPU pipeline (relative Frobenius error);
 //! * routings: near-uniform, skewed (all tokens on the same k experts, most experts empty),
 //!   T = 1 / 8 / 9 / 63 / 64 / 65 / 257 / 4097 (chunks of 8 slots), small and large expert counts,
-//!   K / 32 not a multiple of 4 (the byte-copy scale path), outputs over NaN-poisoned memory;
+//!   K / 32 not a multiple of 4 (the byte scale path, with a partial last group of 4 blocks), K / 128
+//!   odd (one load group in flight) and even (two), CTA runs over several chunks and experts with
+//!   rounds of 16 units spanning two chunks, outputs over NaN-poisoned memory;
 //! * the errors.
 //!
 //! These tests need a CUDA device and FAIL without one.
@@ -221,6 +223,18 @@ fn many_experts_few_tokens_and_a_long_prefill() -> Result<()> {
     run_case(&Case { e: 384, k: 6, d: 1024, inter: 256, t: 1, skew: false, tiny_scales: false }, 0x3e_0200)?;
     run_case(&Case { e: 384, k: 6, d: 1024, inter: 256, t: 4, skew: false, tiny_scales: false }, 0x3e_0201)?;
     run_case(&Case { e: 16, k: 2, d: 256, inter: 64, t: 4097, skew: false, tiny_scales: false }, 0x3e_0202)?;
+    Ok(())
+}
+
+#[test]
+fn load_pipelines_and_rounds() -> Result<()> {
+    // 64 row groups per projection: each CTA runs ~40 units over several chunks and experts, and
+    // rounds of 16 units span a chunk boundary; K / 128 = 8 and 4 (two load groups in flight).
+    run_case(&Case { e: 64, k: 6, d: 1024, inter: 512, t: 33, skew: false, tiny_scales: true }, 0x3e_0400)?;
+    // K / 128 = 3 and 5: one load group in flight, 4-byte scale words.
+    run_case(&Case { e: 16, k: 4, d: 384, inter: 640, t: 20, skew: false, tiny_scales: false }, 0x3e_0401)?;
+    // K / 32 = 7 and 5: two groups per unit, the last partial (byte scale path); 20 / 14 row groups.
+    run_case(&Case { e: 8, k: 2, d: 224, inter: 160, t: 17, skew: true, tiny_scales: true }, 0x3e_0402)?;
     Ok(())
 }
 
