@@ -35,7 +35,8 @@
 //! shared expert, the touched experts (distinct experts of the step's routing, codes + scales),
 //! the Engram `wkv` and rows, and per sequence the cache rows read (128 window rows, the 512
 //! top-k compressed rows, the kv source's E index keys scanned; bf16 or packed sizes); roofline =
-//! bytes / `--hbm-gbps` (4.26 TB/s, the H200 figure of issue 22; an H100 reads ~3.3 TB/s). Device
+//! bytes / `--hbm-gbps` (4.26 TB/s, the H200 figure of issue 22; on an H100, 3.35 TB/s nominal,
+//! `--hbm-gbps 3350`; docs/perf.md "FP8 linear" measured ~2.7 TB/s there for 42 MB reads). Device
 //! memory: what loading added, the caches per B, and the memory pool's high-water mark.
 //!
 //! Prefill (`--prefill T`, one sequence from position 0, all layers of the checkpoint in order on
@@ -251,19 +252,23 @@ impl Bench<'_> {
         Ok(EngramPart { module: e, rows })
     }
 
-    /// Times the gather (graph for a device table; eager for a host one: host gather, pinned
-    /// staging, one copy, decode) and the whole Engram (graph: `forward_rows`, with the gather
-    /// for a device table) of `part` for the stream `x` and the row ids `ids`.
-    fn engram_times(&self, part: &EngramPart, x: &Tensor, ids: &[u32]) -> Result<(Option<f64>, &'static str, Option<f64>)> {
-        let table = part.module.table();
+    /// The eager gather of a host table's rows for `ids` (host gather into pinned staging, one
+    /// copy, decode on the device); `None` for a device table.
+    fn host_gather(&self, part: &EngramPart, ids: &[u32]) -> Result<Option<f64>> {
+        let EngramRows::Staged(_) = &part.rows else { return Ok(None) };
+        let cpu_ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
+        Ok(self.eager("engram host gather", || Ok(part.module.table().rows(&cpu_ids, &self.dev).map(|_| ())?)))
+    }
+
+    /// The gather (`host`: [`Bench::host_gather`]'s eager time; a device table's `index_select`
+    /// graph-replayed) and the whole Engram of `part` for the stream `x` (graph:
+    /// `forward_rows`, with the gather for a device table).
+    fn engram_times(&self, part: &EngramPart, x: &Tensor, host: Option<f64>) -> (Option<f64>, &'static str, Option<f64>) {
         let (gather, how) = match &part.rows {
-            EngramRows::DeviceIds(ids) => (self.graph("engram gather", || Ok(table.rows(ids, &self.dev).map(|_| ())?)), "graph"),
-            EngramRows::Staged(_) => {
-                let cpu_ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
-                (self.eager("engram host gather", || Ok(table.rows(&cpu_ids, &self.dev).map(|_| ())?)), "eager (host gather + copy)")
-            }
+            EngramRows::DeviceIds(ids) => (self.graph("engram gather", || Ok(part.module.table().rows(ids, &self.dev).map(|_| ())?)), "graph"),
+            EngramRows::Staged(_) => (host, "eager (host gather + copy)"),
         };
-        Ok((gather, how, self.graph("engram", || part.forward(x).map(|_| ()))))
+        (gather, how, self.graph("engram", || part.forward(x).map(|_| ())))
     }
 
     /// Measures one (layer, B, format); prints a line per phase as it goes.
@@ -348,12 +353,13 @@ impl Bench<'_> {
             return Ok(row);
         }
         row.eager = self.eager("layer", || ls.run().map(|_| ()));
+        let host = ls.engram.iter().chain(&other).map(|p| self.host_gather(p, &engram_ids.0)).collect::<Result<Vec<_>>>()?;
         // Candle uploads small host buffers (dims, strides) per call; with its upload cache on,
         // the warm-up call before each capture keeps them on the device for the replay
         // (bench_batched_decode.rs, `run_format`).
         let _uploads = self.dev.as_cuda_device()?.enable_cuda_graph_htod_cache();
         for (i, part) in ls.engram.iter().chain(&other).enumerate() {
-            let (gather, gather_how, mix) = self.engram_times(part, &ls.x, &engram_ids.0)?;
+            let (gather, gather_how, mix) = self.engram_times(part, &ls.x, host[i]);
             let place = part.module.table().location();
             if i == 0 {
                 row.phases.push(("engram".into(), mix, "graph"));

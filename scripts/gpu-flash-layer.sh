@@ -13,8 +13,10 @@
 #
 # Environment: BIN (folder of the binaries, *.xz or unpacked; default gpu-bin), CKPT (default
 # /tmp/v41-flash), OUT (default ./flash-layer-out), BUDGET_S (seconds the whole call may take,
-# default 570: each command gets what is left), BENCH_ARGS (replace the stage's bench arguments),
-# EXTRA_ARGS (appended to them, e.g. "--layers 2,3" or "--keys packed-kv").
+# default 570: each command gets what is left), WRITE_ARGS (synthetic_checkpoint's arguments,
+# default "--flash-shapes --layers 4"; e.g. add "--experts 32" for a 6 GB checkpoint),
+# BENCH_ARGS (replace the stage's bench arguments), EXTRA_ARGS (appended to them, e.g.
+# "--layers 2,3" or "--keys packed-kv").
 set -u
 REPO="$(pwd)"
 BIN="${BIN:-$REPO/gpu-bin}"
@@ -48,9 +50,11 @@ if [[ -f "$CKPT/.complete" ]]; then
     say "checkpoint $CKPT already written"
 else
     t=$(($(left) - 60))
-    say "writing $CKPT (timeout ${t}s)"
+    write_args="${WRITE_ARGS:---flash-shapes --layers 4}"
+    say "synthetic_checkpoint $CKPT $write_args (timeout ${t}s)"
     rm -rf "$CKPT"
-    timeout "$t" "$WORK/synthetic_checkpoint" "$CKPT" --flash-shapes --layers 4 > "$OUT/write.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout "$t" "$WORK/synthetic_checkpoint" "$CKPT" $write_args > "$OUT/write.log" 2>&1
     rc=$?
     tail -n 12 "$OUT/write.log"
     say "synthetic_checkpoint: exit $rc after $(($(date +%s) - START)) s"
