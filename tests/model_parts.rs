@@ -17,7 +17,7 @@ use deepseek_v41::model::{
     collapse, post, split_sinkhorn, Engram, EngramHasher, EngramLayout, HcMix, HcSublayer, Moe,
     TokenMap,
 };
-use deepseek_v41::nn::RmsNorm;
+use deepseek_v41::nn::{RmsNorm, RowGroups};
 use deepseek_v41::Numerics;
 
 fn fixtures() -> PathBuf {
@@ -495,7 +495,17 @@ fn engram_table_rows_checkpoint_equals_resident() -> Result<()> {
         .tensor(1, &Device::Cpu)?;
     let x = get(&g, "L1.engram_out")?.to_dtype(DType::BF16)?; // any stream of the right shape
     let vbl = vb.pp("layers.1.engram");
-    let resident = Engram::new(&cfg, 1, Numerics::REFERENCE, vbl.clone())?.forward(&x, &hash)?;
+    let engram = Engram::new(&cfg, 1, Numerics::REFERENCE, vbl.clone())?;
+    let resident = engram.forward(&x, &hash)?;
+    // The rows gathered ahead of the layer (as for a table in host memory), then the rest.
+    let t = ids.len();
+    let rows = engram.table().rows(&hash.flatten_all()?, &Device::Cpu)?.reshape((t, ()))?;
+    let ahead = engram.forward_rows(&x, &rows, &RowGroups::whole(t))?;
+    ensure!(max_abs(&resident, &ahead)? == 0.0, "forward_rows of the looked-up rows differs from forward");
+    ensure!(
+        engram.forward_rows(&x, &rows.narrow(1, 0, rows.dim(1)? - 1)?, &RowGroups::whole(t)).is_err(),
+        "forward_rows takes rows of the wrong width"
+    );
     let table =
         deepseek_v41::model::EngramTable::Rows(Box::new(ckpt.row_table("layers.1.engram.embed.weight")?));
     let rowwise =

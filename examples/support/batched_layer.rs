@@ -1,32 +1,86 @@
-//! The weights of one V4.1 attention layer (kv + index source) for the batched decode step that
-//! `examples/bench_batched_decode.rs` composes from the crate's device ops: the module's
-//! checkpoint names, random values ([`RandomWeights`]).
+//! The weights of one V4.1 attention layer for the batched decode step that
+//! `examples/support/batched_step.rs` composes from the crate's device ops: taken from an
+//! [`Attention`] module ([`Weights::from_attention`]: a layer loaded from a checkpoint, as in
+//! `examples/bench_flash_layer.rs`), or from one built over seeded random weights
+//! ([`Weights::random`], `examples/bench_batched_decode.rs`).
+//!
+//! The kinds the step composes ([`LayerKind`], spec §1.4): window-only layers, ratio-2 kv +
+//! index sources (`Full` top-k without candidate blocks: layer 2 of V4.1-Flash) and top-k reuse
+//! layers (layer 3). The ratio-1 candidate source and the `Reindex` layers that consume its
+//! candidate blocks (layers 20 and 24) are not composed here.
+#![allow(dead_code)]
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::indexer::IndexKeyProjection;
-use deepseek_v41::config::Config;
-use deepseek_v41::nn::{Linear, LinearKind, RandomWeights, RmsNorm, RopeKind, RopeTable};
+use deepseek_v41::attention::Attention;
+use deepseek_v41::config::{AttentionRole, CandidateRole, Config, TopkRole};
+use deepseek_v41::nn::{Linear, RandomWeights, RmsNorm, RopeTable};
 use deepseek_v41::Numerics;
 
-/// The layer's weights (the module's checkpoint names, random values).
+/// What the layer's step does besides the projections, the window and the output (spec §1.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Attention over the window only.
+    WindowOnly,
+    /// A ratio-2 kv and index source: compressor, compressed entries and index keys, index
+    /// scores and top-k over its own keys.
+    Source,
+    /// Attention over the window and the compressed entries of `kv_source` selected by the
+    /// top-k that `index_source` published this step.
+    Reuse { kv_source: usize, index_source: usize },
+}
+
+impl LayerKind {
+    /// A short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::WindowOnly => "window-only",
+            LayerKind::Source => "kv + index source",
+            LayerKind::Reuse { .. } => "top-k reuse",
+        }
+    }
+
+    /// Whether the attention reads compressed entries.
+    pub fn compressed(self) -> bool {
+        self != LayerKind::WindowOnly
+    }
+}
+
+/// The compressor and index-key projection of a kv source.
+pub struct CompressorWeights {
+    /// `compressor.wkv`, `compressor.wgate` (f32 products).
+    pub wkv: Linear,
+    pub wgate: Linear,
+    pub norm: RmsNorm,
+    pub keys: IndexKeyProjection,
+}
+
+/// The query side of an index source.
+pub struct IndexerWeights {
+    /// `indexer.wq_b` (quantized), `indexer.weights_proj` (plain).
+    pub iq_b: Linear,
+    pub w_proj: Linear,
+}
+
+/// The layer's weights (shared with the module they come from: the tensors are not copied).
 pub struct Weights {
+    pub layer: usize,
+    pub kind: LayerKind,
     pub wq_a: Linear,
     pub q_norm: RmsNorm,
     pub wq_b: Linear,
     pub wkv: Linear,
     pub kv_norm: RmsNorm,
-    /// `[o_groups, o_lora, heads_per_group·head_dim]` bf16.
+    /// `[o_groups, o_lora, heads_per_group·head_dim]` (bf16 on CUDA).
     pub wo_a: Tensor,
     pub wo_b: Linear,
     /// `[H]` f32.
     pub sink: Tensor,
-    pub c_wkv: Linear,
-    pub c_wgate: Linear,
-    pub c_norm: RmsNorm,
-    pub keys: IndexKeyProjection,
-    pub iq_b: Linear,
-    pub w_proj: Linear,
+    /// Kv sources only.
+    pub compressor: Option<CompressorWeights>,
+    /// Index sources only.
+    pub indexer: Option<IndexerWeights>,
     pub rope: RopeTable,
     pub h: usize,
     pub hd: usize,
@@ -35,40 +89,69 @@ pub struct Weights {
     pub di: usize,
     pub topk: usize,
     pub window: usize,
+    /// The compress ratio (0: window-only).
     pub ratio: usize,
 }
 
 impl Weights {
-    pub fn new(cfg: &Config, layer: usize, ratio: usize, dev: &Device) -> Result<Self> {
-        let n = Numerics::REFERENCE;
+    /// Layer `layer` of `cfg` built over seeded random weights (`RandomWeights`, seed 1: the
+    /// values depend on the tensor names only) on `dev`.
+    pub fn random(cfg: &Config, layer: usize, dev: &Device) -> Result<Self> {
         let vb = RandomWeights::new(1).var_builder(DType::BF16, dev).pp("layers").pp(layer).pp("attn");
-        let (d, h, hd, g, ol) = (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank);
-        let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
-        let q = LinearKind::Quantized;
+        let attn = Attention::new(cfg, layer, Numerics::REFERENCE, vb)?;
+        Self::from_attention(cfg, layer, &attn)
+    }
+
+    /// The weights of `attn`, layer `layer` of `cfg`; errors for a kind the batched step does
+    /// not compose (see the module docs).
+    pub fn from_attention(cfg: &Config, layer: usize, attn: &Attention) -> Result<Self> {
+        let role = attn.role();
+        let (kind, ratio) = match role {
+            AttentionRole::WindowOnly => (LayerKind::WindowOnly, 0),
+            AttentionRole::Compressed { ratio: 2, kv_source, topk: TopkRole::Full { candidates: CandidateRole::None } } if kv_source == layer => {
+                (LayerKind::Source, 2)
+            }
+            AttentionRole::Compressed { ratio, kv_source, topk: TopkRole::Reuse { index_source } } => {
+                (LayerKind::Reuse { kv_source, index_source }, ratio)
+            }
+            _ => bail!(
+                "layer {layer} ({role:?}) is not composed by the batched step: it takes window-only layers, ratio-2 kv + index \
+                 sources without candidate blocks and top-k reuse layers"
+            ),
+        };
+        let p = attn.params();
+        let compressor = match (kind, p.compressor, p.key_projection) {
+            (LayerKind::Source, Some(c), Some(k)) => match c.wgate() {
+                Some(wgate) => Some(CompressorWeights { wkv: c.wkv().clone(), wgate: wgate.clone(), norm: c.norm().clone(), keys: k.clone() }),
+                None => bail!("layer {layer}: the ratio-2 compressor has no wgate"),
+            },
+            (LayerKind::Source, _, _) => bail!("layer {layer}: a kv source without its compressor or index-key projection"),
+            _ => None,
+        };
+        let indexer = match (kind, p.indexer) {
+            (LayerKind::Source, Some(i)) => Some(IndexerWeights { iq_b: i.wq_b().clone(), w_proj: i.weights_proj().clone() }),
+            (LayerKind::Source, None) => bail!("layer {layer}: an index source without its indexer"),
+            _ => None,
+        };
         Ok(Self {
-            wq_a: Linear::new(d, cfg.q_lora_rank, q, n, vb.pp("wq_a"))?,
-            q_norm: RmsNorm::new(cfg.q_lora_rank, cfg.rms_norm_eps, vb.pp("q_norm"))?,
-            wq_b: Linear::new(cfg.q_lora_rank, h * hd, q, n, vb.pp("wq_b"))?,
-            wkv: Linear::new(d, hd, q, n, vb.pp("wkv"))?,
-            kv_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("kv_norm"))?,
-            wo_a: vb
-                .pp("wo_a")
-                .get_with_hints_dtype((g * ol, h / g * hd), "weight", Default::default(), DType::BF16)?
-                .reshape((g, ol, h / g * hd))?,
-            wo_b: Linear::new(g * ol, d, q, n, vb.pp("wo_b"))?,
-            sink: vb.get_with_hints_dtype(h, "attn_sink", Default::default(), DType::F32)?,
-            c_wkv: Linear::new(d, hd, LinearKind::F32, n, vb.pp("compressor").pp("wkv"))?,
-            c_wgate: Linear::new(d, hd, LinearKind::F32, n, vb.pp("compressor").pp("wgate"))?,
-            c_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("compressor").pp("norm"))?,
-            keys: IndexKeyProjection::new(cfg, n, vb.pp("indexer"))?,
-            iq_b: Linear::new(cfg.q_lora_rank, hi * di, q, n, vb.pp("indexer").pp("wq_b"))?,
-            w_proj: Linear::new(d, hi, LinearKind::Plain, n, vb.pp("indexer").pp("weights_proj"))?,
-            rope: RopeTable::new(cfg.qk_rope_head_dim, &RopeKind::for_ratio(cfg, ratio), dev)?,
-            h,
-            hd,
-            g,
-            hi,
-            di,
+            layer,
+            kind,
+            wq_a: p.wq_a.clone(),
+            q_norm: p.q_norm.clone(),
+            wq_b: p.wq_b.clone(),
+            wkv: p.wkv.clone(),
+            kv_norm: p.kv_norm.clone(),
+            wo_a: p.wo_a.clone(),
+            wo_b: p.wo_b.clone(),
+            sink: p.attn_sink.clone(),
+            compressor,
+            indexer,
+            rope: p.rope.clone(),
+            h: cfg.num_attention_heads,
+            hd: cfg.head_dim,
+            g: cfg.o_groups,
+            hi: cfg.index_n_heads,
+            di: cfg.index_head_dim,
             topk: cfg.index_topk,
             window: cfg.sliding_window,
             ratio,
@@ -77,9 +160,15 @@ impl Weights {
 
     /// Bytes of the weights one step reads.
     pub fn bytes(&self) -> f64 {
-        let linears = [&self.wq_a, &self.wq_b, &self.wkv, &self.wo_b, &self.c_wkv, &self.c_wgate, &self.iq_b, &self.w_proj];
-        linears.into_iter().map(|l| l.weight().bytes() as f64).sum::<f64>()
-            + (self.wo_a.elem_count() * self.wo_a.dtype().size_in_bytes()) as f64
-            + (self.keys.k_norm().weight().elem_count() + self.di * self.hd) as f64 * 2.0
+        let mut linears = vec![&self.wq_a, &self.wq_b, &self.wkv, &self.wo_b];
+        let mut other = (self.wo_a.elem_count() * self.wo_a.dtype().size_in_bytes()) as f64;
+        if let Some(c) = &self.compressor {
+            linears.extend([&c.wkv, &c.wgate]);
+            other += (c.keys.k_norm().weight().elem_count() + self.di * self.hd) as f64 * 2.0;
+        }
+        if let Some(i) = &self.indexer {
+            linears.extend([&i.iq_b, &i.w_proj]);
+        }
+        linears.into_iter().map(|l| l.weight().bytes() as f64).sum::<f64>() + other
     }
 }

@@ -20,10 +20,13 @@
 //! * [`cuda_device`]: CUDA device 0 and candle's stream on it.
 //! * [`PoolPeak`]: the high-water mark of the device memory pool candle allocates from (a peak
 //!   that includes transient buffers inside a call, unlike sampling `total − free` between calls).
+//! * [`timed`], [`eager_ms`]: one call alone between two events and a synchronization (the host
+//!   clock on the CPU), and the median of such calls.
 
 #![allow(dead_code)]
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::{
@@ -270,4 +273,28 @@ impl PoolPeak {
 /// `bytes` in GiB.
 pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
+}
+
+/// Milliseconds of one call of `f`: between two events and a synchronization on CUDA, the host
+/// clock on the CPU.
+pub fn timed(stream: Option<&CudaStream>, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    let Some(s) = stream else {
+        let t = Instant::now();
+        f()?;
+        return Ok(t.elapsed().as_secs_f64() * 1e3);
+    };
+    s.synchronize()?;
+    let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    f()?;
+    let e = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    s.synchronize()?;
+    Ok(a.elapsed_ms(&e)? as f64)
+}
+
+/// Median milliseconds of `f` over `reps` calls timed one by one ([`timed`]), after one
+/// warm-up call: eager work whose calls cannot overlap (host reads, long prefill calls).
+pub fn eager_ms(stream: Option<&CudaStream>, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let v = (0..reps.max(1)).map(|_| timed(stream, &mut f)).collect::<Result<Vec<_>>>()?;
+    Ok(median(v))
 }

@@ -204,6 +204,26 @@ impl Compressor {
         }
     }
 
+    /// `compressor.wkv` `[head_dim, hidden]` (ratio 1: bf16 product; ratio ≥ 2: f32).
+    pub fn wkv(&self) -> &Linear {
+        match &self.pooling {
+            Pooling::PerToken { wkv } | Pooling::Gated { wkv, .. } => wkv,
+        }
+    }
+
+    /// `compressor.wgate` `[head_dim, hidden]` (f32; ratio ≥ 2 only).
+    pub fn wgate(&self) -> Option<&Linear> {
+        match &self.pooling {
+            Pooling::PerToken { .. } => None,
+            Pooling::Gated { wgate, .. } => Some(wgate),
+        }
+    }
+
+    /// `compressor.norm` over the pooled latents.
+    pub fn norm(&self) -> &RmsNorm {
+        &self.norm
+    }
+
     /// The projections with their checkpoint prefixes (`wkv`, `wgate`).
     pub fn linears(&self) -> NamedLinears<'_> {
         match &self.pooling {

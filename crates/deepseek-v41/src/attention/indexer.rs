@@ -189,6 +189,16 @@ impl Indexer {
         })
     }
 
+    /// `indexer.wq_b` `[H_I·d_I, q_lora]`.
+    pub fn wq_b(&self) -> &Linear {
+        &self.wq_b
+    }
+
+    /// `indexer.weights_proj` `[H_I, hidden]`.
+    pub fn weights_proj(&self) -> &Linear {
+        &self.weights_proj
+    }
+
     /// Number of candidate blocks kept per token (`candidate_topk_blocks`).
     pub fn candidate_topk_blocks(&self) -> usize {
         self.cand_blocks

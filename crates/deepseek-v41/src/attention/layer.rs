@@ -85,6 +85,37 @@ pub struct Attention {
     unfused: Option<String>,
 }
 
+/// The parameters of one attention layer, borrowed from it ([`Attention::params`]): for
+/// composing the layer's step from the crate's ops elsewhere, e.g. a decode step of many
+/// sequences whose caches live in pooled device tensors (`examples/support/batched_layer.rs`).
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionParams<'a> {
+    /// `wq_a` `[q_lora, hidden]`.
+    pub wq_a: &'a Linear,
+    /// `q_norm` over the q-LoRA activation.
+    pub q_norm: &'a RmsNorm,
+    /// `wq_b` `[heads·head_dim, q_lora]`.
+    pub wq_b: &'a Linear,
+    /// `wkv` `[head_dim, hidden]`.
+    pub wkv: &'a Linear,
+    /// `kv_norm` over the window KV.
+    pub kv_norm: &'a RmsNorm,
+    /// The grouped `wo_a` `[o_groups, o_lora, heads_per_group·head_dim]`.
+    pub wo_a: &'a Tensor,
+    /// `wo_b` `[hidden, o_groups·o_lora]`.
+    pub wo_b: &'a Linear,
+    /// `attn_sink` `[heads]` f32.
+    pub attn_sink: &'a Tensor,
+    /// The compressor (kv sources only).
+    pub compressor: Option<&'a Compressor>,
+    /// The index-key projection `indexer.{wk, k_norm}` (kv sources only).
+    pub key_projection: Option<&'a IndexKeyProjection>,
+    /// The indexer's query side (index sources only: `Full` and `Reindex` layers).
+    pub indexer: Option<&'a Indexer>,
+    /// The layer's RoPE table (its frequency set follows the compress ratio).
+    pub rope: &'a RopeTable,
+}
+
 impl Attention {
     /// Loads layer `layer`'s attention from `vb` (= `layers.N.attn`).
     pub fn new(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder) -> Result<Self> {
@@ -141,6 +172,24 @@ impl Attention {
     /// The layer's role.
     pub fn role(&self) -> AttentionRole {
         self.role
+    }
+
+    /// The layer's parameters, borrowed ([`AttentionParams`]).
+    pub fn params(&self) -> AttentionParams<'_> {
+        AttentionParams {
+            wq_a: &self.wq_a,
+            q_norm: &self.q_norm,
+            wq_b: &self.wq_b,
+            wkv: &self.wkv,
+            kv_norm: &self.kv_norm,
+            wo_a: &self.wo_a,
+            wo_b: &self.wo_b,
+            attn_sink: &self.attn_sink,
+            compressor: self.compressor.as_ref(),
+            key_projection: self.key_projection.as_ref(),
+            indexer: self.indexer.as_ref(),
+            rope: &self.rope,
+        }
     }
 
     /// Why the fused CUDA kernels cannot run this layer (`None`: they can, and `forward` uses

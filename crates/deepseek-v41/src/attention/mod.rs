@@ -30,7 +30,7 @@ pub mod trace;
 pub mod window;
 
 pub use cache::SequenceCache;
-pub use layer::Attention;
+pub use layer::{Attention, AttentionParams};
 pub use pool::{CachePool, PoolError, PoolLease, PoolOccupancy};
 pub use rollback::RollbackError;
 #[cfg(feature = "cuda")]

@@ -174,7 +174,7 @@ impl DecoderLayer {
         let a = self.hc_attn.mixes_grouped(&x, &groups)?;
         let h = self.attn_norm.forward(&collapse(&x, p_in)?)?;
         record(segs, || format!("L{l}.attn_in"), &h)?;
-        let y = self.attention(&h, segs)?;
+        let y = self.segment_attention(&h, segs)?;
         record(segs, || format!("L{l}.attn_out"), &y)?;
         let x1 = post(&y, &x, &a.post, &a.comb)?;
         let f = self.hc_ffn.mixes_grouped(&x1, &groups)?;
@@ -198,8 +198,41 @@ impl DecoderLayer {
         self.engram.as_ref()
     }
 
+    /// The backbone layer id (`layers.N`).
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// The attention sublayer.
+    pub fn attention(&self) -> &Attention {
+        &self.attn
+    }
+
+    /// The MoE sublayer.
+    pub fn moe(&self) -> &Moe {
+        &self.ffn
+    }
+
+    /// The RMSNorm before the attention (`attn_norm`).
+    pub fn attn_norm(&self) -> &RmsNorm {
+        &self.attn_norm
+    }
+
+    /// The RMSNorm before the MoE (`ffn_norm`).
+    pub fn ffn_norm(&self) -> &RmsNorm {
+        &self.ffn_norm
+    }
+
+    /// The mHC mixing weights of one sublayer (`hc_attn_*` or `hc_ffn_*`).
+    pub fn hc_mix(&self, which: HcSublayer) -> &HcMix {
+        match which {
+            HcSublayer::Attn => &self.hc_attn,
+            HcSublayer::Ffn => &self.hc_ffn,
+        }
+    }
+
     /// The attention of each segment on its rows of `h` `[T, D]` and its cache, concatenated.
-    fn attention(&self, h: &Tensor, segs: &mut [Segment]) -> Result<Tensor> {
+    fn segment_attention(&self, h: &Tensor, segs: &mut [Segment]) -> Result<Tensor> {
         if let [seg] = segs {
             if seg.rows == (0..h.dim(0)?) {
                 return self.attn.forward(h, seg.start, seg.cache);
@@ -394,6 +427,11 @@ impl Model {
             }
         }
         Ok(BatchOutput { logits, rows: plan.out_rows })
+    }
+
+    /// The decoder blocks, in layer order (e.g. to run or time one block's parts alone).
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
     }
 
     /// The Engram modules, by layer.

@@ -247,6 +247,19 @@ impl Engram {
             .table
             .rows(&ids.flatten_all()?, x.device())?
             .reshape((t, ()))?;
+        self.forward_rows(x, &rows, groups)
+    }
+
+    /// [`Engram::forward_grouped`] after the table lookup: `rows` `[T, cols·head_dim]` are the
+    /// rows of the tokens' ids (`table().rows(ids.flatten_all(), device)`, reshaped), on `x`'s
+    /// device; runs `wkv` and the gate ([`engram_mix`]). Lets a caller gather the rows ahead
+    /// of the layer (a table in host memory) or time the parts apart.
+    pub fn forward_rows(&self, x: &Tensor, rows: &Tensor, groups: &RowGroups) -> Result<Tensor> {
+        let (t, _, _) = x.dims3()?;
+        let width = self.n_cols * self.table.dims().1;
+        if rows.dims() != [t, width] {
+            candle_core::bail!("Engram: rows {:?} do not fit {t} tokens x {width} ({} ids per token)", rows.shape(), self.n_cols)
+        }
         let kv = self
             .wkv
             .forward_grouped(&rows.to_dtype(x.dtype())?, groups)?

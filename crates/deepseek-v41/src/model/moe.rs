@@ -311,6 +311,11 @@ impl Expert {
         self.w2.forward_grouped(&act.to_dtype(xp.dtype())?, groups)
     }
 
+    /// The SwiGLU clamp `L` (`swiglu_limit`; `None`: no clamp).
+    pub fn swiglu_limit(&self) -> Option<f64> {
+        self.limit
+    }
+
     /// The three projections with their checkpoint prefixes (`w1`, `w2`, `w3`).
     pub fn linears(&self) -> NamedLinears<'_> {
         named([("w1", &self.w1), ("w2", &self.w2), ("w3", &self.w3)])
@@ -394,6 +399,23 @@ impl Moe {
     /// The router.
     pub fn gate(&self) -> &Gate {
         &self.gate
+    }
+
+    /// The routed experts, by expert id.
+    pub fn experts(&self) -> &[Expert] {
+        &self.experts
+    }
+
+    /// The shared expert (absent when `n_shared_experts` is 0).
+    pub fn shared_expert(&self) -> Option<&Expert> {
+        self.shared.as_ref()
+    }
+
+    /// The routed experts in the grouped form of `cuda::moe_experts_device` (MXFP4 experts on a
+    /// CUDA device with the activation quantization on), else `None`.
+    #[cfg(feature = "cuda")]
+    pub fn grouped_experts(&self) -> Option<&crate::cuda::GroupedExperts> {
+        self.grouped.as_ref()
     }
 
     /// `x`: `[T, D]` (bf16, already ffn-normed). Routed expert outputs (each in `x`'s dtype) are
