@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::indexer::IndexKeyProjection;
 use deepseek_v41::attention::Attention;
 use deepseek_v41::config::{AttentionRole, CandidateRole, Config, TopkRole};
-use deepseek_v41::nn::{Linear, RandomWeights, RmsNorm, RopeTable};
+use deepseek_v41::nn::{GroupedLinear, Linear, RandomWeights, RmsNorm, RopeTable};
 use deepseek_v41::Numerics;
 
 /// What the layer's step does besides the projections, the window and the output (spec §1.4).
@@ -72,8 +72,8 @@ pub struct Weights {
     pub wq_b: Linear,
     pub wkv: Linear,
     pub kv_norm: RmsNorm,
-    /// `[o_groups, o_lora, heads_per_group·head_dim]` (bf16 on CUDA).
-    pub wo_a: Tensor,
+    /// The grouped `wo_a` (dense bf16 or FP8 as stored on CUDA).
+    pub wo_a: GroupedLinear,
     pub wo_b: Linear,
     /// `[H]` f32.
     pub sink: Tensor,
@@ -161,7 +161,7 @@ impl Weights {
     /// Bytes of the weights one step reads.
     pub fn bytes(&self) -> f64 {
         let mut linears = vec![&self.wq_a, &self.wq_b, &self.wkv, &self.wo_b];
-        let mut other = (self.wo_a.elem_count() * self.wo_a.dtype().size_in_bytes()) as f64;
+        let mut other = self.wo_a.weight().bytes() as f64;
         if let Some(c) = &self.compressor {
             linears.extend([&c.wkv, &c.wgate]);
             other += (c.keys.k_norm().weight().elem_count() + self.di * self.hd) as f64 * 2.0;

@@ -12,7 +12,7 @@
 //! | inserts | `q_rope_inplace`; `window_insert` into the pool `[B·128, 512]` (slot `b·128 + p mod 128`); kv sources: compressor `wkv`/`wgate` (f32) for all B, softmax pooling of the closing sequences with their carried half, `compressor.norm`, `indexer.wk`; `compressed_insert` / `index_key_insert` (or `packed_insert`) into `[B·E, 512]` / `[B·E, 128]` pools at `b·E + j`; the openers' projections scattered into the carry |
 //! | selection | index sources: `indexer.wq_b`, index-query RoPE + FP4 fake quant, head weights, `index_select` (k = 512, key base `b·E`, per-sequence visible counts), top-k shifted to pool rows (−1 kept); reuse layers: the top-k their index source published; window-only layers: none |
 //! | attention | `SparseAttentionInputs::forward` over the window pool (128 absolute rows per sequence) + the kv source's compressed pool (top-k rows) |
-//! | output | inverse RoPE, grouped `wo_a` (batched matmul), `wo_b` |
+//! | output | inverse RoPE, grouped `wo_a` (`nn::GroupedLinear`), `wo_b` |
 //!
 //! Positions: with `all_close = false` (the steady state: every sequence closes a group every
 //! other step) the ceil(B/2) even-numbered sequences sit at position `context − 1` (they close
@@ -458,9 +458,8 @@ impl Step<'_> {
     pub fn output(&self, o: &Tensor) -> Result<Tensor> {
         let (w, s) = (self.w, self.s);
         q_rope_inplace(o, &s.cos, &s.sin_neg, None)?;
-        let o = o.reshape((s.b, w.g, w.h / w.g * w.hd))?.transpose(0, 1)?.to_dtype(w.wo_a.dtype())?.contiguous()?;
-        let z = o.matmul(&w.wo_a.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(DType::BF16)?;
-        Ok(w.wo_b.forward(&z.flatten_from(1)?)?)
+        let z = w.wo_a.forward(&o.reshape((s.b, w.g, w.h / w.g * w.hd))?)?;
+        Ok(w.wo_b.forward(&z)?)
     }
 
     /// The whole step for the layer input `x` `[B, hidden]` bf16; returns `[B, hidden]` bf16.

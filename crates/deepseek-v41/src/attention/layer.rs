@@ -100,8 +100,8 @@ pub struct AttentionParams<'a> {
     pub wkv: &'a Linear,
     /// `kv_norm` over the window KV.
     pub kv_norm: &'a RmsNorm,
-    /// The grouped `wo_a` `[o_groups, o_lora, heads_per_group·head_dim]`.
-    pub wo_a: &'a Tensor,
+    /// The grouped `wo_a` (`o_groups` groups of `o_lora` rows over `heads_per_group·head_dim`).
+    pub wo_a: &'a GroupedLinear,
     /// `wo_b` `[hidden, o_groups·o_lora]`.
     pub wo_b: &'a Linear,
     /// `attn_sink` `[heads]` f32.
