@@ -1,17 +1,19 @@
 //! The routed MXFP4 experts of one V4.1-Flash MoE layer on CUDA (issue 22): the grouped kernels
-//! (`cuda::moe_experts_device`: gate/up with SwiGLU, down, combine) after the device routing
+//! (`cuda::moe_experts_device_with`: gate/up with SwiGLU, down, combine) after the device routing
 //! (`cuda::moe_route_device`), at the real shapes (384 experts, top-6, hidden 5120, inter 2304,
 //! experts as stored: e2m1 codes + e8m0 1×32 scales, 18.8 MB each) for B tokens.
 //!
 //! ```text
 //! cargo build --release --features cuda --example bench_moe_experts
-//! bench_moe_experts [--b 1,64,256] [--reps 9]
+//! bench_moe_experts [--b 1,64,256,1024,4096] [--kernel auto|stream|gemm] [--reps 9]
 //! ```
 //!
 //! Rows per B: `route+experts+combine` (router logits → ids/weights/order → the three grouped
-//! launches; no shared expert), `experts+combine` (the routing precomputed), and the bytes the
-//! step must read: the touched experts' codes + scales (distinct experts of the routing), the
-//! roofline time of those bytes at the HBM read ceiling, and the achieved GB/s.
+//! launches; no shared expert), `experts+combine` (the routing precomputed), the projections'
+//! kernel (`--kernel auto`: weight streaming up to 8 slots per expert on average, B ≤ 512, the
+//! tensor-core GEMM above), the TFLOP/s of the products (2 · 3 · 5120 · 2304 FLOP per slot), and
+//! the bytes the step must read: the touched experts' codes + scales (distinct experts of the
+//! routing), the roofline time of those bytes at the HBM read ceiling, and the achieved GB/s.
 //!
 //! Timing: CUDA events, each call graph-captured and replayed ([`Timer::graph`]), median of
 //! `--reps`, after warm-up; the routing rotates over 8 random sets of router logits so that
@@ -23,10 +25,10 @@
 mod bench;
 
 use anyhow::Result;
-use bench::{cuda_device, parse_args, BenchArgs};
+use bench::{cuda_device, parse_args, tflops, BenchArgs};
 use candle_core::{DType, Device, Tensor};
-use clap::Parser;
-use deepseek_v41::cuda::{moe_experts_device, moe_route_device, GroupedExperts};
+use clap::{Parser, ValueEnum};
+use deepseek_v41::cuda::{moe_experts_device_with, moe_route_device, GroupedExperts, MoeExpertsKernel};
 use deepseek_v41::quant::Mxfp4Weight;
 
 /// The HBM read ceilings (GB/s): the H200 figure of the issues, and the H100's measured one
@@ -39,11 +41,32 @@ struct Args {
     #[command(flatten)]
     common: BenchArgs,
     /// Tokens per step.
-    #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
+    #[arg(long, value_delimiter = ',', default_value = "1,64,256,1024,4096")]
     b: Vec<usize>,
     /// Experts per layer.
     #[arg(long, default_value_t = 384)]
     experts: usize,
+    /// The projections' kernels.
+    #[arg(long, value_enum, default_value = "auto")]
+    kernel: KernelArg,
+}
+
+/// `--kernel`: [`MoeExpertsKernel`].
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum KernelArg {
+    Auto,
+    Stream,
+    Gemm,
+}
+
+impl KernelArg {
+    fn kernel(self) -> MoeExpertsKernel {
+        match self {
+            KernelArg::Auto => MoeExpertsKernel::Auto,
+            KernelArg::Stream => MoeExpertsKernel::Stream,
+            KernelArg::Gemm => MoeExpertsKernel::Gemm,
+        }
+    }
 }
 
 const HIDDEN: usize = 5120;
@@ -69,8 +92,9 @@ fn main() -> Result<()> {
         .collect::<Result<_>>()?;
     let grouped = GroupedExperts::new(experts)?;
     let bias = Tensor::zeros(e, DType::F32, &dev)?;
-    println!("\n| B | what | us (graph) | touched experts | MB read | roofline us @ {HBM_GBPS_H200} GB/s | GB/s |");
-    println!("|---|---|---|---|---|---|---|");
+    let kernel = args.kernel.kernel();
+    println!("\n| B | what | kernel | us (graph) | TFLOP/s | touched experts | MB read | roofline us @ {HBM_GBPS_H200} GB/s | GB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     const SETS: usize = 8;
     for &b in &args.b {
         let xs: Vec<Tensor> = (0..SETS).map(|_| Tensor::randn(0f32, 1.0, (b, HIDDEN), &dev)?.to_dtype(DType::BF16)).collect::<candle_core::Result<_>>()?;
@@ -89,20 +113,23 @@ fn main() -> Result<()> {
             let s = i % SETS;
             i += 1;
             let r = moe_route_device(&logits[s], &bias, TOP_K, 1.0, 1.5)?;
-            moe_experts_device(&xs[s], &r, &grouped, Some(10.0), None)?;
+            moe_experts_device_with(&xs[s], &r, &grouped, Some(10.0), None, kernel)?;
             Ok(())
         })?;
         let mut j = 0usize;
         let experts_only = timer.graph(SETS, || {
             let s = j % SETS;
             j += 1;
-            moe_experts_device(&xs[s], &routings[s], &grouped, Some(10.0), None)?;
+            moe_experts_device_with(&xs[s], &routings[s], &grouped, Some(10.0), None, kernel)?;
             Ok(())
         })?;
+        let which = if kernel.uses_gemm(b, TOP_K, e) { "gemm" } else { "stream" };
+        let flop = 2.0 * 3.0 * (b * TOP_K) as f64 * (HIDDEN * INTER) as f64;
         for (what, ms) in [("route+experts+combine", full), ("experts+combine", experts_only)] {
             println!(
-                "| {b} | {what} | {:.1} | {touched:.1} | {:.1} | {roof_us:.1} | {:.0} |",
+                "| {b} | {what} | {which} | {:.1} | {:.1} | {touched:.1} | {:.1} | {roof_us:.1} | {:.0} |",
                 ms * 1e3,
+                tflops(flop, ms),
                 bytes / 1e6,
                 bytes / (ms * 1e6)
             );

@@ -135,9 +135,10 @@ struct Args {
     /// device and on the host (no weights read, no tokenizer, no device needed).
     #[arg(long)]
     dry_run: bool,
-    /// On CUDA, keep every MoE layer on the device: the routing kernel and, with MXFP4 experts and
-    /// up to 8 slots per expert on average, the grouped expert kernels (`cuda::with_device_routing`;
-    /// no host read inside a decode step's MoE). Off: the routing decision is read back per layer.
+    /// On CUDA, keep every MoE layer on the device: the routing kernel and, with MXFP4 experts, the
+    /// grouped expert kernels (`cuda::with_device_routing`: weight streaming for decode, the
+    /// tensor-core GEMM for prefill; no host read inside a layer's MoE). Off: the routing decision
+    /// is read back per layer.
     #[arg(long)]
     moe_on_device: bool,
 }

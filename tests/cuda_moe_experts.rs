@@ -19,7 +19,7 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::cuda::{moe_experts_device, moe_route_device, GroupedExperts};
+use deepseek_v41::cuda::{moe_experts_device, moe_experts_device_with, moe_route_device, GroupedExperts, MoeExpertsKernel};
 use deepseek_v41::quant::{mxfp4_linear_ref, Mxfp4Weight};
 
 #[path = "support/rng.rs"]
@@ -132,7 +132,9 @@ fn run_case(c: &Case, seed: u64) -> Result<()> {
         1.5,
     )?;
     poison(&dev, c.t * c.k * (c.d + c.inter) + c.t * c.d)?;
-    let got = moe_experts_device(&x, &routing, &grouped, limit.map(|l| l as f32), Some(&shared))?;
+    // The streaming kernels at every size (Auto takes the GEMM above 8 slots per expert:
+    // tests/cuda_moe_experts_gemm.rs).
+    let got = moe_experts_device_with(&x, &routing, &grouped, limit.map(|l| l as f32), Some(&shared), MoeExpertsKernel::Stream)?;
     let (act, y, out) = (host_f32(&got.act)?, host_f32(&got.y)?, host_f32(&got.out)?);
 
     let ids = routing.ids.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?;

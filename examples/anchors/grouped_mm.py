@@ -4,7 +4,7 @@ V4.1-Flash MoE layer with bf16 weights through `torch._grouped_mm` (384 experts,
 anchors: graph-captured over 8 random routings (consecutive calls touch different experts),
 replayed, CUDA events, median of the repetitions. Token sort and combine are not included.
 
-    /opt/torch/.venv/bin/python examples/anchors/grouped_mm.py [--b 1,64,256,4096] [--reps 9]
+    /opt/torch/.venv/bin/python examples/anchors/grouped_mm.py [--b 1,64,256,1024,4096] [--reps 9]
 """
 import argparse
 
@@ -17,7 +17,7 @@ HIDDEN, INTER, TOP_K = 5120, 2304, 6
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--b", default="1,64,256,4096")
+    ap.add_argument("--b", default="1,64,256,1024,4096")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--experts", type=int, default=384)
     args = ap.parse_args()

@@ -39,7 +39,8 @@
 //!   it inside [`with_device_routing`].
 //! * [`moe_experts_device`] over [`GroupedExperts`]: the routed MXFP4 experts of a layer in
 //!   grouped launches (gate/up with the SwiGLU, down, the combine with the shared expert), over the
-//!   packed codes, for any number of tokens and without a host read.
+//!   packed codes, for any number of tokens and without a host read: weight streaming for decode,
+//!   a tensor-core GEMM for prefill ([`MoeExpertsKernel`], [`moe_experts_device_with`]).
 //! * `PinnedStaging` (crate-internal): a reused page-locked host buffer and one asynchronous
 //!   copy per call, for the rows of the Engram tables kept in host memory
 //!   ([`crate::model::engram_host`]).
@@ -68,6 +69,7 @@ mod indexer_select;
 mod indexer_topk;
 mod mhc_sinkhorn;
 mod moe_experts;
+mod moe_experts_gemm;
 mod moe_route;
 mod mxfp4;
 mod insert_op;
@@ -100,7 +102,8 @@ pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use mxfp4::mxfp4_dequantize_device;
-pub use moe_experts::{moe_experts_device, GroupedExperts, MoeExpertsOutput, MOE_EXPERTS_MAX_E, MOE_EXPERTS_MAX_K};
+pub use moe_experts::{moe_experts_device, moe_experts_device_with, GroupedExperts, MoeExpertsOutput, MOE_EXPERTS_MAX_E, MOE_EXPERTS_MAX_K};
+pub use moe_experts_gemm::{MoeExpertsKernel, MOE_GEMM_MIN_AVG_SLOTS};
 pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub(crate) use pinned_staging::PinnedStaging;

@@ -2,8 +2,10 @@
 //! (`kernels/moe_experts.cu`, spec §8): gate/up with the SwiGLU and the routing weight, down, and
 //! the combine with the shared expert's output — whatever the number of tokens, over the packed
 //! codes as loaded (no expert dequantized), with the routing of [`super::moe_route_device`] and
-//! no host read. The CPU reference is the per-expert loop of [`crate::model::Moe::forward`]
-//! (`tests/cuda_moe_experts.rs`).
+//! no host read. The two projections run the weight-streaming kernels (decode) or the
+//! tensor-core GEMM of [`super::moe_experts_gemm`] (prefill), [`MoeExpertsKernel`]. The CPU
+//! reference is the per-expert loop of [`crate::model::Moe::forward`] (`tests/cuda_moe_experts.rs`,
+//! `tests/cuda_moe_experts_gemm.rs`).
 
 use std::ffi::c_void;
 
@@ -13,6 +15,7 @@ use half::bf16;
 
 use super::device::{as_cuda, cuda_tensor, float_alloc, float_write_ptr, raw_stream, read_ptr, stream_for};
 use super::ffi::check_status;
+use super::moe_experts_gemm::{gemm_scratch_bytes, launch_gemm, scale_flags, MoeExpertsKernel};
 use super::moe_route::DeviceRouting;
 use crate::quant::Mxfp4Weight;
 
@@ -30,7 +33,7 @@ const MODE_DOWN: i32 = 1;
 /// `Dsv41MoeExpertsParams` of `kernels/include/dsv41_moe_experts.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct MoeExpertsParams {
+pub(super) struct MoeExpertsParams {
     experts: *const u64,
     x: *const c_void,
     counts: *const u32,
@@ -78,6 +81,9 @@ pub struct GroupedExperts {
     gate_up: Tensor,
     /// `[E, 4]` i64: w2 codes, w2 scales, 0, 0.
     down: Tensor,
+    /// `[E]` u32: the experts whose projections the GEMM runs on its exact path
+    /// ([`super::moe_experts_gemm`]).
+    gemm_flags: Tensor,
     /// The weights behind the addresses.
     weights: Vec<[Mxfp4Weight; 3]>,
     hidden: usize,
@@ -126,9 +132,11 @@ impl GroupedExperts {
             down.extend([0i64, 0]);
         }
         let n = experts.len();
+        let (gate_up, down) = (Tensor::from_vec(gate_up, (n, 4), &dev)?, Tensor::from_vec(down, (n, 4), &dev)?);
         Ok(Self {
-            gate_up: Tensor::from_vec(gate_up, (n, 4), &dev)?,
-            down: Tensor::from_vec(down, (n, 4), &dev)?,
+            gemm_flags: scale_flags(&gate_up, &down, hidden, inter)?,
+            gate_up,
+            down,
             weights: experts,
             hidden,
             inter,
@@ -178,15 +186,29 @@ pub struct MoeExpertsOutput {
 /// SwiGLU of `w1`/`w3` (limit `L`, none when `None`) times its weight, `w2`, and the f32 sum per
 /// token in expert-id order plus `shared` (`[T, D]` bf16, the shared expert's output, or none),
 /// rounded to bf16 — [`crate::model::Moe::forward`]'s sequence with the FP8 activation
-/// quantization of every expert linear. An expert's slots run in chunks of 8 (each chunk streams
-/// the expert's weights once: the kernels are for decode and small batches). Five launches, no
-/// host read.
+/// quantization of every expert linear. Up to 8 slots per expert on average an expert's slots
+/// run in chunks of 8 (each chunk streams the expert's weights once: decode, small batches),
+/// above in tiles of up to 128 on the tensor cores (prefill; [`MoeExpertsKernel::Auto`]). Five
+/// launches, no host read.
 pub fn moe_experts_device(
     x: &Tensor,
     routing: &DeviceRouting,
     experts: &GroupedExperts,
     limit: Option<f32>,
     shared: Option<&Tensor>,
+) -> Result<MoeExpertsOutput> {
+    moe_experts_device_with(x, routing, experts, limit, shared, MoeExpertsKernel::Auto)
+}
+
+/// [`moe_experts_device`] with the kernels of the two projections chosen by `kernel` (tests and
+/// benchmarks compare them on the same routing).
+pub fn moe_experts_device_with(
+    x: &Tensor,
+    routing: &DeviceRouting,
+    experts: &GroupedExperts,
+    limit: Option<f32>,
+    shared: Option<&Tensor>,
+    kernel: MoeExpertsKernel,
 ) -> Result<MoeExpertsOutput> {
     let op = "moe_experts_device";
     let (t, d) = x.dims2()?;
@@ -247,7 +269,11 @@ pub fn moe_experts_device(
         limit,
     };
     let size = std::mem::size_of::<MoeExpertsParams>();
+    let gemm = kernel.uses_gemm(t, k, e);
     let scratch_for = |p: &MoeExpertsParams| -> Result<i64> {
+        if gemm {
+            return gemm_scratch_bytes(op, p);
+        }
         let mut bytes = 0i64;
         // SAFETY: the launcher reads the parameter block (its size is passed) and writes `bytes`.
         check_status(op, unsafe { dsv41_moe_experts_scratch_bytes(p, size, &mut bytes) })?;
@@ -270,6 +296,7 @@ pub fn moe_experts_device(
         let (ws, wl) = weights.storage_and_layout();
         let (cs, cl) = counts.storage_and_layout();
         let (os, ol) = order.storage_and_layout();
+        let (fs, fl) = experts.gemm_flags.storage_and_layout();
         let (x_p, _gx) = read_ptr::<bf16>(xc, xl, &stream)?;
         let (g_p, _gg) = read_ptr::<i64>(as_cuda(&gs, "gate_up table")?, gl, &stream)?;
         let (d_p, _gd) = read_ptr::<i64>(as_cuda(&ds, "down table")?, dl, &stream)?;
@@ -277,6 +304,7 @@ pub fn moe_experts_device(
         let (w_p, _gw) = read_ptr::<f32>(as_cuda(&ws, "weights")?, wl, &stream)?;
         let (c_p, _gc) = read_ptr::<u32>(as_cuda(&cs, "counts")?, cl, &stream)?;
         let (o_p, _go) = read_ptr::<u32>(as_cuda(&os, "order")?, ol, &stream)?;
+        let (f_p, _gf) = read_ptr::<u32>(as_cuda(&fs, "GEMM flags")?, fl, &stream)?;
         let (act_p, _ga) = float_write_ptr(&mut act, &Layout::contiguous((s, inter)), false, &stream)?;
         let (y_p, _gy) = float_write_ptr(&mut y, &Layout::contiguous((s, d)), false, &stream)?;
         let (out_p, _gout) = float_write_ptr(&mut out, &Layout::contiguous((t, d)), false, &stream)?;
@@ -320,11 +348,16 @@ pub fn moe_experts_device(
         // ids / weights [T, k], counts [E], order [T·k], shared [T, D]); the tables hold the
         // addresses of the experts' codes and scales with the checked shapes, alive as long as
         // `experts`; act, y, pos, out and the scratch are fresh buffers of the sizes the
-        // launchers ask for; the launchers check sizes and alignment; all run in order on the
-        // storages' stream.
+        // launchers ask for; the GEMM flags are the experts' [E] u32; the launchers check sizes
+        // and alignment; all run in order on the storages' stream.
         unsafe {
-            check_status(op, dsv41_moe_experts(&gu, size, raw_stream(&stream)))?;
-            check_status(op, dsv41_moe_experts(&dn, size, raw_stream(&stream)))?;
+            if gemm {
+                launch_gemm(op, &gu, f_p, &stream)?;
+                launch_gemm(op, &dn, f_p, &stream)?;
+            } else {
+                check_status(op, dsv41_moe_experts(&gu, size, raw_stream(&stream)))?;
+                check_status(op, dsv41_moe_experts(&dn, size, raw_stream(&stream)))?;
+            }
             check_status(op, dsv41_moe_combine(&comb, std::mem::size_of::<MoeCombineParams>(), raw_stream(&stream)))?;
         }
     }

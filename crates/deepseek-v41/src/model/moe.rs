@@ -360,12 +360,6 @@ pub struct Moe {
     grouped: Option<crate::cuda::GroupedExperts>,
 }
 
-/// The average slots per expert up to which [`Moe::forward`] takes the grouped kernels (decode
-/// and small batches: they stream an expert's weights once per 8 of its slots; above, a
-/// prefill's many tokens per expert run the per-expert loop, whose products use cuBLAS).
-#[cfg(feature = "cuda")]
-const GROUPED_MAX_AVG_SLOTS: usize = 8;
-
 impl Moe {
     /// Loads `gate`, `experts.0..E` and `shared_experts` (intermediate width
     /// `moe_intermediate_size · n_shared_experts`, absent when 0) from `vb` = `layers.N.ffn`.
@@ -430,10 +424,10 @@ impl Moe {
     /// the gathered path: the rows are `0..T` in order).
     ///
     /// On a CUDA device inside `cuda::with_device_routing`, with MXFP4 experts (the release's,
-    /// loaded natively) and at most 8 slots per expert on average, the whole layer stays on the
-    /// device with no host read: the routing kernel, the shared expert, and the grouped expert
-    /// kernels (`cuda::moe_experts_device`; the same sequence, the products summed in
-    /// another f32 order).
+    /// loaded natively), the whole layer stays on the device with no host read, whatever the
+    /// number of tokens: the routing kernel, the shared expert, and the grouped expert kernels
+    /// (`cuda::moe_experts_device`: weight streaming for decode, the tensor-core GEMM above 8
+    /// slots per expert on average; the same sequence, the products summed in another f32 order).
     pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
         self.forward_grouped(x, &RowGroups::whole(x.dim(0)?))
     }
@@ -453,7 +447,6 @@ impl Moe {
                 && x.dtype() == DType::BF16
                 && crate::cuda::moe_route_supported(g.len(), k)
                 && k <= crate::cuda::MOE_EXPERTS_MAX_K
-                && t * k <= GROUPED_MAX_AVG_SLOTS * g.len()
             {
                 return self.forward_on_device(x, g);
             }
