@@ -337,7 +337,10 @@ fn nan_scale_bytes_match_the_streaming_kernels() -> Result<()> {
     for (what, a, b) in [("act", &s.act, &g.act), ("y", &s.y, &g.y), ("out", &s.out, &g.out)] {
         let (ma, mb) = (nan_mask(a)?, nan_mask(b)?);
         let n = ma.iter().filter(|&&v| v).count();
-        ensure!(n > 0, "{what}: the NaN scale bytes gave no NaN");
+        // The SwiGLU's clamp at the limit maps a NaN gate to the limit (min, as the CPU's
+        // `minimum`), so expert 2's NaN w1 block need not reach act; expert 5's NaN w2 block
+        // must reach y and out.
+        ensure!(n > 0 || what == "act", "{what}: the NaN scale bytes gave no NaN");
         ensure!(ma == mb, "{what}: NaN positions differ between the kernels ({n} vs {})", mb.iter().filter(|&&v| v).count());
     }
     Ok(())
@@ -356,8 +359,10 @@ fn errors() -> Result<()> {
     ensure!(moe_experts_device_with(&Tensor::ones((3, 128), DType::BF16, &dev)?, &routing, &g, None, None, Gemm).is_err());
     ensure!(moe_experts_device_with(&x.to_dtype(DType::F32)?, &routing, &g, None, None, Gemm).is_err());
     ensure!(moe_experts_device_with(&x, &routing, &g, Some(f32::NAN), None, Gemm).is_err());
-    let empty = moe_route_device(&Tensor::ones((0, 4), DType::F32, &dev)?, &Tensor::zeros(4, DType::F32, &dev)?, 2, 1.0, 1.0)?;
-    let z = moe_experts_device_with(&Tensor::ones((0, 256), DType::BF16, &dev)?, &empty, &g, None, None, Gemm)?;
+    // Empty tensors from `zeros`: candle's CUDA `ones` launches its fill kernel with an empty
+    // grid for zero elements, which the driver refuses.
+    let empty = moe_route_device(&Tensor::zeros((0, 4), DType::F32, &dev)?, &Tensor::zeros(4, DType::F32, &dev)?, 2, 1.0, 1.0)?;
+    let z = moe_experts_device_with(&Tensor::zeros((0, 256), DType::BF16, &dev)?, &empty, &g, None, None, Gemm)?;
     ensure!(z.out.dims() == [0, 256] && z.act.dims() == [0, 64] && z.y.dims() == [0, 256]);
     Ok(())
 }
