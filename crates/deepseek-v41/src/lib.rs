@@ -23,6 +23,9 @@
 //!   Engram compressed token map.
 //! * [`weights`]: the `weights.toml` catalog of supported checkpoints.
 //! * [`input`]: checks of token ids, context length and sampling settings before work starts.
+//! * [`sampling`]: one token per sequence of a batch (greedy, temperature, top-k, top-p, seeded),
+//!   the same algorithm and ids on the CPU and on a CUDA device (`kernels/sampling.cu`);
+//!   [`generation`] samples with it.
 //! * [`hub`] (cargo feature `hub`, on by default): downloading checkpoints from the Hugging Face
 //!   hub into its shared cache (`docs/hub.md`).
 //!
@@ -110,6 +113,7 @@ pub mod model;
 pub mod nn;
 pub mod numerics;
 pub mod quant;
+pub mod sampling;
 pub mod tokenizer;
 pub mod weights;
 
