@@ -41,6 +41,9 @@
 //!   grouped launches (gate/up with the SwiGLU, down, the combine with the shared expert), over the
 //!   packed codes, for any number of tokens and without a host read: weight streaming for decode,
 //!   a tensor-core GEMM for prefill ([`MoeExpertsKernel`], [`moe_experts_device_with`]).
+//! * [`sample_device`]: one token per sequence of a batch (greedy, temperature, top-k, top-p,
+//!   seeded) from `[B, V]` logits, only the ids written ([`crate::sampling`] defines the algorithm
+//!   and its CPU reference; [`crate::sampling::sample_batch`] dispatches to it).
 //! * `PinnedStaging` (crate-internal): a reused page-locked host buffer and one asynchronous
 //!   copy per call, for the rows of the Engram tables kept in host memory
 //!   ([`crate::model::engram_host`]).
@@ -78,6 +81,7 @@ mod pinned_staging;
 mod policy;
 mod q_rope;
 mod row_inputs;
+mod sampling;
 mod slots;
 mod sparse_attention;
 mod swiglu;
@@ -109,6 +113,7 @@ pub use packed_insert::{packed_insert, PackedLayout};
 pub(crate) use pinned_staging::PinnedStaging;
 pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_candle};
 pub use q_rope::{q_rope, q_rope_inplace};
+pub use sampling::sample_device;
 pub use slots::keep_last_writer;
 pub use swiglu::{swiglu_device, swiglu_supported};
 pub use sparse_attention::{
