@@ -3,11 +3,11 @@
 //! row-wise products multiply each sequence's rows as its own call does, `nn::grouped_matmul`),
 //! greedy generation of 16 prompts of different lengths batched together (joining and leaving
 //! mid-way, prefill chunks beside decode tokens) equals one-at-a-time generation token for token,
-//! and bad batches are errors.
+//! so does sampled generation with a seed per sequence, and bad batches are errors.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::generation::{generate, generate_batch_greedy, BatchRequest, Sampler, Sampling};
+use deepseek_v41::generation::{generate, generate_batch, generate_batch_greedy, BatchRequest, Sampler, Sampling};
 use deepseek_v41::model::{BatchError, BatchItem, LogitRows, ModelCache, Pretrained};
 use deepseek_v41::Numerics;
 
@@ -99,6 +99,38 @@ fn batched_greedy_generation_equals_one_at_a_time() -> Result<()> {
     for (i, c) in caches.iter().enumerate() {
         assert_eq!(c.seq_len(), prompts[i].len() + max_new(i) - 1);
     }
+    Ok(())
+}
+
+/// 8 prompts sampled with their own settings and seeds, joining at different steps: equal token
+/// for token to `generate` of each prompt alone with a `Sampler` of the same settings.
+#[test]
+fn batched_sampled_generation_equals_one_at_a_time() -> Result<()> {
+    let p = load()?;
+    let prompts: Vec<Vec<u32>> = prompts(&p)?.into_iter().step_by(2).collect();
+    let max_new = |i: usize| 4 + (i * 3) % 9;
+    let join = |i: usize| i % 3;
+    let sampling: Vec<Sampling> =
+        (0..prompts.len()).map(|i| Sampling { temperature: 0.6 + 0.2 * i as f64, top_p: [1.0, 0.9, 0.5][i % 3], seed: 100 + i as u64 }).collect();
+    let mut want = Vec::new();
+    for (i, t) in prompts.iter().enumerate() {
+        let mut cache = p.new_cache()?;
+        want.push(generate(&p.model, &mut cache, t, max_new(i), &mut Sampler::new(sampling[i])?, None, |_| Ok(()))?);
+    }
+    let mut caches: Vec<ModelCache> = (0..prompts.len()).map(|_| p.new_cache()).collect::<candle_core::Result<_>>()?;
+    let mut requests: Vec<BatchRequest> = prompts
+        .iter()
+        .zip(&mut caches)
+        .enumerate()
+        .map(|(i, (t, c))| BatchRequest { prompt: t, cache: c, max_new: max_new(i), join_step: join(i) })
+        .collect();
+    let got = generate_batch(&p.model, &mut requests, &sampling, None)?;
+    assert_eq!(got, want);
+    // Different seeds give different continuations (the draws are not greedy).
+    let greedy = generate_batch_greedy(&p.model, &mut [BatchRequest { prompt: &prompts[3], cache: &mut p.new_cache()?, max_new: max_new(3), join_step: 0 }], None)?;
+    assert_ne!(greedy[0], want[3], "sampling at T = {} drew the greedy tokens", sampling[3].temperature);
+    let e = generate_batch(&p.model, &mut requests, &sampling[1..], None).unwrap_err().to_string();
+    assert!(e.contains("7 sampling settings for 8 requests"), "{e}");
     Ok(())
 }
 

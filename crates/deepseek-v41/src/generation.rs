@@ -1,13 +1,13 @@
 //! Token selection and the generation loop: greedy (temperature 0) or temperature + top-p
-//! sampling with a seeded RNG, prefill of the prompt then one token per step on the caller's
-//! cache, stopping at EOS or after a token budget.
+//! sampling with a seed ([`crate::sampling`]: the same algorithm and the same tokens on every
+//! device), prefill of the prompt then one token per step on the caller's cache, stopping at EOS
+//! or after a token budget.
 
 use candle_core::{DType, Result, Tensor, D};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 use crate::input::{check_context, check_sampling, InputError};
 use crate::model::{BatchItem, Model, ModelCache};
+use crate::sampling::{argmax_ref, sample_batch, SamplingBatch, SamplingParams};
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -16,7 +16,8 @@ pub struct Sampling {
     pub temperature: f64,
     /// Nucleus mass in (0, 1]; 1 = no truncation.
     pub top_p: f64,
-    /// Seed of the sampling RNG.
+    /// Seed of the draws: draw t of a [`Sampler`] depends on `(seed, t)` only
+    /// ([`crate::sampling`]).
     pub seed: u64,
 }
 
@@ -29,68 +30,55 @@ impl Sampling {
     pub fn validate(&self) -> std::result::Result<(), InputError> {
         check_sampling(self.temperature, self.top_p)
     }
+
+    /// These settings as the sampler's f32 [`SamplingParams`] (no top-k): a temperature beyond
+    /// f32 becomes `f32::MAX`, a positive `top_p` below f32's smallest the smallest positive f32
+    /// (a temperature below it rounds to 0: greedy).
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: (self.temperature as f32).min(f32::MAX),
+            top_k: 0,
+            top_p: if self.top_p > 0.0 { (self.top_p as f32).max(f32::from_bits(1)) } else { self.top_p as f32 },
+            seed: self.seed,
+        }
+    }
 }
 
-/// Picks tokens from logits.
+/// Picks tokens from logits, one draw per call: draw t (counted from 0) is the [`crate::sampling`]
+/// algorithm at step t with the settings' seed, so a seed gives the same tokens on the CPU and on
+/// a CUDA device. (A seed's tokens differ from those of earlier versions of this crate, which drew
+/// from a `StdRng` stream.)
 #[derive(Debug)]
 pub struct Sampler {
-    cfg: Sampling,
-    rng: StdRng,
+    params: SamplingParams,
+    step: u64,
 }
 
 impl Sampler {
     /// Validates the settings ([`Sampling::validate`]).
     pub fn new(cfg: Sampling) -> Result<Self> {
         cfg.validate()?;
-        Ok(Self { cfg, rng: StdRng::seed_from_u64(cfg.seed) })
+        Ok(Self { params: cfg.params(), step: 0 })
     }
 
-    /// The next token from `logits` `[vocab]` (any float dtype).
+    /// The next token from `logits` `[vocab]` (any float dtype). On a CUDA device (fused
+    /// kernels on) the kernel samples and only the id is read back; elsewhere the logits are read
+    /// to the host.
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
-        let l = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        if l.is_empty() {
+        if logits.dims1()? == 0 {
             candle_core::bail!("sample: empty logits")
         }
-        if self.cfg.temperature == 0.0 {
-            return Ok(argmax(&l));
-        }
-        let t = self.cfg.temperature as f32;
-        let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let mut p: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &x)| (i as u32, ((x - m) / t).exp())).collect();
-        // A strict total order (ids break ties), so the unstable sort gives the one sorted order.
-        p.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let z: f32 = p.iter().map(|x| x.1).sum();
-        let mut kept = 0;
-        let mut mass = 0f32;
-        for (_, w) in &p {
-            mass += w / z;
-            kept += 1;
-            if mass as f64 >= self.cfg.top_p {
-                break;
-            }
-        }
-        p.truncate(kept);
-        let total: f32 = p.iter().map(|x| x.1).sum();
-        let mut u = self.rng.random::<f32>() * total;
-        for (id, w) in &p {
-            if u < *w {
-                return Ok(*id);
-            }
-            u -= w;
-        }
-        Ok(p[p.len() - 1].0)
+        let batch = SamplingBatch::new(vec![self.params], vec![self.step], logits.device())?;
+        let id = sample_batch(&logits.unsqueeze(0)?, &batch)?.to_vec1::<u32>()?[0];
+        self.step += 1;
+        Ok(id)
     }
 }
 
-/// Index of the largest value, lowest index on ties.
+/// Index of the largest value, lowest index on ties, NaN counted as −inf (the sampler's greedy
+/// choice, [`crate::sampling::argmax_ref`]).
 pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
+    argmax_ref(v)
 }
 
 /// Generates up to `max_new` tokens after `prompt` (ids, BOS included), calling `on_token` for
@@ -126,7 +114,7 @@ pub fn generate(
     Ok(out)
 }
 
-/// One sequence of [`generate_batch_greedy`].
+/// One sequence of [`generate_batch`] / [`generate_batch_greedy`].
 #[derive(Debug)]
 pub struct BatchRequest<'a> {
     /// The prompt (ids, BOS included), prefilled in one chunk.
@@ -140,19 +128,34 @@ pub struct BatchRequest<'a> {
     pub join_step: usize,
 }
 
-/// Greedy generation of several sequences in batched forwards ([`Model::forward_batch`]): at
-/// every step one call holds the decode token of each running sequence and the prompt of each
-/// sequence joining at that step; a sequence leaves after `eos` or its `max_new` tokens. Returns
-/// each request's new ids; on the CPU the same as [`generate`] with [`Sampling::GREEDY`] of each
-/// request alone (`tests/batched.rs`).
+/// Greedy generation of several sequences in batched forwards: [`generate_batch`] with
+/// [`Sampling::GREEDY`] for every request; on the CPU the same as [`generate`] of each request
+/// alone (`tests/batched.rs`).
+pub fn generate_batch_greedy(model: &Model, requests: &mut [BatchRequest], eos: Option<u32>) -> Result<Vec<Vec<u32>>> {
+    let greedy = vec![Sampling::GREEDY; requests.len()];
+    generate_batch(model, requests, &greedy, eos)
+}
+
+/// Generation of several sequences in batched forwards ([`Model::forward_batch`]): at every step
+/// one call holds the decode token of each running sequence and the prompt of each sequence
+/// joining at that step; one [`sample_batch`] then picks every running sequence's next token
+/// (on a CUDA device only the ids come back), request i with `sampling[i]` at step = its count of
+/// new tokens so far; a sequence leaves after `eos` or its `max_new` tokens. Returns each
+/// request's new ids; on the CPU the same as [`generate`] of each request alone with a
+/// [`Sampler`] of `sampling[i]` (`tests/batched.rs`).
 ///
 /// Errors before any work for a request whose prompt is empty or holds an id outside the
 /// vocabulary, or whose cache, prompt and `max_new` do not fit the model's
-/// `max_position_embeddings` ([`InputError`]).
-pub fn generate_batch_greedy(model: &Model, requests: &mut [BatchRequest], eos: Option<u32>) -> Result<Vec<Vec<u32>>> {
-    for r in requests.iter() {
+/// `max_position_embeddings`, or whose sampling settings are invalid ([`InputError`]), and when
+/// `sampling` does not hold one entry per request.
+pub fn generate_batch(model: &Model, requests: &mut [BatchRequest], sampling: &[Sampling], eos: Option<u32>) -> Result<Vec<Vec<u32>>> {
+    if sampling.len() != requests.len() {
+        candle_core::bail!("generate_batch: {} sampling settings for {} requests: give one per request", sampling.len(), requests.len())
+    }
+    for (r, s) in requests.iter().zip(sampling) {
         model.check_tokens(r.prompt)?;
         check_context(r.cache.seq_len() + r.prompt.len(), r.max_new, model.max_positions())?;
+        s.validate()?;
     }
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
     let mut done: Vec<bool> = requests.iter().map(|r| r.max_new == 0).collect();
@@ -168,16 +171,20 @@ pub fn generate_batch_greedy(model: &Model, requests: &mut [BatchRequest], eos: 
             let tokens = match out[i].last() {
                 Some(t) => std::slice::from_ref(t),
                 None if r.join_step == step => r.prompt,
-                None => candle_core::bail!("generate_batch_greedy: request {i} missed its join step {}", r.join_step),
+                None => candle_core::bail!("generate_batch: request {i} missed its join step {}", r.join_step),
             };
             running.push(i);
+            // The default logit rows: each item's last token, one row per item in batch order.
             items.push(BatchItem::new(tokens, r.cache));
         }
         if !items.is_empty() {
-            let logits = model.forward_batch(&mut items)?;
+            let logits = model.forward_batch(&mut items)?.logits;
             drop(items);
-            for (j, &i) in running.iter().enumerate() {
-                let next = argmax(&logits.last(j)?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            let params = running.iter().map(|&i| sampling[i].params()).collect();
+            let steps = running.iter().map(|&i| out[i].len() as u64).collect();
+            let batch = SamplingBatch::new(params, steps, logits.device())?;
+            let ids = sample_batch(&logits, &batch)?.to_vec1::<u32>()?;
+            for (&i, next) in running.iter().zip(ids) {
                 out[i].push(next);
                 done[i] = Some(next) == eos || out[i].len() == requests[i].max_new;
             }
