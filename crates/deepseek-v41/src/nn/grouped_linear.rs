@@ -7,8 +7,10 @@
 //! The weight ([`LinearWeight`]) is dense — f32 on the CPU (the reference), the activation dtype
 //! elsewhere: one batched matmul over the groups — or, on CUDA with bf16 activations and a
 //! release checkpoint under [`crate::loader::QuantizedWeights::Native`], the FP8 codes and 32×32
-//! block scales as stored: each group's rows are a view of the weight ([`Fp8Weight::rows`]) and
-//! its product runs the FP8 kernels without the activation quantization (`cuda::fp8_linear`, bf16
+//! block scales as stored: with few rows (decode) all groups' rows stacked in one product that
+//! streams the weight once, keeping each group's diagonal block; otherwise each group's rows of the
+//! weight are a view ([`Fp8Weight::rows`]) with a product of their own. Either runs the FP8
+//! kernels without the activation quantization (`cuda::fp8_linear`, bf16
 //! input times the exact e4m3 · 2^s weight, f32 accumulation: the dense product up to the order
 //! of the f32 summation, as for the FP8 linears). That keeps `wo_a` at its stored size (half of
 //! bf16) and halves the bytes a decode step reads for it.
@@ -19,6 +21,12 @@ use candle_nn::VarBuilder;
 use super::linear::compute_dtype;
 use super::linear_weight::{fp8_product, native_on, LinearWeight};
 use crate::quant::Fp8Weight;
+
+/// Up to this many stacked rows (groups × tokens) an FP8 `GroupedLinear` multiplies all groups in
+/// one weight-streaming product (`cuda::fp8_linear`'s small-m kernels, m ≤ 64) instead of one
+/// product per group: a product per group reads a few MB each and pays each launch's ramp-up
+/// (V4.1-Flash decode, B = 1: eight 4 MB products took ~9 µs each on an H100, `docs/perf.md`).
+const STACKED_MAX_ROWS: usize = 64;
 
 /// A block-diagonal linear of `G` groups (see the module docs).
 #[derive(Debug, Clone)]
@@ -88,6 +96,17 @@ impl GroupedLinear {
                 // [G, T, in_g] x [G, in_g, out_g] -> [G, T, out_g]
                 let w3 = w.reshape((g, out / g, in_g))?;
                 xg.matmul(&w3.transpose(1, 2)?)?.transpose(0, 1)?.to_dtype(dtype)?.reshape((t, out))
+            }
+            LinearWeight::Fp8(w) if g * t <= STACKED_MAX_ROWS => {
+                // Few rows (decode): one product of the groups' rows stacked group-major
+                // `[G·T, in_g]` with the whole weight, which streams the weight once; group g's
+                // outputs are the diagonal block (rows g·T.., columns g·out_g..). The off-diagonal
+                // products are wasted, but at this size the time is the weight's bytes.
+                let og = out / g;
+                let stacked = x.transpose(0, 1)?.contiguous()?.reshape((g * t, k))?;
+                let y = fp8_product(&stacked, w, false)?;
+                let blocks = (0..g).map(|gi| y.narrow(0, gi * t, t)?.narrow(1, gi * og, og)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&blocks, 1)?.to_dtype(dtype)
             }
             LinearWeight::Fp8(_) => {
                 let parts = self
@@ -164,6 +183,29 @@ mod tests {
         let gl = GroupedLinear::from_weight(LinearWeight::Fp8(w.clone()), 3)?;
         assert_eq!(gl.groups(), 3);
         assert!(GroupedLinear::from_weight(LinearWeight::Fp8(w), 2).is_err(), "48-row groups are not whole blocks");
+        Ok(())
+    }
+
+    /// Both FP8 paths (the stacked product for few rows, a product per group above) give the
+    /// dense einsum over the dequantized weight (on the CPU up to the f32 summation order of the
+    /// products' row counts).
+    #[test]
+    fn fp8_paths_match_the_dense_einsum() -> Result<()> {
+        let dev = Device::Cpu;
+        let (g, og, k) = (3, 32, 64);
+        let codes: Vec<u8> = (0..g * og * k).map(|i| (i * 37 % 253) as u8 & 0x7e).collect();
+        let scales: Vec<u8> = (0..g * 2).map(|i| 124 + i as u8).collect();
+        let w = Fp8Weight::from_bytes(codes, scales, g * og, k, &dev)?;
+        let fp8 = GroupedLinear::from_weight(LinearWeight::Fp8(w.clone()), g)?;
+        let dense = GroupedLinear::from_weight(LinearWeight::Dense(w.dequantize(DType::F32)?), g)?;
+        for t in [1, STACKED_MAX_ROWS / g, STACKED_MAX_ROWS / g + 1, 40] {
+            let x = Tensor::randn(0f32, 1.0, (t, g, k), &dev)?;
+            let (a, b) = (fp8.forward(&x)?, dense.forward(&x)?);
+            assert_eq!(a.dims(), &[t, g * og]);
+            let err = (a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(err <= 1e-5 * scale, "t = {t}: max |fp8 - dense| = {err} (max |dense| {scale})");
+        }
         Ok(())
     }
 }
