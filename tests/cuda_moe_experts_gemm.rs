@@ -74,55 +74,9 @@ fn weight(rng: &mut Rng, n: usize, k: usize, odd: Option<bool>) -> Result<Mxfp4W
     Ok(Mxfp4Weight::from_bytes(codes, scales, n, k, &Device::Cpu)?)
 }
 
-fn to_dev(w: &Mxfp4Weight, dev: &Device) -> Result<Mxfp4Weight> {
-    Ok(Mxfp4Weight::new(w.codes().to_device(dev)?, w.scales().to_device(dev)?)?)
-}
-
-fn poison(dev: &Device, n: usize) -> Result<()> {
-    drop(Tensor::full(f32::NAN, n.max(1), dev)?);
-    Ok(())
-}
-
-fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-}
-
-/// The CPU SwiGLU of `model::Expert` on bf16 gate / up `[n, inter]` with weights `[n, 1]`.
-fn swiglu_cpu(gate: &Tensor, up: &Tensor, w: &Tensor, limit: Option<f64>) -> Result<Tensor> {
-    let mut gate = gate.to_dtype(DType::F32)?;
-    let mut up = up.to_dtype(DType::F32)?;
-    if let Some(l) = limit {
-        gate = gate.minimum(l)?;
-        up = up.clamp(-l, l)?;
-    }
-    Ok(((gate.silu()? * up)?.broadcast_mul(w)?).to_dtype(DType::BF16)?)
-}
-
-/// tests/cuda_moe_experts.rs's comparison: per element bit-equal, or within `ulps` bf16 ulps of
-/// the reference, or within 2^-10 of the row's largest reference magnitude (cancellation).
-/// Returns the mismatch count and the largest distance in ulps.
-fn compare(what: &str, got: &[f32], want: &[f32], width: usize, ulps: f32) -> Result<(usize, f32)> {
-    ensure!(got.len() == want.len(), "{what}: {} vs {} elements", got.len(), want.len());
-    let (mut diff, mut worst) = (0usize, 0f32);
-    for (r, (gr, wr)) in got.chunks(width).zip(want.chunks(width)).enumerate() {
-        let floor = wr.iter().fold(0f32, |m, v| m.max(v.abs())) * 2f32.powi(-10);
-        for (c, (&g, &w)) in gr.iter().zip(wr).enumerate() {
-            if g.to_bits() == w.to_bits() {
-                continue;
-            }
-            diff += 1;
-            ensure!(g.is_finite() && w.is_finite(), "{what}: row {r} col {c}: {g:e} vs {w:e}");
-            let ulp = if w == 0.0 { f32::MIN_POSITIVE } else { 2f32.powi(w.abs().log2().floor() as i32 - 7) };
-            let d = (g - w).abs() / ulp;
-            if (g - w).abs() <= floor {
-                continue;
-            }
-            worst = worst.max(d);
-            ensure!(d <= ulps, "{what}: row {r} col {c}: {g:e} vs {w:e} ({d} bf16 ulps; row max {:e})", floor * 1024.0);
-        }
-    }
-    Ok((diff, worst))
-}
+#[path = "support/moe_check.rs"]
+mod moe_check;
+use moe_check::{compare, host_f32, poison, swiglu_cpu, to_dev};
 
 struct Case {
     e: usize,
