@@ -1,5 +1,5 @@
 //! GPU tests of the sampling kernel `kernels/sampling.cu` (`cuda::sample_device`,
-//! `sampling::sample_batch` on CUDA) against its CPU reference `sampling::sample_row_ref`.
+//! the device path of `sampling::sample_batch` once verified) against its CPU reference `sampling::sample_row_ref`.
 //!
 //! Data: fresh random logits (never zeros) for B = 1, 7, 64, 256 and V = 1, 2, 1000, 129280 (the
 //! released vocabulary), f32 and bf16 (bf16 rows hold many equal values), with rows of coarse
@@ -169,7 +169,7 @@ fn check_case(dev: &Device, rng: &mut Rng, b: usize, v: usize, dtype: DType) -> 
     poison(dev, b)?;
     let first = sample_device(&logits, &batch)?.to_vec1::<u32>()?;
     poison(dev, b)?;
-    let second = sample_batch(&logits, &batch)?.to_vec1::<u32>()?;
+    let second = sample_device(&logits, &batch)?.to_vec1::<u32>()?;
     ensure!(first == second, "{what}: two runs differ");
     let near = compare(&what, &first, &want, &params)?;
     let kept: usize = want.iter().map(|d| d.kept).sum();

@@ -61,9 +61,8 @@ impl Sampler {
         Ok(Self { params: cfg.params(), step: 0 })
     }
 
-    /// The next token from `logits` `[vocab]` (any float dtype). On a CUDA device (fused
-    /// kernels on) the kernel samples and only the id is read back; elsewhere the logits are read
-    /// to the host.
+    /// The next token from `logits` `[vocab]` (any float dtype), through
+    /// [`crate::sampling::sample_batch`] (the logits are read to the host).
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
         if logits.dims1()? == 0 {
             candle_core::bail!("sample: empty logits")

@@ -245,15 +245,11 @@ impl SamplingBatch {
 }
 
 /// One token per sequence: `logits` `[B, V]` (any float dtype), `batch` of B sequences; returns
-/// `[B]` u32 on the logits' device. On a CUDA device where the fused kernels are on
-/// (`cuda::fused_kernels`) one kernel launch that reads nothing back
-/// (`cuda::sample_device`); elsewhere the CPU reference ([`sample_batch_ref`]), which reads the
-/// logits to the host. Both pick the same ids.
+/// `[B]` u32 on the logits' device, by the CPU reference ([`sample_batch_ref`], which reads the
+/// logits to the host) on every device. The device kernel (`cuda::sample_device`, one launch
+/// that reads nothing back, designed to pick the same ids) is not on this path until its GPU
+/// tests (`tests/cuda_sampling.rs`) have run on a GPU; call it directly to use it.
 pub fn sample_batch(logits: &Tensor, batch: &SamplingBatch) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(logits.device()) {
-        return crate::cuda::sample_device(logits, batch);
-    }
     let ids: Vec<u32> = sample_batch_ref(logits, batch)?.iter().map(|d| d.id).collect();
     Tensor::from_vec(ids, batch.len(), logits.device())
 }
