@@ -50,7 +50,7 @@
 //! `--flash-shapes --layers 4 --experts 6 --engram-rows 65536`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -65,6 +65,8 @@ use deepseek_v41::nn::linear::NamedLinears;
 use deepseek_v41::tokenizer::{engram_token_map, Tokenizer};
 use deepseek_v41::Numerics;
 
+#[path = "support/repo_files.rs"]
+mod repo_files;
 #[path = "support/bench.rs"]
 mod bench;
 #[path = "support/batched_layer.rs"]
@@ -521,14 +523,6 @@ fn prefill(bench: &Bench, model: &Pretrained, run: &[usize]) -> Result<()> {
     Ok(())
 }
 
-fn find_tokenizer(dir: &Path) -> Result<PathBuf> {
-    ["tokenizer.json", "tokenizer.json.gz"]
-        .iter()
-        .map(|n| dir.join(n))
-        .find(|p| p.is_file())
-        .with_context(|| format!("{} holds no tokenizer.json(.gz)", dir.display()))
-}
-
 /// `total − free` bytes of the device (0 on the CPU).
 fn device_used(dev: &Device) -> Result<u64> {
     Ok(match dev {
@@ -561,7 +555,7 @@ fn main() -> Result<()> {
     // Load through the real loader (what `Pretrained::load_dir_with` runs), native weights.
     let t0 = Instant::now();
     let config = Config::from_file(args.model.join("config.json")).with_context(|| format!("reading {}/config.json", args.model.display()))?;
-    let tokenizer = Tokenizer::from_file(find_tokenizer(&args.model)?)?;
+    let tokenizer = Tokenizer::from_file(repo_files::find_tokenizer(&args.model)?)?;
     let ckpt = ReleaseCheckpoint::open_dir(&args.model)?;
     let options = LoadOptions { quantized: QuantizedWeights::Native, engram: placement };
     let model = Pretrained::load_with(config, tokenizer, ckpt.clone(), Numerics::REFERENCE, DType::BF16, &dev, options)?;

@@ -288,11 +288,11 @@ fn run() -> Result<()> {
         Ok(args) => args,
         Err(e) => e.exit(),
     };
+    if args.moe_on_device && args.device != DeviceArg::Cuda {
+        bail!("--moe-on-device needs --device cuda");
+    }
+    #[cfg(feature = "cuda")]
     if args.moe_on_device {
-        if args.device != DeviceArg::Cuda {
-            bail!("--moe-on-device needs --device cuda");
-        }
-        #[cfg(feature = "cuda")]
         return deepseek_v41::cuda::with_device_routing(|| run_args(args));
     }
     run_args(args)

@@ -37,7 +37,7 @@
 //!   cuBLAS workspace); the ratio of the device bytes added by loading to the stored bytes.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -199,14 +199,6 @@ fn plan_differences(plan: &LoadPlan, placed: &BTreeMap<String, u64>) -> Vec<Stri
     out
 }
 
-fn find_tokenizer(dir: &Path) -> Result<PathBuf> {
-    ["tokenizer.json", "tokenizer.json.gz"]
-        .iter()
-        .map(|n| dir.join(n))
-        .find(|p| p.is_file())
-        .with_context(|| format!("{} holds no tokenizer.json(.gz)", dir.display()))
-}
-
 fn gb(b: u64) -> f64 {
     b as f64 / GB
 }
@@ -262,7 +254,7 @@ fn main() -> Result<()> {
 
     let t0 = Instant::now();
     let config = Config::from_file(model_dir.join("config.json"))?;
-    let tokenizer = Tokenizer::from_file(find_tokenizer(&model_dir)?)?;
+    let tokenizer = Tokenizer::from_file(repo_files::find_tokenizer(&model_dir)?)?;
     let ckpt = ReleaseCheckpoint::open_dir(&model_dir)?;
     let read = Arc::new(AtomicU64::new(0));
     {

@@ -1,9 +1,11 @@
 //! Files of the repository that the examples read by default (the embedded model, test
-//! fixtures), found from a binary built elsewhere too (include it with
+//! fixtures), found from a binary built elsewhere too, and a model folder's tokenizer file (include it with
 //! `#[path = "support/repo_files.rs"] mod repo_files;`).
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
 
 /// `rel` (a path from the repository root) under the repository the binary was built from, or,
 /// when that checkout is absent (a binary copied to another machine, `docs/cuda.md`), relative to
@@ -15,4 +17,13 @@ pub fn repo_file(rel: &str) -> PathBuf {
     } else {
         PathBuf::from(rel)
     }
+}
+
+/// The tokenizer file of the model folder `dir`: `tokenizer.json`, else `tokenizer.json.gz`.
+pub fn find_tokenizer(dir: &Path) -> Result<PathBuf> {
+    ["tokenizer.json", "tokenizer.json.gz"]
+        .iter()
+        .map(|n| dir.join(n))
+        .find(|p| p.is_file())
+        .with_context(|| format!("{} holds no tokenizer.json(.gz)", dir.display()))
 }
