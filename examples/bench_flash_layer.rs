@@ -78,7 +78,7 @@ mod flash_layer_step;
 use batched_layer::{LayerKind, Weights};
 use batched_step::{CacheFormat, Inputs, SourcePools, Step, WindowPool, PAGE, PHASES};
 use bench::{eager_ms, gib, median, timed, PoolPeak, Timer};
-use flash_layer_step::{check_same_rows, finite_max, random_topk, EngramPart, EngramRows, LayerStep};
+use flash_layer_step::{check_same_rows, finite_max, random_topk, EngramPart, EngramRows, LayerStep, MHC_PARTS};
 
 #[derive(Parser, Debug)]
 #[command(about = "One real-size V4.1-Flash decoder layer: batched decode step per phase, and prefill")]
@@ -142,6 +142,8 @@ struct Row {
     phases: Vec<(String, Option<f64>, &'static str)>,
     /// Attention parts (graph).
     attn_parts: [Option<f64>; 5],
+    /// mHC parts (graph), `MHC_PARTS`.
+    mhc_parts: [Option<f64>; 4],
     graph: Option<f64>,
     eager: Option<f64>,
     /// Host work outside the graph (Engram hash, host-table gather).
@@ -344,6 +346,7 @@ impl Bench<'_> {
             fmt,
             phases: Vec::new(),
             attn_parts: [None; 5],
+            mhc_parts: [None; 4],
             graph: None,
             eager: None,
             host_ms: engram_ids.1,
@@ -399,6 +402,13 @@ impl Bench<'_> {
             self.graph(PHASES[2], || st.selection(&pr).map(|_| ())),
             self.graph(PHASES[3], || st.attention(&pr, idx.as_ref()).map(|_| ())),
             self.graph(PHASES[4], || st.output(&o).map(|_| ())),
+        ];
+        let mp = ls.mhc_parts(&xe, &y)?;
+        row.mhc_parts = [
+            self.graph(MHC_PARTS[0], || ls.part_mixes(&mp)),
+            self.graph(MHC_PARTS[1], || ls.part_product(&mp)),
+            self.graph(MHC_PARTS[2], || ls.part_collapse_norm(&mp)),
+            self.graph(MHC_PARTS[3], || ls.part_post(&mp)),
         ];
         println!(
             "    {}; layer graph {} us, eager {} us, host {:.1} us",
@@ -748,6 +758,12 @@ fn report(bench: &Bench, rows: &[Row], erows: &[EngramRow], mem: &[(usize, u64, 
     println!("|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!("| {} | {} | {} | {} |", r.layer, r.b, r.fmt.name(), r.attn_parts.iter().map(|v| fmt_ms(*v)).collect::<Vec<_>>().join(" | "));
+    }
+    println!("\nmHC parts of the attention sublayer (each captured alone, us; the step runs each twice, once per sublayer):\n");
+    println!("| layer | B | {} |", MHC_PARTS.join(" | "));
+    println!("|---|---|---|---|---|---|");
+    for r in rows {
+        println!("| {} | {} | {} |", r.layer, r.b, r.mhc_parts.iter().map(|v| fmt_ms(*v)).collect::<Vec<_>>().join(" | "));
     }
     if !erows.is_empty() {
         println!("\nEngram (us): hash of B tokens on the host; gather of the B x 24 rows; wkv + gate (graph; with the gather for a device table):\n");

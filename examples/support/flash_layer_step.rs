@@ -61,6 +61,18 @@ pub struct AfterAttention {
     pub h2: Tensor,
 }
 
+/// Inputs of the mHC parts' breakdown ([`LayerStep::mhc_parts`]).
+pub struct MhcParts {
+    xf: Tensor,
+    fnt: Tensor,
+    a: HcCoeffs,
+    y: Tensor,
+    x: Tensor,
+}
+
+/// Names of the mHC parts, in [`LayerStep::mhc_parts`]' order.
+pub const MHC_PARTS: [&str; 4] = ["mixes", "f32 product of the mixes' shape", "collapse + norm", "post"];
+
 /// One decode step of a loaded layer (see the module docs).
 pub struct LayerStep<'a> {
     pub layer: &'a DecoderLayer,
@@ -159,6 +171,43 @@ impl<'a> LayerStep<'a> {
         let m = self.post_attention(&y, &x, &a)?;
         let z = self.moe(&m.h2)?;
         Ok((self.finish(&z, &m)?, m.f.pre))
+    }
+
+    /// The mHC parts of the step, each alone (for a breakdown of [`LayerStep::mhc`]): the
+    /// attention's mixes (`HcMix::mixes`: the rms scale, the `[B, hc·D] x [hc·D, (2+hc)·hc]` f32
+    /// product, the Sinkhorn), a plain f32 product of the mixes' shapes (random operands: the
+    /// product alone), the collapse + `attn_norm`, and the post.
+    pub fn mhc_parts(&self, x: &Tensor, y: &Tensor) -> Result<MhcParts> {
+        let (b, hc, d) = x.dims3()?;
+        let mix = (2 + hc) * hc;
+        let xf = Tensor::randn(0f32, 1.0, (b, hc * d), x.device())?;
+        let fnt = Tensor::randn(0f32, 0.01, (mix, hc * d), x.device())?;
+        let a = self.layer.hc_mix(HcSublayer::Attn).mixes(x)?;
+        Ok(MhcParts { xf, fnt, a, y: y.clone(), x: x.clone() })
+    }
+
+    /// The attention's mixes alone.
+    pub fn part_mixes(&self, p: &MhcParts) -> Result<()> {
+        self.layer.hc_mix(HcSublayer::Attn).mixes(&p.x)?;
+        Ok(())
+    }
+
+    /// A plain f32 product of the mixes' shapes alone.
+    pub fn part_product(&self, p: &MhcParts) -> Result<()> {
+        p.xf.matmul(&p.fnt.t()?)?;
+        Ok(())
+    }
+
+    /// The collapse and `attn_norm` alone.
+    pub fn part_collapse_norm(&self, p: &MhcParts) -> Result<()> {
+        self.layer.attn_norm().forward(&collapse(&p.x, &self.p_in)?)?;
+        Ok(())
+    }
+
+    /// The attention's post alone.
+    pub fn part_post(&self, p: &MhcParts) -> Result<()> {
+        post(&p.y, &p.x, &p.a.post, &p.a.comb)?;
+        Ok(())
     }
 
     /// The mHC and norm work of the step alone, for the attention and MoE outputs `y`, `z`
