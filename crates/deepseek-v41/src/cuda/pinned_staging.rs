@@ -53,26 +53,36 @@ impl PinnedStaging {
         self.buf = None;
         let cap = len.checked_next_power_of_two().unwrap_or(len);
         let ctx = self.dev.cuda_stream().context().clone();
-        // SAFETY: the buffer's contents are uninitialized; `upload` writes the bytes it copies
+        // SAFETY: the buffer's contents are uninitialized; `fill` writes the bytes `copy` copies
         // (`fill` gets exactly the `len` bytes that go to the device) and nothing else reads it.
         self.buf = Some(unsafe { ctx.alloc_pinned::<u8>(cap) }.w()?);
         Ok(())
     }
 
-    /// Fills the first `len` bytes of the buffer with `fill` (after the previous copy has read
-    /// them) and copies them into a fresh `[len]` u8 tensor on the device: one asynchronous copy
-    /// on the device's stream, ordered before every later op on it.
-    pub(crate) fn upload(&mut self, len: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Tensor> {
+    /// Grows the buffer to `len` bytes, waits until the previous copy has read it and fills the
+    /// first `len` bytes with `fill`. Runs on any
+    /// thread (e.g. a gather ahead of the step that uses the rows: `model::engram_host`).
+    pub(crate) fn fill(&mut self, len: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<()> {
         self.reserve(len)?;
         self.wait()?;
         let Some(buf) = self.buf.as_mut() else { candle_core::bail!("pinned staging: no buffer after reserving {len} bytes") };
-        let host = &mut buf.as_mut_slice().w()?[..len];
-        fill(host)?;
+        fill(&mut buf.as_mut_slice().w()?[..len])
+    }
+
+    /// The first `len` bytes, as filled by [`PinnedStaging::fill`], copied into a fresh `[len]` u8
+    /// tensor on the device: one asynchronous copy on the device's stream, ordered before every
+    /// later op on it.
+    pub(crate) fn copy(&mut self, len: usize) -> Result<Tensor> {
+        let Some(buf) = self.buf.as_ref() else { candle_core::bail!("pinned staging: copy of {len} bytes before any fill") };
+        if buf.len() < len {
+            candle_core::bail!("pinned staging: copy of {len} bytes from a buffer of {}", buf.len())
+        }
+        let host = &buf.as_slice().w()?[..len];
         // SAFETY: uninitialized device memory, fully written by the copy below before any read.
         let mut dst = unsafe { self.dev.alloc::<u8>(len) }?;
         // A `[u8]` source: cudarc adds no stream synchronization; the driver sees page-locked
         // memory and runs an asynchronous DMA, which `copied` tracks.
-        self.dev.memcpy_htod(&*host, &mut dst)?;
+        self.dev.memcpy_htod(host, &mut dst)?;
         let stream = self.dev.cuda_stream();
         match &self.copied {
             Some(e) => e.record(&stream).w()?,

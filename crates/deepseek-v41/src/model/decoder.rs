@@ -151,7 +151,7 @@ impl DecoderLayer {
         cache: &mut SequenceCache,
     ) -> Result<(Tensor, Tensor)> {
         let rows = 0..x.dim(0)?;
-        self.forward_segments(x, p_in, hashes, &mut [Segment { rows, start, cache }])
+        self.forward_segments(x, p_in, hashes.map(EngramInput::Ids), &mut [Segment { rows, start, cache }])
     }
 
     /// [`DecoderLayer::forward`] over the concatenated rows of several sequences: every
@@ -161,14 +161,17 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         p_in: &Tensor,
-        hashes: Option<&Tensor>,
+        engram_in: Option<EngramInput>,
         segs: &mut [Segment],
     ) -> Result<(Tensor, Tensor)> {
         let l = self.layer;
         let groups = RowGroups::from_lens(segs.iter().map(|s| s.rows.len()));
         let mut x = x.clone();
-        if let (Some(engram), Some(h)) = (&self.engram, hashes) {
-            x = engram.forward_grouped(&x, h, &groups)?;
+        if let (Some(engram), Some(input)) = (&self.engram, engram_in) {
+            x = match input {
+                EngramInput::Ids(h) => engram.forward_grouped(&x, h, &groups)?,
+                EngramInput::Rows(rows) => engram.forward_rows(&x, &rows.reshape((x.dim(0)?, ()))?, &groups)?,
+            };
             record(segs, || format!("L{l}.engram_out"), &x)?;
         }
         let a = self.hc_attn.mixes_grouped(&x, &groups)?;
@@ -276,6 +279,13 @@ fn record(segs: &mut [Segment], name: impl Fn() -> String, t: &Tensor) -> Result
 
 /// Engram layer `layer`'s row ids of all items, concatenated in item order: `[T, n]` u32 on
 /// `device` (the table's [`super::EngramTable::ids_device`]: the CPU for a table in host memory).
+/// What an Engram layer's block gets: its hash ids (the block looks the rows up), or the rows
+/// themselves, looked up ahead of the block (`[T·cols, width]`, a host table's prefetch).
+pub(crate) enum EngramInput<'a> {
+    Ids(&'a Tensor),
+    Rows(Tensor),
+}
+
 fn engram_ids(hashes: &[EngramIds], layer: usize, t: usize, device: &Device) -> Result<Tensor> {
     if let [one] = hashes {
         return one.tensor(layer, device);
@@ -401,16 +411,44 @@ impl Model {
             .zip(&plan.spans)
             .map(|(it, rows)| Segment { rows: rows.clone(), start: it.cache.seq_len(), cache: &mut it.cache.attention })
             .collect();
-        for layer in &self.layers {
-            let h = match (&hashes, &layer.engram) {
-                (Some(hs), Some(e)) => Some(engram_ids(hs, layer.layer, t, &e.table().ids_device(&dev))?),
-                _ => None,
-            };
-            if let Some(h) = &h {
-                record(&mut segs, || format!("L{}.engram_hash", layer.layer), h)?;
+        // Every Engram layer's ids are known now; the tables in host memory start reading their
+        // rows on threads of their own (page faults and copies into the staging buffers overlap
+        // the launches and device work of the layers before), each block uploads its rows.
+        let ids: Vec<Option<Tensor>> = self
+            .layers
+            .iter()
+            .map(|layer| match (&hashes, &layer.engram) {
+                (Some(hs), Some(e)) => engram_ids(hs, layer.layer, t, &e.table().ids_device(&dev)).map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        std::thread::scope(|scope| -> Result<()> {
+            let mut gathers = Vec::with_capacity(self.layers.len());
+            for (layer, ids) in self.layers.iter().zip(&ids) {
+                let host = layer.engram.as_ref().and_then(|e| e.table().host_rows());
+                gathers.push(match (host, ids) {
+                    (Some(host), Some(ids)) => {
+                        let ids = ids.flatten_all()?.to_vec1::<u32>()?;
+                        Some((host, scope.spawn(move || host.gather(&ids))))
+                    }
+                    _ => None,
+                });
             }
-            (x, pre) = layer.forward_segments(&x, &pre, h.as_ref(), &mut segs)?;
-        }
+            for ((layer, ids), gather) in self.layers.iter().zip(&ids).zip(gathers) {
+                if let Some(h) = ids {
+                    record(&mut segs, || format!("L{}.engram_hash", layer.layer), h)?;
+                }
+                let input = match gather {
+                    Some((host, g)) => {
+                        let g = g.join().map_err(|_| candle_core::Error::Msg(format!("layer {}: the Engram row gather panicked", layer.layer)))??;
+                        Some(EngramInput::Rows(host.upload(g)?))
+                    }
+                    None => ids.as_ref().map(EngramInput::Ids),
+                };
+                (x, pre) = layer.forward_segments(&x, &pre, input, &mut segs)?;
+            }
+            Ok(())
+        })?;
         // Only the requested rows go on (every part from here is row-wise).
         let every_row = plan.logit_rows.len() == t && plan.logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
         if !every_row {

@@ -59,6 +59,15 @@ impl EngramTable {
         }
     }
 
+    /// The table read by rows in their stored form ([`EngramTable::Host`]), whose gathers can run
+    /// ahead of the layer ([`HostRows::gather`]).
+    pub fn host_rows(&self) -> Option<&HostRows> {
+        match self {
+            EngramTable::Host(h) => Some(h),
+            _ => None,
+        }
+    }
+
     /// `[rows, width]` of the table.
     pub fn dims(&self) -> (usize, usize) {
         match self {

@@ -16,6 +16,11 @@
 //!    u8 ids: candle's index ops read an id equal to its dtype's maximum — u8 255, a valid code
 //!    and scale byte — as "no row" and return zeros.)
 //!
+//! Step 1 ([`HostRows::gather`]) and steps 2–3 ([`HostRows::upload`]) can run apart: a step's
+//! hash ids are known from its tokens, so `Model::forward_batch` starts the gathers of all its
+//! host tables on threads when the step begins, and each Engram block uploads its rows (no read
+//! of the device; the page faults of rows not in the page cache overlap the blocks before).
+//!
 //! The staging buffer belongs to the layer and is reused: it grows to the largest call seen
 //! (a power of two) and never shrinks, so decode steps allocate no host memory. Tables stored
 //! otherwise (unquantized, or a width that is not a multiple of 32) take [`RowTable::rows`]:
@@ -69,27 +74,44 @@ struct Staging {
     /// Page-locked memory was refused once: stage in `host` from then on.
     #[cfg(feature = "cuda")]
     pinned_failed: bool,
+    /// Counts the fills: a [`GatheredRows`] is uploaded from the buffer only while no other
+    /// fill came after its own (a clone of the model sharing the table may gather in between).
+    fills: u64,
 }
 
 impl Staging {
-    /// `len` bytes written by `fill`, as a `[len]` u8 tensor on `device` (one host → device copy).
-    fn upload(&mut self, len: usize, device: &Device, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Tensor> {
+    /// Fills the first `len` bytes of the buffer (page-locked on CUDA when it can be had) with
+    /// `fill`, once the previous copy has read them.
+    fn fill(&mut self, len: usize, device: &Device, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<()> {
+        self.fills += 1;
         #[cfg(feature = "cuda")]
         if let Device::Cuda(dev) = device {
             if !self.pinned_failed {
                 let pinned = self.pinned.get_or_insert_with(|| crate::cuda::PinnedStaging::new(dev));
                 match pinned.reserve(len) {
-                    Ok(()) => return pinned.upload(len, fill),
+                    Ok(()) => return pinned.fill(len, fill),
                     Err(_) => self.pinned_failed = true,
                 }
             }
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = device;
         if self.host.len() < len {
             self.host.resize(len.checked_next_power_of_two().unwrap_or(len), 0);
         }
-        let buf = &mut self.host[..len];
-        fill(buf)?;
-        Tensor::from_slice(buf, len, device)
+        fill(&mut self.host[..len])
+    }
+
+    /// The `len` bytes the last [`Staging::fill`] wrote, as a `[len]` u8 tensor on `device`.
+    fn copy(&mut self, len: usize, device: &Device) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(_), false, Some(pinned)) = (device, self.pinned_failed, self.pinned.as_mut()) {
+            return pinned.copy(len);
+        }
+        match self.host.get(..len) {
+            Some(buf) => Tensor::from_slice(buf, len, device),
+            None => candle_core::bail!("Engram staging: copy of {len} bytes from a buffer of {}", self.host.len()),
+        }
     }
 
     /// The staging bytes held (host and page-locked).
@@ -178,19 +200,63 @@ impl HostRows {
 
     /// The rows `ids` (may repeat, any order) as `[ids.len(), width]` bf16 on the device: bit for
     /// bit [`RowTable::lookup`] in bf16. Errors (naming the table) on an id ≥ the table's rows.
+    /// [`HostRows::gather`] then [`HostRows::upload`].
     pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
-        let (n, width) = (ids.len(), self.table.width());
-        let Some(decoder) = &self.decoder else {
-            let rows: Vec<usize> = ids.iter().map(|&r| r as usize).collect();
-            return self.table.rows(&rows, DType::BF16, &self.device);
-        };
-        let Some(row_bytes) = self.table.stored_row_bytes() else {
-            candle_core::bail!("Engram table `{}`: device decode of a table not stored as FP8 rows", self.table.name())
-        };
-        if n == 0 {
-            return Tensor::zeros((0, width), DType::BF16, &self.device);
-        }
-        let staged = self.staging().upload(n * row_bytes, &self.device, |buf| Ok(self.table.gather_stored(ids, buf)?))?;
-        decoder.decode(&staged, n, width)
+        let g = self.gather(ids)?;
+        self.upload(g)
     }
+
+    /// The host half of [`HostRows::rows`]: reads the rows `ids` from the memory-mapped table
+    /// into the staging buffer (stored bytes; or dequantized rows for a table without a device
+    /// decoder). It may run on another thread, ahead of the layer that needs the rows
+    /// (`Model::forward_batch` starts the gathers of every host table when a step begins, so
+    /// the page faults of rows not in the page cache overlap the layers before); the staging
+    /// buffer is then busy until [`HostRows::upload`] of the result.
+    pub fn gather(&self, ids: &[u32]) -> Result<GatheredRows> {
+        let n = ids.len();
+        let Some(row_bytes) = self.decoder.as_ref().and_then(|_| self.table.stored_row_bytes()) else {
+            let rows: Vec<usize> = ids.iter().map(|&r| r as usize).collect();
+            return Ok(GatheredRows(Gathered::Host(self.table.rows(&rows, DType::BF16, &Device::Cpu)?)));
+        };
+        let mut staging = self.staging();
+        if n > 0 {
+            staging.fill(n * row_bytes, &self.device, |buf| Ok(self.table.gather_stored(ids, buf)?))?;
+        }
+        Ok(GatheredRows(Gathered::Staged { ids: ids.to_vec(), bytes: n * row_bytes, fill: staging.fills }))
+    }
+
+    /// The device half of [`HostRows::rows`]: the rows a [`HostRows::gather`] of this table read,
+    /// as `[n, width]` bf16 on the device (one host → device copy, decoded there).
+    pub fn upload(&self, g: GatheredRows) -> Result<Tensor> {
+        let width = self.table.width();
+        match g.0 {
+            Gathered::Host(t) => t.to_device(&self.device),
+            Gathered::Staged { ids, .. } if ids.is_empty() => Tensor::zeros((0, width), DType::BF16, &self.device),
+            Gathered::Staged { ids, bytes, fill } => {
+                let Some(decoder) = &self.decoder else {
+                    candle_core::bail!("Engram table `{}`: staged rows without a device decoder", self.table.name())
+                };
+                let mut staging = self.staging();
+                if staging.fills != fill {
+                    // Another gather refilled the buffer since: read these rows again.
+                    staging.fill(bytes, &self.device, |buf| Ok(self.table.gather_stored(&ids, buf)?))?;
+                }
+                let staged = staging.copy(bytes, &self.device)?;
+                decoder.decode(&staged, ids.len(), width)
+            }
+        }
+    }
+}
+
+/// Rows read by [`HostRows::gather`], waiting for [`HostRows::upload`] on the table that read them.
+#[derive(Debug)]
+pub struct GatheredRows(Gathered);
+
+#[derive(Debug)]
+enum Gathered {
+    /// Rows dequantized on the host (a table without a device decoder).
+    Host(Tensor),
+    /// The stored bytes of the rows `ids` in the table's staging buffer, written by its
+    /// `fill`-th fill.
+    Staged { ids: Vec<u32>, bytes: usize, fill: u64 },
 }

@@ -18,7 +18,7 @@ pub use engram::{engram_mix, Engram, EngramTable};
 pub use engram_hash::{
     EngramHasher, EngramHistory, EngramIds, EngramLayerLayout, EngramLayout, TokenMap,
 };
-pub use engram_host::HostRows;
+pub use engram_host::{GatheredRows, HostRows};
 pub use engram_placement::{EngramLocation, EngramOptions, EngramPlacement, EngramTableInfo, AUTO_DEVICE_MAX_BYTES};
 pub use mhc::{collapse, post, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
 pub use pretrained::{LoadOptions, Pretrained};
