@@ -1,5 +1,5 @@
 //! GPU tests of the sampling kernel `kernels/sampling.cu` (`cuda::sample_device`,
-//! the device path of `sampling::sample_batch` once verified) against its CPU reference `sampling::sample_row_ref`.
+//! `sampling::sample_batch` on CUDA) against its CPU reference `sampling::sample_row_ref`.
 //!
 //! Data: fresh random logits (never zeros) for B = 1, 7, 64, 256 and V = 1, 2, 1000, 129280 (the
 //! released vocabulary), f32 and bf16 (bf16 rows hold many equal values), with rows of coarse
@@ -169,7 +169,7 @@ fn check_case(dev: &Device, rng: &mut Rng, b: usize, v: usize, dtype: DType) -> 
     poison(dev, b)?;
     let first = sample_device(&logits, &batch)?.to_vec1::<u32>()?;
     poison(dev, b)?;
-    let second = sample_device(&logits, &batch)?.to_vec1::<u32>()?;
+    let second = sample_batch(&logits, &batch)?.to_vec1::<u32>()?;
     ensure!(first == second, "{what}: two runs differ");
     let near = compare(&what, &first, &want, &params)?;
     let kept: usize = want.iter().map(|d| d.kept).sum();
@@ -298,7 +298,13 @@ fn bad_inputs_are_errors() -> Result<()> {
     ensure!(e.contains("top_k = 11 exceeds the 10 logits"), "{e}");
     let e = sample_device(&logits.to_device(&Device::Cpu)?, &host_batch).unwrap_err().to_string();
     ensure!(e.contains("must be on a CUDA device"), "{e}");
+    // A CUDA device holds no zero-sized tensor: an empty batch is a clear error (the rows are a
+    // zero-row view of the logits, which allocates nothing).
     let empty = SamplingBatch::new(vec![], vec![], &dev)?;
-    ensure!(sample_device(&Tensor::ones((0, 10), DType::F32, &dev)?, &empty)?.dims() == [0]);
+    let no_rows = logits.narrow(0, 0, 0)?;
+    let e = sample_device(&no_rows, &empty).unwrap_err().to_string();
+    ensure!(e.contains("the batch has no sequences"), "{e}");
+    let e = sample_batch(&no_rows, &empty).unwrap_err().to_string();
+    ensure!(e.contains("the batch has no sequences"), "{e}");
     Ok(())
 }

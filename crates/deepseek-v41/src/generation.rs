@@ -3,7 +3,7 @@
 //! device), prefill of the prompt then one token per step on the caller's cache, stopping at EOS
 //! or after a token budget.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 
 use crate::input::{check_context, check_sampling, InputError};
 use crate::model::{BatchItem, Model, ModelCache};
@@ -67,9 +67,7 @@ impl Sampler {
         if logits.dims1()? == 0 {
             candle_core::bail!("sample: empty logits")
         }
-        // On the host: `sample_batch` takes the CPU reference on every device, so a device table
-        // would be an upload per token for nothing.
-        let batch = SamplingBatch::new(vec![self.params], vec![self.step], &Device::Cpu)?;
+        let batch = SamplingBatch::new(vec![self.params], vec![self.step], logits.device())?;
         let id = sample_batch(&logits.unsqueeze(0)?, &batch)?.to_vec1::<u32>()?[0];
         self.step += 1;
         Ok(id)
@@ -183,7 +181,7 @@ pub fn generate_batch(model: &Model, requests: &mut [BatchRequest], sampling: &[
             drop(items);
             let params = running.iter().map(|&i| sampling[i].params()).collect();
             let steps = running.iter().map(|&i| out[i].len() as u64).collect();
-            let batch = SamplingBatch::new(params, steps, &Device::Cpu)?; // host table: see `Sampler::sample`
+            let batch = SamplingBatch::new(params, steps, logits.device())?;
             let ids = sample_batch(&logits, &batch)?.to_vec1::<u32>()?;
             for (&i, next) in running.iter().zip(ids) {
                 out[i].push(next);

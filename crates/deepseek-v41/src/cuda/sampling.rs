@@ -46,6 +46,9 @@ pub fn sample_device(logits: &Tensor, batch: &SamplingBatch) -> Result<Tensor> {
         candle_core::bail!("{op}: logits must be on a CUDA device, got {:?}", logits.device())
     }
     let (b, v) = batch.check_logits(op, logits)?;
+    if b == 0 {
+        return Err(crate::sampling::SamplingError::EmptyOnCuda.into());
+    }
     let table = batch.table();
     if !table.device().same_device(logits.device()) {
         candle_core::bail!(
@@ -56,10 +59,6 @@ pub fn sample_device(logits: &Tensor, batch: &SamplingBatch) -> Result<Tensor> {
     }
     if b > i32::MAX as usize {
         candle_core::bail!("{op}: {b} rows: the kernel takes at most {} per call", i32::MAX)
-    }
-    let dev = logits.device();
-    if b == 0 {
-        return Tensor::zeros(0, DType::U32, dev);
     }
     let logits = match logits.dtype() {
         DType::F32 | DType::BF16 => logits.clone(),

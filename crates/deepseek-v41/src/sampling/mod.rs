@@ -149,6 +149,9 @@ pub enum SamplingError {
         /// Step counters.
         steps: usize,
     },
+    /// An empty batch on a CUDA device, which holds no zero-sized tensor.
+    #[error("the batch has no sequences: nothing to sample on a CUDA device (skip the call)")]
+    EmptyOnCuda,
     /// The logits' rows do not match the sequences.
     #[error("logits have {rows} rows but the batch has {sequences} sequences: pass one row of logits per sequence")]
     Rows {
@@ -193,6 +196,8 @@ impl SamplingBatch {
             p.check_values(seq)?;
         }
         let words: Vec<u32> = params.iter().zip(&steps).flat_map(|(p, &s)| p.table_row(s)).collect();
+        // A CUDA device allocates no zero-sized tensor: an empty batch keeps its table on the host.
+        let device = if params.is_empty() { &Device::Cpu } else { device };
         let table = Tensor::from_vec(words, (params.len(), SAMPLING_TABLE_WORDS), device)?;
         Ok(Self { params, steps, table })
     }
@@ -245,11 +250,20 @@ impl SamplingBatch {
 }
 
 /// One token per sequence: `logits` `[B, V]` (any float dtype), `batch` of B sequences; returns
-/// `[B]` u32 on the logits' device, by the CPU reference ([`sample_batch_ref`], which reads the
-/// logits to the host) on every device. The device kernel (`cuda::sample_device`, one launch
-/// that reads nothing back, designed to pick the same ids) is not on this path until its GPU
-/// tests (`tests/cuda_sampling.rs`) have run on a GPU; call it directly to use it.
+/// `[B]` u32 on the logits' device. On a CUDA device whose batch table is there too (build the
+/// [`SamplingBatch`] on the logits' device) one kernel launch that reads nothing back
+/// (`cuda::sample_device`, with the `cuda` feature; the same ids as the reference by design,
+/// `tests/cuda_sampling.rs`); otherwise the CPU reference ([`sample_batch_ref`], which reads the
+/// logits to the host). An empty batch gives an empty tensor on the CPU and
+/// [`SamplingError::EmptyOnCuda`] for CUDA logits.
 pub fn sample_batch(logits: &Tensor, batch: &SamplingBatch) -> Result<Tensor> {
+    if batch.is_empty() && logits.device().is_cuda() {
+        return Err(SamplingError::EmptyOnCuda.into());
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(logits.device()) && batch.table().device().same_device(logits.device()) {
+        return crate::cuda::sample_device(logits, batch);
+    }
     let ids: Vec<u32> = sample_batch_ref(logits, batch)?.iter().map(|d| d.id).collect();
     Tensor::from_vec(ids, batch.len(), logits.device())
 }
