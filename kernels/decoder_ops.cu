@@ -5,8 +5,10 @@
 //   * rms_norm:   out = cast(x / sqrt(mean(x²) + eps) · w)           (9 Candle kernels)
 //   * rms_scale:  out = f32(x), scale = 1 / sqrt(mean(x²) + eps)      (7 Candle kernels)
 //   * collapse:   out[t, c] = cast(Σ_k f32(x[t, k, c]) · pre[t, k])  (4 Candle kernels)
-//   * post:       out[t, j, c] = cast(post[t, j] · f32(y[t, c]) + mixed[t, j, c])  (4 Candle
-//                 kernels after the comb GEMM, which stays a cuBLAS call)
+//   * post:       out[t, j, c] = cast(post[t, j] · f32(y[t, c]) + mixed[t, j, c]) with the comb
+//                 product mixed[t, j, c] = Σ_i comb[t, i, j] · f32(x[t, i, c]) computed in the
+//                 kernel (the Candle ops: a transpose copy, a cast, a batched cuBLAS SGEMM with
+//                 K = hc, a multiply and an add)
 //   * engram_mix: out = cast(h + σ(signed_sqrt(dot))·value) of model::engram::engram_mix: the
 //                 two rsqrt factors and the gated dot product per (token, copy) row (~25 Candle
 //                 kernels and uploads)
@@ -36,6 +38,10 @@
 //   * engram_mix: products h·qk·key and gate·value are __fmul_rn in candle's order, the dot's
 //     scale an affine (fmaf with add 0), |·| fabsf, the clamp fmaxf, σ candle's
 //     (float)(1.0 / (double)(1 + expf(−x)));
+//   * post's comb product: what cuBLAS's SGEMM computes for K = hc ≤ 32 (no split of K): one
+//     accumulator per output, the first product rounded, then a fused multiply-add per i in
+//     ascending order (__fmaf_rn), alpha = 1 and beta = 0 exact; checked bit for bit against
+//     the cuBLAS call (tests/cuda_decoder_ops.rs, Flash widths included);
 //   * the output cast is round-to-nearest-even (__float2bfloat16_rn), as candle's to_dtype.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -149,13 +155,18 @@ __global__ void __launch_bounds__(kCollapseThreads) collapse_kernel(Dsv41Collaps
     store_as(static_cast<T*>(p.out), e, s);
 }
 
-template <typename Y, typename O>
+template <typename X, typename Y, typename O>
 __global__ void __launch_bounds__(kCollapseThreads) mhc_post_kernel(Dsv41MhcPostParams p) {
     const int64_t e = static_cast<int64_t>(blockIdx.x) * kCollapseThreads + threadIdx.x;
     if (e >= p.tokens * p.hc * p.d) return;
     const int64_t c = e % p.d, tj = e / p.d, t = tj / p.hc;
+    const int j = static_cast<int>(tj % p.hc);
+    const X* x = static_cast<const X*>(p.x) + t * p.hc * p.d + c;
+    const float* comb = p.comb + t * p.hc * p.hc + j;
+    float mixed = __fmul_rn(comb[0], load_f32(x, 0));
+    for (int i = 1; i < p.hc; ++i) mixed = __fmaf_rn(comb[i * p.hc], load_f32(x, static_cast<int64_t>(i) * p.d), mixed);
     const float direct = __fmul_rn(p.post[tj], load_f32(static_cast<const Y*>(p.y), t * p.d + c));
-    store_as(static_cast<O*>(p.out), e, __fadd_rn(direct, p.mixed[e]));
+    store_as(static_cast<O*>(p.out), e, __fadd_rn(direct, mixed));
 }
 
 template <typename V, typename O>
@@ -253,13 +264,22 @@ extern "C" int dsv41_mhc_post(const Dsv41MhcPostParams* p, size_t params_size, v
     const int64_t n = p->tokens * p->hc * p->d;
     if (n / kCollapseThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
     if (n == 0) return DSV41_OK;
-    if (!p->mixed || !p->y || !p->post || !p->out) return DSV41_ERR_NULL;
+    if (p->hc > DSV41_MHC_POST_MAX_HC) return DSV41_ERR_SHAPE;
+    if (!p->x || !p->comb || !p->y || !p->post || !p->out) return DSV41_ERR_NULL;
     const dim3 grid(static_cast<unsigned>((n + kCollapseThreads - 1) / kCollapseThreads));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (p->y_f32 && p->out_f32) mhc_post_kernel<float, float><<<grid, kCollapseThreads, 0, s>>>(*p);
-    else if (p->y_f32) mhc_post_kernel<float, __nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
-    else if (p->out_f32) mhc_post_kernel<__nv_bfloat16, float><<<grid, kCollapseThreads, 0, s>>>(*p);
-    else mhc_post_kernel<__nv_bfloat16, __nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
+    using bf = __nv_bfloat16;
+    const int which = (p->x_f32 ? 4 : 0) | (p->y_f32 ? 2 : 0) | (p->out_f32 ? 1 : 0);
+    switch (which) {
+        case 0: mhc_post_kernel<bf, bf, bf><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+        case 1: mhc_post_kernel<bf, bf, float><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+        case 2: mhc_post_kernel<bf, float, bf><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+        case 3: mhc_post_kernel<bf, float, float><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+        case 4: mhc_post_kernel<float, bf, bf><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+        case 5: mhc_post_kernel<float, bf, float><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+        case 6: mhc_post_kernel<float, float, bf><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+        default: mhc_post_kernel<float, float, float><<<grid, kCollapseThreads, 0, s>>>(*p); break;
+    }
     return static_cast<int>(cudaGetLastError());
 }
 

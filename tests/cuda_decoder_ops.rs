@@ -12,7 +12,7 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
-use deepseek_v41::cuda::{accumulate_device, collapse_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
+use deepseek_v41::cuda::{accumulate_device, collapse_device, mhc_post_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
 use deepseek_v41::model::{collapse, engram_mix, post, Expert};
 use deepseek_v41::nn::{RandomWeights, RmsNorm};
 use deepseek_v41::Numerics;
@@ -168,8 +168,8 @@ fn collapse_and_post_kernels_equal_the_candle_ops() -> Result<()> {
             ensure!(diff <= tol * scale, "T {t}, hc {hc}: differs from the CPU reference by {diff} (scale {scale})");
         }
     }
-    // The post's elementwise part behind its comb GEMM.
-    for (t, hc, d) in [(1usize, 4usize, 192usize), (6, 4, 50), (2, 3, 1)] {
+    // The post with its comb product (cuBLAS's SGEMM in the Candle ops), Flash widths included.
+    for (t, hc, d) in [(1usize, 4usize, 192usize), (6, 4, 50), (2, 3, 1), (1, 4, 5120), (64, 4, 5120), (256, 4, 5120), (7, 8, 640), (3, 32, 96)] {
         for (xdt, ydt) in [(DType::BF16, DType::BF16), (DType::F32, DType::BF16), (DType::BF16, DType::F32), (DType::F32, DType::F32)] {
             let x = Tensor::from_vec(rows(&mut rng, t * hc, d), (t, hc, d), &dev)?.to_dtype(xdt)?;
             let y = Tensor::from_vec(rows(&mut rng, t, d), (t, d), &dev)?.to_dtype(ydt)?;
@@ -190,6 +190,12 @@ fn collapse_and_post_kernels_equal_the_candle_ops() -> Result<()> {
     ensure!(collapse_device(&x, &pre.narrow(1, 0, 3)?).is_err(), "wrong pre shape accepted");
     let wide = Tensor::zeros((1, 33, 8), DType::BF16, &dev)?;
     ensure!(collapse_device(&wide, &Tensor::zeros((1, 33), DType::F32, &dev)?).is_err(), "hc 33 accepted");
+    // The post's comb is used, and a comb of the wrong shape is an error.
+    let y = Tensor::from_vec(rows(&mut rng, 2, 16), (2, 16), &dev)?.to_dtype(DType::BF16)?;
+    let comb = Tensor::from_vec((0..32).map(|_| rng.uniform()).collect::<Vec<f32>>(), (2, 4, 4), &dev)?;
+    let post_of = |c: &Tensor| mhc_post_device(&x, c, &y, &pre, DType::BF16);
+    ensure!(differing(&post_of(&comb)?, &post_of(&comb.transpose(1, 2)?)?)? > 0, "comb is ignored or its axes swapped");
+    ensure!(post_of(&comb.narrow(2, 0, 3)?).is_err(), "wrong comb shape accepted");
     Ok(())
 }
 

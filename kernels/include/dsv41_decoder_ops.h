@@ -43,16 +43,21 @@ typedef struct {
 } Dsv41CollapseParams;
 
 typedef struct {
-    const float* mixed;   // [tokens, hc, d] f32, contiguous: Σ_i comb[t, i, j]·x[t, i, :] (a GEMM's output)
+    const void* x;        // [tokens, hc, d] bf16 or f32 (x_f32), contiguous: the stream
+    const float* comb;    // [tokens, hc, hc] f32, contiguous: comb[t, i, j] moves copy i into copy j
     const void* y;        // [tokens, d] bf16 or f32 (y_f32), contiguous: the sublayer output
     const float* post;    // [tokens, hc] f32, contiguous
     void* out;            // [tokens, hc, d] bf16 or f32 (out_f32)
     int64_t tokens;       // >= 0
-    int32_t hc;           // >= 1
+    int32_t hc;           // 1 ..= DSV41_MHC_POST_MAX_HC
     int32_t d;            // >= 1
+    int32_t x_f32;        // 1: x is f32, 0: bf16
     int32_t y_f32;        // 1: y is f32, 0: bf16
     int32_t out_f32;      // 1: out is f32, 0: bf16
+    int32_t pad;
 } Dsv41MhcPostParams;
+
+#define DSV41_MHC_POST_MAX_HC 32
 
 typedef struct {
     const float* acc;     // [n] f32, contiguous, or NULL (= +0.0 everywhere)

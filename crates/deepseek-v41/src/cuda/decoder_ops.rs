@@ -58,8 +58,10 @@ struct CollapseParams {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct MhcPostParams {
-    /// `[tokens, hc, d]` f32, contiguous.
-    mixed: *const f32,
+    /// `[tokens, hc, d]` bf16 or f32 (`x_f32`), contiguous.
+    x: *const c_void,
+    /// `[tokens, hc, hc]` f32, contiguous.
+    comb: *const f32,
     /// `[tokens, d]` bf16 or f32 (`y_f32`), contiguous.
     y: *const c_void,
     /// `[tokens, hc]` f32, contiguous.
@@ -69,8 +71,10 @@ struct MhcPostParams {
     tokens: i64,
     hc: i32,
     d: i32,
+    x_f32: i32,
     y_f32: i32,
     out_f32: i32,
+    pad: i32,
 }
 
 /// `Dsv41AccumulateParams` of `kernels/include/dsv41_decoder_ops.h`.
@@ -304,60 +308,76 @@ fn float_io(dt: DType) -> bool {
     matches!(dt, DType::BF16 | DType::F32)
 }
 
-/// Whether [`mhc_post_device`] takes these dtypes: `mixed` f32 on a CUDA device, `y` and
-/// `out_dtype` bf16 or f32.
-pub fn mhc_post_supported(mixed: &Tensor, y: &Tensor, out_dtype: DType) -> bool {
-    mixed.device().is_cuda() && mixed.dtype() == DType::F32 && float_io(y.dtype()) && float_io(out_dtype)
+/// The largest hc [`mhc_post_device`] takes.
+pub const MHC_POST_MAX_HC: usize = 32;
+
+/// Whether [`mhc_post_device`] takes these tensors: `x` (the stream) on a CUDA device with
+/// hc ≤ [`MHC_POST_MAX_HC`], `x`, `y` and `out_dtype` bf16 or f32.
+pub fn mhc_post_supported(x: &Tensor, y: &Tensor, out_dtype: DType) -> bool {
+    x.device().is_cuda() && x.dims().get(1).is_some_and(|&hc| hc <= MHC_POST_MAX_HC) && float_io(x.dtype()) && float_io(y.dtype()) && float_io(out_dtype)
 }
 
-/// The elementwise part of the mHC post on the GPU: `out[t, j, c] = post[t, j] · y[t, c] +
-/// mixed[t, j, c]` in f32, rounded to `out_dtype` — bit for bit [`crate::model::post`]'s Candle
-/// ops after its comb GEMM on a CUDA device.
+/// The mHC post on the GPU in one launch: `out[t, j, c] = post[t, j] · y[t, c] + Σ_i comb[t, i,
+/// j] · x[t, i, c]` in f32, rounded to `out_dtype` — bit for bit [`crate::model::post`]'s Candle
+/// ops on a CUDA device (a transpose copy of comb, x to f32, the batched cuBLAS product, the
+/// multiply and the add; the product's order is cuBLAS's for K = hc: `kernels/decoder_ops.cu`).
 ///
-/// `mixed`: `[T, hc, d]` f32 (the GEMM `combᵀ·x`); `y`: `[T, d]` bf16 or f32; `post`: `[T, hc]`
-/// (any float dtype, used as f32); all on one CUDA device. `out_dtype`: bf16 or f32. Returns
-/// `[T, hc, d]`.
-pub fn mhc_post_device(mixed: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DType) -> Result<Tensor> {
+/// `x`: `[T, hc, d]` bf16 or f32; `comb`: `[T, hc, hc]` (any float dtype, used as f32); `y`:
+/// `[T, d]` bf16 or f32; `post`: `[T, hc]` (used as f32); all on one CUDA device. `out_dtype`:
+/// bf16 or f32. Returns `[T, hc, d]`.
+pub fn mhc_post_device(x: &Tensor, comb: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DType) -> Result<Tensor> {
     let op = "mhc_post_device";
-    let (t, hc, d) = mixed.dims3()?;
-    if !mhc_post_supported(mixed, y, out_dtype) {
-        candle_core::bail!("{op}: mixed must be f32 on a CUDA device and y / out bf16 or f32, got {:?} on {:?}, {:?}, {out_dtype:?}", mixed.dtype(), mixed.device(), y.dtype())
+    let (t, hc, d) = x.dims3()?;
+    if !mhc_post_supported(x, y, out_dtype) {
+        candle_core::bail!(
+            "{op}: x must be bf16 or f32 on a CUDA device with hc <= {MHC_POST_MAX_HC}, y / out bf16 or f32; got x {:?} {:?} on {:?}, y {:?}, out {out_dtype:?}",
+            x.shape(),
+            x.dtype(),
+            x.device(),
+            y.dtype()
+        )
     }
-    if y.dims() != [t, d] || post.dims() != [t, hc] || d > i32::MAX as usize || hc > i32::MAX as usize {
-        candle_core::bail!("{op}: y {:?} and post {:?} do not fit mixed {:?}", y.shape(), post.shape(), mixed.shape())
+    if y.dims() != [t, d] || post.dims() != [t, hc] || comb.dims() != [t, hc, hc] || d > i32::MAX as usize {
+        candle_core::bail!("{op}: y {:?}, post {:?} and comb {:?} do not fit the stream {:?}", y.shape(), post.shape(), comb.shape(), x.shape())
     }
-    let dev = mixed.device();
+    let dev = x.device();
     if t == 0 {
         return Tensor::zeros((0, hc, d), out_dtype, dev);
     }
-    let (m, yc) = (mixed.contiguous()?, y.to_device(dev)?.contiguous()?);
+    let (xc, yc) = (x.contiguous()?, y.to_device(dev)?.contiguous()?);
     let pc = post.to_device(dev)?.to_dtype(DType::F32)?.contiguous()?;
-    let (ms, ml) = m.storage_and_layout();
+    let cc = comb.to_device(dev)?.to_dtype(DType::F32)?.contiguous()?;
+    let (xs, xl) = xc.storage_and_layout();
+    let (cs, cl) = cc.storage_and_layout();
     let (ys, yl) = yc.storage_and_layout();
     let (ps, pl) = pc.storage_and_layout();
-    let (mcu, ycu, pcu) = (as_cuda(&ms, "mixed")?, as_cuda(&ys, "y")?, as_cuda(&ps, "post")?);
-    let cdev = mcu.device.clone();
-    let stream = stream_for(mcu)?;
-    let (y_f32, out_f32) = (y.dtype() == DType::F32, out_dtype == DType::F32);
+    let (xcu, ccu, ycu, pcu) = (as_cuda(&xs, "x")?, as_cuda(&cs, "comb")?, as_cuda(&ys, "y")?, as_cuda(&ps, "post")?);
+    let cdev = xcu.device.clone();
+    let stream = stream_for(xcu)?;
+    let (x_f32, y_f32, out_f32) = (x.dtype() == DType::F32, y.dtype() == DType::F32, out_dtype == DType::F32);
     let n = t * hc * d;
     // The kernel writes every element of the output (n > 0 here).
     let mut out = float_alloc(&cdev, n, out_f32)?;
     {
         let out_layout = Layout::contiguous((t, hc, d));
-        let (m_p, _gm) = read_ptr::<f32>(mcu, ml, &stream)?;
+        let (x_p, _gx) = float_read_ptr(xcu, xl, x_f32, &stream)?;
+        let (c_p, _gc) = read_ptr::<f32>(ccu, cl, &stream)?;
         let (y_p, _gy) = float_read_ptr(ycu, yl, y_f32, &stream)?;
         let (p_p, _gp) = read_ptr::<f32>(pcu, pl, &stream)?;
         let (out_p, _go) = float_write_ptr(&mut out, &out_layout, out_f32, &stream)?;
         let params = MhcPostParams {
-            mixed: m_p,
+            x: x_p,
+            comb: c_p,
             y: y_p,
             post: p_p,
             out: out_p,
             tokens: t as i64,
             hc: hc as i32,
             d: d as i32,
+            x_f32: x_f32 as i32,
             y_f32: y_f32 as i32,
             out_f32: out_f32 as i32,
+            pad: 0,
         };
         // SAFETY: inputs are read-locked, contiguous of the checked shapes and flagged dtypes;
         // out is a fresh allocation of T·hc·d elements; the launcher checks counts and pointers;
@@ -365,7 +385,7 @@ pub fn mhc_post_device(mixed: &Tensor, y: &Tensor, post: &Tensor, out_dtype: DTy
         let code = unsafe { dsv41_mhc_post(&params, std::mem::size_of::<MhcPostParams>(), raw_stream(&stream)) };
         check_status(op, code)?;
     }
-    drop((ms, ys, ps));
+    drop((xs, cs, ys, ps));
     Ok(cuda_tensor(out, (t, hc, d)))
 }
 

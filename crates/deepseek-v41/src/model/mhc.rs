@@ -220,14 +220,14 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
             x.shape()
         )
     }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(x, y, x.dtype()) {
+        // One launch, bit for bit the op sequence below (the comb product included).
+        return crate::cuda::mhc_post_device(x, comb, y, post, x.dtype());
+    }
     // Σ_i comb[i, j]·x[i] = (combᵀ · x)[j], per token.
     let comb_t = comb.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
     let mixed = comb_t.matmul(&x.to_dtype(DType::F32)?)?;
-    #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(&mixed, y, x.dtype()) {
-        // One launch, bit for bit the op sequence below.
-        return crate::cuda::mhc_post_device(&mixed, y, post, x.dtype());
-    }
     let direct = post
         .to_dtype(DType::F32)?
         .unsqueeze(2)?
