@@ -135,12 +135,14 @@ struct Args {
     /// device and on the host (no weights read, no tokenizer, no device needed).
     #[arg(long)]
     dry_run: bool,
-    /// On CUDA, keep every MoE layer on the device: the routing kernel and, with MXFP4 experts, the
-    /// grouped expert kernels (`cuda::with_device_routing`: weight streaming for decode, the
-    /// tensor-core GEMM for prefill; no host read inside a layer's MoE). Off: the routing decision
-    /// is read back per layer.
+    /// On CUDA, read every MoE layer's routing decision back to the host and loop over the experts
+    /// there (the library's default). Without it, `generate --device cuda` keeps the MoE on the
+    /// device: the routing kernel and, with MXFP4 experts, the grouped expert kernels
+    /// (`cuda::with_device_routing`: weight streaming for decode, the tensor-core GEMM for
+    /// prefill; no host read inside a layer's MoE). The two pick different experts only at
+    /// near-ties of the router's scores (`docs/numerics.md`).
     #[arg(long)]
-    moe_on_device: bool,
+    host_routing: bool,
 }
 
 /// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
@@ -288,11 +290,8 @@ fn run() -> Result<()> {
         Ok(args) => args,
         Err(e) => e.exit(),
     };
-    if args.moe_on_device && args.device != DeviceArg::Cuda {
-        bail!("--moe-on-device needs --device cuda");
-    }
     #[cfg(feature = "cuda")]
-    if args.moe_on_device {
+    if args.device == DeviceArg::Cuda && !args.host_routing {
         return deepseek_v41::cuda::with_device_routing(|| run_args(args));
     }
     run_args(args)
