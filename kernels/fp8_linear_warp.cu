@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kWarpThreads, 1) fp8_warp_kernel(const StreamA
             if (__shfl_sync(0xffffffffu, last, 0) == 0u) return;
             __threadfence();
             const float* p = a.ws + static_cast<int64_t>(u) * a.splits * (R * 32) + lane;
-            constexpr int B = R >= 16 ? 1 : 16 / R;  // partials whose loads are in flight at a time
+            constexpr int B = R >= 16 ? 1 : 32 / R;  // partials loaded at a time (32 floats per lane; 16 from NT = 4 on)
             float sum[R];
 #pragma unroll
             for (int j = 0; j < R; ++j) sum[j] = 0.0f;
