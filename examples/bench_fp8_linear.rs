@@ -5,13 +5,15 @@
 //!
 //! ```text
 //! cargo build --release --features cuda --example bench_fp8_linear
-//! bench_fp8_linear [--m 1,16,64,256,4096] [--shapes wq_a,wq_b,wo_b,w13,w2] [--no-act-quant] [--reps 9]
+//! bench_fp8_linear [--m 1,16,64,256,4096] [--shapes wq_a,wq_b,wo_b,w13,w2] [--variants pipeline,registers,warp]
+//!                  [--no-act-quant] [--reps 9]
 //! ```
 //!
 //! Rows per shape and m:
 //! * `fp8 auto`: `fp8_linear` (streaming kernel, shared-memory pipeline variant, for m <= 64,
 //!   else dequantize + cuBLAS);
-//! * `fp8 stream (pipeline | registers)`: the streaming kernel's variants forced (up to m = 256);
+//! * `fp8 stream (pipeline | registers | warp)`: the streaming kernel's variants forced (`--variants`;
+//!   up to m = 256, warp up to m = 64), one after the other for each shape and m;
 //! * `fp8 dequant+cuBLAS`: that path forced (m = 64 .. 256);
 //! * `fp8 gemm (wgmma)`: the FP8 wgmma GEMM forced (m >= 64; with `--no-act-quant` it falls back
 //!   to dequantize + cuBLAS);
@@ -34,7 +36,9 @@ use anyhow::Result;
 use bench::{cuda_device, gbps, l2_bytes, parse_args, rotation_sets, tflops, BenchArgs, Timer};
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
-use deepseek_v41::cuda::{fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant, FP8_STREAM_MAX_M};
+use deepseek_v41::cuda::{
+    fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant, FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
+};
 use deepseek_v41::nn::{Linear, LinearKind};
 use deepseek_v41::quant::Fp8Weight;
 use deepseek_v41::Numerics;
@@ -53,10 +57,20 @@ struct Args {
     /// Shapes (wq_a 5120->1280, wq_b 1280->32768, wo_b 8192->5120, w13 5120->2304, w2 2304->5120).
     #[arg(long, value_delimiter = ',', default_value = "wq_a,wq_b,wo_b,w13,w2")]
     shapes: Vec<String>,
+    /// Streaming-kernel variants timed forced (pipeline, registers, warp).
+    #[arg(long, value_delimiter = ',', default_value = "pipeline,registers,warp")]
+    variants: Vec<String>,
     /// Run with the activation quantization off.
     #[arg(long)]
     no_act_quant: bool,
 }
+
+/// The forced streaming variants: (`--variants` name, row label, variant, largest m).
+const VARIANTS: [(&str, &str, Fp8StreamVariant, usize); 3] = [
+    ("pipeline", "fp8 stream (pipeline)", Fp8StreamVariant::Pipeline, FP8_STREAM_MAX_M),
+    ("registers", "fp8 stream (registers)", Fp8StreamVariant::Registers, FP8_STREAM_MAX_M),
+    ("warp", "fp8 stream (warp)", Fp8StreamVariant::Warp, FP8_WARP_MAX_M),
+];
 
 /// (name, in = k, out = n).
 const SHAPES: [(&str, usize, usize); 5] = [("wq_a", 5120, 1280), ("wq_b", 1280, 32768), ("wo_b", 8192, 5120), ("w13", 5120, 2304), ("w2", 2304, 5120)];
@@ -119,6 +133,9 @@ fn time(timer: &Timer, sets: usize, eager: bool, mut f: impl FnMut(usize) -> Res
 
 fn main() -> Result<()> {
     let args: Args = parse_args(&[("reps", "9"), ("warmup", "3"), ("rep_ms", "20.0")]);
+    if let Some(v) = args.variants.iter().find(|v| !VARIANTS.iter().any(|(name, ..)| name == v)) {
+        anyhow::bail!("--variants: unknown variant {v:?} (pipeline, registers, warp)")
+    }
     let (dev, stream) = cuda_device("bench_fp8_linear")?;
     let timer = args.common.timer(stream.clone());
     let l2 = l2_bytes(&stream)?;
@@ -151,14 +168,12 @@ fn main() -> Result<()> {
                 Ok(())
             })?;
             print(&Row { shape: name, m, what: "fp8 auto", graph_ms: g, calls_ms: c, weight_bytes: fp8_bytes, flops });
-            if m <= FP8_STREAM_MAX_M {
-                for (what, variant) in [("fp8 stream (pipeline)", Fp8StreamVariant::Pipeline), ("fp8 stream (registers)", Fp8StreamVariant::Registers)] {
-                    let (g, _) = time(&timer, sets, false, |s| {
-                        fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant })?;
-                        Ok(())
-                    })?;
-                    print(&Row { shape: name, m, what, graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
-                }
+            for &(_, what, variant, _) in VARIANTS.iter().filter(|v| m <= v.3 && args.variants.iter().any(|a| a == v.0)) {
+                let (g, _) = time(&timer, sets, false, |s| {
+                    fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant })?;
+                    Ok(())
+                })?;
+                print(&Row { shape: name, m, what, graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
             }
             if m >= 64 {
                 let (g, _) = time(&timer, sets, false, |s| {

@@ -7,7 +7,9 @@
 //
 // Layout: x [m, k] bf16, codes [n, k] u8, scales [ceil(n/32), ceil(k/32)] u8, out [m, n] bf16,
 // all contiguous row-major. The exact dequantization W -> bf16 / f32 (the large-m path's first
-// step) is kernels/fp8_dequant.cu; the FP8 wgmma GEMM kernels/fp8_gemm.cu.
+// step) is kernels/fp8_dequant.cu; the FP8 wgmma GEMM kernels/fp8_gemm.cu; the WARP variant of
+// the weight streaming kernels/fp8_linear_warp.cu (the device pieces all variants share:
+// include/dsv41_fp8_stream.cuh).
 //
 // Design (weight streaming, m <= 256; decode is m <= 64): the weight is read once from HBM and
 // every byte meets all m tokens on the tensor cores.
@@ -16,11 +18,12 @@
 //     zero-padded to whole 32-blocks and token tiles, and the split-K arrival counters zeroed.
 //     It lets the stream kernel launch early (programmatic dependent launch): that one starts
 //     its weight copies, then waits for the panel (griddepcontrol.wait).
-//   * products (both variants): a warp computes one 32-row block of W (one e8m0 scale row) x
-//     a chunk of 8*NT <= 64 tokens. Per k32 block a lane holds 8 code bytes of each of
-//     its 4 rows, converts them exactly to f16 (cvt.rn.f16x2.e4m3x2; bf16 via f32 when act
-//     quant is off) and runs mma.sync m16n8k16 with the weight as A (2 m16 tiles) and the tokens
-//     as B (NT n8 tiles, 16-byte panel loads), 2G independent products at a time.
+//   * products (every variant): a warp computes one 32-row block of W (one e8m0 scale row; WARP:
+//     16 rows of one) x a chunk of 8*NT <= 64 tokens. Per k32 block a lane holds 8 code bytes of
+//     each of its 4 rows (WARP: 2), converts them exactly to f16 (cvt.rn.f16x2.e4m3x2; bf16 via
+//     f32 when act quant is off) and runs mma.sync m16n8k16 with the weight as A (2 m16 tiles;
+//     WARP: 1) and the tokens as B (NT n8 tiles, 16-byte panel loads), 2G independent products
+//     at a time.
 //     The K order inside a block is permuted (lane quad t owns k = 8t..8t+7 of every row and
 //     token; a dot product does not care), so the panel and the code bytes line up without
 //     shuffles. Each k32 block's product goes to a fresh accumulator that is added to the
@@ -36,11 +39,25 @@
 //     a CTA per 32-row block x split of K x token chunk, 8-byte loads per lane and row (byte
 //     loads where k % 8 != 0), 4 k32 blocks in flight per warp in a register ring, the panel read
 //     through L1; split-K partials are added in split order by the tile's last CTA (about 3 CTAs
-//     per SM, at least 16 k32 blocks per CTA).
+//     per SM, at least 16 k32 blocks per CTA). WARP (any k, m <= 64; explicit only until timed,
+//     design in kernels/fp8_linear_warp.cu): the warp-owned streaming of kernels/moe_experts.cu -
+//     a unit of 16 rows x a split of K is owned by one warp, which loads its codes and scales
+//     straight from global memory into registers in the fragment pattern, 2 groups of 4 k32
+//     blocks ahead of the products across its units; a persistent grid of 16-warp CTAs, each
+//     with one K split and an equal contiguous run of units, its panel slice copied into shared
+//     memory once; no weight ring, no per-stage barrier, no cross-warp reduction; split-K
+//     partials added in split order by the unit's last warp.
 //   * Why stream-K (docs/perf.md "FP8 linear"): with a CTA per 32-row block, every CTA read
 //     only 40-340 KB and waited for its first bytes; the measured time was ~5.6 us plus the
 //     bytes at 2.3 TB/s on an H100, whether the bytes came through registers or a 3-stage
 //     cp.async pipeline per warp.
+//   * Why WARP: at m <= 16 REGISTERS and stream-K reach 1.6-1.7 TB/s on the 42 MB shapes,
+//     0.63x the read ceiling's time (docs/perf.md "FP8 linear"); the MoE experts' kernel went 2x
+//     faster when its shared-memory weight ring with a CTA barrier per stage (instruction-bound,
+//     ncu) became warp-owned register streaming. WARP removes the costs of that kind here:
+//     stream-K's barrier per stage, REGISTERS' grid of short CTAs that each wait for their first
+//     bytes and reduce across warps. Whether it is faster is the bench's to say
+//     (examples/bench_fp8_linear.rs times the three variants in one run).
 //
 // Numerics: the products of e4m3 codes are exact in f16 x f16 -> f32 tensor-core products;
 // with act quant off, bf16 x times the code is exact too. A block's 32 products are summed by
@@ -59,6 +76,7 @@
 
 #include "include/dsv41_fp8.cuh"
 #include "include/dsv41_fp8_linear.h"
+#include "include/dsv41_fp8_stream.cuh"
 #include "include/dsv41_launch.cuh"
 #include "include/dsv41_numerics.cuh"
 
@@ -68,76 +86,6 @@ namespace fp8 {
 constexpr int kThreads = 128;   // 4 warps per CTA
 constexpr int kMinBlocksPerSplit = 16;
 constexpr int kPrepThreads = 256;
-
-// Two e4m3 codes -> bf16x2 (through f16 and f32, all exact).
-__device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint16_t h) {
-    const uint32_t f = e4m3x2_f16x2(h);
-    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&f));
-    const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
-    return *reinterpret_cast<const uint32_t*>(&b);
-}
-
-template <bool ACTQ>
-__device__ __forceinline__ uint32_t cvt_codes(uint16_t h) {
-    if constexpr (ACTQ) return e4m3x2_f16x2(h);
-    else return e4m3x2_bf16x2(h);
-}
-
-// d = a * b (+ c) for m16n8k16, f16 (ACTQ) or bf16 inputs, f32 accumulators.
-template <bool ACTQ>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, const float (&c)[4]) {
-    if constexpr (ACTQ) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    } else {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    }
-}
-
-__device__ __forceinline__ uint64_t evict_first_policy() {
-    uint64_t pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
-
-// 8 weight bytes at row[k0..k0+8) (zeros past k or for an invalid row). VEC: one 8-byte load
-// (row and k0 8-byte aligned, k a multiple of 8); else byte loads.
-template <bool VEC>
-__device__ __forceinline__ uint2 load_w8(const uint8_t* row, int k0, int k, bool row_ok, uint64_t pol) {
-    uint2 v = make_uint2(0u, 0u);
-    if constexpr (VEC) {
-        if (row_ok && k0 < k) {
-            asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v2.u32 {%0,%1}, [%2], %3;"
-                         : "=r"(v.x), "=r"(v.y)
-                         : "l"(row + k0), "l"(pol));
-        }
-    } else {
-        if (row_ok) {
-#pragma unroll
-            for (int b = 0; b < 8; ++b) {
-                const uint32_t byte = k0 + b < k ? static_cast<uint32_t>(__ldg(row + k0 + b)) : 0u;
-                if (b < 4) v.x |= byte << (8 * b);
-                else v.y |= byte << (8 * (b - 4));
-            }
-        }
-    }
-    return v;
-}
-
-// What the stream kernel reads (pointers into the caller's buffers and the scratch).
-struct StreamArgs {
-    const uint8_t* codes;
-    const uint8_t* scales;
-    __nv_bfloat16* out;
-    const uint16_t* panel;  // [mpad, kpad]
-    const float* ascale;    // [kb, mpad] (ACTQ)
-    float* ws;              // [nb * mc, splits, 8 * NT * 32] (splits > 1)
-    unsigned* ctr;          // [nb * mc] (splits > 1)
-    int m, n, k, kb, kpad, mpad, mc, splits;
-};
 
 // Stores 4 consecutive outputs (row tok, columns n0..n0+3) as bf16.
 __device__ __forceinline__ void store_out4(const StreamArgs& a, int tok, int n0, float4 v) {
@@ -161,71 +109,6 @@ constexpr int kLd = 36;        // padded row (32 rows + 4) of the reduction tile
 constexpr int kStepBlocks = 4; // smem pipeline: k32 blocks per stage (128 bytes of each of 32 rows)
 constexpr int kSrow = 144;     // smem pipeline: bytes per staged row (128 + 16: conflict-free 8-byte reads)
 constexpr int kWarpStage = 32 * kSrow;
-
-// One k32 block of the warp's 32 rows: w[i] = the lane's 8 code bytes of row g + 8i (k offsets
-// 8t..8t+7 of the block), sw = the block's weight scale. acc += (codes · panel) · 2^(sa + sw).
-// pb: the lane's 16 panel bytes of the block for token tok0 + g (global or shared memory),
-// pstride: uint4s from one n8 token tile to the next; sap (ACTQ): the block's activation scales
-// from token tok0 on (global or shared memory).
-template <int NT, bool ACTQ>
-__device__ __forceinline__ void block_step(float (&acc)[2][NT][4], const uint2 (&w)[4], float sw, int t, const uint4* pb, int pstride,
-                                           const float* sap) {
-    constexpr int G = NT < 4 ? NT : 4;  // n8 tiles per group of independent products
-    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // A fragments: [m tile][k16 step]; a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
-    uint32_t af[2][2][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const uint32_t lo = j == 0 ? w[2 * mt].x : w[2 * mt].y;
-            const uint32_t hi = j == 0 ? w[2 * mt + 1].x : w[2 * mt + 1].y;
-            af[mt][j][0] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo & 0xffffu));
-            af[mt][j][2] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo >> 16));
-            af[mt][j][1] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi & 0xffffu));
-            af[mt][j][3] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi >> 16));
-        }
-    // G n8 tiles at a time: 2G independent first-half products, then the second halves, then
-    // the scaled sums (no product waits on the one just issued).
-#pragma unroll
-    for (int n0 = 0; n0 < NT; n0 += G) {
-        uint4 b[G];
-        float s0[G], s1[G];
-#pragma unroll
-        for (int u = 0; u < G; ++u) {
-            b[u] = pb[(n0 + u) * pstride];
-            s0[u] = sw;
-            s1[u] = sw;
-            if constexpr (ACTQ) {
-                const float2 sa = *reinterpret_cast<const float2*>(sap + 8 * (n0 + u) + 2 * t);
-                s0[u] = sa.x * sw;
-                s1[u] = sa.y * sw;
-                // 2^(sa+sw) >= 2^128: clamp so that an all-zero block contributes 0, not NaN.
-                if (isinf(s0[u])) s0[u] = FLT_MAX;
-                if (isinf(s1[u])) s1[u] = FLT_MAX;
-            }
-        }
-        float p[2][G][4];
-#pragma unroll
-        for (int u = 0; u < G; ++u)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][0], b[u].x, b[u].y, zero);
-#pragma unroll
-        for (int u = 0; u < G; ++u)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][1], b[u].z, b[u].w, p[mt][u]);
-#pragma unroll
-        for (int u = 0; u < G; ++u)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                float* c = acc[mt][n0 + u];
-                c[0] = fmaf(p[mt][u][0], s0[u], c[0]);
-                c[1] = fmaf(p[mt][u][1], s1[u], c[1]);
-                c[2] = fmaf(p[mt][u][2], s0[u], c[2]);
-                c[3] = fmaf(p[mt][u][3], s1[u], c[3]);
-            }
-    }
-}
 
 // The CTA's epilogue: the 4 warps' sums meet in red (fixed order), then bf16 stores, or with
 // split-K an f32 partial and, in the last CTA of the tile to arrive, the sum of the partials in
@@ -573,6 +456,8 @@ __global__ void __launch_bounds__(kPrepThreads) fp8_prep_kernel(const __nv_bfloa
 struct Plan {
     int nt, tok, mc, mpad, kb, kpad, nb, splits;
     int ctas;  // stream-K grid: the SMs x resident CTAs per SM, at most the units
+    bool warp; // the WARP variant runs (asked for, m <= kWarpMaxM)
+    WarpPlan wp;
     int64_t panel_off, ascale_off, ws_off, ctr_off, bytes;
 };
 
@@ -583,7 +468,7 @@ using dsv41_launch::sm_count;
 inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->m < 1 || p->m > DSV41_FP8_STREAM_MAX_M || p->n < 1 || p->k < 1 || p->splits < 0) return DSV41_ERR_SHAPE;
-    if (p->variant < 0 || p->variant > 2) return DSV41_ERR_SHAPE;
+    if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_WARP) return DSV41_ERR_SHAPE;
     if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
     // Grid limits: ceil(n/32) CTAs in y (<= 65535).
     if ((p->n + 31) / 32 > 65535) return DSV41_ERR_SHAPE;
@@ -655,12 +540,23 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
     const int64_t ctas = per_sm * sm_count(), by_units = units / kMinUnits > 1 ? units / kMinUnits : 1;
     q.ctas = static_cast<int>(ctas < by_units ? ctas : by_units);
     const int64_t ws_reg = s > 1 ? tiles * s * q.tok * 32 * 4 : 0, ws_sk = 2 * static_cast<int64_t>(q.ctas) * 4 * (8 * q.nt) * 32 * 4;
-    q.ctr_off = q.ws_off + align256(ws_reg > ws_sk ? ws_reg : ws_sk);
-    q.bytes = q.ctr_off + align256((tiles > groups ? tiles : groups) * 4);
+    // WARP: partials [16-row unit][split][16 x tok] f32 and a counter per unit (splits > 1).
+    q.warp = p->variant == DSV41_FP8_VARIANT_WARP && m <= kWarpMaxM;
+    int64_t ws_warp = 0, ctr_warp = 0;
+    q.wp = WarpPlan{1, 1, 0, 0};
+    if (q.warp) {
+        q.wp = warp_plan(p->n, q.kb, q.tok, p->act_quant != 0, p->splits);
+        ctr_warp = q.wp.splits > 1 ? (p->n + 15) / 16 : 0;
+        ws_warp = ctr_warp * q.wp.splits * 16 * q.tok * 4;
+    }
+    const int64_t ws = ws_reg > ws_sk ? ws_reg : ws_sk, n_ctr = tiles > groups ? tiles : groups;
+    q.ctr_off = q.ws_off + align256(ws > ws_warp ? ws : ws_warp);
+    q.bytes = q.ctr_off + align256((n_ctr > ctr_warp ? n_ctr : ctr_warp) * 4);
     return q;
 }
 
-// kind: 0 register ring with byte loads, 1 register ring with 8-byte loads, 2 smem pipeline.
+// kind: 0 register ring with byte loads, 1 register ring with 8-byte loads, 2 smem pipeline (3:
+// the WARP variant, launch_warp).
 template <int NT, bool ACTQ>
 cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
     const dim3 grid(q.mc, q.nb, q.splits);
@@ -722,16 +618,24 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     a.mpad = q.mpad;
     a.mc = q.mc;
     a.splits = q.splits;
+    a.parts = 1;  // WARP: set by launch_warp
+    a.prow = 0;
 
     const uintptr_t cp = reinterpret_cast<uintptr_t>(p->codes);
     const bool vec8 = p->k % 8 == 0 && (cp & 7) == 0;
     const bool streamk = p->k % 128 == 0 && (cp & 15) == 0 && (reinterpret_cast<uintptr_t>(p->scales) & 3) == 0;
     // DSV41_FP8_VARIANT_*: AUTO takes the stream-K pipeline for m > 16 where its whole-stage copies
     // are possible (faster there on an H100: 48 vs 57 us for wq_b at m = 64), the ring for m <= 16
-    // (as fast or faster: 9.5 vs 12.6 us for wq_a at m = 1; docs/perf.md "FP8 linear").
-    const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE || (p->variant == DSV41_FP8_VARIANT_AUTO && p->m > 16);
-    const int kind = (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
-    const int n_ctr = kind == 2 ? q.mc * ((p->n + 127) / 128) : q.splits > 1 ? q.nb * q.mc : 0;
+    // (as fast or faster: 9.5 vs 12.6 us for wq_a at m = 1; docs/perf.md "FP8 linear"). WARP
+    // (kernels/fp8_linear_warp.cu) runs where asked for and m <= kWarpMaxM, any k and alignment;
+    // asked for above, it runs what AUTO picks.
+    const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE ||
+                          ((p->variant == DSV41_FP8_VARIANT_AUTO || p->variant == DSV41_FP8_VARIANT_WARP) && p->m > 16);
+    const int kind = q.warp ? 3 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
+    int n_ctr = 0;  // arrival counters the prep kernel zeroes
+    if (kind == 3) n_ctr = q.wp.splits > 1 ? (p->n + 15) / 16 : 0;
+    else if (kind == 2) n_ctr = q.mc * ((p->n + 127) / 128);
+    else if (q.splits > 1) n_ctr = q.nb * q.mc;
     const int64_t prep_threads = static_cast<int64_t>(q.mpad) * q.kb * 32;
     const unsigned prep_blocks = static_cast<unsigned>((prep_threads + kPrepThreads - 1) / kPrepThreads);
     const auto* x = static_cast<const __nv_bfloat16*>(p->x);
@@ -742,6 +646,7 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
 
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
-    e = p->act_quant ? launch_stream_nt<true>(a, q, kind, st) : launch_stream_nt<false>(a, q, kind, st);
+    if (kind == 3) e = launch_warp(a, q.wp, q.nt, p->act_quant != 0, vec8, st);
+    else e = p->act_quant ? launch_stream_nt<true>(a, q, kind, st) : launch_stream_nt<false>(a, q, kind, st);
     return static_cast<int>(e);
 }

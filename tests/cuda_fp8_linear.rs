@@ -183,19 +183,32 @@ fn abs_dot(x: &Tensor, w: &Fp8Weight, act_quant: bool) -> Result<Vec<f32>> {
     Ok(xq.abs()?.matmul(&wd.abs()?.t()?)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// Runs `paths` (with `splits`) on the GPU for x / w and compares each with the CPU reference;
-/// returns the summed counts.
+/// The streaming kernel's variants every `Stream` check runs (`Warp` above m = 64 runs what `Auto`
+/// picks).
+const STREAM_VARIANTS: [Fp8StreamVariant; 3] = [Fp8StreamVariant::Registers, Fp8StreamVariant::Pipeline, Fp8StreamVariant::Warp];
+
+/// Runs `paths` (with `splits`; `Stream` with each of [`STREAM_VARIANTS`]) on the GPU for x / w and
+/// compares each with the CPU reference; returns the summed counts.
 fn check(dev: &Device, x: &Tensor, w: &Fp8Weight, act_quant: bool, paths: &[Fp8LinearPath], splits: usize, what: &str) -> Result<Diff> {
+    let runs: Vec<_> = paths
+        .iter()
+        .flat_map(|&path| match path {
+            Fp8LinearPath::Stream => STREAM_VARIANTS.iter().map(|&v| (path, v, splits)).collect(),
+            _ => vec![(path, Fp8StreamVariant::Auto, splits)],
+        })
+        .collect();
+    check_runs(dev, x, w, act_quant, &runs, what)
+}
+
+/// Runs each (path, variant, splits) of `runs` on the GPU for x / w and compares it with the CPU
+/// reference; returns the summed counts.
+fn check_runs(dev: &Device, x: &Tensor, w: &Fp8Weight, act_quant: bool, runs: &[(Fp8LinearPath, Fp8StreamVariant, usize)], what: &str) -> Result<Diff> {
     let want = fp8_linear_ref(x, w, act_quant)?;
     let absdot = abs_dot(x, w, act_quant)?;
     let (xg, wg) = (x.to_device(dev)?, Fp8Weight::new(w.codes().to_device(dev)?, w.scales().to_device(dev)?)?);
     let (m, (n, k)) = (x.dims()[0], w.dims());
     let mut sum = Diff::default();
-    let runs = paths.iter().flat_map(|&path| match path {
-        Fp8LinearPath::Stream => vec![(path, Fp8StreamVariant::Registers), (path, Fp8StreamVariant::Pipeline)],
-        _ => vec![(path, Fp8StreamVariant::Auto)],
-    });
-    for (path, variant) in runs {
+    for &(path, variant, splits) in runs {
         poison(dev, 4 * m * n + 4 * m * k + (1 << 20))?;
         let got = fp8_linear_with(&xg, &wg, act_quant, Fp8LinearOptions { path, splits, variant })?;
         let d = compare(&got, &want, &absdot, error_bound(path), &format!("{what} m={m} n={n} k={k} aq={act_quant} {path:?} {variant:?} splits={splits}"))?;
@@ -296,9 +309,16 @@ fn extreme_scales() -> Result<()> {
     // NaN scale: block (0, 0) poisons rows 0..32 of every token, the others stay finite.
     let w = weight(&mut rng, 64, 64, Scales::WithNan)?;
     let x = acts(&mut rng, 3, 64, Acts::Typical)?;
-    let y = fp8_linear(&x.to_device(&dev)?, &Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?, true)?;
-    let y = y.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    ensure!(y.iter().all(|r| r[..32].iter().all(|v| v.is_nan()) && r[32..].iter().all(|v| v.is_finite())), "NaN scale not propagated as the reference does");
+    let (xg, wg) = (x.to_device(&dev)?, Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?);
+    for variant in [Fp8StreamVariant::Auto, Fp8StreamVariant::Warp] {
+        poison(&dev, 1 << 20)?;
+        let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant };
+        let y = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        ensure!(
+            y.iter().all(|r| r[..32].iter().all(|v| v.is_nan()) && r[32..].iter().all(|v| v.is_finite())),
+            "{variant:?}: NaN scale not propagated as the reference does"
+        );
+    }
     Ok(())
 }
 
@@ -316,7 +336,7 @@ fn split_k_factors() -> Result<()> {
             let d = check(&dev, &x, &w, true, &[Fp8LinearPath::Stream], splits, "split-k")?;
             ensure!(d.one_ulp + d.beyond <= d.total / 50, "m {m} splits {splits}: {d:?}");
             let xg = x.to_device(&dev)?;
-            for variant in [Fp8StreamVariant::Registers, Fp8StreamVariant::Pipeline] {
+            for variant in STREAM_VARIANTS {
                 let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, splits, variant };
                 let a = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 poison(&dev, 1 << 20)?;
@@ -325,13 +345,79 @@ fn split_k_factors() -> Result<()> {
             }
         }
     }
-    // A realistic shape (wq_a-like, 5120 -> 1280) through the automatic choice.
+    // A realistic shape (wq_a-like, 5120 -> 1280) through the automatic choice, and through the
+    // candidate default (`AutoWarp`: the warp-owned variant for m <= 16).
     let w = weight(&mut rng, 1280, 5120, Scales::Typical)?;
     for m in [1usize, 16, 64] {
         let x = acts(&mut rng, m, 5120, Acts::Typical)?;
-        let d = check(&dev, &x, &w, true, &[Fp8LinearPath::Auto], 0, "wq_a")?;
+        let runs = [(Fp8LinearPath::Auto, Fp8StreamVariant::Auto, 0), (Fp8LinearPath::Auto, Fp8StreamVariant::AutoWarp, 0)];
+        let d = check_runs(&dev, &x, &w, true, &runs, "wq_a")?;
         report(&format!("5120 -> 1280, m = {m}"), d);
     }
+    Ok(())
+}
+
+/// The warp-owned variant (`Fp8StreamVariant::Warp`, `kernels/fp8_linear_warp.cu`) at the decode
+/// sizes m = 1, 2, 15, 16 (one and two n8 token tiles) and m = 24, 64 (four and eight), n around
+/// its 16-row units and 32-row scale blocks, k around its groups of 4 k32 blocks (not a multiple
+/// of 128; with act quant off not of 32, nor of 8: byte loads), automatic and forced split factors
+/// (a forced 1 is raised where the panel slice needs it), one unit per warp and several (the load
+/// stream runs on into the warp's next unit), outputs over poisoned memory, and two runs bit for
+/// bit equal.
+#[test]
+fn warp_variant() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0009);
+    let mut sum = Diff::default();
+    let stream = Fp8LinearPath::Stream;
+    // (n, k, act quant, forced split factors besides the automatic one)
+    let shapes: [(usize, usize, bool, &[usize]); 11] = [
+        (96, 160, true, &[1, 2, 1000]),
+        (100, 1312, true, &[1, 3, 7]),
+        (17, 4096, true, &[1, 5, 1000]),
+        (8, 32, true, &[1, 2]),
+        (1280, 5120, true, &[1, 13]),
+        (33, 96, false, &[1, 2]),
+        (40, 72, false, &[1, 2]),
+        (33, 100, false, &[1, 4]),
+        (31, 1, false, &[1]),
+        (48, 1040, false, &[1, 3]),
+        (70, 8192, true, &[1, 2]),
+    ];
+    for &(n, k, act_quant, forced) in &shapes {
+        let w = weight(&mut rng, n, k, Scales::Typical)?;
+        let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+        for m in [1usize, 2, 15, 16, 24, 64] {
+            let x = acts(&mut rng, m, k, Acts::Typical)?;
+            let runs: Vec<_> = [0].iter().chain(forced).map(|&splits| (stream, Fp8StreamVariant::Warp, splits)).collect();
+            let d = check_runs(&dev, &x, &w, act_quant, &runs, "warp")?;
+            sum.total += d.total;
+            sum.one_ulp += d.one_ulp;
+            sum.beyond += d.beyond;
+            let xg = x.to_device(&dev)?;
+            let opts = Fp8LinearOptions { path: stream, splits: 0, variant: Fp8StreamVariant::Warp };
+            let a = fp8_linear_with(&xg, &wg, act_quant, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            poison(&dev, 1 << 20)?;
+            let b = fp8_linear_with(&xg, &wg, act_quant, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            ensure!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "warp n {n} k {k} m {m}: two runs differ");
+        }
+    }
+    // Several units per warp: 513 units of 16 rows (the last of 8) over k = 2144 (17 groups, the
+    // last of 3 blocks) and 8192 x 2048; forced 16 splits leave 8 CTAs per split on 132 SMs, so
+    // every warp streams 4-5 units back to back.
+    for &(n, k) in &[(8200usize, 2144usize), (8192, 2048)] {
+        let w = weight(&mut rng, n, k, Scales::Typical)?;
+        for m in [1usize, 16] {
+            let x = acts(&mut rng, m, k, Acts::Typical)?;
+            let runs = [(stream, Fp8StreamVariant::Warp, 0), (stream, Fp8StreamVariant::Warp, 16), (stream, Fp8StreamVariant::Warp, 1)];
+            let d = check_runs(&dev, &x, &w, true, &runs, "warp, several units per warp")?;
+            sum.total += d.total;
+            sum.one_ulp += d.one_ulp;
+            sum.beyond += d.beyond;
+        }
+    }
+    report("warp variant", sum);
+    ensure!(sum.one_ulp + sum.beyond <= sum.total / 50, "warp variant: more than 2 % of outputs differ: {sum:?}");
     Ok(())
 }
 

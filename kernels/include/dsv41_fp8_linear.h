@@ -26,18 +26,22 @@ typedef struct {
     int32_t n;              // output features >= 1
     int32_t k;              // input features >= 1 (a multiple of 32 when act_quant)
     int32_t act_quant;      // 1: FP8 activation quantization per 1x32 block (Q1), 0: bf16 x as is
-    int32_t splits;         // split-K factor; 0 = the launcher's choice
+    int32_t splits;         // split-K factor; 0 = the launcher's choice (WARP: raised to what its shared memory needs)
     int32_t variant;        // DSV41_FP8_VARIANT_*
 } Dsv41Fp8LinearParams;
 
 // Weight-streaming kernel variants: AUTO = PIPELINE for m > 16 when k % 128 == 0, the codes are
 // 16-byte and the scales 4-byte aligned, else REGISTERS (which also takes any k and alignment).
+// WARP takes any k and alignment for m <= 64; asked for with m > 64 it runs what AUTO picks.
 #define DSV41_FP8_VARIANT_AUTO 0
 #define DSV41_FP8_VARIANT_REGISTERS 1  // 8-byte loads into a register ring, 4 k32 blocks in flight per warp
 #define DSV41_FP8_VARIANT_PIPELINE 2   // stream-K: a persistent grid, cp.async stages of 128 rows x 128 bytes in shared memory
+#define DSV41_FP8_VARIANT_WARP 3       // warp-owned 16-row units streamed into registers (kernels/fp8_linear_warp.cu)
 
 // Largest m of the weight-streaming kernel (tokens run in chunks of 64 columns).
 #define DSV41_FP8_STREAM_MAX_M 256
+// Largest m of the WARP variant (one token chunk); above, a WARP call runs what AUTO picks.
+#define DSV41_FP8_WARP_MAX_M 64
 
 // Bytes of scratch the weight-streaming launch of *p needs (activation panel, block scales,
 // split-K partials, arrival counters); *bytes is set on success.

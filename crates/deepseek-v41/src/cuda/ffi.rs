@@ -348,12 +348,15 @@ pub(crate) struct Fp8LinearParams {
     pub act_quant: i32,
     /// Split-K factor, 0 = the launcher's choice.
     pub splits: i32,
-    /// `DSV41_FP8_VARIANT_*`: 0 auto, 1 register ring, 2 shared-memory pipeline.
+    /// `DSV41_FP8_VARIANT_*`: 0 auto, 1 register ring, 2 shared-memory pipeline, 3 warp-owned.
     pub variant: i32,
 }
 
 /// `DSV41_FP8_STREAM_MAX_M`: the largest `m` of the weight-streaming kernel.
 pub(crate) const FP8_STREAM_MAX_M: usize = 256;
+
+/// `DSV41_FP8_WARP_MAX_M`: the largest `m` of the warp-owned variant.
+pub(crate) const FP8_WARP_MAX_M: usize = 64;
 
 /// `Dsv41Fp8DequantParams` of `kernels/include/dsv41_fp8_linear.h`.
 #[repr(C)]

@@ -32,6 +32,9 @@ pub const FP8_STREAM_MAX_M: usize = ffi::FP8_STREAM_MAX_M;
 /// there on the H100 / H200 until the FP8 `wgmma` kernel; `docs/perf.md` "FP8 linear").
 pub const FP8_AUTO_STREAM_MAX_M: usize = 64;
 
+/// The largest m of the `Warp` variant ([`Fp8StreamVariant::Warp`]; above it runs what `Auto` picks).
+pub const FP8_WARP_MAX_M: usize = ffi::FP8_WARP_MAX_M;
+
 /// The weight-streaming kernel's variants (`DSV41_FP8_VARIANT_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8StreamVariant {
@@ -44,6 +47,14 @@ pub enum Fp8StreamVariant {
     /// Stream-K: a persistent grid whose CTAs stream equal runs of 128-row x 128-byte units
     /// through `cp.async` stages in shared memory (falls back to `Registers` where K % 128 != 0).
     Pipeline,
+    /// Warp-owned streaming (`kernels/fp8_linear_warp.cu`): each unit of 16 weight rows x a split
+    /// of K is streamed by one warp straight into registers, a persistent grid of 16-warp CTAs,
+    /// deterministic split-K. Any K and alignment, m <= [`FP8_WARP_MAX_M`] (above: what `Auto`
+    /// picks). The split factor is raised where the CTA's activation slice needs it to fit shared
+    /// memory.
+    Warp,
+    /// `Auto` with `Warp` for m <= 16: the candidate default, explicit until timed on the GPU.
+    AutoWarp,
 }
 
 /// Which kernel computes an FP8 linear.
@@ -67,7 +78,7 @@ pub struct Fp8LinearOptions {
     /// The path: streaming kernel or dequantize + cuBLAS (default: by m).
     pub path: Fp8LinearPath,
     /// Split-K factor of the streaming kernel; 0 = the launcher's choice (clamped to the k32
-    /// blocks).
+    /// blocks; `Warp`: to its groups of 4 blocks, and raised to what its shared memory needs).
     pub splits: usize,
     /// The streaming kernel's variant.
     pub variant: Fp8StreamVariant,
@@ -153,6 +164,9 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
             Fp8StreamVariant::Auto => 0,
             Fp8StreamVariant::Registers => 1,
             Fp8StreamVariant::Pipeline => 2,
+            Fp8StreamVariant::Warp => 3,
+            Fp8StreamVariant::AutoWarp if m <= 16 => 3,
+            Fp8StreamVariant::AutoWarp => 0,
         },
     };
     let mut bytes = 0i64;

@@ -92,7 +92,7 @@ pub use compressed_insert::compressed_insert;
 pub use decode_device::decode_device;
 pub use fp8_linear::{
     fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant, FP8_AUTO_STREAM_MAX_M,
-    FP8_STREAM_MAX_M,
+    FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
 };
 pub use decoder_ops::{
     accumulate_device, accumulate_supported, collapse_device, collapse_supported, engram_mix_device, engram_mix_supported, mhc_post_device,

@@ -1,0 +1,173 @@
+// Device pieces shared by the FP8 linear's weight-streaming kernels (spec §2.4-§2.5, issue 21):
+// kernels/fp8_linear.cu (the launcher, the prep kernel, the REGISTERS and PIPELINE variants; its
+// header comment holds the design and the numerics) and kernels/fp8_linear_warp.cu (the WARP
+// variant): the code conversion, the mma, the weight loads, the kernels' arguments and the
+// per-k32-block product with the block scales applied in f32.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <float.h>
+#include <stdint.h>
+
+#include "dsv41_fp8.cuh"
+#include "dsv41_fp8_linear.h"
+
+namespace dsv41 {
+namespace fp8 {
+
+// Two e4m3 codes -> bf16x2 (through f16 and f32, all exact).
+__device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint16_t h) {
+    const uint32_t f = e4m3x2_f16x2(h);
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&f));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+    return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <bool ACTQ>
+__device__ __forceinline__ uint32_t cvt_codes(uint16_t h) {
+    if constexpr (ACTQ) return e4m3x2_f16x2(h);
+    else return e4m3x2_bf16x2(h);
+}
+
+// d = a * b (+ c) for m16n8k16, f16 (ACTQ) or bf16 inputs, f32 accumulators.
+template <bool ACTQ>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, const float (&c)[4]) {
+    if constexpr (ACTQ) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    }
+}
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+    uint64_t pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
+// 8 weight bytes at row[k0..k0+8) (zeros past k or for an invalid row). VEC: one 8-byte load
+// (row and k0 8-byte aligned, k a multiple of 8); else byte loads.
+template <bool VEC>
+__device__ __forceinline__ uint2 load_w8(const uint8_t* row, int k0, int k, bool row_ok, uint64_t pol) {
+    uint2 v = make_uint2(0u, 0u);
+    if constexpr (VEC) {
+        if (row_ok && k0 < k) {
+            asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v2.u32 {%0,%1}, [%2], %3;"
+                         : "=r"(v.x), "=r"(v.y)
+                         : "l"(row + k0), "l"(pol));
+        }
+    } else {
+        if (row_ok) {
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                const uint32_t byte = k0 + b < k ? static_cast<uint32_t>(__ldg(row + k0 + b)) : 0u;
+                if (b < 4) v.x |= byte << (8 * b);
+                else v.y |= byte << (8 * (b - 4));
+            }
+        }
+    }
+    return v;
+}
+
+// What the stream kernels read (pointers into the caller's buffers and the scratch).
+struct StreamArgs {
+    const uint8_t* codes;
+    const uint8_t* scales;
+    __nv_bfloat16* out;
+    const uint16_t* panel;  // [mpad, kpad]
+    const float* ascale;    // [kb, mpad] (ACTQ)
+    float* ws;              // split-K / stream-K partials (the kernel's layout)
+    unsigned* ctr;          // arrival counters (the kernel's)
+    int m, n, k, kb, kpad, mpad, mc, splits;
+    int parts, prow;        // WARP: CTAs per split, bytes per panel row in shared memory
+};
+
+// One k32 block of the warp's 16 MT rows (MT m16 tiles: 2 for the 32-row blocks of REGISTERS and
+// PIPELINE, 1 for the 16-row units of WARP): w[i] = the lane's 8 code bytes of row g + 8i (k
+// offsets 8t..8t+7 of the block), sw = the block's weight scale. acc += (codes · panel) · 2^(sa + sw).
+// pb: the lane's 16 panel bytes of the block for token tok0 + g (global or shared memory),
+// pstride: uint4s from one n8 token tile to the next; sap (ACTQ): the block's activation scales
+// from token tok0 on (global or shared memory).
+template <int NT, bool ACTQ, int MT>
+__device__ __forceinline__ void block_step(float (&acc)[MT][NT][4], const uint2 (&w)[2 * MT], float sw, int t, const uint4* pb, int pstride,
+                                           const float* sap) {
+    constexpr int G = NT < 4 ? NT : 4;  // n8 tiles per group of independent products
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // A fragments: [m tile][k16 step]; a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
+    uint32_t af[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t lo = j == 0 ? w[2 * mt].x : w[2 * mt].y;
+            const uint32_t hi = j == 0 ? w[2 * mt + 1].x : w[2 * mt + 1].y;
+            af[mt][j][0] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo & 0xffffu));
+            af[mt][j][2] = cvt_codes<ACTQ>(static_cast<uint16_t>(lo >> 16));
+            af[mt][j][1] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi & 0xffffu));
+            af[mt][j][3] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi >> 16));
+        }
+    // G n8 tiles at a time: 2G independent first-half products, then the second halves, then
+    // the scaled sums (no product waits on the one just issued).
+#pragma unroll
+    for (int n0 = 0; n0 < NT; n0 += G) {
+        uint4 b[G];
+        float s0[G], s1[G];
+#pragma unroll
+        for (int u = 0; u < G; ++u) {
+            b[u] = pb[(n0 + u) * pstride];
+            s0[u] = sw;
+            s1[u] = sw;
+            if constexpr (ACTQ) {
+                const float2 sa = *reinterpret_cast<const float2*>(sap + 8 * (n0 + u) + 2 * t);
+                s0[u] = sa.x * sw;
+                s1[u] = sa.y * sw;
+                // 2^(sa+sw) >= 2^128: clamp so that an all-zero block contributes 0, not NaN.
+                if (isinf(s0[u])) s0[u] = FLT_MAX;
+                if (isinf(s1[u])) s1[u] = FLT_MAX;
+            }
+        }
+        float p[MT][G][4];
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][0], b[u].x, b[u].y, zero);
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][1], b[u].z, b[u].w, p[mt][u]);
+#pragma unroll
+        for (int u = 0; u < G; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float* c = acc[mt][n0 + u];
+                c[0] = fmaf(p[mt][u][0], s0[u], c[0]);
+                c[1] = fmaf(p[mt][u][1], s1[u], c[1]);
+                c[2] = fmaf(p[mt][u][2], s0[u], c[2]);
+                c[3] = fmaf(p[mt][u][3], s1[u], c[3]);
+            }
+    }
+}
+
+// The WARP variant (kernels/fp8_linear_warp.cu; m <= kWarpMaxM, one token chunk): its launch
+// shape and shared memory, chosen by warp_plan from the shape alone (scratch_bytes and the launch
+// see the same plan).
+constexpr int kWarpMaxM = DSV41_FP8_WARP_MAX_M;
+struct WarpPlan {
+    int splits;  // K splits (whole 4-block groups each)
+    int parts;   // CTAs per split (each an equal contiguous run of 16-row units)
+    int prow;    // bytes per panel row in shared memory
+    int smem;    // dynamic shared memory bytes
+};
+// tok: the token tile (8 NT); splits: the caller's factor (0 = choose).
+WarpPlan warp_plan(int n, int kb, int tok, bool act_quant, int splits);
+// Launches the WARP kernel for a.m <= kWarpMaxM (nt = 1, 2, 4 or 8 n8 tiles; vec8: k % 8 == 0
+// and the codes 8-byte aligned).
+cudaError_t launch_warp(const StreamArgs& a, const WarpPlan& w, int nt, bool act_quant, bool vec8, cudaStream_t st);
+
+}  // namespace fp8
+}  // namespace dsv41
