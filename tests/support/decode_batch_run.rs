@@ -57,7 +57,10 @@ pub fn prefill(cfg: &Config, layers: &[Attention], starts: &[usize], rng: &mut R
 /// The decode step of every sequence alone at `positions` (`xs`: the `[B, hidden]` inputs per
 /// layer): per layer, per sequence, `(y [1, hidden], top-k [1, k] entry ids of the index
 /// sources, else None)`.
-pub fn one_at_a_time(layers: &[Attention], caches: &mut [SequenceCache], xs: &[Tensor], positions: &[usize]) -> Result<Vec<Vec<(Tensor, Option<Tensor>)>>> {
+/// One sequence's output of one layer and its top-k (index sources only).
+pub type Alone = (Tensor, Option<Tensor>);
+
+pub fn one_at_a_time(layers: &[Attention], caches: &mut [SequenceCache], xs: &[Tensor], positions: &[usize]) -> Result<Vec<Vec<Alone>>> {
     let mut out = vec![Vec::new(); layers.len()];
     for (s, cache) in caches.iter_mut().enumerate() {
         for (l, a) in layers.iter().enumerate() {

@@ -158,7 +158,8 @@ impl DecodeStepInputs {
 
     /// Writes the inputs of the sequences at `positions` (one per sequence, in batch order) into
     /// the existing tensors: one host→device copy of the integer table, then device ops (RoPE
-    /// rows, window indices, counts) written in place. Errors, changing nothing, for a wrong
+    /// rows, window indices, counts) written in place (on CUDA with Candle's upload cache on, so
+    /// that their shape descriptors are uploaded at the first update only). Errors, changing nothing, for a wrong
     /// number of positions or a position whose compressed entries exceed its region.
     ///
     /// Call it outside a graph capture, and not while Candle's host-upload cache
@@ -190,6 +191,13 @@ impl DecodeStepInputs {
         }
         let dev = self.table.device();
         self.table.slice_set(&Tensor::from_vec(host, (ROWS, b), dev)?, 0, 0)?;
+        // Candle's broadcasting kernels upload their shape descriptors per call; with its upload
+        // cache on (after the table's upload) they are uploaded once, the shapes never change:
+        // the table is the update's only host→device copy.
+        let _descriptors = match dev {
+            Device::Cuda(c) => Some(c.enable_cuda_graph_htod_cache()),
+            _ => None,
+        };
 
         let rows = self.rope.rows_at(&self.positions)?;
         self.cos.slice_set(&rows.cos, 0, 0)?;
