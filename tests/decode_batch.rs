@@ -7,8 +7,9 @@
 //! `DecodeStepInputs::update` (what a graph replay does) equals fresh objects per step; a step
 //! repeated at the same positions changes nothing; bad inputs are typed errors naming the value.
 //!
-//! Needs the `cuda` feature (the step is composed of its ops; they run their CPU references
-//! here, no GPU needed): `cargo test --release --features cuda --test decode_batch`.
+//! Runs in every build (`cargo test --release --test decode_batch`): without the `cuda` feature
+//! the step's ops are their CPU references (bf16 pools; the packed cases need the feature), with
+//! it the `cuda` ops run their CPU paths (`--features cuda`, no GPU needed).
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
@@ -34,6 +35,11 @@ fn tiny() -> Result<Config> {
 const STARTS: [usize; 5] = [0, 1, 4, 9, 20];
 const STEPS: usize = 5;
 const ENTRIES: usize = 16;
+/// The pools of the replay test: packed keys where the build has them.
+#[cfg(feature = "cuda")]
+const STORAGE: BatchStorage = BatchStorage::PACKED_KEYS;
+#[cfg(not(feature = "cuda"))]
+const STORAGE: BatchStorage = BatchStorage::BF16;
 
 /// Runs the scenario in `storage`: every step's batched outputs and top-k against the
 /// one-at-a-time ones, bit for bit, then the pools' rows against the sequences' caches.
@@ -90,6 +96,7 @@ fn batched_equals_one_at_a_time(storage: BatchStorage) -> Result<()> {
 fn pool_rows(p: &deepseek_v41::attention::PoolRows, first: usize, n: usize) -> Result<Tensor> {
     Ok(match p {
         deepseek_v41::attention::PoolRows::Bf16(t) => t.narrow(0, first, n)?,
+        #[cfg(feature = "cuda")]
         deepseek_v41::attention::PoolRows::Packed(t, l) => l.unpack_rows(t, first..first + n, DType::BF16)?,
     })
 }
@@ -99,11 +106,13 @@ fn bf16_pools_equal_one_sequence_at_a_time() -> Result<()> {
     batched_equals_one_at_a_time(BatchStorage::BF16)
 }
 
+#[cfg(feature = "cuda")]
 #[test]
 fn packed_keys_equal_one_sequence_at_a_time() -> Result<()> {
     batched_equals_one_at_a_time(BatchStorage::PACKED_KEYS)
 }
 
+#[cfg(feature = "cuda")]
 #[test]
 fn packed_pools_equal_one_sequence_at_a_time() -> Result<()> {
     batched_equals_one_at_a_time(BatchStorage::PACKED)
@@ -120,11 +129,11 @@ fn a_step_fed_by_update_equals_a_fresh_step() -> Result<()> {
     let mut rng = Rng(0x5eed);
     let seqs = prefill(&cfg, &layers, &STARTS, &mut rng, &dev)?;
     let b = STARTS.len();
-    let kept = Batch::new(&cfg, &layers, b, ENTRIES, BatchStorage::PACKED_KEYS, &dev)?;
+    let kept = Batch::new(&cfg, &layers, b, ENTRIES, STORAGE, &dev)?;
     kept.load(&seqs)?;
     let steps = kept.steps()?;
     let fixed_x = layer_inputs(&cfg, &mut rng, b, &dev)?;
-    let fresh_pools = Batch::new(&cfg, &layers, b, ENTRIES, BatchStorage::PACKED_KEYS, &dev)?;
+    let fresh_pools = Batch::new(&cfg, &layers, b, ENTRIES, STORAGE, &dev)?;
     fresh_pools.load(&seqs)?;
     for t in 0..STEPS {
         let pos = positions(&STARTS, t, cfg.sliding_window)?;
@@ -189,6 +198,8 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
     ensure!(e.contains("sequence 1 at position 9") && e.contains("5 compressed entries") && e.contains("holds 4"), "{e}");
     ensure!(batch.compressed_inputs.positions().to_vec1::<i64>()? == before, "a failed update changed the inputs");
     batch.window_inputs.update(&[100, 3, 5])?; // window-only layers have no capacity limit
+    let e = message(batch.window_inputs.update(&[1, 1 << 31, 5]).unwrap_err());
+    ensure!(e.contains("sequence 1 is at position 2147483648"), "{e}");
     // x: dtype and rows.
     let steps = batch.steps()?;
     let x = Tensor::zeros((3, cfg.hidden_size), DType::F32, &dev)?;
@@ -224,13 +235,21 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
     let l4 = deepseek_v41::attention::Attention::new(&cfg, 4, deepseek_v41::Numerics::REFERENCE, vb.pp("layers.4.attn"))?;
     let e = message(DecodeLayer::new(&cfg, &l4).unwrap_err());
     ensure!(e.contains("layer 4") && e.contains("not supported"), "{e}");
-    // Packed pools with the cache fake quant off.
-    let plain = deepseek_v41::Numerics { cache_fake_quant: false, ..deepseek_v41::Numerics::REFERENCE };
-    let l0 = deepseek_v41::attention::Attention::new(&cfg, 0, plain, vb.pp("layers.0.attn"))?;
-    let d0 = DecodeLayer::new(&cfg, &l0)?;
-    let packed = BatchedLayerCache::zeros(&d0, 3, 4, BatchStorage::uniform(CacheStorage::Packed), &dev)?;
-    let inputs = DecodeStepInputs::new(&d0, &packed, None)?;
-    let e = message(DecodeStep::new(&d0, &packed, None, &inputs).unwrap_err());
-    ensure!(e.contains("cache_fake_quant"), "{e}");
+    // Packed pools: without the `cuda` feature; with the cache fake quant off.
+    #[cfg(not(feature = "cuda"))]
+    {
+        let e = message(BatchedLayerCache::zeros(&dl[0], 3, 4, BatchStorage::uniform(CacheStorage::Packed), &dev).unwrap_err());
+        ensure!(e.contains("`cuda` feature"), "{e}");
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let plain = deepseek_v41::Numerics { cache_fake_quant: false, ..deepseek_v41::Numerics::REFERENCE };
+        let l0 = deepseek_v41::attention::Attention::new(&cfg, 0, plain, vb.pp("layers.0.attn"))?;
+        let d0 = DecodeLayer::new(&cfg, &l0)?;
+        let packed = BatchedLayerCache::zeros(&d0, 3, 4, BatchStorage::uniform(CacheStorage::Packed), &dev)?;
+        let inputs = DecodeStepInputs::new(&d0, &packed, None)?;
+        let e = message(DecodeStep::new(&d0, &packed, None, &inputs).unwrap_err());
+        ensure!(e.contains("cache_fake_quant"), "{e}");
+    }
     Ok(())
 }

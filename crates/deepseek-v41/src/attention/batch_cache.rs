@@ -10,8 +10,8 @@
 //! | compressor carry (kv sources) | `[B, D]` f32 kv and gate score | row b: the open group's token |
 //!
 //! Each pool is bf16 rows or the packed format of its kind ([`PoolRows`], spec §7.2: A for the
-//! window, B for the compressed entries, E for the index keys), chosen per kind
-//! ([`BatchStorage`]). The region stride `W'` / `E'` is the capacity, rounded up to whole pages
+//! window, B for the compressed entries, E for the index keys; packed needs the `cuda` feature),
+//! chosen per kind ([`BatchStorage`]). The region stride `W'` / `E'` is the capacity, rounded up to whole pages
 //! for a packed pool (so that every region starts on a page). Nothing grows: a position whose
 //! entries exceed the capacity is an error of [`super::DecodeStepInputs::update`].
 
@@ -21,6 +21,7 @@ use super::cache::SequenceCache;
 use super::decode_batch::{DecodeLayer, DecodeLayerKind};
 use super::decode_error::{check_tensor, DecodeStepError};
 use super::storage::{CacheKind, CacheStorage, PACKED_PAGE_TOKENS};
+#[cfg(feature = "cuda")]
 use crate::cuda::{IndexKeys, KvRows, PackedLayout};
 
 /// The storage of each kind of pool of a batch.
@@ -59,7 +60,8 @@ impl BatchStorage {
 pub enum PoolRows {
     /// `[slots, width]` bf16.
     Bf16(Tensor),
-    /// `[pages, layout.page_bytes()]` u8, contiguous.
+    /// `[pages, layout.page_bytes()]` u8, contiguous (feature `cuda`).
+    #[cfg(feature = "cuda")]
     Packed(Tensor, PackedLayout),
 }
 
@@ -69,17 +71,25 @@ impl PoolRows {
     pub fn zeros(kind: CacheKind, storage: CacheStorage, slots: usize, width: usize, device: &Device) -> Result<Self> {
         Ok(match storage {
             CacheStorage::Bf16 => Self::Bf16(Tensor::zeros((slots, width), DType::BF16, device)?),
+            #[cfg(feature = "cuda")]
             CacheStorage::Packed => {
                 let layout = PackedLayout::new(kind.packed_format(), width, PACKED_PAGE_TOKENS)?;
                 Self::Packed(layout.zeros(slots.div_ceil(layout.page_size()), device)?, layout)
             }
+            #[cfg(not(feature = "cuda"))]
+            CacheStorage::Packed => match storage.packing(kind, width)? {
+                None => Self::Bf16(Tensor::zeros((slots, width), DType::BF16, device)?),
+                Some(p) => match p {},
+            },
         })
     }
 
     /// The pool's tensor (rows or pages).
     pub fn tensor(&self) -> &Tensor {
         match self {
-            Self::Bf16(t) | Self::Packed(t, _) => t,
+            Self::Bf16(t) => t,
+            #[cfg(feature = "cuda")]
+            Self::Packed(t, _) => t,
         }
     }
 
@@ -87,6 +97,7 @@ impl PoolRows {
     pub fn storage(&self) -> CacheStorage {
         match self {
             Self::Bf16(_) => CacheStorage::Bf16,
+            #[cfg(feature = "cuda")]
             Self::Packed(..) => CacheStorage::Packed,
         }
     }
@@ -96,11 +107,13 @@ impl PoolRows {
     pub fn region_stride(&self, capacity: usize) -> usize {
         match self {
             Self::Bf16(_) => capacity,
+            #[cfg(feature = "cuda")]
             Self::Packed(_, l) => capacity.div_ceil(l.page_size()) * l.page_size(),
         }
     }
 
     /// As a source of the sparse attention.
+    #[cfg(feature = "cuda")]
     pub(crate) fn kv_rows(&self) -> KvRows<'_> {
         match self {
             Self::Bf16(t) => KvRows::Bf16(t),
@@ -109,6 +122,7 @@ impl PoolRows {
     }
 
     /// As the key cache of the index scores.
+    #[cfg(feature = "cuda")]
     pub(crate) fn index_keys(&self) -> IndexKeys<'_> {
         match self {
             Self::Bf16(t) => IndexKeys::Rows(t),
@@ -117,9 +131,11 @@ impl PoolRows {
     }
 
     /// Checks that the pool holds `slots` slots of `width` values of `kind` (`what` names it).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn check(&self, what: &'static str, kind: CacheKind, slots: usize, width: usize) -> std::result::Result<(), DecodeStepError> {
         match self {
             Self::Bf16(t) => check_tensor(what, t, DType::BF16, &[slots, width]),
+            #[cfg(feature = "cuda")]
             Self::Packed(t, l) => {
                 let expected = format!(
                     "{} pages of {} B ({:?} rows of {width}, {} slots a page) u8, contiguous",
@@ -147,6 +163,7 @@ impl PoolRows {
     fn write(&self, rows: &Tensor, first: usize) -> Result<()> {
         match self {
             Self::Bf16(t) => t.slice_set(&rows.to_dtype(DType::BF16)?.to_device(t.device())?.contiguous()?, 0, first),
+            #[cfg(feature = "cuda")]
             Self::Packed(t, l) => {
                 if rows.dim(0)? == 0 {
                     return Ok(());

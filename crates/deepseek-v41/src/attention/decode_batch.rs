@@ -14,6 +14,9 @@
 //! | [`attention`](DecodeStep::attention) | sparse attention with sink over the window pool (the window indices) and the kv source's compressed pool (the top-k rows) |
 //! | [`output`](DecodeStep::output) | inverse RoPE, grouped `wo_a`, `wo_b` |
 //!
+//! The ops are the `cuda` feature's fused ops (`attention/decode_ops.rs`; on the CPU they run
+//! their references), or without the feature the same CPU references called directly.
+//!
 //! Layers composed ([`DecodeLayerKind`], spec §1.4): window-only layers, ratio-2 kv + index
 //! sources without candidate blocks (`TopkRole::Full { candidates: None }`) and top-k reuse
 //! layers. Ratio-1 sources and the `Reindex` layers of the candidate blocks are errors.
@@ -32,21 +35,16 @@
 
 use candle_core::{DType, Module, Result, Tensor};
 
-use super::batch_cache::BatchedLayerCache;
+use super::batch_cache::{BatchedLayerCache, PoolRows};
 use super::decode_error::{check_tensor, DecodeStepError};
 use super::decode_inputs::DecodeStepInputs;
+#[cfg(feature = "cuda")]
+use super::decode_ops::packed_insert;
+use super::decode_ops::{attend, compressed_insert, fake_quant_device, index_key_insert, q_rope_inplace, select_topk, window_insert};
 use super::layer::{Attention, AttentionParams};
-use super::sparse_attention::sparse_attention_kv_rows;
 use crate::config::{AttentionRole, CandidateRole, Config, TopkRole};
-use crate::cuda::{
-    compressed_insert, fake_quant_device, index_key_insert, index_select, packed_insert, q_rope_inplace, window_insert, KeySource,
-    SparseAttentionInputs, SparseAttentionKernel, SparseAttentionOptions, Visibility, SPARSE_ATTENTION_HEAD_DIM,
-    SPARSE_ATTENTION_MAX_INDICES,
-};
 use crate::nn::{RopeTable, RowGroups};
 use crate::quant::fake_quant::QatFormat;
-
-use super::batch_cache::PoolRows;
 
 /// What a layer's step does besides the projections, the window and the output (spec §1.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,11 +198,12 @@ impl<'a> DecodeLayer<'a> {
     }
 }
 
-/// The options of the step's sparse attention.
+/// The options of the step's sparse attention on CUDA (the CPU reference has none).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepOptions {
-    /// The kernel ([`SparseAttentionKernel::Auto`]: the launcher's choice).
-    pub kernel: SparseAttentionKernel,
+    /// The kernel (`SparseAttentionKernel::Auto`: the launcher's choice).
+    #[cfg(feature = "cuda")]
+    pub kernel: crate::cuda::SparseAttentionKernel,
     /// KV splits (`None`: the launcher's choice).
     pub num_splits: Option<usize>,
 }
@@ -333,6 +332,7 @@ impl<'s> DecodeStep<'s> {
         q_rope_inplace(&pr.q, cos, sin, None)?;
         match self.own.window_rows() {
             PoolRows::Bf16(t) => window_insert(t, &pr.kv, cos, sin, s.window_slots(), fq)?,
+            #[cfg(feature = "cuda")]
             PoolRows::Packed(t, l) => packed_insert(t, l, &pr.kv, cos, sin, s.window_slots(), None)?,
         }
         if self.layer.kind != DecodeLayerKind::Source {
@@ -355,11 +355,13 @@ impl<'s> DecodeStep<'s> {
         let slots = &ci.entry_slots;
         match &src.compressed {
             PoolRows::Bf16(t) => compressed_insert(t, &latent, &ci.entry_cos, &ci.entry_sin, slots, fq)?,
+            #[cfg(feature = "cuda")]
             PoolRows::Packed(t, l) => packed_insert(t, l, &latent, &ci.entry_cos, &ci.entry_sin, slots, None)?,
         }
         let norm = keys.k_norm();
         match &src.index_keys {
             PoolRows::Bf16(t) => index_key_insert(t, &k_pre, norm.weight(), norm.eps(), &ci.entry_cos, &ci.entry_sin, slots, fq)?,
+            #[cfg(feature = "cuda")]
             PoolRows::Packed(t, l) => packed_insert(t, l, &k_pre, &ci.entry_cos, &ci.entry_sin, slots, Some((norm.weight(), norm.eps())))?,
         }
         // The carry: kept where a group closes, this token's projections where one opens.
@@ -394,8 +396,7 @@ impl<'s> DecodeStep<'s> {
         q_rope_inplace(&iq, cos, sin, None)?;
         let iq = if l.params.numerics.cache_fake_quant { fake_quant_device(&iq, QatFormat::Fp4Ue8m0B32)? } else { iq };
         let hw = ix.head_weights_grouped(&pr.x, &self.rows)?;
-        let keys = KeySource { keys: src.index_keys.index_keys(), base: Some(&ci.key_base), entries: ci.entries, visibility: Visibility::Counts(&ci.visible) };
-        let topk = index_select(&iq, &hw, &keys, k, None, None)?.topk;
+        let topk = select_topk(&iq, &hw, &src.index_keys, &ci.key_base, ci.entries, &ci.visible, k)?;
         Ok(Some(topk.ge(&ci.zeros)?.where_cond(&topk.broadcast_add(&ci.key_base_i64)?, &ci.none)?))
     }
 
@@ -403,24 +404,16 @@ impl<'s> DecodeStep<'s> {
     /// `topk` (pool rows of [`DecodeStep::selection`]), its selected compressed entries.
     pub fn attention(&self, pr: &Projections, topk: Option<&Tensor>) -> Result<Tensor> {
         let l = self.layer;
-        let window = self.own.window_rows().kv_rows();
+        let window = self.own.window_rows();
         let (extra, idx_extra) = match (topk, self.kv.and_then(|k| k.source())) {
-            (Some(t), Some(src)) => (src.compressed.kv_rows(), t),
+            (Some(t), Some(src)) => (&src.compressed, t),
             (Some(_), None) => {
                 Err(DecodeStepError::Mismatch { layer: l.layer, why: "a top-k was given to a layer without compressed entries".into() })?
             }
             (None, _) => (window, self.inputs.no_extra()),
         };
-        let (q, idx_window, sink) = (&pr.q, self.inputs.window_indices(), l.params.attn_sink);
         let scale = (l.head_dim as f32).powf(-0.5);
-        let indices = idx_window.dim(1)? + idx_extra.dim(1)?;
-        if q.device().is_cuda() && (l.head_dim != SPARSE_ATTENTION_HEAD_DIM || indices > SPARSE_ATTENTION_MAX_INDICES) {
-            // The kernel's fallback (plain Candle ops; packed pools through the host).
-            return sparse_attention_kv_rows(q, window, idx_window, extra, idx_extra, sink, scale);
-        }
-        let inputs = SparseAttentionInputs { q, window, idx_window, extra, idx_extra, sink, scale };
-        let kernel = if self.options.num_splits.is_some() { SparseAttentionKernel::Auto } else { self.options.kernel };
-        Ok(inputs.forward(SparseAttentionOptions { num_splits: self.options.num_splits, kernel })?.0)
+        attend(&pr.q, window, self.inputs.window_indices(), extra, idx_extra, l.params.attn_sink, scale, self.options)
     }
 
     /// The layer output `[B, hidden]` bf16 of the attention output `o` (rotated back in place).

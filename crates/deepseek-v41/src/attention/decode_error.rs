@@ -35,6 +35,16 @@ pub enum DecodeStepError {
         /// The first position that does not fit (`entries · ratio`).
         limit: usize,
     },
+    /// A position past what the step's integer inputs hold.
+    #[error("batched decode step: sequence {seq} is at position {position}, positions above {max} are not supported")]
+    PositionOutOfRange {
+        /// The sequence's index in the batch.
+        seq: usize,
+        /// Its position.
+        position: usize,
+        /// The largest position taken.
+        max: usize,
+    },
     /// A tensor of the wrong dtype or shape.
     #[error("batched decode step: {what} must be {expected}, got {got}")]
     Tensor {

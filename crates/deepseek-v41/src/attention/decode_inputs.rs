@@ -34,6 +34,8 @@ const ROW_ENTRY_SLOT: usize = 2;
 const ROW_ENTRY_POSITION: usize = 3;
 const ROW_VISIBLE: usize = 4;
 const ROWS: usize = 5;
+/// The largest position [`DecodeStepInputs::update`] takes (the kernels' 32-bit counts).
+pub const MAX_POSITION: usize = i32::MAX as usize;
 
 /// The inputs of layers that read compressed entries (kv sources and their reuse layers).
 #[derive(Debug, Clone)]
@@ -173,6 +175,9 @@ impl DecodeStepInputs {
         let (w, ws) = (self.window, self.window_stride);
         let mut host = vec![-1i64; ROWS * b];
         for (s, &p) in positions.iter().enumerate() {
+            if p > MAX_POSITION {
+                Err(DecodeStepError::PositionOutOfRange { seq: s, position: p, max: MAX_POSITION })?
+            }
             host[ROW_POSITION * b + s] = p as i64;
             host[ROW_WINDOW_SLOT * b + s] = (s * ws + p % w) as i64;
             if let Some(c) = &self.compressed {
@@ -194,6 +199,7 @@ impl DecodeStepInputs {
         // Candle's broadcasting kernels upload their shape descriptors per call; with its upload
         // cache on (after the table's upload) they are uploaded once, the shapes never change:
         // the table is the update's only host→device copy.
+        #[cfg(feature = "cuda")]
         let _descriptors = match dev {
             Device::Cuda(c) => Some(c.enable_cuda_graph_htod_cache()),
             _ => None,
