@@ -8,10 +8,11 @@
 //!     [--closing half|all] [--rep-ms 50] [--graph]
 //! ```
 //!
-//! `Attention::forward` takes one sequence's `SequenceCache`, so the batched step is composed
-//! from the crate's device ops, with the caches of all B sequences in pooled device tensors:
-//! `examples/support/batched_step.rs` (phases projections, inserts, selection, attention,
-//! output; its table lists the ops), shared with `examples/bench_flash_layer.rs`.
+//! The step is the library's (`deepseek_v41::attention::decode_batch`: `DecodeStep` over
+//! `BatchedLayerCache` pools and `DecodeStepInputs`; its module docs list the ops of each phase),
+//! run phase by phase through `examples/support/batched_step.rs` (phases projections, inserts,
+//! selection, attention, output), shared with `examples/bench_flash_layer.rs`. The step inputs
+//! are written once per (B, format) by `DecodeStepInputs::update` (not timed).
 //!
 //! Layer: the first ratio-2 kv + index source of the config (layer 2 of V4.1-Flash); random
 //! bf16 weights (`RandomWeights`: `support/batched_layer.rs`, `Weights::random`); E = context / 2
@@ -20,8 +21,9 @@
 //! sequences sit at position `context − 1` (they close group E − 1 this step, visible E entries)
 //! and the odd ones at `context − 2` (open a group, E − 1 visible); `--closing all` puts every
 //! sequence at `context − 1` (worst case: B compressor groups closing in one step). Every
-//! measured step repeats the same positions (it rewrites the same cache rows), so the step can
-//! be replayed from a graph; the timing is that of a real step.
+//! measured step repeats the same positions (it rewrites the same cache rows; the step's inputs
+//! are device tensors, so a graph replays whatever `update` wrote last); the timing is that of a
+//! real step.
 //!
 //! `--cpu` runs only the sanity check through the ops' CPU reference paths (no timings): a logic
 //! check of the composition on a machine without a GPU.
@@ -59,7 +61,7 @@ mod batched_layer;
 #[path = "support/batched_step.rs"]
 mod batched_step;
 use batched_layer::Weights;
-use batched_step::{CacheFormat, Inputs, SourcePools, Step, WindowPool, PAGE, PHASES};
+use batched_step::{CacheFormat, Inputs, SourcePools, Step, StepCaches, WindowPool, PAGE, PHASES};
 use bench::{gib, median, PoolPeak, Timer, HBM_READ_GBPS};
 
 #[derive(Parser, Debug)]
@@ -257,8 +259,10 @@ fn run_batch(
         s.closers(),
         mem_used_gib(dev)
     );
+    let layer = w.decode_layer()?;
     for &fmt in fmts {
-        let step = Step { w, win: &win, src: Some(&src), s: &s, fmt, kernel: args.attention_kernel.into(), reuse_topk: None };
+        let caches = StepCaches::new(&layer, &win, Some(&src), None, fmt, &s)?;
+        let step = Step::new(w, &layer, &caches, &s, fmt, args.attention_kernel.into(), None)?;
         let Some(timer) = timer else {
             match step.sanity(&s.x) {
                 Ok((m, _)) => println!("  sanity ({}): {m}", fmt.name()),

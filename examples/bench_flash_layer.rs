@@ -14,7 +14,8 @@
 //! ```
 //!
 //! The step (`support/flash_layer_step.rs`): the layer's own modules in the order of
-//! `DecoderLayer::forward` around the batched attention step of `support/batched_step.rs` (the
+//! `DecoderLayer::forward` around the library's batched attention step
+//! (`attention::decode_batch`, through `support/batched_step.rs`; the
 //! caches of the B sequences in pooled device tensors, random rows, in the formats of `--keys`;
 //! the top-k reuse layer reads its index source's top-k of the same step). Phases:
 //!
@@ -76,7 +77,7 @@ mod batched_step;
 #[path = "support/flash_layer_step.rs"]
 mod flash_layer_step;
 use batched_layer::{LayerKind, Weights};
-use batched_step::{CacheFormat, Inputs, SourcePools, Step, WindowPool, PAGE, PHASES};
+use batched_step::{CacheFormat, Inputs, SourcePools, Step, StepCaches, WindowPool, PAGE, PHASES};
 use bench::{eager_ms, gib, median, timed, PoolPeak, Timer};
 use flash_layer_step::{check_same_rows, finite_max, random_topk, EngramPart, EngramRows, LayerStep, MHC_PARTS};
 
@@ -174,6 +175,8 @@ struct EngramRow {
 struct LayerRun<'a> {
     dl: &'a DecoderLayer,
     w: &'a Weights,
+    /// A reuse layer's kv source (the step reads its compressed pools).
+    kv_w: Option<&'a Weights>,
     s: Inputs,
     win: WindowPool,
     /// The other Engram placement's module (measured besides the model's own).
@@ -289,7 +292,10 @@ impl Bench<'_> {
             _ => None,
         };
         let kernel = SparseAttentionKernel::Auto;
-        let step = Step { w, win: &lr.win, src, s: &lr.s, fmt, kernel, reuse_topk: reuse_topk.as_ref() };
+        let layer = w.decode_layer()?;
+        let kv_layer = lr.kv_w.map(|k| k.decode_layer()).transpose()?;
+        let caches = StepCaches::new(&layer, &lr.win, src, kv_layer.as_ref(), fmt, &lr.s)?;
+        let step = Step::new(w, &layer, &caches, &lr.s, fmt, kernel, reuse_topk.as_ref())?;
         let (x, p_in) = LayerStep::random_inputs(b, cfg.hc_mult, cfg.hidden_size, &self.dev)?;
         // Engram: the ids of this step, the model's module and the other placement's.
         let mut engram_ids = (Vec::new(), 0.0);
@@ -620,6 +626,15 @@ fn main() -> Result<()> {
             Err(e) => println!("layer {l}: skipped in the decode step: {e:#}"),
         }
     }
+    // The kv sources of the reuse layers run (their compressed pools are read).
+    let mut kv_ws = BTreeMap::new();
+    for w in ws.values() {
+        if let LayerKind::Reuse { kv_source, .. } = w.kind {
+            if let std::collections::btree_map::Entry::Vacant(v) = kv_ws.entry(kv_source) {
+                v.insert(Weights::from_attention(cfg, kv_source, layers[kv_source].attention())?);
+            }
+        }
+    }
     let ctx = args.context;
     if ctx < 2 * cfg.index_topk.max(cfg.sliding_window) || ctx % (2 * PAGE) != 0 {
         bail!("--context {ctx} must be >= {} and a multiple of {}", 2 * cfg.index_topk.max(cfg.sliding_window), 2 * PAGE)
@@ -668,7 +683,11 @@ fn main() -> Result<()> {
             for (&l, w) in &ws {
                 let s = Inputs::new(w, cfg.hidden_size, b, ctx, args.closing == "all", &dev)?;
                 let win = WindowPool::new(b, w.window, w.hd, &fmts, &dev)?;
-                runs.push(LayerRun { dl: &layers[l], w, s, win, other_engram: others.get(&l) });
+                let kv_w = match w.kind {
+                    LayerKind::Reuse { kv_source, .. } => kv_ws.get(&kv_source),
+                    _ => None,
+                };
+                runs.push(LayerRun { dl: &layers[l], w, kv_w, s, win, other_engram: others.get(&l) });
             }
             dev.synchronize()?;
             let caches = srcs.values().map(SourcePools::bytes).sum::<u64>() + runs.iter().map(|r| r.win.bytes()).sum::<u64>();

@@ -1,38 +1,36 @@
-//! The batched decode step of one V4.1 attention layer, composed from the crate's device ops:
-//! B sequences, one token each, their caches in pooled device tensors (include it with
-//! `#[path = "support/batched_step.rs"] mod batched_step;` next to `support/batched_layer.rs`).
-//! Used by `examples/bench_batched_decode.rs` (one random ratio-2 source layer) and
-//! `examples/bench_flash_layer.rs` (the layers of a loaded checkpoint).
+//! The batched decode step of one V4.1 attention layer for the benchmarks: B sequences, one
+//! token each, run by the library step (`deepseek_v41::attention::decode_batch`, whose module
+//! docs list the ops of each phase) over pooled device tensors that this file fills with random
+//! rows (include it with `#[path = "support/batched_step.rs"] mod batched_step;` next to
+//! `support/batched_layer.rs`). Used by `examples/bench_batched_decode.rs` (one random ratio-2
+//! source layer) and `examples/bench_flash_layer.rs` (the layers of a loaded checkpoint).
 //!
-//! `Attention::forward` takes one sequence's `SequenceCache`, so the step is composed here:
-//!
-//! | phase | ops (B sequences, one token each) |
-//! |---|---|
-//! | projections | `wq_a` + `q_norm`, `wkv` + `kv_norm`, `wq_b`: `[B, hidden]` GEMMs through `nn::Linear` (FP8 activation quant kernel) |
-//! | inserts | `q_rope_inplace`; `window_insert` into the pool `[B·128, 512]` (slot `b·128 + p mod 128`); kv sources: compressor `wkv`/`wgate` (f32) for all B, softmax pooling of the closing sequences with their carried half, `compressor.norm`, `indexer.wk`; `compressed_insert` / `index_key_insert` (or `packed_insert`) into `[B·E, 512]` / `[B·E, 128]` pools at `b·E + j`; the openers' projections scattered into the carry |
-//! | selection | index sources: `indexer.wq_b`, index-query RoPE + FP4 fake quant, head weights, `index_select` (k = 512, key base `b·E`, per-sequence visible counts), top-k shifted to pool rows (−1 kept); reuse layers: the top-k their index source published; window-only layers: none |
-//! | attention | `SparseAttentionInputs::forward` over the window pool (128 absolute rows per sequence) + the kv source's compressed pool (top-k rows) |
-//! | output | inverse RoPE, grouped `wo_a` (`nn::GroupedLinear`), `wo_b` |
+//! What stays here is the benchmarks' part: the cache formats of a run ([`CacheFormat`]), the
+//! random pools shared by the formats of a run ([`WindowPool`], [`SourcePools`]; the library
+//! caches of a format are views of them, [`StepCaches`]), the positions ([`Inputs`]) and a sanity
+//! check of one step ([`Step::sanity`]).
 //!
 //! Positions: with `all_close = false` (the steady state: every sequence closes a group every
 //! other step) the ceil(B/2) even-numbered sequences sit at position `context − 1` (they close
 //! group E − 1, visible E entries) and the odd ones at `context − 2` (open a group, E − 1
-//! visible); `all_close` puts every sequence at `context − 1`. Every step repeats the same
-//! positions (it rewrites the same cache rows), so it can be replayed from a CUDA graph.
+//! visible); `all_close` puts every sequence at `context − 1`. The step inputs are updated once
+//! (`DecodeStepInputs::update`); every step repeats the same positions (it rewrites the same
+//! cache rows, and a repeated step changes nothing), so it can be replayed from a CUDA graph.
 //!
 //! Cache formats ([`CacheFormat`]): `bf16` (all rows bf16), `packed` (index keys in MXFP4 68 B
 //! rows, KV rows bf16), `packed-kv` (window rows 528 B (A), compressed rows 288 B (B), index
-//! keys 68 B (E), spec §7.2; inserted with `packed_insert`, read by the attention kernel as
-//! `KvRows::Packed`). Pools are filled with random rows (not zeros), written once.
+//! keys 68 B (E), spec §7.2). Pools are filled with random rows (not zeros), written once.
 #![allow(dead_code)]
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Module, Tensor};
-use deepseek_v41::cuda::{
-    compressed_insert, fake_quant_device, index_key_insert, index_select, packed_insert, q_rope_inplace, window_insert, IndexKeys,
-    KeySource, KvRows, PackedLayout, SparseAttentionInputs, SparseAttentionKernel, SparseAttentionOptions, Visibility,
+use candle_core::{DType, Device, Tensor};
+use deepseek_v41::attention::{
+    BatchStorage, BatchedLayerCache, BatchedSource, DecodeLayer, DecodeStep, DecodeStepInputs, PoolRows, StepOptions,
 };
+use deepseek_v41::cuda::{PackedLayout, SparseAttentionKernel};
 use deepseek_v41::quant::QatFormat;
+
+pub use deepseek_v41::attention::Projections as Proj;
 
 use crate::batched_layer::{LayerKind, Weights};
 
@@ -86,6 +84,14 @@ impl CacheFormat {
             CacheFormat::PackedKv => "all packed",
         }
     }
+    /// The library's storage of each pool.
+    pub fn storage(self) -> BatchStorage {
+        match self {
+            CacheFormat::Bf16 => BatchStorage::BF16,
+            CacheFormat::Packed => BatchStorage::PACKED_KEYS,
+            CacheFormat::PackedKv => BatchStorage::PACKED,
+        }
+    }
 }
 
 /// `[rows, dim]` bf16 filled with random values in chunks (bounded temporary memory).
@@ -124,12 +130,24 @@ pub struct WindowPool {
 }
 
 impl WindowPool {
+    /// The pool `fmt` reads.
+    pub fn rows(&self, fmt: CacheFormat) -> Result<PoolRows> {
+        Ok(match (&self.win, &self.win_packed) {
+            (_, Some((t, l))) if fmt == CacheFormat::PackedKv => PoolRows::Packed(t.clone(), *l),
+            (Some(t), _) if fmt != CacheFormat::PackedKv => PoolRows::Bf16(t.clone()),
+            _ => bail!("no window pool for {}", fmt.name()),
+        })
+    }
+
     pub fn new(b: usize, window: usize, hd: usize, fmts: &[CacheFormat], dev: &Device) -> Result<Self> {
         let bf16_kv = fmts.iter().any(|&f| f != CacheFormat::PackedKv);
         let packed_kv = fmts.contains(&CacheFormat::PackedKv);
         Ok(Self {
             win: bf16_kv.then(|| random_rows(b * window, hd, dev)).transpose()?,
-            win_packed: packed_kv.then(|| random_pages(QatFormat::Fp8Ue8m0B32, hd, b * window, 63.99, (120.0, 127.99), dev)).transpose()?,
+            // Each sequence's ring starts on a page (the library's region stride).
+            win_packed: packed_kv
+                .then(|| random_pages(QatFormat::Fp8Ue8m0B32, hd, b * window.div_ceil(PAGE) * PAGE, 63.99, (120.0, 127.99), dev))
+                .transpose()?,
         })
     }
 
@@ -152,6 +170,9 @@ pub struct SourcePools {
     pub keys: Option<Tensor>,
     /// `[B·E / PAGE, PAGE·68]` u8 packed index keys (packed runs only).
     pub packed: Option<(Tensor, PackedLayout)>,
+    /// `[B, 512]` f32 random carried projections (kv, gate score).
+    pub carry_kv: Tensor,
+    pub carry_score: Tensor,
 }
 
 impl SourcePools {
@@ -172,7 +193,24 @@ impl SourcePools {
                 .then(|| random_pages(QatFormat::Fp4Ue8m0B32, di, b * e, 255.99, (126.0, 128.99), dev))
                 .transpose()
                 .context("packed pool")?,
+            carry_kv: Tensor::randn(0f32, 1.0, (b, hd), dev)?,
+            carry_score: Tensor::randn(0f32, 1.0, (b, hd), dev)?,
         })
+    }
+
+    /// The library's view of these pools in `fmt`.
+    pub fn source(&self, fmt: CacheFormat) -> Result<BatchedSource> {
+        let compressed = match (&self.comp, &self.comp_packed) {
+            (_, Some((t, l))) if fmt == CacheFormat::PackedKv => PoolRows::Packed(t.clone(), *l),
+            (Some(t), _) if fmt != CacheFormat::PackedKv => PoolRows::Bf16(t.clone()),
+            _ => bail!("no compressed pool for {}", fmt.name()),
+        };
+        let index_keys = match (fmt.packed_keys(), &self.keys, &self.packed) {
+            (false, Some(t), _) => PoolRows::Bf16(t.clone()),
+            (true, _, Some((t, l))) => PoolRows::Packed(t.clone(), *l),
+            _ => bail!("no {} index-key pool", fmt.name()),
+        };
+        Ok(BatchedSource { entries: self.e, compressed, index_keys, carry_kv: self.carry_kv.clone(), carry_score: self.carry_score.clone() })
     }
 
     /// Device bytes held.
@@ -181,6 +219,8 @@ impl SourcePools {
             + tensor_bytes(self.comp_packed.as_ref().map(|p| &p.0))
             + tensor_bytes(self.keys.as_ref())
             + tensor_bytes(self.packed.as_ref().map(|p| &p.0))
+            + tensor_bytes(Some(&self.carry_kv))
+            + tensor_bytes(Some(&self.carry_score))
     }
 }
 
@@ -188,287 +228,134 @@ fn tensor_bytes(t: Option<&Tensor>) -> u64 {
     t.map_or(0, |t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
 }
 
-/// The inputs of layers that read compressed entries: `[B]` u32 key base `b·E`, `[B, 1]` i64
-/// the same, `[B]` u32 visible entries, `[B, k]` i64 zeros and −1 (top-k shift).
-pub struct CompressedInputs {
-    pub base: Tensor,
-    pub base_i64: Tensor,
-    pub counts: Tensor,
-    pub zeros: Tensor,
-    pub neg_one: Tensor,
-}
-
-/// The compressor inputs of a kv source: `[G]` u32 sequences closing a group, `[G, R/2]` angles
-/// at `j·r`, `[G]` i64 pool rows; `[O]` u32 sequences opening a group and `[O, 512]` u32 their
-/// row ids (scatter index); `[B, 512]` f32 carried projections (kv, gate score).
-pub struct ClosingInputs {
-    pub closers: Tensor,
-    pub c_cos: Tensor,
-    pub c_sin: Tensor,
-    pub c_slots: Tensor,
-    pub openers: Option<(Tensor, Tensor)>,
-    pub carry_kv: Tensor,
-    pub carry_score: Tensor,
-}
-
-/// The step's per-token inputs, all on the device (built once: the step itself copies nothing
-/// from the host, so it can be captured into a graph).
+/// The positions of a run and the layer input (see the module docs for the positions).
 pub struct Inputs {
     pub b: usize,
     /// Entries per sequence of the kv source (0 for window-only layers).
     pub e: usize,
+    /// The compress ratio (0: window-only).
+    pub ratio: usize,
     /// `[B, hidden]` bf16 random layer input (the attn-normed activation).
     pub x: Tensor,
-    /// `[B, R/2]` f32 angles of each sequence's position; `sin_neg` = −sin (inverse RoPE).
-    pub cos: Tensor,
-    pub sin: Tensor,
-    pub sin_neg: Tensor,
-    /// `[B]` i64 window slots.
-    pub win_slots: Tensor,
-    /// `[B, W]` i64 absolute window pool rows; `[B, 0]` i64 (no compressed rows).
-    pub idx_window: Tensor,
-    pub no_extra: Tensor,
-    /// Layers that read compressed entries.
-    pub comp: Option<CompressedInputs>,
-    /// Kv sources.
-    pub closing: Option<ClosingInputs>,
+    /// Each sequence's position.
+    pub positions: Vec<usize>,
 }
 
 impl Inputs {
-    /// The inputs of layer `w` for `b` sequences at `ctx` tokens of context (see the module
-    /// docs for the positions).
+    /// The positions of layer `w` for `b` sequences at `ctx` tokens of context.
     pub fn new(w: &Weights, hidden: usize, b: usize, ctx: usize, all_close: bool, dev: &Device) -> Result<Self> {
-        let (win, hd, k) = (w.window, w.hd, w.topk);
         let closes = |s: usize| all_close || s.is_multiple_of(2);
-        let pos: Vec<usize> = (0..b).map(|s| if closes(s) { ctx - 1 } else { ctx - 2 }).collect();
-        let (cos, sin) = w.rope.cos_sin(&pos)?;
-        let win_slots: Vec<i64> = pos.iter().enumerate().map(|(s, p)| (s * win + p % win) as i64).collect();
-        let idx_window = Tensor::from_vec((0..b * win).map(|i| i as i64).collect::<Vec<_>>(), (b, win), dev)?;
-        let e = ctx.checked_div(w.ratio).unwrap_or(0);
-        let comp = if w.kind.compressed() {
-            let counts: Vec<u32> = pos.iter().map(|p| ((p + 1) / w.ratio).min(e) as u32).collect();
-            let base: Vec<u32> = (0..b).map(|s| (s * e) as u32).collect();
-            let base_i64: Vec<i64> = base.iter().map(|&v| v as i64).collect();
-            Some(CompressedInputs {
-                base: Tensor::new(base, dev)?,
-                base_i64: Tensor::from_vec(base_i64, (b, 1), dev)?,
-                counts: Tensor::new(counts, dev)?,
-                zeros: Tensor::zeros((b, k), DType::I64, dev)?,
-                neg_one: Tensor::full(-1i64, (b, k), dev)?,
-            })
-        } else {
-            None
-        };
-        let closing = if w.kind == LayerKind::Source {
-            let closers: Vec<u32> = (0..b).filter(|&s| closes(s)).map(|s| s as u32).collect();
-            let openers: Vec<u32> = (0..b).filter(|&s| !closes(s)).map(|s| s as u32).collect();
-            let c_pos: Vec<usize> = closers.iter().map(|&s| pos[s as usize] / w.ratio * w.ratio).collect();
-            let (c_cos, c_sin) = w.rope.cos_sin(&c_pos)?;
-            let c_slots: Vec<i64> = closers.iter().map(|&s| (s as usize * e + pos[s as usize] / w.ratio) as i64).collect();
-            let openers = if openers.is_empty() {
-                None
-            } else {
-                let rows: Vec<u32> = (0..openers.len()).flat_map(|i| std::iter::repeat_n(openers[i], hd)).collect();
-                let o = openers.len();
-                Some((Tensor::new(openers, dev)?, Tensor::from_vec(rows, (o, hd), dev)?))
-            };
-            Some(ClosingInputs {
-                c_slots: Tensor::new(c_slots, dev)?,
-                closers: Tensor::new(closers, dev)?,
-                c_cos,
-                c_sin,
-                openers,
-                carry_kv: Tensor::randn(0f32, 1.0, (b, hd), dev)?,
-                carry_score: Tensor::randn(0f32, 1.0, (b, hd), dev)?,
-            })
-        } else {
-            None
-        };
+        let positions = (0..b).map(|s| if closes(s) { ctx - 1 } else { ctx - 2 }).collect();
         Ok(Self {
             b,
-            e,
+            e: ctx.checked_div(w.ratio).unwrap_or(0),
+            ratio: w.ratio,
             x: Tensor::randn(0f32, 0.5, (b, hidden), dev)?.to_dtype(DType::BF16)?,
-            sin_neg: sin.neg()?,
-            cos,
-            sin,
-            win_slots: Tensor::new(win_slots, dev)?,
-            no_extra: idx_window.narrow(1, 0, 0)?,
-            idx_window,
-            comp,
-            closing,
+            positions,
         })
     }
 
-    /// Sequences closing a compressor group this step (0 for other layers).
+    /// Sequences closing a compressor group this step (0 for window-only layers).
     pub fn closers(&self) -> usize {
-        self.closing.as_ref().map_or(0, |c| c.closers.elem_count())
+        if self.ratio == 0 {
+            return 0;
+        }
+        self.positions.iter().filter(|&&p| (p + 1) % self.ratio == 0).count()
+    }
+
+    /// Entries each sequence sees this step.
+    pub fn visible(&self) -> Vec<usize> {
+        self.positions.iter().map(|&p| (p + 1).checked_div(self.ratio).unwrap_or(0).min(self.e)).collect()
     }
 }
 
-/// Outputs of the projections phase.
-pub struct Proj {
-    /// `[B, hidden]` bf16: the layer input.
-    pub x: Tensor,
-    /// `[B, q_lora]` bf16.
-    pub qr: Tensor,
-    /// `[B, 512]` bf16 (normed window KV).
-    pub kv: Tensor,
-    /// `[B, H, 512]` bf16.
-    pub q: Tensor,
+/// The library caches and step inputs of one layer in one format: views of the run's pools.
+pub struct StepCaches {
+    pub own: BatchedLayerCache,
+    /// A reuse layer's kv source.
+    pub kv: Option<BatchedLayerCache>,
+    pub inputs: DecodeStepInputs,
 }
 
-/// One decode step of B sequences, phase by phase.
+impl StepCaches {
+    /// The caches of `layer` in `fmt` over the window pool `win` and the kv source's pools `src`
+    /// (its own for a source; for a reuse layer the pools of its kv source, whose layer is
+    /// `kv_layer`), and the step inputs at `s`'s positions.
+    pub fn new(layer: &DecodeLayer, win: &WindowPool, src: Option<&SourcePools>, kv_layer: Option<&DecodeLayer>, fmt: CacheFormat, s: &Inputs) -> Result<Self> {
+        let src_of = || src.context("no compressed pools for a compressed layer")?.source(fmt);
+        let (own, kv) = match LayerKind::from(layer.kind()) {
+            LayerKind::WindowOnly => (BatchedLayerCache::from_parts(layer, s.b, win.rows(fmt)?, None)?, None),
+            LayerKind::Source => (BatchedLayerCache::from_parts(layer, s.b, win.rows(fmt)?, Some(src_of()?))?, None),
+            LayerKind::Reuse { kv_source, .. } => {
+                let kl = kv_layer.with_context(|| format!("layer {}: no layer for its kv source {kv_source}", layer.layer()))?;
+                // The kv source's window pool is not read by a reuse layer: this layer's serves.
+                let kv = BatchedLayerCache::from_parts(kl, s.b, win.rows(fmt)?, Some(src_of()?))?;
+                (BatchedLayerCache::from_parts(layer, s.b, win.rows(fmt)?, None)?, Some(kv))
+            }
+        };
+        let inputs = DecodeStepInputs::new(layer, &own, kv.as_ref())?;
+        inputs.update(&s.positions)?;
+        Ok(Self { own, kv, inputs })
+    }
+}
+
+/// One decode step of B sequences, phase by phase (the library step and what the benchmarks
+/// read besides).
 pub struct Step<'a> {
     pub w: &'a Weights,
-    pub win: &'a WindowPool,
-    /// The kv source's pools (its own for a source, its kv source's for a reuse layer).
-    pub src: Option<&'a SourcePools>,
+    pub inner: DecodeStep<'a>,
     pub s: &'a Inputs,
     pub fmt: CacheFormat,
-    pub kernel: SparseAttentionKernel,
     /// Reuse layers: `[B, k]` i64 pool rows their index source selected this step.
     pub reuse_topk: Option<&'a Tensor>,
 }
 
-impl Step<'_> {
-    fn src(&self) -> Result<&SourcePools> {
-        self.src.with_context(|| format!("layer {} ({}): no compressed pools", self.w.layer, self.w.kind.name()))
+impl<'a> Step<'a> {
+    pub fn new(
+        w: &'a Weights,
+        layer: &'a DecodeLayer<'a>,
+        caches: &'a StepCaches,
+        s: &'a Inputs,
+        fmt: CacheFormat,
+        kernel: SparseAttentionKernel,
+        reuse_topk: Option<&'a Tensor>,
+    ) -> Result<Self> {
+        let inner = DecodeStep::new(layer, &caches.own, caches.kv.as_ref(), &caches.inputs)?.with_options(StepOptions { kernel, num_splits: None });
+        Ok(Self { w, inner, s, fmt, reuse_topk })
     }
 
     pub fn projections(&self, x: &Tensor) -> Result<Proj> {
-        let (w, b) = (self.w, self.s.b);
-        let qr = w.q_norm.forward(&w.wq_a.forward(x)?)?;
-        let kv = w.kv_norm.forward(&w.wkv.forward(x)?)?;
-        let q = w.wq_b.forward(&qr)?.reshape((b, w.h, w.hd))?;
-        Ok(Proj { x: x.clone(), qr, kv, q })
+        Ok(self.inner.projections(x)?)
     }
 
     pub fn inserts(&self, pr: &Proj) -> Result<()> {
-        let (w, s) = (self.w, self.s);
-        q_rope_inplace(&pr.q, &s.cos, &s.sin, None)?;
-        match (&self.win.win, &self.win.win_packed) {
-            (_, Some((cache, layout))) if self.fmt == CacheFormat::PackedKv => {
-                packed_insert(cache, layout, &pr.kv, &s.cos, &s.sin, &s.win_slots, None)?
-            }
-            (Some(win), _) => window_insert(win, &pr.kv, &s.cos, &s.sin, &s.win_slots, true)?,
-            _ => bail!("no window pool for {}", self.fmt.name()),
-        }
-        let (Some(c), Some(cl)) = (&w.compressor, &s.closing) else { return Ok(()) };
-        let p = self.src()?;
-        // Compressor (ratio 2): projections of every sequence, pooling of the closing groups.
-        let ckv = c.wkv.forward(&pr.x)?;
-        let cs = c.wgate.forward(&pr.x)?;
-        let pair = |carry: &Tensor, cur: &Tensor| -> Result<Tensor> {
-            Ok(Tensor::stack(&[carry.index_select(&cl.closers, 0)?, cur.index_select(&cl.closers, 0)?], 1)?)
-        };
-        let alpha = candle_nn::ops::softmax(&pair(&cl.carry_score, &cs)?, 1)?;
-        let pooled = (alpha * pair(&cl.carry_kv, &ckv)?)?.sum(1)?.to_dtype(DType::BF16)?;
-        let latent = c.norm.forward(&pooled)?;
-        let k_pre = c.keys.project(&latent)?;
-        match (&p.comp, &p.comp_packed) {
-            (_, Some((cache, layout))) if self.fmt == CacheFormat::PackedKv => {
-                packed_insert(cache, layout, &latent, &cl.c_cos, &cl.c_sin, &cl.c_slots, None)?
-            }
-            (Some(comp), _) => compressed_insert(comp, &latent, &cl.c_cos, &cl.c_sin, &cl.c_slots, true)?,
-            _ => bail!("no compressed pool for {}", self.fmt.name()),
-        }
-        let norm = c.keys.k_norm();
-        match (self.fmt.packed_keys(), &p.keys, &p.packed) {
-            (false, Some(keys), _) => {
-                index_key_insert(keys, &k_pre, norm.weight(), norm.eps(), &cl.c_cos, &cl.c_sin, &cl.c_slots, true)?
-            }
-            (true, _, Some((cache, layout))) => {
-                packed_insert(cache, layout, &k_pre, &cl.c_cos, &cl.c_sin, &cl.c_slots, Some((norm.weight(), norm.eps())))?
-            }
-            _ => bail!("no {} index-key pool", self.fmt.name()),
-        }
-        if let Some((ids, rows)) = &cl.openers {
-            cl.carry_kv.scatter_set(rows, &ckv.index_select(ids, 0)?, 0)?;
-            cl.carry_score.scatter_set(rows, &cs.index_select(ids, 0)?, 0)?;
-        }
-        Ok(())
+        Ok(self.inner.inserts(pr)?)
     }
 
     /// `[B, k]` i64 compressed pool rows (−1 = none); `None` for a window-only layer.
     pub fn selection(&self, pr: &Proj) -> Result<Option<Tensor>> {
-        let (w, s) = (self.w, self.s);
-        match w.kind {
-            LayerKind::WindowOnly => return Ok(None),
-            LayerKind::Reuse { index_source, .. } => {
-                let t = self.reuse_topk.with_context(|| format!("layer {}: no top-k of index source {index_source}", w.layer))?;
-                return Ok(Some(t.clone()));
-            }
-            LayerKind::Source => {}
-        }
-        let (p, c) = (self.src()?, s.comp.as_ref().context("no compressed-layer inputs")?);
-        let ix = w.indexer.as_ref().context("an index source without indexer weights")?;
-        let iq = ix.iq_b.forward(&pr.qr)?.reshape((s.b, w.hi, w.di))?;
-        q_rope_inplace(&iq, &s.cos, &s.sin, None)?;
-        let iq = fake_quant_device(&iq, QatFormat::Fp4Ue8m0B32)?;
-        let scale = (w.di as f64).powf(-0.5) * (w.hi as f64).powf(-0.5);
-        let hw = (ix.w_proj.forward(&pr.x)?.to_dtype(DType::F32)? * scale)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-        let keys = match (self.fmt.packed_keys(), &p.keys, &p.packed) {
-            (false, Some(k), _) => IndexKeys::Rows(k),
-            (true, _, Some((cache, layout))) => IndexKeys::Packed { cache, layout: *layout },
-            _ => bail!("no {} index-key pool", self.fmt.name()),
-        };
-        let src = KeySource { keys, base: Some(&c.base), entries: s.e, visibility: Visibility::Counts(&c.counts) };
-        let topk = index_select(&iq, &hw, &src, w.topk, None, None)?.topk;
-        Ok(Some(topk.ge(&c.zeros)?.where_cond(&topk.broadcast_add(&c.base_i64)?, &c.neg_one)?))
-    }
-
-    /// The KV pool this run's format reads.
-    fn kv_rows<'a>(&self, bf16: &'a Option<Tensor>, packed: &'a Option<(Tensor, PackedLayout)>) -> Result<KvRows<'a>> {
-        Ok(match (bf16, packed) {
-            (_, Some((cache, layout))) if self.fmt == CacheFormat::PackedKv => KvRows::Packed(cache, *layout),
-            (Some(t), _) => KvRows::Bf16(t),
-            _ => bail!("no KV pool for {}", self.fmt.name()),
-        })
+        Ok(self.inner.selection(pr, self.reuse_topk)?)
     }
 
     /// `[B, H, 512]` bf16.
     pub fn attention(&self, pr: &Proj, idx: Option<&Tensor>) -> Result<Tensor> {
-        self.attention_with(pr, idx, None)
+        Ok(self.inner.attention(pr, idx)?)
     }
 
     /// [`Step::attention`] with `splits` KV splits (None: the launcher's choice).
     pub fn attention_with(&self, pr: &Proj, idx: Option<&Tensor>, splits: Option<usize>) -> Result<Tensor> {
-        let window = self.kv_rows(&self.win.win, &self.win.win_packed)?;
-        let (extra, idx_extra) = match idx {
-            Some(idx) => {
-                let p = self.src()?;
-                (self.kv_rows(&p.comp, &p.comp_packed)?, idx)
-            }
-            None => (window, &self.s.no_extra),
-        };
-        let inputs = SparseAttentionInputs {
-            q: &pr.q,
-            window,
-            idx_window: &self.s.idx_window,
-            extra,
-            idx_extra,
-            sink: &self.w.sink,
-            scale: (self.w.hd as f32).powf(-0.5),
-        };
-        let kernel = if splits.is_some() { SparseAttentionKernel::Auto } else { self.kernel };
-        Ok(inputs.forward(SparseAttentionOptions { num_splits: splits, kernel })?.0)
+        let step = self.inner.clone().with_options(StepOptions { kernel: SparseAttentionKernel::Auto, num_splits: splits });
+        Ok(step.attention(pr, idx)?)
     }
 
     /// `[B, hidden]` bf16.
     pub fn output(&self, o: &Tensor) -> Result<Tensor> {
-        let (w, s) = (self.w, self.s);
-        q_rope_inplace(o, &s.cos, &s.sin_neg, None)?;
-        let z = w.wo_a.forward(&o.reshape((s.b, w.g, w.h / w.g * w.hd))?)?;
-        Ok(w.wo_b.forward(&z)?)
+        Ok(self.inner.output(o)?)
     }
 
     /// The whole step for the layer input `x` `[B, hidden]` bf16; returns `[B, hidden]` bf16.
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
-        let pr = self.projections(x)?;
-        self.inserts(&pr)?;
-        let idx = self.selection(&pr)?;
-        let o = self.attention(&pr, idx.as_ref())?;
-        self.output(&o)
+        Ok(self.inner.forward(x, self.reuse_topk)?.y)
     }
 
     /// Runs the step once on `x` and checks it: finite, not-all-zero output, and top-k rows
@@ -501,10 +388,10 @@ impl Step<'_> {
         if max == 0.0 {
             bail!("output is all zeros")
         }
-        let (Some(idx), Some(c)) = (&idx, &s.comp) else {
+        let Some(idx) = &idx else {
             return Ok((format!("output finite, max |y| = {max:.3}; window only"), None));
         };
-        let counts = c.counts.to_vec1::<u32>()?;
+        let counts = s.visible();
         let (mut valid, mut missing) = (0usize, 0usize);
         for (b, row) in idx.to_vec2::<i64>()?.iter().enumerate() {
             let lo = (b * s.e) as i64;
@@ -518,7 +405,7 @@ impl Step<'_> {
                 }
             }
         }
-        if missing > 0 && counts.iter().all(|&c| c as usize >= w.topk) {
+        if missing > 0 && counts.iter().all(|&c| c >= w.topk) {
             bail!("{missing} top-k slots empty although every sequence sees >= {} entries", w.topk)
         }
         Ok((format!("output finite, max |y| = {max:.3}; top-k: {valid} rows in range, {missing} empty"), Some(idx.clone())))

@@ -1,7 +1,8 @@
 //! The decode step of one loaded V4.1 decoder layer for B sequences (one token each), in the
 //! order of `DecoderLayer::forward` (spec §3.2): Engram on the stream (Engram layers), the
-//! attention's mHC mixes, collapse and `attn_norm`, the batched attention step of
-//! `support/batched_step.rs` (the caches of all B sequences in pooled device tensors), the
+//! attention's mHC mixes, collapse and `attn_norm`, the batched attention step
+//! (`attention::decode_batch` through `support/batched_step.rs`: the caches of all B sequences
+//! in pooled device tensors), the
 //! attention's post, the FFN's mixes, collapse and `ffn_norm`, the MoE, the FFN's post. Every
 //! module is the loaded layer's own (`DecoderLayer` accessors), so the weights are those the
 //! real loader placed. Used by `examples/bench_flash_layer.rs` (include it with
@@ -243,11 +244,10 @@ pub fn check_same_rows(a: &EngramPart, b: &EngramPart, n: usize) -> Result<()> {
 /// Random top-k rows of a reuse layer whose index source is not run: k entries per sequence
 /// inside its visible range, as pool rows.
 pub fn random_topk(s: &Inputs, k: usize, dev: &Device) -> Result<Tensor> {
-    let c = s.comp.as_ref().context("a reuse layer without compressed inputs")?;
-    let counts = c.counts.to_vec1::<u32>()?;
+    anyhow::ensure!(s.ratio > 0, "a reuse layer without compressed inputs");
     let mut v = Vec::with_capacity(s.b * k);
-    for (b, &n) in counts.iter().enumerate() {
-        v.extend((0..k).map(|j| (b * s.e + (j * 7919) % n.max(1) as usize) as i64));
+    for (b, n) in s.visible().into_iter().enumerate() {
+        v.extend((0..k).map(|j| (b * s.e + (j * 7919) % n.max(1)) as i64));
     }
     Ok(Tensor::from_vec(v, (s.b, k), dev)?)
 }

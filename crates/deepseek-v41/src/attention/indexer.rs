@@ -13,7 +13,7 @@ use candle_nn::VarBuilder;
 use super::cache::RowStore;
 use crate::config::{CandidateRole, Config};
 use crate::nn::linear::{named, NamedLinears};
-use crate::nn::{Linear, LinearKind, RmsNorm, RopeTable};
+use crate::nn::{Linear, LinearKind, RmsNorm, RopeTable, RowGroups};
 use crate::numerics::Numerics;
 use crate::quant::fake_quant::{fake_quant, QatFormat};
 
@@ -39,6 +39,12 @@ impl IndexKeyProjection {
     /// (the input of a fused norm + RoPE + quant insert such as `cuda::index_key_insert`).
     pub fn project(&self, latent: &Tensor) -> Result<Tensor> {
         self.wk.forward(latent)
+    }
+
+    /// [`Self::project`] of the latents of several sequences split as `groups`: on the CPU each
+    /// sequence's rows get the bits of its own call ([`Linear::forward_grouped`]).
+    pub fn project_grouped(&self, latent: &Tensor, groups: &RowGroups) -> Result<Tensor> {
+        self.wk.forward_grouped(latent, groups)
     }
 
     /// The `k_norm` applied after [`Self::project`].
@@ -218,8 +224,14 @@ impl Indexer {
 
     /// Head weights `[T, H_I]` (bf16 values): `bf16(weights_proj(x)) · d_I^-½ · H_I^-½`.
     pub fn head_weights(&self, x: &Tensor) -> Result<Tensor> {
+        self.head_weights_grouped(x, &RowGroups::whole(x.dim(0)?))
+    }
+
+    /// [`Self::head_weights`] of the rows of several sequences split as `groups` (on the CPU each
+    /// sequence's rows get the bits of its own call, [`Linear::forward_grouped`]).
+    pub fn head_weights_grouped(&self, x: &Tensor, groups: &RowGroups) -> Result<Tensor> {
         let scale = (self.head_dim as f64).powf(-0.5) * (self.n_heads as f64).powf(-0.5);
-        (self.weights_proj.forward(x)?.to_dtype(DType::F32)? * scale)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)
+        (self.weights_proj.forward_grouped(x, groups)?.to_dtype(DType::F32)? * scale)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)
     }
 
     /// Selects the top-k of the call's tokens, on `x`'s device (CUDA: the indexer kernels of

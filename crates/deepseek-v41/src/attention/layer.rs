@@ -86,8 +86,8 @@ pub struct Attention {
 }
 
 /// The parameters of one attention layer, borrowed from it ([`Attention::params`]): for
-/// composing the layer's step from the crate's ops elsewhere, e.g. a decode step of many
-/// sequences whose caches live in pooled device tensors (`examples/support/batched_layer.rs`).
+/// composing the layer's step from the crate's ops elsewhere, e.g. the decode step of many
+/// sequences whose caches live in pooled device tensors (`attention::decode_batch`).
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionParams<'a> {
     /// `wq_a` `[q_lora, hidden]`.
@@ -114,6 +114,9 @@ pub struct AttentionParams<'a> {
     pub indexer: Option<&'a Indexer>,
     /// The layer's RoPE table (its frequency set follows the compress ratio).
     pub rope: &'a RopeTable,
+    /// The numerics the layer was built with (`cache_fake_quant`: the Q1/Q2/Q3 cache
+    /// quantization and the index queries' FP4 fake quant).
+    pub numerics: Numerics,
 }
 
 impl Attention {
@@ -189,7 +192,13 @@ impl Attention {
             key_projection: self.key_projection.as_ref(),
             indexer: self.indexer.as_ref(),
             rope: &self.rope,
+            numerics: self.numerics,
         }
+    }
+
+    /// The layer's index.
+    pub fn layer(&self) -> usize {
+        self.layer
     }
 
     /// Why the fused CUDA kernels cannot run this layer (`None`: they can, and `forward` uses

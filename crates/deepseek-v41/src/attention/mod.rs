@@ -14,9 +14,18 @@
 //!   the packed V4.1 formats); [`pool`]: a pool of window-ring pages shared by many sequences.
 //! * [`rollback`]: truncating a cache to a shorter length, with the bounded [`history`] of rows
 //!   it keeps for that.
+//! * [`decode_batch`]: the single-token decode step of one layer for B sequences over pooled
+//!   caches ([`batch_cache`]) with its position-dependent inputs on the device
+//!   ([`decode_inputs`]), capturable into a CUDA graph (its ops: the `cuda` feature's, or their
+//!   CPU references without it).
 
+pub mod batch_cache;
 pub mod cache;
 pub mod compressor;
+pub mod decode_batch;
+pub mod decode_error;
+pub mod decode_inputs;
+mod decode_ops;
 mod device_cache;
 pub mod history;
 pub mod indexer;
@@ -29,7 +38,11 @@ pub mod storage;
 pub mod trace;
 pub mod window;
 
+pub use batch_cache::{BatchStorage, BatchedLayerCache, BatchedSource, PoolRows};
 pub use cache::SequenceCache;
+pub use decode_batch::{DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepOutput, Projections, StepOptions};
+pub use decode_error::DecodeStepError;
+pub use decode_inputs::{CompressedInputs, DecodeStepInputs};
 pub use layer::{Attention, AttentionParams};
 pub use pool::{CachePool, PoolError, PoolLease, PoolOccupancy};
 pub use rollback::RollbackError;

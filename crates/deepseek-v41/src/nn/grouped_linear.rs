@@ -20,6 +20,7 @@ use candle_nn::VarBuilder;
 
 use super::linear::compute_dtype;
 use super::linear_weight::{fp8_product, native_on, LinearWeight};
+use super::row_groups::RowGroups;
 use crate::quant::Fp8Weight;
 
 /// Up to this many stacked rows (groups × tokens) an FP8 `GroupedLinear` multiplies all groups in
@@ -119,6 +120,31 @@ impl GroupedLinear {
             }
             LinearWeight::Mxfp4(_) => candle_core::bail!("GroupedLinear: an MXFP4 weight is not supported"),
         }
+    }
+
+    /// [`GroupedLinear::forward`] of `x` `[T, G, in_g]` holding the rows of several sequences
+    /// split as `rows` ([`RowGroups`]): on the CPU with a dense weight each sequence's rows run
+    /// through their own call (padded with zero rows to the sequence's own row count), so they
+    /// get exactly the bits that call gives (the batched matmul picks its `gemm` kernel by the
+    /// row count, `nn::row_groups`); otherwise (one whole group, a CUDA device, an FP8 weight)
+    /// exactly `forward(x)`.
+    pub fn forward_grouped(&self, x: &Tensor, rows: &RowGroups) -> Result<Tensor> {
+        let (t, g, k) = x.dims3()?;
+        if rows.rows() != t {
+            candle_core::bail!("GroupedLinear::forward_grouped: the row groups cover {} rows, the input has {t}", rows.rows())
+        }
+        if !x.device().is_cpu() || rows.is_whole() || !matches!(self.weight, LinearWeight::Dense(_)) {
+            return self.forward(x);
+        }
+        let mut parts = Vec::with_capacity(rows.groups().len());
+        let mut at = 0;
+        for r in rows.groups().iter().filter(|r| r.len > 0) {
+            let own = x.narrow(0, at, r.len)?;
+            let own = if r.alone > r.len { Tensor::cat(&[own, Tensor::zeros((r.alone - r.len, g, k), x.dtype(), x.device())?], 0)? } else { own };
+            parts.push(self.forward(&own)?.narrow(0, 0, r.len)?);
+            at += r.len;
+        }
+        Tensor::cat(&parts, 0)
     }
 
     /// The dense weight `[G, out_g, in_g]` in `dtype` (dequantized for FP8): for tests and

@@ -158,6 +158,18 @@ impl RopeTable {
         Ok(RopeRows { cos: b.cos.narrow(0, off, n)?, sin: b.sin.narrow(0, off, n)?, neg_sin: b.neg_sin.narrow(0, off, n)? })
     }
 
+    /// The rows of the positions held in the device tensor `positions` (`[T]`, any integer or
+    /// float dtype, on the table's device): the same f32 arithmetic as [`RopeTable::rows`]
+    /// (`f32(p)·inv_freq`, then `cos` / `sin` on the device), with no host value involved, so a
+    /// batched decode step can derive its rows from positions already on the device.
+    pub fn rows_at(&self, positions: &Tensor) -> Result<RopeRows> {
+        let t = positions.dims1()?;
+        let p = positions.to_dtype(DType::F32)?.reshape((t, 1))?;
+        let angles = p.broadcast_mul(&self.inv_freq)?;
+        let sin = angles.sin()?;
+        Ok(RopeRows { cos: angles.cos()?, neg_sin: sin.neg()?, sin })
+    }
+
     /// The rows of `positions`, computed now.
     fn compute(&self, positions: &[usize]) -> Result<RopeRows> {
         let p: Vec<f32> = positions.iter().map(|&p| p as f32).collect();

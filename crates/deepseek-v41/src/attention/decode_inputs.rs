@@ -1,0 +1,278 @@
+//! The per-step inputs of the batched decode step ([`super::decode_batch`]): everything that
+//! depends on the sequences' positions, as device tensors of fixed shapes (`[B]`, `[B, ..]`)
+//! that [`DecodeStepInputs::update`] rewrites in place from the host positions, with one
+//! host→device copy. The step's kernels read only these tensors and the caches, so their launch
+//! shapes and arguments never change between steps: a step captured into a CUDA graph replays
+//! correctly after each `update` (`docs/architecture.md`, "The batched decode step").
+//!
+//! | tensor | shape | value for sequence b at position p |
+//! |---|---|---|
+//! | positions | `[B]` i64 | p |
+//! | window slots | `[B]` i64 | `b·W' + p mod W` |
+//! | window indices | `[B, W]` i64 | the ring slots of positions `p − W + 1 ..= p` ascending, −1 for those below 0 (spec §4.6) |
+//! | cos, sin, −sin | `[B, R/2]` f32 | the layer's RoPE rows at p (spec §2.2) |
+//! | entry slots | `[B]` i64 | `b·E' + p div r` when p closes a group (`(p + 1) mod r = 0`), else −1 (no insert) |
+//! | entry cos, sin | `[B, R/2]` f32 | RoPE rows at `(p div r)·r`, the closing entry's position |
+//! | closing | `[B, 1]` u8 | 1 when p closes a group |
+//! | visible | `[B]` u32 | `(p + 1) div r`, the entries p sees (spec §6.3) |
+//! | key base | `[B]` u32, `[B, 1]` i64 | `b·E'` (constant) |
+//!
+//! The host computes the integer rows (one `[5, B]` i64 upload); the device derives the rest
+//! (RoPE rows from [`RopeTable::rows_at`], the same f32 arithmetic as the one-sequence path).
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::batch_cache::BatchedLayerCache;
+use super::decode_batch::DecodeLayer;
+use super::decode_error::DecodeStepError;
+use crate::nn::RopeTable;
+
+/// Rows of the uploaded `[ROWS, B]` i64 table.
+const ROW_POSITION: usize = 0;
+const ROW_WINDOW_SLOT: usize = 1;
+const ROW_ENTRY_SLOT: usize = 2;
+const ROW_ENTRY_POSITION: usize = 3;
+const ROW_VISIBLE: usize = 4;
+const ROWS: usize = 5;
+/// The largest position [`DecodeStepInputs::update`] takes (the kernels' 32-bit counts).
+pub const MAX_POSITION: usize = i32::MAX as usize;
+
+/// The inputs of layers that read compressed entries (kv sources and their reuse layers).
+#[derive(Debug, Clone)]
+pub struct CompressedInputs {
+    /// Compress ratio r.
+    pub ratio: usize,
+    /// Entries per sequence (the kv source's capacity E).
+    pub entries: usize,
+    /// Slots between two sequences' regions (E').
+    pub entry_stride: usize,
+    /// `[B]` i64 view: the closing entry's pool slot, −1 for sequences that close no group.
+    pub entry_slots: Tensor,
+    /// `[B, R/2]` f32: RoPE rows at the closing entry's position.
+    pub entry_cos: Tensor,
+    /// `[B, R/2]` f32.
+    pub entry_sin: Tensor,
+    /// `[B, 1]` u8: 1 for sequences closing a group this step.
+    pub closing: Tensor,
+    /// `[B]` u32: entries visible to each sequence's query.
+    pub visible: Tensor,
+    /// `[B]` u32: `b·E'`, the first slot of each sequence's region (constant).
+    pub key_base: Tensor,
+    /// `[B, 1]` i64: the same.
+    pub key_base_i64: Tensor,
+    /// `[B, k]` i64 zeros and −1 (the top-k's shift to pool rows keeps −1).
+    pub(super) zeros: Tensor,
+    pub(super) none: Tensor,
+}
+
+/// The position-dependent inputs of a batched decode step for one RoPE frequency set and cache
+/// geometry: one object serves every layer of the same kind and geometry (a kv source and its
+/// reuse layers share one; window-only layers another). See the module docs for the tensors.
+#[derive(Debug, Clone)]
+pub struct DecodeStepInputs {
+    batch: usize,
+    window: usize,
+    window_stride: usize,
+    rope: RopeTable,
+    /// `[ROWS, B]` i64, rewritten by each update.
+    table: Tensor,
+    /// `[B]` i64 views of `table`.
+    positions: Tensor,
+    window_slots: Tensor,
+    /// `[B, W]` i64.
+    window_indices: Tensor,
+    /// `[B, R/2]` f32.
+    cos: Tensor,
+    sin: Tensor,
+    neg_sin: Tensor,
+    /// `[B, 0]` i64: no compressed index (window-only layers).
+    no_extra: Tensor,
+    /// Constants of the window indices: `[1, W]` i64 `1..=W`, `[1, 1]` i64 W, `[B, 1]` i64 `b·W'`,
+    /// `[B, W]` i64 −1.
+    window_offsets: Tensor,
+    window_len: Tensor,
+    window_base: Tensor,
+    window_none: Tensor,
+    compressed: Option<CompressedInputs>,
+}
+
+impl DecodeStepInputs {
+    /// Inputs for `layer`'s step over `own` (the layer's cache: its window geometry and batch)
+    /// and, for a reuse layer, `kv_source` (the cache of its kv source: the entries' geometry;
+    /// `None` for other layers). All positions start at 0 until the first
+    /// [`DecodeStepInputs::update`].
+    pub fn new(layer: &DecodeLayer, own: &BatchedLayerCache, kv_source: Option<&BatchedLayerCache>) -> Result<Self> {
+        let (b, w, ws) = (own.batch(), layer.window(), own.window_stride());
+        let dev = own.window_rows().tensor().device().clone();
+        let kv = layer.kv_cache(own, kv_source)?;
+        let half = layer.rope().rope_dim() / 2;
+        let table = Tensor::zeros((ROWS, b), DType::I64, &dev)?;
+        let row = |r: usize| table.get(r);
+        let compressed = match kv {
+            Some(kv) => {
+                let src = kv.source().ok_or_else(|| DecodeStepError::Mismatch {
+                    layer: layer.layer(),
+                    why: format!("layer {} is not a kv source (no compressed pools)", kv.layer()),
+                })?;
+                let es = kv.entry_stride();
+                let base: Vec<u32> = (0..b).map(|i| (i * es) as u32).collect();
+                let base_i64: Vec<i64> = base.iter().map(|&v| v as i64).collect();
+                let k = layer.topk();
+                Some(CompressedInputs {
+                    ratio: layer.ratio(),
+                    entries: src.entries,
+                    entry_stride: es,
+                    entry_slots: row(ROW_ENTRY_SLOT)?,
+                    entry_cos: Tensor::zeros((b, half), DType::F32, &dev)?,
+                    entry_sin: Tensor::zeros((b, half), DType::F32, &dev)?,
+                    closing: Tensor::zeros((b, 1), DType::U8, &dev)?,
+                    visible: Tensor::zeros(b, DType::U32, &dev)?,
+                    key_base: Tensor::from_vec(base, b, &dev)?,
+                    key_base_i64: Tensor::from_vec(base_i64, (b, 1), &dev)?,
+                    zeros: Tensor::zeros((b, k), DType::I64, &dev)?,
+                    none: Tensor::full(-1i64, (b, k), &dev)?,
+                })
+            }
+            None => None,
+        };
+        let inputs = Self {
+            batch: b,
+            window: w,
+            window_stride: ws,
+            rope: layer.rope().clone(),
+            positions: row(ROW_POSITION)?,
+            window_slots: row(ROW_WINDOW_SLOT)?,
+            window_indices: Tensor::zeros((b, w), DType::I64, &dev)?,
+            cos: Tensor::zeros((b, half), DType::F32, &dev)?,
+            sin: Tensor::zeros((b, half), DType::F32, &dev)?,
+            neg_sin: Tensor::zeros((b, half), DType::F32, &dev)?,
+            no_extra: Tensor::zeros((b, 0), DType::I64, &dev)?,
+            window_offsets: Tensor::arange(1i64, w as i64 + 1, &dev)?.reshape((1, w))?,
+            window_len: Tensor::full(w as i64, (1, 1), &dev)?,
+            window_base: Tensor::from_vec((0..b).map(|i| (i * ws) as i64).collect::<Vec<_>>(), (b, 1), &dev)?,
+            window_none: Tensor::full(-1i64, (b, w), &dev)?,
+            table,
+            compressed,
+        };
+        inputs.update(&vec![0; b])?;
+        Ok(inputs)
+    }
+
+    /// Writes the inputs of the sequences at `positions` (one per sequence, in batch order) into
+    /// the existing tensors: one host→device copy of the integer table, then device ops (RoPE
+    /// rows, window indices, counts) written in place (on CUDA with Candle's upload cache on, so
+    /// that their shape descriptors are uploaded at the first update only). Errors, changing nothing, for a wrong
+    /// number of positions or a position whose compressed entries exceed its region.
+    ///
+    /// Call it outside a graph capture, and not while Candle's host-upload cache
+    /// (`CudaDevice::enable_cuda_graph_htod_cache`) is on: that cache keeps every distinct
+    /// upload.
+    pub fn update(&self, positions: &[usize]) -> Result<()> {
+        let b = self.batch;
+        if positions.len() != b {
+            Err(DecodeStepError::BatchMismatch { what: "positions", batch: b, got: positions.len() })?
+        }
+        let (w, ws) = (self.window, self.window_stride);
+        let mut host = vec![-1i64; ROWS * b];
+        for (s, &p) in positions.iter().enumerate() {
+            if p > MAX_POSITION {
+                Err(DecodeStepError::PositionOutOfRange { seq: s, position: p, max: MAX_POSITION })?
+            }
+            host[ROW_POSITION * b + s] = p as i64;
+            host[ROW_WINDOW_SLOT * b + s] = (s * ws + p % w) as i64;
+            if let Some(c) = &self.compressed {
+                let r = c.ratio;
+                let visible = (p + 1) / r;
+                if visible > c.entries {
+                    Err(DecodeStepError::BeyondCapacity { seq: s, position: p, needed: visible, entries: c.entries, limit: c.entries * r })?
+                }
+                let es = c.entry_stride;
+                if (p + 1) % r == 0 {
+                    host[ROW_ENTRY_SLOT * b + s] = (s * es + p / r) as i64;
+                }
+                host[ROW_ENTRY_POSITION * b + s] = (p / r * r) as i64;
+                host[ROW_VISIBLE * b + s] = visible as i64;
+            }
+        }
+        let dev = self.table.device();
+        self.table.slice_set(&Tensor::from_vec(host, (ROWS, b), dev)?, 0, 0)?;
+        // Candle's broadcasting kernels upload their shape descriptors per call; with its upload
+        // cache on (after the table's upload) they are uploaded once, the shapes never change:
+        // the table is the update's only host→device copy.
+        #[cfg(feature = "cuda")]
+        let _descriptors = match dev {
+            Device::Cuda(c) => Some(c.enable_cuda_graph_htod_cache()),
+            _ => None,
+        };
+
+        let rows = self.rope.rows_at(&self.positions)?;
+        self.cos.slice_set(&rows.cos, 0, 0)?;
+        self.sin.slice_set(&rows.sin, 0, 0)?;
+        self.neg_sin.slice_set(&rows.neg_sin, 0, 0)?;
+        // The k-th window entry of position p is position p − W + 1 + k: ring slot
+        // (p + 1 + k) mod W (the sum is ≥ 1, so the integer division floors), valid when
+        // p + 1 + k ≥ W.
+        let q = self.positions.reshape((b, 1))?.broadcast_add(&self.window_offsets)?;
+        let slot = (&q - q.broadcast_div(&self.window_len)?.broadcast_mul(&self.window_len)?)?;
+        let idx = q.ge(w as i64)?.where_cond(&slot.broadcast_add(&self.window_base)?, &self.window_none)?;
+        self.window_indices.slice_set(&idx, 0, 0)?;
+        if let Some(c) = &self.compressed {
+            let rows = self.rope.rows_at(&self.table.get(ROW_ENTRY_POSITION)?)?;
+            c.entry_cos.slice_set(&rows.cos, 0, 0)?;
+            c.entry_sin.slice_set(&rows.sin, 0, 0)?;
+            c.closing.slice_set(&c.entry_slots.ge(0i64)?.reshape((b, 1))?, 0, 0)?;
+            c.visible.slice_set(&self.table.get(ROW_VISIBLE)?.to_dtype(DType::U32)?, 0, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Sequences of the batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// `[B]` i64: the positions of the last update.
+    pub fn positions(&self) -> &Tensor {
+        &self.positions
+    }
+
+    /// `[B]` i64: each sequence's window-pool slot this step.
+    pub fn window_slots(&self) -> &Tensor {
+        &self.window_slots
+    }
+
+    /// `[B, W]` i64: each sequence's window, as window-pool slots (−1: none).
+    pub fn window_indices(&self) -> &Tensor {
+        &self.window_indices
+    }
+
+    /// `[B, R/2]` f32 RoPE rows at the positions: `(cos, sin, −sin)`.
+    pub fn rope_rows(&self) -> (&Tensor, &Tensor, &Tensor) {
+        (&self.cos, &self.sin, &self.neg_sin)
+    }
+
+    /// `[B, 0]` i64: the empty compressed index list of window-only layers.
+    pub(super) fn no_extra(&self) -> &Tensor {
+        &self.no_extra
+    }
+
+    /// The compressed-entry inputs (`None` for window-only layers' inputs).
+    pub fn compressed(&self) -> Option<&CompressedInputs> {
+        self.compressed.as_ref()
+    }
+
+    /// Slots between two sequences' window regions.
+    pub fn window_stride(&self) -> usize {
+        self.window_stride
+    }
+
+    /// The RoPE table the rows come from.
+    pub fn rope(&self) -> &RopeTable {
+        &self.rope
+    }
+
+    /// The device of the tensors.
+    pub fn device(&self) -> &Device {
+        self.table.device()
+    }
+}

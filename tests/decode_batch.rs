@@ -1,0 +1,255 @@
+//! The batched decode step of one attention layer (`attention::decode_batch`) on the CPU: B
+//! sequences at different positions (before their first compressed entry, closing a compressor
+//! group, opening one, inside and past the window), several steps in a row, equal bit for bit to
+//! each sequence's `Attention::forward` alone — outputs, the index sources' top-k and the cache
+//! rows — for bf16 pools, packed index keys and all-packed pools (the ops' CPU references; every
+//! product multiplies each sequence's row as its own call does). A step built once and fed by
+//! `DecodeStepInputs::update` (what a graph replay does) equals fresh objects per step; a step
+//! repeated at the same positions changes nothing; bad inputs are typed errors naming the value.
+//!
+//! Runs in every build (`cargo test --release --test decode_batch`): without the `cuda` feature
+//! the step's ops are their CPU references (bf16 pools; the packed cases need the feature), with
+//! it the `cuda` ops run their CPU paths (`--features cuda`, no GPU needed).
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use deepseek_v41::attention::{BatchStorage, BatchedLayerCache, CacheStorage, DecodeLayer, DecodeStep, DecodeStepError, DecodeStepInputs};
+use deepseek_v41::config::Config;
+
+#[path = "support/rng.rs"]
+#[allow(dead_code)]
+mod rng;
+use rng::Rng;
+
+#[path = "support/decode_batch_run.rs"]
+#[allow(dead_code)]
+mod run;
+use run::{bits, entry_ids, forward, layer_inputs, one_at_a_time, positions, prefill, random_layers, Batch, LAYERS};
+
+fn tiny() -> Result<Config> {
+    Ok(Config::from_file(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny/config.json"))?)
+}
+
+/// Prefill lengths = the first decode positions: before any entry (0), the first group closing
+/// (1), inside the window (4), past it (9, 20; W = 8).
+const STARTS: [usize; 5] = [0, 1, 4, 9, 20];
+const STEPS: usize = 5;
+const ENTRIES: usize = 16;
+/// The pools of the replay test: packed keys where the build has them.
+#[cfg(feature = "cuda")]
+const STORAGE: BatchStorage = BatchStorage::PACKED_KEYS;
+#[cfg(not(feature = "cuda"))]
+const STORAGE: BatchStorage = BatchStorage::BF16;
+
+/// Runs the scenario in `storage`: every step's batched outputs and top-k against the
+/// one-at-a-time ones, bit for bit, then the pools' rows against the sequences' caches.
+fn batched_equals_one_at_a_time(storage: BatchStorage) -> Result<()> {
+    let (cfg, dev) = (tiny()?, Device::Cpu);
+    let layers = random_layers(&cfg, &dev, 17)?;
+    let mut rng = Rng(0xdec0de);
+    let mut seqs = prefill(&cfg, &layers, &STARTS, &mut rng, &dev)?;
+    let b = STARTS.len();
+    let batch = Batch::new(&cfg, &layers, b, ENTRIES, storage, &dev)?;
+    batch.load(&seqs)?;
+    let steps = batch.steps()?;
+    let stride = batch.caches[1].entry_stride();
+    for t in 0..STEPS {
+        let pos = positions(&STARTS, t, cfg.sliding_window)?;
+        batch.update(&pos)?;
+        let xs = layer_inputs(&cfg, &mut rng, b, &dev)?;
+        let got = forward(&steps, &xs)?;
+        let want = one_at_a_time(&layers, &mut seqs, &xs, &pos)?;
+        for l in 0..LAYERS {
+            let y = bits(&got[l].y)?;
+            ensure!(y.iter().any(|&v| f32::from_bits(v) != 0.0), "step {t}, layer {l}: all zeros");
+            let h = cfg.hidden_size;
+            for (s, (wy, wk)) in want[l].iter().enumerate() {
+                ensure!(y[s * h..(s + 1) * h] == bits(wy)?[..], "{storage:?}, step {t}, layer {l}, sequence {s} at {}: outputs differ", pos[s]);
+                if let (Some(wk), Some(gk)) = (wk, &got[l].topk) {
+                    let g = &entry_ids(gk, stride)?[s];
+                    ensure!(*g == wk.to_vec2::<i64>()?[0], "step {t}, layer {l}, sequence {s}: top-k {g:?} vs {:?}", wk.to_vec2::<i64>()?);
+                }
+            }
+        }
+        // The reuse layer attended its index source's selection.
+        ensure!(bits(got[2].topk.as_ref().unwrap())? == bits(got[1].topk.as_ref().unwrap())?, "step {t}: reuse top-k");
+    }
+    // The pools hold the sequences' rows: window rings and, for the sources, entries and keys.
+    for (l, c) in batch.caches.iter().enumerate() {
+        for (s, seq) in seqs.iter().enumerate() {
+            let ring = seq.layer(l)?.window.ring_rows()?;
+            let w = cfg.sliding_window;
+            ensure!(bits(&pool_rows(c.window_rows(), s * c.window_stride(), w)?)? == bits(&ring)?, "layer {l}, sequence {s}: window ring");
+            if let (Some(src), Ok(own)) = (c.source(), seq.source(l)) {
+                let n = own.compressed.len();
+                ensure!(n > 0 || STARTS[s] + STEPS < 2, "sequence {s}: no entries");
+                let first = s * c.entry_stride();
+                ensure!(bits(&pool_rows(&src.compressed, first, n)?)? == bits(&own.compressed.rows()?)?, "layer {l}, sequence {s}: entries");
+                ensure!(bits(&pool_rows(&src.index_keys, first, n)?)? == bits(&own.index_keys.rows()?)?, "layer {l}, sequence {s}: keys");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Rows `first .. first + n` of a pool as bf16.
+fn pool_rows(p: &deepseek_v41::attention::PoolRows, first: usize, n: usize) -> Result<Tensor> {
+    Ok(match p {
+        deepseek_v41::attention::PoolRows::Bf16(t) => t.narrow(0, first, n)?,
+        #[cfg(feature = "cuda")]
+        deepseek_v41::attention::PoolRows::Packed(t, l) => l.unpack_rows(t, first..first + n, DType::BF16)?,
+    })
+}
+
+#[test]
+fn bf16_pools_equal_one_sequence_at_a_time() -> Result<()> {
+    batched_equals_one_at_a_time(BatchStorage::BF16)
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn packed_keys_equal_one_sequence_at_a_time() -> Result<()> {
+    batched_equals_one_at_a_time(BatchStorage::PACKED_KEYS)
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn packed_pools_equal_one_sequence_at_a_time() -> Result<()> {
+    batched_equals_one_at_a_time(BatchStorage::PACKED)
+}
+
+/// The same steps through objects built once (x written in place, inputs updated: what a graph
+/// replay reads) and through objects built anew each step give the same bits; a step repeated
+/// at the same positions with the same input (a warm-up before a capture) gives the same
+/// outputs and leaves the pools as one step does.
+#[test]
+fn a_step_fed_by_update_equals_a_fresh_step() -> Result<()> {
+    let (cfg, dev) = (tiny()?, Device::Cpu);
+    let layers = random_layers(&cfg, &dev, 29)?;
+    let mut rng = Rng(0x5eed);
+    let seqs = prefill(&cfg, &layers, &STARTS, &mut rng, &dev)?;
+    let b = STARTS.len();
+    let kept = Batch::new(&cfg, &layers, b, ENTRIES, STORAGE, &dev)?;
+    kept.load(&seqs)?;
+    let steps = kept.steps()?;
+    let fixed_x = layer_inputs(&cfg, &mut rng, b, &dev)?;
+    let fresh_pools = Batch::new(&cfg, &layers, b, ENTRIES, STORAGE, &dev)?;
+    fresh_pools.load(&seqs)?;
+    for t in 0..STEPS {
+        let pos = positions(&STARTS, t, cfg.sliding_window)?;
+        let xs = layer_inputs(&cfg, &mut rng, b, &dev)?;
+        kept.update(&pos)?;
+        for (f, x) in fixed_x.iter().zip(&xs) {
+            f.slice_set(x, 0, 0)?;
+        }
+        let a = forward(&steps, &fixed_x)?;
+        // Fresh inputs and steps over the second set of pools.
+        let fresh = Batch {
+            layers: layers.iter().map(|a| DecodeLayer::new(&cfg, a)).collect::<candle_core::Result<Vec<_>>>()?,
+            caches: fresh_pools.caches.clone(),
+            window_inputs: DecodeStepInputs::new(&fresh_pools.layers[0], &fresh_pools.caches[0], None)?,
+            compressed_inputs: DecodeStepInputs::new(&fresh_pools.layers[1], &fresh_pools.caches[1], None)?,
+        };
+        fresh.update(&pos)?;
+        let c = forward(&fresh.steps()?, &xs)?;
+        for l in 0..LAYERS {
+            ensure!(bits(&a[l].y)? == bits(&c[l].y)?, "step {t}, layer {l}: kept objects vs fresh objects");
+        }
+        if t == 2 {
+            // Repeated: same outputs, same pools afterwards (compared at the next step).
+            let again = forward(&steps, &fixed_x)?;
+            for l in 0..LAYERS {
+                ensure!(bits(&a[l].y)? == bits(&again[l].y)?, "step {t}, layer {l}: repeated step");
+            }
+        }
+    }
+    // Negative control: the same state stepped at other positions gives other outputs.
+    let (one, two) = (Batch::new(&cfg, &layers, b, ENTRIES, BatchStorage::BF16, &dev)?, Batch::new(&cfg, &layers, b, ENTRIES, BatchStorage::BF16, &dev)?);
+    one.load(&seqs)?;
+    two.load(&seqs)?;
+    let xs = layer_inputs(&cfg, &mut rng, b, &dev)?;
+    one.update(&STARTS)?;
+    two.update(&STARTS.map(|p| p + 2))?;
+    let (y1, y2) = (forward(&one.steps()?, &xs)?, forward(&two.steps()?, &xs)?);
+    ensure!(bits(&y1[0].y)? != bits(&y2[0].y)? && bits(&y1[1].y)? != bits(&y2[1].y)?, "the positions changed nothing");
+    Ok(())
+}
+
+fn message(e: candle_core::Error) -> String {
+    e.to_string()
+}
+
+/// Bad batch sizes, positions, tensors and layer / cache / input combinations are errors that
+/// name the value; a failed update changes nothing.
+#[test]
+fn bad_inputs_are_typed_errors() -> Result<()> {
+    let (cfg, dev) = (tiny()?, Device::Cpu);
+    let layers = random_layers(&cfg, &dev, 3)?;
+    let dl: Vec<DecodeLayer> = layers.iter().map(|a| DecodeLayer::new(&cfg, a)).collect::<candle_core::Result<_>>()?;
+    let e = message(BatchedLayerCache::zeros(&dl[1], 0, 4, BatchStorage::BF16, &dev).unwrap_err());
+    ensure!(e.starts_with(&DecodeStepError::EmptyBatch.to_string()), "{e}");
+    let batch = Batch::new(&cfg, &layers, 3, 4, BatchStorage::BF16, &dev)?;
+    // Positions: count and capacity (4 entries per sequence: positions up to 8 fit).
+    let e = message(batch.compressed_inputs.update(&[1, 2]).unwrap_err());
+    ensure!(e.contains("positions is for 2 sequences") && e.contains("batch has 3"), "{e}");
+    batch.update(&[7, 3, 5])?;
+    let before = batch.compressed_inputs.positions().to_vec1::<i64>()?;
+    let e = message(batch.compressed_inputs.update(&[7, 9, 5]).unwrap_err());
+    ensure!(e.contains("sequence 1 at position 9") && e.contains("5 compressed entries") && e.contains("holds 4"), "{e}");
+    ensure!(batch.compressed_inputs.positions().to_vec1::<i64>()? == before, "a failed update changed the inputs");
+    batch.window_inputs.update(&[100, 3, 5])?; // window-only layers have no capacity limit
+    let e = message(batch.window_inputs.update(&[1, 1 << 31, 5]).unwrap_err());
+    ensure!(e.contains("sequence 1 is at position 2147483648"), "{e}");
+    // x: dtype and rows.
+    let steps = batch.steps()?;
+    let x = Tensor::zeros((3, cfg.hidden_size), DType::F32, &dev)?;
+    let e = message(steps[0].projections(&x).unwrap_err());
+    ensure!(e.contains("x must be BF16 [3, 256]") && e.contains("F32 [3, 256]"), "{e}");
+    let e = message(steps[0].projections(&x.narrow(0, 0, 2)?.to_dtype(DType::BF16)?).unwrap_err());
+    ensure!(e.contains("got BF16 [2, 256]"), "{e}");
+    // A reuse layer without (or with a wrong) top-k, or with another layer's cache.
+    let xb = x.to_dtype(DType::BF16)?;
+    let pr = steps[2].projections(&xb)?;
+    let e = message(steps[2].selection(&pr, None).unwrap_err());
+    ensure!(e.contains("layer 2") && e.contains("top-k of its index source, layer 1"), "{e}");
+    let e = message(steps[2].selection(&pr, Some(&Tensor::zeros((3, 3), DType::I64, &dev)?)).unwrap_err());
+    ensure!(e.contains("reused top-k must be I64 [3, 4]"), "{e}");
+    let e = message(DecodeStep::new(&dl[2], &batch.caches[2], Some(&batch.caches[3]), &batch.compressed_inputs).unwrap_err());
+    ensure!(e.contains("kv source, layer 1, not the cache of layer 3"), "{e}");
+    let e = message(DecodeStep::new(&dl[2], &batch.caches[2], None, &batch.compressed_inputs).unwrap_err());
+    ensure!(e.contains("pass the cache of its kv source, layer 1"), "{e}");
+    // Inputs of the wrong kind or batch, a cache of another layer.
+    let e = message(DecodeStep::new(&dl[0], &batch.caches[0], None, &batch.compressed_inputs).unwrap_err());
+    ensure!(e.contains("layer 0") && e.contains("compressed layer's"), "{e}");
+    let e = message(DecodeStep::new(&dl[1], &batch.caches[3], None, &batch.compressed_inputs).unwrap_err());
+    ensure!(e.contains("built for layer 3"), "{e}");
+    let other = BatchedLayerCache::zeros(&dl[0], 2, 4, BatchStorage::BF16, &dev)?;
+    let e = message(DecodeStep::new(&dl[0], &other, None, &batch.window_inputs).unwrap_err());
+    ensure!(e.contains("the step inputs is for 3 sequences, the step's batch has 2"), "{e}");
+    // A sequence index outside the batch.
+    let seq = deepseek_v41::attention::SequenceCache::new(&cfg, DType::BF16, &dev)?;
+    let e = message(batch.caches[1].load_sequence(3, &seq).unwrap_err());
+    ensure!(e.contains("sequence index is for 4 sequences"), "{e}");
+    // Layer kinds the step does not compose: the ratio-1 candidate source (layer 4).
+    let vb = deepseek_v41::nn::RandomWeights::new(3).var_builder(DType::BF16, &dev);
+    let l4 = deepseek_v41::attention::Attention::new(&cfg, 4, deepseek_v41::Numerics::REFERENCE, vb.pp("layers.4.attn"))?;
+    let e = message(DecodeLayer::new(&cfg, &l4).unwrap_err());
+    ensure!(e.contains("layer 4") && e.contains("not supported"), "{e}");
+    // Packed pools: without the `cuda` feature; with the cache fake quant off.
+    #[cfg(not(feature = "cuda"))]
+    {
+        let e = message(BatchedLayerCache::zeros(&dl[0], 3, 4, BatchStorage::uniform(CacheStorage::Packed), &dev).unwrap_err());
+        ensure!(e.contains("`cuda` feature"), "{e}");
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let plain = deepseek_v41::Numerics { cache_fake_quant: false, ..deepseek_v41::Numerics::REFERENCE };
+        let l0 = deepseek_v41::attention::Attention::new(&cfg, 0, plain, vb.pp("layers.0.attn"))?;
+        let d0 = DecodeLayer::new(&cfg, &l0)?;
+        let packed = BatchedLayerCache::zeros(&d0, 3, 4, BatchStorage::uniform(CacheStorage::Packed), &dev)?;
+        let inputs = DecodeStepInputs::new(&d0, &packed, None)?;
+        let e = message(DecodeStep::new(&d0, &packed, None, &inputs).unwrap_err());
+        ensure!(e.contains("cache_fake_quant"), "{e}");
+    }
+    Ok(())
+}
