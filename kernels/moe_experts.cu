@@ -74,12 +74,15 @@
 #include <cuda_runtime.h>
 
 #include "include/dsv41_fp8.cuh"
+#include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
 #include "include/dsv41_moe_experts.h"
 #include "include/dsv41_numerics.cuh"
 
 namespace dsv41 {
 namespace moe_x {
+
+using namespace dsv41_ptx;
 
 constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
@@ -115,12 +118,6 @@ __host__ __device__ inline Smem smem_layout(int k, int e) {
     return m;
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
 // A read-only 4-byte load that asks L2 to fetch the whole aligned 256 bytes around it on a miss
 // (the next groups of the same weight row).
 __device__ __forceinline__ uint32_t ldg32(const uint8_t* p) {
@@ -208,11 +205,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
     // needs them): the end of the run, the last chunk loaded and its expert.
     __shared__ int run_end, resident, resident_e;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t sbase = smem_addr(smem);
 
     // The pointer table is the caller's static data: read it before waiting for the routing.
     for (int i = tid; i < 4 * a.e; i += kThreads) tab[i] = a.experts[i];
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    grid_dep_wait();
 
     // Exclusive scans of the counts and of the chunks per expert (one expert per thread).
     {
@@ -404,12 +401,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
     auto load_chunk = [&](int c, int e) {
         const int base = off[e] + (c - item[e]) * kTok, left = off[e + 1] - base, cnt = left < kTok ? left : kTok;
         const int sl = c & 1, nn = tid >> 6, q = tid & 63;
-        const uint32_t dst = smem_addr + static_cast<uint32_t>(sl * L.slot);
+        const uint32_t dst = sbase + static_cast<uint32_t>(sl * L.slot);
         if (nn < cnt) {
             const int p = base + nn;
             const uint32_t tok = MODE == DSV41_MOE_GATE_UP ? __ldg(a.tok_sorted + p) : static_cast<uint32_t>(p);
             const uint16_t* src = a.panel + static_cast<int64_t>(tok) * a.k;
-            for (int c8 = q; c8 < a.k / 8; c8 += 64) cp_async16(dst + nn * L.prow + 16 * c8, src + 8 * c8);
+            for (int c8 = q; c8 < a.k / 8; c8 += 64) cp_async16_l2(dst + nn * L.prow + 16 * c8, src + 8 * c8);
             const float* ss = a.ascale + static_cast<int64_t>(tok) * a.kb;
             for (int b = q; b < a.kb; b += 64) cp_async4(dst + L.asc + 64 * (b >> 1) + 16 * (nn >> 1) + 8 * (b & 1) + 4 * (nn & 1), ss + b);
             if (MODE == DSV41_MOE_GATE_UP && q == 0) reinterpret_cast<float*>(smem + sl * L.slot + L.rw)[nn] = __ldg(a.rw_sorted + p);
@@ -446,7 +443,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
                 le = le < 0 ? expert_search(c) : expert_from(le, c);
                 load_chunk(c, le);
             }
-            asm volatile("cp.async.wait_all;" ::: "memory");
+            cp_async_wait_all();
             if (tid == 0) {
                 resident = c_hi;
                 resident_e = le;
@@ -516,8 +513,8 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloa
                                                                  const uint32_t* __restrict__ order, const float* __restrict__ route_w,
                                                                  uint32_t* __restrict__ tok_sorted, float* __restrict__ rw_sorted,
                                                                  uint32_t* __restrict__ pos, int64_t slots, int topk) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    grid_dep_wait();
+    grid_dep_launch();
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
     if (order) {
         for (int64_t p = gid; p < slots; p += static_cast<int64_t>(gridDim.x) * kPrepThreads) {
@@ -546,7 +543,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloa
 
 // One thread per (token, 8 columns).
 __global__ void __launch_bounds__(256) moe_combine_kernel(const Dsv41MoeCombineParams p) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    grid_dep_wait();
     const int chunks = (p.d + 7) / 8;
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
     if (gid >= p.num_tokens * chunks) return;

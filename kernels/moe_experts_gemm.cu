@@ -181,10 +181,6 @@ __device__ __forceinline__ WRow weight_row(const uint64_t* te, int rt, int m, co
                 reinterpret_cast<const uint8_t*>(__ldg(te + 2 * w + 1)) + static_cast<int64_t>(row) * a.kb};
 }
 
-// 4-byte cp.async with zero fill (src-size 0 reads nothing).
-__device__ __forceinline__ void cp_async4z(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
 __device__ __forceinline__ void st_shared_u8(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.u8 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
@@ -475,7 +471,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
                 }
                 if (scale_vec) {
                     const bool ok = srow != nullptr;
-                    cp_async4z(st + SM_S + 4 * p, ok ? static_cast<const void*>(srow + 4 * kt) : static_cast<const void*>(a.panel), ok);
+                    cp_async4(st + SM_S + 4 * p, ok ? static_cast<const void*>(srow + 4 * kt) : static_cast<const void*>(a.panel), ok);
                 } else {
                     // K / 32 not a multiple of 4 (small test models): byte loads; blocks past K get a
                     // finite scale (their codes are zero-filled).
