@@ -508,14 +508,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloa
     grid_dep_wait();
     grid_dep_launch();
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-    if (order) {
-        for (int64_t p = gid; p < slots; p += static_cast<int64_t>(gridDim.x) * kPrepThreads) {
-            const uint32_t s = order[p];
-            tok_sorted[p] = s / static_cast<uint32_t>(topk);
-            rw_sorted[p] = route_w[s];
-            if (pos) pos[s] = static_cast<uint32_t>(p);
-        }
-    }
+    if (order) dsv41_moe::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
     const int64_t gw = gid >> 5;
     const int lane = threadIdx.x & 31;
     if (gw >= rows * kb) return;  // whole warps leave together

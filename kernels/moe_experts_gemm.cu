@@ -524,14 +524,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_gemm_prep_kernel(const __nv_
     grid_dep_wait();
     grid_dep_launch();
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-    if (order) {
-        for (int64_t p = gid; p < slots; p += static_cast<int64_t>(gridDim.x) * kPrepThreads) {
-            const uint32_t s = order[p];
-            tok_sorted[p] = s / static_cast<uint32_t>(topk);
-            rw_sorted[p] = route_w[s];
-            if (pos) pos[s] = static_cast<uint32_t>(p);
-        }
-    }
+    if (order) dsv41_moe::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
     const int kbp = kp / 32;
     const int64_t gw = gid >> 5;
     const int lane = threadIdx.x & 31;

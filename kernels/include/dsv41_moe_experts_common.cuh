@@ -1,8 +1,9 @@
 // What the two forms of the grouped MXFP4 expert projections share (kernels/moe_experts.cu: weight
 // streaming for decode; kernels/moe_experts_gemm.cu: the tensor-core GEMM for prefill), which take
-// the same parameter block (dsv41_moe_experts.h) and write the same outputs: the GATE_UP epilogue
-// (device), and on the host the parameter checks, the scratch after each kernel's own activation
-// panel, the checks of a launch's buffers and the prep kernel's grid.
+// the same parameter block (dsv41_moe_experts.h) and write the same outputs: on the device the
+// GATE_UP epilogue and the prep kernels' slot sorting; on the host the parameter checks, the
+// scratch after each kernel's own activation panel, the checks of a launch's buffers, the prep
+// kernel's grid and the kernels' common arguments.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,6 +24,21 @@ __device__ __forceinline__ float swiglu(float a, float u, float w, float limit) 
     }
     const float s = __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));
     return __fmul_rn(__fmul_rn(s, u), w);
+}
+
+// The GATE_UP prep kernels' slot part (a grid of blocks of THREADS threads; gid: the global thread
+// index), for slot positions p = gid, gid + grid size, ... < slots (the p-th slot in expert order,
+// order[p] = t·k + j): its token row t, its routing weight and pos[order[p]] = p (pos may be NULL).
+template <int THREADS>
+__device__ __forceinline__ void sort_slots(int64_t gid, const uint32_t* __restrict__ order, const float* __restrict__ route_w,
+                                           uint32_t* __restrict__ tok_sorted, float* __restrict__ rw_sorted, uint32_t* __restrict__ pos,
+                                           int64_t slots, int topk) {
+    for (int64_t p = gid; p < slots; p += static_cast<int64_t>(gridDim.x) * THREADS) {
+        const uint32_t s = order[p];
+        tok_sorted[p] = s / static_cast<uint32_t>(topk);
+        rw_sorted[p] = route_w[s];
+        if (pos) pos[s] = static_cast<uint32_t>(p);
+    }
 }
 
 // The checks both launchers make before their own: the block's size, E in 1 ..= MAX_E, k >= 1,
