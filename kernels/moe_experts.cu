@@ -84,7 +84,7 @@ namespace dsv41 {
 namespace moe_x {
 
 using namespace dsv41_ptx;
-using dsv41_moe::swiglu;
+using dsv41_experts::swiglu;
 
 constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloa
     grid_dep_wait();
     grid_dep_launch();
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-    if (order) dsv41_moe::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
+    if (order) dsv41_experts::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
     const int64_t gw = gid >> 5;
     const int lane = threadIdx.x & 31;
     if (gw >= rows * kb) return;  // whole warps leave together
@@ -587,7 +587,7 @@ using dsv41_launch::align256;
 inline int64_t row_groups(const Dsv41MoeExpertsParams* p) { return p->mode == DSV41_MOE_GATE_UP ? (p->n + 7) / 8 : (p->n + 15) / 16; }
 
 inline int validate(const Dsv41MoeExpertsParams* p, size_t params_size) {
-    const int v = dsv41_moe::validate_common(p, params_size);
+    const int v = dsv41_experts::validate_common(p, params_size);
     if (v != DSV41_OK) return v;
     if (p->kdim > DSV41_MOE_EXPERTS_MAX_KDIM || smem_layout(p->kdim, p->num_experts).bytes > kMaxSmem) return DSV41_ERR_SHAPE;
     // The units (chunks x row groups) are numbered in 32 bits; a chunk holds at least one slot.
@@ -602,10 +602,10 @@ inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     q.kb = p->kdim / 32;
     q.groups = (q.kb + kGroup - 1) / kGroup;
     q.n_rg = static_cast<int>(row_groups(p));
-    q.rows = dsv41_moe::panel_rows(p);
+    q.rows = dsv41_experts::panel_rows(p);
     q.panel_off = 0;
     q.ascale_off = align256(q.rows * p->kdim * 2);
-    const dsv41_moe::SlotScratch sorted = dsv41_moe::slot_scratch(p, q.ascale_off + align256(q.rows * q.kb * 4));
+    const dsv41_experts::SlotScratch sorted = dsv41_experts::slot_scratch(p, q.ascale_off + align256(q.rows * q.kb * 4));
     q.tok_off = sorted.tok_off;
     q.rw_off = sorted.rw_off;
     q.bytes = sorted.bytes;
@@ -644,7 +644,7 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     if (v != DSV41_OK) return v;
     if (p->num_tokens == 0) return DSV41_OK;
     const Plan q = make_plan(p);
-    const int b = dsv41_moe::check_buffers(p, q.bytes);
+    const int b = dsv41_experts::check_buffers(p, q.bytes);
     if (b != DSV41_OK) return b;
     const bool gu = p->mode == DSV41_MOE_GATE_UP;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -654,7 +654,7 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     auto* tok_sorted = reinterpret_cast<uint32_t*>(base + q.tok_off);
     auto* rw_sorted = reinterpret_cast<float*>(base + q.rw_off);
 
-    const int64_t prep_blocks = dsv41_moe::prep_blocks(q.rows, q.kb, q.slots, kPrepThreads);
+    const int64_t prep_blocks = dsv41_experts::prep_blocks(q.rows, q.kb, q.slots, kPrepThreads);
     if (prep_blocks < 0) return DSV41_ERR_SHAPE;
     cudaError_t e = dsv41_launch::launch_pdl(moe_prep_kernel, dim3(static_cast<unsigned>(prep_blocks)), dim3(kPrepThreads), 0, st, 1,
                                              static_cast<const __nv_bfloat16*>(p->x), panel, ascale, q.rows, p->kdim, q.kb,
@@ -663,7 +663,7 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     if (e != cudaSuccess) return static_cast<int>(e);
 
     Args a;
-    dsv41_moe::set_common_args(a, p, tok_sorted, rw_sorted);
+    dsv41_experts::set_common_args(a, p, tok_sorted, rw_sorted);
     a.panel = panel;
     a.ascale = ascale;
     a.groups = q.groups;

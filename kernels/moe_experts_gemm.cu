@@ -62,7 +62,7 @@ namespace dsv41 {
 namespace moe_g {
 
 using namespace dsv41_ptx;
-using dsv41_moe::swiglu;
+using dsv41_experts::swiglu;
 
 constexpr int kThreads = 384;         // consumer warpgroups 0 and 1, producer warpgroup 2
 constexpr int kConsumerWarps = 8;
@@ -524,7 +524,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_gemm_prep_kernel(const __nv_
     grid_dep_wait();
     grid_dep_launch();
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-    if (order) dsv41_moe::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
+    if (order) dsv41_experts::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
     const int kbp = kp / 32;
     const int64_t gw = gid >> 5;
     const int lane = threadIdx.x & 31;
@@ -577,7 +577,7 @@ using dsv41_launch::align256;
 inline int64_t row_tiles(const Dsv41MoeExpertsParams* p) { return p->mode == DSV41_MOE_GATE_UP ? (p->n + 63) / 64 : (p->n + BM - 1) / BM; }
 
 inline int validate(const Dsv41MoeExpertsParams* p, size_t params_size) {
-    const int v = dsv41_moe::validate_common(p, params_size);
+    const int v = dsv41_experts::validate_common(p, params_size);
     if (v != DSV41_OK) return v;
     if (p->kdim > (1 << 24)) return DSV41_ERR_SHAPE;
     // Items (slot tiles x row tiles) and output rows are numbered in 32 bits.
@@ -593,9 +593,9 @@ inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     q.kp = (p->kdim + BK - 1) / BK * BK;
     q.nk = q.kp / BK;
     q.n_rt = static_cast<int>(row_tiles(p));
-    q.rows = dsv41_moe::panel_rows(p);
+    q.rows = dsv41_experts::panel_rows(p);
     q.panel_off = 0;
-    const dsv41_moe::SlotScratch sorted = dsv41_moe::slot_scratch(p, align256(q.rows * q.kp * 2));
+    const dsv41_experts::SlotScratch sorted = dsv41_experts::slot_scratch(p, align256(q.rows * q.kp * 2));
     q.tok_off = sorted.tok_off;
     q.rw_off = sorted.rw_off;
     q.bytes = sorted.bytes;
@@ -626,7 +626,7 @@ extern "C" int dsv41_moe_gemm(const Dsv41MoeExpertsParams* p, size_t params_size
     if (p->num_tokens == 0) return DSV41_OK;
     if (!flags) return DSV41_ERR_NULL;
     const Plan q = make_plan(p);
-    const int b = dsv41_moe::check_buffers(p, q.bytes);
+    const int b = dsv41_experts::check_buffers(p, q.bytes);
     if (b != DSV41_OK) return b;
     const bool gu = p->mode == DSV41_MOE_GATE_UP;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -635,7 +635,7 @@ extern "C" int dsv41_moe_gemm(const Dsv41MoeExpertsParams* p, size_t params_size
     auto* tok_sorted = reinterpret_cast<uint32_t*>(base + q.tok_off);
     auto* rw_sorted = reinterpret_cast<float*>(base + q.rw_off);
 
-    const int64_t prep_blocks = dsv41_moe::prep_blocks(q.rows, q.kp / 32, q.slots, kPrepThreads);
+    const int64_t prep_blocks = dsv41_experts::prep_blocks(q.rows, q.kp / 32, q.slots, kPrepThreads);
     if (prep_blocks < 0) return DSV41_ERR_SHAPE;
     cudaError_t e = dsv41_launch::launch_pdl(moe_gemm_prep_kernel, dim3(static_cast<unsigned>(prep_blocks)), dim3(kPrepThreads), 0, st, 1,
                                              static_cast<const __nv_bfloat16*>(p->x), panel, q.rows, p->kdim, q.kb, q.kp,
@@ -643,7 +643,7 @@ extern "C" int dsv41_moe_gemm(const Dsv41MoeExpertsParams* p, size_t params_size
     if (e != cudaSuccess) return static_cast<int>(e);
 
     Args a;
-    dsv41_moe::set_common_args(a, p, tok_sorted, rw_sorted);
+    dsv41_experts::set_common_args(a, p, tok_sorted, rw_sorted);
     a.flags = flags;
     a.panel = panel;
     a.kp = q.kp;

@@ -12,7 +12,7 @@
 #include "dsv41_launch.cuh"
 #include "dsv41_moe_experts.h"
 
-namespace dsv41_moe {
+namespace dsv41_experts {
 
 // The SwiGLU of kernels/swiglu.cu on bf16-rounded a and u, times the routing weight w (limit <= 0:
 // no clamp): silu(min(a, L)) · clamp(u, −L, L) · w with an IEEE division and two separate
@@ -110,4 +110,4 @@ inline void set_common_args(Args& a, const Dsv41MoeExpertsParams* p, const uint3
     a.limit = p->limit;
 }
 
-}  // namespace dsv41_moe
+}  // namespace dsv41_experts
