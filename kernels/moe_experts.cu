@@ -74,12 +74,17 @@
 #include <cuda_runtime.h>
 
 #include "include/dsv41_fp8.cuh"
+#include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
 #include "include/dsv41_moe_experts.h"
+#include "include/dsv41_moe_experts_common.cuh"
 #include "include/dsv41_numerics.cuh"
 
 namespace dsv41 {
 namespace moe_x {
+
+using namespace dsv41_ptx;
+using dsv41_experts::swiglu;
 
 constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
@@ -115,12 +120,6 @@ __host__ __device__ inline Smem smem_layout(int k, int e) {
     return m;
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
 // A read-only 4-byte load that asks L2 to fetch the whole aligned 256 bytes around it on a miss
 // (the next groups of the same weight row).
 __device__ __forceinline__ uint32_t ldg32(const uint8_t* p) {
@@ -183,16 +182,6 @@ struct UnitPos {
     int rs, chunk, rg, e;
 };
 
-// The SwiGLU of kernels/swiglu.cu on bf16-rounded a and u, times the routing weight.
-__device__ __forceinline__ float swiglu(float a, float u, float w, float limit) {
-    if (limit > 0.0f) {
-        a = fminf(a, limit);
-        u = fminf(fmaxf(u, -limit), limit);
-    }
-    const float s = __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));
-    return __fmul_rn(__fmul_rn(s, u), w);
-}
-
 // D: load groups in flight per warp (divides a.groups); FULL: K/32 % 4 == 0 (4-byte scale words;
 // otherwise byte loads and a partial last group, with D = 1).
 template <int MODE, int D, bool FULL>
@@ -208,11 +197,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
     // needs them): the end of the run, the last chunk loaded and its expert.
     __shared__ int run_end, resident, resident_e;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t sbase = smem_addr(smem);
 
     // The pointer table is the caller's static data: read it before waiting for the routing.
     for (int i = tid; i < 4 * a.e; i += kThreads) tab[i] = a.experts[i];
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    grid_dep_wait();
 
     // Exclusive scans of the counts and of the chunks per expert (one expert per thread).
     {
@@ -404,12 +393,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
     auto load_chunk = [&](int c, int e) {
         const int base = off[e] + (c - item[e]) * kTok, left = off[e + 1] - base, cnt = left < kTok ? left : kTok;
         const int sl = c & 1, nn = tid >> 6, q = tid & 63;
-        const uint32_t dst = smem_addr + static_cast<uint32_t>(sl * L.slot);
+        const uint32_t dst = sbase + static_cast<uint32_t>(sl * L.slot);
         if (nn < cnt) {
             const int p = base + nn;
             const uint32_t tok = MODE == DSV41_MOE_GATE_UP ? __ldg(a.tok_sorted + p) : static_cast<uint32_t>(p);
             const uint16_t* src = a.panel + static_cast<int64_t>(tok) * a.k;
-            for (int c8 = q; c8 < a.k / 8; c8 += 64) cp_async16(dst + nn * L.prow + 16 * c8, src + 8 * c8);
+            for (int c8 = q; c8 < a.k / 8; c8 += 64) cp_async16_l2(dst + nn * L.prow + 16 * c8, src + 8 * c8);
             const float* ss = a.ascale + static_cast<int64_t>(tok) * a.kb;
             for (int b = q; b < a.kb; b += 64) cp_async4(dst + L.asc + 64 * (b >> 1) + 16 * (nn >> 1) + 8 * (b & 1) + 4 * (nn & 1), ss + b);
             if (MODE == DSV41_MOE_GATE_UP && q == 0) reinterpret_cast<float*>(smem + sl * L.slot + L.rw)[nn] = __ldg(a.rw_sorted + p);
@@ -446,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
                 le = le < 0 ? expert_search(c) : expert_from(le, c);
                 load_chunk(c, le);
             }
-            asm volatile("cp.async.wait_all;" ::: "memory");
+            cp_async_wait_all();
             if (tid == 0) {
                 resident = c_hi;
                 resident_e = le;
@@ -516,17 +505,10 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloa
                                                                  const uint32_t* __restrict__ order, const float* __restrict__ route_w,
                                                                  uint32_t* __restrict__ tok_sorted, float* __restrict__ rw_sorted,
                                                                  uint32_t* __restrict__ pos, int64_t slots, int topk) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    grid_dep_wait();
+    grid_dep_launch();
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-    if (order) {
-        for (int64_t p = gid; p < slots; p += static_cast<int64_t>(gridDim.x) * kPrepThreads) {
-            const uint32_t s = order[p];
-            tok_sorted[p] = s / static_cast<uint32_t>(topk);
-            rw_sorted[p] = route_w[s];
-            if (pos) pos[s] = static_cast<uint32_t>(p);
-        }
-    }
+    if (order) dsv41_experts::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
     const int64_t gw = gid >> 5;
     const int lane = threadIdx.x & 31;
     if (gw >= rows * kb) return;  // whole warps leave together
@@ -546,7 +528,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloa
 
 // One thread per (token, 8 columns).
 __global__ void __launch_bounds__(256) moe_combine_kernel(const Dsv41MoeCombineParams p) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    grid_dep_wait();
     const int chunks = (p.d + 7) / 8;
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
     if (gid >= p.num_tokens * chunks) return;
@@ -601,47 +583,38 @@ struct Plan {
 
 using dsv41_launch::align256;
 
+// Row groups of a unit: GATE_UP 8 rows of w1 with the same 8 of w3, DOWN 16 rows of w2.
+inline int64_t row_groups(const Dsv41MoeExpertsParams* p) { return p->mode == DSV41_MOE_GATE_UP ? (p->n + 7) / 8 : (p->n + 15) / 16; }
+
 inline int validate(const Dsv41MoeExpertsParams* p, size_t params_size) {
-    if (params_size != sizeof(Dsv41MoeExpertsParams)) return DSV41_ERR_PARAMS_SIZE;
-    if (p->num_experts < 1 || p->num_experts > DSV41_MOE_EXPERTS_MAX_E || p->k < 1 || p->num_tokens < 0) return DSV41_ERR_SHAPE;
-    if (p->n < 1 || p->kdim < 32 || p->kdim % 32 != 0) return DSV41_ERR_SHAPE;
-    if (p->mode != DSV41_MOE_GATE_UP && p->mode != DSV41_MOE_DOWN) return DSV41_ERR_SHAPE;
-    if (p->num_tokens * p->k >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    const int v = dsv41_experts::validate_common(p, params_size);
+    if (v != DSV41_OK) return v;
     if (p->kdim > DSV41_MOE_EXPERTS_MAX_KDIM || smem_layout(p->kdim, p->num_experts).bytes > kMaxSmem) return DSV41_ERR_SHAPE;
     // The units (chunks x row groups) are numbered in 32 bits; a chunk holds at least one slot.
-    const int64_t n_rg = p->mode == DSV41_MOE_GATE_UP ? (p->n + 7) / 8 : (p->n + 15) / 16;
-    if ((p->num_tokens * p->k + p->num_experts) * n_rg >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if ((p->num_tokens * p->k + p->num_experts) * row_groups(p) >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
     return DSV41_OK;
 }
 
+// Scratch: the panel [rows, K] f16, the activation scales [rows, K/32] f32, then the sorted slots.
 inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     Plan q;
     q.slots = p->num_tokens * p->k;
     q.kb = p->kdim / 32;
     q.groups = (q.kb + kGroup - 1) / kGroup;
-    q.n_rg = p->mode == DSV41_MOE_GATE_UP ? (p->n + 7) / 8 : (p->n + 15) / 16;
-    q.rows = p->mode == DSV41_MOE_GATE_UP ? p->num_tokens : q.slots;
+    q.n_rg = static_cast<int>(row_groups(p));
+    q.rows = dsv41_experts::panel_rows(p);
     q.panel_off = 0;
     q.ascale_off = align256(q.rows * p->kdim * 2);
-    q.tok_off = q.ascale_off + align256(q.rows * q.kb * 4);
-    q.rw_off = q.tok_off + (p->mode == DSV41_MOE_GATE_UP ? align256(q.slots * 4) : 0);
-    q.bytes = q.rw_off + (p->mode == DSV41_MOE_GATE_UP ? align256(q.slots * 4) : 0);
-    if (q.bytes == 0) q.bytes = 256;
+    const dsv41_experts::SlotScratch sorted = dsv41_experts::slot_scratch(p, q.ascale_off + align256(q.rows * q.kb * 4));
+    q.tok_off = sorted.tok_off;
+    q.rw_off = sorted.rw_off;
+    q.bytes = sorted.bytes;
     return q;
 }
 
-using dsv41_launch::sm_count;
-
 template <int MODE, int D, bool FULL>
 cudaError_t launch_variant(const Args& a, cudaStream_t st) {
-    static thread_local int configured_dev = -1;
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    err = dsv41_launch::set_max_dynamic_smem(moe_stream_kernel<MODE, D, FULL>, dev, kMaxSmem, configured_dev);
-    if (err != cudaSuccess) return err;
-    const int smem = smem_layout(a.k, a.e).bytes;
-    return dsv41_launch::launch_pdl(moe_stream_kernel<MODE, D, FULL>, dim3(sm_count()), dim3(kThreads), smem, st, 1, a);
+    return dsv41_launch::launch_persistent<moe_stream_kernel<MODE, D, FULL>>(dim3(kThreads), smem_layout(a.k, a.e).bytes, kMaxSmem, st, a);
 }
 
 // Two load groups in flight when they divide the groups of a unit (4-byte scale words), else one;
@@ -670,13 +643,10 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     const int v = validate(p, params_size);
     if (v != DSV41_OK) return v;
     if (p->num_tokens == 0) return DSV41_OK;
-    const bool gu = p->mode == DSV41_MOE_GATE_UP;
-    if (!p->experts || !p->x || !p->counts || !p->order || !p->out || !p->scratch || (gu && !p->route_w)) return DSV41_ERR_NULL;
     const Plan q = make_plan(p);
-    if (p->scratch_bytes < q.bytes) return DSV41_ERR_SHAPE;
-    if ((reinterpret_cast<uintptr_t>(p->scratch) & 255) != 0 || (reinterpret_cast<uintptr_t>(p->out) & 1) != 0 ||
-        (reinterpret_cast<uintptr_t>(p->x) & 1) != 0)
-        return DSV41_ERR_ALIGNMENT;
+    const int b = dsv41_experts::check_buffers(p, q.bytes);
+    if (b != DSV41_OK) return b;
+    const bool gu = p->mode == DSV41_MOE_GATE_UP;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     char* base = static_cast<char*>(p->scratch);
     auto* panel = reinterpret_cast<uint16_t*>(base + q.panel_off);
@@ -684,9 +654,8 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     auto* tok_sorted = reinterpret_cast<uint32_t*>(base + q.tok_off);
     auto* rw_sorted = reinterpret_cast<float*>(base + q.rw_off);
 
-    const int64_t prep_threads = q.rows * q.kb * 32 > q.slots ? q.rows * q.kb * 32 : q.slots;
-    const int64_t prep_blocks = (prep_threads + kPrepThreads - 1) / kPrepThreads;
-    if (prep_blocks >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    const int64_t prep_blocks = dsv41_experts::prep_blocks(q.rows, q.kb, q.slots, kPrepThreads);
+    if (prep_blocks < 0) return DSV41_ERR_SHAPE;
     cudaError_t e = dsv41_launch::launch_pdl(moe_prep_kernel, dim3(static_cast<unsigned>(prep_blocks)), dim3(kPrepThreads), 0, st, 1,
                                              static_cast<const __nv_bfloat16*>(p->x), panel, ascale, q.rows, p->kdim, q.kb,
                                              gu ? p->order : nullptr, p->route_w, tok_sorted, rw_sorted, gu ? p->pos : nullptr, q.slots,
@@ -694,20 +663,11 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     if (e != cudaSuccess) return static_cast<int>(e);
 
     Args a;
-    a.experts = p->experts;
-    a.counts = p->counts;
+    dsv41_experts::set_common_args(a, p, tok_sorted, rw_sorted);
     a.panel = panel;
     a.ascale = ascale;
-    a.tok_sorted = tok_sorted;
-    a.rw_sorted = rw_sorted;
-    a.out = static_cast<__nv_bfloat16*>(p->out);
-    a.e = p->num_experts;
-    a.n = p->n;
-    a.k = p->kdim;
-    a.kb = q.kb;
     a.groups = q.groups;
     a.n_rg = q.n_rg;
-    a.limit = p->limit;
     e = gu ? launch_stream<DSV41_MOE_GATE_UP>(a, st) : launch_stream<DSV41_MOE_DOWN>(a, st);
     return static_cast<int>(e);
 }

@@ -53,6 +53,7 @@
 #include "include/dsv41_fp8.cuh"
 #include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
+#include "include/dsv41_moe_experts_common.cuh"
 #include "include/dsv41_moe_experts_gemm.h"
 #include "include/dsv41_numerics.cuh"
 #include "include/dsv41_wgmma_rs.cuh"
@@ -61,6 +62,7 @@ namespace dsv41 {
 namespace moe_g {
 
 using namespace dsv41_ptx;
+using dsv41_experts::swiglu;
 
 constexpr int kThreads = 384;         // consumer warpgroups 0 and 1, producer warpgroup 2
 constexpr int kConsumerWarps = 8;
@@ -181,10 +183,6 @@ __device__ __forceinline__ WRow weight_row(const uint64_t* te, int rt, int m, co
                 reinterpret_cast<const uint8_t*>(__ldg(te + 2 * w + 1)) + static_cast<int64_t>(row) * a.kb};
 }
 
-// 4-byte cp.async with zero fill (src-size 0 reads nothing).
-__device__ __forceinline__ void cp_async4z(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
 __device__ __forceinline__ void st_shared_u8(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.u8 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
@@ -214,17 +212,6 @@ __device__ __forceinline__ float e2m1_f32(uint32_t c) {
     const uint32_t m = c & 7u;
     const uint32_t mag = m < 2 ? (m ? 0x3f000000u : 0u) : ((((m >> 1) + 126u) << 23) | ((m & 1u) << 22));
     return __uint_as_float(mag | ((c & 8u) << 28));
-}
-
-// The SwiGLU of kernels/swiglu.cu on bf16-rounded a and u, times the routing weight: the op
-// sequence of kernels/moe_experts.cu's `swiglu`.
-__device__ __forceinline__ float swiglu(float a, float u, float w, float limit) {
-    if (limit > 0.0f) {
-        a = fminf(a, limit);
-        u = fminf(fmaxf(u, -limit), limit);
-    }
-    const float s = __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));
-    return __fmul_rn(__fmul_rn(s, u), w);
 }
 
 // Context of a consumer thread.
@@ -475,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
                 }
                 if (scale_vec) {
                     const bool ok = srow != nullptr;
-                    cp_async4z(st + SM_S + 4 * p, ok ? static_cast<const void*>(srow + 4 * kt) : static_cast<const void*>(a.panel), ok);
+                    cp_async4(st + SM_S + 4 * p, ok ? static_cast<const void*>(srow + 4 * kt) : static_cast<const void*>(a.panel), ok);
                 } else {
                     // K / 32 not a multiple of 4 (small test models): byte loads; blocks past K get a
                     // finite scale (their codes are zero-filled).
@@ -537,14 +524,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_gemm_prep_kernel(const __nv_
     grid_dep_wait();
     grid_dep_launch();
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-    if (order) {
-        for (int64_t p = gid; p < slots; p += static_cast<int64_t>(gridDim.x) * kPrepThreads) {
-            const uint32_t s = order[p];
-            tok_sorted[p] = s / static_cast<uint32_t>(topk);
-            rw_sorted[p] = route_w[s];
-            if (pos) pos[s] = static_cast<uint32_t>(p);
-        }
-    }
+    if (order) dsv41_experts::sort_slots<kPrepThreads>(gid, order, route_w, tok_sorted, rw_sorted, pos, slots, topk);
     const int kbp = kp / 32;
     const int64_t gw = gid >> 5;
     const int lane = threadIdx.x & 31;
@@ -593,42 +573,38 @@ struct Plan {
 
 using dsv41_launch::align256;
 
+// Weight-row tiles of an item: GATE_UP the same 64 rows of w1 and w3, DOWN 128 rows of w2.
+inline int64_t row_tiles(const Dsv41MoeExpertsParams* p) { return p->mode == DSV41_MOE_GATE_UP ? (p->n + 63) / 64 : (p->n + BM - 1) / BM; }
+
 inline int validate(const Dsv41MoeExpertsParams* p, size_t params_size) {
-    if (params_size != sizeof(Dsv41MoeExpertsParams)) return DSV41_ERR_PARAMS_SIZE;
-    if (p->num_experts < 1 || p->num_experts > DSV41_MOE_EXPERTS_MAX_E || p->k < 1 || p->num_tokens < 0) return DSV41_ERR_SHAPE;
-    if (p->n < 1 || p->kdim < 32 || p->kdim % 32 != 0 || p->kdim > (1 << 24)) return DSV41_ERR_SHAPE;
-    if (p->mode != DSV41_MOE_GATE_UP && p->mode != DSV41_MOE_DOWN) return DSV41_ERR_SHAPE;
-    if (p->num_tokens * p->k >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    const int v = dsv41_experts::validate_common(p, params_size);
+    if (v != DSV41_OK) return v;
+    if (p->kdim > (1 << 24)) return DSV41_ERR_SHAPE;
     // Items (slot tiles x row tiles) and output rows are numbered in 32 bits.
-    const int64_t n_rt = p->mode == DSV41_MOE_GATE_UP ? (p->n + 63) / 64 : (p->n + BM - 1) / BM;
-    if ((p->num_tokens * p->k / BN + p->num_experts) * n_rt >= (int64_t{1} << 31) || p->n > (1 << 30)) return DSV41_ERR_SHAPE;
+    if ((p->num_tokens * p->k / BN + p->num_experts) * row_tiles(p) >= (int64_t{1} << 31) || p->n > (1 << 30)) return DSV41_ERR_SHAPE;
     return DSV41_OK;
 }
 
+// Scratch: the panel [rows, kp] bf16, then the sorted slots.
 inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     Plan q;
     q.slots = p->num_tokens * p->k;
     q.kb = p->kdim / 32;
     q.kp = (p->kdim + BK - 1) / BK * BK;
     q.nk = q.kp / BK;
-    q.n_rt = p->mode == DSV41_MOE_GATE_UP ? (p->n + 63) / 64 : (p->n + BM - 1) / BM;
-    q.rows = p->mode == DSV41_MOE_GATE_UP ? p->num_tokens : q.slots;
+    q.n_rt = static_cast<int>(row_tiles(p));
+    q.rows = dsv41_experts::panel_rows(p);
     q.panel_off = 0;
-    q.tok_off = align256(q.rows * q.kp * 2);
-    q.rw_off = q.tok_off + (p->mode == DSV41_MOE_GATE_UP ? align256(q.slots * 4) : 0);
-    q.bytes = q.rw_off + (p->mode == DSV41_MOE_GATE_UP ? align256(q.slots * 4) : 0);
-    if (q.bytes == 0) q.bytes = 256;
+    const dsv41_experts::SlotScratch sorted = dsv41_experts::slot_scratch(p, align256(q.rows * q.kp * 2));
+    q.tok_off = sorted.tok_off;
+    q.rw_off = sorted.rw_off;
+    q.bytes = sorted.bytes;
     return q;
 }
 
 template <int MODE>
 cudaError_t launch_gemm(const Args& a, cudaStream_t st) {
-    static thread_local int configured_dev = -1;
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess) err = dsv41_launch::set_max_dynamic_smem(moe_gemm_kernel<MODE>, dev, kMaxSmem, configured_dev);
-    if (err != cudaSuccess) return err;
-    return dsv41_launch::launch_pdl(moe_gemm_kernel<MODE>, dim3(dsv41_launch::sm_count()), dim3(kThreads), smem_layout(a.e).bytes, st, 1, a);
+    return dsv41_launch::launch_persistent<moe_gemm_kernel<MODE>>(dim3(kThreads), smem_layout(a.e).bytes, kMaxSmem, st, a);
 }
 
 }  // namespace moe_g
@@ -648,43 +624,31 @@ extern "C" int dsv41_moe_gemm(const Dsv41MoeExpertsParams* p, size_t params_size
     const int v = validate(p, params_size);
     if (v != DSV41_OK) return v;
     if (p->num_tokens == 0) return DSV41_OK;
-    const bool gu = p->mode == DSV41_MOE_GATE_UP;
-    if (!p->experts || !p->x || !p->counts || !p->order || !p->out || !p->scratch || !flags || (gu && !p->route_w)) return DSV41_ERR_NULL;
+    if (!flags) return DSV41_ERR_NULL;
     const Plan q = make_plan(p);
-    if (p->scratch_bytes < q.bytes) return DSV41_ERR_SHAPE;
-    if ((reinterpret_cast<uintptr_t>(p->scratch) & 255) != 0 || (reinterpret_cast<uintptr_t>(p->out) & 1) != 0 ||
-        (reinterpret_cast<uintptr_t>(p->x) & 1) != 0)
-        return DSV41_ERR_ALIGNMENT;
+    const int b = dsv41_experts::check_buffers(p, q.bytes);
+    if (b != DSV41_OK) return b;
+    const bool gu = p->mode == DSV41_MOE_GATE_UP;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     char* base = static_cast<char*>(p->scratch);
     auto* panel = reinterpret_cast<__nv_bfloat16*>(base + q.panel_off);
     auto* tok_sorted = reinterpret_cast<uint32_t*>(base + q.tok_off);
     auto* rw_sorted = reinterpret_cast<float*>(base + q.rw_off);
 
-    const int64_t prep_threads = q.rows * (q.kp / 32) * 32 > q.slots ? q.rows * (q.kp / 32) * 32 : q.slots;
-    const int64_t prep_blocks = (prep_threads + kPrepThreads - 1) / kPrepThreads;
-    if (prep_blocks >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    const int64_t prep_blocks = dsv41_experts::prep_blocks(q.rows, q.kp / 32, q.slots, kPrepThreads);
+    if (prep_blocks < 0) return DSV41_ERR_SHAPE;
     cudaError_t e = dsv41_launch::launch_pdl(moe_gemm_prep_kernel, dim3(static_cast<unsigned>(prep_blocks)), dim3(kPrepThreads), 0, st, 1,
                                              static_cast<const __nv_bfloat16*>(p->x), panel, q.rows, p->kdim, q.kb, q.kp,
                                              gu ? p->order : nullptr, p->route_w, tok_sorted, rw_sorted, gu ? p->pos : nullptr, q.slots, p->k);
     if (e != cudaSuccess) return static_cast<int>(e);
 
     Args a;
-    a.experts = p->experts;
-    a.counts = p->counts;
+    dsv41_experts::set_common_args(a, p, tok_sorted, rw_sorted);
     a.flags = flags;
     a.panel = panel;
-    a.tok_sorted = tok_sorted;
-    a.rw_sorted = rw_sorted;
-    a.out = static_cast<__nv_bfloat16*>(p->out);
-    a.e = p->num_experts;
-    a.n = p->n;
-    a.k = p->kdim;
-    a.kb = q.kb;
     a.kp = q.kp;
     a.nk = q.nk;
     a.n_rt = q.n_rt;
-    a.limit = p->limit;
     e = gu ? launch_gemm<DSV41_MOE_GATE_UP>(a, st) : launch_gemm<DSV41_MOE_DOWN>(a, st);
     return static_cast<int>(e);
 }

@@ -24,7 +24,7 @@
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::cuda::{moe_experts_device_with, moe_route_device, GroupedExperts, MoeExpertsKernel, MoeExpertsOutput};
-use deepseek_v41::quant::{mxfp4_linear_ref, Mxfp4Weight};
+use deepseek_v41::quant::Mxfp4Weight;
 
 #[path = "support/rng.rs"]
 #[allow(dead_code)]
@@ -76,118 +76,12 @@ fn weight(rng: &mut Rng, n: usize, k: usize, odd: Option<bool>) -> Result<Mxfp4W
 
 #[path = "support/moe_check.rs"]
 mod moe_check;
-use moe_check::{compare, host_f32, poison, swiglu_cpu, to_dev};
+use moe_check::{host_f32, to_dev, MoeCase};
 
-struct Case {
-    e: usize,
-    k: usize,
-    d: usize,
-    inter: usize,
-    t: usize,
-    skew: bool,
-    scales: Scales,
-    kernel: MoeExpertsKernel,
-}
-
-fn run_case(c: &Case, seed: u64) -> Result<()> {
-    let dev = gpu();
-    let mut rng = Rng(seed);
-    let name = format!("{:?} E {} k {} D {} inter {} T {} skew {} {:?}", c.kernel, c.e, c.k, c.d, c.inter, c.t, c.skew, c.scales);
-    let limit = Some(10.0f64);
-    let host: Vec<[Mxfp4Weight; 3]> = (0..c.e)
-        .map(|e| -> Result<[Mxfp4Weight; 3]> {
-            let odd = (c.scales == Scales::OddExperts).then_some(e % 2 == 1);
-            Ok([weight(&mut rng, c.inter, c.d, odd)?, weight(&mut rng, c.inter, c.d, odd)?, weight(&mut rng, c.d, c.inter, odd)?])
-        })
-        .collect::<Result<_>>()?;
-    let grouped = GroupedExperts::new(host.iter().map(|[a, b, w]| Ok([to_dev(a, &dev)?, to_dev(b, &dev)?, to_dev(w, &dev)?])).collect::<Result<_>>()?)?;
-    let x_h: Vec<f32> = (0..c.t * c.d).map(|_| rng.normal()).collect();
-    let x_cpu = Tensor::from_vec(x_h, (c.t, c.d), &Device::Cpu)?.to_dtype(DType::BF16)?;
-    let shared_cpu = Tensor::from_vec((0..c.t * c.d).map(|_| rng.normal()).collect::<Vec<f32>>(), (c.t, c.d), &Device::Cpu)?.to_dtype(DType::BF16)?;
-    let (x, shared) = (x_cpu.to_device(&dev)?, shared_cpu.to_device(&dev)?);
-    // Routing on the device: random logits, or every token on experts 0..k (the rest empty).
-    let logits: Vec<f32> = (0..c.t * c.e).map(|_| rng.normal()).collect();
-    let bias: Vec<f32> = (0..c.e).map(|i| if c.skew && i < c.k { 100.0 } else { 0.0 }).collect();
-    let routing = moe_route_device(&Tensor::from_vec(logits, (c.t, c.e), &dev)?, &Tensor::from_vec(bias, c.e, &dev)?, c.k, 1.0, 1.5)?;
-    poison(&dev, c.t * c.k * (c.d + c.inter) + c.t * c.d)?;
-    let got = moe_experts_device_with(&x, &routing, &grouped, limit.map(|l| l as f32), Some(&shared), c.kernel)?;
-    let (act, y, out) = (host_f32(&got.act)?, host_f32(&got.y)?, host_f32(&got.out)?);
-
-    let ids = routing.ids.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?;
-    let weights = routing.weights.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
-    let order = routing.order.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
-    let offsets = routing.offsets.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
-    let act_dev_cpu = got.act.to_device(&Device::Cpu)?;
-    let mut pos = vec![0usize; c.t * c.k];
-    let (mut act_ref, mut y_ref, mut y_full) = (vec![0f32; act.len()], vec![0f32; y.len()], vec![0f32; y.len()]);
-    for e in 0..c.e {
-        let (p0, p1) = (offsets[e] as usize, offsets[e + 1] as usize);
-        if p0 == p1 {
-            continue;
-        }
-        let slots: Vec<usize> = order[p0..p1].iter().map(|&s| s as usize).collect();
-        for (i, &s) in slots.iter().enumerate() {
-            pos[s] = p0 + i;
-        }
-        let rows = Tensor::from_vec(slots.iter().map(|&s| (s / c.k) as u32).collect::<Vec<_>>(), slots.len(), &Device::Cpu)?;
-        let w = Tensor::from_vec(slots.iter().map(|&s| weights[s]).collect::<Vec<_>>(), (slots.len(), 1), &Device::Cpu)?;
-        let xr = x_cpu.index_select(&rows, 0)?;
-        let [w1, w3, w2] = &host[e];
-        let a = swiglu_cpu(&mxfp4_linear_ref(&xr, w1, true)?, &mxfp4_linear_ref(&xr, w3, true)?, &w, limit)?;
-        act_ref[p0 * c.inter..p1 * c.inter].copy_from_slice(&host_f32(&a)?);
-        let yd = mxfp4_linear_ref(&act_dev_cpu.narrow(0, p0, p1 - p0)?, w2, true)?;
-        y_ref[p0 * c.d..p1 * c.d].copy_from_slice(&host_f32(&yd)?);
-        y_full[p0 * c.d..p1 * c.d].copy_from_slice(&host_f32(&mxfp4_linear_ref(&a, w2, true)?)?);
-    }
-    let (act_diff, act_worst) = compare(&format!("{name}: act"), &act, &act_ref, c.inter, 2.0)?;
-    let (y_diff, y_worst) = compare(&format!("{name}: y"), &y, &y_ref, c.d, 2.0)?;
-    ensure!(act_diff * 20 <= act.len() && y_diff * 20 <= y.len(), "{name}: too many inexact elements: act {act_diff} / {}, y {y_diff} / {}", act.len(), y.len());
-    // The combine: the CPU's f32 sum in expert-id order of the device's y, plus shared; exact.
-    let sh = host_f32(&shared_cpu)?;
-    let combine = |ys: &[f32]| -> Vec<f32> {
-        let mut o = vec![0f32; c.t * c.d];
-        for t in 0..c.t {
-            let mut sel: Vec<(u32, usize)> = (0..c.k).map(|j| (ids[t * c.k + j], pos[t * c.k + j])).collect();
-            sel.sort();
-            for col in 0..c.d {
-                let mut acc = 0f32;
-                for &(_, p) in &sel {
-                    acc += ys[p * c.d + col];
-                }
-                acc += sh[t * c.d + col];
-                o[t * c.d + col] = half::bf16::from_f32(acc).to_f32();
-            }
-        }
-        o
-    };
-    let out_ref = combine(&y);
-    let bad = out.iter().zip(&out_ref).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-    ensure!(bad == 0, "{name}: combine differs from the CPU sum in {bad} of {} elements", out.len());
-    // End to end against the all-CPU pipeline.
-    let full = combine(&y_full);
-    let (num, den) = out.iter().zip(&full).fold((0f64, 0f64), |(n, d), (&a, &b)| (n + ((a - b) as f64).powi(2), d + (b as f64).powi(2)));
-    let rel = (num / den.max(1e-30)).sqrt();
-    ensure!(rel <= 1e-2, "{name}: end to end rel_fro {rel:e}");
-    println!("{name}: act {act_diff}/{} inexact (worst {act_worst} ulp), y {y_diff}/{} (worst {y_worst}), end to end rel_fro {rel:.2e}", act.len(), y.len());
-    Ok(())
-}
-
-/// E experts, top-k, hidden D, inter, T tokens: random routing, normal scales, `Auto`.
-fn case(e: usize, k: usize, d: usize, inter: usize, t: usize) -> Case {
-    Case { e, k, d, inter, t, skew: false, scales: Scales::Normal, kernel: MoeExpertsKernel::Auto }
-}
-
-impl Case {
-    /// With `skew`, every token on experts 0..k (the rest empty).
-    fn skewed(self, skew: bool) -> Self {
-        Case { skew, ..self }
-    }
-    fn scales(self, scales: Scales) -> Self {
-        Case { scales, ..self }
-    }
-    fn on(self, kernel: MoeExpertsKernel) -> Self {
-        Case { kernel, ..self }
-    }
+/// `c` with random experts of `scales` ([`weight`]), checked by [`moe_check::run_case`].
+fn run_case(c: MoeCase, scales: Scales, seed: u64) -> Result<()> {
+    let odd = |e: usize| (scales == Scales::OddExperts).then_some(e % 2 == 1);
+    moe_check::run_case(&gpu(), &c, &format!("{scales:?}"), seed, |rng, e, n, k| weight(rng, n, k, odd(e)))
 }
 
 #[test]
@@ -204,10 +98,10 @@ fn slot_tiles_and_loads() -> Result<()> {
     // Auto at T = 65, E = 8, k = 2 (16 slots per expert) and above; skewed: experts 0..k with T
     // slots each (tiles 128 + 1, 128 + 128 + 1), the rest empty.
     for (i, &(t, skew)) in [(65, false), (257, false), (129, true), (257, true)].iter().enumerate() {
-        run_case(&case(8, 2, 512, 256, t).skewed(skew), 0x3f_0001 + i as u64)?;
+        run_case(MoeCase::new(8, 2, 512, 256, t).skewed(skew), Scales::Normal, 0x3f_0001 + i as u64)?;
     }
     // 48 slots per expert over 32 experts, top-6.
-    run_case(&case(32, 6, 512, 128, 257), 0x3f_0010)?;
+    run_case(MoeCase::new(32, 6, 512, 128, 257), Scales::Normal, 0x3f_0010)?;
     Ok(())
 }
 
@@ -216,20 +110,20 @@ fn partial_tiles_and_byte_scales() -> Result<()> {
     use MoeExpertsKernel::Gemm;
     // N and K not multiples of 128 (w1 / w3 [96, 192], w2 [192, 96]: K / 32 = 6 and 3, the
     // byte-copy scale path), and K / 32 = 10 / 5.
-    run_case(&case(8, 2, 192, 96, 65), 0x3f_0101)?;
-    run_case(&case(8, 2, 192, 96, 300).skewed(true).on(Gemm), 0x3f_0102)?;
-    run_case(&case(16, 4, 320, 160, 200).on(Gemm), 0x3f_0103)?;
+    run_case(MoeCase::new(8, 2, 192, 96, 65), Scales::Normal, 0x3f_0101)?;
+    run_case(MoeCase::new(8, 2, 192, 96, 300).skewed(true).on(Gemm), Scales::Normal, 0x3f_0102)?;
+    run_case(MoeCase::new(16, 4, 320, 160, 200).on(Gemm), Scales::Normal, 0x3f_0103)?;
     // Multiples of 128 with several slot and row tiles (w1 / w3 [384, 1024]).
-    run_case(&case(8, 2, 1024, 384, 700), 0x3f_0104)?;
+    run_case(MoeCase::new(8, 2, 1024, 384, 700), Scales::Normal, 0x3f_0104)?;
     Ok(())
 }
 
 #[test]
 fn extreme_scales_take_the_exact_path() -> Result<()> {
     use MoeExpertsKernel::Gemm;
-    run_case(&case(8, 2, 256, 128, 200).scales(Scales::OddExperts).on(Gemm), 0x3f_0201)?;
-    run_case(&case(8, 2, 192, 96, 100).scales(Scales::OddExperts).on(Gemm), 0x3f_0202)?;
-    run_case(&case(16, 4, 512, 256, 257).skewed(true).scales(Scales::OddExperts), 0x3f_0203)?;
+    run_case(MoeCase::new(8, 2, 256, 128, 200).on(Gemm), Scales::OddExperts, 0x3f_0201)?;
+    run_case(MoeCase::new(8, 2, 192, 96, 100).on(Gemm), Scales::OddExperts, 0x3f_0202)?;
+    run_case(MoeCase::new(16, 4, 512, 256, 257).skewed(true), Scales::OddExperts, 0x3f_0203)?;
     Ok(())
 }
 
@@ -237,17 +131,17 @@ fn extreme_scales_take_the_exact_path() -> Result<()> {
 fn both_kernels_on_small_and_large_batches() -> Result<()> {
     use MoeExpertsKernel::{Gemm, Stream};
     for (i, &t) in [1usize, 5, 9, 64].iter().enumerate() {
-        run_case(&case(32, 6, 512, 128, t).on(Gemm), 0x3f_0301 + i as u64)?;
+        run_case(MoeCase::new(32, 6, 512, 128, t).on(Gemm), Scales::Normal, 0x3f_0301 + i as u64)?;
     }
-    run_case(&case(8, 2, 256, 128, 257).on(Stream), 0x3f_0310)?;
-    run_case(&case(8, 2, 256, 128, 257).on(Gemm), 0x3f_0310)?;
+    run_case(MoeCase::new(8, 2, 256, 128, 257).on(Stream), Scales::Normal, 0x3f_0310)?;
+    run_case(MoeCase::new(8, 2, 256, 128, 257).on(Gemm), Scales::Normal, 0x3f_0310)?;
     Ok(())
 }
 
 #[test]
 fn a_long_prefill() -> Result<()> {
-    run_case(&case(16, 2, 256, 64, 4097), 0x3f_0401)?;
-    run_case(&case(64, 6, 512, 128, 4097).scales(Scales::OddExperts), 0x3f_0402)?;
+    run_case(MoeCase::new(16, 2, 256, 64, 4097), Scales::Normal, 0x3f_0401)?;
+    run_case(MoeCase::new(64, 6, 512, 128, 4097), Scales::OddExperts, 0x3f_0402)?;
     Ok(())
 }
 

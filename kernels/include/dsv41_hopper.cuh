@@ -1,6 +1,8 @@
-// Hopper (sm_90a) PTX primitives of the sparse attention kernel (kernels/sparse_attention.cu):
+// Hopper (sm_90a) PTX primitives of the sparse attention kernels (kernels/sparse_attention*.cu),
+// the FP8 GEMM (kernels/fp8_gemm.cu) and the MoE expert kernels (kernels/moe_experts*.cu):
 // cp.async gathers, proxy / cluster fences and barriers, mbarriers, TMA bulk copies within a
-// cluster, setmaxnreg, programmatic dependent launch, the wgmma descriptors and products.
+// cluster, setmaxnreg, programmatic dependent launch, the wgmma descriptors, fences and products
+// (the register-A products: dsv41_wgmma_rs.cuh).
 // Thin inline wrappers: each states the PTX it emits; the layouts they assume are described where
 // they are used (the kernel's header comment and its swizzle helpers).
 #pragma once
@@ -21,10 +23,18 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
-// Same with an L2 prefetch of the surrounding 256 bytes (fewer, larger DRAM requests).
+// Same with zero fill: !valid reads nothing and writes 4 zero bytes.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+// cp_async16 with an L2 prefetch of the surrounding 256 bytes (fewer, larger DRAM requests).
 __device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+// Same without the zero-fill operand (the 16 bytes always read).
+__device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits for ALL of this thread's cp.async copies, also those not committed to a group
@@ -148,6 +158,48 @@ __device__ __forceinline__ void wg_fence_regs(float* d) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The accumulator operands of the wgmma wrappers (here and in dsv41_wgmma_rs.cuh): an asm
+// statement's operand list is fixed text, so the wrappers compose theirs from these instead of a
+// template over N. DSV41_WG_ACC_STR(n): the placeholders "%0, %1, ..., %(n - 1)" (the first n
+// operands); DSV41_WG_ACC_OPS(n): the operands "+f"(d[0]), ..., "+f"(d[n - 1]) (a float* d in
+// scope); n a multiple of 8 up to 128.
+#define DSV41_WG_ACC_STR(n) DSV41_WG_ACC_S##n
+#define DSV41_WG_ACC_OPS(n) DSV41_WG_ACC_D##n
+#define DSV41_WG_ACC_S8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define DSV41_WG_ACC_S16 DSV41_WG_ACC_S8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define DSV41_WG_ACC_S24 DSV41_WG_ACC_S16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define DSV41_WG_ACC_S32 DSV41_WG_ACC_S24 ", %24, %25, %26, %27, %28, %29, %30, %31"
+#define DSV41_WG_ACC_S40 DSV41_WG_ACC_S32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define DSV41_WG_ACC_S48 DSV41_WG_ACC_S40 ", %40, %41, %42, %43, %44, %45, %46, %47"
+#define DSV41_WG_ACC_S56 DSV41_WG_ACC_S48 ", %48, %49, %50, %51, %52, %53, %54, %55"
+#define DSV41_WG_ACC_S64 DSV41_WG_ACC_S56 ", %56, %57, %58, %59, %60, %61, %62, %63"
+#define DSV41_WG_ACC_S72 DSV41_WG_ACC_S64 ", %64, %65, %66, %67, %68, %69, %70, %71"
+#define DSV41_WG_ACC_S80 DSV41_WG_ACC_S72 ", %72, %73, %74, %75, %76, %77, %78, %79"
+#define DSV41_WG_ACC_S88 DSV41_WG_ACC_S80 ", %80, %81, %82, %83, %84, %85, %86, %87"
+#define DSV41_WG_ACC_S96 DSV41_WG_ACC_S88 ", %88, %89, %90, %91, %92, %93, %94, %95"
+#define DSV41_WG_ACC_S104 DSV41_WG_ACC_S96 ", %96, %97, %98, %99, %100, %101, %102, %103"
+#define DSV41_WG_ACC_S112 DSV41_WG_ACC_S104 ", %104, %105, %106, %107, %108, %109, %110, %111"
+#define DSV41_WG_ACC_S120 DSV41_WG_ACC_S112 ", %112, %113, %114, %115, %116, %117, %118, %119"
+#define DSV41_WG_ACC_S128 DSV41_WG_ACC_S120 ", %120, %121, %122, %123, %124, %125, %126, %127"
+#define DSV41_WG_D8(i) \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define DSV41_WG_ACC_D8 DSV41_WG_D8(0)
+#define DSV41_WG_ACC_D16 DSV41_WG_ACC_D8, DSV41_WG_D8(8)
+#define DSV41_WG_ACC_D24 DSV41_WG_ACC_D16, DSV41_WG_D8(16)
+#define DSV41_WG_ACC_D32 DSV41_WG_ACC_D24, DSV41_WG_D8(24)
+#define DSV41_WG_ACC_D40 DSV41_WG_ACC_D32, DSV41_WG_D8(32)
+#define DSV41_WG_ACC_D48 DSV41_WG_ACC_D40, DSV41_WG_D8(40)
+#define DSV41_WG_ACC_D56 DSV41_WG_ACC_D48, DSV41_WG_D8(48)
+#define DSV41_WG_ACC_D64 DSV41_WG_ACC_D56, DSV41_WG_D8(56)
+#define DSV41_WG_ACC_D72 DSV41_WG_ACC_D64, DSV41_WG_D8(64)
+#define DSV41_WG_ACC_D80 DSV41_WG_ACC_D72, DSV41_WG_D8(72)
+#define DSV41_WG_ACC_D88 DSV41_WG_ACC_D80, DSV41_WG_D8(80)
+#define DSV41_WG_ACC_D96 DSV41_WG_ACC_D88, DSV41_WG_D8(88)
+#define DSV41_WG_ACC_D104 DSV41_WG_ACC_D96, DSV41_WG_D8(96)
+#define DSV41_WG_ACC_D112 DSV41_WG_ACC_D104, DSV41_WG_D8(104)
+#define DSV41_WG_ACC_D120 DSV41_WG_ACC_D112, DSV41_WG_D8(112)
+#define DSV41_WG_ACC_D128 DSV41_WG_ACC_D120, DSV41_WG_D8(120)
+
 // d[0..15] += A (64 x 16, smem descriptor a) * B (16 x 32, smem descriptor b), bf16 -> f32;
 // TA / TB = 0: the operand is K-major, 1: MN-major (transposed); accumulator layout: d[4i + c]
 // at row 16 (warp % 4) + lane / 4 + 8 (c / 2), column 8i + 2 (lane % 4) + c % 2.
@@ -155,11 +207,8 @@ template <int TA, int TB>
 __device__ __forceinline__ void wg_m64n32k16(float* d, uint64_t a, uint64_t b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" DSV41_WG_ACC_STR(16) "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+        : DSV41_WG_ACC_OPS(16)
         : "l"(a), "l"(b), "r"(1), "n"(TA), "n"(TB));
 }
 
@@ -170,14 +219,8 @@ __device__ __forceinline__ void wg_m64n32k16(float* d, uint64_t a, uint64_t b) {
 __device__ __forceinline__ void wg_m64n64k16(float* d, uint64_t a, uint64_t b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" DSV41_WG_ACC_STR(32) "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : DSV41_WG_ACC_OPS(32)
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -187,32 +230,8 @@ __device__ __forceinline__ void wg_m64n64k16(float* d, uint64_t a, uint64_t b, i
 __device__ __forceinline__ void wg_m64n256k16_kmn(float* d, uint64_t a, uint64_t b, int accumulate = 1) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" DSV41_WG_ACC_STR(128) "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        : DSV41_WG_ACC_OPS(128)
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -223,20 +242,8 @@ __device__ __forceinline__ void wg_m64n256k16_kmn(float* d, uint64_t a, uint64_t
 __device__ __forceinline__ void wg_m64n128k32_e4m3(float* d, uint64_t a, uint64_t b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" DSV41_WG_ACC_STR(64) "}, %64, %65, p, 1, 1;\n}\n"
+        : DSV41_WG_ACC_OPS(64)
         : "l"(a), "l"(b), "r"(accumulate));
 }
 

@@ -1,9 +1,9 @@
 // Host-side launch helpers shared by the launchers (the sparse attention ones, kernels/fp8_linear.cu,
-// fp8_gemm.cu, moe_experts.cu): scratch alignment and the SM count, the dynamic shared-memory limit raised
-// once per device and thread, the diagnostic trace buffer cleared, and a launch with programmatic
+// fp8_gemm.cu, moe_experts*.cu): scratch alignment and the SM count, the dynamic shared-memory limit raised
+// once per device and thread, the diagnostic trace buffer cleared, a launch with programmatic
 // dependent launch (the grid may start while the previous kernel of the stream finishes; every
 // kernel launched this way waits in griddepcontrol.wait before its first global access) and an
-// optional thread-block cluster.
+// optional thread-block cluster, and a persistent grid (a CTA per SM) launched that way.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -85,6 +85,19 @@ inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, 
     cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
     if (e == cudaSuccess) e = cudaGetLastError();
     return e;
+}
+
+// Launches the persistent kernel `Kernel` (one CTA of `block` threads per SM, `smem` bytes of
+// dynamic shared memory) with launch_pdl, its dynamic shared-memory limit raised to `max_smem`
+// first on each device and thread (the memo is per kernel: one per instantiation).
+template <auto Kernel, class... Args>
+inline cudaError_t launch_persistent(dim3 block, size_t smem, int max_smem, cudaStream_t stream, Args&&... args) {
+    static thread_local int configured_dev = -1;
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = set_max_dynamic_smem(Kernel, dev, max_smem, configured_dev);
+    if (e != cudaSuccess) return e;
+    return launch_pdl(Kernel, dim3(sm_count()), block, smem, stream, 1, std::forward<Args>(args)...);
 }
 
 }  // namespace dsv41_launch

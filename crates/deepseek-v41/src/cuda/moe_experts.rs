@@ -282,6 +282,9 @@ pub fn moe_experts_device_with(
     let gu_params = MoeExpertsParams { n: inter as i32, kdim: hidden as i32, mode: MODE_GATE_UP, ..base };
     let dn_params = MoeExpertsParams { n: hidden as i32, kdim: inter as i32, mode: MODE_DOWN, ..base };
     let bytes = scratch_for(&gu_params)?.max(scratch_for(&dn_params)?);
+    // Per-call buffers: cudarc allocates stream-ordered (`cuMemAllocAsync`, freed by `cuMemFreeAsync`,
+    // on devices with memory pools such as the H100 / H200), so no host synchronization and a call
+    // can be captured into a CUDA graph (`examples/bench_moe_experts.rs` times it that way).
     // SAFETY (all allocations): written by the kernels before they are read — act, y, pos and out
     // in full (every slot belongs to one expert), the scratch by each launch's prep kernel.
     let mut act = float_alloc(&cdev, s * inter, false)?;

@@ -503,6 +503,15 @@ impl Moe {
     #[cfg(feature = "cuda")]
     fn forward_on_device(&self, x: &Tensor, g: &crate::cuda::GroupedExperts) -> Result<MoeOutput> {
         let r = self.gate.route_device(x)?;
+        // x is FP8-quantized (Q1, spec §0.1b.8) twice: by `prepare_input` for the shared expert's
+        // w1 and w3 (FP8 in the release; Q1(x) as bf16 values in row order), and by the routed
+        // kernels' gate/up prep launch into their own panel (the streaming kernel: e4m3 values as
+        // f16, K permuted within 8-groups, the block scales apart; the GEMM: bf16 values in its
+        // stage order, K padded to 128). No layout serves both, the prep launch runs anyway (it
+        // also sorts the slots' tokens and weights) and reads x once either way, so sharing would
+        // save arithmetic, not a launch or a read. Letting the shared expert's FP8 kernels quantize
+        // x themselves would save the fake-quant launch at decode sizes but equals this path only
+        // up to the f32 summation order (`Linear::forward_prepared`).
         let shared = match &self.shared {
             Some(s) => Some(s.forward_prepared(&s.prepare_input(x)?, None)?),
             None => None,
