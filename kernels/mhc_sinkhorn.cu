@@ -21,6 +21,15 @@
 //   * the normalizations' sums are candle's small reduction (one thread per output, a sequential
 //     sum from 0 in index order); the divisions are IEEE (__fdiv_rn).
 // The CPU reference (the same ops on the host) differs from this in the last bits of expf only.
+//
+// Two layouts, the same operations on every element:
+//   * lanes (hc ≤ 5, the models' hc = 4): a group of P = next_pow2(hc²) lanes of one warp per
+//     token, one lane per comb element. A row or column sum gathers the hc values with shuffles
+//     and adds them from 0 in index order, exactly the serial sum; each lane then divides its own
+//     element. The iterations' 2·hc² IEEE divisions per iteration (a subroutine call each, which
+//     the compiler cannot overlap) run on hc² lanes at once: 4 µs instead of 23 µs per call at
+//     hc = 4 on an H100 (`bench_mhc`).
+//   * thread (hc 6..8): one thread owns one token's matrix in registers.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -110,6 +119,61 @@ __global__ void __launch_bounds__(kMhcThreads) mhc_split_kernel(Dsv41MhcSplitPar
         for (int j = 0; j < HC; ++j) p.comb[(t * HC + i) * HC + j] = c[i][j];
 }
 
+// The lanes layout (see the header comment): P lanes per token, lane e < hc² holds comb[e / hc]
+// [e % hc]. Every lane of the warp runs every shuffle (tokens past the end compute on zeros and
+// store nothing).
+template <int HC>
+__global__ void __launch_bounds__(kMhcThreads) mhc_split_lanes_kernel(Dsv41MhcSplitParams p) {
+    constexpr int N = HC * HC;
+    constexpr int P = N <= 1 ? 1 : N <= 2 ? 2 : N <= 4 ? 4 : N <= 8 ? 8 : N <= 16 ? 16 : 32;
+    static_assert(N <= 32, "the lanes layout takes hc <= 5");
+    constexpr int W = (2 + HC) * HC;
+    const int64_t gid = static_cast<int64_t>(blockIdx.x) * kMhcThreads + threadIdx.x;
+    const int64_t t = gid / P;
+    const int e = static_cast<int>(gid % P);
+    const int lane = threadIdx.x % 32, base_lane = lane - e;
+    const bool live = t < p.tokens;
+    const bool elem = live && e < N;
+    const int i = e / HC, j = e % HC;
+    const float* m = p.mixes + (live ? t : 0) * W;
+    const float eps = p.eps;
+    auto part = [&](int k, float s) { return __fadd_rn(__fmul_rn(m[k], s), p.base[k]); };
+    if (live && e < HC) {
+        p.pre[t * HC + e] = __fadd_rn(candle_sigmoid(part(e, p.scale[0])), eps);
+        p.post[t * HC + e] = __fmul_rn(candle_sigmoid(part(HC + e, p.scale[1])), 2.0f);
+    }
+    // Element k of the token's matrix from its lane (every lane calls; k < N).
+    auto at = [&](float v, int k) { return __shfl_sync(0xffffffffu, v, base_lane + k); };
+    float c = live && e < N ? part(2 * HC + e, p.scale[2]) : 0.0f;
+    // Row softmax: max, expf, the butterfly sum of the row, times the reciprocal, + eps.
+    float row[HC];
+#pragma unroll
+    for (int b = 0; b < HC; ++b) row[b] = at(c, i < HC ? i * HC + b : b);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int b = 0; b < HC; ++b) mx = fmaxf(mx, row[b]);
+#pragma unroll
+    for (int b = 0; b < HC; ++b) row[b] = expf(__fsub_rn(row[b], mx));
+    const float inv = static_cast<float>(1.0 / static_cast<double>(butterfly_sum<HC>(row)));
+    c = __fadd_rn(__fmul_rn(row[j], inv), eps);
+    // Divides the lane's element by its column's (kRows: row's) sum + eps, summed from 0 in order.
+    auto normalize = [&](bool rows) {
+        float s = 0.0f;
+#pragma unroll
+        for (int b = 0; b < HC; ++b) {
+            const int k = rows ? i * HC + b : b * HC + j;
+            s = __fadd_rn(s, at(c, k < N ? k : 0));
+        }
+        c = __fdiv_rn(c, __fadd_rn(s, eps));
+    };
+    normalize(false);
+    for (int it = 1; it < p.iters; ++it) {
+        normalize(true);
+        normalize(false);
+    }
+    if (elem) p.comb[t * N + e] = c;
+}
+
 }  // namespace dsv41
 
 extern "C" int dsv41_mhc_split_sinkhorn(const Dsv41MhcSplitParams* p, size_t params_size, void* stream) {
@@ -119,8 +183,22 @@ extern "C" int dsv41_mhc_split_sinkhorn(const Dsv41MhcSplitParams* p, size_t par
     if (p->tokens / kMhcThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
     if (p->tokens == 0) return DSV41_OK;
     if (!p->mixes || !p->scale || !p->base || !p->pre || !p->post || !p->comb) return DSV41_ERR_NULL;
-    const dim3 grid(static_cast<unsigned>((p->tokens + kMhcThreads - 1) / kMhcThreads));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->hc <= 5) {
+        const int lanes = p->hc == 1 ? 1 : p->hc == 2 ? 4 : 16 * (p->hc > 4 ? 2 : 1);
+        const int64_t threads = p->tokens * lanes;
+        if (threads / kMhcThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+        const dim3 lgrid(static_cast<unsigned>((threads + kMhcThreads - 1) / kMhcThreads));
+        switch (p->hc) {
+            case 1: mhc_split_lanes_kernel<1><<<lgrid, kMhcThreads, 0, s>>>(*p); break;
+            case 2: mhc_split_lanes_kernel<2><<<lgrid, kMhcThreads, 0, s>>>(*p); break;
+            case 3: mhc_split_lanes_kernel<3><<<lgrid, kMhcThreads, 0, s>>>(*p); break;
+            case 4: mhc_split_lanes_kernel<4><<<lgrid, kMhcThreads, 0, s>>>(*p); break;
+            default: mhc_split_lanes_kernel<5><<<lgrid, kMhcThreads, 0, s>>>(*p); break;
+        }
+        return static_cast<int>(cudaGetLastError());
+    }
+    const dim3 grid(static_cast<unsigned>((p->tokens + kMhcThreads - 1) / kMhcThreads));
     switch (p->hc) {
         case 1: mhc_split_kernel<1><<<grid, kMhcThreads, 0, s>>>(*p); break;
         case 2: mhc_split_kernel<2><<<grid, kMhcThreads, 0, s>>>(*p); break;

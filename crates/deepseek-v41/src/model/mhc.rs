@@ -221,8 +221,9 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
         )
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(x, y, x.dtype()) {
-        // One launch, bit for bit the op sequence below (the comb product included).
+    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(x, y, x.dtype()) && crate::cuda::mhc_post_fused(t, d) {
+        // One launch, bit for bit the op sequence below (the comb product included, at the
+        // shapes where cuBLAS sums K in one FMA chain: `cuda::mhc_post_fused`).
         return crate::cuda::mhc_post_device(x, comb, y, post, x.dtype());
     }
     // Σ_i comb[i, j]·x[i] = (combᵀ · x)[j], per token.
