@@ -53,7 +53,9 @@ pub enum Fp8StreamVariant {
     /// picks). The split factor is raised where the CTA's activation slice needs it to fit shared
     /// memory.
     Warp,
-    /// `Auto` with `Warp` for m <= 16: the candidate default, explicit until timed on the GPU.
+    /// `Auto` with `Warp` for m <= 16. Explicit: on an H100 `Warp` is faster where N is large
+    /// and one K split fills the GPU (wq_b 1280 -> 32768) and slower on the other released shapes
+    /// (`docs/perf.md` "FP8 linear").
     AutoWarp,
 }
 
