@@ -9,22 +9,29 @@
 //! | phase ([`DecodeStep`] method) | ops (B sequences, one token each) |
 //! |---|---|
 //! | [`projections`](DecodeStep::projections) | `wq_a` + `q_norm`, `wkv` + `kv_norm`, `wq_b`: `[B, hidden]` products |
-//! | [`inserts`](DecodeStep::inserts) | q RoPE in place; window rows (`cuda::window_insert`, packed: `cuda::packed_insert`, format A) at the window slots; kv sources: `compressor.wkv` / `wgate` of all B rows, the softmax pooling with the carried token for all B rows, `compressor.norm`, `indexer.wk`, then the compressed entry and index key (`compressed_insert` / `index_key_insert`, packed: B / E) at the entry slots, −1 (skipped) for sequences that close no group; the carry takes this token's projections where no group closes (`where_cond`) |
-//! | [`selection`](DecodeStep::selection) | kv + index sources: `indexer.wq_b`, index-query RoPE and FP4 fake quant, head weights, `cuda::index_select` (key base `b·E'`, per-sequence visible counts), the top-k shifted to pool rows (−1 kept); reuse layers: the top-k their index source returned; window-only layers: none |
+//! | [`inserts`](DecodeStep::inserts) | q RoPE in place; window rows (`cuda::window_insert`, packed: `cuda::packed_insert`, format A) at the window slots; kv sources: `compressor.wkv` of all B rows (ratio 2: also `wgate` and the softmax pooling with the carried token), `compressor.norm`, `indexer.wk`, then the compressed entry and index key (`compressed_insert` / `index_key_insert`, packed: B / E) at the entry slots, −1 (skipped) for sequences that close no group; ratio 2: the carry takes this token's projections where no group closes (`where_cond`) |
+//! | [`selection`](DecodeStep::selection) | index sources (kv + index sources, `Reindex` layers): `indexer.wq_b`, index-query RoPE and FP4 fake quant, head weights, `cuda::index_select` over the key owner's index keys (key base `b·E'`, per-sequence visible counts; a candidate consumer's scores masked to the published blocks, the candidate source's blocks returned), the top-k shifted to pool rows (−1 kept); reuse layers: the top-k their index source returned; window-only layers: none |
 //! | [`attention`](DecodeStep::attention) | sparse attention with sink over the window pool (the window indices) and the kv source's compressed pool (the top-k rows) |
 //! | [`output`](DecodeStep::output) | inverse RoPE, grouped `wo_a`, `wo_b` |
 //!
 //! The ops are the `cuda` feature's fused ops (`attention/decode_ops.rs`; on the CPU they run
 //! their references), or without the feature the same CPU references called directly.
 //!
-//! Layers composed ([`DecodeLayerKind`], spec §1.4): window-only layers, ratio-2 kv + index
-//! sources without candidate blocks (`TopkRole::Full { candidates: None }`) and top-k reuse
-//! layers. Ratio-1 sources and the `Reindex` layers of the candidate blocks are errors.
+//! Layers composed ([`DecodeLayerKind`], spec §1.4): window-only layers, kv + index sources of
+//! ratio 1 or 2 (`TopkRole::Full`), index sources over another layer's keys
+//! (`TopkRole::Reindex`) and top-k reuse layers; an index source may publish candidate blocks
+//! (the candidate source) or consume them (spec §6.4, [`DecodeLayer::candidates`]). What a layer
+//! reads from earlier layers of the same step — the top-k of its index source, the candidate
+//! source's blocks — is passed in [`Published`] (the caller runs the layers in order).
 //!
 //! On the CPU the ops run their references and every product multiplies each sequence's row as
 //! its own call does ([`RowGroups`]), so the step gives, bit for bit, what
 //! [`Attention::forward`] gives each sequence alone (`tests/decode_batch.rs`); on CUDA the
 //! products of B rows sum in another order than B products of one row.
+//!
+//! **The compressor at ratio 1** pools one token: every step writes an entry at every sequence's
+//! entry slot (`b·E' + p`), `norm(compressor.wkv x)` with `wkv` a bf16 product, no carry (the
+//! carry pools of a ratio-1 source are not read).
 //!
 //! **The compressor at ratio 2.** A group is two tokens: a sequence at an even position opens one
 //! (its projections are carried), at the next odd position it closes it. The pooling runs for all
