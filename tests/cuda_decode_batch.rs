@@ -1,9 +1,10 @@
 //! GPU tests of the batched decode step of one attention layer (`attention::decode_batch`), on
 //! the tiny config with V4.1's head_dim 512 (the fused sparse-attention kernel's head dim): the
 //! scenario of `tests/decode_batch.rs` (B = 5 sequences at different positions, several steps,
-//! window-only / kv + index source / reuse / source layers) on CUDA against the same step on the
-//! CPU within `tests/cuda_layer.rs`'s tolerance, for bf16, packed-key and all-packed pools; and
-//! the steps of all four layers captured once into a CUDA graph and replayed after each
+//! every layer of the config: window-only, ratio-2 kv + index sources, reuse layers, the ratio-1
+//! candidate source and the ratio-1 `Reindex` candidate consumer) on CUDA against the same step
+//! on the CPU within `tests/cuda_layer.rs`'s tolerance, for bf16, packed-key and all-packed pools;
+//! and the steps of all layers captured once into a CUDA graph and replayed after each
 //! `DecodeStepInputs::update`, bit for bit the eager steps.
 //!
 //! These tests need a CUDA device and FAIL without one.
@@ -24,7 +25,7 @@ use rng::Rng;
 #[path = "support/decode_batch_run.rs"]
 #[allow(dead_code)]
 mod run;
-use run::{bits, entry_ids, forward, layer_inputs, positions, prefill, random_layers, Batch, LAYERS};
+use run::{bits, entry_ids, forward, layer_inputs, positions, prefill, random_layers, Batch};
 
 fn gpu() -> Device {
     deepseek_v41::cuda::decode_device(0).expect("tests/cuda_decode_batch.rs needs a CUDA device (none found): these tests must run on a GPU")
@@ -49,7 +50,8 @@ fn config_512() -> Result<Config> {
 
 const STARTS: [usize; 5] = [0, 1, 4, 9, 20];
 const STEPS: usize = 5;
-const ENTRIES: usize = 16;
+/// Entries per sequence: the ratio-1 sources hold one per position (up to 25 here).
+const ENTRIES: usize = 32;
 const TOL: Tolerance = Tolerance::RelFro { rel_fro: 3e-2, max_abs: None };
 
 /// The same sequences, prefilled on the CPU, stepped in batches on the CPU and on the GPU: every
@@ -78,12 +80,12 @@ fn cuda_step_matches_the_cpu_step() -> Result<()> {
             let xs = layer_inputs(&cfg, &mut rng, b, &cpu)?;
             let xg = xs.iter().map(|x| x.to_device(&dev)).collect::<candle_core::Result<Vec<_>>>()?;
             let (w, g) = (forward(&want_steps, &xs)?, forward(&got_steps, &xg)?);
-            for l in 0..LAYERS {
+            for l in 0..cfg.num_hidden_layers {
                 ensure!(g[l].y.device().is_cuda(), "layer {l} did not run on the GPU");
                 let o = compare(&format!("L{l}"), &g[l].y, &w[l].y, TOL)?;
                 ensure!(o.pass, "{storage:?}, step {t}: {o}");
                 if let (Some(gk), Some(wk)) = (&g[l].topk, &w[l].topk) {
-                    let (gk, wk) = (entry_ids(gk, got.caches[1].entry_stride())?, entry_ids(wk, want.caches[1].entry_stride())?);
+                    let (gk, wk) = (entry_ids(gk, got.entry_stride(l))?, entry_ids(wk, want.entry_stride(l))?);
                     for (a, b) in gk.iter().zip(&wk) {
                         same += a.iter().filter(|j| b.contains(j)).count();
                         total += a.len();
@@ -99,7 +101,7 @@ fn cuda_step_matches_the_cpu_step() -> Result<()> {
     Ok(())
 }
 
-/// The four layers' steps captured once into a CUDA graph (with Candle's host-upload cache on
+/// All layers' steps captured once into a CUDA graph (with Candle's host-upload cache on
 /// around the warm-up and the capture) and replayed after each `update`, the layer inputs
 /// written into the captured input tensors and the outputs copied into fixed tensors inside the
 /// graph: bit for bit the same steps run eagerly on a second set of pools, step after step (the
@@ -121,7 +123,7 @@ fn graph_replay_equals_eager_steps() -> Result<()> {
         graphed.load(&seqs)?;
         let (eager_steps, graph_steps) = (eager.steps()?, graphed.steps()?);
         let x_in = layer_inputs(&cfg, &mut rng, b, &dev)?;
-        let y_out = (0..LAYERS).map(|_| Tensor::zeros((b, cfg.hidden_size), DType::BF16, &dev)).collect::<candle_core::Result<Vec<_>>>()?;
+        let y_out = (0..cfg.num_hidden_layers).map(|_| Tensor::zeros((b, cfg.hidden_size), DType::BF16, &dev)).collect::<candle_core::Result<Vec<_>>>()?;
         let pos = positions(&STARTS, 0, cfg.sliding_window)?;
         graphed.update(&pos)?;
         let graph = {
@@ -152,7 +154,7 @@ fn graph_replay_equals_eager_steps() -> Result<()> {
             let want = forward(&eager_steps, &xs)?;
             graph.launch()?;
             stream.synchronize()?;
-            for l in 0..LAYERS {
+            for l in 0..cfg.num_hidden_layers {
                 ensure!(bits(&y_out[l])? == bits(&want[l].y)?, "{storage:?}, step {t}, layer {l}: the replay differs from the eager step");
             }
             let now = bits(&y_out[1])?;

@@ -1,9 +1,12 @@
-//! The batched decode step of one attention layer (`attention::decode_batch`) on the CPU: B
+//! The batched decode step of one attention layer (`attention::decode_batch`) on the CPU, for
+//! every layer of the tiny config (window-only, ratio-2 kv + index sources, top-k reuse, the
+//! ratio-1 candidate source, the ratio-1 `Reindex` candidate consumer, their reuse layers): B
 //! sequences at different positions (before their first compressed entry, closing a compressor
-//! group, opening one, inside and past the window), several steps in a row, equal bit for bit to
-//! each sequence's `Attention::forward` alone — outputs, the index sources' top-k and the cache
-//! rows — for bf16 pools, packed index keys and all-packed pools (the ops' CPU references; every
-//! product multiplies each sequence's row as its own call does). A step built once and fed by
+//! group, opening one, inside and past the window, with more entries than the candidate blocks
+//! keep), several steps in a row, equal bit for bit to each sequence's `Attention::forward`
+//! alone — outputs, the index sources' top-k, the published candidate blocks and the cache rows —
+//! for bf16 pools, packed index keys and all-packed pools (the ops' CPU references; every product
+//! multiplies each sequence's row as its own call does). A step built once and fed by
 //! `DecodeStepInputs::update` (what a graph replay does) equals fresh objects per step; a step
 //! repeated at the same positions changes nothing; bad inputs are typed errors naming the value.
 //!
@@ -13,8 +16,10 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::attention::{BatchStorage, BatchedLayerCache, CacheStorage, DecodeLayer, DecodeStep, DecodeStepError, DecodeStepInputs};
-use deepseek_v41::config::Config;
+use deepseek_v41::attention::{
+    BatchStorage, BatchedLayerCache, CacheStorage, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, Published,
+};
+use deepseek_v41::config::{CandidateRole, Config};
 
 #[path = "support/rng.rs"]
 #[allow(dead_code)]
@@ -24,17 +29,19 @@ use rng::Rng;
 #[path = "support/decode_batch_run.rs"]
 #[allow(dead_code)]
 mod run;
-use run::{bits, entry_ids, forward, layer_inputs, one_at_a_time, positions, prefill, random_layers, Batch, LAYERS};
+use run::{bits, entry_ids, forward, layer_inputs, one_at_a_time, positions, prefill, random_layers, Batch};
 
 fn tiny() -> Result<Config> {
     Ok(Config::from_file(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny/config.json"))?)
 }
 
 /// Prefill lengths = the first decode positions: before any entry (0), the first group closing
-/// (1), inside the window (4), past it (9, 20; W = 8).
+/// (1), inside the window (4), past it (9, 20; W = 8); from position 6 on, the ratio-1 layers
+/// hold more entries than the 3 candidate blocks of 2 keep.
 const STARTS: [usize; 5] = [0, 1, 4, 9, 20];
 const STEPS: usize = 5;
-const ENTRIES: usize = 16;
+/// Entries per sequence: the ratio-1 sources hold one per position (up to 25 here).
+const ENTRIES: usize = 32;
 /// The pools of the replay test: packed keys where the build has them.
 #[cfg(feature = "cuda")]
 const STORAGE: BatchStorage = BatchStorage::PACKED_KEYS;
@@ -52,28 +59,49 @@ fn batched_equals_one_at_a_time(storage: BatchStorage) -> Result<()> {
     let batch = Batch::new(&cfg, &layers, b, ENTRIES, storage, &dev)?;
     batch.load(&seqs)?;
     let steps = batch.steps()?;
-    let stride = batch.caches[1].entry_stride();
+    let (mut masked, mut consumed) = (0, 0);
     for t in 0..STEPS {
         let pos = positions(&STARTS, t, cfg.sliding_window)?;
         batch.update(&pos)?;
         let xs = layer_inputs(&cfg, &mut rng, b, &dev)?;
         let got = forward(&steps, &xs)?;
-        let want = one_at_a_time(&layers, &mut seqs, &xs, &pos)?;
-        for l in 0..LAYERS {
+        let want = one_at_a_time(&cfg, &layers, &mut seqs, &xs, &pos)?;
+        for (l, layer) in batch.layers.iter().enumerate() {
             let y = bits(&got[l].y)?;
             ensure!(y.iter().any(|&v| f32::from_bits(v) != 0.0), "step {t}, layer {l}: all zeros");
             let h = cfg.hidden_size;
-            for (s, (wy, wk)) in want[l].iter().enumerate() {
-                ensure!(y[s * h..(s + 1) * h] == bits(wy)?[..], "{storage:?}, step {t}, layer {l}, sequence {s} at {}: outputs differ", pos[s]);
-                if let (Some(wk), Some(gk)) = (wk, &got[l].topk) {
-                    let g = &entry_ids(gk, stride)?[s];
+            let stride = batch.entry_stride(l);
+            for (s, alone) in want[l].iter().enumerate() {
+                ensure!(y[s * h..(s + 1) * h] == bits(&alone.y)?[..], "{storage:?}, step {t}, layer {l}, sequence {s} at {}: outputs differ", pos[s]);
+                if let Some(wk) = &alone.topk {
+                    let g = &entry_ids(got[l].topk.as_ref().expect("an index source's top-k"), stride)?[s];
                     ensure!(*g == wk.to_vec2::<i64>()?[0], "step {t}, layer {l}, sequence {s}: top-k {g:?} vs {:?}", wk.to_vec2::<i64>()?);
                 }
+                if let Some(wc) = &alone.candidates {
+                    let gc = got[l].candidates.as_ref().expect("the candidate source's blocks").to_vec2::<i64>()?;
+                    ensure!(gc[s] == wc.to_vec2::<i64>()?[0], "step {t}, layer {l}, sequence {s}: candidate blocks {:?} vs {wc}", gc[s]);
+                }
+            }
+            match (layer.kind(), layer.candidates()) {
+                (DecodeLayerKind::Reuse { index_source, .. }, _) => {
+                    ensure!(bits(got[l].topk.as_ref().unwrap())? == bits(got[index_source].topk.as_ref().unwrap())?, "step {t}, layer {l}: reuse top-k")
+                }
+                (_, CandidateRole::Consume { source }) => {
+                    // The consumer's entries lie in the published blocks; count the sequences whose
+                    // visible entries the blocks restrict.
+                    let blocks = got[source].candidates.as_ref().unwrap().to_vec2::<i64>()?;
+                    let block = cfg.candidate_block_size as i64;
+                    for (s, ids) in entry_ids(got[l].topk.as_ref().unwrap(), stride)?.iter().enumerate() {
+                        ensure!(ids.iter().all(|&j| j < 0 || blocks[s].contains(&(j / block))), "step {t}, layer {l}, sequence {s}: {ids:?} outside {:?}", blocks[s]);
+                        consumed += 1;
+                        masked += usize::from(pos[s] + 1 > cfg.candidate_topk_blocks * cfg.candidate_block_size);
+                    }
+                }
+                _ => {}
             }
         }
-        // The reuse layer attended its index source's selection.
-        ensure!(bits(got[2].topk.as_ref().unwrap())? == bits(got[1].topk.as_ref().unwrap())?, "step {t}: reuse top-k");
     }
+    ensure!(consumed > 0 && masked * 2 > consumed, "the candidate blocks restricted {masked} of {consumed} consumer selections");
     // The pools hold the sequences' rows: window rings and, for the sources, entries and keys.
     for (l, c) in batch.caches.iter().enumerate() {
         for (s, seq) in seqs.iter().enumerate() {
@@ -135,6 +163,7 @@ fn a_step_fed_by_update_equals_a_fresh_step() -> Result<()> {
     let fixed_x = layer_inputs(&cfg, &mut rng, b, &dev)?;
     let fresh_pools = Batch::new(&cfg, &layers, b, ENTRIES, STORAGE, &dev)?;
     fresh_pools.load(&seqs)?;
+    let n = layers.len();
     for t in 0..STEPS {
         let pos = positions(&STARTS, t, cfg.sliding_window)?;
         let xs = layer_inputs(&cfg, &mut rng, b, &dev)?;
@@ -144,21 +173,17 @@ fn a_step_fed_by_update_equals_a_fresh_step() -> Result<()> {
         }
         let a = forward(&steps, &fixed_x)?;
         // Fresh inputs and steps over the second set of pools.
-        let fresh = Batch {
-            layers: layers.iter().map(|a| DecodeLayer::new(&cfg, a)).collect::<candle_core::Result<Vec<_>>>()?,
-            caches: fresh_pools.caches.clone(),
-            window_inputs: DecodeStepInputs::new(&fresh_pools.layers[0], &fresh_pools.caches[0], None)?,
-            compressed_inputs: DecodeStepInputs::new(&fresh_pools.layers[1], &fresh_pools.caches[1], None)?,
-        };
+        let fresh_layers = layers.iter().map(|a| DecodeLayer::new(&cfg, a)).collect::<candle_core::Result<Vec<_>>>()?;
+        let fresh = Batch::over(fresh_layers, fresh_pools.caches.clone())?;
         fresh.update(&pos)?;
         let c = forward(&fresh.steps()?, &xs)?;
-        for l in 0..LAYERS {
+        for l in 0..n {
             ensure!(bits(&a[l].y)? == bits(&c[l].y)?, "step {t}, layer {l}: kept objects vs fresh objects");
         }
         if t == 2 {
             // Repeated: same outputs, same pools afterwards (compared at the next step).
             let again = forward(&steps, &fixed_x)?;
-            for l in 0..LAYERS {
+            for l in 0..n {
                 ensure!(bits(&a[l].y)? == bits(&again[l].y)?, "step {t}, layer {l}: repeated step");
             }
         }
@@ -171,7 +196,7 @@ fn a_step_fed_by_update_equals_a_fresh_step() -> Result<()> {
     one.update(&STARTS)?;
     two.update(&STARTS.map(|p| p + 2))?;
     let (y1, y2) = (forward(&one.steps()?, &xs)?, forward(&two.steps()?, &xs)?);
-    ensure!(bits(&y1[0].y)? != bits(&y2[0].y)? && bits(&y1[1].y)? != bits(&y2[1].y)?, "the positions changed nothing");
+    ensure!((0..n).all(|l| bits(&y1[l].y).ok() != bits(&y2[l].y).ok()), "the positions changed nothing");
     Ok(())
 }
 
@@ -189,16 +214,21 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
     let e = message(BatchedLayerCache::zeros(&dl[1], 0, 4, BatchStorage::BF16, &dev).unwrap_err());
     ensure!(e.starts_with(&DecodeStepError::EmptyBatch.to_string()), "{e}");
     let batch = Batch::new(&cfg, &layers, 3, 4, BatchStorage::BF16, &dev)?;
-    // Positions: count and capacity (4 entries per sequence: positions up to 8 fit).
-    let e = message(batch.compressed_inputs.update(&[1, 2]).unwrap_err());
+    let (window_inputs, compressed_inputs) = (batch.inputs_of(0), batch.inputs_of(1));
+    // Positions: count and capacity (4 entries per sequence: ratio-2 positions up to 8 fit,
+    // ratio-1 positions up to 4).
+    let e = message(compressed_inputs.update(&[1, 2]).unwrap_err());
     ensure!(e.contains("positions is for 2 sequences") && e.contains("batch has 3"), "{e}");
-    batch.update(&[7, 3, 5])?;
-    let before = batch.compressed_inputs.positions().to_vec1::<i64>()?;
-    let e = message(batch.compressed_inputs.update(&[7, 9, 5]).unwrap_err());
+    batch.update(&[3, 1, 2])?;
+    compressed_inputs.update(&[7, 3, 5])?;
+    let before = compressed_inputs.positions().to_vec1::<i64>()?;
+    let e = message(compressed_inputs.update(&[7, 9, 5]).unwrap_err());
     ensure!(e.contains("sequence 1 at position 9") && e.contains("5 compressed entries") && e.contains("holds 4"), "{e}");
-    ensure!(batch.compressed_inputs.positions().to_vec1::<i64>()? == before, "a failed update changed the inputs");
-    batch.window_inputs.update(&[100, 3, 5])?; // window-only layers have no capacity limit
-    let e = message(batch.window_inputs.update(&[1, 1 << 31, 5]).unwrap_err());
+    ensure!(compressed_inputs.positions().to_vec1::<i64>()? == before, "a failed update changed the inputs");
+    let e = message(batch.inputs_of(4).update(&[3, 4, 2]).unwrap_err());
+    ensure!(e.contains("sequence 1 at position 4") && e.contains("5 compressed entries") && e.contains("below 4"), "{e}");
+    window_inputs.update(&[100, 3, 5])?; // window-only layers have no capacity limit
+    let e = message(window_inputs.update(&[1, 1 << 31, 5]).unwrap_err());
     ensure!(e.contains("sequence 1 is at position 2147483648"), "{e}");
     // x: dtype and rows.
     let steps = batch.steps()?;
@@ -210,31 +240,43 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
     // A reuse layer without (or with a wrong) top-k, or with another layer's cache.
     let xb = x.to_dtype(DType::BF16)?;
     let pr = steps[2].projections(&xb)?;
-    let e = message(steps[2].selection(&pr, None).unwrap_err());
+    let e = message(steps[2].selection(&pr, Published::default()).unwrap_err());
     ensure!(e.contains("layer 2") && e.contains("top-k of its index source, layer 1"), "{e}");
-    let e = message(steps[2].selection(&pr, Some(&Tensor::zeros((3, 3), DType::I64, &dev)?)).unwrap_err());
+    let bad = Tensor::zeros((3, 3), DType::I64, &dev)?;
+    let e = message(steps[2].selection(&pr, Published { topk: Some(&bad), candidates: None }).unwrap_err());
     ensure!(e.contains("reused top-k must be I64 [3, 4]"), "{e}");
-    let e = message(DecodeStep::new(&dl[2], &batch.caches[2], Some(&batch.caches[3]), &batch.compressed_inputs).unwrap_err());
+    let e = message(DecodeStep::new(&dl[2], &batch.caches[2], Some(&batch.caches[3]), compressed_inputs).unwrap_err());
     ensure!(e.contains("kv source, layer 1, not the cache of layer 3"), "{e}");
-    let e = message(DecodeStep::new(&dl[2], &batch.caches[2], None, &batch.compressed_inputs).unwrap_err());
+    let e = message(DecodeStep::new(&dl[2], &batch.caches[2], None, compressed_inputs).unwrap_err());
     ensure!(e.contains("pass the cache of its kv source, layer 1"), "{e}");
-    // Inputs of the wrong kind or batch, a cache of another layer.
-    let e = message(DecodeStep::new(&dl[0], &batch.caches[0], None, &batch.compressed_inputs).unwrap_err());
+    // The candidate consumer (layer 6, Reindex over layer 4's keys) without (or with wrong)
+    // candidate blocks of layer 4, or without its key owner's cache.
+    let pr = steps[6].projections(&xb)?;
+    let e = message(steps[6].selection(&pr, Published::default()).unwrap_err());
+    ensure!(e.contains("layer 6") && e.contains("candidate blocks of layer 4"), "{e}");
+    let e = message(steps[6].selection(&pr, Published { topk: None, candidates: Some(&bad.narrow(1, 0, 2)?) }).unwrap_err());
+    ensure!(e.contains("candidate blocks must be I64 [3, 3]"), "{e}");
+    let e = message(DecodeStep::new(&dl[6], &batch.caches[6], None, batch.inputs_of(6)).unwrap_err());
+    ensure!(e.contains("pass the cache of its kv source, layer 4"), "{e}");
+    // Inputs of the wrong kind, ratio or batch, a cache of another layer.
+    let e = message(DecodeStep::new(&dl[0], &batch.caches[0], None, compressed_inputs).unwrap_err());
     ensure!(e.contains("layer 0") && e.contains("compressed layer's"), "{e}");
-    let e = message(DecodeStep::new(&dl[1], &batch.caches[3], None, &batch.compressed_inputs).unwrap_err());
+    let e = message(DecodeStep::new(&dl[1], &batch.caches[3], None, compressed_inputs).unwrap_err());
     ensure!(e.contains("built for layer 3"), "{e}");
+    let e = message(DecodeStep::new(&dl[4], &batch.caches[4], None, compressed_inputs).unwrap_err());
+    ensure!(e.contains("built for ratio 2") && e.contains("the layer has ratio 1"), "{e}");
     let other = BatchedLayerCache::zeros(&dl[0], 2, 4, BatchStorage::BF16, &dev)?;
-    let e = message(DecodeStep::new(&dl[0], &other, None, &batch.window_inputs).unwrap_err());
+    let e = message(DecodeStep::new(&dl[0], &other, None, window_inputs).unwrap_err());
     ensure!(e.contains("the step inputs is for 3 sequences, the step's batch has 2"), "{e}");
     // A sequence index outside the batch.
     let seq = deepseek_v41::attention::SequenceCache::new(&cfg, DType::BF16, &dev)?;
     let e = message(batch.caches[1].load_sequence(3, &seq).unwrap_err());
     ensure!(e.contains("sequence index is for 4 sequences"), "{e}");
-    // Layer kinds the step does not compose: the ratio-1 candidate source (layer 4).
-    let vb = deepseek_v41::nn::RandomWeights::new(3).var_builder(DType::BF16, &dev);
-    let l4 = deepseek_v41::attention::Attention::new(&cfg, 4, deepseek_v41::Numerics::REFERENCE, vb.pp("layers.4.attn"))?;
-    let e = message(DecodeLayer::new(&cfg, &l4).unwrap_err());
-    ensure!(e.contains("layer 4") && e.contains("not supported"), "{e}");
+    // A module of one role with a config giving the layer another.
+    let mut other_cfg = cfg.clone();
+    other_cfg.layers[4] = cfg.layers[5];
+    let e = message(DecodeLayer::new(&other_cfg, &layers[4]).unwrap_err());
+    ensure!(e.contains("layer 4") && e.contains("role of layer 4 is not the module's"), "{e}");
     // Packed pools: without the `cuda` feature; with the cache fake quant off.
     #[cfg(not(feature = "cuda"))]
     {
@@ -243,6 +285,8 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
     }
     #[cfg(feature = "cuda")]
     {
+        use deepseek_v41::attention::DecodeStepInputs;
+        let vb = deepseek_v41::nn::RandomWeights::new(3).var_builder(DType::BF16, &dev);
         let plain = deepseek_v41::Numerics { cache_fake_quant: false, ..deepseek_v41::Numerics::REFERENCE };
         let l0 = deepseek_v41::attention::Attention::new(&cfg, 0, plain, vb.pp("layers.0.attn"))?;
         let d0 = DecodeLayer::new(&cfg, &l0)?;

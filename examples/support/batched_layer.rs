@@ -5,16 +5,17 @@
 //! weights ([`Weights::random`], `examples/bench_batched_decode.rs`) — with its shapes and the
 //! bytes a step reads.
 //!
-//! The kinds the step composes ([`LayerKind`], spec §1.4): window-only layers, ratio-2 kv +
-//! index sources (`Full` top-k without candidate blocks: layer 2 of V4.1-Flash) and top-k reuse
-//! layers (layer 3). The ratio-1 candidate source and the `Reindex` layers that consume its
-//! candidate blocks (layers 20 and 24) are not composed by the step.
+//! The kinds the benchmarks set up ([`LayerKind`], spec §1.4): window-only layers, kv + index
+//! sources without candidate blocks (`Full` top-k: layer 2 of V4.1-Flash) and top-k reuse layers
+//! (layer 3). The step also composes the ratio-1 candidate source and the `Reindex` layers that
+//! consume its candidate blocks (layers 20 and 24); the benchmarks do not fill their pools or
+//! pass candidate blocks, and refuse them.
 #![allow(dead_code)]
 
 use anyhow::Result;
 use candle_core::{DType, Device};
 use deepseek_v41::attention::{Attention, DecodeLayer, DecodeLayerKind};
-use deepseek_v41::config::Config;
+use deepseek_v41::config::{CandidateRole, Config};
 use deepseek_v41::nn::RandomWeights;
 use deepseek_v41::Numerics;
 
@@ -47,13 +48,18 @@ impl LayerKind {
     }
 }
 
-impl From<DecodeLayerKind> for LayerKind {
-    fn from(k: DecodeLayerKind) -> Self {
-        match k {
+impl LayerKind {
+    /// The kind of `dl`; errors for the layers the benchmarks do not set up (candidate blocks,
+    /// `Reindex` layers).
+    pub fn of(dl: &DecodeLayer) -> Result<Self> {
+        let l = dl.layer();
+        anyhow::ensure!(dl.candidates() == CandidateRole::None, "layer {l}: the benchmarks do not set up candidate blocks ({:?})", dl.candidates());
+        Ok(match dl.kind() {
             DecodeLayerKind::WindowOnly => LayerKind::WindowOnly,
             DecodeLayerKind::Source => LayerKind::Source,
             DecodeLayerKind::Reuse { kv_source, index_source } => LayerKind::Reuse { kv_source, index_source },
-        }
+            DecodeLayerKind::Reindex { key_owner } => anyhow::bail!("layer {l}: the benchmarks do not set up reindex layers (keys of layer {key_owner})"),
+        })
     }
 }
 
@@ -90,7 +96,7 @@ impl Weights {
         let dl = DecodeLayer::new(cfg, attn)?;
         Ok(Self {
             layer,
-            kind: dl.kind().into(),
+            kind: LayerKind::of(&dl)?,
             ratio: dl.ratio(),
             attn: attn.clone(),
             cfg: cfg.clone(),

@@ -25,7 +25,7 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::{
-    BatchStorage, BatchedLayerCache, BatchedSource, DecodeLayer, DecodeStep, DecodeStepInputs, PoolRows, StepOptions,
+    BatchStorage, BatchedLayerCache, BatchedSource, DecodeLayer, DecodeStep, DecodeStepInputs, PoolRows, Published, StepOptions,
 };
 use deepseek_v41::cuda::{PackedLayout, SparseAttentionKernel};
 use deepseek_v41::quant::QatFormat;
@@ -283,7 +283,7 @@ impl StepCaches {
     /// `kv_layer`), and the step inputs at `s`'s positions.
     pub fn new(layer: &DecodeLayer, win: &WindowPool, src: Option<&SourcePools>, kv_layer: Option<&DecodeLayer>, fmt: CacheFormat, s: &Inputs) -> Result<Self> {
         let src_of = || src.context("no compressed pools for a compressed layer")?.source(fmt);
-        let (own, kv) = match LayerKind::from(layer.kind()) {
+        let (own, kv) = match LayerKind::of(layer)? {
             LayerKind::WindowOnly => (BatchedLayerCache::from_parts(layer, s.b, win.rows(fmt)?, None)?, None),
             LayerKind::Source => (BatchedLayerCache::from_parts(layer, s.b, win.rows(fmt)?, Some(src_of()?))?, None),
             LayerKind::Reuse { kv_source, .. } => {
@@ -334,7 +334,7 @@ impl<'a> Step<'a> {
 
     /// `[B, k]` i64 compressed pool rows (−1 = none); `None` for a window-only layer.
     pub fn selection(&self, pr: &Proj) -> Result<Option<Tensor>> {
-        Ok(self.inner.selection(pr, self.reuse_topk)?)
+        Ok(self.inner.selection(pr, Published { topk: self.reuse_topk, candidates: None })?.topk)
     }
 
     /// `[B, H, 512]` bf16.
@@ -355,7 +355,7 @@ impl<'a> Step<'a> {
 
     /// The whole step for the layer input `x` `[B, hidden]` bf16; returns `[B, hidden]` bf16.
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.inner.forward(x, self.reuse_topk)?.y)
+        Ok(self.inner.forward(x, Published { topk: self.reuse_topk, candidates: None })?.y)
     }
 
     /// Runs the step once on `x` and checks it: finite, not-all-zero output, and top-k rows

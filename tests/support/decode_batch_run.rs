@@ -1,35 +1,34 @@
-//! The scenario of `tests/decode_batch.rs` (CPU) and `tests/cuda_decode_batch.rs` (GPU): layers
-//! 0..=3 of the tiny config (window-only, ratio-2 kv + index source, top-k reuse of layer 1,
-//! another ratio-2 source) with random weights; B sequences prefilled one at a time to different
-//! lengths, their caches loaded into the batched pools, then decode steps of all B at once
+//! The scenario of `tests/decode_batch.rs` (CPU) and `tests/cuda_decode_batch.rs` (GPU): every
+//! layer of the tiny config (window-only, ratio-2 kv + index sources, top-k reuse, the ratio-1
+//! candidate source, its reuse layer, the ratio-1 `Reindex` candidate consumer and its reuse
+//! layer) with random weights; B sequences prefilled one at a time to different lengths, their
+//! caches loaded into the batched pools, then decode steps of all B at once
 //! (`attention::decode_batch`) next to the same tokens one sequence at a time
 //! (`Attention::forward`).
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::{
-    Attention, BatchStorage, BatchedLayerCache, DecodeLayer, DecodeStep, DecodeStepInputs, DecodeStepOutput, SequenceCache,
+    Attention, BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepInputs, DecodeStepOutput, Published,
+    SequenceCache,
 };
-use deepseek_v41::config::Config;
+use deepseek_v41::config::{CandidateRole, Config};
 use deepseek_v41::nn::RandomWeights;
 use deepseek_v41::Numerics;
 
 use crate::rng::Rng;
 
-/// The layers of the scenario (0: window-only, 1: kv + index source, 2: reuse of 1, 3: source).
-pub const LAYERS: usize = 4;
-/// The index source whose top-k layer 2 reuses.
-pub const INDEX_SOURCE: usize = 1;
-
-/// Layers `0..LAYERS` of `cfg` with the random weights of `seed`, on `dev`.
+/// Every layer of `cfg` with the random weights of `seed`, on `dev`.
 pub fn random_layers(cfg: &Config, dev: &Device, seed: u64) -> Result<Vec<Attention>> {
     let vb = RandomWeights::new(seed).var_builder(DType::BF16, dev);
-    Ok((0..LAYERS).map(|l| Attention::new(cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn"))).collect::<candle_core::Result<Vec<_>>>()?)
+    Ok((0..cfg.num_hidden_layers)
+        .map(|l| Attention::new(cfg, l, Numerics::REFERENCE, vb.pp("layers").pp(l).pp("attn")))
+        .collect::<candle_core::Result<Vec<_>>>()?)
 }
 
 /// `[rows, hidden]` bf16 random layer inputs on `dev`, one per layer.
 pub fn layer_inputs(cfg: &Config, rng: &mut Rng, rows: usize, dev: &Device) -> Result<Vec<Tensor>> {
-    (0..LAYERS)
+    (0..cfg.num_hidden_layers)
         .map(|_| {
             let v: Vec<f32> = (0..rows * cfg.hidden_size).map(|_| rng.normal()).collect();
             Ok(Tensor::from_vec(v, (rows, cfg.hidden_size), &Device::Cpu)?.to_dtype(DType::BF16)?.to_device(dev)?)
@@ -54,22 +53,29 @@ pub fn prefill(cfg: &Config, layers: &[Attention], starts: &[usize], rng: &mut R
     Ok(caches)
 }
 
-/// The decode step of every sequence alone at `positions` (`xs`: the `[B, hidden]` inputs per
-/// layer): per layer, per sequence, `(y [1, hidden], top-k [1, k] entry ids of the index
-/// sources, else None)`.
-/// One sequence's output of one layer and its top-k (index sources only).
-pub type Alone = (Tensor, Option<Tensor>);
+/// One sequence's output of one layer, its top-k (`[1, k]` entry ids, index sources only) and
+/// the candidate blocks it published (`[1, n_keep]`, the candidate source only).
+pub struct Alone {
+    pub y: Tensor,
+    pub topk: Option<Tensor>,
+    pub candidates: Option<Tensor>,
+}
 
-pub fn one_at_a_time(layers: &[Attention], caches: &mut [SequenceCache], xs: &[Tensor], positions: &[usize]) -> Result<Vec<Vec<Alone>>> {
-    let mut out = vec![Vec::new(); layers.len()];
+/// The decode step of every sequence alone at `positions` (`xs`: the `[B, hidden]` inputs per
+/// layer): per layer, per sequence.
+pub fn one_at_a_time(cfg: &Config, layers: &[Attention], caches: &mut [SequenceCache], xs: &[Tensor], positions: &[usize]) -> Result<Vec<Vec<Alone>>> {
+    let mut out: Vec<Vec<Alone>> = (0..layers.len()).map(|_| Vec::new()).collect();
     for (s, cache) in caches.iter_mut().enumerate() {
         for (l, a) in layers.iter().enumerate() {
-            let y = a.forward(&xs[l].narrow(0, s, 1)?, positions[s], cache)?;
-            let topk = match l {
-                1 | 3 => Some(cache.published_topk(l, positions[s], 1)?.clone()),
+            let p = positions[s];
+            let y = a.forward(&xs[l].narrow(0, s, 1)?, p, cache)?;
+            let role = cfg.layers[l];
+            let topk = if role.is_index_source() { Some(cache.published_topk(l, p, 1)?.clone()) } else { None };
+            let candidates = match role.candidates() {
+                CandidateRole::Publish => Some(cache.published_candidates(p).map(|c| c.kept.clone()).ok_or_else(|| anyhow::anyhow!("layer {l}: no candidates"))?),
                 _ => None,
             };
-            out[l].push((y, topk));
+            out[l].push(Alone { y, topk, candidates });
         }
     }
     Ok(out)
@@ -79,10 +85,11 @@ pub fn one_at_a_time(layers: &[Attention], caches: &mut [SequenceCache], xs: &[T
 pub struct Batch<'a> {
     pub layers: Vec<DecodeLayer<'a>>,
     pub caches: Vec<BatchedLayerCache>,
-    /// Inputs of the window-only layer (plain RoPE) and of the ratio-2 layers (YaRN RoPE,
-    /// shared by both sources and the reuse layer: same geometry).
-    pub window_inputs: DecodeStepInputs,
-    pub compressed_inputs: DecodeStepInputs,
+    /// The step inputs, one per RoPE frequency set and cache geometry: the window-only layers
+    /// share one, each kv source and the layers that read its entries another.
+    pub inputs: Vec<DecodeStepInputs>,
+    /// Per layer, its entry of `inputs`.
+    pub input_of: Vec<usize>,
 }
 
 impl<'a> Batch<'a> {
@@ -90,9 +97,44 @@ impl<'a> Batch<'a> {
     pub fn new(cfg: &Config, attn: &'a [Attention], b: usize, entries: usize, storage: BatchStorage, dev: &Device) -> Result<Self> {
         let layers = attn.iter().map(|a| DecodeLayer::new(cfg, a)).collect::<candle_core::Result<Vec<_>>>()?;
         let caches = layers.iter().map(|l| BatchedLayerCache::zeros(l, b, entries, storage, dev)).collect::<candle_core::Result<Vec<_>>>()?;
-        let window_inputs = DecodeStepInputs::new(&layers[0], &caches[0], None)?;
-        let compressed_inputs = DecodeStepInputs::new(&layers[1], &caches[1], None)?;
-        Ok(Self { layers, caches, window_inputs, compressed_inputs })
+        Self::over(layers, caches)
+    }
+
+    /// New step layers and inputs over the pools `caches` (one per layer).
+    pub fn over(layers: Vec<DecodeLayer<'a>>, caches: Vec<BatchedLayerCache>) -> Result<Self> {
+        let (mut inputs, mut input_of, mut keys) = (Vec::new(), Vec::new(), Vec::new());
+        for (l, layer) in layers.iter().enumerate() {
+            let key = layer.kv_source();
+            let i = match keys.iter().position(|k| *k == key) {
+                Some(i) => i,
+                None => {
+                    let kv = Self::kv_of(layer, &caches);
+                    inputs.push(DecodeStepInputs::new(layer, &caches[l], kv)?);
+                    keys.push(key);
+                    inputs.len() - 1
+                }
+            };
+            input_of.push(i);
+        }
+        Ok(Self { layers, caches, inputs, input_of })
+    }
+
+    /// The kv source's cache a layer's step takes (reindex and reuse layers only).
+    fn kv_of<'c>(layer: &DecodeLayer, caches: &'c [BatchedLayerCache]) -> Option<&'c BatchedLayerCache> {
+        match layer.kind() {
+            DecodeLayerKind::Reindex { .. } | DecodeLayerKind::Reuse { .. } => layer.kv_source().map(|s| &caches[s]),
+            DecodeLayerKind::WindowOnly | DecodeLayerKind::Source => None,
+        }
+    }
+
+    /// The inputs of layer `l`.
+    pub fn inputs_of(&self, l: usize) -> &DecodeStepInputs {
+        &self.inputs[self.input_of[l]]
+    }
+
+    /// Slots between two sequences' regions of the compressed pool layer `l` reads (0: none).
+    pub fn entry_stride(&self, l: usize) -> usize {
+        self.layers[l].kv_source().map_or(0, |s| self.caches[s].entry_stride())
     }
 
     /// Loads every sequence's cache into its region of every layer's pools.
@@ -105,35 +147,38 @@ impl<'a> Batch<'a> {
         Ok(())
     }
 
-    /// Both inputs at `positions`.
+    /// Every inputs object at `positions`.
     pub fn update(&self, positions: &[usize]) -> Result<()> {
-        self.window_inputs.update(positions)?;
-        self.compressed_inputs.update(positions)?;
+        for i in &self.inputs {
+            i.update(positions)?;
+        }
         Ok(())
     }
 
     /// The step of every layer.
     pub fn steps(&self) -> Result<Vec<DecodeStep<'_>>> {
-        (0..LAYERS)
-            .map(|l| {
-                let (kv, inputs) = match l {
-                    0 => (None, &self.window_inputs),
-                    2 => (Some(&self.caches[INDEX_SOURCE]), &self.compressed_inputs),
-                    _ => (None, &self.compressed_inputs),
-                };
-                Ok(DecodeStep::new(&self.layers[l], &self.caches[l], kv, inputs)?)
-            })
+        (0..self.layers.len())
+            .map(|l| Ok(DecodeStep::new(&self.layers[l], &self.caches[l], Self::kv_of(&self.layers[l], &self.caches), self.inputs_of(l))?))
             .collect()
     }
 }
 
-/// Every layer's step over its input `xs[l]` (`[B, hidden]`), in layer order (the reuse layer
-/// takes its index source's top-k).
+/// Every layer's step over its input `xs[l]` (`[B, hidden]`), in layer order: a reuse layer takes
+/// its index source's top-k, a candidate consumer the candidate source's blocks.
 pub fn forward(steps: &[DecodeStep], xs: &[Tensor]) -> Result<Vec<DecodeStepOutput>> {
     let mut outs: Vec<DecodeStepOutput> = Vec::new();
-    for (l, step) in steps.iter().enumerate() {
-        let reuse = if l == 2 { outs[INDEX_SOURCE].topk.clone() } else { None };
-        outs.push(step.forward(&xs[l], reuse.as_ref())?);
+    for (step, x) in steps.iter().zip(xs) {
+        let layer = step.layer();
+        let topk = match layer.kind() {
+            DecodeLayerKind::Reuse { index_source, .. } => outs[index_source].topk.as_ref(),
+            _ => None,
+        };
+        let candidates = match layer.candidates() {
+            CandidateRole::Consume { source } => outs[source].candidates.as_ref(),
+            _ => None,
+        };
+        let out = step.forward(x, Published { topk, candidates })?;
+        outs.push(out);
     }
     Ok(outs)
 }

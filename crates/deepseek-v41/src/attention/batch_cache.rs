@@ -7,7 +7,7 @@
 //! | window rings (every layer) | `[B·W', D]` | slots `b·W' .. b·W' + W`, slot `b·W' + p mod W` |
 //! | compressed entries (kv sources) | `[B·E', D]` | slots `b·E' .. b·E' + E`, entry j at `b·E' + j` |
 //! | index keys (kv sources) | `[B·E', d_I]` | the same slots |
-//! | compressor carry (kv sources) | `[B, D]` f32 kv and gate score | row b: the open group's token |
+//! | compressor carry (kv sources) | `[B, D]` f32 kv and gate score | row b: the open group's token (ratio 2; unused at ratio 1) |
 //!
 //! Each pool is bf16 rows or the packed format of its kind ([`PoolRows`], spec §7.2: A for the
 //! window, B for the compressed entries, E for the index keys; packed needs the `cuda` feature),
@@ -344,7 +344,8 @@ impl BatchedLayerCache {
         src.index_keys.write(&own.index_keys.rows()?, first)?;
         let dev = src.carry_kv.device();
         let hd = src.carry_kv.dim(1)?;
-        // Ratio 2: an open group is one carried token (odd next position).
+        // Ratio 2: an open group is one carried token (odd next position); ratio 1 carries nothing
+        // (every token closes its group, the carry rows stay zero and unread).
         let (kv, score) = if state.next_pos % self.ratio == 1 {
             let (kv, score) = own.carry.slots(self.ratio, hd, state.next_pos, state.window.ring().device())?;
             (kv.narrow(0, 0, 1)?.to_device(dev)?, score.narrow(0, 0, 1)?.to_device(dev)?)

@@ -9,22 +9,29 @@
 //! | phase ([`DecodeStep`] method) | ops (B sequences, one token each) |
 //! |---|---|
 //! | [`projections`](DecodeStep::projections) | `wq_a` + `q_norm`, `wkv` + `kv_norm`, `wq_b`: `[B, hidden]` products |
-//! | [`inserts`](DecodeStep::inserts) | q RoPE in place; window rows (`cuda::window_insert`, packed: `cuda::packed_insert`, format A) at the window slots; kv sources: `compressor.wkv` / `wgate` of all B rows, the softmax pooling with the carried token for all B rows, `compressor.norm`, `indexer.wk`, then the compressed entry and index key (`compressed_insert` / `index_key_insert`, packed: B / E) at the entry slots, −1 (skipped) for sequences that close no group; the carry takes this token's projections where no group closes (`where_cond`) |
-//! | [`selection`](DecodeStep::selection) | kv + index sources: `indexer.wq_b`, index-query RoPE and FP4 fake quant, head weights, `cuda::index_select` (key base `b·E'`, per-sequence visible counts), the top-k shifted to pool rows (−1 kept); reuse layers: the top-k their index source returned; window-only layers: none |
+//! | [`inserts`](DecodeStep::inserts) | q RoPE in place; window rows (`cuda::window_insert`, packed: `cuda::packed_insert`, format A) at the window slots; kv sources: `compressor.wkv` of all B rows (ratio 2: also `wgate` and the softmax pooling with the carried token), `compressor.norm`, `indexer.wk`, then the compressed entry and index key (`compressed_insert` / `index_key_insert`, packed: B / E) at the entry slots, −1 (skipped) for sequences that close no group; ratio 2: the carry takes this token's projections where no group closes (`where_cond`) |
+//! | [`selection`](DecodeStep::selection) | index sources (kv + index sources, `Reindex` layers): `indexer.wq_b`, index-query RoPE and FP4 fake quant, head weights, `cuda::index_select` over the key owner's index keys (key base `b·E'`, per-sequence visible counts; a candidate consumer's scores masked to the published blocks, the candidate source's blocks returned), the top-k shifted to pool rows (−1 kept); reuse layers: the top-k their index source returned; window-only layers: none |
 //! | [`attention`](DecodeStep::attention) | sparse attention with sink over the window pool (the window indices) and the kv source's compressed pool (the top-k rows) |
 //! | [`output`](DecodeStep::output) | inverse RoPE, grouped `wo_a`, `wo_b` |
 //!
 //! The ops are the `cuda` feature's fused ops (`attention/decode_ops.rs`; on the CPU they run
 //! their references), or without the feature the same CPU references called directly.
 //!
-//! Layers composed ([`DecodeLayerKind`], spec §1.4): window-only layers, ratio-2 kv + index
-//! sources without candidate blocks (`TopkRole::Full { candidates: None }`) and top-k reuse
-//! layers. Ratio-1 sources and the `Reindex` layers of the candidate blocks are errors.
+//! Layers composed ([`DecodeLayerKind`], spec §1.4): window-only layers, kv + index sources of
+//! ratio 1 or 2 (`TopkRole::Full`), index sources over another layer's keys
+//! (`TopkRole::Reindex`) and top-k reuse layers; an index source may publish candidate blocks
+//! (the candidate source) or consume them (spec §6.4, [`DecodeLayer::candidates`]). What a layer
+//! reads from earlier layers of the same step — the top-k of its index source, the candidate
+//! source's blocks — is passed in [`Published`] (the caller runs the layers in order).
 //!
 //! On the CPU the ops run their references and every product multiplies each sequence's row as
 //! its own call does ([`RowGroups`]), so the step gives, bit for bit, what
 //! [`Attention::forward`] gives each sequence alone (`tests/decode_batch.rs`); on CUDA the
 //! products of B rows sum in another order than B products of one row.
+//!
+//! **The compressor at ratio 1** pools one token: every step writes an entry at every sequence's
+//! entry slot (`b·E' + p`), `norm(compressor.wkv x)` with `wkv` a bf16 product, no carry (the
+//! carry pools of a ratio-1 source are not read).
 //!
 //! **The compressor at ratio 2.** A group is two tokens: a sequence at an even position opens one
 //! (its projections are carried), at the next odd position it closes it. The pooling runs for all
@@ -40,20 +47,29 @@ use super::decode_error::{check_tensor, DecodeStepError};
 use super::decode_inputs::DecodeStepInputs;
 #[cfg(feature = "cuda")]
 use super::decode_ops::packed_insert;
-use super::decode_ops::{attend, compressed_insert, fake_quant_device, index_key_insert, q_rope_inplace, select_topk, window_insert};
+use super::decode_ops::{attend, compressed_insert, fake_quant_device, index_key_insert, q_rope_inplace, select_topk, window_insert, SelectKeys};
+use super::indexer::{CandidateShape, Candidates};
 use super::layer::{Attention, AttentionParams};
 use crate::config::{AttentionRole, CandidateRole, Config, TopkRole};
 use crate::nn::{RopeTable, RowGroups};
 use crate::quant::fake_quant::QatFormat;
 
 /// What a layer's step does besides the projections, the window and the output (spec §1.4).
+/// Index sources (`Source`, `Reindex`) also publish or consume candidate blocks as
+/// [`DecodeLayer::candidates`] says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeLayerKind {
     /// Attention over the window only.
     WindowOnly,
-    /// A ratio-2 kv and index source: compressor, compressed entries and index keys, index
-    /// scores and top-k over its own keys.
+    /// A kv and index source (ratio 1 or 2, `TopkRole::Full`): compressor, compressed entries
+    /// and index keys, index scores and top-k over its own keys.
     Source,
+    /// An index source over the index keys of the kv source `key_owner` (`TopkRole::Reindex`):
+    /// index scores and top-k, attention over `key_owner`'s compressed entries.
+    Reindex {
+        /// The kv source whose index keys are scored and whose compressed entries are read.
+        key_owner: usize,
+    },
     /// Attention over the window and the compressed entries of `kv_source` selected by the
     /// top-k of `index_source` (the same step).
     Reuse {
@@ -70,6 +86,10 @@ pub enum DecodeLayerKind {
 pub struct DecodeLayer<'a> {
     layer: usize,
     kind: DecodeLayerKind,
+    candidates: CandidateRole,
+    /// `candidate_block_size`, `candidate_topk_blocks`.
+    candidate_block: usize,
+    candidate_blocks: usize,
     params: AttentionParams<'a>,
     ratio: usize,
     hidden: usize,
@@ -96,23 +116,35 @@ impl<'a> DecodeLayer<'a> {
         let p = attn.params();
         let (kind, ratio) = match role {
             AttentionRole::WindowOnly => (DecodeLayerKind::WindowOnly, 0),
-            AttentionRole::Compressed { ratio: 2, kv_source, topk: TopkRole::Full { candidates: CandidateRole::None } }
-                if kv_source == layer =>
-            {
-                let complete = p.compressor.is_some_and(|c| c.wgate().is_some()) && p.key_projection.is_some() && p.indexer.is_some();
+            AttentionRole::Compressed { ratio, .. } if !(1..=2).contains(&ratio) => Err(unsupported())?,
+            AttentionRole::Compressed { ratio, kv_source, topk: TopkRole::Full { .. } } if kv_source == layer => {
+                // Ratio 1 pools one token (no gate, no carry); ratio 2 gates the pair (spec §5).
+                let complete = p.compressor.is_some_and(|c| c.ratio() == ratio && c.wgate().is_some() == (ratio > 1))
+                    && p.key_projection.is_some()
+                    && p.indexer.is_some();
                 if !complete {
                     Err(DecodeStepError::Mismatch { layer, why: "a kv + index source without its compressor, key projection or indexer".into() })?
                 }
-                (DecodeLayerKind::Source, 2)
+                (DecodeLayerKind::Source, ratio)
+            }
+            AttentionRole::Compressed { ratio, kv_source, topk: TopkRole::Reindex { key_owner, .. } } if key_owner == kv_source => {
+                if p.indexer.is_none() {
+                    Err(DecodeStepError::Mismatch { layer, why: "an index source without its indexer".into() })?
+                }
+                (DecodeLayerKind::Reindex { key_owner }, ratio)
             }
             AttentionRole::Compressed { ratio, kv_source, topk: TopkRole::Reuse { index_source } } => {
                 (DecodeLayerKind::Reuse { kv_source, index_source }, ratio)
             }
             _ => Err(unsupported())?,
         };
+        let candidates = role_candidates(role);
         Ok(Self {
             layer,
             kind,
+            candidates,
+            candidate_block: cfg.candidate_block_size,
+            candidate_blocks: cfg.candidate_topk_blocks,
             params: p,
             ratio,
             hidden: cfg.hidden_size,
@@ -135,6 +167,17 @@ impl<'a> DecodeLayer<'a> {
     /// What the step does for this layer.
     pub fn kind(&self) -> DecodeLayerKind {
         self.kind
+    }
+
+    /// The candidate blocks the layer publishes (the candidate source) or consumes (index
+    /// sources after it), spec §6.4; [`CandidateRole::None`] for other layers.
+    pub fn candidates(&self) -> CandidateRole {
+        self.candidates
+    }
+
+    /// `candidate_topk_blocks`: the blocks a candidate source publishes per sequence.
+    pub fn candidate_blocks(&self) -> usize {
+        self.candidate_blocks
     }
 
     /// The layer's parameters.
@@ -172,9 +215,19 @@ impl<'a> DecodeLayer<'a> {
         self.params.rope
     }
 
+    /// The kv source whose compressed entries the layer reads (itself for a kv source, `None`
+    /// for a window-only layer).
+    pub fn kv_source(&self) -> Option<usize> {
+        match self.kind {
+            DecodeLayerKind::WindowOnly => None,
+            DecodeLayerKind::Source => Some(self.layer),
+            DecodeLayerKind::Reindex { key_owner: s } | DecodeLayerKind::Reuse { kv_source: s, .. } => Some(s),
+        }
+    }
+
     /// The cache holding the compressed entries this layer reads: its own for a kv source,
-    /// `kv_source` for a reuse layer (it must be the cache of the layer's kv source), none for a
-    /// window-only layer.
+    /// `kv_source` for a reindex or reuse layer (it must be the cache of the layer's kv source),
+    /// none for a window-only layer.
     pub(super) fn kv_cache<'c>(
         &self,
         own: &'c BatchedLayerCache,
@@ -185,16 +238,28 @@ impl<'a> DecodeLayer<'a> {
         if own.layer() != l {
             return Err(mismatch(format!("its own cache was built for layer {}", own.layer())));
         }
-        match (self.kind, kv_source) {
-            (DecodeLayerKind::WindowOnly, None) => Ok(None),
-            (DecodeLayerKind::Source, None) => Ok(Some(own)),
-            (DecodeLayerKind::Reuse { kv_source: s, .. }, Some(kv)) if kv.layer() == s && kv.source().is_some() => Ok(Some(kv)),
-            (DecodeLayerKind::Reuse { kv_source: s, .. }, Some(kv)) => {
+        let reads_other = matches!(self.kind, DecodeLayerKind::Reindex { .. } | DecodeLayerKind::Reuse { .. });
+        match (self.kind, self.kv_source(), kv_source) {
+            (DecodeLayerKind::WindowOnly, _, None) => Ok(None),
+            (DecodeLayerKind::Source, _, None) => Ok(Some(own)),
+            (_, Some(s), Some(kv)) if reads_other && kv.layer() == s && kv.source().is_some() => Ok(Some(kv)),
+            (_, Some(s), Some(kv)) if reads_other => {
                 Err(mismatch(format!("pass the cache of its kv source, layer {s}, not the cache of layer {}", kv.layer())))
             }
-            (DecodeLayerKind::Reuse { kv_source: s, .. }, None) => Err(mismatch(format!("pass the cache of its kv source, layer {s}"))),
-            (_, Some(kv)) => Err(mismatch(format!("only reuse layers take a kv source's cache, got the cache of layer {}", kv.layer()))),
+            (_, Some(s), None) if reads_other => Err(mismatch(format!("pass the cache of its kv source, layer {s}"))),
+            (_, _, Some(kv)) => {
+                Err(mismatch(format!("only reindex and reuse layers take a kv source's cache, got the cache of layer {}", kv.layer())))
+            }
+            (_, _, None) => Err(mismatch("a layer without a kv source".into())),
         }
+    }
+}
+
+/// The candidate role of a layer of role `role` (spec §6.4).
+fn role_candidates(role: AttentionRole) -> CandidateRole {
+    match role {
+        AttentionRole::Compressed { topk, .. } => topk.candidates(),
+        AttentionRole::WindowOnly => CandidateRole::None,
     }
 }
 
@@ -221,6 +286,28 @@ pub struct Projections {
     pub q: Tensor,
 }
 
+/// The result of [`DecodeStep::selection`].
+#[derive(Debug, Clone, Default)]
+pub struct StepSelection {
+    /// `[B, index_topk]` i64 rows of the kv source's compressed pool the layer attends (−1:
+    /// none): what the reuse layers of an index source take; `None` for window-only layers.
+    pub topk: Option<Tensor>,
+    /// `[B, candidate_topk_blocks]` i64: the candidate source's kept blocks of each sequence's
+    /// entries (block ids of `candidate_block_size` entries, ascending, −1 padded; spec §6.4),
+    /// what the candidate consumers take; `None` for other layers.
+    pub candidates: Option<Tensor>,
+}
+
+/// What earlier layers of the same step published for this one: the top-k of its index source
+/// (reuse layers) and the candidate blocks of the candidate source (candidate consumers).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Published<'t> {
+    /// The index source's [`StepSelection::topk`] (reuse layers only).
+    pub topk: Option<&'t Tensor>,
+    /// The candidate source's [`StepSelection::candidates`] (candidate consumers only).
+    pub candidates: Option<&'t Tensor>,
+}
+
 /// The result of [`DecodeStep::forward`].
 #[derive(Debug, Clone)]
 pub struct DecodeStepOutput {
@@ -229,6 +316,9 @@ pub struct DecodeStepOutput {
     /// `[B, index_topk]` i64 rows of the kv source's compressed pool the layer attended (−1:
     /// none): what the reuse layers of an index source take; `None` for window-only layers.
     pub topk: Option<Tensor>,
+    /// The candidate source's published blocks ([`StepSelection::candidates`]); `None` for other
+    /// layers.
+    pub candidates: Option<Tensor>,
 }
 
 /// The decode step of one layer for the B sequences of its caches (see the module docs): the
@@ -342,15 +432,19 @@ impl<'s> DecodeStep<'s> {
         let (Some(c), Some(keys), Some(src), Some(ci)) = (w.compressor, w.key_projection, self.own.source(), s.compressed()) else {
             Err(DecodeStepError::Mismatch { layer: self.layer.layer, why: "a kv source without its compressor or pools".into() })?
         };
-        let Some(wgate) = c.wgate() else {
-            Err(DecodeStepError::Mismatch { layer: self.layer.layer, why: "the ratio-2 compressor has no wgate".into() })?
-        };
-        // Ratio 2 (spec §5): the group is the carried token and this one; softmax over the two.
         let ckv = c.wkv().forward_grouped(&pr.x, &self.rows)?;
-        let cs = wgate.forward_grouped(&pr.x, &self.rows)?;
-        let alpha = candle_nn::ops::softmax(&Tensor::stack(&[&src.carry_score, &cs], 1)?, 1)?;
-        let pooled = (alpha * Tensor::stack(&[&src.carry_kv, &ckv], 1)?)?.sum(1)?.to_dtype(pr.x.dtype())?;
-        let latent = c.norm().forward(&pooled)?;
+        // Spec §5. Ratio 1: every token is a group of one, `norm(wkv x)` (a bf16 product), no
+        // carry. Ratio 2: the group is the carried token and this one; softmax over the two.
+        let gated = match c.wgate() {
+            None => None,
+            Some(wgate) => {
+                let cs = wgate.forward_grouped(&pr.x, &self.rows)?;
+                let alpha = candle_nn::ops::softmax(&Tensor::stack(&[&src.carry_score, &cs], 1)?, 1)?;
+                let pooled = (alpha * Tensor::stack(&[&src.carry_kv, &ckv], 1)?)?.sum(1)?.to_dtype(pr.x.dtype())?;
+                Some((pooled, cs))
+            }
+        };
+        let latent = c.norm().forward(gated.as_ref().map_or(&ckv, |(pooled, _)| pooled))?;
         let k_pre = keys.project_grouped(&latent, &self.rows)?;
         let slots = &ci.entry_slots;
         match &src.compressed {
@@ -364,6 +458,7 @@ impl<'s> DecodeStep<'s> {
             #[cfg(feature = "cuda")]
             PoolRows::Packed(t, l) => packed_insert(t, l, &k_pre, &ci.entry_cos, &ci.entry_sin, slots, Some((norm.weight(), norm.eps())))?,
         }
+        let Some((_, cs)) = gated else { return Ok(()) };
         // The carry: kept where a group closes, this token's projections where one opens.
         let closing = ci.closing.broadcast_as(ckv.shape())?;
         src.carry_kv.slice_set(&closing.where_cond(&src.carry_kv, &ckv)?, 0, 0)?;
@@ -371,33 +466,45 @@ impl<'s> DecodeStep<'s> {
         Ok(())
     }
 
-    /// The compressed pool rows `[B, index_topk]` i64 (−1: none) the attention reads: computed
-    /// by a kv + index source (run [`DecodeStep::inserts`] first: the step's own entry is
-    /// visible), `reuse_topk` (the index source's result of this step) for a reuse layer, `None`
-    /// for a window-only layer.
-    pub fn selection(&self, pr: &Projections, reuse_topk: Option<&Tensor>) -> Result<Option<Tensor>> {
+    /// The compressed pool rows `[B, index_topk]` i64 (−1: none) the attention reads and the
+    /// candidate blocks the layer publishes ([`StepSelection`]): computed by an index source
+    /// (kv + index sources: run [`DecodeStep::inserts`] first, the step's own entry is visible;
+    /// reindex layers: after their kv source's step) over its key owner's index keys, masked to
+    /// `published.candidates` for a candidate consumer; `published.topk` (the index source's
+    /// result of this step) for a reuse layer; none for a window-only layer.
+    pub fn selection(&self, pr: &Projections, published: Published) -> Result<StepSelection> {
         let (l, b, k) = (self.layer, self.batch(), self.layer.topk);
+        let mismatch = |why: String| DecodeStepError::Mismatch { layer: l.layer, why };
         match l.kind {
-            DecodeLayerKind::WindowOnly => return Ok(None),
+            DecodeLayerKind::WindowOnly => return Ok(StepSelection::default()),
             DecodeLayerKind::Reuse { index_source, .. } => {
-                let Some(t) = reuse_topk else {
-                    Err(DecodeStepError::Mismatch { layer: l.layer, why: format!("pass the top-k of its index source, layer {index_source}") })?
-                };
+                let Some(t) = published.topk else { Err(mismatch(format!("pass the top-k of its index source, layer {index_source}")))? };
                 check_tensor("the reused top-k", t, DType::I64, &[b, k])?;
-                return Ok(Some(t.clone()));
+                return Ok(StepSelection { topk: Some(t.clone()), candidates: None });
             }
-            DecodeLayerKind::Source => {}
+            DecodeLayerKind::Source | DecodeLayerKind::Reindex { .. } => {}
         }
-        let (Some(ix), Some(src), Some(ci)) = (l.params.indexer, self.own.source(), self.inputs.compressed()) else {
-            Err(DecodeStepError::Mismatch { layer: l.layer, why: "an index source without its indexer or pools".into() })?
+        let (Some(ix), Some(src), Some(ci)) = (l.params.indexer, self.kv.and_then(|c| c.source()), self.inputs.compressed()) else {
+            Err(mismatch("an index source without its indexer or its key owner's pools".into()))?
         };
+        let consume = match l.candidates {
+            CandidateRole::Consume { source } => {
+                let Some(t) = published.candidates else { Err(mismatch(format!("pass the candidate blocks of layer {source}")))? };
+                check_tensor("the published candidate blocks", t, DType::I64, &[b, l.candidate_blocks])?;
+                Some(Candidates { block: l.candidate_block, kept: t.clone() })
+            }
+            _ => None,
+        };
+        let publish = (l.candidates == CandidateRole::Publish).then_some(CandidateShape { block: l.candidate_block, n_keep: l.candidate_blocks });
         let (cos, sin, _) = self.inputs.rope_rows();
         let iq = ix.wq_b().forward_grouped(&pr.qr, &self.rows)?.reshape((b, l.index_heads, l.index_head_dim))?;
         q_rope_inplace(&iq, cos, sin, None)?;
         let iq = if l.params.numerics.cache_fake_quant { fake_quant_device(&iq, QatFormat::Fp4Ue8m0B32)? } else { iq };
         let hw = ix.head_weights_grouped(&pr.x, &self.rows)?;
-        let topk = select_topk(&iq, &hw, &src.index_keys, &ci.key_base, ci.entries, &ci.visible, k)?;
-        Ok(Some(topk.ge(&ci.zeros)?.where_cond(&topk.broadcast_add(&ci.key_base_i64)?, &ci.none)?))
+        let keys = SelectKeys { keys: &src.index_keys, key_base: &ci.key_base, entries: ci.entries, visible: &ci.visible };
+        let sel = select_topk(&iq, &hw, &keys, k, consume.as_ref(), publish)?;
+        let topk = sel.topk.ge(&ci.zeros)?.where_cond(&sel.topk.broadcast_add(&ci.key_base_i64)?, &ci.none)?;
+        Ok(StepSelection { topk: Some(topk), candidates: sel.candidates.map(|c| c.kept) })
     }
 
     /// The sparse attention `[B, heads, head_dim]` bf16 over each sequence's window and, with
@@ -426,12 +533,13 @@ impl<'s> DecodeStep<'s> {
     }
 
     /// The whole step for the layer input `x` (`[B, hidden]` bf16); a reuse layer takes the top-k
-    /// its index source returned this step.
-    pub fn forward(&self, x: &Tensor, reuse_topk: Option<&Tensor>) -> Result<DecodeStepOutput> {
+    /// its index source returned this step, a candidate consumer the blocks the candidate source
+    /// returned ([`Published`]).
+    pub fn forward(&self, x: &Tensor, published: Published) -> Result<DecodeStepOutput> {
         let pr = self.projections(x)?;
         self.inserts(&pr)?;
-        let topk = self.selection(&pr, reuse_topk)?;
-        let o = self.attention(&pr, topk.as_ref())?;
-        Ok(DecodeStepOutput { y: self.output(&o)?, topk })
+        let sel = self.selection(&pr, published)?;
+        let o = self.attention(&pr, sel.topk.as_ref())?;
+        Ok(DecodeStepOutput { y: self.output(&o)?, topk: sel.topk, candidates: sel.candidates })
     }
 }

@@ -57,8 +57,8 @@ pub enum DecodeStepError {
     },
     /// A layer role the batched step does not compose.
     #[error(
-        "batched decode step: layer {layer} ({role}) is not supported: the step takes window-only layers, ratio-2 kv + index \
-         sources without candidate blocks and top-k reuse layers"
+        "batched decode step: layer {layer} ({role}) is not supported: the step takes window-only layers and compressed \
+         layers of ratio 1 or 2"
     )]
     UnsupportedLayer {
         /// The layer.

@@ -10,6 +10,7 @@ use candle_core::{Result, Tensor};
 
 use super::batch_cache::PoolRows;
 use super::decode_batch::StepOptions;
+use super::indexer::{CandidateShape, Candidates, Selection};
 
 #[cfg(feature = "cuda")]
 pub(super) use crate::cuda::{compressed_insert, fake_quant_device, index_key_insert, packed_insert, q_rope_inplace, window_insert};
@@ -17,17 +18,35 @@ pub(super) use crate::cuda::{compressed_insert, fake_quant_device, index_key_ins
 #[cfg(not(feature = "cuda"))]
 pub(super) use cpu::{compressed_insert, fake_quant_device, index_key_insert, q_rope_inplace, window_insert};
 
-/// The top-k `[B, k]` i64 entry ids (ascending, −1 padded) of each sequence's index query `q`
-/// (`[B, H_I, d_I]` bf16) with head weights `w` (`[B, H_I]` f32) over its `entries` keys at
-/// slots `key_base[b] ..` (`[B]` u32) of `keys`, `visible[b]` (`[B]` u32) of them visible.
-pub(super) fn select_topk(q: &Tensor, w: &Tensor, keys: &PoolRows, key_base: &Tensor, entries: usize, visible: &Tensor, k: usize) -> Result<Tensor> {
+/// The index keys of a batch: each sequence's `entries` keys at slots `key_base[b] ..` (`[B]`
+/// u32) of `keys`, `visible[b]` (`[B]` u32) of them visible.
+pub(super) struct SelectKeys<'a> {
+    pub keys: &'a PoolRows,
+    pub key_base: &'a Tensor,
+    pub entries: usize,
+    pub visible: &'a Tensor,
+}
+
+/// The selection of each sequence's index query `q` (`[B, H_I, d_I]` bf16) with head weights `w`
+/// (`[B, H_I]` f32) over its keys: the top-k `[B, k]` i64 entry ids (ascending, −1 padded),
+/// restricted to `consume`'s blocks for a candidate consumer, and for the candidate source
+/// (`publish`) its candidate blocks `[B, n_keep]` (spec §6.4).
+pub(super) fn select_topk(
+    q: &Tensor,
+    w: &Tensor,
+    keys: &SelectKeys,
+    k: usize,
+    consume: Option<&Candidates>,
+    publish: Option<CandidateShape>,
+) -> Result<Selection> {
     #[cfg(feature = "cuda")]
     {
-        let src = crate::cuda::KeySource { keys: keys.index_keys(), base: Some(key_base), entries, visibility: crate::cuda::Visibility::Counts(visible) };
-        Ok(crate::cuda::index_select(q, w, &src, k, None, None)?.topk)
+        let visibility = crate::cuda::Visibility::Counts(keys.visible);
+        let src = crate::cuda::KeySource { keys: keys.keys.index_keys(), base: Some(keys.key_base), entries: keys.entries, visibility };
+        crate::cuda::index_select(q, w, &src, k, consume, publish)
     }
     #[cfg(not(feature = "cuda"))]
-    cpu::select_topk(q, w, keys, key_base, entries, visible, k)
+    cpu::select_topk(q, w, keys, k, consume, publish)
 }
 
 /// The sparse attention `[B, H, D]` of `q` over the rows `idx_window` of `window` and `idx_extra`
@@ -67,7 +86,7 @@ pub(super) fn attend(
 mod cpu {
     use candle_core::{DType, Module, Result, Tensor};
 
-    use super::PoolRows;
+    use super::{CandidateShape, Candidates, PoolRows, SelectKeys, Selection};
     use crate::attention::indexer::{index_scores, reference_selection};
     use crate::attention::sparse_attention::sparse_attention;
     use crate::nn::rope::apply_rope_tail;
@@ -126,11 +145,18 @@ mod cpu {
     }
 
     /// `crate::cuda::index_select`'s CPU path for these keys (the reference scores of each
-    /// sequence's keys, its visible count, the reference top-k).
-    pub fn select_topk(q: &Tensor, w: &Tensor, keys: &PoolRows, key_base: &Tensor, entries: usize, visible: &Tensor, k: usize) -> Result<Tensor> {
-        let PoolRows::Bf16(keys) = keys;
-        let total = keys.dim(0)?;
-        let (base, vis) = (key_base.to_vec1::<u32>()?, visible.to_vec1::<u32>()?);
+    /// sequence's keys, its visible count, the reference top-k and candidate blocks).
+    pub fn select_topk(
+        q: &Tensor,
+        w: &Tensor,
+        src: &SelectKeys,
+        k: usize,
+        consume: Option<&Candidates>,
+        publish: Option<CandidateShape>,
+    ) -> Result<Selection> {
+        let PoolRows::Bf16(keys) = src.keys;
+        let (entries, total) = (src.entries, keys.dim(0)?);
+        let (base, vis) = (src.key_base.to_vec1::<u32>()?, src.visible.to_vec1::<u32>()?);
         let w = w.to_dtype(DType::F32)?;
         let mut scores = Vec::with_capacity(base.len());
         for (b, &first) in base.iter().enumerate() {
@@ -141,7 +167,7 @@ mod cpu {
             scores.push(row);
         }
         let visible: Vec<usize> = vis.iter().map(|&v| (v as usize).min(entries)).collect();
-        Ok(reference_selection(scores, &visible, k, None, None, q.device())?.topk)
+        reference_selection(scores, &visible, k, consume, publish, q.device())
     }
 
     /// The reference sparse attention over the window pool's rows followed by the extra pool's.

@@ -40,7 +40,7 @@ pub mod window;
 
 pub use batch_cache::{BatchStorage, BatchedLayerCache, BatchedSource, PoolRows};
 pub use cache::SequenceCache;
-pub use decode_batch::{DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepOutput, Projections, StepOptions};
+pub use decode_batch::{DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepOutput, Projections, Published, StepOptions, StepSelection};
 pub use decode_error::DecodeStepError;
 pub use decode_inputs::{CompressedInputs, DecodeStepInputs};
 pub use layer::{Attention, AttentionParams};
