@@ -7,7 +7,7 @@
 //! ```text
 //! cargo build --release --features cuda --example bench_model_decode
 //! bench_model_decode [--model models/v41-shakespeare-tiny] [--batch 1,8,64,256] [--steps 24]
-//!     [--prompt-len 16] [--device cuda|cpu] [--moe-on-device] [--cache bf16|packed]
+//!     [--prompt-len 16] [--device cuda|cpu] [--moe-on-device] [--cache bf16|packed] [--graph]
 //! ```
 //!
 //! Per B: the median wall time of a decode step (host work, launches and the device, ended by
@@ -17,8 +17,12 @@
 //! the same decode steps through `Model::forward` on one cache. Tokens are random ids from a
 //! fixed seed (not text): the step's work does not depend on them.
 //!
-//! Not measured here: a graph-captured step (the decode step still runs host-driven Candle ops
-//! with host-side positions, `docs/architecture.md`).
+//! `--graph` (CUDA): per B also the whole-model step `model::ModelDecodeStep` over the same
+//! prefilled sequences, eager (`update` + `forward` + the greedy ids read back) and captured
+//! once into a CUDA graph and replayed after each `update` (`update` + replay + the ids read
+//! back), when the model's layers are ones the step composes and it reads nothing back
+//! (`ModelDecodeStep::host_reads`); otherwise it prints why and skips
+//! (`docs/architecture.md`, "The whole-model decode step").
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -68,6 +72,9 @@ struct Args {
     moe_on_device: bool,
     #[arg(long, value_enum, default_value_t = CacheArg::Bf16)]
     cache: CacheArg,
+    /// Also time `ModelDecodeStep`, eager and replayed from a CUDA graph (CUDA only).
+    #[arg(long)]
+    graph: bool,
 }
 
 /// xorshift64*: deterministic token ids.
@@ -147,6 +154,7 @@ fn run(args: &Args) -> Result<()> {
 
     println!("| B | prefill (one call) ms | decode step ms (median of {}) | tokens/s |", args.steps);
     println!("|---|---|---|---|");
+    let mut graph_rows = Vec::new();
     for &b in &args.batch {
         let mut caches: Vec<ModelCache> = (0..b).map(|_| p.new_cache_with(storage)).collect::<candle_core::Result<_>>()?;
         let t = Instant::now();
@@ -165,6 +173,20 @@ fn run(args: &Args) -> Result<()> {
         }
         let ms = median(times);
         println!("| {b} | {prefill_ms:.1} | {ms:.3} | {:.0} |", b as f64 / ms * 1e3);
+        if args.graph {
+            match graph::time(&p, &caches, &next, storage, args.steps) {
+                Ok(row) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} |", row.0, row.1)),
+                Err(e) => {
+                    println!("\n--graph skipped: {e:#}\n");
+                    break;
+                }
+            }
+        }
+    }
+    if !graph_rows.is_empty() {
+        println!("\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph replay ms (update + replay + ids) |");
+        println!("|---|---|---|---|");
+        graph_rows.iter().for_each(|r| println!("{r}"));
     }
 
     // The single-sequence step of `generate`.
@@ -182,4 +204,92 @@ fn run(args: &Args) -> Result<()> {
     let ms = median(times);
     println!("| 1 single (`Model::forward`) | | {ms:.3} | {:.0} |", 1e3 / ms);
     Ok(())
+}
+
+/// The `--graph` timings.
+mod graph {
+    use anyhow::{bail, Result};
+    use deepseek_v41::attention::CacheStorage;
+    use deepseek_v41::model::{ModelCache, Pretrained};
+
+    /// Median ms of the eager `ModelDecodeStep` and of its graph replay, each step with its
+    /// `update` and the greedy ids read back, over the sequences of `caches` (their next tokens
+    /// `next`), `steps` steps after 3 warm-ups.
+    #[cfg(feature = "cuda")]
+    pub fn time(p: &Pretrained, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize) -> Result<(f64, f64)> {
+        use std::time::Instant;
+
+        use anyhow::Context;
+        use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        use candle_core::{DType, Tensor, D};
+        use deepseek_v41::attention::BatchStorage;
+        use deepseek_v41::model::ModelDecodeStep;
+
+        let Some(cuda) = p.device.as_cuda_device().ok().cloned() else { bail!("--graph needs --device cuda") };
+        let b = caches.len();
+        let start: Vec<usize> = caches.iter().map(ModelCache::seq_len).collect();
+        let capacity = start.iter().max().copied().unwrap_or(0) + 2 * (steps + 3) + 2;
+        let build = || -> Result<ModelDecodeStep<'_>> {
+            let mut s = ModelDecodeStep::new(&p.config, &p.model, b, capacity, BatchStorage::uniform(storage), &p.device)?;
+            for (i, c) in caches.iter().enumerate() {
+                s.load(i, c)?;
+            }
+            Ok(s)
+        };
+        let mut eager = build()?;
+        let reads = eager.host_reads();
+        if !reads.is_empty() {
+            bail!("the step would read the device from the host: {}", reads.join("; "))
+        }
+        let greedy = |logits: &Tensor| -> Result<Vec<u32>> { Ok(logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?) };
+        let mut toks = next.to_vec();
+        let mut pos = start.clone();
+        let mut times = Vec::with_capacity(steps);
+        for step in 0..steps + 3 {
+            let t = Instant::now();
+            eager.update(&toks, &pos)?;
+            toks = greedy(&eager.forward()?)?;
+            if step >= 3 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            pos.iter_mut().for_each(|q| *q += 1);
+        }
+        let eager_ms = super::median(times);
+
+        let mut graphed = build()?;
+        let stream = cuda.cuda_stream();
+        let out = Tensor::zeros(b, DType::U32, &p.device)?;
+        let (mut toks, mut pos) = (next.to_vec(), start);
+        graphed.update(&toks, &pos)?;
+        let graph = {
+            let _uploads = cuda.enable_cuda_graph_htod_cache();
+            graphed.forward()?;
+            stream.synchronize()?;
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+            let captured = graphed.forward().and_then(|l| out.slice_set(&l.argmax(D::Minus1)?.to_dtype(DType::U32)?, 0, 0));
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+            captured.context("the step failed during the capture")?;
+            graph?.context("the capture returned no graph")?
+        };
+        let mut times = Vec::with_capacity(steps);
+        for step in 0..steps + 3 {
+            let t = Instant::now();
+            if step > 0 {
+                graphed.update(&toks, &pos)?;
+            }
+            graph.launch()?;
+            toks = out.to_vec1::<u32>()?;
+            if step >= 3 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            pos.iter_mut().for_each(|q| *q += 1);
+        }
+        Ok((eager_ms, super::median(times)))
+    }
+
+    /// Without the `cuda` feature there is no graph to time.
+    #[cfg(not(feature = "cuda"))]
+    pub fn time(_: &Pretrained, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize) -> Result<(f64, f64)> {
+        bail!("--graph needs a build with --features cuda")
+    }
 }
