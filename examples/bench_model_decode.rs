@@ -222,21 +222,12 @@ mod graph {
         use anyhow::Context;
         use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         use candle_core::{DType, Tensor, D};
-        use deepseek_v41::attention::BatchStorage;
-        use deepseek_v41::model::ModelDecodeStep;
 
         let Some(cuda) = p.device.as_cuda_device().ok().cloned() else { bail!("--graph needs --device cuda") };
         let b = caches.len();
         let start: Vec<usize> = caches.iter().map(ModelCache::seq_len).collect();
         let capacity = start.iter().max().copied().unwrap_or(0) + 2 * (steps + 3) + 2;
-        let build = || -> Result<ModelDecodeStep<'_>> {
-            let mut s = ModelDecodeStep::new(&p.config, &p.model, b, capacity, BatchStorage::uniform(storage), &p.device)?;
-            for (i, c) in caches.iter().enumerate() {
-                s.load(i, c)?;
-            }
-            Ok(s)
-        };
-        let mut eager = build()?;
+        let mut eager = model_step(p, caches, capacity, storage)?;
         let reads = eager.host_reads();
         if !reads.is_empty() {
             bail!("the step would read the device from the host: {}", reads.join("; "))
@@ -256,7 +247,7 @@ mod graph {
         }
         let eager_ms = super::median(times);
 
-        let mut graphed = build()?;
+        let mut graphed = model_step(p, caches, capacity, storage)?;
         let stream = cuda.cuda_stream();
         let out = Tensor::zeros(b, DType::U32, &p.device)?;
         let (mut toks, mut pos) = (next.to_vec(), start);
@@ -285,6 +276,17 @@ mod graph {
             pos.iter_mut().for_each(|q| *q += 1);
         }
         Ok((eager_ms, super::median(times)))
+    }
+
+    /// A step over the sequences of `caches`, `capacity` tokens each.
+    #[cfg(feature = "cuda")]
+    fn model_step<'p>(p: &'p Pretrained, caches: &[ModelCache], capacity: usize, storage: CacheStorage) -> Result<deepseek_v41::model::ModelDecodeStep<'p>> {
+        let storage = deepseek_v41::attention::BatchStorage::uniform(storage);
+        let mut s = deepseek_v41::model::ModelDecodeStep::new(&p.config, &p.model, caches.len(), capacity, storage, &p.device)?;
+        for (i, c) in caches.iter().enumerate() {
+            s.load(i, c)?;
+        }
+        Ok(s)
     }
 
     /// Without the `cuda` feature there is no graph to time.
