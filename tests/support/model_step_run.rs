@@ -29,9 +29,9 @@ pub fn tiny_path() -> std::path::PathBuf {
     }
 }
 
-/// The tiny config with compress ratios `[0, 2, 2, 2, 2, 0, 2, 0, 0]`: layers 1 and 3 ratio-2 kv
-/// + index sources, 2 reusing 1, 4 and 6 reusing 3, the rest window-only; no candidate blocks;
-/// Engram at layers 1 and 5. `head_dim` as given (the fused CUDA attention needs 512).
+/// The tiny config with compress ratios `[0, 2, 2, 2, 2, 0, 2, 0, 0]`: layers 1 and 3 ratio-2
+/// kv and index sources, 2 reusing 1, 4 and 6 reusing 3, the rest window-only; no candidate
+/// blocks; Engram at layers 1 and 5. `head_dim` as given (the fused CUDA attention needs 512).
 pub fn step_config(head_dim: usize) -> Result<Config> {
     let mut cfg = Config::from_file(tiny_path())?;
     cfg.compress_ratios = vec![0, 2, 2, 2, 2, 0, 2, 0, 0];
