@@ -8,6 +8,7 @@
 //! cargo build --release --features cuda --example bench_model_decode
 //! bench_model_decode [--model models/v41-shakespeare-tiny] [--batch 1,8,64,256] [--steps 24]
 //!     [--prompt-len 16] [--device cuda|cpu] [--moe-on-device] [--cache bf16|packed] [--graph]
+//!     [--random-step-model]
 //! ```
 //!
 //! Per B: the median wall time of a decode step (host work, launches and the device, ended by
@@ -22,7 +23,10 @@
 //! once into a CUDA graph and replayed after each `update` (`update` + replay + the ids read
 //! back), when the model's layers are ones the step composes and it reads nothing back
 //! (`ModelDecodeStep::host_reads`); otherwise it prints why and skips
-//! (`docs/architecture.md`, "The whole-model decode step").
+//! (`docs/architecture.md`, "The whole-model decode step"). `--random-step-model` replaces the
+//! loaded model with the one of `tests/cuda_model_decode_step.rs` (the tiny config with layers the
+//! step composes, head_dim 512, random weights, MXFP4 routed experts; random token ids), so that
+//! the graph can be timed where the embedded model's layers are not composed yet.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -31,12 +35,17 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use clap::{Parser, ValueEnum};
 use deepseek_v41::attention::CacheStorage;
-use deepseek_v41::model::{BatchItem, ModelCache, Pretrained};
+use deepseek_v41::config::Config;
+use deepseek_v41::model::{BatchItem, Model, ModelCache, Pretrained, TokenMap};
 use deepseek_v41::numerics::Numerics;
 
 #[path = "support/repo_files.rs"]
 mod repo_files;
 use repo_files::repo_file;
+
+#[path = "../tests/support/mxfp4_experts.rs"]
+#[allow(dead_code)]
+mod mxfp4_experts;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum DeviceArg {
@@ -75,6 +84,41 @@ struct Args {
     /// Also time `ModelDecodeStep`, eager and replayed from a CUDA graph (CUDA only).
     #[arg(long)]
     graph: bool,
+    /// Time the random model of `tests/cuda_model_decode_step.rs` instead of a loaded one.
+    #[arg(long)]
+    random_step_model: bool,
+}
+
+/// The model the bench runs: a loaded folder or the random step model.
+struct Loaded {
+    config: Config,
+    model: Model,
+    device: Device,
+    dtype: DType,
+}
+
+impl Loaded {
+    fn new_cache_with(&self, storage: CacheStorage) -> candle_core::Result<ModelCache> {
+        ModelCache::with_storage(&self.config, storage, self.dtype, &self.device)
+    }
+}
+
+/// The tiny config with compress ratios `[0, 2, 2, 2, 2, 0, 2, 0, 0]` (no ratio-1 source, no
+/// candidate blocks) and head_dim 512, random weights with MXFP4 routed experts
+/// (`tests/support/model_step_run.rs`).
+fn random_step_model(device: &Device) -> Result<Loaded> {
+    let mut cfg = Config::from_file(repo_file("tests/fixtures/v41-tiny/config.json"))?;
+    cfg.compress_ratios = vec![0, 2, 2, 2, 2, 0, 2, 0, 0];
+    cfg.kv_source_layer_ids = vec![1, 3];
+    cfg.index_source_layer_ids = vec![1, 3];
+    cfg.candidate_source_layer_id = None;
+    cfg.candidate_topk_blocks = 0;
+    cfg.candidate_block_size = 0;
+    cfg.head_dim = 512;
+    let config = cfg.resolve()?;
+    let vb = mxfp4_experts::Mxfp4Experts::new(23).var_builder(DType::BF16, device);
+    let model = Model::new(&config, Numerics::REFERENCE, Some(TokenMap::div2(config.vocab_size)), vb)?;
+    Ok(Loaded { config, model, device: device.clone(), dtype: DType::BF16 })
 }
 
 /// xorshift64*: deterministic token ids.
@@ -130,10 +174,15 @@ fn run(args: &Args) -> Result<()> {
     };
     let dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
     let t0 = Instant::now();
-    let p = Pretrained::load_dir(&dir, Numerics::REFERENCE, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let (p, name) = if args.random_step_model {
+        (random_step_model(&device)?, "random step model (tiny config, head_dim 512, MXFP4 experts)".to_string())
+    } else {
+        let p = Pretrained::load_dir(&dir, Numerics::REFERENCE, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+        (Loaded { config: p.config, model: p.model, device: p.device, dtype: p.dtype }, dir.display().to_string())
+    };
+    let dtype = p.dtype;
     println!(
-        "model {} on {:?} ({dtype:?}, cache {:?}, moe on device: {}), loaded in {:.2}s",
-        dir.display(),
+        "model {name} on {:?} ({dtype:?}, cache {:?}, moe on device: {}), loaded in {:.2}s",
         args.device,
         args.cache,
         args.moe_on_device,
@@ -210,13 +259,15 @@ fn run(args: &Args) -> Result<()> {
 mod graph {
     use anyhow::{bail, Result};
     use deepseek_v41::attention::CacheStorage;
-    use deepseek_v41::model::{ModelCache, Pretrained};
+    use deepseek_v41::model::ModelCache;
+
+    use super::Loaded;
 
     /// Median ms of the eager `ModelDecodeStep` and of its graph replay, each step with its
     /// `update` and the greedy ids read back, over the sequences of `caches` (their next tokens
     /// `next`), `steps` steps after 3 warm-ups.
     #[cfg(feature = "cuda")]
-    pub fn time(p: &Pretrained, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize) -> Result<(f64, f64)> {
+    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize) -> Result<(f64, f64)> {
         use std::time::Instant;
 
         use anyhow::Context;
@@ -280,7 +331,7 @@ mod graph {
 
     /// A step over the sequences of `caches`, `capacity` tokens each.
     #[cfg(feature = "cuda")]
-    fn model_step<'p>(p: &'p Pretrained, caches: &[ModelCache], capacity: usize, storage: CacheStorage) -> Result<deepseek_v41::model::ModelDecodeStep<'p>> {
+    fn model_step<'p>(p: &'p Loaded, caches: &[ModelCache], capacity: usize, storage: CacheStorage) -> Result<deepseek_v41::model::ModelDecodeStep<'p>> {
         let storage = deepseek_v41::attention::BatchStorage::uniform(storage);
         let mut s = deepseek_v41::model::ModelDecodeStep::new(&p.config, &p.model, caches.len(), capacity, storage, &p.device)?;
         for (i, c) in caches.iter().enumerate() {
@@ -291,7 +342,7 @@ mod graph {
 
     /// Without the `cuda` feature there is no graph to time.
     #[cfg(not(feature = "cuda"))]
-    pub fn time(_: &Pretrained, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize) -> Result<(f64, f64)> {
+    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize) -> Result<(f64, f64)> {
         bail!("--graph needs a build with --features cuda")
     }
 }
