@@ -7,7 +7,8 @@
 //! ```text
 //! cargo build --release --features cuda --example bench_model_decode
 //! bench_model_decode [--model models/v41-shakespeare-tiny] [--batch 1,8,64,256] [--steps 24]
-//!     [--prompt-len 16] [--device cuda|cpu] [--moe-on-device] [--cache bf16|packed]
+//!     [--prompt-len 16] [--device cuda|cpu] [--moe-on-device] [--cache bf16|packed] [--graph]
+//!     [--random-step-model]
 //! ```
 //!
 //! Per B: the median wall time of a decode step (host work, launches and the device, ended by
@@ -17,8 +18,15 @@
 //! the same decode steps through `Model::forward` on one cache. Tokens are random ids from a
 //! fixed seed (not text): the step's work does not depend on them.
 //!
-//! Not measured here: a graph-captured step (the decode step still runs host-driven Candle ops
-//! with host-side positions, `docs/architecture.md`).
+//! `--graph` (CUDA): per B also the whole-model step `model::ModelDecodeStep` over the same
+//! prefilled sequences, eager (`update` + `forward` + the greedy ids read back) and captured
+//! once into a CUDA graph and replayed after each `update` (`update` + replay + the ids read
+//! back), when the model's layers are ones the step composes and it reads nothing back
+//! (`ModelDecodeStep::host_reads`); otherwise it prints why and skips
+//! (`docs/architecture.md`, "The whole-model decode step"). `--random-step-model` replaces the
+//! loaded model with the one of `tests/cuda_model_decode_step.rs` (the tiny config with layers the
+//! step composes, head_dim 512, random weights, MXFP4 routed experts; random token ids), so that
+//! the graph can be timed where the embedded model's layers are not composed yet.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -27,12 +35,17 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use clap::{Parser, ValueEnum};
 use deepseek_v41::attention::CacheStorage;
-use deepseek_v41::model::{BatchItem, ModelCache, Pretrained};
+use deepseek_v41::config::Config;
+use deepseek_v41::model::{BatchItem, Model, ModelCache, Pretrained, TokenMap};
 use deepseek_v41::numerics::Numerics;
 
 #[path = "support/repo_files.rs"]
 mod repo_files;
 use repo_files::repo_file;
+
+#[path = "../tests/support/mxfp4_experts.rs"]
+#[allow(dead_code)]
+mod mxfp4_experts;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum DeviceArg {
@@ -68,6 +81,44 @@ struct Args {
     moe_on_device: bool,
     #[arg(long, value_enum, default_value_t = CacheArg::Bf16)]
     cache: CacheArg,
+    /// Also time `ModelDecodeStep`, eager and replayed from a CUDA graph (CUDA only).
+    #[arg(long)]
+    graph: bool,
+    /// Time the random model of `tests/cuda_model_decode_step.rs` instead of a loaded one.
+    #[arg(long)]
+    random_step_model: bool,
+}
+
+/// The model the bench runs: a loaded folder or the random step model.
+struct Loaded {
+    config: Config,
+    model: Model,
+    device: Device,
+    dtype: DType,
+}
+
+impl Loaded {
+    fn new_cache_with(&self, storage: CacheStorage) -> candle_core::Result<ModelCache> {
+        ModelCache::with_storage(&self.config, storage, self.dtype, &self.device)
+    }
+}
+
+/// The tiny config with compress ratios `[0, 2, 2, 2, 2, 0, 2, 0, 0]` (no ratio-1 source, no
+/// candidate blocks) and head_dim 512, random weights with MXFP4 routed experts
+/// (`tests/support/model_step_run.rs`).
+fn random_step_model(device: &Device) -> Result<Loaded> {
+    let mut cfg = Config::from_file(repo_file("tests/fixtures/v41-tiny/config.json"))?;
+    cfg.compress_ratios = vec![0, 2, 2, 2, 2, 0, 2, 0, 0];
+    cfg.kv_source_layer_ids = vec![1, 3];
+    cfg.index_source_layer_ids = vec![1, 3];
+    cfg.candidate_source_layer_id = None;
+    cfg.candidate_topk_blocks = 0;
+    cfg.candidate_block_size = 0;
+    cfg.head_dim = 512;
+    let config = cfg.resolve()?;
+    let vb = mxfp4_experts::Mxfp4Experts::new(23).var_builder(DType::BF16, device);
+    let model = Model::new(&config, Numerics::REFERENCE, Some(TokenMap::div2(config.vocab_size)), vb)?;
+    Ok(Loaded { config, model, device: device.clone(), dtype: DType::BF16 })
 }
 
 /// xorshift64*: deterministic token ids.
@@ -123,10 +174,15 @@ fn run(args: &Args) -> Result<()> {
     };
     let dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
     let t0 = Instant::now();
-    let p = Pretrained::load_dir(&dir, Numerics::REFERENCE, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+    let (p, name) = if args.random_step_model {
+        (random_step_model(&device)?, "random step model (tiny config, head_dim 512, MXFP4 experts)".to_string())
+    } else {
+        let p = Pretrained::load_dir(&dir, Numerics::REFERENCE, dtype, &device).with_context(|| format!("loading {}", dir.display()))?;
+        (Loaded { config: p.config, model: p.model, device: p.device, dtype: p.dtype }, dir.display().to_string())
+    };
+    let dtype = p.dtype;
     println!(
-        "model {} on {:?} ({dtype:?}, cache {:?}, moe on device: {}), loaded in {:.2}s",
-        dir.display(),
+        "model {name} on {:?} ({dtype:?}, cache {:?}, moe on device: {}), loaded in {:.2}s",
         args.device,
         args.cache,
         args.moe_on_device,
@@ -147,6 +203,7 @@ fn run(args: &Args) -> Result<()> {
 
     println!("| B | prefill (one call) ms | decode step ms (median of {}) | tokens/s |", args.steps);
     println!("|---|---|---|---|");
+    let mut graph_rows = Vec::new();
     for &b in &args.batch {
         let mut caches: Vec<ModelCache> = (0..b).map(|_| p.new_cache_with(storage)).collect::<candle_core::Result<_>>()?;
         let t = Instant::now();
@@ -165,6 +222,20 @@ fn run(args: &Args) -> Result<()> {
         }
         let ms = median(times);
         println!("| {b} | {prefill_ms:.1} | {ms:.3} | {:.0} |", b as f64 / ms * 1e3);
+        if args.graph {
+            match graph::time(&p, &caches, &next, storage, args.steps) {
+                Ok(row) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} |", row.0, row.1)),
+                Err(e) => {
+                    println!("\n--graph skipped: {e:#}\n");
+                    break;
+                }
+            }
+        }
+    }
+    if !graph_rows.is_empty() {
+        println!("\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph replay ms (update + replay + ids) |");
+        println!("|---|---|---|---|");
+        graph_rows.iter().for_each(|r| println!("{r}"));
     }
 
     // The single-sequence step of `generate`.
@@ -182,4 +253,96 @@ fn run(args: &Args) -> Result<()> {
     let ms = median(times);
     println!("| 1 single (`Model::forward`) | | {ms:.3} | {:.0} |", 1e3 / ms);
     Ok(())
+}
+
+/// The `--graph` timings.
+mod graph {
+    use anyhow::{bail, Result};
+    use deepseek_v41::attention::CacheStorage;
+    use deepseek_v41::model::ModelCache;
+
+    use super::Loaded;
+
+    /// Median ms of the eager `ModelDecodeStep` and of its graph replay, each step with its
+    /// `update` and the greedy ids read back, over the sequences of `caches` (their next tokens
+    /// `next`), `steps` steps after 3 warm-ups.
+    #[cfg(feature = "cuda")]
+    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize) -> Result<(f64, f64)> {
+        use std::time::Instant;
+
+        use anyhow::Context;
+        use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        use candle_core::{DType, Tensor, D};
+
+        let Some(cuda) = p.device.as_cuda_device().ok().cloned() else { bail!("--graph needs --device cuda") };
+        let b = caches.len();
+        let start: Vec<usize> = caches.iter().map(ModelCache::seq_len).collect();
+        let capacity = start.iter().max().copied().unwrap_or(0) + 2 * (steps + 3) + 2;
+        let mut eager = model_step(p, caches, capacity, storage)?;
+        let reads = eager.host_reads();
+        if !reads.is_empty() {
+            bail!("the step would read the device from the host: {}", reads.join("; "))
+        }
+        let greedy = |logits: &Tensor| -> Result<Vec<u32>> { Ok(logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?) };
+        let mut toks = next.to_vec();
+        let mut pos = start.clone();
+        let mut times = Vec::with_capacity(steps);
+        for step in 0..steps + 3 {
+            let t = Instant::now();
+            eager.update(&toks, &pos)?;
+            toks = greedy(&eager.forward()?)?;
+            if step >= 3 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            pos.iter_mut().for_each(|q| *q += 1);
+        }
+        let eager_ms = super::median(times);
+
+        let mut graphed = model_step(p, caches, capacity, storage)?;
+        let stream = cuda.cuda_stream();
+        let out = Tensor::zeros(b, DType::U32, &p.device)?;
+        let (mut toks, mut pos) = (next.to_vec(), start);
+        graphed.update(&toks, &pos)?;
+        let graph = {
+            let _uploads = cuda.enable_cuda_graph_htod_cache();
+            graphed.forward()?;
+            stream.synchronize()?;
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+            let captured = graphed.forward().and_then(|l| out.slice_set(&l.argmax(D::Minus1)?.to_dtype(DType::U32)?, 0, 0));
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+            captured.context("the step failed during the capture")?;
+            graph?.context("the capture returned no graph")?
+        };
+        let mut times = Vec::with_capacity(steps);
+        for step in 0..steps + 3 {
+            let t = Instant::now();
+            if step > 0 {
+                graphed.update(&toks, &pos)?;
+            }
+            graph.launch()?;
+            toks = out.to_vec1::<u32>()?;
+            if step >= 3 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            pos.iter_mut().for_each(|q| *q += 1);
+        }
+        Ok((eager_ms, super::median(times)))
+    }
+
+    /// A step over the sequences of `caches`, `capacity` tokens each.
+    #[cfg(feature = "cuda")]
+    fn model_step<'p>(p: &'p Loaded, caches: &[ModelCache], capacity: usize, storage: CacheStorage) -> Result<deepseek_v41::model::ModelDecodeStep<'p>> {
+        let storage = deepseek_v41::attention::BatchStorage::uniform(storage);
+        let mut s = deepseek_v41::model::ModelDecodeStep::new(&p.config, &p.model, caches.len(), capacity, storage, &p.device)?;
+        for (i, c) in caches.iter().enumerate() {
+            s.load(i, c)?;
+        }
+        Ok(s)
+    }
+
+    /// Without the `cuda` feature there is no graph to time.
+    #[cfg(not(feature = "cuda"))]
+    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize) -> Result<(f64, f64)> {
+        bail!("--graph needs a build with --features cuda")
+    }
 }

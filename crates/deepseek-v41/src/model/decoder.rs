@@ -467,6 +467,36 @@ impl Model {
         Ok(BatchOutput { logits, rows: plan.out_rows })
     }
 
+    /// The token embedding (`embed`).
+    pub fn embedding(&self) -> &Embedding {
+        &self.embed
+    }
+
+    /// The final RMSNorm (`norm`).
+    pub fn final_norm(&self) -> &RmsNorm {
+        &self.norm
+    }
+
+    /// The f32 output head (`head`).
+    pub fn head(&self) -> &Linear {
+        &self.head
+    }
+
+    /// The Engram hasher (`None` without Engram layers).
+    pub fn engram_hasher(&self) -> Option<&EngramHasher> {
+        self.engram.as_ref()
+    }
+
+    /// `hc_mult`: the copies of the residual stream.
+    pub fn hc_mult(&self) -> usize {
+        self.hc
+    }
+
+    /// The activations' dtype (the var builder's).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// The decoder blocks, in layer order (e.g. to run or time one block's parts alone).
     pub fn layers(&self) -> &[DecoderLayer] {
         &self.layers

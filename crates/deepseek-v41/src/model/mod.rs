@@ -1,6 +1,7 @@
 //! The decoder's non-attention parts: mHC hyper-connections (spec §3.2), MoE (§8), Engram (§9).
 
 pub mod batch;
+pub mod decode_step;
 pub mod decoder;
 pub mod engram;
 pub mod engram_hash;
@@ -13,6 +14,7 @@ pub mod numpy_rng;
 pub mod pretrained;
 
 pub use batch::{BatchError, BatchItem, BatchOutput, LogitRows};
+pub use decode_step::ModelDecodeStep;
 pub use decoder::{DecoderLayer, Model, ModelCache};
 pub use engram::{engram_mix, Engram, EngramTable};
 pub use engram_hash::{

@@ -124,6 +124,11 @@ impl Gate {
         })
     }
 
+    /// Experts chosen per token (`num_experts_per_tok`).
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
     /// The image-span selection bias `[E]` f32 (spec §8 step 3; text inference never uses it).
     pub fn bias_vl(&self) -> &Tensor {
         &self.bias_vl

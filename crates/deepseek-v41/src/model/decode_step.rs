@@ -1,0 +1,357 @@
+//! The single-token decode step of a whole [`Model`] for B sequences at once
+//! (`docs/architecture.md`, "The whole-model decode step"): the computation of
+//! [`Model::forward_batch`] with one token per sequence, over the pooled caches
+//! of the attention's batched step ([`crate::attention::decode_batch`]), with every value
+//! that changes between steps in a fixed-shape device tensor written by
+//! [`ModelDecodeStep::update`]:
+//!
+//! | input | shape | written by `update` |
+//! |---|---|---|
+//! | tokens and Engram row ids | `[B + E·B·cols]` u32 (views `[B]` and, per Engram layer, `[B, cols]`) | one host→device copy; the ids hashed on the host from each sequence's [`EngramHistory`] (spec §9.4) |
+//! | positions, slots, RoPE rows, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one `[5, B]` copy each |
+//!
+//! [`ModelDecodeStep::forward`] runs embedding → per layer (Engram, `hc_attn` mixes, collapse,
+//! `attn_norm`, [`DecodeStep::forward`], post, `hc_ffn` mixes, collapse, `ffn_norm`, MoE, post)
+//! → collapse, `norm`, head, with the decoder layer's own modules. Nothing in it depends on the
+//! positions or tokens through the host: on CUDA, with resident Engram tables, MXFP4 routed
+//! experts (the MoE then runs inside `cuda::with_device_routing`, which the step sets) and the
+//! layers the fused attention kernels take, it reads nothing back and launches the same ops every
+//! step, so it can be captured into a CUDA graph once per batch size and replayed after each
+//! `update` ([`ModelDecodeStep::host_reads`] names what prevents it).
+//!
+//! On the CPU every product multiplies each sequence's row as its own call does, so the logits
+//! are bit for bit those of [`Model::forward_batch`] of one token per sequence
+//! (`tests/model_decode_step.rs`).
+//!
+//! Engram tables read from host memory ([`super::EngramTable::Rows`] / `Host`) are refused: their
+//! rows are gathered on the host per step (use [`Model::forward_batch`]). The layers the
+//! attention step does not compose are refused by [`DecodeLayer::new`].
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+
+use super::decoder::{Model, ModelCache};
+use super::engram::EngramTable;
+use super::engram_hash::EngramHistory;
+use super::mhc::{collapse, post, HcSublayer};
+use crate::attention::{BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, DecodeStepInputs, StepOptions};
+use crate::config::Config;
+use crate::nn::RowGroups;
+use crate::sampling::{sample_batch, SamplingBatch};
+
+/// The decode step of a whole model for B sequences (see the module docs): the per-layer
+/// batched attention steps and pooled caches, the shared step inputs, the token / Engram-id
+/// buffer and each sequence's Engram history (host).
+#[derive(Debug)]
+pub struct ModelDecodeStep<'m> {
+    model: &'m Model,
+    batch: usize,
+    capacity: usize,
+    layers: Vec<DecodeLayer<'m>>,
+    caches: Vec<BatchedLayerCache>,
+    /// The distinct step inputs and, per layer, which one it reads.
+    inputs: Vec<DecodeStepInputs>,
+    input_of: Vec<usize>,
+    /// `[B + E·B·cols]` u32: the tokens, then each Engram layer's `[B, cols]` row ids.
+    ids: Tensor,
+    tokens: Tensor,
+    /// Per layer, its Engram ids view `[B, cols]` (Engram layers only).
+    engram_ids: Vec<Option<Tensor>>,
+    /// `[B, hc]` f32: the carried pre of the embedding (one-hot on copy 0).
+    pre0: Tensor,
+    histories: Vec<EngramHistory>,
+    rows: RowGroups,
+    options: StepOptions,
+}
+
+impl<'m> ModelDecodeStep<'m> {
+    /// A step for `batch` sequences of `model` (built from `cfg`) of up to `capacity` tokens each
+    /// (positions `0 .. capacity`), with zeroed pools on `device` stored as `storage` says. Every
+    /// sequence starts empty at position 0 until [`ModelDecodeStep::load`]. Errors for a layer the
+    /// attention step does not compose (on CUDA also one whose shapes the fused kernels do not
+    /// take), an Engram table not resident on `device`, or a model whose activations are not bf16.
+    pub fn new(cfg: &Config, model: &'m Model, batch: usize, capacity: usize, storage: BatchStorage, device: &Device) -> Result<Self> {
+        if batch == 0 {
+            Err(DecodeStepError::EmptyBatch)?
+        }
+        if capacity == 0 {
+            candle_core::bail!("ModelDecodeStep: the capacity must be at least 1 token per sequence, got 0")
+        }
+        if model.dtype() != DType::BF16 {
+            candle_core::bail!("ModelDecodeStep: the model's activations are {:?}; the batched decode step runs bf16 (load the model in bf16)", model.dtype())
+        }
+        if !model.head().device().same_device(device) {
+            candle_core::bail!("ModelDecodeStep: the model is on {:?}, the step was asked for {device:?}", model.head().device())
+        }
+        let blocks = model.layers();
+        let layers = blocks.iter().map(|b| DecodeLayer::new(cfg, b.attention())).collect::<Result<Vec<_>>>()?;
+        let caches = layers
+            .iter()
+            .map(|l| BatchedLayerCache::zeros(l, batch, capacity.div_ceil(l.ratio().max(1)), storage, device))
+            .collect::<Result<Vec<_>>>()?;
+        // One inputs object per RoPE set and entry geometry: window-only layers share one, the
+        // compressed layers one per kv source (a reuse layer reads its kv source's entries).
+        let mut keys: Vec<Option<usize>> = Vec::new();
+        let mut inputs = Vec::new();
+        let mut input_of = Vec::with_capacity(layers.len());
+        for (l, layer) in layers.iter().enumerate() {
+            let kv = kv_source(layer);
+            let i = match keys.iter().position(|k| *k == kv) {
+                Some(i) => i,
+                None => {
+                    let kv_cache = match layer.kind() {
+                        DecodeLayerKind::Reuse { kv_source, .. } => Some(&caches[kv_source]),
+                        _ => None,
+                    };
+                    inputs.push(DecodeStepInputs::new(layer, &caches[l], kv_cache)?);
+                    keys.push(kv);
+                    inputs.len() - 1
+                }
+            };
+            input_of.push(i);
+        }
+        // Every layer's step fits its caches and inputs (on CUDA: shapes the fused kernels take).
+        for (l, layer) in layers.iter().enumerate() {
+            let kv = match layer.kind() {
+                DecodeLayerKind::Reuse { kv_source, .. } => Some(&caches[kv_source]),
+                _ => None,
+            };
+            DecodeStep::new(layer, &caches[l], kv, &inputs[input_of[l]])?;
+        }
+        // The token and Engram-id buffer.
+        let n_cols = model.engram_hasher().map_or(0, |h| h.layout().n_cols());
+        let mut width = batch;
+        let mut offsets = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            offsets.push(match b.engram() {
+                Some(e) => {
+                    match e.table() {
+                        EngramTable::Resident(t) if t.device().same_device(device) => {}
+                        EngramTable::Resident(t) => candle_core::bail!(
+                            "ModelDecodeStep: layer {}'s Engram table is on {:?}, not on the step's device {device:?}",
+                            b.layer(),
+                            t.device()
+                        ),
+                        _ => candle_core::bail!(
+                            "ModelDecodeStep: layer {}'s Engram table is read from host memory per step (not capturable); \
+                             load it resident (EngramPlacement::Device) or decode with Model::forward_batch",
+                            b.layer()
+                        ),
+                    }
+                    width += batch * n_cols;
+                    Some(width - batch * n_cols)
+                }
+                None => None,
+            });
+        }
+        let ids = Tensor::zeros(width, DType::U32, device)?;
+        let engram_ids = offsets
+            .iter()
+            .map(|o| o.map(|o| ids.narrow(0, o, batch * n_cols)?.reshape((batch, n_cols))).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        let hc = model.hc_mult();
+        let mut one_hot = vec![0f32; batch * hc];
+        one_hot.iter_mut().step_by(hc).for_each(|v| *v = 1.0);
+        let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
+        Ok(Self {
+            model,
+            batch,
+            capacity,
+            layers,
+            caches,
+            inputs,
+            input_of,
+            tokens: ids.narrow(0, 0, batch)?,
+            ids,
+            engram_ids,
+            pre0: Tensor::from_vec(one_hot, (batch, hc), device)?,
+            histories: vec![EngramHistory::new(ngram); batch],
+            rows: RowGroups::from_lens(std::iter::repeat_n(1, batch)),
+            options: StepOptions::default(),
+        })
+    }
+
+    /// The same step with these attention options.
+    pub fn with_options(self, options: StepOptions) -> Self {
+        Self { options, ..self }
+    }
+
+    /// Sequences of the batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Tokens each sequence can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Every layer's pooled caches, by layer.
+    pub fn caches(&self) -> &[BatchedLayerCache] {
+        &self.caches
+    }
+
+    /// The distinct step inputs (one per RoPE set and entry geometry).
+    pub fn inputs(&self) -> &[DecodeStepInputs] {
+        &self.inputs
+    }
+
+    /// Copies sequence `cache` (prefilled with [`Model::forward`] or [`Model::forward_batch`])
+    /// into region `seq` of every layer's pools, and its Engram history; its next step runs at
+    /// position `cache.seq_len()`. Errors when `seq` is outside the batch or the sequence does
+    /// not fit the capacity.
+    pub fn load(&mut self, seq: usize, cache: &ModelCache) -> Result<()> {
+        if seq >= self.batch {
+            Err(DecodeStepError::BatchMismatch { what: "the sequence index", batch: self.batch, got: seq + 1 })?
+        }
+        if cache.seq_len() >= self.capacity {
+            candle_core::bail!(
+                "ModelDecodeStep::load: sequence {seq} holds {} tokens, its next step would pass the capacity of {} tokens",
+                cache.seq_len(),
+                self.capacity
+            )
+        }
+        for c in &self.caches {
+            c.load_sequence(seq, &cache.attention)?;
+        }
+        self.histories[seq] = cache.engram.clone();
+        Ok(())
+    }
+
+    /// Writes the step's inputs: sequence b decodes `tokens[b]` at `positions[b]` (the tokens it
+    /// holds so far). The tokens and Engram ids (hashed on the host against each sequence's
+    /// history, which then takes the token) go up in one copy, the position tables in one copy
+    /// per inputs object. Errors, changing nothing, for a wrong count, a token outside the
+    /// vocabulary, a position at or past the capacity, or (Engram models) a position other than
+    /// the length of the sequence's Engram history.
+    ///
+    /// Call it outside a graph capture and with Candle's host-upload cache off (see
+    /// [`DecodeStepInputs::update`]).
+    pub fn update(&mut self, tokens: &[u32], positions: &[usize]) -> Result<()> {
+        let b = self.batch;
+        for (what, got) in [("tokens", tokens.len()), ("positions", positions.len())] {
+            if got != b {
+                Err(DecodeStepError::BatchMismatch { what, batch: b, got })?
+            }
+        }
+        self.model.check_tokens(tokens)?;
+        if let Some((s, &p)) = positions.iter().enumerate().find(|&(_, &p)| p >= self.capacity) {
+            candle_core::bail!("ModelDecodeStep::update: sequence {s} at position {p}, the step holds {} tokens per sequence", self.capacity)
+        }
+        let mut host = Vec::with_capacity(self.ids.elem_count());
+        host.extend_from_slice(tokens);
+        let mut histories = self.histories.clone();
+        if let Some(hasher) = self.model.engram_hasher() {
+            let mut hashed = Vec::with_capacity(b);
+            for (s, ((&t, &p), h)) in tokens.iter().zip(positions).zip(&mut histories).enumerate() {
+                if h.seq_len() != p {
+                    candle_core::bail!(
+                        "ModelDecodeStep::update: sequence {s} at position {p}, its Engram history holds {} tokens (load the sequence, or pass its length)",
+                        h.seq_len()
+                    )
+                }
+                hashed.push(hasher.hash(&[t], h)?);
+            }
+            for (block, ids) in self.model.layers().iter().zip(&self.engram_ids) {
+                if ids.is_none() {
+                    continue;
+                }
+                for h in &hashed {
+                    match h.layer(block.layer()) {
+                        Some(v) => host.extend_from_slice(v),
+                        None => candle_core::bail!("ModelDecodeStep::update: the Engram hasher has no ids for layer {}", block.layer()),
+                    }
+                }
+            }
+        }
+        let dev = self.ids.device();
+        self.ids.slice_set(&Tensor::from_vec(host, self.ids.elem_count(), dev)?, 0, 0)?;
+        for inputs in &self.inputs {
+            inputs.update(positions)?;
+        }
+        self.histories = histories;
+        Ok(())
+    }
+
+    /// The logits `[B, vocab]` f32 of the tokens written by the last
+    /// [`ModelDecodeStep::update`], appending their attention state to the pools (a repeated
+    /// step at the same inputs gives the same logits and leaves the pools as one step does).
+    pub fn forward(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.ids.device().is_cuda() {
+            return crate::cuda::with_device_routing(|| self.run());
+        }
+        self.run()
+    }
+
+    /// [`ModelDecodeStep::forward`] and one sampled token per sequence (`[B]` u32 on the step's
+    /// device; [`sample_batch`]: on CUDA with `sampling`'s table on the device, one kernel that
+    /// reads nothing back). Returns `(logits, ids)`.
+    pub fn forward_sampled(&self, sampling: &SamplingBatch) -> Result<(Tensor, Tensor)> {
+        let logits = self.forward()?;
+        let ids = sample_batch(&logits, sampling)?;
+        Ok((logits, ids))
+    }
+
+    /// Why the step on this device would read the device from the host (and so could not be
+    /// captured into a CUDA graph): empty when it reads nothing back. Always empty on the CPU.
+    pub fn host_reads(&self) -> Vec<String> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut why = Vec::new();
+        #[cfg(feature = "cuda")]
+        if self.ids.device().is_cuda() {
+            for block in self.model.layers() {
+                let moe = block.moe();
+                let k = moe.gate().top_k();
+                let on_device = moe
+                    .grouped_experts()
+                    .is_some_and(|g| crate::cuda::moe_route_supported(g.len(), k) && k <= crate::cuda::MOE_EXPERTS_MAX_K);
+                if !on_device {
+                    why.push(format!("layer {}: the routed experts are not MXFP4 kept as stored (the MoE routes on the host)", block.layer()));
+                }
+            }
+        }
+        why
+    }
+
+    fn run(&self) -> Result<Tensor> {
+        let (m, b) = (self.model, self.batch);
+        let h0 = m.embedding().forward(&self.tokens)?.to_dtype(m.dtype())?;
+        let d = h0.dim(1)?;
+        let mut x = h0.unsqueeze(1)?.broadcast_as((b, m.hc_mult(), d))?.contiguous()?;
+        let mut pre = self.pre0.clone();
+        let mut topk: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
+        for (l, block) in m.layers().iter().enumerate() {
+            if let (Some(e), Some(ids)) = (block.engram(), &self.engram_ids[l]) {
+                x = e.forward_grouped(&x, ids, &self.rows)?;
+            }
+            let a = block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, &self.rows)?;
+            let h = block.attn_norm().forward(&collapse(&x, &pre)?)?;
+            let layer = &self.layers[l];
+            let (kv, reuse) = match layer.kind() {
+                DecodeLayerKind::Reuse { kv_source, index_source } => (Some(&self.caches[kv_source]), topk[index_source].as_ref()),
+                _ => (None, None),
+            };
+            let step = DecodeStep::new(layer, &self.caches[l], kv, &self.inputs[self.input_of[l]])?.with_options(self.options);
+            let out = step.forward(&h, reuse)?;
+            topk.push(out.topk);
+            let x1 = post(&out.y, &x, &a.post, &a.comb)?;
+            let f = block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, &self.rows)?;
+            let h2 = block.ffn_norm().forward(&collapse(&x1, &a.pre)?)?;
+            let z = block.moe().forward_grouped(&h2, &self.rows)?;
+            x = post(&z.out, &x1, &f.post, &f.comb)?;
+            pre = f.pre;
+        }
+        let h = m.final_norm().forward(&collapse(&x, &pre)?)?;
+        m.head().forward_grouped(&h, &self.rows)
+    }
+}
+
+/// The kv source whose entries `layer` reads (its own for a source), `None` for window-only
+/// layers: layers with the same key share one [`DecodeStepInputs`].
+fn kv_source(layer: &DecodeLayer) -> Option<usize> {
+    match layer.kind() {
+        DecodeLayerKind::WindowOnly => None,
+        DecodeLayerKind::Source => Some(layer.layer()),
+        DecodeLayerKind::Reuse { kv_source, .. } => Some(kv_source),
+    }
+}

@@ -1,0 +1,138 @@
+//! GPU tests of the whole-model batched decode step (`model::ModelDecodeStep`) on the scenario
+//! of `tests/model_decode_step.rs` with V4.1's head_dim 512 (the fused sparse-attention kernel's
+//! head dim) and MXFP4 routed experts (`support/mxfp4_experts.rs`: the MoE runs on the device):
+//! * the step on CUDA against the same step on the CPU (sequences prefilled once on the CPU and
+//!   loaded into both), within the golden tolerance of `tests/cuda_decode_batch.rs` (bf16
+//!   activations; products summed in another order), greedy ids almost everywhere;
+//! * the step captured once into a CUDA graph (Candle's host-upload cache on around a warm-up and
+//!   the capture; logits and greedy ids copied into fixed tensors inside the graph) and replayed
+//!   after each `ModelDecodeStep::update`: bit for bit the eager step on a second set of pools,
+//!   step after step.
+//!
+//! These tests need a CUDA device and FAIL without one.
+//! Build: `cargo test --release --features cuda --test cuda_model_decode_step`.
+
+use anyhow::{ensure, Context, Result};
+use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use candle_core::{DType, Device, Tensor};
+use deepseek_v41::attention::BatchStorage;
+use deepseek_v41::config::Config;
+use deepseek_v41::golden::{compare, Tolerance};
+use deepseek_v41::model::{Model, ModelCache, ModelDecodeStep};
+use deepseek_v41::sampling::{SamplingBatch, SamplingParams};
+use deepseek_v41::Numerics;
+
+#[path = "support/rng.rs"]
+#[allow(dead_code)]
+mod rng;
+use rng::Rng;
+
+#[path = "support/model_step_run.rs"]
+#[allow(dead_code)]
+mod run;
+use run::{bits, prefill, step_config, token_map, tokens, CAPACITY, STARTS};
+
+#[path = "support/mxfp4_experts.rs"]
+mod mxfp4_experts;
+use mxfp4_experts::Mxfp4Experts;
+
+const STEPS: usize = 5;
+const TOL: Tolerance = Tolerance::RelFro { rel_fro: 3e-2, max_abs: None };
+
+fn gpu() -> Device {
+    deepseek_v41::cuda::decode_device(0).expect("tests/cuda_model_decode_step.rs needs a CUDA device (none found): these tests must run on a GPU")
+}
+
+fn model(cfg: &Config, dev: &Device) -> Result<Model> {
+    Ok(Model::new(cfg, Numerics::REFERENCE, Some(token_map(cfg)), Mxfp4Experts::new(23).var_builder(DType::BF16, dev))?)
+}
+
+/// A step over `caches` (prefilled on the CPU) on `dev`.
+fn step<'m>(cfg: &Config, m: &'m Model, caches: &[ModelCache], dev: &Device) -> Result<ModelDecodeStep<'m>> {
+    let mut s = ModelDecodeStep::new(cfg, m, STARTS.len(), CAPACITY, BatchStorage::BF16, dev)?;
+    for (i, c) in caches.iter().enumerate() {
+        s.load(i, c)?;
+    }
+    Ok(s)
+}
+
+#[test]
+fn cuda_step_matches_the_cpu_step() -> Result<()> {
+    let (dev, cpu) = (gpu(), Device::Cpu);
+    let cfg = step_config(512)?;
+    let (on_cpu, on_gpu) = (model(&cfg, &cpu)?, model(&cfg, &dev)?);
+    let mut rng = Rng(0xc0de);
+    let caches = prefill(&cfg, &on_cpu, &mut rng, &cpu)?;
+    let (mut want, mut got) = (step(&cfg, &on_cpu, &caches, &cpu)?, step(&cfg, &on_gpu, &caches, &dev)?);
+    ensure!(got.host_reads().is_empty(), "the GPU step reads the host: {:?}", got.host_reads());
+    let (mut same, mut total) = (0usize, 0usize);
+    let mut pos: Vec<usize> = STARTS.to_vec();
+    for t in 0..STEPS {
+        let toks = tokens(&mut rng, STARTS.len(), cfg.vocab_size);
+        want.update(&toks, &pos)?;
+        got.update(&toks, &pos)?;
+        let (w, g) = (want.forward()?, got.forward()?);
+        ensure!(g.device().is_cuda(), "the logits are not on the GPU");
+        let o = compare("logits", &g, &w, TOL)?;
+        ensure!(o.pass, "step {t}: {o}");
+        let argmax = |x: &Tensor| -> Result<Vec<u32>> { Ok(x.argmax(candle_core::D::Minus1)?.to_dtype(DType::U32)?.to_device(&cpu)?.to_vec1::<u32>()?) };
+        let (a, b) = (argmax(&g)?, argmax(&w)?);
+        same += a.iter().zip(&b).filter(|(x, y)| x == y).count();
+        total += a.len();
+        pos.iter_mut().for_each(|p| *p += 1);
+    }
+    ensure!(same * 10 >= total * 8, "only {same} of {total} greedy ids agree with the CPU");
+    Ok(())
+}
+
+#[test]
+fn graph_replay_equals_eager_steps() -> Result<()> {
+    let (dev, cpu) = (gpu(), Device::Cpu);
+    let cuda = dev.as_cuda_device()?.clone();
+    let stream = cuda.cuda_stream();
+    let cfg = step_config(512)?;
+    let (on_cpu, on_gpu) = (model(&cfg, &cpu)?, model(&cfg, &dev)?);
+    let mut rng = Rng(0x9a4f);
+    let caches = prefill(&cfg, &on_cpu, &mut rng, &cpu)?;
+    let b = STARTS.len();
+    let (mut eager, mut graphed) = (step(&cfg, &on_gpu, &caches, &dev)?, step(&cfg, &on_gpu, &caches, &dev)?);
+    ensure!(graphed.host_reads().is_empty(), "{:?}", graphed.host_reads());
+    let sampling = SamplingBatch::new(vec![SamplingParams::GREEDY; b], vec![0; b], &dev)?;
+    let logits_out = Tensor::zeros((b, cfg.vocab_size), DType::F32, &dev)?;
+    let ids_out = Tensor::zeros(b, DType::U32, &dev)?;
+    let mut pos: Vec<usize> = STARTS.to_vec();
+    let mut toks = tokens(&mut rng, b, cfg.vocab_size);
+    graphed.update(&toks, &pos)?;
+    let graph = {
+        let _uploads = cuda.enable_cuda_graph_htod_cache();
+        // Warm-up (fills the upload cache; a repeated step at the same inputs changes nothing).
+        graphed.forward_sampled(&sampling)?;
+        stream.synchronize()?;
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        let captured = graphed.forward_sampled(&sampling).and_then(|(l, i)| {
+            logits_out.slice_set(&l, 0, 0)?;
+            ids_out.slice_set(&i, 0, 0)
+        });
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        captured.context("the step failed during the capture")?;
+        graph?.context("the capture returned no graph")?
+    };
+    let mut previous: Option<Vec<u32>> = None;
+    for t in 0..STEPS {
+        if t > 0 {
+            toks = tokens(&mut rng, b, cfg.vocab_size);
+            graphed.update(&toks, &pos)?;
+        }
+        eager.update(&toks, &pos)?;
+        let (want, want_ids) = eager.forward_sampled(&sampling)?;
+        graph.launch()?;
+        stream.synchronize()?;
+        ensure!(bits(&logits_out)? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
+        ensure!(ids_out.to_device(&cpu)?.to_vec1::<u32>()? == want_ids.to_device(&cpu)?.to_vec1::<u32>()?, "step {t}: sampled ids");
+        let now = bits(&logits_out)?;
+        ensure!(previous.as_ref() != Some(&now), "step {t}: the replay repeated the previous step's logits");
+        previous = Some(now);
+        pos.iter_mut().for_each(|p| *p += 1);
+    }
+    Ok(())
+}
