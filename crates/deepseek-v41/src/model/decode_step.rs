@@ -33,8 +33,8 @@ use super::decoder::{Model, ModelCache};
 use super::engram::EngramTable;
 use super::engram_hash::EngramHistory;
 use super::mhc::{collapse, post, HcSublayer};
-use crate::attention::{BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, DecodeStepInputs, StepOptions};
-use crate::config::Config;
+use crate::attention::{BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, DecodeStepInputs, Published, StepOptions};
+use crate::config::{CandidateRole, Config};
 use crate::nn::RowGroups;
 use crate::sampling::{sample_batch, SamplingBatch};
 
@@ -320,6 +320,7 @@ impl<'m> ModelDecodeStep<'m> {
         let mut x = h0.unsqueeze(1)?.broadcast_as((b, m.hc_mult(), d))?.contiguous()?;
         let mut pre = self.pre0.clone();
         let mut topk: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
+        let mut blocks: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         for (l, block) in m.layers().iter().enumerate() {
             if let (Some(e), Some(ids)) = (block.engram(), &self.engram_ids[l]) {
                 x = e.forward_grouped(&x, ids, &self.rows)?;
@@ -327,13 +328,26 @@ impl<'m> ModelDecodeStep<'m> {
             let a = block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, &self.rows)?;
             let h = block.attn_norm().forward(&collapse(&x, &pre)?)?;
             let layer = &self.layers[l];
-            let (kv, reuse) = match layer.kind() {
-                DecodeLayerKind::Reuse { kv_source, index_source } => (Some(&self.caches[kv_source]), topk[index_source].as_ref()),
-                _ => (None, None),
+            // What earlier layers of this step published: a reuse layer's top-k, a candidate
+            // consumer's blocks; reindex and reuse layers read their kv source's cache.
+            let published = Published {
+                topk: match layer.kind() {
+                    DecodeLayerKind::Reuse { index_source, .. } => topk[index_source].as_ref(),
+                    _ => None,
+                },
+                candidates: match layer.candidates() {
+                    CandidateRole::Consume { source } => blocks[source].as_ref(),
+                    _ => None,
+                },
+            };
+            let kv = match layer.kind() {
+                DecodeLayerKind::Reuse { .. } | DecodeLayerKind::Reindex { .. } => layer.kv_source().map(|s| &self.caches[s]),
+                _ => None,
             };
             let step = DecodeStep::new(layer, &self.caches[l], kv, &self.inputs[self.input_of[l]])?.with_options(self.options);
-            let out = step.forward(&h, reuse)?;
+            let out = step.forward(&h, published)?;
             topk.push(out.topk);
+            blocks.push(out.candidates);
             let x1 = post(&out.y, &x, &a.post, &a.comb)?;
             let f = block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, &self.rows)?;
             let h2 = block.ffn_norm().forward(&collapse(&x1, &a.pre)?)?;
@@ -349,9 +363,5 @@ impl<'m> ModelDecodeStep<'m> {
 /// The kv source whose entries `layer` reads (its own for a source), `None` for window-only
 /// layers: layers with the same key share one [`DecodeStepInputs`].
 fn kv_source(layer: &DecodeLayer) -> Option<usize> {
-    match layer.kind() {
-        DecodeLayerKind::WindowOnly => None,
-        DecodeLayerKind::Source => Some(layer.layer()),
-        DecodeLayerKind::Reuse { kv_source, .. } => Some(kv_source),
-    }
+    layer.kv_source()
 }
