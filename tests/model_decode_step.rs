@@ -26,7 +26,7 @@ use rng::Rng;
 #[path = "support/model_step_run.rs"]
 #[allow(dead_code)]
 mod run;
-use run::{bits, eager_step, prefill, step_config, token_map, tokens, CAPACITY, STARTS};
+use run::{bits, eager_step, full_config, prefill, step_config, token_map, tokens, CAPACITY, STARTS};
 
 const STEPS: usize = 4;
 
@@ -67,6 +67,31 @@ fn step_logits_equal_forward_batch_bit_for_bit() -> Result<()> {
         let now = bits(&got)?;
         ensure!(previous.as_ref() != Some(&now), "step {t}: the same logits as the step before");
         previous = Some(now);
+    }
+    Ok(())
+}
+
+/// Every layer kind of the tiny config as released — ratio-1 kv sources, the candidate source
+/// publishing blocks and the reindex layers consuming them — through the whole-model step: the
+/// logits equal `forward_batch`'s bit for bit, step after step.
+#[test]
+fn released_layer_kinds_equal_forward_batch() -> Result<()> {
+    let (cfg, dev) = (full_config(128)?, Device::Cpu);
+    ensure!(cfg.compress_ratios.contains(&1) && cfg.candidate_source_layer_id.is_some(), "the tiny config lost its ratio-1 / candidate layers");
+    let m = model(&cfg, 17)?;
+    let mut rng = Rng(0xf011);
+    let mut caches = prefill(&cfg, &m, &mut rng, &dev)?;
+    let b = STARTS.len();
+    let mut step = ModelDecodeStep::new(&cfg, &m, b, CAPACITY, BatchStorage::BF16, &dev)?;
+    for (s, c) in caches.iter().enumerate() {
+        step.load(s, c)?;
+    }
+    for t in 0..STEPS {
+        let toks = tokens(&mut rng, b, cfg.vocab_size);
+        let pos: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+        let want = eager_step(&m, &mut caches, &toks)?;
+        step.update(&toks, &pos)?;
+        ensure!(bits(&step.forward()?)? == bits(&want)?, "step {t} at {pos:?}: the step's logits differ from forward_batch");
     }
     Ok(())
 }

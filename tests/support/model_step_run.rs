@@ -44,6 +44,14 @@ pub fn step_config(head_dim: usize) -> Result<Config> {
     Ok(cfg.resolve()?)
 }
 
+/// The tiny config as released (ratio-1 kv sources, the candidate source and its reindex
+/// consumers included), with `head_dim` set.
+pub fn full_config(head_dim: usize) -> Result<Config> {
+    let mut cfg = Config::from_file(tiny_path())?;
+    cfg.head_dim = head_dim;
+    Ok(cfg.resolve()?)
+}
+
 /// The token map of the tiny config (compressed id = id / 2).
 pub fn token_map(cfg: &Config) -> TokenMap {
     TokenMap::div2(cfg.vocab_size)

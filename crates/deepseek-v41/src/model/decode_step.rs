@@ -98,11 +98,7 @@ impl<'m> ModelDecodeStep<'m> {
             let i = match keys.iter().position(|k| *k == kv) {
                 Some(i) => i,
                 None => {
-                    let kv_cache = match layer.kind() {
-                        DecodeLayerKind::Reuse { kv_source, .. } => Some(&caches[kv_source]),
-                        _ => None,
-                    };
-                    inputs.push(DecodeStepInputs::new(layer, &caches[l], kv_cache)?);
+                    inputs.push(DecodeStepInputs::new(layer, &caches[l], kv_cache(layer, &caches))?);
                     keys.push(kv);
                     inputs.len() - 1
                 }
@@ -111,11 +107,7 @@ impl<'m> ModelDecodeStep<'m> {
         }
         // Every layer's step fits its caches and inputs (on CUDA: shapes the fused kernels take).
         for (l, layer) in layers.iter().enumerate() {
-            let kv = match layer.kind() {
-                DecodeLayerKind::Reuse { kv_source, .. } => Some(&caches[kv_source]),
-                _ => None,
-            };
-            DecodeStep::new(layer, &caches[l], kv, &inputs[input_of[l]])?;
+            DecodeStep::new(layer, &caches[l], kv_cache(layer, &caches), &inputs[input_of[l]])?;
         }
         // The token and Engram-id buffer.
         let n_cols = model.engram_hasher().map_or(0, |h| h.layout().n_cols());
@@ -340,11 +332,7 @@ impl<'m> ModelDecodeStep<'m> {
                     _ => None,
                 },
             };
-            let kv = match layer.kind() {
-                DecodeLayerKind::Reuse { .. } | DecodeLayerKind::Reindex { .. } => layer.kv_source().map(|s| &self.caches[s]),
-                _ => None,
-            };
-            let step = DecodeStep::new(layer, &self.caches[l], kv, &self.inputs[self.input_of[l]])?.with_options(self.options);
+            let step = DecodeStep::new(layer, &self.caches[l], kv_cache(layer, &self.caches), &self.inputs[self.input_of[l]])?.with_options(self.options);
             let out = step.forward(&h, published)?;
             topk.push(out.topk);
             blocks.push(out.candidates);
@@ -364,4 +352,13 @@ impl<'m> ModelDecodeStep<'m> {
 /// layers: layers with the same key share one [`DecodeStepInputs`].
 fn kv_source(layer: &DecodeLayer) -> Option<usize> {
     layer.kv_source()
+}
+
+/// The cache a reuse or reindex layer reads its kv source's entries from (`None` for window-only
+/// layers and kv sources, which read their own).
+fn kv_cache<'c>(layer: &DecodeLayer, caches: &'c [BatchedLayerCache]) -> Option<&'c BatchedLayerCache> {
+    match layer.kind() {
+        DecodeLayerKind::Reuse { .. } | DecodeLayerKind::Reindex { .. } => layer.kv_source().map(|s| &caches[s]),
+        DecodeLayerKind::WindowOnly | DecodeLayerKind::Source => None,
+    }
 }
