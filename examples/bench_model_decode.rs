@@ -24,9 +24,8 @@
 //! back), when the model's layers are ones the step composes and it reads nothing back
 //! (`ModelDecodeStep::host_reads`); otherwise it prints why and skips
 //! (`docs/architecture.md`, "The whole-model decode step"). `--random-step-model` replaces the
-//! loaded model with the one of `tests/cuda_model_decode_step.rs` (the tiny config with layers the
-//! step composes, head_dim 512, random weights, MXFP4 routed experts; random token ids), so that
-//! the graph can be timed where the embedded model's layers are not composed yet.
+//! loaded model with random weights on the tiny config as released (every layer kind) at head_dim
+//! 512 with MXFP4 routed experts (random token ids): the step at the widths of the fused attention.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -84,7 +83,7 @@ struct Args {
     /// Also time `ModelDecodeStep`, eager and replayed from a CUDA graph (CUDA only).
     #[arg(long)]
     graph: bool,
-    /// Time the random model of `tests/cuda_model_decode_step.rs` instead of a loaded one.
+    /// Time a random model (the tiny config, head_dim 512, MXFP4 experts) instead of a loaded one.
     #[arg(long)]
     random_step_model: bool,
 }
@@ -103,17 +102,11 @@ impl Loaded {
     }
 }
 
-/// The tiny config with compress ratios `[0, 2, 2, 2, 2, 0, 2, 0, 0]` (no ratio-1 source, no
-/// candidate blocks) and head_dim 512, random weights with MXFP4 routed experts
-/// (`tests/support/model_step_run.rs`).
+/// The tiny config as released (every layer kind: window-only, ratio-2 and ratio-1 sources, reuse,
+/// candidate blocks) with head_dim 512 (what the fused attention takes), random weights with
+/// MXFP4 routed experts (`tests/support/mxfp4_experts.rs`).
 fn random_step_model(device: &Device) -> Result<Loaded> {
     let mut cfg = Config::from_file(repo_file("tests/fixtures/v41-tiny/config.json"))?;
-    cfg.compress_ratios = vec![0, 2, 2, 2, 2, 0, 2, 0, 0];
-    cfg.kv_source_layer_ids = vec![1, 3];
-    cfg.index_source_layer_ids = vec![1, 3];
-    cfg.candidate_source_layer_id = None;
-    cfg.candidate_topk_blocks = 0;
-    cfg.candidate_block_size = 0;
     cfg.head_dim = 512;
     let config = cfg.resolve()?;
     let vb = mxfp4_experts::Mxfp4Experts::new(23).var_builder(DType::BF16, device);
