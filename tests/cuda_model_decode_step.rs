@@ -1,5 +1,6 @@
 //! GPU tests of the whole-model batched decode step (`model::ModelDecodeStep`) on the scenario
-//! of `tests/model_decode_step.rs` with V4.1's head_dim 512 (the fused sparse-attention kernel's
+//! of `tests/model_decode_step.rs` (its rewritten config and the tiny config as released, with
+//! ratio-1 sources and candidate blocks) with V4.1's head_dim 512 (the fused sparse-attention kernel's
 //! head dim) and MXFP4 routed experts (`support/mxfp4_experts.rs`: the MoE runs on the device):
 //! * the step on CUDA against the same step on the CPU (sequences prefilled once on the CPU and
 //!   loaded into both), within the golden tolerance of `tests/cuda_decode_batch.rs` (bf16
@@ -30,7 +31,7 @@ use rng::Rng;
 #[path = "support/model_step_run.rs"]
 #[allow(dead_code)]
 mod run;
-use run::{bits, prefill, step_config, token_map, tokens, CAPACITY, STARTS};
+use run::{bits, full_config, prefill, step_config, token_map, tokens, CAPACITY, STARTS};
 
 #[path = "support/mxfp4_experts.rs"]
 mod mxfp4_experts;
@@ -56,14 +57,26 @@ fn step<'m>(cfg: &Config, m: &'m Model, caches: &[ModelCache], dev: &Device) -> 
     Ok(s)
 }
 
+/// Both configs: the rewritten one (ratio-2 sources and reuse layers only) and the tiny config
+/// as released (ratio-1 sources, candidate blocks and their reindex layers too).
+fn configs() -> Result<[Config; 2]> {
+    Ok([step_config(512)?, full_config(512)?])
+}
+
 #[test]
 fn cuda_step_matches_the_cpu_step() -> Result<()> {
+    for cfg in configs()? {
+        cuda_step_matches_the_cpu_step_on(&cfg).with_context(|| format!("compress ratios {:?}", cfg.compress_ratios))?;
+    }
+    Ok(())
+}
+
+fn cuda_step_matches_the_cpu_step_on(cfg: &Config) -> Result<()> {
     let (dev, cpu) = (gpu(), Device::Cpu);
-    let cfg = step_config(512)?;
-    let (on_cpu, on_gpu) = (model(&cfg, &cpu)?, model(&cfg, &dev)?);
+    let (on_cpu, on_gpu) = (model(cfg, &cpu)?, model(cfg, &dev)?);
     let mut rng = Rng(0xc0de);
-    let caches = prefill(&cfg, &on_cpu, &mut rng, &cpu)?;
-    let (mut want, mut got) = (step(&cfg, &on_cpu, &caches, &cpu)?, step(&cfg, &on_gpu, &caches, &dev)?);
+    let caches = prefill(cfg, &on_cpu, &mut rng, &cpu)?;
+    let (mut want, mut got) = (step(cfg, &on_cpu, &caches, &cpu)?, step(cfg, &on_gpu, &caches, &dev)?);
     ensure!(got.host_reads().is_empty(), "the GPU step reads the host: {:?}", got.host_reads());
     let (mut same, mut total) = (0usize, 0usize);
     let mut pos: Vec<usize> = STARTS.to_vec();
@@ -87,15 +100,21 @@ fn cuda_step_matches_the_cpu_step() -> Result<()> {
 
 #[test]
 fn graph_replay_equals_eager_steps() -> Result<()> {
+    for cfg in configs()? {
+        graph_replay_equals_eager_steps_on(&cfg).with_context(|| format!("compress ratios {:?}", cfg.compress_ratios))?;
+    }
+    Ok(())
+}
+
+fn graph_replay_equals_eager_steps_on(cfg: &Config) -> Result<()> {
     let (dev, cpu) = (gpu(), Device::Cpu);
     let cuda = dev.as_cuda_device()?.clone();
     let stream = cuda.cuda_stream();
-    let cfg = step_config(512)?;
-    let (on_cpu, on_gpu) = (model(&cfg, &cpu)?, model(&cfg, &dev)?);
+    let (on_cpu, on_gpu) = (model(cfg, &cpu)?, model(cfg, &dev)?);
     let mut rng = Rng(0x9a4f);
-    let caches = prefill(&cfg, &on_cpu, &mut rng, &cpu)?;
+    let caches = prefill(cfg, &on_cpu, &mut rng, &cpu)?;
     let b = STARTS.len();
-    let (mut eager, mut graphed) = (step(&cfg, &on_gpu, &caches, &dev)?, step(&cfg, &on_gpu, &caches, &dev)?);
+    let (mut eager, mut graphed) = (step(cfg, &on_gpu, &caches, &dev)?, step(cfg, &on_gpu, &caches, &dev)?);
     ensure!(graphed.host_reads().is_empty(), "{:?}", graphed.host_reads());
     let sampling = SamplingBatch::new(vec![SamplingParams::GREEDY; b], vec![0; b], &dev)?;
     let logits_out = Tensor::zeros((b, cfg.vocab_size), DType::F32, &dev)?;
