@@ -42,8 +42,8 @@
 //!
 //! Prefill (`--prefill T`, one sequence from position 0, all layers of the checkpoint in order on
 //! one `SequenceCache`, eager, CUDA events around each call): the MoE alone (`Moe::forward`
-//! of T tokens: above 8 slots per expert on average it takes the host-routed per-expert loop with
-//! per-expert dequantization, measured as it is), the attention alone (`Attention::forward`) and
+//! of T tokens inside `cuda::with_device_routing`: the streaming expert kernels up to 8 slots per
+//! expert on average, the grouped `wgmma` GEMM above), the attention alone (`Attention::forward`) and
 //! the whole layer (`DecoderLayer::forward`).
 //!
 //! `--cpu` loads on the CPU and runs every step once through the CPU paths (no timings; the MoE
@@ -57,7 +57,6 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use deepseek_v41::attention::SequenceCache;
 use deepseek_v41::config::{AttentionRole, Config};
 use deepseek_v41::cuda::{decode_device, with_device_routing, SparseAttentionKernel};
 use deepseek_v41::loader::{var_builder_with, QuantizedWeights, ReleaseCheckpoint};
@@ -76,9 +75,11 @@ mod batched_layer;
 mod batched_step;
 #[path = "support/flash_layer_step.rs"]
 mod flash_layer_step;
+#[path = "support/flash_prefill.rs"]
+mod flash_prefill;
 use batched_layer::{LayerKind, Weights};
 use batched_step::{CacheFormat, Inputs, SourcePools, Step, StepCaches, WindowPool, PAGE, PHASES};
-use bench::{eager_ms, gib, median, timed, PoolPeak, Timer};
+use bench::{gib, median, PoolPeak, Timer};
 use flash_layer_step::{check_same_rows, finite_max, random_topk, EngramPart, EngramRows, LayerStep, MHC_PARTS};
 
 #[derive(Parser, Debug)]
@@ -330,7 +331,7 @@ impl Bench<'_> {
         if !finite || max == 0.0 {
             bail!("layer output: finite {finite}, max |x| {max}")
         }
-        let on_device = ls.moe_on_device(b, cfg.num_experts_per_tok);
+        let on_device = ls.moe_on_device(cfg.num_experts_per_tok);
         let ids = match (&self.timer, &on_device) {
             (Some(_), Ok(())) => ls.route(&m.h2)?.ids,
             _ => with_device_routing(|| dl.moe().forward(&m.h2))?.ids,
@@ -458,85 +459,6 @@ fn describe(dl: &DecoderLayer, w: &Weights) -> String {
         k => k.name().to_string(),
     };
     format!("{kind}{}", if dl.engram().is_some() { " + Engram" } else { "" })
-}
-
-/// The prefill of `args.prefill` tokens of one sequence (see the module docs).
-fn prefill(bench: &Bench, model: &Pretrained, run: &[usize]) -> Result<()> {
-    let (args, cfg, dev) = (bench.args, bench.cfg, &bench.dev);
-    let t = args.prefill;
-    let stream = bench.timer.as_ref().map(|t| t.stream.clone());
-    let stream = stream.as_deref();
-    let layers = model.model.layers();
-    let reps = args.prefill_reps.max(1);
-    let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
-    println!("\n## prefill, {t} tokens of one sequence from position 0 (eager, median of {reps}; ms)\n");
-    let slots = t * cfg.num_experts_per_tok;
-    let how = if slots <= 8 * cfg.n_routed_experts { "device kernels" } else { "host-routed per-expert loop with per-expert dequantization" };
-    println!("MoE ({slots} slots over {} experts: {how}):\n", cfg.n_routed_experts);
-    println!("| layer | MoE ms | tokens/s |");
-    println!("|---|---|---|");
-    for &l in run {
-        let x = (Tensor::randn(0f32, 1.0, (t, d), dev)?).to_dtype(DType::BF16)?;
-        let moe = layers[l].moe();
-        match eager_ms(stream, reps, || Ok(with_device_routing(|| moe.forward(&x)).map(|_| ())?)) {
-            Ok(ms) => println!("| {l} | {ms:.2} | {:.0} |", t as f64 / ms * 1e3),
-            Err(e) => println!("| {l} | error: {e:#} | |"),
-        }
-    }
-    // Attention alone, then whole layers, every layer in order on one cache per pass (the
-    // sources publish to later layers within the call).
-    let hs = (0..layers.len()).map(|_| Tensor::randn(0f32, 1.0, (t, d), dev)?.to_dtype(DType::BF16)).collect::<candle_core::Result<Vec<_>>>()?;
-    let tokens: Vec<u32> = (0..t).map(|i| (i as u32).wrapping_mul(2_654_435_761) % bench.vocab).collect();
-    let ids = match &bench.hasher {
-        Some(h) => Some(h.hash(&tokens, &mut h.new_history())?),
-        None => None,
-    };
-    let mut hashes = BTreeMap::new();
-    for dl in layers {
-        if let (Some(e), Some(ids)) = (dl.engram(), &ids) {
-            hashes.insert(dl.layer(), ids.tensor(dl.layer(), &e.table().ids_device(dev))?);
-        }
-    }
-    let n = layers.len();
-    let (mut attn, mut whole) = (vec![Vec::new(); n], vec![Vec::new(); n]);
-    let mut last_max = 0f32;
-    for rep in 0..=reps {
-        let mut cache = SequenceCache::new(cfg, DType::BF16, dev)?;
-        for (l, dl) in layers.iter().enumerate() {
-            let ms = timed(stream, || Ok(dl.attention().forward(&hs[l], 0, &mut cache).map(|_| ())?))?;
-            if rep > 0 {
-                attn[l].push(ms);
-            }
-        }
-        let mut cache = SequenceCache::new(cfg, DType::BF16, dev)?;
-        let (mut x, mut p) = LayerStep::random_inputs(t, hc, d, dev)?;
-        for (l, dl) in layers.iter().enumerate() {
-            let ms = timed(stream, || {
-                (x, p) = with_device_routing(|| dl.forward(&x, &p, 0, hashes.get(&l), &mut cache))?;
-                Ok(())
-            })?;
-            if rep > 0 {
-                whole[l].push(ms);
-            }
-        }
-        let (finite, max) = finite_max(&x)?;
-        if !finite {
-            bail!("prefill: the stream after the last layer is not finite")
-        }
-        last_max = max;
-    }
-    println!("\nAttention (`Attention::forward`) and whole layer (`DecoderLayer::forward`: Engram, mHC, attention, MoE); stream max |x| after the last layer {last_max:.3}:\n");
-    println!("| layer | kind | attention ms | layer ms | layer tokens/s |");
-    println!("|---|---|---|---|---|");
-    for (l, dl) in layers.iter().enumerate() {
-        let w = median(whole[l].clone());
-        let kind = match dl.attention().role() {
-            AttentionRole::WindowOnly => "window-only".to_string(),
-            AttentionRole::Compressed { ratio, topk, .. } => format!("ratio {ratio}, {topk:?}"),
-        };
-        println!("| {l} | {kind}{} | {:.2} | {w:.2} | {:.0} |", if dl.engram().is_some() { " + Engram" } else { "" }, median(attn[l].clone()), t as f64 / w * 1e3);
-    }
-    Ok(())
 }
 
 /// `total − free` bytes of the device (0 on the CPU).
@@ -722,7 +644,9 @@ fn main() -> Result<()> {
     }
     report(&bench, &rows, &erows, &mem, weights_pool);
     if args.prefill > 0 {
-        if let Err(e) = prefill(&bench, &model, &run) {
+        let stream = bench.timer.as_ref().map(|t| t.stream.clone());
+        let pf = flash_prefill::Prefill { tokens: args.prefill, reps: args.prefill_reps, cfg, dev: &bench.dev, stream: stream.as_deref(), vocab: bench.vocab, hasher: bench.hasher.as_ref() };
+        if let Err(e) = pf.run(&model, &run) {
             println!("prefill: error: {e:#}");
         }
     }

@@ -10,15 +10,16 @@
 //! and `batched_step.rs`).
 //!
 //! The MoE of the step is `Moe::forward` inside `cuda::with_device_routing`: on a CUDA device
-//! with MXFP4 experts and at most 8 slots per expert on average the routing kernel, the shared
-//! expert and the grouped expert kernels, with no host read ([`LayerStep::moe_on_device`]); its
+//! with MXFP4 experts the routing kernel, the shared expert and the grouped expert kernels
+//! (streaming up to 8 slots per expert on average, the
+//! grouped GEMM above), with no host read ([`LayerStep::moe_on_device`]); its
 //! parts are also callable alone ([`LayerStep::route`], [`LayerStep::shared`],
 //! [`LayerStep::experts`]) for a per-phase breakdown.
 #![allow(dead_code)]
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
-use deepseek_v41::cuda::{moe_experts_device, with_device_routing, DeviceRouting, GroupedExperts};
+use deepseek_v41::cuda::{moe_experts_device, moe_route_supported, with_device_routing, DeviceRouting, GroupedExperts, MOE_EXPERTS_MAX_K};
 use deepseek_v41::model::{collapse, post, DecoderLayer, Engram, HcCoeffs, HcSublayer};
 use deepseek_v41::nn::RowGroups;
 
@@ -127,14 +128,14 @@ impl<'a> LayerStep<'a> {
         Ok(with_device_routing(|| self.layer.moe().forward(h2))?.out)
     }
 
-    /// Whether [`LayerStep::moe`] stays on the device for `b` tokens (no host read: capturable
+    /// Whether [`LayerStep::moe`] stays on the device for any number of tokens (no host read: capturable
     /// into a CUDA graph); `Err` says why not.
-    pub fn moe_on_device(&self, b: usize, top_k: usize) -> std::result::Result<(), String> {
+    pub fn moe_on_device(&self, top_k: usize) -> std::result::Result<(), String> {
         let Some(g) = self.grouped() else {
             return Err("the routed experts are not MXFP4 on a CUDA device (no grouped experts): host routing and per-expert loop".into());
         };
-        if b * top_k > 8 * g.len() {
-            return Err(format!("{b} tokens x top-{top_k} exceed 8 slots per expert on average: host per-expert loop"));
+        if !moe_route_supported(g.len(), top_k) || top_k > MOE_EXPERTS_MAX_K {
+            return Err(format!("{} experts, top-{top_k}: outside what the routing and expert kernels take (host routing)", g.len()));
         }
         Ok(())
     }
