@@ -298,7 +298,8 @@ mod graph {
         graphed.update(&toks, &pos)?;
         let graph = {
             let _uploads = cuda.enable_cuda_graph_htod_cache();
-            graphed.forward()?;
+            // Warm-up with every op of the capture (each fills its upload-cache entries).
+            out.slice_set(&graphed.forward()?.argmax(D::Minus1)?.to_dtype(DType::U32)?, 0, 0)?;
             stream.synchronize()?;
             stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
             let captured = graphed.forward().and_then(|l| out.slice_set(&l.argmax(D::Minus1)?.to_dtype(DType::U32)?, 0, 0));
