@@ -217,7 +217,7 @@ fn run(args: &Args) -> Result<()> {
         println!("| {b} | {prefill_ms:.1} | {ms:.3} | {:.0} |", b as f64 / ms * 1e3);
         if args.graph {
             match graph::time(&p, &caches, &next, storage, args.steps) {
-                Ok(row) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} |", row.0, row.1)),
+                Ok(row) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} | {} |", row.0, row.1, row.2)),
                 Err(e) => {
                     println!("\n--graph skipped: {e:#}\n");
                     break;
@@ -226,8 +226,8 @@ fn run(args: &Args) -> Result<()> {
         }
     }
     if !graph_rows.is_empty() {
-        println!("\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph replay ms (update + replay + ids) |");
-        println!("|---|---|---|---|");
+        println!("\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph replay ms (update + replay + ids) | graph nodes |");
+        println!("|---|---|---|---|---|");
         graph_rows.iter().for_each(|r| println!("{r}"));
     }
 
@@ -256,18 +256,20 @@ mod graph {
 
     use super::Loaded;
 
-    /// Median ms of the eager `ModelDecodeStep` and of its graph replay, each step with its
+    /// Median ms of the eager `ModelDecodeStep` and of its graph replay (and the graph's node count), each step with its
     /// `update` and the greedy ids read back, over the sequences of `caches` (their next tokens
     /// `next`), `steps` steps after 3 warm-ups.
     #[cfg(feature = "cuda")]
-    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize) -> Result<(f64, f64)> {
+    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize) -> Result<(f64, f64, usize)> {
         use std::time::Instant;
 
-        use anyhow::Context;
-        use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         use candle_core::{DType, Tensor, D};
+        use deepseek_v41::model::GraphedDecodeStep;
+        use deepseek_v41::sampling::{SamplingBatch, SamplingParams};
 
-        let Some(cuda) = p.device.as_cuda_device().ok().cloned() else { bail!("--graph needs --device cuda") };
+        if !p.device.is_cuda() {
+            bail!("--graph needs --device cuda")
+        }
         let b = caches.len();
         let start: Vec<usize> = caches.iter().map(ModelCache::seq_len).collect();
         let capacity = start.iter().max().copied().unwrap_or(0) + 2 * (steps + 3) + 2;
@@ -291,36 +293,20 @@ mod graph {
         }
         let eager_ms = super::median(times);
 
-        let mut graphed = model_step(p, caches, capacity, storage)?;
-        let stream = cuda.cuda_stream();
-        let out = Tensor::zeros(b, DType::U32, &p.device)?;
+        let sampling = SamplingBatch::new(vec![SamplingParams::GREEDY; b], vec![0; b], &p.device)?;
         let (mut toks, mut pos) = (next.to_vec(), start);
-        graphed.update(&toks, &pos)?;
-        let graph = {
-            let _uploads = cuda.enable_cuda_graph_htod_cache();
-            // Warm-up with every op of the capture (each fills its upload-cache entries).
-            out.slice_set(&graphed.forward()?.argmax(D::Minus1)?.to_dtype(DType::U32)?, 0, 0)?;
-            stream.synchronize()?;
-            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-            let captured = graphed.forward().and_then(|l| out.slice_set(&l.argmax(D::Minus1)?.to_dtype(DType::U32)?, 0, 0));
-            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-            captured.context("the step failed during the capture")?;
-            graph?.context("the capture returned no graph")?
-        };
+        let mut graphed = GraphedDecodeStep::capture(model_step(p, caches, capacity, storage)?, sampling, &toks, &pos)?;
+        let nodes = graphed.graph().nodes();
         let mut times = Vec::with_capacity(steps);
         for step in 0..steps + 3 {
             let t = Instant::now();
-            if step > 0 {
-                graphed.update(&toks, &pos)?;
-            }
-            graph.launch()?;
-            toks = out.to_vec1::<u32>()?;
+            toks = if step > 0 { graphed.step_ids(&toks, &pos, &vec![0; b])? } else { graphed.ids().to_vec1::<u32>()? };
             if step >= 3 {
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
             pos.iter_mut().for_each(|q| *q += 1);
         }
-        Ok((eager_ms, super::median(times)))
+        Ok((eager_ms, super::median(times), nodes))
     }
 
     /// A step over the sequences of `caches`, `capacity` tokens each.
@@ -336,7 +322,7 @@ mod graph {
 
     /// Without the `cuda` feature there is no graph to time.
     #[cfg(not(feature = "cuda"))]
-    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize) -> Result<(f64, f64)> {
+    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize) -> Result<(f64, f64, usize)> {
         bail!("--graph needs a build with --features cuda")
     }
 }

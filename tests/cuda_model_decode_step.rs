@@ -8,21 +8,20 @@
 //!   more than 1.25 × that path's distance from the CPU (the sequences prefilled and stepped by
 //!   `Model::forward` / `forward_batch` on CUDA, the path the golden checker accepts); greedy
 //!   ids almost everywhere;
-//! * the step captured once into a CUDA graph (Candle's host-upload cache on around a warm-up and
-//!   the capture; logits and greedy ids copied into fixed tensors inside the graph) and replayed
-//!   after each `ModelDecodeStep::update`: bit for bit the eager step on a second set of pools,
-//!   step after step.
+//! * the step captured once into a CUDA graph (`model::GraphedDecodeStep`: logits and sampled
+//!   ids copied into fixed tensors inside the graph) and replayed after each update of tokens,
+//!   positions and sampling steps: bit for bit the eager step on a second set of pools, logits
+//!   and temperature-sampled ids, step after step.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_model_decode_step`.
 
 use anyhow::{ensure, Context, Result};
-use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::BatchStorage;
 use deepseek_v41::config::Config;
 use deepseek_v41::golden::{compare, Tolerance};
-use deepseek_v41::model::{Model, ModelCache, ModelDecodeStep};
+use deepseek_v41::model::{GraphedDecodeStep, Model, ModelCache, ModelDecodeStep};
 use deepseek_v41::sampling::{SamplingBatch, SamplingParams};
 use deepseek_v41::Numerics;
 
@@ -115,47 +114,30 @@ fn graph_replay_equals_eager_steps() -> Result<()> {
 
 fn graph_replay_equals_eager_steps_on(cfg: &Config) -> Result<()> {
     let (dev, cpu) = (gpu(), Device::Cpu);
-    let cuda = dev.as_cuda_device()?.clone();
-    let stream = cuda.cuda_stream();
     let (on_cpu, on_gpu) = (model(cfg, &cpu)?, model(cfg, &dev)?);
     let mut rng = Rng(0x9a4f);
     let caches = prefill(cfg, &on_cpu, &mut rng, &cpu)?;
     let b = STARTS.len();
-    let (mut eager, mut graphed) = (step(cfg, &on_gpu, &caches, &dev)?, step(cfg, &on_gpu, &caches, &dev)?);
-    ensure!(graphed.host_reads().is_empty(), "{:?}", graphed.host_reads());
-    let sampling = SamplingBatch::new(vec![SamplingParams::GREEDY; b], vec![0; b], &dev)?;
-    let logits_out = Tensor::zeros((b, cfg.vocab_size), DType::F32, &dev)?;
-    let ids_out = Tensor::zeros(b, DType::U32, &dev)?;
+    let mut eager = step(cfg, &on_gpu, &caches, &dev)?;
+    // Temperature sampling with per-sequence seeds: the replayed draws must follow the steps.
+    let params: Vec<SamplingParams> = (0..b).map(|s| SamplingParams { temperature: 0.9, top_k: 0, top_p: 0.95, seed: 17 + s as u64 }).collect();
     let mut pos: Vec<usize> = STARTS.to_vec();
     let mut toks = tokens(&mut rng, b, cfg.vocab_size);
-    graphed.update(&toks, &pos)?;
-    let graph = {
-        let _uploads = cuda.enable_cuda_graph_htod_cache();
-        // Warm-up (fills the upload cache; a repeated step at the same inputs changes nothing).
-        graphed.forward_sampled(&sampling)?;
-        stream.synchronize()?;
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-        let captured = graphed.forward_sampled(&sampling).and_then(|(l, i)| {
-            logits_out.slice_set(&l, 0, 0)?;
-            ids_out.slice_set(&i, 0, 0)
-        });
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-        captured.context("the step failed during the capture")?;
-        graph?.context("the capture returned no graph")?
-    };
+    let graphed = GraphedDecodeStep::capture(step(cfg, &on_gpu, &caches, &dev)?, SamplingBatch::new(params.clone(), vec![0; b], &dev)?, &toks, &pos);
+    let mut graphed = graphed.context("capturing the step")?;
+    ensure!(graphed.graph().nodes() > 0, "an empty graph");
     let mut previous: Option<Vec<u32>> = None;
     for t in 0..STEPS {
+        let steps = vec![t as u64; b];
         if t > 0 {
             toks = tokens(&mut rng, b, cfg.vocab_size);
-            graphed.update(&toks, &pos)?;
+            graphed.step(&toks, &pos, &steps)?;
         }
         eager.update(&toks, &pos)?;
-        let (want, want_ids) = eager.forward_sampled(&sampling)?;
-        graph.launch()?;
-        stream.synchronize()?;
-        ensure!(bits(&logits_out)? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
-        ensure!(ids_out.to_device(&cpu)?.to_vec1::<u32>()? == want_ids.to_device(&cpu)?.to_vec1::<u32>()?, "step {t}: sampled ids");
-        let now = bits(&logits_out)?;
+        let (want, want_ids) = eager.forward_sampled(&SamplingBatch::new(params.clone(), steps, &dev)?)?;
+        ensure!(bits(graphed.logits())? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
+        ensure!(graphed.ids().to_vec1::<u32>()? == want_ids.to_vec1::<u32>()?, "step {t}: sampled ids");
+        let now = bits(graphed.logits())?;
         ensure!(previous.as_ref() != Some(&now), "step {t}: the replay repeated the previous step's logits");
         previous = Some(now);
         pos.iter_mut().for_each(|p| *p += 1);

@@ -49,6 +49,9 @@
 //!   ([`crate::model::engram_host`]).
 //! * [`decode_device`]: a CUDA device set up for a decode loop's many small tensors (no
 //!   per-buffer CUDA events, a memory pool that keeps its memory across synchronizations).
+//! * [`StepGraph`]: a step's device work captured once into a CUDA graph (warm-up and capture
+//!   with Candle's host-upload cache on) and replayed; [`crate::model::GraphedDecodeStep`] is the
+//!   whole-model decode step on it.
 //! * [`with_plain_candle`]: run a closure with the fused kernels switched off (plain Candle
 //!   ops on the device, the benchmarks' baseline); [`fused_kernels`] is the dispatch test.
 //!
@@ -83,6 +86,7 @@ mod q_rope;
 mod row_inputs;
 mod sampling;
 mod slots;
+mod step_graph;
 mod sparse_attention;
 mod swiglu;
 mod window_insert;
@@ -115,6 +119,7 @@ pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use sampling::sample_device;
 pub use slots::keep_last_writer;
+pub use step_graph::StepGraph;
 pub use swiglu::{swiglu_device, swiglu_supported};
 pub use sparse_attention::{
     sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionKernel,

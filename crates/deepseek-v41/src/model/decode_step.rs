@@ -167,6 +167,16 @@ impl<'m> ModelDecodeStep<'m> {
         Self { options, ..self }
     }
 
+    /// The device of the pools and of the step's outputs.
+    pub fn device(&self) -> &Device {
+        self.ids.device()
+    }
+
+    /// The model the step runs.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
     /// Sequences of the batch.
     pub fn batch(&self) -> usize {
         self.batch

@@ -2,6 +2,8 @@
 
 pub mod batch;
 pub mod decode_step;
+#[cfg(feature = "cuda")]
+pub mod decode_graph;
 pub mod decoder;
 pub mod engram;
 pub mod engram_hash;
@@ -15,6 +17,8 @@ pub mod pretrained;
 
 pub use batch::{BatchError, BatchItem, BatchOutput, LogitRows};
 pub use decode_step::ModelDecodeStep;
+#[cfg(feature = "cuda")]
+pub use decode_graph::GraphedDecodeStep;
 pub use decoder::{DecoderLayer, Model, ModelCache};
 pub use engram::{engram_mix, Engram, EngramTable};
 pub use engram_hash::{

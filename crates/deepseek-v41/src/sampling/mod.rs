@@ -202,6 +202,22 @@ impl SamplingBatch {
         Ok(Self { params, steps, table })
     }
 
+    /// Sets every sequence's step (`steps[b]` for sequence b) and rewrites the table in place
+    /// with one host→device copy, so that a CUDA graph that reads the table draws the new steps'
+    /// bits when replayed. Errors, changing nothing, on a length mismatch.
+    pub fn set_steps(&mut self, steps: &[u64]) -> Result<()> {
+        if steps.len() != self.len() {
+            return Err(SamplingError::Steps { sequences: self.len(), steps: steps.len() }.into());
+        }
+        if self.is_empty() {
+            return Ok(());
+        }
+        let words: Vec<u32> = self.params.iter().zip(steps).flat_map(|(p, &s)| p.table_row(s)).collect();
+        self.table.slice_set(&Tensor::from_vec(words, (self.len(), SAMPLING_TABLE_WORDS), self.table.device())?, 0, 0)?;
+        self.steps.copy_from_slice(steps);
+        Ok(())
+    }
+
     /// Sequences in the batch.
     pub fn len(&self) -> usize {
         self.params.len()

@@ -242,3 +242,20 @@ fn bad_settings_are_errors_naming_the_value() -> Result<()> {
     assert_eq!(sample_batch(&Tensor::zeros((0, 8), DType::F32, &dev)?, &empty)?.dims(), &[0]);
     Ok(())
 }
+
+#[test]
+fn set_steps_rewrites_the_table_in_place_as_a_new_batch_would() -> Result<()> {
+    let dev = Device::Cpu;
+    let ps = vec![params(0.9, 0, 0.95, 3), params(1.3, 7, 1.0, 11)];
+    let mut batch = SamplingBatch::new(ps.clone(), vec![0, 0], &dev)?;
+    let table = batch.table().clone();
+    batch.set_steps(&[5, 9])?;
+    let fresh = SamplingBatch::new(ps, vec![5, 9], &dev)?;
+    assert_eq!(batch.steps(), &[5, 9]);
+    // The same storage (a graph reading the table sees the change) holds the new batch's words.
+    assert_eq!(table.to_vec2::<u32>()?, fresh.table().to_vec2::<u32>()?);
+    let e = batch.set_steps(&[1]).unwrap_err().to_string();
+    assert!(e.contains("1 step counters for 2 sequences"), "{e}");
+    assert_eq!(batch.steps(), &[5, 9], "a refused update changes nothing");
+    Ok(())
+}
