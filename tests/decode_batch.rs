@@ -9,6 +9,9 @@
 //! multiplies each sequence's row as its own call does). A step built once and fed by
 //! `DecodeStepInputs::update` (what a graph replay does) equals fresh objects per step; a step
 //! repeated at the same positions changes nothing; bad inputs are typed errors naming the value.
+//! The kv sources' entries live in pages shared by the batch: sequences whose pages interleave,
+//! a released row loaded with a new sequence, a full page pool (`PoolFull`, nothing changed)
+//! — still bit for bit each sequence alone.
 //!
 //! Runs in every build (`cargo test --release --test decode_batch`): without the `cuda` feature
 //! the step's ops are their CPU references (bf16 pools; the packed cases need the feature), with

@@ -80,7 +80,7 @@ impl WideScaledKeys {
     pub(crate) fn source(&self, n: usize, gpu: bool) -> KeySource<'_> {
         let (cache, base, vis) =
             if gpu { (&self.cache, &self.base_g, &self.vis_g) } else { (&self.cache_cpu, &self.base_c, &self.vis_c) };
-        KeySource { keys: IndexKeys::Packed { cache, layout: self.layout }, base: Some(base), entries: n, visibility: Visibility::Counts(vis) }
+        KeySource { keys: IndexKeys::Packed { cache, layout: self.layout }, base: Some(base), pages: None, entries: n, visibility: Visibility::Counts(vis) }
     }
 }
 
