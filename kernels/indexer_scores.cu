@@ -131,7 +131,7 @@ struct Extent {
     // The key row of entry j (j < L, or 0).
     __device__ __forceinline__ int64_t row(uint32_t j) const {
         if (!table) return kbase + j;
-        const int64_t r = (__ldg(table + (j >> shift)) << shift) + (j & mask);
+        const int64_t r = __ldg(table + (j >> shift)) * (static_cast<int64_t>(mask) + 1) + (j & mask);
         return r >= 0 && r < rows ? r : 0;
     }
 };

@@ -215,6 +215,7 @@ fn a_full_page_pool_then_release_and_load() -> Result<()> {
     let b = PAGED_STARTS.len();
     // 448 tokens: 7 pages per ratio-1 source (4 loaded, 4 more asked by step 5), 4 per ratio-2 one.
     let mut step = ModelDecodeStep::with_pool_tokens(&cfg, &m, b, PAGED_CAPACITY, 448, BatchStorage::BF16, &dev)?;
+    ensure!(step.page_occupancy().iter().all(|o| o.used == 0), "a fresh step holds pages: {:?}", step.page_occupancy());
     for (s, c) in caches.iter().enumerate() {
         step.load(s, c)?;
     }

@@ -103,8 +103,8 @@ pub struct DecodeStepInputs {
 impl DecodeStepInputs {
     /// Inputs for `layer`'s step over `own` (the layer's cache: its window geometry and batch)
     /// and, for a reuse layer, `kv_source` (the cache of its kv source: the entries' geometry;
-    /// `None` for other layers). All positions start at 0 until the first
-    /// [`DecodeStepInputs::update`].
+    /// `None` for other layers). All positions start at 0 (taking no page: no entry slot) until
+    /// the first [`DecodeStepInputs::update`].
     pub fn new(layer: &DecodeLayer, own: &BatchedLayerCache, kv_source: Option<&BatchedLayerCache>) -> Result<Self> {
         let (b, w, ws) = (own.batch(), layer.window(), own.window_stride());
         let dev = own.window_rows().tensor().device().clone();
@@ -167,7 +167,7 @@ impl DecodeStepInputs {
             table,
             compressed,
         };
-        inputs.update(&vec![0; b])?;
+        inputs.write(&vec![0; b], false)?;
         Ok(inputs)
     }
 
@@ -183,10 +183,16 @@ impl DecodeStepInputs {
     /// (`CudaDevice::enable_cuda_graph_htod_cache`) is on: that cache keeps every distinct
     /// upload.
     pub fn update(&self, positions: &[usize]) -> Result<()> {
+        self.write(positions, true)
+    }
+
+    /// [`DecodeStepInputs::update`]; `take_pages` false (the inputs' construction) takes no page:
+    /// an entry without a page gets slot −1 (no insert).
+    fn write(&self, positions: &[usize], take_pages: bool) -> Result<()> {
         let needs = self.check_positions(positions)?;
         let b = self.batch;
         let (w, ws) = (self.window, self.window_stride);
-        if let (Some(c), Some(needs)) = (&self.compressed, &needs) {
+        if let (Some(c), Some(needs), true) = (&self.compressed, &needs, take_pages) {
             c.pages.grow(needs)?;
         }
         let mut host = vec![-1i64; ROWS * b];
@@ -196,7 +202,8 @@ impl DecodeStepInputs {
             if let Some(c) = &self.compressed {
                 let r = c.ratio;
                 if (p + 1) % r == 0 {
-                    // Held: the grow above gave every sequence the pages of its visible entries.
+                    // Held after the grow above (which gave every sequence the pages of its visible
+                    // entries); −1 only before the first update.
                     host[ROW_ENTRY_SLOT * b + s] = c.pages.slot(s, p / r).map_or(-1, |v| v as i64);
                 }
                 host[ROW_ENTRY_POSITION * b + s] = (p / r * r) as i64;
