@@ -101,7 +101,7 @@ fn main() -> Result<()> {
             ("bf16", IndexKeys::Rows(&bf), 2 * DIM),
             ("mxfp4", IndexKeys::Packed { cache: &packed, layout }, 68),
         ] {
-            let src = KeySource { keys, base: Some(&base), entries: KEYS, visibility: Visibility::Counts(&counts) };
+            let src = KeySource { keys, base: Some(&base), pages: None, entries: KEYS, visibility: Visibility::Counts(&counts) };
             let ts = timer.calls(|| {
                 masked_index_scores(&q, &w, &src, None)?;
                 Ok(())
@@ -153,7 +153,7 @@ fn main() -> Result<()> {
         let visible: f64 = (0..t).map(|i| (start + i).div_ceil(2).min(KEYS) as f64).sum();
         let flops = visible * (HEADS * DIM * 2) as f64;
         for (name, keys) in [("bf16", IndexKeys::Rows(&bf)), ("mxfp4", IndexKeys::Packed { cache: &packed, layout })] {
-            let src = KeySource { keys, base: None, entries: KEYS, visibility: Visibility::Causal { start, ratio: 2 } };
+            let src = KeySource { keys, base: None, pages: None, entries: KEYS, visibility: Visibility::Causal { start, ratio: 2 } };
             let ts = slow.calls(|| {
                 index_select(&q, &w, &src, TOPK, None, None)?;
                 Ok(())

@@ -34,7 +34,10 @@
 //  * Packed keys are staged one iteration ahead with cp.async into a per-warp double buffer in
 //    shared memory: lane l divides the slot of entry key0 + l by the page size (multiply-high),
 //    copies that row's scale word and hands the row's address to the 4 lanes that take its 16 B
-//    slices (shuffles). Entries past L_t read row key_base[t] (their scores are never written).
+//    slices (shuffles). Entries past L_t read the row of entry 0 (their scores are never written).
+//  * Entry j of token t lies at row key_base[t] + j, or with a page table (the batched decode
+//    step's paged pools) at row table[t][j / P] * P + j % P (P a power of two: a shift and a
+//    mask per key; a page outside the cache reads row 0, never past the cache).
 //  * Decode (one token per CTA, packed keys): the A fragments live in shared memory (8 KB per
 //    CTA, shared by its 4 warps) and are read per k-step (2 LDS.128), the slices dequantized per
 //    k-step: <= 128 registers, 4 CTAs (16 warps) per SM instead of 3 with 64 A registers per lane
@@ -118,20 +121,33 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-// Entries of token t with a key row (the visible L_t clamped to the rows past key_base[t]:
-// entries past the cache count as invisible) and its first key row.
+// Entries of token t with a key row (the visible L_t; with key_base clamped to the rows past
+// key_base[t]: entries past the cache count as invisible) and how to find entry j's row.
 struct Extent {
     int64_t L, kbase;
+    const int64_t* table;  // the token's page-table row, or null (rows kbase + j)
+    uint32_t shift, mask;  // log2(P), P - 1
+    int64_t rows;          // num_key_rows
+    // The key row of entry j (j < L, or 0).
+    __device__ __forceinline__ int64_t row(uint32_t j) const {
+        if (!table) return kbase + j;
+        const int64_t r = __ldg(table + (j >> shift)) * (static_cast<int64_t>(mask) + 1) + (j & mask);
+        return r >= 0 && r < rows ? r : 0;
+    }
 };
 __device__ __forceinline__ Extent token_extent(const Dsv41IndexerScoresParams& p, int64_t t) {
     const int64_t n = p.num_cols;
     int64_t L = p.visible ? static_cast<int64_t>(p.visible[t]) : (p.start + t + 1) / p.ratio;
     L = L < n ? L : n;
     Extent e;
+    e.rows = p.num_key_rows;
+    e.table = p.page_table ? p.page_table + t * p.page_table_stride : nullptr;
+    e.shift = p.page_table ? static_cast<uint32_t>(__ffs(p.table_page_size) - 1) : 0u;
+    e.mask = p.page_table ? static_cast<uint32_t>(p.table_page_size - 1) : 0u;
     e.kbase = p.key_base ? static_cast<int64_t>(p.key_base[t]) : 0;
-    // Afterwards every j < L has a key row (kbase + j < num_key_rows), and row kbase exists
-    // whenever L >= 1.
-    const int64_t rows_left = p.num_key_rows - e.kbase;
+    // Afterwards every j < L has a key row (kbase + j < num_key_rows, or through the table),
+    // and row(0) exists whenever L >= 1.
+    const int64_t rows_left = e.table ? (p.num_key_rows > 0 ? L : 0) : p.num_key_rows - e.kbase;
     e.L = L < rows_left ? L : (rows_left > 0 ? rows_left : 0);
     return e;
 }
@@ -177,7 +193,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
     const int first = TQ == 1 ? warp : 0;
     const int64_t n = p.num_cols;
     const Extent ext = token_extent(p, t);
-    const int64_t L = ext.L, kbase = ext.kbase;
+    const int64_t L = ext.L;
     uint16_t* out = reinterpret_cast<uint16_t*>(p.scores) + t * p.score_row_stride;
     const uint32_t* allowed = kSpec ? nullptr : (p.allowed ? p.allowed + t * p.allowed_words : nullptr);
     const int H = kSpec ? 32 : p.num_heads;
@@ -259,20 +275,20 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             if (!valid(it)) return;
         }
 
-        // bf16 rows: loaded by the lanes that use them; an entry past L reads row kbase (it exists:
-        // the tile's key0 < L) and is zeroed. (32-bit entry ids: key0 < L <= N < 2^31.)
+        // bf16 rows: loaded by the lanes that use them; an entry past L reads entry 0's row (it
+        // exists: the tile's key0 < L) and is zeroed. (32-bit entry ids: key0 < L <= N < 2^31.)
         const PageDiv pd(kPacked ? static_cast<uint32_t>(p.page_size) : 2u);
         auto fetch = [&](KeySlice<KF>& ks, int64_t key0, int nt) {
             if constexpr (!kPacked) {
                 const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(nt * 8 + g);
                 const bool ok = j < static_cast<uint32_t>(L);
-                ks.fetch(p, pd, kbase + (ok ? j : 0u), c);
+                ks.fetch(p, pd, ext.row(ok ? j : 0u), c);
                 if (!ok) ks.zero();
             }
         };
         // Packed rows: lane l finds the page and row of entry key0 + l (slot < 2^32, page bytes <
         // 2^32: the launcher checks), copies its scale word and hands the row's address to the lanes
-        // that copy its 16-byte slices. Entries past L read row kbase; their scores are not written.
+        // that copy its 16-byte slices. Entries past L read entry 0's row; their scores are not written.
         const uint64_t keys64 = reinterpret_cast<uint64_t>(p.keys);
         const uint32_t pstride = static_cast<uint32_t>(p.key_row_stride);
         const uint32_t psize = static_cast<uint32_t>(p.page_size);
@@ -290,7 +306,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
         }
         auto stage = [&](int64_t key0, int buf) {
             const uint32_t j = static_cast<uint32_t>(key0) + static_cast<uint32_t>(lane);
-            const uint32_t slot = static_cast<uint32_t>(kbase) + (j < static_cast<uint32_t>(L) ? j : 0u);
+            const uint32_t slot = static_cast<uint32_t>(ext.row(j < static_cast<uint32_t>(L) ? j : 0u));
             const uint32_t page = pd.div(slot);
             const uint32_t r = slot - page * psize;
             const uint64_t pb = static_cast<uint64_t>(page) * pstride + keys64;
@@ -443,7 +459,7 @@ __device__ __forceinline__ void score_span(const Dsv41IndexerScoresParams& p, co
             __syncwarp();
             // Lane = key: the head sum in head order, f32 from +0 (heads >= H hold 0 products
             // but are not added). Every lane's key row of the product buffer was written (keys
-            // past N or L hold products of row key_base[t] or zero rows): no branch around it.
+            // past N or L hold products of entry 0's row or zero rows): no branch around it.
             float sum = 0.f;
             auto add_heads = [&](auto all) {
 #pragma unroll
@@ -632,14 +648,16 @@ extern "C" int dsv41_indexer_scores(const Dsv41IndexerScoresParams* p, size_t pa
     if (p->head_dim != D) return DSV41_ERR_HEAD_DIM;
     if (p->num_tokens < 0 || p->num_cols < 0 || p->num_heads < 1 || p->num_heads > 32 || p->num_key_rows < 0 ||
         p->score_row_stride < p->num_cols || p->score_row_stride % 8 || p->start < 0 ||
-        (!p->visible && p->ratio < 1) || (p->allowed && (p->allowed_words < 0 || p->allowed_block < 1)))
+        (!p->visible && p->ratio < 1) || (p->allowed && (p->allowed_words < 0 || p->allowed_block < 1)) ||
+        (p->page_table && (p->key_base || p->page_table_stride < 0 || p->table_page_size < 1 ||
+                           (p->table_page_size & (p->table_page_size - 1)) || p->table_page_size > (1 << 30))))
         return DSV41_ERR_SHAPE;
     if (p->num_tokens == 0 || p->num_cols == 0) return DSV41_OK;
     if (!p->q || !p->w || !p->keys || !p->scores) return DSV41_ERR_NULL;
     if (!aligned16(p->q) || !aligned16(p->keys) || !aligned16(p->scores)) return DSV41_ERR_ALIGNMENT;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     // Prefill over shared keys: 4 tokens per CTA share the key loads; otherwise one token.
-    const bool shared = p->key_base == nullptr && p->num_tokens >= DSV41_INDEXER_SHARED_KEY_TOKENS;
+    const bool shared = p->key_base == nullptr && p->page_table == nullptr && p->num_tokens >= DSV41_INDEXER_SHARED_KEY_TOKENS;
     if (p->key_format == DSV41_INDEX_KEYS_BF16) {
         if (p->key_row_stride % 8) return DSV41_ERR_ALIGNMENT;
         return shared ? launch<DSV41_INDEX_KEYS_BF16, 4>(*p, s) : launch<DSV41_INDEX_KEYS_BF16, 1>(*p, s);

@@ -132,12 +132,12 @@ fn relu_zero_ties_go_to_the_lowest_ids_in_batched_decode() -> Result<()> {
     let w = weights(&mut rng, b, h)?;
     let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
     let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
-    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), pages: None, entries: nk, visibility: Visibility::Counts(&vis_c) };
     let want = index_select(&q, &w, &cpu, k, None, None)?;
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
     let (cache, layout) = pack(&keys, 64, &dev)?;
     let kg = keys.to_device(&dev)?;
-    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), pages: None, entries: nk, visibility: Visibility::Counts(&vis_g) };
     let bf16_rows = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
     for (name, src) in [("packed keys", &packed), ("bf16 rows", &bf16_rows)] {
         poison(&dev, b * k)?;

@@ -18,7 +18,8 @@
 //!
 //! `index_select` is checked against the CPU (with several score-scratch budgets) on ties at a
 //! histogram bin edge, −inf (masked, past-cache) entries completing the top-k, short rows and the
-//! prefill and balanced decode kernels.
+//! prefill and balanced decode kernels; keys through a page table (the batched decode step's
+//! paged pools) against the CPU path.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_indexer`.
@@ -51,11 +52,11 @@ fn scores_match_the_cpu_on_bf16_rows_with_visibility_edges() -> Result<()> {
         let (q, w, keys) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?, fq(&mut rng, &[n, D])?);
         let vis_cpu = Tensor::new(&counts[..], &Device::Cpu)?;
         let vis_gpu = vis_cpu.to_device(&dev)?;
-        let cpu_src = KeySource { keys: IndexKeys::Rows(&keys), base: None, entries: n, visibility: Visibility::Counts(&vis_cpu) };
+        let cpu_src = KeySource { keys: IndexKeys::Rows(&keys), base: None, pages: None, entries: n, visibility: Visibility::Counts(&vis_cpu) };
         let want = masked_index_scores(&q, &w, &cpu_src, None)?;
         let (qg, wg, kg) = (q.to_device(&dev)?, w.to_device(&dev)?, keys.to_device(&dev)?);
         poison(&dev, t * n)?;
-        let gsrc = KeySource { keys: IndexKeys::Rows(&kg), base: None, entries: n, visibility: Visibility::Counts(&vis_gpu) };
+        let gsrc = KeySource { keys: IndexKeys::Rows(&kg), base: None, pages: None, entries: n, visibility: Visibility::Counts(&vis_gpu) };
         let got = masked_index_scores(&qg, &wg, &gsrc, None)?;
         assert_scores_exact(&format!("H{h} N{n} counts"), &got, &want)?;
         // Visible 0 → all −inf; visible N → no −inf.
@@ -111,11 +112,11 @@ fn packed_keys_score_like_bf16_rows_with_per_query_bases() -> Result<()> {
     let (cache, layout) = pack(&keys, page, &dev)?;
     let (base_c, vis_c) = (Tensor::new(&bases[..], &Device::Cpu)?, Tensor::new(&counts[..], &Device::Cpu)?);
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-    let cpu_src = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: n, visibility: Visibility::Counts(&vis_c) };
+    let cpu_src = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), pages: None, entries: n, visibility: Visibility::Counts(&vis_c) };
     let want = masked_index_scores(&q, &w, &cpu_src, None)?;
     let (qg, wg, kg) = (q.to_device(&dev)?, w.to_device(&dev)?, keys.to_device(&dev)?);
     poison(&dev, t * n)?;
-    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), pages: None, entries: n, visibility: Visibility::Counts(&vis_g) };
     let got_packed = masked_index_scores(&qg, &wg, &packed, None)?;
     assert_scores_exact("packed keys", &got_packed, &want)?;
     let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
@@ -323,41 +324,16 @@ fn index_select_matches_the_reference_end_to_end() -> Result<()> {
     let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
     let counts: Vec<u32> = vec![700, 513, 512, 100, 1, 0];
     let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
-    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), pages: None, entries: nk, visibility: Visibility::Counts(&vis_c) };
     let want = index_select(&q, &w, &cpu, k, None, None)?;
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), pages: None, entries: nk, visibility: Visibility::Counts(&vis_g) };
     poison(&dev, b * k)?;
     let got = index_select(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, k, None, None)?;
     assert_ids_equal("batched decode over packed keys", &got.topk, &want.topk)?;
     let g = ids(&got.topk)?;
     ensure!(g[3][..100] == (0..100).collect::<Vec<i64>>()[..] && g[3][100] == -1, "short context: every visible entry");
     Ok(())
-}
-
-/// `index_select` on the GPU with scratch budgets `scratches` must give the CPU reference's top-k
-/// ids exactly. Returns those ids.
-#[allow(clippy::too_many_arguments)]
-fn select_with_scratches(
-    dev: &Device,
-    what: &str,
-    q: &Tensor,
-    w: &Tensor,
-    cpu_src: &KeySource,
-    gpu_src: &KeySource,
-    k: usize,
-    consume: Option<(&Candidates, &Candidates)>,
-    scratches: &[usize],
-) -> Result<Vec<Vec<i64>>> {
-    let want = index_select(q, w, cpu_src, k, consume.map(|c| c.0), None)?;
-    let (qg, wg) = (q.to_device(dev)?, w.to_device(dev)?);
-    for &scratch_bytes in scratches {
-        poison(dev, q.dim(0)? * k.max(2048))?;
-        let opts = SelectOptions { scratch_bytes };
-        let got = index_select_with_options(&qg, &wg, gpu_src, k, consume.map(|c| c.1), None, &opts)?;
-        assert_ids_equal(&format!("{what} (scratch {scratch_bytes})"), &got.topk, &want.topk)?;
-    }
-    ids(&want.topk)
 }
 
 /// `index_select` in batched decode: fresh random keys per query (one packed and one bf16
@@ -379,9 +355,9 @@ fn select_in_batched_decode_with_masks_and_short_rows() -> Result<()> {
     let bases: Vec<u32> = (0..b as u32).map(|i| i * nk as u32).collect();
     let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), pages: None, entries: nk, visibility: Visibility::Counts(&vis_c) };
     let kg = keys.to_device(&dev)?;
-    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), pages: None, entries: nk, visibility: Visibility::Counts(&vis_g) };
     let rows_src = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
     // Consumer mask: 8 blocks of 16 entries per query (128 finite scores at most).
     let (block, n_keep) = (16usize, 8usize);
@@ -428,8 +404,8 @@ fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
         .collect();
     let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
-    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), pages: None, entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), pages: None, entries: nk, visibility: Visibility::Counts(&vis_g) };
     let want = masked_index_scores(&q, &w, &cpu, None)?;
     poison(&dev, b * nk)?;
     let got = masked_index_scores(&q.to_device(&dev)?, &w.to_device(&dev)?, &gsrc, None)?;
@@ -440,35 +416,6 @@ fn balanced_decode_batch_matches_the_cpu() -> Result<()> {
     let ids = select_with_scratches(&dev, "balanced decode batch", &q, &w, &cpu, &gsrc, k, None, &[1 << 28, 2 * 1504 * 9])?;
     ensure!(ids[0].iter().all(|&i| i == -1) && ids[1][0] == 0, "visible 0 / 1");
     Ok(())
-}
-
-/// Rows (of `D` values) of `t` picked by `pick(row)` multiplied per 32-block: block b times 2^(step·b).
-fn spread_blocks(t: Tensor, pick: &dyn Fn(usize) -> bool, step: i32) -> Result<Tensor> {
-    let dims = t.dims().to_vec();
-    let mut v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    for (i, row) in v.chunks_mut(D).enumerate() {
-        if pick(i) {
-            row.iter_mut().enumerate().for_each(|(d, x)| *x *= 2f32.powi(step * (d / 32) as i32));
-        }
-    }
-    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(DType::BF16)?)
-}
-
-/// Q3 data for the integer tensor-core path and its fallbacks to the bf16 path: queries `[t, h,
-/// D]` whose token i has its 32-blocks' scales spread by 6 (block b times 2^(2b): not s8
-/// integers, so the token takes the bf16 path) when i % 3 == 0, head weights `[t, h]` 2^45 times
-/// larger (past the path's exponent bounds) when i % 5 == 1, and `rows` keys whose row r has its
-/// blocks spread by 6 the other way (not s8: a warp iteration of 32 keys that holds one takes the
-/// bf16 path) in runs of 96 rows (r / 96 % 3 == 1, so that other iterations of the same tokens
-/// take the integer path); the other tokens and keys are ordinary. (The spreads point opposite ways so that no
-/// query-key product spans much more than 2^6 across blocks: within that the f32 sums are exact in
-/// any order, see kernels/indexer_scores.cu.)
-fn integer_path_data(rng: &mut Rng, t: usize, h: usize, rows: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let keys = spread_blocks(fq(rng, &[rows, D])?, &|r| r / 96 % 3 == 1, -2)?;
-    let q = spread_blocks(fq(rng, &[t, h, D])?, &|r| (r / h).is_multiple_of(3), 2)?;
-    let big_w: Vec<f32> = (0..t * h).map(|i| if (i / h) % 5 == 1 { 2f32.powi(45) } else { 1.0 }).collect();
-    let w = (weights(rng, t, h)? * Tensor::from_vec(big_w, (t, h), &Device::Cpu)?)?;
-    Ok((q, w, keys))
 }
 
 /// A decode batch of `b` queries with their own `nk` keys each on [`integer_path_data`]: scores
@@ -483,8 +430,8 @@ fn decode_integer_path_case(seed: u64, b: usize, nk: usize, what: &str) -> Resul
     let counts: Vec<u32> = (0..b).map(|_| (nk - rng.below(60)) as u32).collect();
     let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(counts.as_slice(), &Device::Cpu)?);
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: nk, visibility: Visibility::Counts(&vis_c) };
-    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: nk, visibility: Visibility::Counts(&vis_g) };
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), pages: None, entries: nk, visibility: Visibility::Counts(&vis_c) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), pages: None, entries: nk, visibility: Visibility::Counts(&vis_g) };
     let want = masked_index_scores(&q, &w, &cpu, None)?;
     let g = bits(&want)?;
     let finite = g.iter().filter(|&&x| x & 0x7f80 != 0x7f80 && x & 0x7fff != 0).count();
@@ -612,8 +559,8 @@ fn select_with_ties_at_a_bin_edge() -> Result<()> {
     let counts = [n as u32, 12_345, n as u32];
     let (base_c, vis_c) = (Tensor::new(&bases[..], &Device::Cpu)?, Tensor::new(&counts[..], &Device::Cpu)?);
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-    let cpu = KeySource { keys: IndexKeys::Packed { cache: &cache_cpu, layout }, base: Some(&base_c), entries: n, visibility: Visibility::Counts(&vis_c) };
-    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+    let cpu = KeySource { keys: IndexKeys::Packed { cache: &cache_cpu, layout }, base: Some(&base_c), pages: None, entries: n, visibility: Visibility::Counts(&vis_c) };
+    let gsrc = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: Some(&base_g), pages: None, entries: n, visibility: Visibility::Counts(&vis_g) };
     // The data are what the test claims: exact scores, 62 of 300 ties at 2.0 taken.
     let s = masked_index_scores(&q, &w, &cpu, None)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     ensure!(s[0].iter().zip(&plan).all(|(&a, &v)| a == v.max(0.0)), "scores are max(K[j, 0], 0)");
@@ -752,9 +699,9 @@ fn select_on_64k_keys_matches_the_cpu() -> Result<()> {
     let bases = vec![0u32; b];
     let (base_c, vis_c) = (Tensor::new(bases.as_slice(), &Device::Cpu)?, Tensor::new(&counts[..], &Device::Cpu)?);
     let (base_g, vis_g) = (base_c.to_device(&dev)?, vis_c.to_device(&dev)?);
-    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), entries: n, visibility: Visibility::Counts(&vis_c) };
+    let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: Some(&base_c), pages: None, entries: n, visibility: Visibility::Counts(&vis_c) };
     let kg = keys.to_device(&dev)?;
-    let gsrc = KeySource { keys: IndexKeys::Rows(&kg), base: Some(&base_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+    let gsrc = KeySource { keys: IndexKeys::Rows(&kg), base: Some(&base_g), pages: None, entries: n, visibility: Visibility::Counts(&vis_g) };
     let g = select_with_scratches(&dev, "64K keys", &q, &w, &cpu, &gsrc, k, None, &[1 << 28])?;
     ensure!(g[b - 1] == (0..k as i64).collect::<Vec<_>>(), "zero weights: all scores 0, ids 0..k");
     Ok(())
@@ -770,8 +717,69 @@ fn bad_inputs_are_refused_with_clear_errors() -> Result<()> {
     ensure!(err.to_string().contains("index heads"), "{err}");
     let q = q.narrow(1, 0, 32)?;
     let w = w.narrow(1, 0, 32)?;
-    let src = KeySource { keys: IndexKeys::Rows(&keys), base: None, entries: 11, visibility: Visibility::Causal { start: 0, ratio: 1 } };
+    let src = KeySource { keys: IndexKeys::Rows(&keys), base: None, pages: None, entries: 11, visibility: Visibility::Causal { start: 0, ratio: 1 } };
     let err = index_select(&q, &w, &src, 4, None, None).unwrap_err();
     ensure!(err.to_string().contains("11 entries"), "{err}");
+    Ok(())
+}
+
+/// Keys through a page table (the batched decode step's paged pools): each query's entries in
+/// pages of 64 slots listed in a shuffled order (pages shared between queries, −1 past those a
+/// query holds), for packed and bf16 keys, in the grid decode kernel (T = 5) and the balanced one
+/// (T = 80): the scores equal the CPU path's (which gathers the same rows) bit for bit, the GPU's
+/// packed and bf16 scores are identical, and `index_select`'s top-k equals the CPU's. A negative
+/// control: the same keys through the identity table score differently.
+#[test]
+fn paged_keys_score_and_select_like_the_cpu() -> Result<()> {
+    use deepseek_v41::cuda::KeyPages;
+    let dev = gpu();
+    let mut rng = Rng(61);
+    let (h, page, pages, max_pages, k) = (32usize, 64usize, 13usize, 4usize, 96usize);
+    let n = max_pages * page;
+    let keys = fq(&mut rng, &[pages * page, D])?;
+    let (cache, layout) = pack(&keys, page, &dev)?;
+    let kg = keys.to_device(&dev)?;
+    for t in [5usize, 80] {
+        // Query i holds 1..=4 pages (page ids drawn at random, repeats allowed), visible counts
+        // from 0 to all of them (entries of the last page partly visible).
+        let mut table = vec![-1i64; t * max_pages];
+        let mut counts = Vec::with_capacity(t);
+        for i in 0..t {
+            let held = 1 + rng.below(max_pages);
+            for p in 0..held {
+                table[i * max_pages + p] = rng.below(pages) as i64;
+            }
+            counts.push(match i {
+                0 => 0,
+                1 => (held * page) as u32,
+                _ => rng.below(held * page + 1) as u32,
+            });
+        }
+        let (q, w) = (fq(&mut rng, &[t, h, D])?, weights(&mut rng, t, h)?);
+        let table_c = Tensor::from_vec(table, (t, max_pages), &Device::Cpu)?;
+        let (vis_c, table_g) = (Tensor::new(counts.as_slice(), &Device::Cpu)?, table_c.to_device(&dev)?);
+        let vis_g = vis_c.to_device(&dev)?;
+        let paged = |table| Some(KeyPages { table, page_size: page });
+        let cpu = KeySource { keys: IndexKeys::Rows(&keys), base: None, pages: paged(&table_c), entries: n, visibility: Visibility::Counts(&vis_c) };
+        let packed = KeySource { keys: IndexKeys::Packed { cache: &cache, layout }, base: None, pages: paged(&table_g), entries: n, visibility: Visibility::Counts(&vis_g) };
+        let rows = KeySource { keys: IndexKeys::Rows(&kg), ..packed };
+        let what = format!("paged keys, T = {t}");
+        let want = masked_index_scores(&q, &w, &cpu, None)?;
+        let (qg, wg) = (q.to_device(&dev)?, w.to_device(&dev)?);
+        poison(&dev, t * n)?;
+        let got = masked_index_scores(&qg, &wg, &packed, None)?;
+        assert_scores_exact(&what, &got, &want)?;
+        ensure!(bits(&masked_index_scores(&qg, &wg, &rows, None)?)? == bits(&got)?, "{what}: packed and bf16 keys must score identically");
+        let finite = bits(&want)?.iter().filter(|&&b| b != 0xff80).count();
+        ensure!(finite > t * page / 2, "{what}: only {finite} visible scores");
+        // Negative control: the identity table (rows 0..n) gives other scores.
+        let identity = Tensor::from_vec((0..(t * max_pages) as i64).map(|i| i % max_pages as i64).collect::<Vec<_>>(), (t, max_pages), &dev)?;
+        let plain = masked_index_scores(&qg, &wg, &KeySource { pages: paged(&identity), ..packed }, None)?;
+        ensure!(bits(&plain)? != bits(&got)?, "{what}: the page table changed nothing");
+        let ids = select_with_scratches(&dev, &what, &q, &w, &cpu, &packed, k, None, &[1 << 28])?;
+        ensure!(ids[0].iter().all(|&i| i == -1), "{what}: visible 0");
+        let want_sel = index_select(&q, &w, &cpu, k, None, None)?;
+        assert_ids_equal(&format!("{what}, bf16 keys"), &index_select(&qg, &wg, &rows, k, None, None)?.topk, &want_sel.topk)?;
+    }
     Ok(())
 }

@@ -11,7 +11,8 @@
 //! * the step captured once into a CUDA graph (`model::GraphedDecodeStep`: logits and sampled
 //!   ids copied into fixed tensors inside the graph) and replayed after each update of tokens,
 //!   positions and sampling steps: bit for bit the eager step on a second set of pools, logits
-//!   and temperature-sampled ids, step after step.
+//!   and temperature-sampled ids, step after step; the same over the paged pools with sequences
+//!   crossing into new pages and a released row loaded with a new sequence between replays.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_model_decode_step`.
@@ -142,5 +143,60 @@ fn graph_replay_equals_eager_steps_on(cfg: &Config) -> Result<()> {
         previous = Some(now);
         pos.iter_mut().for_each(|p| *p += 1);
     }
+    Ok(())
+}
+
+/// Prefill lengths past most of a page of 64 entries at the ratio-1 sources: the sequences take
+/// their second pages at different steps (not adjacent to their first).
+const PAGED_STARTS: [usize; 4] = [61, 62, 63, 59];
+
+/// The tiny config as released over the paged pools: the sequences cross into new pages between
+/// replays (the updates write the page table the captured step reads), and a row released and
+/// loaded with a new sequence between two replays; the replayed logits equal the eager step's
+/// (a second set of pools, the same updates) bit for bit, step after step.
+#[test]
+fn graph_replay_over_interleaved_pages() -> Result<()> {
+    let cfg = full_config(512)?;
+    let (dev, cpu) = (gpu(), Device::Cpu);
+    let (on_cpu, on_gpu) = (model(&cfg, &cpu)?, model(&cfg, &dev)?);
+    let mut rng = Rng(0x9a6e);
+    let caches = run::prefill_lengths(&cfg, &on_cpu, &PAGED_STARTS, &mut rng, &cpu)?;
+    let fresh = run::prefill_lengths(&cfg, &on_cpu, &[7], &mut rng, &cpu)?.remove(0);
+    let b = PAGED_STARTS.len();
+    let new_step = || -> Result<ModelDecodeStep> {
+        let mut s = ModelDecodeStep::with_pool_tokens(&cfg, &on_gpu, b, 160, 640, BatchStorage::BF16, &dev)?;
+        for (i, c) in caches.iter().enumerate() {
+            s.load(i, c)?;
+        }
+        Ok(s)
+    };
+    let mut eager = new_step()?;
+    let mut pos: Vec<usize> = PAGED_STARTS.to_vec();
+    let mut toks = tokens(&mut rng, b, cfg.vocab_size);
+    let greedy = SamplingBatch::new(vec![SamplingParams::GREEDY; b], vec![0; b], &dev)?;
+    let mut graphed = GraphedDecodeStep::capture(new_step()?, greedy, &toks, &pos).context("capturing the step")?;
+    let ratio1 = |s: &ModelDecodeStep| s.page_occupancy().into_iter().filter(|o| cfg.compress_ratios[o.layer] == 1).map(|o| o.used).sum::<usize>();
+    let first_used = ratio1(graphed.inner());
+    for t in 0..7 {
+        if t == 4 {
+            // Row 1 is done: a new sequence of 7 tokens in its row, in both steps.
+            for s in [&mut eager, graphed.step_mut()] {
+                s.release(1)?;
+                s.load(1, &fresh)?;
+            }
+            pos[1] = 7;
+        }
+        if t > 0 {
+            toks = tokens(&mut rng, b, cfg.vocab_size);
+            graphed.step(&toks, &pos, &vec![0; b])?;
+        }
+        eager.update(&toks, &pos)?;
+        let want = eager.forward()?;
+        ensure!(bits(graphed.logits())? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
+        pos.iter_mut().for_each(|p| *p += 1);
+    }
+    ensure!(ratio1(graphed.inner()) > first_used, "the replays took no page");
+    let interleaved = graphed.inner().caches().iter().filter_map(|c| c.pages()).any(|p| (0..b).any(|s| p.pages_of(s).windows(2).any(|w| w[1] != w[0] + 1)));
+    ensure!(interleaved, "no sequence holds pages that are not adjacent");
     Ok(())
 }

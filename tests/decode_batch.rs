@@ -9,6 +9,9 @@
 //! multiplies each sequence's row as its own call does). A step built once and fed by
 //! `DecodeStepInputs::update` (what a graph replay does) equals fresh objects per step; a step
 //! repeated at the same positions changes nothing; bad inputs are typed errors naming the value.
+//! The kv sources' entries live in pages shared by the batch: sequences whose pages interleave,
+//! a released row loaded with a new sequence, a full page pool (`PoolFull`, nothing changed)
+//! — still bit for bit each sequence alone.
 //!
 //! Runs in every build (`cargo test --release --test decode_batch`): without the `cuda` feature
 //! the step's ops are their CPU references (bf16 pools; the packed cases need the feature), with
@@ -17,7 +20,7 @@
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::{
-    BatchStorage, BatchedLayerCache, CacheStorage, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, Published,
+    BatchStorage, BatchedLayerCache, CacheStorage, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, PageTable, Published, SequenceCache,
 };
 use deepseek_v41::config::{CandidateRole, Config};
 
@@ -29,7 +32,7 @@ use rng::Rng;
 #[path = "support/decode_batch_run.rs"]
 #[allow(dead_code)]
 mod run;
-use run::{bits, entry_ids, forward, layer_inputs, one_at_a_time, positions, prefill, random_layers, Batch};
+use run::{bits, entry_ids, entry_slots, forward, layer_inputs, one_at_a_time, pool_slots, positions, prefill, random_layers, Batch};
 
 fn tiny() -> Result<Config> {
     Ok(Config::from_file(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny/config.json"))?)
@@ -58,41 +61,62 @@ fn batched_equals_one_at_a_time(storage: BatchStorage) -> Result<()> {
     let b = STARTS.len();
     let batch = Batch::new(&cfg, &layers, b, ENTRIES, storage, &dev)?;
     batch.load(&seqs)?;
-    let steps = batch.steps()?;
+    let mut pos = positions(&STARTS, 0, cfg.sliding_window)?;
+    let (masked, consumed) = step_and_compare(&cfg, &layers, &batch, &mut seqs, &mut pos, STEPS, &mut rng, &format!("{storage:?}"))?;
+    ensure!(consumed > 0 && masked * 2 > consumed, "the candidate blocks restricted {masked} of {consumed} consumer selections");
+    check_pools(&cfg, &batch, &seqs)
+}
+
+/// `steps` decode steps of `batch` (loaded with `seqs`, at `pos`, both advanced) against each
+/// sequence alone, bit for bit: outputs, the index sources' top-k (as entry ids through the page
+/// tables) and the published candidate blocks. Returns how many candidate-consumer selections
+/// the blocks restricted, of how many.
+#[allow(clippy::too_many_arguments)]
+fn step_and_compare(
+    cfg: &Config,
+    layers: &[deepseek_v41::attention::Attention],
+    batch: &Batch,
+    seqs: &mut [SequenceCache],
+    pos: &mut [usize],
+    steps: usize,
+    rng: &mut Rng,
+    what: &str,
+) -> Result<(usize, usize)> {
+    let b = seqs.len();
+    let step_objs = batch.steps()?;
     let (mut masked, mut consumed) = (0, 0);
-    for t in 0..STEPS {
-        let pos = positions(&STARTS, t, cfg.sliding_window)?;
-        batch.update(&pos)?;
-        let xs = layer_inputs(&cfg, &mut rng, b, &dev)?;
-        let got = forward(&steps, &xs)?;
-        let want = one_at_a_time(&cfg, &layers, &mut seqs, &xs, &pos)?;
+    for t in 0..steps {
+        batch.update(pos)?;
+        let xs = layer_inputs(cfg, rng, b, &Device::Cpu)?;
+        let got = forward(&step_objs, &xs)?;
+        let want = one_at_a_time(cfg, layers, seqs, &xs, pos)?;
         for (l, layer) in batch.layers.iter().enumerate() {
             let y = bits(&got[l].y)?;
-            ensure!(y.iter().any(|&v| f32::from_bits(v) != 0.0), "step {t}, layer {l}: all zeros");
+            ensure!(y.iter().any(|&v| f32::from_bits(v) != 0.0), "{what}, step {t}, layer {l}: all zeros");
             let h = cfg.hidden_size;
-            let stride = batch.entry_stride(l);
+            let pages = batch.pages(l);
             for (s, alone) in want[l].iter().enumerate() {
-                ensure!(y[s * h..(s + 1) * h] == bits(&alone.y)?[..], "{storage:?}, step {t}, layer {l}, sequence {s} at {}: outputs differ", pos[s]);
+                ensure!(y[s * h..(s + 1) * h] == bits(&alone.y)?[..], "{what}, step {t}, layer {l}, sequence {s} at {}: outputs differ", pos[s]);
                 if let Some(wk) = &alone.topk {
-                    let g = &entry_ids(got[l].topk.as_ref().expect("an index source's top-k"), stride)?[s];
-                    ensure!(*g == wk.to_vec2::<i64>()?[0], "step {t}, layer {l}, sequence {s}: top-k {g:?} vs {:?}", wk.to_vec2::<i64>()?);
+                    let g = &entry_ids(got[l].topk.as_ref().expect("an index source's top-k"), pages)?[s];
+                    ensure!(*g == wk.to_vec2::<i64>()?[0], "{what}, step {t}, layer {l}, sequence {s}: top-k {g:?} vs {:?}", wk.to_vec2::<i64>()?);
                 }
                 if let Some(wc) = &alone.candidates {
                     let gc = got[l].candidates.as_ref().expect("the candidate source's blocks").to_vec2::<i64>()?;
-                    ensure!(gc[s] == wc.to_vec2::<i64>()?[0], "step {t}, layer {l}, sequence {s}: candidate blocks {:?} vs {wc}", gc[s]);
+                    ensure!(gc[s] == wc.to_vec2::<i64>()?[0], "{what}, step {t}, layer {l}, sequence {s}: candidate blocks {:?} vs {wc}", gc[s]);
                 }
             }
             match (layer.kind(), layer.candidates()) {
                 (DecodeLayerKind::Reuse { index_source, .. }, _) => {
-                    ensure!(bits(got[l].topk.as_ref().unwrap())? == bits(got[index_source].topk.as_ref().unwrap())?, "step {t}, layer {l}: reuse top-k")
+                    ensure!(bits(got[l].topk.as_ref().unwrap())? == bits(got[index_source].topk.as_ref().unwrap())?, "{what}, step {t}, layer {l}: reuse top-k")
                 }
                 (_, CandidateRole::Consume { source }) => {
                     // The consumer's entries lie in the published blocks; count the sequences whose
                     // visible entries the blocks restrict.
                     let blocks = got[source].candidates.as_ref().unwrap().to_vec2::<i64>()?;
                     let block = cfg.candidate_block_size as i64;
-                    for (s, ids) in entry_ids(got[l].topk.as_ref().unwrap(), stride)?.iter().enumerate() {
-                        ensure!(ids.iter().all(|&j| j < 0 || blocks[s].contains(&(j / block))), "step {t}, layer {l}, sequence {s}: {ids:?} outside {:?}", blocks[s]);
+                    for (s, ids) in entry_ids(got[l].topk.as_ref().unwrap(), pages)?.iter().enumerate() {
+                        ensure!(ids.iter().all(|&j| j < 0 || blocks[s].contains(&(j / block))), "{what}, step {t}, layer {l}, sequence {s}: {ids:?} outside {:?}", blocks[s]);
                         consumed += 1;
                         masked += usize::from(pos[s] + 1 > cfg.candidate_topk_blocks * cfg.candidate_block_size);
                     }
@@ -100,33 +124,30 @@ fn batched_equals_one_at_a_time(storage: BatchStorage) -> Result<()> {
                 _ => {}
             }
         }
+        pos.iter_mut().for_each(|p| *p += 1);
     }
-    ensure!(consumed > 0 && masked * 2 > consumed, "the candidate blocks restricted {masked} of {consumed} consumer selections");
-    // The pools hold the sequences' rows: window rings and, for the sources, entries and keys.
+    Ok((masked, consumed))
+}
+
+/// The pools hold the sequences' rows: window rings and, for the sources, entries and keys at
+/// the slots of their pages.
+fn check_pools(cfg: &Config, batch: &Batch, seqs: &[SequenceCache]) -> Result<()> {
     for (l, c) in batch.caches.iter().enumerate() {
         for (s, seq) in seqs.iter().enumerate() {
             let ring = seq.layer(l)?.window.ring_rows()?;
             let w = cfg.sliding_window;
-            ensure!(bits(&pool_rows(c.window_rows(), s * c.window_stride(), w)?)? == bits(&ring)?, "layer {l}, sequence {s}: window ring");
-            if let (Some(src), Ok(own)) = (c.source(), seq.source(l)) {
+            let region: Vec<usize> = (s * c.window_stride()..s * c.window_stride() + w).collect();
+            ensure!(bits(&pool_slots(c.window_rows(), &region)?)? == bits(&ring)?, "layer {l}, sequence {s}: window ring");
+            if let (Some(src), Some(pages), Ok(own)) = (c.source(), c.pages(), seq.source(l)) {
                 let n = own.compressed.len();
-                ensure!(n > 0 || STARTS[s] + STEPS < 2, "sequence {s}: no entries");
-                let first = s * c.entry_stride();
-                ensure!(bits(&pool_rows(&src.compressed, first, n)?)? == bits(&own.compressed.rows()?)?, "layer {l}, sequence {s}: entries");
-                ensure!(bits(&pool_rows(&src.index_keys, first, n)?)? == bits(&own.index_keys.rows()?)?, "layer {l}, sequence {s}: keys");
+                ensure!(n > 0 || seq.layer(l)?.next_pos < 2, "sequence {s}: no entries");
+                let slots = entry_slots(pages, s, n)?;
+                ensure!(bits(&pool_slots(&src.compressed, &slots)?)? == bits(&own.compressed.rows()?)?, "layer {l}, sequence {s}: entries");
+                ensure!(bits(&pool_slots(&src.index_keys, &slots)?)? == bits(&own.index_keys.rows()?)?, "layer {l}, sequence {s}: keys");
             }
         }
     }
     Ok(())
-}
-
-/// Rows `first .. first + n` of a pool as bf16.
-fn pool_rows(p: &deepseek_v41::attention::PoolRows, first: usize, n: usize) -> Result<Tensor> {
-    Ok(match p {
-        deepseek_v41::attention::PoolRows::Bf16(t) => t.narrow(0, first, n)?,
-        #[cfg(feature = "cuda")]
-        deepseek_v41::attention::PoolRows::Packed(t, l) => l.unpack_rows(t, first..first + n, DType::BF16)?,
-    })
 }
 
 #[test]
@@ -295,5 +316,115 @@ fn bad_inputs_are_typed_errors() -> Result<()> {
         let e = message(DecodeStep::new(&d0, &packed, None, &inputs).unwrap_err());
         ensure!(e.contains("cache_fake_quant"), "{e}");
     }
+    Ok(())
+}
+
+/// Prefill lengths of the paged scenarios: sequences of the ratio-1 sources past one page of 64
+/// entries (125, 127), crossing into their second or third page at different steps (62, 60 at
+/// steps 2 and 4, 125 at step 3, 127 at step 1) and one that stays in its first (2); the ratio-2
+/// sources cross at steps 2 (127) and 4 (125).
+const PAGED_STARTS: [usize; 5] = [125, 2, 62, 60, 127];
+const PAGED_STEPS: usize = 6;
+/// Entries per sequence of the paged scenarios: 3 pages.
+const PAGED_ENTRIES: usize = 192;
+
+/// Sequences whose pages interleave (taken in turn at the load, then one by one as the
+/// sequences cross page boundaries at different steps) give, bit for bit, what each sequence
+/// alone gives, and the pools hold their rows at the slots of their pages.
+#[test]
+fn interleaved_pages_equal_one_sequence_at_a_time() -> Result<()> {
+    let (cfg, dev) = (tiny()?, Device::Cpu);
+    let layers = random_layers(&cfg, &dev, 19)?;
+    let storages: &[BatchStorage] = if cfg!(feature = "cuda") { &[BatchStorage::BF16, BatchStorage::PACKED] } else { &[BatchStorage::BF16] };
+    for &storage in storages {
+        let mut rng = Rng(0x9a9e5);
+        let mut seqs = prefill(&cfg, &layers, &PAGED_STARTS, &mut rng, &dev)?;
+        let b = PAGED_STARTS.len();
+        let batch = Batch::new(&cfg, &layers, b, PAGED_ENTRIES, storage, &dev)?;
+        ensure!(batch.caches.iter().filter_map(|c| c.pages()).all(|p| p.used() == 0), "fresh pools hold pages");
+        batch.load_interleaved(&seqs)?;
+        ensure!(batch.pages_interleaved(), "the load took adjacent pages");
+        let before: Vec<usize> = batch.caches.iter().filter_map(|c| c.pages()).map(|p| p.used()).collect();
+        let mut pos = positions(&PAGED_STARTS, 0, cfg.sliding_window)?;
+        step_and_compare(&cfg, &layers, &batch, &mut seqs, &mut pos, PAGED_STEPS, &mut rng, &format!("{storage:?}, interleaved"))?;
+        let after: Vec<usize> = batch.caches.iter().filter_map(|c| c.pages()).map(|p| p.used()).collect();
+        ensure!(before.iter().zip(&after).all(|(a, b)| b > a), "pages used before {before:?}, after {after:?}: the steps took none");
+        check_pools(&cfg, &batch, &seqs)?;
+    }
+    Ok(())
+}
+
+/// A released row takes a new sequence (into the pages the others left and freed ones): the
+/// other sequences' steps stay bit for bit theirs, the new one's is its own.
+#[test]
+fn a_released_row_takes_a_new_sequence() -> Result<()> {
+    let (cfg, dev) = (tiny()?, Device::Cpu);
+    let layers = random_layers(&cfg, &dev, 23)?;
+    let mut rng = Rng(0x7e1ea5e);
+    let mut seqs = prefill(&cfg, &layers, &PAGED_STARTS, &mut rng, &dev)?;
+    let b = PAGED_STARTS.len();
+    let batch = Batch::new(&cfg, &layers, b, PAGED_ENTRIES, BatchStorage::BF16, &dev)?;
+    batch.load(&seqs)?;
+    let mut pos = positions(&PAGED_STARTS, 0, cfg.sliding_window)?;
+    step_and_compare(&cfg, &layers, &batch, &mut seqs, &mut pos, 2, &mut rng, "before the release")?;
+    let used = |batch: &Batch| -> Vec<usize> { batch.caches.iter().filter_map(|c| c.pages()).map(|p| p.used()).collect() };
+    let held = used(&batch);
+    batch.release(4)?;
+    let freed = used(&batch);
+    ensure!(held.iter().zip(&freed).all(|(h, f)| f < h) && held[2] - freed[2] == 3, "release returned too few pages: {held:?} → {freed:?}");
+    ensure!(batch.caches.iter().filter_map(|c| c.pages()).all(|p| p.pages_of(4).is_empty()), "row 4 still holds pages");
+    // A new sequence of 70 tokens in row 4 (longer than a page at ratio 1: two of the freed pages).
+    let new = prefill(&cfg, &layers, &[70], &mut rng, &dev)?.remove(0);
+    batch.load_one(4, &new)?;
+    seqs[4] = new;
+    pos[4] = 70;
+    step_and_compare(&cfg, &layers, &batch, &mut seqs, &mut pos, 3, &mut rng, "after the load")?;
+    ensure!(batch.pages_interleaved(), "no sequence's pages interleave");
+    check_pools(&cfg, &batch, &seqs)
+}
+
+/// A step whose new entries find no free page is `PoolFull` naming the layer, the sequence and
+/// the pages; it changes nothing: the pages, the inputs, and after a finished sequence's release
+/// and a new load the other sequences' steps are still bit for bit theirs.
+#[test]
+fn a_full_page_pool_is_an_error_that_changes_nothing() -> Result<()> {
+    let (cfg, dev) = (tiny()?, Device::Cpu);
+    let layers = random_layers(&cfg, &dev, 31)?;
+    let mut rng = Rng(0xf011);
+    // Ratio-1 sources: sequence 0 crosses into its second page at step 2, sequence 2 at step 1;
+    // 4 pages for 3 sequences.
+    let starts = [62, 3, 62 + 1];
+    let mut seqs = prefill(&cfg, &layers, &starts, &mut rng, &dev)?;
+    let batch = Batch::paged(&cfg, &layers, 3, 128, 4, BatchStorage::BF16, &dev)?;
+    batch.load(&seqs)?;
+    let mut pos = starts.to_vec();
+    step_and_compare(&cfg, &layers, &batch, &mut seqs, &mut pos, 2, &mut rng, "before the pool fills")?;
+    let table = |batch: &Batch| -> Vec<Vec<usize>> {
+        batch.caches.iter().filter_map(|c| c.pages()).flat_map(|p| (0..3).map(|s| p.pages_of(s)).collect::<Vec<_>>()).collect()
+    };
+    let (pages, inputs) = (table(&batch), batch.inputs.iter().map(|i| i.positions().to_vec1::<i64>()).collect::<candle_core::Result<Vec<_>>>()?);
+    let e = batch.update(&pos).unwrap_err().to_string();
+    let src = (0..cfg.num_hidden_layers).find(|&l| cfg.compress_ratios[l] == 1 && batch.caches[l].pages().is_some()).expect("a ratio-1 kv source");
+    ensure!(e.contains(&format!("layer {src}: sequence 0 needs 1 more pages")) && e.contains("has 0 of 4 free") && e.contains("release"), "{e}");
+    ensure!(table(&batch) == pages, "the failed update changed the page tables");
+    let now = batch.inputs.iter().map(|i| i.positions().to_vec1::<i64>()).collect::<candle_core::Result<Vec<_>>>()?;
+    ensure!(now == inputs, "the failed update changed the inputs");
+    let occ = batch.caches[src].pages().expect("a kv source").occupancy();
+    ensure!((occ.layer, occ.used, occ.total) == (src, 4, 4), "{occ:?}");
+    // Sequence 0 is done: its row takes a new short sequence; the others go on as if nothing happened.
+    batch.release(0)?;
+    let new = prefill(&cfg, &layers, &[9], &mut rng, &dev)?.remove(0);
+    batch.load_one(0, &new)?;
+    seqs[0] = new;
+    pos[0] = 9;
+    step_and_compare(&cfg, &layers, &batch, &mut seqs, &mut pos, 2, &mut rng, "after the pool filled")?;
+    check_pools(&cfg, &batch, &seqs)?;
+    // A load that finds no page is the same error and changes nothing either.
+    let long = prefill(&cfg, &layers, &[100], &mut rng, &dev)?.remove(0);
+    let before = table(&batch);
+    let e = message(batch.caches[src].load_sequence(1, &long).unwrap_err());
+    ensure!(e.contains("sequence 1 needs 1 more pages"), "{e}");
+    ensure!(table(&batch) == before, "the failed load changed the page tables");
+    ensure!(PageTable::PAGE == 64, "the scenarios assume pages of 64 entries");
     Ok(())
 }

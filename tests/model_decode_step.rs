@@ -4,13 +4,17 @@
 //! then decode steps of all four at once: the logits equal `Model::forward_batch` of one token
 //! per sequence bit for bit, step after step (Engram ids hashed per sequence, ratio-2 groups
 //! opening and closing, windows wrapping); a repeated step at the same inputs gives the same
-//! logits and leaves the pools as one step does; bad inputs are errors naming the value.
+//! logits and leaves the pools as one step does; bad inputs are errors naming the value. The kv
+//! sources' entries in pages: sequences whose pages interleave, a small page pool
+//! (`with_pool_tokens`) that fills (`PoolFull`, nothing changed), a released row loaded with a
+//! new sequence — still bit for bit `forward_batch`.
 //!
 //! `cargo test --release --test model_decode_step` (with `--features cuda` the step's ops run
 //! the `cuda` ops' CPU paths).
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
+use deepseek_v41::model::ModelCache;
 use deepseek_v41::attention::BatchStorage;
 use deepseek_v41::config::Config;
 use deepseek_v41::model::{Model, ModelDecodeStep};
@@ -26,7 +30,7 @@ use rng::Rng;
 #[path = "support/model_step_run.rs"]
 #[allow(dead_code)]
 mod run;
-use run::{bits, eager_step, full_config, prefill, step_config, token_map, tokens, CAPACITY, STARTS};
+use run::{bits, eager_step, full_config, prefill, prefill_lengths, step_config, token_map, tokens, CAPACITY, STARTS};
 
 const STEPS: usize = 4;
 
@@ -166,4 +170,81 @@ fn bad_inputs_are_errors() -> Result<()> {
     let e = ModelDecodeStep::new(&cfg, &f32_model, b, CAPACITY, BatchStorage::BF16, &dev).unwrap_err().to_string();
     ensure!(e.contains("F32") && e.contains("bf16"), "{e}");
     Ok(())
+}
+
+/// Prefill lengths of the paged scenarios (tiny config as released): the ratio-1 sources'
+/// sequences cross from their first page of 64 entries into the second at steps 3, 2, 1 and 5.
+const PAGED_STARTS: [usize; 4] = [61, 62, 63, 59];
+const PAGED_CAPACITY: usize = 160;
+
+/// The pages of the sequences interleave (each takes its second page at another step): the
+/// logits still equal `forward_batch`'s bit for bit.
+#[test]
+fn interleaved_pages_equal_forward_batch() -> Result<()> {
+    let (cfg, dev) = (full_config(128)?, Device::Cpu);
+    let m = model(&cfg, 37)?;
+    let mut rng = Rng(0x9a6e);
+    let mut caches = prefill_lengths(&cfg, &m, &PAGED_STARTS, &mut rng, &dev)?;
+    let b = PAGED_STARTS.len();
+    let mut step = ModelDecodeStep::new(&cfg, &m, b, PAGED_CAPACITY, BatchStorage::BF16, &dev)?;
+    for (s, c) in caches.iter().enumerate() {
+        step.load(s, c)?;
+    }
+    for t in 0..6 {
+        let toks = tokens(&mut rng, b, cfg.vocab_size);
+        let pos: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+        let want = eager_step(&m, &mut caches, &toks)?;
+        step.update(&toks, &pos)?;
+        ensure!(bits(&step.forward()?)? == bits(&want)?, "step {t} at {pos:?}: the step's logits differ from forward_batch");
+    }
+    let interleaved = step.caches().iter().filter_map(|c| c.pages()).any(|p| (0..b).any(|s| p.pages_of(s).windows(2).any(|w| w[1] != w[0] + 1)));
+    ensure!(interleaved, "no sequence holds pages that are not adjacent");
+    Ok(())
+}
+
+/// A step over a small page pool (`with_pool_tokens`): when the pool is full the update is
+/// `PoolFull` and changes nothing (pages, Engram histories); a finished sequence's row released
+/// and loaded with a new sequence, every sequence's next steps equal `forward_batch`'s bit for
+/// bit.
+#[test]
+fn a_full_page_pool_then_release_and_load() -> Result<()> {
+    let (cfg, dev) = (full_config(128)?, Device::Cpu);
+    let m = model(&cfg, 41)?;
+    let mut rng = Rng(0xf0011);
+    let mut caches = prefill_lengths(&cfg, &m, &PAGED_STARTS, &mut rng, &dev)?;
+    let b = PAGED_STARTS.len();
+    // 448 tokens: 7 pages per ratio-1 source (4 loaded, 4 more asked by step 5), 4 per ratio-2 one.
+    let mut step = ModelDecodeStep::with_pool_tokens(&cfg, &m, b, PAGED_CAPACITY, 448, BatchStorage::BF16, &dev)?;
+    ensure!(step.page_occupancy().iter().all(|o| o.used == 0), "a fresh step holds pages: {:?}", step.page_occupancy());
+    for (s, c) in caches.iter().enumerate() {
+        step.load(s, c)?;
+    }
+    let ratio1 = step.page_occupancy().into_iter().filter(|o| cfg.compress_ratios[o.layer] == 1).collect::<Vec<_>>();
+    ensure!(!ratio1.is_empty() && ratio1.iter().all(|o| (o.used, o.total) == (4, 7)), "{ratio1:?}");
+    let run = |step: &mut ModelDecodeStep, caches: &mut Vec<ModelCache>, rng: &mut Rng, steps: usize| -> Result<()> {
+        for t in 0..steps {
+            let toks = tokens(rng, b, cfg.vocab_size);
+            let pos: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+            step.update(&toks, &pos)?;
+            let want = eager_step(&m, caches, &toks)?;
+            ensure!(bits(&step.forward()?)? == bits(&want)?, "step {t} at {pos:?}: the step's logits differ from forward_batch");
+        }
+        Ok(())
+    };
+    run(&mut step, &mut caches, &mut rng, 5)?;
+    let occupancy = step.page_occupancy();
+    let toks = tokens(&mut rng, b, cfg.vocab_size);
+    let pos: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+    let e = step.update(&toks, &pos).unwrap_err().to_string();
+    let first = ratio1[0].layer;
+    ensure!(e.contains(&format!("layer {first}: sequence 3 needs 1 more pages")) && e.contains("0 of 7 free"), "{e}");
+    ensure!(step.page_occupancy() == occupancy, "the failed update took pages");
+    // Sequence 1 is done: a new sequence of 5 tokens in its row.
+    step.release(1)?;
+    ensure!(step.page_occupancy().iter().zip(&occupancy).all(|(now, was)| now.used < was.used), "{:?}", step.page_occupancy());
+    let new = prefill_lengths(&cfg, &m, &[5], &mut rng, &dev)?.remove(0);
+    step.load(1, &new)?;
+    caches[1] = new;
+    // The failed update changed no Engram history: the others step on from the same positions.
+    run(&mut step, &mut caches, &mut rng, 3)
 }

@@ -158,7 +158,8 @@ impl WindowPool {
 }
 
 /// The compressed entries and index keys of one kv source for B sequences, `e` per sequence
-/// (row `b·e + j`), in the formats of the run.
+/// (`ceil(e / PAGE)` pages each, taken by the step's updates in sequence order), in the formats
+/// of the run.
 pub struct SourcePools {
     /// Entries per sequence (pool stride).
     pub e: usize,
@@ -179,18 +180,21 @@ impl SourcePools {
     pub fn new(b: usize, e: usize, hd: usize, di: usize, fmts: &[CacheFormat], dev: &Device) -> Result<Self> {
         let bf16_kv = fmts.iter().any(|&f| f != CacheFormat::PackedKv);
         let packed_kv = fmts.contains(&CacheFormat::PackedKv);
+        // The library's default page pool: `ceil(e / PAGE)` pages per sequence (the step's
+        // updates take them in sequence order: sequence b's entries lie at `b·E' + j`, E' = ceil(e / PAGE)·PAGE).
+        let rows = b * e.div_ceil(PAGE) * PAGE;
         Ok(Self {
             e,
-            comp: bf16_kv.then(|| random_rows(b * e, hd, dev)).transpose().context("compressed pool")?,
+            comp: bf16_kv.then(|| random_rows(rows, hd, dev)).transpose().context("compressed pool")?,
             comp_packed: packed_kv
-                .then(|| random_pages(QatFormat::Fp4E4m3B16, hd, b * e, 255.99, (48.0, 63.99), dev))
+                .then(|| random_pages(QatFormat::Fp4E4m3B16, hd, rows, 255.99, (48.0, 63.99), dev))
                 .transpose()
                 .context("packed compressed pool")?,
-            keys: fmts.contains(&CacheFormat::Bf16).then(|| random_rows(b * e, di, dev)).transpose().context("index-key pool")?,
+            keys: fmts.contains(&CacheFormat::Bf16).then(|| random_rows(rows, di, dev)).transpose().context("index-key pool")?,
             packed: fmts
                 .iter()
                 .any(|f| f.packed_keys())
-                .then(|| random_pages(QatFormat::Fp4Ue8m0B32, di, b * e, 255.99, (126.0, 128.99), dev))
+                .then(|| random_pages(QatFormat::Fp4Ue8m0B32, di, rows, 255.99, (126.0, 128.99), dev))
                 .transpose()
                 .context("packed pool")?,
             carry_kv: Tensor::randn(0f32, 1.0, (b, hd), dev)?,
@@ -261,6 +265,12 @@ impl Inputs {
             return 0;
         }
         self.positions.iter().filter(|&&p| (p + 1) % self.ratio == 0).count()
+    }
+
+    /// Pool rows between two sequences' entries (whole pages: the updates take each sequence's
+    /// pages in sequence order from a fresh pool).
+    pub fn entry_stride(&self) -> usize {
+        self.e.div_ceil(PAGE) * PAGE
     }
 
     /// Entries each sequence sees this step.
@@ -394,7 +404,7 @@ impl<'a> Step<'a> {
         let counts = s.visible();
         let (mut valid, mut missing) = (0usize, 0usize);
         for (b, row) in idx.to_vec2::<i64>()?.iter().enumerate() {
-            let lo = (b * s.e) as i64;
+            let lo = (b * s.entry_stride()) as i64;
             for &j in row {
                 if j < 0 {
                     missing += 1;

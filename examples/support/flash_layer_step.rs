@@ -248,7 +248,7 @@ pub fn random_topk(s: &Inputs, k: usize, dev: &Device) -> Result<Tensor> {
     anyhow::ensure!(s.ratio > 0, "a reuse layer without compressed inputs");
     let mut v = Vec::with_capacity(s.b * k);
     for (b, n) in s.visible().into_iter().enumerate() {
-        v.extend((0..k).map(|j| (b * s.e + (j * 7919) % n.max(1)) as i64));
+        v.extend((0..k).map(|j| (b * s.entry_stride() + (j * 7919) % n.max(1)) as i64));
     }
     Ok(Tensor::from_vec(v, (s.b, k), dev)?)
 }

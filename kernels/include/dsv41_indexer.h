@@ -27,8 +27,11 @@ enum Dsv41IndexKeyFormat {
 // S[t, j] = bf16( sum_{h=0..H-1, in order} bf16( relu(bf16(q[t,h] . K[row(t, j)])) * w[t,h] ) )
 //           for j < L_t and (allowed == NULL or bit j / allowed_block of allowed[t] is set),
 //           -inf otherwise; row(t, j) = (key_base ? key_base[t] : 0) + j, and a row >= num_key_rows
-//           also gives -inf (never read).
-// Launches without key_base of at least DSV41_INDEXER_SHARED_KEY_TOKENS tokens (prefill over one
+//           also gives -inf (never read). With a page table (key_base NULL): row(t, j) =
+//           page_table[t * page_table_stride + j / P] * P + j % P (P = table_page_size, a power of
+//           two); a visible entry's page must lie in the cache (else its score is unspecified: it
+//           reads row 0, never past the cache).
+// Launches without key_base and page_table of at least DSV41_INDEXER_SHARED_KEY_TOKENS tokens (prefill over one
 // sequence's keys) score 4 tokens per CTA; all others one token per CTA (decode shapes).
 #define DSV41_INDEXER_SHARED_KEY_TOKENS 528
 typedef struct {
@@ -38,11 +41,13 @@ typedef struct {
     const uint32_t* key_base;  // u32 [T] first key row / slot of token t, or NULL (0)
     const uint32_t* visible;   // u32 [T] visible entries of token t, or NULL (causal rule)
     const uint32_t* allowed;   // u32 [T, allowed_words] bitmask of allowed blocks, or NULL (all)
+    const int64_t* page_table; // i64 [T, >= ceil(N / P)] pages of token t's entries, or NULL (key_base)
     void* scores;              // bf16 [T, N], row t at scores + t * score_row_stride
     int64_t key_row_stride;    // bf16: elements between rows (multiple of 8); mxfp4: page bytes (< 2^32)
     int64_t num_key_rows;      // R: rows (bf16) or slots (mxfp4, < 2^32) the cache holds
     int64_t score_row_stride;  // elements (multiple of 8, >= N)
     int64_t start;             // position of token 0 (causal rule)
+    int64_t page_table_stride; // elements between two tokens' page-table rows
     int32_t num_tokens;        // T
     int32_t num_heads;         // H in 1..=32
     int32_t head_dim;          // D (128 only)
@@ -52,7 +57,7 @@ typedef struct {
     int32_t ratio;             // causal rule divisor (>= 1)
     int32_t allowed_words;     // u32 words per token of `allowed`
     int32_t allowed_block;     // entries per allowed block (>= 1)
-    int32_t _pad;
+    int32_t table_page_size;   // P: entries per page-table page (power of two; with page_table)
 } Dsv41IndexerScoresParams;
 
 // allowed[t, :] = bitmask of the blocks listed in blocks[t, :] (i64, -1 = none; ids outside

@@ -9,8 +9,8 @@
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::{
-    Attention, BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepInputs, DecodeStepOutput, Published,
-    SequenceCache,
+    Attention, BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepInputs, DecodeStepOutput, PageTable, PoolRows,
+    Published, SequenceCache,
 };
 use deepseek_v41::config::{CandidateRole, Config};
 use deepseek_v41::nn::RandomWeights;
@@ -93,10 +93,17 @@ pub struct Batch<'a> {
 }
 
 impl<'a> Batch<'a> {
-    /// Zeroed pools for `b` sequences of `entries` compressed entries each, in `storage`.
+    /// Zeroed pools for `b` sequences of `entries` compressed entries each, in `storage` (the
+    /// default page pools: every sequence can hold `entries`).
     pub fn new(cfg: &Config, attn: &'a [Attention], b: usize, entries: usize, storage: BatchStorage, dev: &Device) -> Result<Self> {
+        Self::paged(cfg, attn, b, entries, b * entries.div_ceil(PageTable::PAGE), storage, dev)
+    }
+
+    /// [`Batch::new`] with page pools of `pages` pages per kv source.
+    pub fn paged(cfg: &Config, attn: &'a [Attention], b: usize, entries: usize, pages: usize, storage: BatchStorage, dev: &Device) -> Result<Self> {
         let layers = attn.iter().map(|a| DecodeLayer::new(cfg, a)).collect::<candle_core::Result<Vec<_>>>()?;
-        let caches = layers.iter().map(|l| BatchedLayerCache::zeros(l, b, entries, storage, dev)).collect::<candle_core::Result<Vec<_>>>()?;
+        let caches =
+            layers.iter().map(|l| BatchedLayerCache::zeros_paged(l, b, entries, pages, storage, dev)).collect::<candle_core::Result<Vec<_>>>()?;
         Self::over(layers, caches)
     }
 
@@ -132,12 +139,12 @@ impl<'a> Batch<'a> {
         &self.inputs[self.input_of[l]]
     }
 
-    /// Slots between two sequences' regions of the compressed pool layer `l` reads (0: none).
-    pub fn entry_stride(&self, l: usize) -> usize {
-        self.layers[l].kv_source().map_or(0, |s| self.caches[s].entry_stride())
+    /// The page table of the compressed pool layer `l` reads (`None`: window-only).
+    pub fn pages(&self, l: usize) -> Option<&PageTable> {
+        self.layers[l].kv_source().and_then(|s| self.caches[s].pages())
     }
 
-    /// Loads every sequence's cache into its region of every layer's pools.
+    /// Loads every sequence's cache into its row of every layer's pools.
     pub fn load(&self, seqs: &[SequenceCache]) -> Result<()> {
         for c in &self.caches {
             for (s, seq) in seqs.iter().enumerate() {
@@ -147,12 +154,53 @@ impl<'a> Batch<'a> {
         Ok(())
     }
 
-    /// Every inputs object at `positions`.
+    /// [`Batch::load`], the pages of each kv source taken first one per sequence in turn (page
+    /// i of every sequence before page i + 1 of any): a sequence of more than one page holds
+    /// pages that are not adjacent.
+    pub fn load_interleaved(&self, seqs: &[SequenceCache]) -> Result<()> {
+        for c in &self.caches {
+            let Some(pages) = c.pages() else { continue };
+            let n: Vec<usize> = seqs.iter().map(|s| Ok(s.source(c.layer())?.compressed.len())).collect::<Result<_>>()?;
+            for k in 1..=pages.max_pages() {
+                pages.grow(&n.iter().map(|&n| n.min(k * PageTable::PAGE)).collect::<Vec<_>>())?;
+            }
+        }
+        self.load(seqs)
+    }
+
+    /// Loads `seq` into row `row` of every layer's pools.
+    pub fn load_one(&self, row: usize, seq: &SequenceCache) -> Result<()> {
+        for c in &self.caches {
+            c.load_sequence(row, seq)?;
+        }
+        Ok(())
+    }
+
+    /// Returns row `row`'s pages in every kv source.
+    pub fn release(&self, row: usize) -> Result<()> {
+        for c in &self.caches {
+            c.release(row)?;
+        }
+        Ok(())
+    }
+
+    /// Every inputs object at `positions` (all checked first, as `ModelDecodeStep::update` does:
+    /// a full page pool changes nothing).
     pub fn update(&self, positions: &[usize]) -> Result<()> {
+        for i in &self.inputs {
+            i.check(positions)?;
+        }
         for i in &self.inputs {
             i.update(positions)?;
         }
         Ok(())
+    }
+
+    /// Whether some sequence holds two pages that are not adjacent in some kv source.
+    pub fn pages_interleaved(&self) -> bool {
+        self.caches.iter().filter_map(|c| c.pages()).any(|p| {
+            (0..p.batch()).any(|s| p.pages_of(s).windows(2).any(|w| w[1] != w[0] + 1))
+        })
     }
 
     /// The step of every layer.
@@ -188,15 +236,44 @@ pub fn bits(t: &Tensor) -> Result<Vec<u32>> {
     Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
 }
 
-/// The entry ids of a batched top-k `[B, k]` (pool rows, −1 kept): row b minus `b · stride`.
-pub fn entry_ids(topk: &Tensor, stride: usize) -> Result<Vec<Vec<i64>>> {
+/// The entry ids of a batched top-k `[B, k]` (pool rows, −1 kept): pool row s of sequence b is
+/// entry `i·P + s mod P` where page `s / P` is b's i-th page (−2: a row outside b's pages).
+pub fn entry_ids(topk: &Tensor, pages: Option<&PageTable>) -> Result<Vec<Vec<i64>>> {
+    let pages = pages.ok_or_else(|| anyhow::anyhow!("a top-k of a layer without a page table"))?;
+    let p = PageTable::PAGE as i64;
     Ok(topk
         .to_device(&Device::Cpu)?
         .to_vec2::<i64>()?
         .into_iter()
         .enumerate()
-        .map(|(b, row)| row.into_iter().map(|j| if j >= 0 { j - (b * stride) as i64 } else { -1 }).collect())
+        .map(|(b, row)| {
+            let held = pages.pages_of(b);
+            row.into_iter()
+                .map(|s| match (s >= 0).then(|| held.iter().position(|&pg| pg as i64 == s / p)).flatten() {
+                    Some(i) => i as i64 * p + s % p,
+                    None if s < 0 => -1,
+                    None => -2,
+                })
+                .collect()
+        })
         .collect())
+}
+
+/// The pool slots of sequence `seq`'s first `n` entries.
+pub fn entry_slots(pages: &PageTable, seq: usize, n: usize) -> Result<Vec<usize>> {
+    (0..n).map(|j| pages.slot(seq, j).ok_or_else(|| anyhow::anyhow!("sequence {seq} holds no page for entry {j}"))).collect()
+}
+
+/// The rows of a pool at `slots`, as bf16 on the CPU.
+pub fn pool_slots(p: &PoolRows, slots: &[usize]) -> Result<Tensor> {
+    Ok(match p {
+        PoolRows::Bf16(t) => {
+            let idx = Tensor::from_vec(slots.iter().map(|&s| s as u32).collect::<Vec<_>>(), slots.len(), &Device::Cpu)?;
+            t.to_device(&Device::Cpu)?.index_select(&idx, 0)?
+        }
+        #[cfg(feature = "cuda")]
+        PoolRows::Packed(t, l) => l.unpack(t, slots)?.to_dtype(DType::BF16)?,
+    })
 }
 
 /// The positions of the scenario's sequences at step `t`, checked to cover the cases the tests

@@ -1,11 +1,12 @@
 //! Test data and comparisons of `tests/cuda_indexer.rs`: Q3 fake-quantized queries / keys, head
 //! weights, packed MXFP4 key pages, wide-scaled key sources with per-query bases, kept-candidate
-//! rows, output poisoning, and the bit-exact / identical-ids assertions.
+//! rows, output poisoning, the bit-exact / identical-ids assertions, `index_select` against the
+//! CPU at several scratch budgets, and the integer tensor-core path's data.
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use deepseek_v41::attention::indexer::Candidates;
-use deepseek_v41::cuda::{IndexKeys, KeySource, PackedLayout, Visibility};
+use deepseek_v41::cuda::{index_select, index_select_with_options, IndexKeys, KeySource, PackedLayout, SelectOptions, Visibility};
 use deepseek_v41::quant::fake_quant::{fake_quant, QatFormat};
 use deepseek_v41::quant::packed::pack_row;
 use half::bf16;
@@ -80,7 +81,7 @@ impl WideScaledKeys {
     pub(crate) fn source(&self, n: usize, gpu: bool) -> KeySource<'_> {
         let (cache, base, vis) =
             if gpu { (&self.cache, &self.base_g, &self.vis_g) } else { (&self.cache_cpu, &self.base_c, &self.vis_c) };
-        KeySource { keys: IndexKeys::Packed { cache, layout: self.layout }, base: Some(base), entries: n, visibility: Visibility::Counts(vis) }
+        KeySource { keys: IndexKeys::Packed { cache, layout: self.layout }, base: Some(base), pages: None, entries: n, visibility: Visibility::Counts(vis) }
     }
 }
 
@@ -145,4 +146,58 @@ pub(crate) fn assert_ids_equal(what: &str, gpu: &Tensor, cpu: &Tensor) -> Result
         ensure!(*g == c, "{what}: token {t}: gpu {:?}.. vs cpu {:?}..", &g[..g.len().min(16)], &c[..c.len().min(16)]);
     }
     Ok(())
+}
+
+/// `index_select` on the GPU with scratch budgets `scratches` must give the CPU reference's top-k
+/// ids exactly. Returns those ids.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn select_with_scratches(
+    dev: &Device,
+    what: &str,
+    q: &Tensor,
+    w: &Tensor,
+    cpu_src: &KeySource,
+    gpu_src: &KeySource,
+    k: usize,
+    consume: Option<(&Candidates, &Candidates)>,
+    scratches: &[usize],
+) -> Result<Vec<Vec<i64>>> {
+    let want = index_select(q, w, cpu_src, k, consume.map(|c| c.0), None)?;
+    let (qg, wg) = (q.to_device(dev)?, w.to_device(dev)?);
+    for &scratch_bytes in scratches {
+        poison(dev, q.dim(0)? * k.max(2048))?;
+        let opts = SelectOptions { scratch_bytes };
+        let got = index_select_with_options(&qg, &wg, gpu_src, k, consume.map(|c| c.1), None, &opts)?;
+        assert_ids_equal(&format!("{what} (scratch {scratch_bytes})"), &got.topk, &want.topk)?;
+    }
+    ids(&want.topk)
+}
+
+/// Rows (of `D` values) of `t` picked by `pick(row)` multiplied per 32-block: block b times 2^(step·b).
+pub(crate) fn spread_blocks(t: Tensor, pick: &dyn Fn(usize) -> bool, step: i32) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let mut v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    for (i, row) in v.chunks_mut(D).enumerate() {
+        if pick(i) {
+            row.iter_mut().enumerate().for_each(|(d, x)| *x *= 2f32.powi(step * (d / 32) as i32));
+        }
+    }
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?.to_dtype(DType::BF16)?)
+}
+
+/// Q3 data for the integer tensor-core path and its fallbacks to the bf16 path: queries `[t, h,
+/// D]` whose token i has its 32-blocks' scales spread by 6 (block b times 2^(2b): not s8
+/// integers, so the token takes the bf16 path) when i % 3 == 0, head weights `[t, h]` 2^45 times
+/// larger (past the path's exponent bounds) when i % 5 == 1, and `rows` keys whose row r has its
+/// blocks spread by 6 the other way (not s8: a warp iteration of 32 keys that holds one takes the
+/// bf16 path) in runs of 96 rows (r / 96 % 3 == 1, so that other iterations of the same tokens
+/// take the integer path); the other tokens and keys are ordinary. (The spreads point opposite ways so that no
+/// query-key product spans much more than 2^6 across blocks: within that the f32 sums are exact in
+/// any order, see kernels/indexer_scores.cu.)
+pub(crate) fn integer_path_data(rng: &mut Rng, t: usize, h: usize, rows: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let keys = spread_blocks(fq(rng, &[rows, D])?, &|r| r / 96 % 3 == 1, -2)?;
+    let q = spread_blocks(fq(rng, &[t, h, D])?, &|r| (r / h).is_multiple_of(3), 2)?;
+    let big_w: Vec<f32> = (0..t * h).map(|i| if (i / h) % 5 == 1 { 2f32.powi(45) } else { 1.0 }).collect();
+    let w = (weights(rng, t, h)? * Tensor::from_vec(big_w, (t, h), &Device::Cpu)?)?;
+    Ok((q, w, keys))
 }

@@ -64,7 +64,12 @@ pub fn tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
 
 /// One cache per sequence, each prefilled with `STARTS[s]` random tokens (one call each).
 pub fn prefill(cfg: &Config, model: &Model, rng: &mut Rng, dev: &Device) -> Result<Vec<ModelCache>> {
-    STARTS
+    prefill_lengths(cfg, model, &STARTS, rng, dev)
+}
+
+/// One cache per length, each prefilled with that many random tokens (one call each).
+pub fn prefill_lengths(cfg: &Config, model: &Model, lengths: &[usize], rng: &mut Rng, dev: &Device) -> Result<Vec<ModelCache>> {
+    lengths
         .iter()
         .map(|&n| {
             let mut c = ModelCache::new(cfg, DType::BF16, dev)?;

@@ -1,25 +1,29 @@
 //! The caller-owned cache storage of one attention layer for the batched decode step
-//! ([`super::decode_batch`]): every sequence of the batch owns a region of a fixed capacity in
-//! pooled tensors (`docs/architecture.md`, "The batched decode step").
+//! ([`super::decode_batch`]): every sequence of the batch owns a fixed region of the window pool,
+//! and a kv source's compressed entries and index keys live in pages shared by the batch
+//! ([`PageTable`]; `docs/architecture.md`, "The batched decode step", "The cache pool").
 //!
-//! | pool | rows | sequence b's region |
+//! | pool | rows | sequence b's rows |
 //! |---|---|---|
-//! | window rings (every layer) | `[B·W', D]` | slots `b·W' .. b·W' + W`, slot `b·W' + p mod W` |
-//! | compressed entries (kv sources) | `[B·E', D]` | slots `b·E' .. b·E' + E`, entry j at `b·E' + j` |
-//! | index keys (kv sources) | `[B·E', d_I]` | the same slots |
+//! | window rings (every layer) | `[B·W', D]` | region `b·W' .. b·W' + W`, slot `b·W' + p mod W` |
+//! | compressed entries (kv sources) | `[N·P, D]`: N pages of P = [`PACKED_PAGE_TOKENS`] | entry j at `table[b][j / P]·P + j mod P` |
+//! | index keys (kv sources) | `[N·P, d_I]` | the same slots |
 //! | compressor carry (kv sources) | `[B, D]` f32 kv and gate score | row b: the open group's token (ratio 2; unused at ratio 1) |
 //!
 //! Each pool is bf16 rows or the packed format of its kind ([`PoolRows`], spec §7.2: A for the
 //! window, B for the compressed entries, E for the index keys; packed needs the `cuda` feature),
-//! chosen per kind ([`BatchStorage`]). The region stride `W'` / `E'` is the capacity, rounded up to whole pages
-//! for a packed pool (so that every region starts on a page). Nothing grows: a position whose
-//! entries exceed the capacity is an error of [`super::DecodeStepInputs::update`].
+//! chosen per kind ([`BatchStorage`]); a packed page of the entry pools is one table page. The
+//! window stride `W'` is W, rounded up to whole pages for a packed pool. A sequence holds at most
+//! `ceil(E / P)` pages (E: entries per sequence, a position whose entries exceed it is an error of
+//! [`super::DecodeStepInputs::update`]); the N pages (by default `B·ceil(E / P)`, what fixed
+//! regions took) are taken as entries grow and returned by [`BatchedLayerCache::release`].
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::cache::SequenceCache;
 use super::decode_batch::{DecodeLayer, DecodeLayerKind};
 use super::decode_error::{check_tensor, DecodeStepError};
+use super::page_table::PageTable;
 use super::storage::{CacheKind, CacheStorage, PACKED_PAGE_TOKENS};
 #[cfg(feature = "cuda")]
 use crate::cuda::{IndexKeys, KvRows, PackedLayout};
@@ -99,6 +103,24 @@ impl PoolRows {
             Self::Bf16(_) => CacheStorage::Bf16,
             #[cfg(feature = "cuda")]
             Self::Packed(..) => CacheStorage::Packed,
+        }
+    }
+
+    /// Slots the pool holds (packed: pages × slots a page).
+    pub fn slots(&self) -> Result<usize> {
+        Ok(match self {
+            Self::Bf16(t) => t.dim(0)?,
+            #[cfg(feature = "cuda")]
+            Self::Packed(t, l) => t.dim(0)? * l.page_size(),
+        })
+    }
+
+    /// Slots a page holds when packed (`None`: bf16 rows).
+    fn page_slots(&self) -> Option<usize> {
+        match self {
+            Self::Bf16(_) => None,
+            #[cfg(feature = "cuda")]
+            Self::Packed(_, l) => Some(l.page_size()),
         }
     }
 
@@ -187,9 +209,9 @@ fn region_stride(storage: CacheStorage, capacity: usize) -> usize {
 pub struct BatchedSource {
     /// Entries per sequence (the capacity E).
     pub entries: usize,
-    /// `[B·E', head_dim]` compressed entries.
+    /// `[N·P, head_dim]` compressed entries: N pages of [`PACKED_PAGE_TOKENS`] slots.
     pub compressed: PoolRows,
-    /// `[B·E', index_head_dim]` index keys, the same slots.
+    /// `[N·P, index_head_dim]` index keys, the same slots.
     pub index_keys: PoolRows,
     /// `[B, head_dim]` f32: each sequence's carried `compressor.wkv` projection (the open
     /// group's first token).
@@ -209,14 +231,24 @@ pub struct BatchedLayerCache {
     window_stride: usize,
     rows: PoolRows,
     source: Option<BatchedSource>,
-    entry_stride: usize,
+    /// The kv source's page table (shared by clones).
+    pages: Option<PageTable>,
 }
 
 impl BatchedLayerCache {
     /// Zeroed pools for `batch` sequences of `layer`: a window pool for every layer, and for a
-    /// kv source `entries` compressed entries and index keys per sequence and the carry; stored
+    /// kv source up to `entries` compressed entries and index keys per sequence in
+    /// `batch·ceil(entries / P)` pages (every sequence can hold `entries`) and the carry; stored
     /// as `storage` says. `entries` is ignored by other layers.
     pub fn zeros(layer: &DecodeLayer, batch: usize, entries: usize, storage: BatchStorage, device: &Device) -> Result<Self> {
+        Self::zeros_paged(layer, batch, entries, batch * entries.div_ceil(PACKED_PAGE_TOKENS), storage, device)
+    }
+
+    /// [`BatchedLayerCache::zeros`] with a kv source's entry pools of `pages` pages of
+    /// [`PACKED_PAGE_TOKENS`] entries shared by the batch (fewer than `batch·ceil(entries / P)`:
+    /// the sequences cannot all hold `entries` at once, a step that needs more pages than are
+    /// free is [`DecodeStepError::PoolFull`]).
+    pub fn zeros_paged(layer: &DecodeLayer, batch: usize, entries: usize, pages: usize, storage: BatchStorage, device: &Device) -> Result<Self> {
         if batch == 0 {
             Err(DecodeStepError::EmptyBatch)?
         }
@@ -224,15 +256,17 @@ impl BatchedLayerCache {
         let rows = PoolRows::zeros(CacheKind::Window, storage.window, batch * region_stride(storage.window, w), hd, device)?;
         let source = match layer.kind() {
             DecodeLayerKind::Source => {
-                if entries == 0 {
-                    Err(DecodeStepError::Mismatch { layer: layer.layer(), why: "a kv source needs at least 1 compressed entry per sequence".into() })?
+                if entries == 0 || pages == 0 {
+                    Err(DecodeStepError::Mismatch {
+                        layer: layer.layer(),
+                        why: format!("a kv source needs at least 1 compressed entry per sequence and 1 page, got {entries} and {pages}"),
+                    })?
                 }
-                // One stride for both pools (the slots are shared): the larger.
-                let es = region_stride(storage.compressed, entries).max(region_stride(storage.index_keys, entries));
+                let slots = pages * PACKED_PAGE_TOKENS;
                 Some(BatchedSource {
                     entries,
-                    compressed: PoolRows::zeros(CacheKind::Compressed, storage.compressed, batch * es, hd, device)?,
-                    index_keys: PoolRows::zeros(CacheKind::IndexKeys, storage.index_keys, batch * es, layer.index_head_dim(), device)?,
+                    compressed: PoolRows::zeros(CacheKind::Compressed, storage.compressed, slots, hd, device)?,
+                    index_keys: PoolRows::zeros(CacheKind::IndexKeys, storage.index_keys, slots, layer.index_head_dim(), device)?,
                     carry_kv: Tensor::zeros((batch, hd), DType::F32, device)?,
                     carry_score: Tensor::zeros((batch, hd), DType::F32, device)?,
                 })
@@ -244,8 +278,9 @@ impl BatchedLayerCache {
 
     /// A cache over caller-made pools (e.g. pools shared by two caches that differ in one kind's
     /// storage): `window` holds `batch` regions of the layer's window (stride
-    /// [`PoolRows::region_stride`]), `source` (kv sources only) `batch` regions of `entries`
-    /// in both pools (the larger of the two pools' strides) and `[batch, head_dim]` f32 carries.
+    /// [`PoolRows::region_stride`]), `source` (kv sources only) two entry pools of the same
+    /// whole number of pages of [`PACKED_PAGE_TOKENS`] slots (packed pools: pages of that size)
+    /// and `[batch, head_dim]` f32 carries. The cache gets a new, empty page table over them.
     pub fn from_parts(
         layer: &DecodeLayer,
         batch: usize,
@@ -260,25 +295,31 @@ impl BatchedLayerCache {
         let window_stride = window.region_stride(w);
         window.check("the window pool", CacheKind::Window, batch * window_stride, hd)?;
         let is_source = layer.kind() == DecodeLayerKind::Source;
-        let entry_stride = match (&source, is_source) {
+        let mismatch = |why: String| DecodeStepError::Mismatch { layer: l, why };
+        let pages = match (&source, is_source) {
             (Some(s), true) => {
-                if s.entries == 0 {
-                    return Err(DecodeStepError::Mismatch { layer: l, why: "a kv source needs at least 1 compressed entry per sequence".into() });
+                let slots = |p: &PoolRows| p.slots().map_err(|e| mismatch(format!("an entry pool's shape: {e}")));
+                let (n_c, n_k) = (slots(&s.compressed)?, slots(&s.index_keys)?);
+                let paged = |n: usize, p: &PoolRows| {
+                    n > 0 && n.is_multiple_of(PACKED_PAGE_TOKENS) && p.page_slots().is_none_or(|ps| ps == PACKED_PAGE_TOKENS)
+                };
+                if n_c != n_k || !paged(n_c, &s.compressed) || !paged(n_k, &s.index_keys) {
+                    return Err(mismatch(format!(
+                        "the compressed-entry and index-key pools must hold the same whole number of pages of {PACKED_PAGE_TOKENS} slots, \
+                         got {n_c} and {n_k} slots"
+                    )));
                 }
-                let es = s.compressed.region_stride(s.entries).max(s.index_keys.region_stride(s.entries));
-                s.compressed.check("the compressed-entry pool", CacheKind::Compressed, batch * es, hd)?;
-                s.index_keys.check("the index-key pool", CacheKind::IndexKeys, batch * es, layer.index_head_dim())?;
+                s.compressed.check("the compressed-entry pool", CacheKind::Compressed, n_c, hd)?;
+                s.index_keys.check("the index-key pool", CacheKind::IndexKeys, n_k, layer.index_head_dim())?;
                 check_tensor("the carried kv", &s.carry_kv, DType::F32, &[batch, hd])?;
                 check_tensor("the carried score", &s.carry_score, DType::F32, &[batch, hd])?;
-                es
+                Some(PageTable::new(l, batch, s.entries, n_c / PACKED_PAGE_TOKENS)?)
             }
-            (None, false) => 0,
-            (Some(_), false) => {
-                return Err(DecodeStepError::Mismatch { layer: l, why: "compressed pools given for a layer that is not a kv source".into() })
-            }
-            (None, true) => return Err(DecodeStepError::Mismatch { layer: l, why: "a kv source needs its compressed pools".into() }),
+            (None, false) => None,
+            (Some(_), false) => return Err(mismatch("compressed pools given for a layer that is not a kv source".into())),
+            (None, true) => return Err(mismatch("a kv source needs its compressed pools".into())),
         };
-        Ok(Self { layer: l, batch, ratio: layer.ratio(), window_stride, rows: window, source, entry_stride })
+        Ok(Self { layer: l, batch, ratio: layer.ratio(), window_stride, rows: window, source, pages })
     }
 
     /// The layer these pools belong to.
@@ -306,9 +347,37 @@ impl BatchedLayerCache {
         self.source.as_ref()
     }
 
-    /// Slots between two sequences' compressed regions (0 for layers that are not kv sources).
-    pub fn entry_stride(&self) -> usize {
-        self.entry_stride
+    /// The kv source's page table of its entry pools (`None` for other layers).
+    pub fn pages(&self) -> Option<&PageTable> {
+        self.pages.as_ref()
+    }
+
+    /// Returns the pages sequence `seq` holds in this layer's entry pools (nothing for layers
+    /// that are not kv sources); its window region stays. The row can then take another sequence
+    /// ([`BatchedLayerCache::load_sequence`]). Errors for a sequence outside the batch.
+    pub fn release(&self, seq: usize) -> Result<()> {
+        if seq >= self.batch {
+            Err(DecodeStepError::BatchMismatch { what: "the sequence index", batch: self.batch, got: seq + 1 })?
+        }
+        if let Some(p) = &self.pages {
+            p.release(seq)?;
+        }
+        Ok(())
+    }
+
+    /// `Err` unless [`BatchedLayerCache::load_sequence`] of `cache` into `seq` would find its
+    /// pages (and fit a sequence's entries); changes nothing.
+    pub fn check_load(&self, seq: usize, cache: &SequenceCache) -> Result<()> {
+        if seq >= self.batch {
+            Err(DecodeStepError::BatchMismatch { what: "the sequence index", batch: self.batch, got: seq + 1 })?
+        }
+        let (Some(src), Some(pages)) = (&self.source, &self.pages) else { return Ok(()) };
+        let n = cache.source(self.layer)?.compressed.len();
+        if n > src.entries {
+            let pos = cache.layer(self.layer)?.next_pos;
+            Err(DecodeStepError::BeyondCapacity { seq, position: pos, needed: n, entries: src.entries, limit: src.entries * self.ratio })?
+        }
+        Ok(pages.check_resize(seq, n)?)
     }
 
     /// Device bytes of the pools.
@@ -319,29 +388,32 @@ impl BatchedLayerCache {
     }
 
     /// Copies this layer's state of one sequence (`cache`, which holds `cache.layer(l).next_pos`
-    /// tokens) into region `seq`: its window ring, and for a kv source its compressed entries,
-    /// index keys and open group. The sequence's next decode step then runs in the batch at
+    /// tokens) into row `seq`: its window ring, and for a kv source its compressed entries and
+    /// index keys (into the pages the row keeps or takes: `ceil(n / P)` for n entries, surplus
+    /// pages returned) and open group. The sequence's next decode step then runs in the batch at
     /// position `next_pos`. Rows are copied as they are stored (packed rows unpacked, bf16 rows
     /// packed exactly: both hold the cache-quantized values; with `Numerics::cache_fake_quant`
-    /// off only bf16 pools take a sequence). Errors when `seq` is outside the batch or the
-    /// sequence holds more entries than a region.
+    /// off only bf16 pools take a sequence). Errors, changing nothing, when `seq` is outside the
+    /// batch, the sequence holds more entries than a sequence can, or the page pool is full
+    /// ([`DecodeStepError::PoolFull`]).
     pub fn load_sequence(&self, seq: usize, cache: &SequenceCache) -> Result<()> {
         let l = self.layer;
-        if seq >= self.batch {
-            Err(DecodeStepError::BatchMismatch { what: "the sequence index", batch: self.batch, got: seq + 1 })?
-        }
+        self.check_load(seq, cache)?;
         let state = cache.layer(l)?;
-        self.rows.write(&state.window.ring_rows()?, seq * self.window_stride)?;
-        let Some(src) = &self.source else { return Ok(()) };
+        let ring = state.window.ring_rows()?;
+        let (Some(src), Some(pages)) = (&self.source, &self.pages) else {
+            return self.rows.write(&ring, seq * self.window_stride);
+        };
         let own = cache.source(l)?;
         let n = own.compressed.len();
-        if n > src.entries {
-            let pos = state.next_pos;
-            Err(DecodeStepError::BeyondCapacity { seq, position: pos, needed: n, entries: src.entries, limit: src.entries * self.ratio })?
+        let (entries, keys) = (own.compressed.rows()?, own.index_keys.rows()?);
+        pages.resize(seq, n)?;
+        self.rows.write(&ring, seq * self.window_stride)?;
+        for (i, page) in pages.pages_of(seq).into_iter().enumerate() {
+            let (first, len) = (i * PACKED_PAGE_TOKENS, PACKED_PAGE_TOKENS.min(n - i * PACKED_PAGE_TOKENS));
+            src.compressed.write(&entries.narrow(0, first, len)?, page * PACKED_PAGE_TOKENS)?;
+            src.index_keys.write(&keys.narrow(0, first, len)?, page * PACKED_PAGE_TOKENS)?;
         }
-        let first = seq * self.entry_stride;
-        src.compressed.write(&own.compressed.rows()?, first)?;
-        src.index_keys.write(&own.index_keys.rows()?, first)?;
         let dev = src.carry_kv.device();
         let hd = src.carry_kv.dim(1)?;
         // Ratio 2: an open group is one carried token (odd next position); ratio 1 carries nothing

@@ -10,7 +10,7 @@
 //! |---|---|
 //! | [`projections`](DecodeStep::projections) | `wq_a` + `q_norm`, `wkv` + `kv_norm`, `wq_b`: `[B, hidden]` products |
 //! | [`inserts`](DecodeStep::inserts) | q RoPE in place; window rows (`cuda::window_insert`, packed: `cuda::packed_insert`, format A) at the window slots; kv sources: `compressor.wkv` of all B rows (ratio 2: also `wgate` and the softmax pooling with the carried token), `compressor.norm`, `indexer.wk`, then the compressed entry and index key (`compressed_insert` / `index_key_insert`, packed: B / E) at the entry slots, −1 (skipped) for sequences that close no group; ratio 2: the carry takes this token's projections where no group closes (`where_cond`) |
-//! | [`selection`](DecodeStep::selection) | index sources (kv + index sources, `Reindex` layers): `indexer.wq_b`, index-query RoPE and FP4 fake quant, head weights, `cuda::index_select` over the key owner's index keys (key base `b·E'`, per-sequence visible counts; a candidate consumer's scores masked to the published blocks, the candidate source's blocks returned), the top-k shifted to pool rows (−1 kept); reuse layers: the top-k their index source returned; window-only layers: none |
+//! | [`selection`](DecodeStep::selection) | index sources (kv + index sources, `Reindex` layers): `indexer.wq_b`, index-query RoPE and FP4 fake quant, head weights, `cuda::index_select` over the key owner's index keys (through the page table, per-sequence visible counts; a candidate consumer's scores masked to the published blocks, the candidate source's blocks returned), the top-k mapped to pool rows through the page table (a gather, −1 kept); reuse layers: the top-k their index source returned; window-only layers: none |
 //! | [`attention`](DecodeStep::attention) | sparse attention with sink over the window pool (the window indices) and the kv source's compressed pool (the top-k rows) |
 //! | [`output`](DecodeStep::output) | inverse RoPE, grouped `wo_a`, `wo_b` |
 //!
@@ -30,7 +30,7 @@
 //! products of B rows sum in another order than B products of one row.
 //!
 //! **The compressor at ratio 1** pools one token: every step writes an entry at every sequence's
-//! entry slot (`b·E' + p`), `norm(compressor.wkv x)` with `wkv` a bf16 product, no carry (the
+//! entry slot (entry p's slot in its page), `norm(compressor.wkv x)` with `wkv` a bf16 product, no carry (the
 //! carry pools of a ratio-1 source are not read).
 //!
 //! **The compressor at ratio 2.** A group is two tokens: a sequence at an even position opens one
@@ -363,11 +363,14 @@ impl<'s> DecodeStep<'s> {
             (None, None) => {}
             (Some(kv), Some(c)) => {
                 let src = kv.source().ok_or_else(|| mismatch(format!("layer {} has no compressed pools", kv.layer())))?;
-                if c.ratio != layer.ratio || c.entries != src.entries || c.entry_stride != kv.entry_stride() {
+                if c.ratio != layer.ratio || c.entries != src.entries {
                     Err(mismatch(format!(
                         "the step inputs were built for ratio {} and {} entries per sequence, the layer has ratio {} and its kv source {}",
                         c.ratio, c.entries, layer.ratio, src.entries
                     )))?
+                }
+                if !kv.pages().is_some_and(|p| p.same(&c.pages)) {
+                    Err(mismatch(format!("the step inputs were built over another page table than layer {}'s; build them over its cache", kv.layer())))?
                 }
             }
             (None, Some(_)) => Err(mismatch("the step inputs are a compressed layer's; build them for this window-only layer".into()))?,
@@ -501,9 +504,15 @@ impl<'s> DecodeStep<'s> {
         q_rope_inplace(&iq, cos, sin, None)?;
         let iq = if l.params.numerics.cache_fake_quant { fake_quant_device(&iq, QatFormat::Fp4Ue8m0B32)? } else { iq };
         let hw = ix.head_weights_grouped(&pr.x, &self.rows)?;
-        let keys = SelectKeys { keys: &src.index_keys, key_base: &ci.key_base, entries: ci.entries, visible: &ci.visible };
+        let keys = SelectKeys { keys: &src.index_keys, page_table: &ci.page_table, entries: ci.entries, visible: &ci.visible };
         let sel = select_topk(&iq, &hw, &keys, k, consume.as_ref(), publish)?;
-        let topk = sel.topk.ge(&ci.zeros)?.where_cond(&sel.topk.broadcast_add(&ci.key_base_i64)?, &ci.none)?;
+        // Entry j of sequence b → pool row table[b][j / P]·P + j mod P (a gather), −1 kept.
+        let valid = sel.topk.ge(&ci.zeros)?;
+        let j = valid.where_cond(&sel.topk, &ci.zeros)?;
+        let page = j.broadcast_div(&ci.page_len)?;
+        let within = (&j - page.broadcast_mul(&ci.page_len)?)?;
+        let rows = ci.page_table.gather(&page.contiguous()?, 1)?.broadcast_mul(&ci.page_len)?;
+        let topk = valid.where_cond(&(rows + within)?, &ci.none)?;
         Ok(StepSelection { topk: Some(topk), candidates: sel.candidates.map(|c| c.kept) })
     }
 

@@ -35,6 +35,25 @@ pub enum DecodeStepError {
         /// The first position that does not fit (`entries · ratio`).
         limit: usize,
     },
+    /// A kv source's page pool cannot serve a sequence's new entries (nothing was taken).
+    #[error(
+        "batched decode step, layer {layer}: sequence {seq} needs {needed} more pages of {page} compressed entries, the page pool \
+         has {free} of {total} free; release a finished sequence or build the step with a larger page pool"
+    )]
+    PoolFull {
+        /// The kv source.
+        layer: usize,
+        /// The first sequence (batch index) left without its pages.
+        seq: usize,
+        /// The pages it and the sequences after it asked for.
+        needed: usize,
+        /// The free pages left for it.
+        free: usize,
+        /// The pages of the pool.
+        total: usize,
+        /// Entries a page holds.
+        page: usize,
+    },
     /// A position past what the step's integer inputs hold.
     #[error("batched decode step: sequence {seq} is at position {position}, positions above {max} are not supported")]
     PositionOutOfRange {

@@ -11,23 +11,26 @@
 //! | window slots | `[B]` i64 | `b·W' + p mod W` |
 //! | window indices | `[B, W]` i64 | the ring slots of positions `p − W + 1 ..= p` ascending, −1 for those below 0 (spec §4.6) |
 //! | cos, sin, −sin | `[B, R/2]` f32 | the layer's RoPE rows at p (spec §2.2) |
-//! | entry slots | `[B]` i64 | `b·E' + p div r` when p closes a group (`(p + 1) mod r = 0`), else −1 (no insert) |
+//! | entry slots | `[B]` i64 | the pool slot of entry `p div r` (`table[b][j / P]·P + j mod P`) when p closes a group (`(p + 1) mod r = 0`), else −1 (no insert) |
 //! | entry cos, sin | `[B, R/2]` f32 | RoPE rows at `(p div r)·r`, the closing entry's position |
 //! | closing | `[B, 1]` u8 | 1 when p closes a group |
 //! | visible | `[B]` u32 | `(p + 1) div r`, the entries p sees (spec §6.3) |
-//! | key base | `[B]` u32, `[B, 1]` i64 | `b·E'` (constant) |
+//! | page table | `[B, max_pages]` i64 | the kv source's [`PageTable`]: sequence b's pages, −1 past those it holds |
 //!
-//! The host computes the integer rows (one `[5, B]` i64 upload); the device derives the rest
-//! (RoPE rows from [`RopeTable::rows_at`], the same f32 arithmetic as the one-sequence path).
+//! The host computes the integer rows and takes the pages the new entries need from the kv
+//! source's page table ([`PageTable::grow`]); one upload of `[5·B + B·max_pages]` i64 carries
+//! the rows and the page table; the device derives the rest (RoPE rows from
+//! [`RopeTable::rows_at`], the same f32 arithmetic as the one-sequence path).
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::batch_cache::BatchedLayerCache;
 use super::decode_batch::DecodeLayer;
 use super::decode_error::DecodeStepError;
+use super::page_table::PageTable;
 use crate::nn::RopeTable;
 
-/// Rows of the uploaded `[ROWS, B]` i64 table.
+/// Rows of the uploaded `[ROWS, B]` i64 table (followed by the `[B, max_pages]` page table).
 const ROW_POSITION: usize = 0;
 const ROW_WINDOW_SLOT: usize = 1;
 const ROW_ENTRY_SLOT: usize = 2;
@@ -44,8 +47,10 @@ pub struct CompressedInputs {
     pub ratio: usize,
     /// Entries per sequence (the kv source's capacity E).
     pub entries: usize,
-    /// Slots between two sequences' regions (E').
-    pub entry_stride: usize,
+    /// The kv source's page table (host side, shared with its cache).
+    pub pages: PageTable,
+    /// `[B, max_pages]` i64: its device copy, written by each update.
+    pub page_table: Tensor,
     /// `[B]` i64 view: the closing entry's pool slot, −1 for sequences that close no group.
     pub entry_slots: Tensor,
     /// `[B, R/2]` f32: RoPE rows at the closing entry's position.
@@ -56,13 +61,10 @@ pub struct CompressedInputs {
     pub closing: Tensor,
     /// `[B]` u32: entries visible to each sequence's query.
     pub visible: Tensor,
-    /// `[B]` u32: `b·E'`, the first slot of each sequence's region (constant).
-    pub key_base: Tensor,
-    /// `[B, 1]` i64: the same.
-    pub key_base_i64: Tensor,
-    /// `[B, k]` i64 zeros and −1 (the top-k's shift to pool rows keeps −1).
+    /// `[B, k]` i64 zeros and −1, `[1, 1]` i64 P (the top-k's map to pool rows keeps −1).
     pub(super) zeros: Tensor,
     pub(super) none: Tensor,
+    pub(super) page_len: Tensor,
 }
 
 /// The position-dependent inputs of a batched decode step for one RoPE frequency set and cache
@@ -74,7 +76,9 @@ pub struct DecodeStepInputs {
     window: usize,
     window_stride: usize,
     rope: RopeTable,
-    /// `[ROWS, B]` i64, rewritten by each update.
+    /// `[ROWS·B + B·max_pages]` i64, rewritten by each update: the rows, then the page table.
+    upload: Tensor,
+    /// `[ROWS, B]` i64 view of `upload`.
     table: Tensor,
     /// `[B]` i64 views of `table`.
     positions: Tensor,
@@ -99,41 +103,49 @@ pub struct DecodeStepInputs {
 impl DecodeStepInputs {
     /// Inputs for `layer`'s step over `own` (the layer's cache: its window geometry and batch)
     /// and, for a reuse layer, `kv_source` (the cache of its kv source: the entries' geometry;
-    /// `None` for other layers). All positions start at 0 until the first
-    /// [`DecodeStepInputs::update`].
+    /// `None` for other layers). All positions start at 0 (taking no page: no entry slot) until
+    /// the first [`DecodeStepInputs::update`].
     pub fn new(layer: &DecodeLayer, own: &BatchedLayerCache, kv_source: Option<&BatchedLayerCache>) -> Result<Self> {
         let (b, w, ws) = (own.batch(), layer.window(), own.window_stride());
         let dev = own.window_rows().tensor().device().clone();
         let kv = layer.kv_cache(own, kv_source)?;
         let half = layer.rope().rope_dim() / 2;
-        let table = Tensor::zeros((ROWS, b), DType::I64, &dev)?;
+        let mut page_rows = 0;
+        let mut pages = None;
+        if let Some(kv) = kv {
+            let p = kv.pages().ok_or_else(|| DecodeStepError::Mismatch {
+                layer: layer.layer(),
+                why: format!("layer {} is not a kv source (no compressed pools)", kv.layer()),
+            })?;
+            page_rows = p.max_pages();
+            pages = Some(p.clone());
+        }
+        let upload = Tensor::zeros(ROWS * b + b * page_rows, DType::I64, &dev)?;
+        let table = upload.narrow(0, 0, ROWS * b)?.reshape((ROWS, b))?;
         let row = |r: usize| table.get(r);
-        let compressed = match kv {
-            Some(kv) => {
+        let compressed = match (kv, pages) {
+            (Some(kv), Some(pages)) => {
                 let src = kv.source().ok_or_else(|| DecodeStepError::Mismatch {
                     layer: layer.layer(),
                     why: format!("layer {} is not a kv source (no compressed pools)", kv.layer()),
                 })?;
-                let es = kv.entry_stride();
-                let base: Vec<u32> = (0..b).map(|i| (i * es) as u32).collect();
-                let base_i64: Vec<i64> = base.iter().map(|&v| v as i64).collect();
                 let k = layer.topk();
                 Some(CompressedInputs {
                     ratio: layer.ratio(),
                     entries: src.entries,
-                    entry_stride: es,
+                    page_table: upload.narrow(0, ROWS * b, b * page_rows)?.reshape((b, page_rows))?,
+                    pages,
                     entry_slots: row(ROW_ENTRY_SLOT)?,
                     entry_cos: Tensor::zeros((b, half), DType::F32, &dev)?,
                     entry_sin: Tensor::zeros((b, half), DType::F32, &dev)?,
                     closing: Tensor::zeros((b, 1), DType::U8, &dev)?,
                     visible: Tensor::zeros(b, DType::U32, &dev)?,
-                    key_base: Tensor::from_vec(base, b, &dev)?,
-                    key_base_i64: Tensor::from_vec(base_i64, (b, 1), &dev)?,
                     zeros: Tensor::zeros((b, k), DType::I64, &dev)?,
                     none: Tensor::full(-1i64, (b, k), &dev)?,
+                    page_len: Tensor::full(PageTable::PAGE as i64, (1, 1), &dev)?,
                 })
             }
-            None => None,
+            _ => None,
         };
         let inputs = Self {
             batch: b,
@@ -151,51 +163,59 @@ impl DecodeStepInputs {
             window_len: Tensor::full(w as i64, (1, 1), &dev)?,
             window_base: Tensor::from_vec((0..b).map(|i| (i * ws) as i64).collect::<Vec<_>>(), (b, 1), &dev)?,
             window_none: Tensor::full(-1i64, (b, w), &dev)?,
+            upload,
             table,
             compressed,
         };
-        inputs.update(&vec![0; b])?;
+        inputs.write(&vec![0; b], false)?;
         Ok(inputs)
     }
 
     /// Writes the inputs of the sequences at `positions` (one per sequence, in batch order) into
-    /// the existing tensors: one host→device copy of the integer table, then device ops (RoPE
-    /// rows, window indices, counts) written in place (on CUDA with Candle's upload cache on, so
-    /// that their shape descriptors are uploaded at the first update only). Errors, changing nothing, for a wrong
-    /// number of positions or a position whose compressed entries exceed its region.
+    /// the existing tensors: the pages the sequences' new entries need are taken from the kv
+    /// source's page table, then one host→device copy of the integer rows and the page table,
+    /// then device ops (RoPE rows, window indices, counts) written in place (on CUDA with Candle's
+    /// upload cache on, so that their shape descriptors are uploaded at the first update only).
+    /// Errors, changing nothing, for a wrong number of positions, a position whose compressed
+    /// entries exceed a sequence's capacity, or a full page pool ([`DecodeStepError::PoolFull`]).
     ///
     /// Call it outside a graph capture, and not while Candle's host-upload cache
     /// (`CudaDevice::enable_cuda_graph_htod_cache`) is on: that cache keeps every distinct
     /// upload.
     pub fn update(&self, positions: &[usize]) -> Result<()> {
+        self.write(positions, true)
+    }
+
+    /// [`DecodeStepInputs::update`]; `take_pages` false (the inputs' construction) takes no page:
+    /// an entry without a page gets slot −1 (no insert).
+    fn write(&self, positions: &[usize], take_pages: bool) -> Result<()> {
+        let needs = self.check_positions(positions)?;
         let b = self.batch;
-        if positions.len() != b {
-            Err(DecodeStepError::BatchMismatch { what: "positions", batch: b, got: positions.len() })?
-        }
         let (w, ws) = (self.window, self.window_stride);
+        if let (Some(c), Some(needs), true) = (&self.compressed, &needs, take_pages) {
+            c.pages.grow(needs)?;
+        }
         let mut host = vec![-1i64; ROWS * b];
         for (s, &p) in positions.iter().enumerate() {
-            if p > MAX_POSITION {
-                Err(DecodeStepError::PositionOutOfRange { seq: s, position: p, max: MAX_POSITION })?
-            }
             host[ROW_POSITION * b + s] = p as i64;
             host[ROW_WINDOW_SLOT * b + s] = (s * ws + p % w) as i64;
             if let Some(c) = &self.compressed {
                 let r = c.ratio;
-                let visible = (p + 1) / r;
-                if visible > c.entries {
-                    Err(DecodeStepError::BeyondCapacity { seq: s, position: p, needed: visible, entries: c.entries, limit: c.entries * r })?
-                }
-                let es = c.entry_stride;
                 if (p + 1) % r == 0 {
-                    host[ROW_ENTRY_SLOT * b + s] = (s * es + p / r) as i64;
+                    // Held after the grow above (which gave every sequence the pages of its visible
+                    // entries); −1 only before the first update.
+                    host[ROW_ENTRY_SLOT * b + s] = c.pages.slot(s, p / r).map_or(-1, |v| v as i64);
                 }
                 host[ROW_ENTRY_POSITION * b + s] = (p / r * r) as i64;
-                host[ROW_VISIBLE * b + s] = visible as i64;
+                host[ROW_VISIBLE * b + s] = ((p + 1) / r) as i64;
             }
         }
+        if let Some(c) = &self.compressed {
+            host.extend(c.pages.host_rows());
+        }
         let dev = self.table.device();
-        self.table.slice_set(&Tensor::from_vec(host, (ROWS, b), dev)?, 0, 0)?;
+        let n = host.len();
+        self.upload.slice_set(&Tensor::from_vec(host, n, dev)?, 0, 0)?;
         // Candle's broadcasting kernels upload their shape descriptors per call; with its upload
         // cache on (after the table's upload) they are uploaded once, the shapes never change:
         // the table is the update's only host→device copy.
@@ -224,6 +244,40 @@ impl DecodeStepInputs {
             c.visible.slice_set(&self.table.get(ROW_VISIBLE)?.to_dtype(DType::U32)?, 0, 0)?;
         }
         Ok(())
+    }
+
+    /// Checks `positions` as [`DecodeStepInputs::update`] does, the page pool included, changing
+    /// nothing (a caller updating several inputs objects checks them all first).
+    pub fn check(&self, positions: &[usize]) -> Result<()> {
+        if let (Some(c), Some(needs)) = (&self.compressed, self.check_positions(positions)?) {
+            c.pages.check_grow(&needs)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the count and range of `positions`; for compressed layers returns the entries each
+    /// sequence sees after this step (what its pages must hold).
+    fn check_positions(&self, positions: &[usize]) -> Result<Option<Vec<usize>>> {
+        let b = self.batch;
+        if positions.len() != b {
+            Err(DecodeStepError::BatchMismatch { what: "positions", batch: b, got: positions.len() })?
+        }
+        for (s, &p) in positions.iter().enumerate() {
+            if p > MAX_POSITION {
+                Err(DecodeStepError::PositionOutOfRange { seq: s, position: p, max: MAX_POSITION })?
+            }
+        }
+        let Some(c) = &self.compressed else { return Ok(None) };
+        let r = c.ratio;
+        let mut needs = Vec::with_capacity(b);
+        for (s, &p) in positions.iter().enumerate() {
+            let visible = (p + 1) / r;
+            if visible > c.entries {
+                Err(DecodeStepError::BeyondCapacity { seq: s, position: p, needed: visible, entries: c.entries, limit: c.entries * r })?
+            }
+            needs.push(visible);
+        }
+        Ok(Some(needs))
     }
 
     /// Sequences of the batch.

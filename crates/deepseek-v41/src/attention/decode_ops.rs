@@ -11,6 +11,7 @@ use candle_core::{Result, Tensor};
 use super::batch_cache::PoolRows;
 use super::decode_batch::StepOptions;
 use super::indexer::{CandidateShape, Candidates, Selection};
+use super::page_table::PageTable;
 
 #[cfg(feature = "cuda")]
 pub(super) use crate::cuda::{compressed_insert, fake_quant_device, index_key_insert, packed_insert, q_rope_inplace, window_insert};
@@ -18,11 +19,12 @@ pub(super) use crate::cuda::{compressed_insert, fake_quant_device, index_key_ins
 #[cfg(not(feature = "cuda"))]
 pub(super) use cpu::{compressed_insert, fake_quant_device, index_key_insert, q_rope_inplace, window_insert};
 
-/// The index keys of a batch: each sequence's `entries` keys at slots `key_base[b] ..` (`[B]`
-/// u32) of `keys`, `visible[b]` (`[B]` u32) of them visible.
+/// The index keys of a batch: sequence b's up to `entries` keys in pages of `keys` (entry j at
+/// slot `page_table[b][j / P]·P + j mod P`, `[B, max_pages]` i64, P = [`PageTable::PAGE`]),
+/// `visible[b]` (`[B]` u32) of them visible.
 pub(super) struct SelectKeys<'a> {
     pub keys: &'a PoolRows,
-    pub key_base: &'a Tensor,
+    pub page_table: &'a Tensor,
     pub entries: usize,
     pub visible: &'a Tensor,
 }
@@ -42,7 +44,8 @@ pub(super) fn select_topk(
     #[cfg(feature = "cuda")]
     {
         let visibility = crate::cuda::Visibility::Counts(keys.visible);
-        let src = crate::cuda::KeySource { keys: keys.keys.index_keys(), base: Some(keys.key_base), entries: keys.entries, visibility };
+        let pages = crate::cuda::KeyPages { table: keys.page_table, page_size: PageTable::PAGE };
+        let src = crate::cuda::KeySource { keys: keys.keys.index_keys(), base: None, pages: Some(pages), entries: keys.entries, visibility };
         crate::cuda::index_select(q, w, &src, k, consume, publish)
     }
     #[cfg(not(feature = "cuda"))]
@@ -86,7 +89,7 @@ pub(super) fn attend(
 mod cpu {
     use candle_core::{DType, Module, Result, Tensor};
 
-    use super::{CandidateShape, Candidates, PoolRows, SelectKeys, Selection};
+    use super::{CandidateShape, Candidates, PageTable, PoolRows, SelectKeys, Selection};
     use crate::attention::indexer::{index_scores, reference_selection};
     use crate::attention::sparse_attention::sparse_attention;
     use crate::nn::rope::apply_rope_tail;
@@ -156,13 +159,25 @@ mod cpu {
     ) -> Result<Selection> {
         let PoolRows::Bf16(keys) = src.keys;
         let (entries, total) = (src.entries, keys.dim(0)?);
-        let (base, vis) = (src.key_base.to_vec1::<u32>()?, src.visible.to_vec1::<u32>()?);
+        let (table, vis) = (src.page_table.to_vec2::<i64>()?, src.visible.to_vec1::<u32>()?);
         let w = w.to_dtype(DType::F32)?;
-        let mut scores = Vec::with_capacity(base.len());
-        for (b, &first) in base.iter().enumerate() {
-            let avail = total.saturating_sub(first as usize).min(entries);
-            let rows = keys.narrow(0, first as usize, avail)?;
-            let mut row = index_scores(&q.narrow(0, b, 1)?, &w.narrow(0, b, 1)?, &rows)?.remove(0);
+        let mut scores = Vec::with_capacity(table.len());
+        for (b, pages) in table.iter().enumerate() {
+            // The sequence's entries in entry order: the slots of the pages it holds (up to the
+            // first page it does not hold), at most `entries`.
+            let slots: Vec<u32> = pages
+                .iter()
+                .map_while(|&pg| usize::try_from(pg).ok().filter(|pg| (pg + 1) * PageTable::PAGE <= total))
+                .flat_map(|pg| (pg * PageTable::PAGE..(pg + 1) * PageTable::PAGE).map(|s| s as u32))
+                .take(entries)
+                .collect();
+            let mut row = if slots.is_empty() {
+                Vec::new()
+            } else {
+                let n = slots.len();
+                let rows = keys.index_select(&Tensor::from_vec(slots, n, keys.device())?, 0)?;
+                index_scores(&q.narrow(0, b, 1)?, &w.narrow(0, b, 1)?, &rows)?.remove(0)
+            };
             row.resize(entries, f32::NEG_INFINITY);
             scores.push(row);
         }

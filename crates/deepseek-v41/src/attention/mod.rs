@@ -15,8 +15,8 @@
 //! * [`rollback`]: truncating a cache to a shorter length, with the bounded [`history`] of rows
 //!   it keeps for that.
 //! * [`decode_batch`]: the single-token decode step of one layer for B sequences over pooled
-//!   caches ([`batch_cache`]) with its position-dependent inputs on the device
-//!   ([`decode_inputs`]), capturable into a CUDA graph (its ops: the `cuda` feature's, or their
+//!   caches ([`batch_cache`], the kv sources' entries in pages: [`page_table`]) with its
+//!   position-dependent inputs on the device ([`decode_inputs`]), capturable into a CUDA graph (its ops: the `cuda` feature's, or their
 //!   CPU references without it).
 
 pub mod batch_cache;
@@ -30,6 +30,7 @@ mod device_cache;
 pub mod history;
 pub mod indexer;
 pub mod layer;
+pub mod page_table;
 pub mod pool;
 pub mod rollback;
 pub mod selection;
@@ -44,6 +45,7 @@ pub use decode_batch::{DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepOutpu
 pub use decode_error::DecodeStepError;
 pub use decode_inputs::{CompressedInputs, DecodeStepInputs};
 pub use layer::{Attention, AttentionParams};
+pub use page_table::{PageTable, PageUse};
 pub use pool::{CachePool, PoolError, PoolLease, PoolOccupancy};
 pub use rollback::RollbackError;
 #[cfg(feature = "cuda")]

@@ -218,12 +218,15 @@ pub(crate) struct IndexerScoresParams {
     pub visible: *const u32,
     /// u32 `[T, allowed_words]` allowed-block bitmask, or null.
     pub allowed: *const u32,
+    /// i64 `[T, ..]` page table (row stride `page_table_stride`), or null (`key_base`).
+    pub page_table: *const i64,
     /// bf16 `[T, N]`, row stride `score_row_stride` elements.
     pub scores: *mut c_void,
     pub key_row_stride: i64,
     pub num_key_rows: i64,
     pub score_row_stride: i64,
     pub start: i64,
+    pub page_table_stride: i64,
     pub num_tokens: i32,
     pub num_heads: i32,
     pub head_dim: i32,
@@ -233,7 +236,7 @@ pub(crate) struct IndexerScoresParams {
     pub ratio: i32,
     pub allowed_words: i32,
     pub allowed_block: i32,
-    pub _pad: i32,
+    pub table_page_size: i32,
 }
 
 /// `Dsv41IndexerMaskParams`: kept candidate blocks → allowed-block bitmask.

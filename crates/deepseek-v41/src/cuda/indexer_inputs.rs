@@ -1,6 +1,6 @@
 //! What the indexer kernels score against: the index-key cache (bf16 rows or packed MXFP4 68 B
-//! rows, spec §7.2 E), where each query's entries start in it, and which entries each query
-//! sees (spec §6.3 step 5, §0.1b.2). Shared by [`super::index_scores`],
+//! rows, spec §7.2 E), where each query's entries lie in it (from a first row, or through a page
+//! table), and which entries each query sees (spec §6.3 step 5, §0.1b.2). Shared by [`super::index_scores`],
 //! [`super::index_topk`] / [`super::candidate_blocks`] and [`super::index_select`].
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -82,6 +82,17 @@ impl IndexKeys<'_> {
             Self::Packed { cache, layout } => layout.unpack(cache, &(first..first + n).collect::<Vec<_>>()),
         }
     }
+
+    /// `[slots.len(), 128]` f32 on the CPU: the rows at `slots` (each below [`IndexKeys::rows`]).
+    pub(crate) fn host_slots(&self, slots: &[usize]) -> Result<Tensor> {
+        match self {
+            Self::Rows(k) => {
+                let idx = Tensor::from_vec(slots.iter().map(|&s| s as u32).collect::<Vec<_>>(), slots.len(), &Device::Cpu)?;
+                k.to_device(&Device::Cpu)?.index_select(&idx, 0)?.to_dtype(DType::F32)
+            }
+            Self::Packed { cache, layout } => layout.unpack(cache, slots),
+        }
+    }
 }
 
 /// Which entries each query sees: entry j of query t is visible iff `j < L_t`.
@@ -127,15 +138,31 @@ impl Visibility<'_> {
     }
 }
 
-/// The keys of a batch of queries: the cache, the first row (slot) of each query's entries, the
-/// number of entries N (score columns) and the visibility rule.
+/// A page table over an index-key cache: entry j of query t is row (slot)
+/// `table[t][j / page_size]·page_size + j mod page_size` (the batched decode step's pools,
+/// `attention::page_table`).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyPages<'a> {
+    /// `[T, max_pages]` i64, last dim contiguous: each query's pages in entry order. Every
+    /// visible entry's page must be a page of the cache; for others the scores are unspecified
+    /// (the kernel reads a row of the cache, never past it; the CPU path scores them −inf).
+    pub table: &'a Tensor,
+    /// Entries a page holds (a power of two).
+    pub page_size: usize,
+}
+
+/// The keys of a batch of queries: the cache, where each query's entries lie in it (a first row,
+/// or a page table), the number of entries N (score columns) and the visibility rule.
 #[derive(Debug, Clone, Copy)]
 pub struct KeySource<'a> {
     /// The index-key cache.
     pub keys: IndexKeys<'a>,
     /// `[T]` u32: entry j of query t is row (slot) `base[t] + j`; `None`: row j for every query
-    /// (one sequence). A query's rows past the cache are treated as invisible.
+    /// (one sequence), or the page table's rows. A query's rows past the cache are treated as
+    /// invisible.
     pub base: Option<&'a Tensor>,
+    /// A page table instead of `base` (`base` must then be `None`).
+    pub pages: Option<KeyPages<'a>>,
     /// N: entries per query (score columns); at most the cache rows when `base` is `None`.
     pub entries: usize,
     /// Visible entries per query.
@@ -146,7 +173,7 @@ impl KeySource<'_> {
     /// One sequence's cache: every entry of `keys`, causal visibility from `start` / `ratio`.
     pub fn sequence(keys: IndexKeys<'_>, start: usize, ratio: usize) -> Result<KeySource<'_>> {
         let entries = keys.rows()?;
-        Ok(KeySource { keys, base: None, entries, visibility: Visibility::Causal { start, ratio } })
+        Ok(KeySource { keys, base: None, pages: None, entries, visibility: Visibility::Causal { start, ratio } })
     }
 
     pub(crate) fn check(&self, op: &str, tokens: usize, device: &Device) -> Result<()> {
@@ -155,7 +182,22 @@ impl KeySource<'_> {
             candle_core::bail!("{op}: keys are on {:?}, queries on {device:?}", self.keys.device())
         }
         self.visibility.check(op, tokens, device)?;
-        if let Some(b) = self.base {
+        if let Some(p) = self.pages {
+            let t = p.table;
+            let ok = t.rank() == 2 && t.dim(0)? == tokens && t.dtype() == DType::I64 && t.device().same_device(device);
+            if !ok || (t.dim(1)? > 1 && t.stride()[1] != 1) {
+                candle_core::bail!("{op}: the page table must be [{tokens}, pages] i64 on {device:?} (rows contiguous), got {:?} {:?}", t.shape(), t.dtype())
+            }
+            if !p.page_size.is_power_of_two() || p.page_size > 1 << 30 {
+                candle_core::bail!("{op}: the page size must be a power of two below 2^30, got {}", p.page_size)
+            }
+            if self.base.is_some() {
+                candle_core::bail!("{op}: give a key base or a page table, not both")
+            }
+            if self.entries > t.dim(1)? * p.page_size {
+                candle_core::bail!("{op}: {} entries but the page table holds {} pages of {}", self.entries, t.dim(1)?, p.page_size)
+            }
+        } else if let Some(b) = self.base {
             if b.dims() != [tokens] || b.dtype() != DType::U32 || !b.device().same_device(device) {
                 candle_core::bail!("{op}: key base must be [{tokens}] u32 on {device:?}, got {:?} {:?}", b.shape(), b.dtype())
             }
@@ -166,6 +208,29 @@ impl KeySource<'_> {
             candle_core::bail!("{op}: {} entries exceed the kernels' i32 range", self.entries)
         }
         Ok(())
+    }
+
+    /// Host copy of each query's rows of entries `0 .. n` through the page table (`None` without
+    /// one): a query's rows end at its first page below 0 or past the cache.
+    pub(crate) fn host_paged_rows(&self, tokens: usize) -> Result<Option<Vec<Vec<usize>>>> {
+        let Some(p) = self.pages else { return Ok(None) };
+        let rows = self.keys.rows()?;
+        let table = p.table.to_device(&Device::Cpu)?.to_vec2::<i64>()?;
+        let ps = p.page_size;
+        Ok(Some(
+            table
+                .into_iter()
+                .take(tokens)
+                .map(|pages| {
+                    pages
+                        .into_iter()
+                        .map_while(|pg| usize::try_from(pg).ok().filter(|pg| (pg + 1) * ps <= rows))
+                        .flat_map(|pg| pg * ps..(pg + 1) * ps)
+                        .take(self.entries)
+                        .collect()
+                })
+                .collect(),
+        ))
     }
 
     /// Host copy of the per-query first rows.

@@ -116,9 +116,23 @@ pub(crate) fn cpu_scores(q: &Tensor, w: &Tensor, src: &KeySource) -> Result<Vec<
     let (t, _, _) = q.dims3()?;
     let (q, w) = (q.to_device(&Device::Cpu)?, w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
     let n = src.entries;
+    let mut out = vec![Vec::new(); t];
+    if let Some(paged) = src.host_paged_rows(t)? {
+        // Through the page table: each query's own rows.
+        for (ti, slots) in paged.into_iter().enumerate() {
+            let mut row = if slots.is_empty() {
+                Vec::new()
+            } else {
+                let keys = src.keys.host_slots(&slots)?.to_dtype(DType::BF16)?;
+                reference_scores(&q.narrow(0, ti, 1)?, &w.narrow(0, ti, 1)?, &keys)?.remove(0)
+            };
+            row.resize(n, f32::NEG_INFINITY);
+            out[ti] = row;
+        }
+        return Ok(out);
+    }
     let rows_total = src.keys.rows()?;
     let base = src.host_base(t)?;
-    let mut out = vec![Vec::new(); t];
     let mut t0 = 0;
     while t0 < t {
         let mut t1 = t0 + 1;
@@ -216,6 +230,16 @@ pub(crate) fn with_score_params<R>(
     };
     let base = src.base.map(|b| b.contiguous()).transpose()?;
     let base_sl = base.as_ref().map(|b| b.storage_and_layout());
+    let table_sl = src.pages.map(|p| p.table.storage_and_layout());
+    let (table_p, table_guard) = match (&table_sl, src.pages) {
+        (Some((ts, tl)), Some(p)) => {
+            let (ptr, g) = read_ptr::<i64>(as_cuda(ts, "page table")?, tl, &stream)?;
+            let stride = if p.table.dim(0)? <= 1 { p.table.dim(1)? } else { p.table.stride()[0] };
+            (ptr, Some((g, stride, p.page_size)))
+        }
+        _ => (std::ptr::null(), None),
+    };
+    let (table_stride, table_page) = table_guard.as_ref().map_or((0, 0), |(_, s, p)| (*s as i64, *p as i32));
     let vis = match src.visibility {
         Visibility::Counts(c) => Some(c.contiguous()?),
         Visibility::Causal { .. } => None,
@@ -237,11 +261,13 @@ pub(crate) fn with_score_params<R>(
         key_base: base_p,
         visible: vis_p,
         allowed: mask_p,
+        page_table: table_p,
         scores: std::ptr::null_mut(),
         key_row_stride: row_stride,
         num_key_rows: src.keys.rows()? as i64,
         score_row_stride: 0,
         start,
+        page_table_stride: table_stride,
         num_tokens: t as i32,
         num_heads: h as i32,
         head_dim: d as i32,
@@ -251,7 +277,7 @@ pub(crate) fn with_score_params<R>(
         ratio,
         allowed_words: mask.map_or(Ok(0), |(m, _)| m.dim(1))? as i32,
         allowed_block: mask.map_or(1, |(_, b)| b) as i32,
-        _pad: 0,
+        table_page_size: table_page,
     };
     let r = f(&params, &stream, &qc.device);
     drop(guards);
@@ -285,6 +311,7 @@ pub(crate) fn token_chunk(p: &ffi::IndexerScoresParams, t0: usize, tc: usize) ->
         key_base: adv_u32(p.key_base, 1),
         visible: adv_u32(p.visible, 1),
         allowed: adv_u32(p.allowed, p.allowed_words as usize),
+        page_table: if p.page_table.is_null() { p.page_table } else { p.page_table.wrapping_add(t0 * p.page_table_stride as usize) },
         start: p.start + t0 as i64,
         num_tokens: tc as i32,
         ..*p

@@ -197,6 +197,6 @@ pub(crate) fn select_on_device(
         counts = Tensor::new(v, q.device())?;
         Visibility::Counts(&counts)
     };
-    let src = KeySource { keys, base: None, entries: n, visibility };
+    let src = KeySource { keys, base: None, pages: None, entries: n, visibility };
     index_select(q, w, &src, k, consume, publish)
 }

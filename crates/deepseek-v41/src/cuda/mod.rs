@@ -103,7 +103,7 @@ pub use decoder_ops::{
     mhc_post_fused, mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, MHC_POST_MAX_HC, ROW_NORM_MAX_N,
 };
 pub use index_key_insert::index_key_insert;
-pub use indexer_inputs::{IndexKeys, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
+pub use indexer_inputs::{IndexKeys, KeyPages, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
 pub use indexer_scores::masked_index_scores;
 pub use indexer_select::{index_select, index_select_with_options, SelectOptions, SCORE_SCRATCH_BYTES};
 pub(crate) use indexer_select::select_on_device;

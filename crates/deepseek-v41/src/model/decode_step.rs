@@ -8,7 +8,14 @@
 //! | input | shape | written by `update` |
 //! |---|---|---|
 //! | tokens and Engram row ids | `[B + E·B·cols]` u32 (views `[B]` and, per Engram layer, `[B, cols]`) | one host→device copy; the ids hashed on the host from each sequence's [`EngramHistory`] (spec §9.4) |
-//! | positions, slots, RoPE rows, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one `[5, B]` copy each |
+//! | positions, slots, RoPE rows, page tables, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one `[5·B + B·max_pages]` copy each |
+//!
+//! The kv sources' compressed entries and index keys live in pages shared by the B sequences
+//! ([`PageTable`]): [`ModelDecodeStep::new`] sizes each pool for B sequences at the capacity,
+//! [`ModelDecodeStep::with_pool_tokens`] for a chosen number of tokens in all; pages are taken
+//! as sequences grow ([`ModelDecodeStep::update`]) or are loaded, and returned by
+//! [`ModelDecodeStep::release`]; [`ModelDecodeStep::page_occupancy`] reports them. A step whose
+//! new entries find no free page is [`DecodeStepError::PoolFull`] and changes nothing.
 //!
 //! [`ModelDecodeStep::forward`] runs embedding → per layer (Engram, `hc_attn` mixes, collapse,
 //! `attn_norm`, [`DecodeStep::forward`], post, `hc_ffn` mixes, collapse, `ffn_norm`, MoE, post)
@@ -33,7 +40,10 @@ use super::decoder::{Model, ModelCache};
 use super::engram::EngramTable;
 use super::engram_hash::EngramHistory;
 use super::mhc::{collapse, post, HcSublayer};
-use crate::attention::{BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, DecodeStepInputs, Published, StepOptions};
+use crate::attention::{
+    BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, DecodeStepInputs, PageTable, PageUse, Published,
+    StepOptions,
+};
 use crate::config::{CandidateRole, Config};
 use crate::nn::RowGroups;
 use crate::sampling::{sample_batch, SamplingBatch};
@@ -59,6 +69,8 @@ pub struct ModelDecodeStep<'m> {
     /// `[B, hc]` f32: the carried pre of the embedding (one-hot on copy 0).
     pre0: Tensor,
     histories: Vec<EngramHistory>,
+    /// Engram's largest n-gram (an empty history's width).
+    ngram: usize,
     rows: RowGroups,
     options: StepOptions,
 }
@@ -69,7 +81,36 @@ impl<'m> ModelDecodeStep<'m> {
     /// sequence starts empty at position 0 until [`ModelDecodeStep::load`]. Errors for a layer the
     /// attention step does not compose (on CUDA also one whose shapes the fused kernels do not
     /// take), an Engram table not resident on `device`, or a model whose activations are not bf16.
+    ///
+    /// Each kv source of ratio r gets `batch·ceil(ceil(capacity / r) / P)` pages of
+    /// P = [`PageTable::PAGE`] entries: every sequence can reach the capacity at once.
     pub fn new(cfg: &Config, model: &'m Model, batch: usize, capacity: usize, storage: BatchStorage, device: &Device) -> Result<Self> {
+        Self::build(cfg, model, batch, capacity, None, storage, device)
+    }
+
+    /// [`ModelDecodeStep::new`] with page pools sized for `pool_tokens` tokens in all (summed over
+    /// the sequences) instead of `batch·capacity`: each kv source of ratio r gets
+    /// `ceil(ceil(pool_tokens / r) / P)` pages (each sequence's last page may be partly used, so
+    /// the sequences fit when their entries rounded up to pages do). Fewer tokens than
+    /// `batch·capacity` save device memory when the sequences are not all long at once; a step
+    /// that finds no free page is [`DecodeStepError::PoolFull`]. Errors for `pool_tokens` = 0.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_pool_tokens(
+        cfg: &Config,
+        model: &'m Model,
+        batch: usize,
+        capacity: usize,
+        pool_tokens: usize,
+        storage: BatchStorage,
+        device: &Device,
+    ) -> Result<Self> {
+        if pool_tokens == 0 {
+            candle_core::bail!("ModelDecodeStep::with_pool_tokens: the page pools must hold at least 1 token, got 0")
+        }
+        Self::build(cfg, model, batch, capacity, Some(pool_tokens), storage, device)
+    }
+
+    fn build(cfg: &Config, model: &'m Model, batch: usize, capacity: usize, pool_tokens: Option<usize>, storage: BatchStorage, device: &Device) -> Result<Self> {
         if batch == 0 {
             Err(DecodeStepError::EmptyBatch)?
         }
@@ -86,7 +127,11 @@ impl<'m> ModelDecodeStep<'m> {
         let layers = blocks.iter().map(|b| DecodeLayer::new(cfg, b.attention())).collect::<Result<Vec<_>>>()?;
         let caches = layers
             .iter()
-            .map(|l| BatchedLayerCache::zeros(l, batch, capacity.div_ceil(l.ratio().max(1)), storage, device))
+            .map(|l| {
+                let (r, page) = (l.ratio().max(1), PageTable::PAGE);
+                let pages = pool_tokens.map_or(batch * capacity.div_ceil(r).div_ceil(page), |t| t.div_ceil(r).div_ceil(page));
+                BatchedLayerCache::zeros_paged(l, batch, capacity.div_ceil(r), pages, storage, device)
+            })
             .collect::<Result<Vec<_>>>()?;
         // One inputs object per RoPE set and entry geometry: window-only layers share one, the
         // compressed layers one per kv source (a reuse layer reads its kv source's entries).
@@ -157,6 +202,7 @@ impl<'m> ModelDecodeStep<'m> {
             engram_ids,
             pre0: Tensor::from_vec(one_hot, (batch, hc), device)?,
             histories: vec![EngramHistory::new(ngram); batch],
+            ngram,
             rows: RowGroups::from_lens(std::iter::repeat_n(1, batch)),
             options: StepOptions::default(),
         })
@@ -197,10 +243,32 @@ impl<'m> ModelDecodeStep<'m> {
         &self.inputs
     }
 
+    /// The kv sources' page pools: pages held and total, by kv source.
+    pub fn page_occupancy(&self) -> Vec<PageUse> {
+        self.caches.iter().filter_map(|c| c.pages().map(|p| p.occupancy())).collect()
+    }
+
+    /// Returns the pages batch row `seq` holds in every kv source's pools and empties its Engram
+    /// history: the row can take another sequence ([`ModelDecodeStep::load`]). Until then it
+    /// still steps with the batch (its outputs are meaningless): step it as a new sequence from
+    /// position 0, where it holds at most one page per ratio-1 kv source. Errors for a row
+    /// outside the batch.
+    pub fn release(&mut self, seq: usize) -> Result<()> {
+        if seq >= self.batch {
+            Err(DecodeStepError::BatchMismatch { what: "the sequence index", batch: self.batch, got: seq + 1 })?
+        }
+        for c in &self.caches {
+            c.release(seq)?;
+        }
+        self.histories[seq] = EngramHistory::new(self.ngram);
+        Ok(())
+    }
+
     /// Copies sequence `cache` (prefilled with [`Model::forward`] or [`Model::forward_batch`])
-    /// into region `seq` of every layer's pools, and its Engram history; its next step runs at
-    /// position `cache.seq_len()`. Errors when `seq` is outside the batch or the sequence does
-    /// not fit the capacity.
+    /// into row `seq` of every layer's pools (the kv sources' entries into the pages the row
+    /// holds or takes), and its Engram history; its next step runs at position
+    /// `cache.seq_len()`. Errors, changing nothing, when `seq` is outside the batch, the sequence
+    /// does not fit the capacity or a page pool is full ([`DecodeStepError::PoolFull`]).
     pub fn load(&mut self, seq: usize, cache: &ModelCache) -> Result<()> {
         if seq >= self.batch {
             Err(DecodeStepError::BatchMismatch { what: "the sequence index", batch: self.batch, got: seq + 1 })?
@@ -213,6 +281,9 @@ impl<'m> ModelDecodeStep<'m> {
             )
         }
         for c in &self.caches {
+            c.check_load(seq, &cache.attention)?;
+        }
+        for c in &self.caches {
             c.load_sequence(seq, &cache.attention)?;
         }
         self.histories[seq] = cache.engram.clone();
@@ -222,9 +293,10 @@ impl<'m> ModelDecodeStep<'m> {
     /// Writes the step's inputs: sequence b decodes `tokens[b]` at `positions[b]` (the tokens it
     /// holds so far). The tokens and Engram ids (hashed on the host against each sequence's
     /// history, which then takes the token) go up in one copy, the position tables in one copy
-    /// per inputs object. Errors, changing nothing, for a wrong count, a token outside the
-    /// vocabulary, a position at or past the capacity, or (Engram models) a position other than
-    /// the length of the sequence's Engram history.
+    /// per inputs object (with the kv sources' page tables, after taking the pages the new entries
+    /// need). Errors, changing nothing, for a wrong count, a token outside the vocabulary, a
+    /// position at or past the capacity, a full page pool ([`DecodeStepError::PoolFull`]), or
+    /// (Engram models) a position other than the length of the sequence's Engram history.
     ///
     /// Call it outside a graph capture and with Candle's host-upload cache off (see
     /// [`DecodeStepInputs::update`]).
@@ -264,6 +336,10 @@ impl<'m> ModelDecodeStep<'m> {
                     }
                 }
             }
+        }
+        // Every page pool can serve the step before anything is written.
+        for inputs in &self.inputs {
+            inputs.check(positions)?;
         }
         let dev = self.ids.device();
         self.ids.slice_set(&Tensor::from_vec(host, self.ids.elem_count(), dev)?, 0, 0)?;
