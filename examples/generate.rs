@@ -143,6 +143,12 @@ struct Args {
     /// near-ties of the router's scores (`docs/numerics.md`).
     #[arg(long)]
     host_routing: bool,
+    /// On CUDA, replay every decode step from a CUDA graph: the prompt's cache loaded into the
+    /// library's batched decode step for one sequence, captured once (`generation::generate_graphed`).
+    /// Its kernels sum in another order than the default path's, so a token may differ at a
+    /// near-tie of the logits. Needs resident Engram tables and MXFP4 routed experts.
+    #[arg(long)]
+    graph: bool,
 }
 
 /// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
@@ -313,6 +319,9 @@ fn run_args(args: Args) -> Result<()> {
         #[cfg(not(feature = "cuda"))]
         DeviceArg::Cuda => bail!("--device cuda: {CUDA_HINT}"),
     };
+    if args.graph && args.device != DeviceArg::Cuda {
+        bail!("--graph replays CUDA graphs: add --device cuda")
+    }
     let storage = match args.cache {
         CacheArg::Bf16 => CacheStorage::Bf16,
         CacheArg::Packed if cfg!(feature = "cuda") => CacheStorage::Packed,
@@ -357,14 +366,21 @@ fn run_args(args: Args) -> Result<()> {
     let t1 = Instant::now();
     let tail = prefill_head(&p, &mut cache, &prompt_ids)?;
     let mut first_token = None;
-    let new = generate(&p.model, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), |id| {
+    let mut emit = |id| {
         first_token.get_or_insert_with(Instant::now);
         if let Some(text) = stream.push(id)? {
             write!(out, "{text}").map_err(candle_core::Error::wrap)?;
             out.flush().map_err(candle_core::Error::wrap)?;
         }
         Ok(())
-    })?;
+    };
+    // Without the `cuda` feature `--graph` was refused with `--device cuda` above.
+    let new = match args.graph {
+        #[cfg(feature = "cuda")]
+        true => deepseek_v41::generation::generate_graphed(&p.model, &p.config, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)
+            .context("--graph: the decode step could not run as a CUDA graph (run without --graph)")?,
+        _ => generate(&p.model, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)?,
+    };
     let done = Instant::now();
     if let Some(text) = stream.finish()? {
         write!(out, "{text}")?;

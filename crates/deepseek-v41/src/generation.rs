@@ -1,13 +1,19 @@
 //! Token selection and the generation loop: greedy (temperature 0) or temperature + top-p
 //! sampling with a seed ([`crate::sampling`]: the same algorithm and the same tokens on every
 //! device), prefill of the prompt then one token per step on the caller's cache, stopping at EOS
-//! or after a token budget.
+//! or after a token budget; on CUDA (feature `cuda`) `generate_graphed` replays the decode
+//! steps from a CUDA graph.
 
 use candle_core::{DType, Result, Tensor, D};
 
 use crate::input::{check_context, check_sampling, InputError};
 use crate::model::{BatchItem, Model, ModelCache};
 use crate::sampling::{argmax_ref, sample_batch, SamplingBatch, SamplingParams};
+
+#[cfg(feature = "cuda")]
+mod graphed;
+#[cfg(feature = "cuda")]
+pub use graphed::generate_graphed;
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
