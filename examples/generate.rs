@@ -29,7 +29,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use deepseek_v41::attention::CacheStorage;
-use deepseek_v41::generation::{generate, Sampler, Sampling};
+use deepseek_v41::generation::{generate, Sampler, Sampling, SteppedGeneration};
 use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
 use deepseek_v41::input::check_context;
 use deepseek_v41::loader::{LoadPlan, PlanDevice, PlanOptions, QuantizedWeights, ReleaseCheckpoint};
@@ -144,7 +144,7 @@ struct Args {
     #[arg(long)]
     host_routing: bool,
     /// On CUDA, replay every decode step from a CUDA graph: the prompt's cache loaded into the
-    /// library's batched decode step for one sequence, captured once (`generation::generate_graphed`).
+    /// library's batched decode step for one sequence, captured once (`generation::SteppedGeneration`).
     /// Its kernels sum in another order than the default path's, so a token may differ at a
     /// near-tie of the logits. Needs resident Engram tables and MXFP4 routed experts.
     #[arg(long)]
@@ -374,12 +374,12 @@ fn run_args(args: Args) -> Result<()> {
         }
         Ok(())
     };
-    // Without the `cuda` feature `--graph` was refused with `--device cuda` above.
-    let new = match args.graph {
-        #[cfg(feature = "cuda")]
-        true => deepseek_v41::generation::generate_graphed(&p.model, &p.config, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)
-            .context("--graph: the decode step could not run as a CUDA graph (run without --graph)")?,
-        _ => generate(&p.model, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)?,
+    let new = if args.graph {
+        SteppedGeneration { model: &p.model, config: &p.config, graph: true }
+            .generate(&mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)
+            .context("--graph: the decode step could not run as a CUDA graph (run without --graph)")?
+    } else {
+        generate(&p.model, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)?
     };
     let done = Instant::now();
     if let Some(text) = stream.finish()? {

@@ -50,3 +50,37 @@ fn the_greedy_criterion_rejects_real_differences() {
     assert!(check_free_running(&[1, 3, 5], &want, &steps).is_err(), "a flip at margin 1.0 >= {NEAR_TIE}");
     assert!(check_free_running(&[1, 2], &want, &steps).is_err());
 }
+
+/// `SteppedGeneration` (the batched decode step of one sequence after `Model::forward`'s
+/// prefill) gives `generate`'s tokens on the CPU, greedy and sampled, to the budget or EOS; the
+/// prompt's cache is left holding the prompt only.
+#[test]
+fn stepped_generation_gives_generates_tokens() -> Result<()> {
+    use deepseek_v41::generation::{generate, Sampler, Sampling, SteppedGeneration};
+    let dir = greedy::model_dir();
+    let p = Pretrained::load_dir(&dir, Numerics::REFERENCE, DType::BF16, &Device::Cpu)?;
+    let prompt = p.tokenizer.encode("ROMEO:\nBut soft, what light", true)?;
+    let stepped = SteppedGeneration { model: &p.model, config: &p.config, graph: false };
+    for sampling in [Sampling::GREEDY, Sampling { temperature: 0.9, top_p: 0.95, seed: 5 }] {
+        let mut want_cache = p.new_cache()?;
+        let want = generate(&p.model, &mut want_cache, &prompt, 40, &mut Sampler::new(sampling)?, None, |_| Ok(()))?;
+        let mut cache = p.new_cache()?;
+        let mut streamed = Vec::new();
+        let got = stepped.generate(&mut cache, &prompt, 40, &mut Sampler::new(sampling)?, None, |id| {
+            streamed.push(id);
+            Ok(())
+        })?;
+        assert_eq!(got, want, "{sampling:?}");
+        assert_eq!(streamed, got);
+        assert_eq!(cache.seq_len(), prompt.len());
+        // EOS: stop right after the 11th token, taken as the end.
+        let eos = want[10];
+        let first = want.iter().position(|&t| t == eos).unwrap_or(10);
+        let stopped = stepped.generate(&mut p.new_cache()?, &prompt, 40, &mut Sampler::new(sampling)?, Some(eos), |_| Ok(()))?;
+        assert_eq!(stopped, want[..=first], "{sampling:?} with EOS {eos}");
+    }
+    // On the CPU graph replay is refused.
+    let refused = SteppedGeneration { graph: true, ..stepped }.generate(&mut p.new_cache()?, &prompt, 4, &mut Sampler::new(Sampling::GREEDY)?, None, |_| Ok(()));
+    assert!(refused.unwrap_err().to_string().contains("needs a CUDA device"));
+    Ok(())
+}

@@ -1,8 +1,8 @@
 //! Token selection and the generation loop: greedy (temperature 0) or temperature + top-p
 //! sampling with a seed ([`crate::sampling`]: the same algorithm and the same tokens on every
 //! device), prefill of the prompt then one token per step on the caller's cache, stopping at EOS
-//! or after a token budget; on CUDA (feature `cuda`) `generate_graphed` replays the decode
-//! steps from a CUDA graph.
+//! or after a token budget; [`SteppedGeneration`] runs the decode steps on the batched decode
+//! step, on CUDA replayed from a CUDA graph.
 
 use candle_core::{DType, Result, Tensor, D};
 
@@ -10,10 +10,8 @@ use crate::input::{check_context, check_sampling, InputError};
 use crate::model::{BatchItem, Model, ModelCache};
 use crate::sampling::{argmax_ref, sample_batch, SamplingBatch, SamplingParams};
 
-#[cfg(feature = "cuda")]
-mod graphed;
-#[cfg(feature = "cuda")]
-pub use graphed::generate_graphed;
+mod stepped;
+pub use stepped::SteppedGeneration;
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
