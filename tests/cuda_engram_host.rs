@@ -61,3 +61,8 @@ fn batched_model_with_host_tables_equals_resident() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn graphed_decode_with_host_tables_equals_resident() -> Result<()> {
+    engram_tables::check_stepped_host_equals_device(&decode_device(0)?)
+}

@@ -43,3 +43,8 @@ fn batched_model_with_host_tables_equals_resident() -> Result<()> {
     engram_tables::check_batch_host_equals_device(&Device::Cpu)?;
     Ok(())
 }
+
+#[test]
+fn stepped_decode_with_host_tables_equals_resident() -> Result<()> {
+    engram_tables::check_stepped_host_equals_device(&Device::Cpu)
+}

@@ -305,3 +305,29 @@ pub fn check_batch_host_equals_device(dev: &Device) -> Result<()> {
     }
     Ok(())
 }
+
+/// The embedded model's decode on the batched decode step (`SteppedGeneration`; on CUDA replayed
+/// from a CUDA graph) with host Engram tables (their rows staged by `ModelDecodeStep::update`)
+/// gives the tokens of the same with resident tables, greedy and sampled; on the CPU also
+/// `generate`'s. 32 new tokens after a 9-token prompt.
+pub fn check_stepped_host_equals_device(dev: &Device) -> Result<()> {
+    use deepseek_v41::generation::{generate, Sampler, Sampling, SteppedGeneration};
+    let dir = repo_path("models/v41-shakespeare-tiny");
+    let load = |placement| Pretrained::load_dir_with(&dir, Numerics::REFERENCE, DType::BF16, dev, placement);
+    let (resident, host) = (load(EngramPlacement::Auto)?, load(EngramPlacement::Host)?);
+    ensure!(host.engram_placements().iter().all(|t| t.location == EngramLocation::Host), "{:?}", host.engram_placements());
+    let prompt = resident.tokenizer.encode("KING HENRY:\nOnce more", true)?;
+    for sampling in [Sampling::GREEDY, Sampling { temperature: 1.0, top_p: 0.9, seed: 3 }] {
+        let run = |p: &Pretrained| -> Result<Vec<u32>> {
+            let stepped = SteppedGeneration { model: &p.model, config: &p.config, graph: dev.is_cuda() };
+            Ok(stepped.generate(&mut p.new_cache()?, &prompt, 32, &mut Sampler::new(sampling)?, None, |_| Ok(()))?)
+        };
+        let want = run(&resident)?;
+        ensure!(run(&host)? == want, "{sampling:?}: the stepped tokens with host Engram tables differ from the resident tables'");
+        if !dev.is_cuda() {
+            let eager = generate(&resident.model, &mut resident.new_cache()?, &prompt, 32, &mut Sampler::new(sampling)?, None, |_| Ok(()))?;
+            ensure!(eager == want, "{sampling:?}: the stepped tokens differ from generate's");
+        }
+    }
+    Ok(())
+}

@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | tokens and Engram row ids | `[B + E·B·cols]` u32 (views `[B]` and, per Engram layer, `[B, cols]`) | one host→device copy; the ids hashed on the host from each sequence's [`EngramHistory`] (spec §9.4) |
 //! | positions, slots, RoPE rows, page tables, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one `[5·B + B·max_pages]` copy each |
+//! | Engram rows of a table in host memory | `[B, cols·head_dim]` bf16 per such layer | gathered on the host from the ids, one copy (and the device decode of stored FP8 rows) |
 //!
 //! The kv sources' compressed entries and index keys live in pages shared by the B sequences
 //! ([`PageTable`]): [`ModelDecodeStep::new`] sizes each pool for B sequences at the capacity,
@@ -30,9 +31,11 @@
 //! are bit for bit those of [`Model::forward_batch`] of one token per sequence
 //! (`tests/model_decode_step.rs`).
 //!
-//! Engram tables read from host memory ([`super::EngramTable::Rows`] / `Host`) are refused: their
-//! rows are gathered on the host per step (use [`Model::forward_batch`]). The layers the
-//! attention step does not compose are refused by [`DecodeLayer::new`].
+//! An Engram table read from host memory ([`super::EngramTable::Rows`] / `Host`, the released
+//! ~100 GB tables) has its rows gathered by `update` (the ids are known once the tokens are) into
+//! a fixed device tensor the step reads ([`super::Engram::forward_rows`]), so that the step itself
+//! still reads nothing from the host. The layers the attention step does not compose are refused
+//! by [`DecodeLayer::new`].
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 
@@ -66,6 +69,11 @@ pub struct ModelDecodeStep<'m> {
     tokens: Tensor,
     /// Per layer, its Engram ids view `[B, cols]` (Engram layers only).
     engram_ids: Vec<Option<Tensor>>,
+    /// Per layer with an Engram table in host memory: where its `B·cols` ids start in the
+    /// buffer and the `[B, cols·head_dim]` bf16 rows `update` stages for the step.
+    staged_rows: Vec<Option<(usize, Tensor)>>,
+    /// Engram ids per token.
+    engram_cols: usize,
     /// `[B, hc]` f32: the carried pre of the embedding (one-hot on copy 0).
     pre0: Tensor,
     histories: Vec<EngramHistory>,
@@ -158,27 +166,25 @@ impl<'m> ModelDecodeStep<'m> {
         let n_cols = model.engram_hasher().map_or(0, |h| h.layout().n_cols());
         let mut width = batch;
         let mut offsets = Vec::with_capacity(blocks.len());
+        let mut staged_rows = Vec::with_capacity(blocks.len());
         for b in blocks {
-            offsets.push(match b.engram() {
-                Some(e) => {
-                    match e.table() {
-                        EngramTable::Resident(t) if t.device().same_device(device) => {}
-                        EngramTable::Resident(t) => candle_core::bail!(
-                            "ModelDecodeStep: layer {}'s Engram table is on {:?}, not on the step's device {device:?}",
-                            b.layer(),
-                            t.device()
-                        ),
-                        _ => candle_core::bail!(
-                            "ModelDecodeStep: layer {}'s Engram table is read from host memory per step (not capturable); \
-                             load it resident (EngramPlacement::Device) or decode with Model::forward_batch",
-                            b.layer()
-                        ),
-                    }
-                    width += batch * n_cols;
-                    Some(width - batch * n_cols)
-                }
-                None => None,
+            let offset = b.engram().map(|_| width);
+            staged_rows.push(match (b.engram(), offset) {
+                (Some(e), Some(o)) => match e.table() {
+                    EngramTable::Resident(t) if t.device().same_device(device) => None,
+                    EngramTable::Resident(t) => candle_core::bail!(
+                        "ModelDecodeStep: layer {}'s Engram table is on {:?}, not on the step's device {device:?}",
+                        b.layer(),
+                        t.device()
+                    ),
+                    table => Some((o, Tensor::zeros((batch, n_cols * table.dims().1), DType::BF16, device)?)),
+                },
+                _ => None,
             });
+            if offset.is_some() {
+                width += batch * n_cols;
+            }
+            offsets.push(offset);
         }
         let ids = Tensor::zeros(width, DType::U32, device)?;
         let engram_ids = offsets
@@ -200,6 +206,8 @@ impl<'m> ModelDecodeStep<'m> {
             tokens: ids.narrow(0, 0, batch)?,
             ids,
             engram_ids,
+            staged_rows,
+            engram_cols: n_cols,
             pre0: Tensor::from_vec(one_hot, (batch, hc), device)?,
             histories: vec![EngramHistory::new(ngram); batch],
             ngram,
@@ -342,9 +350,21 @@ impl<'m> ModelDecodeStep<'m> {
             inputs.check(positions)?;
         }
         let dev = self.ids.device();
+        // Rows of host tables: gathered now (the ids are known), staged for the step.
+        let mut staged = Vec::new();
+        for (block, rows) in self.model.layers().iter().zip(&self.staged_rows) {
+            if let (Some(e), Some((o, _))) = (block.engram(), rows) {
+                let n = b * self.engram_cols;
+                let ids = Tensor::from_slice(&host[*o..*o + n], n, &Device::Cpu)?;
+                staged.push(e.table().rows(&ids, dev)?.reshape((b, ()))?);
+            }
+        }
         self.ids.slice_set(&Tensor::from_vec(host, self.ids.elem_count(), dev)?, 0, 0)?;
         for inputs in &self.inputs {
             inputs.update(positions)?;
+        }
+        for ((_, rows), new) in self.staged_rows.iter().flatten().zip(&staged) {
+            rows.slice_set(new, 0, 0)?;
         }
         self.histories = histories;
         Ok(())
@@ -400,7 +420,9 @@ impl<'m> ModelDecodeStep<'m> {
         let mut topk: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         let mut blocks: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         for (l, block) in m.layers().iter().enumerate() {
-            if let (Some(e), Some(ids)) = (block.engram(), &self.engram_ids[l]) {
+            if let (Some(e), Some((_, rows))) = (block.engram(), &self.staged_rows[l]) {
+                x = e.forward_rows(&x, rows, &self.rows)?;
+            } else if let (Some(e), Some(ids)) = (block.engram(), &self.engram_ids[l]) {
                 x = e.forward_grouped(&x, ids, &self.rows)?;
             }
             let a = block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, &self.rows)?;
