@@ -146,7 +146,7 @@ struct Args {
     /// On CUDA, replay every decode step from a CUDA graph: the prompt's cache loaded into the
     /// library's batched decode step for one sequence, captured once (`generation::SteppedGeneration`).
     /// Its kernels sum in another order than the default path's, so a token may differ at a
-    /// near-tie of the logits. Needs resident Engram tables and MXFP4 routed experts.
+    /// near-tie of the logits. Needs MXFP4 routed experts.
     #[arg(long)]
     graph: bool,
 }

@@ -35,7 +35,7 @@ impl SteppedGeneration<'_> {
     /// `cache` holds the prompt afterwards: the decoded tokens' state lives in the step, which
     /// is dropped at the end. Errors as [`super::generate`] does; for `graph` off CUDA (after the
     /// prefill); and when the model cannot run as the step ([`ModelDecodeStep::new`]; with `graph` also
-    /// [`crate::model::GraphedDecodeStep::capture`]: Engram tables in host memory, routed experts
+    /// [`crate::model::GraphedDecodeStep::capture`]: activations other than bf16, routed experts
     /// that are not MXFP4) — then only the prefill has run.
     pub fn generate(
         &self,

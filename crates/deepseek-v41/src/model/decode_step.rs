@@ -21,7 +21,7 @@
 //! [`ModelDecodeStep::forward`] runs embedding → per layer (Engram, `hc_attn` mixes, collapse,
 //! `attn_norm`, [`DecodeStep::forward`], post, `hc_ffn` mixes, collapse, `ffn_norm`, MoE, post)
 //! → collapse, `norm`, head, with the decoder layer's own modules. Nothing in it depends on the
-//! positions or tokens through the host: on CUDA, with resident Engram tables, MXFP4 routed
+//! positions or tokens through the host: on CUDA, with MXFP4 routed
 //! experts (the MoE then runs inside `cuda::with_device_routing`, which the step sets) and the
 //! layers the fused attention kernels take, it reads nothing back and launches the same ops every
 //! step, so it can be captured into a CUDA graph once per batch size and replayed after each
