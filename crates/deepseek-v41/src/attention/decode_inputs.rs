@@ -18,9 +18,13 @@
 //! | page table | `[B, max_pages]` i64 | the kv source's [`PageTable`]: sequence b's pages, −1 past those it holds |
 //!
 //! The host computes the integer rows and takes the pages the new entries need from the kv
-//! source's page table ([`PageTable::grow`]); one upload of `[5·B + B·max_pages]` i64 carries
-//! the rows and the page table; the device derives the rest (RoPE rows from
+//! source's page table ([`PageTable::grow`]); one upload carries the `[5, B]` i64 rows and, at
+//! the first update or when more than a quarter of the sequences' pages changed, the whole
+//! `[B, max_pages]` page table — otherwise each changed table row is one small copy (a sequence
+//! takes a page every 64·r steps); the device derives the rest (RoPE rows from
 //! [`RopeTable::rows_at`], the same f32 arithmetic as the one-sequence path).
+
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -49,7 +53,7 @@ pub struct CompressedInputs {
     pub entries: usize,
     /// The kv source's page table (host side, shared with its cache).
     pub pages: PageTable,
-    /// `[B, max_pages]` i64: its device copy, written by each update.
+    /// `[B, max_pages]` i64: its device copy, kept equal to the table by each update.
     pub page_table: Tensor,
     /// `[B]` i64 view: the closing entry's pool slot, −1 for sequences that close no group.
     pub entry_slots: Tensor,
@@ -65,7 +69,14 @@ pub struct CompressedInputs {
     pub(super) zeros: Tensor,
     pub(super) none: Tensor,
     pub(super) page_len: Tensor,
+    /// The page-table rows last written to `page_table` (shared by clones, which share the
+    /// tensor); `None` before the first write.
+    uploaded: Arc<Mutex<Option<Vec<i64>>>>,
 }
+
+/// Above this share of changed sequences an update rewrites the whole device page table in its
+/// one upload; below it only the changed rows, one small copy each.
+const WHOLE_TABLE_SHARE: usize = 4;
 
 /// The position-dependent inputs of a batched decode step for one RoPE frequency set and cache
 /// geometry: one object serves every layer of the same kind and geometry (a kv source and its
@@ -76,7 +87,7 @@ pub struct DecodeStepInputs {
     window: usize,
     window_stride: usize,
     rope: RopeTable,
-    /// `[ROWS·B + B·max_pages]` i64, rewritten by each update: the rows, then the page table.
+    /// `[ROWS·B + B·max_pages]` i64: the rows (rewritten by each update), then the page table.
     upload: Tensor,
     /// `[ROWS, B]` i64 view of `upload`.
     table: Tensor,
@@ -143,6 +154,7 @@ impl DecodeStepInputs {
                     zeros: Tensor::zeros((b, k), DType::I64, &dev)?,
                     none: Tensor::full(-1i64, (b, k), &dev)?,
                     page_len: Tensor::full(PageTable::PAGE as i64, (1, 1), &dev)?,
+                    uploaded: Arc::default(),
                 })
             }
             _ => None,
@@ -210,15 +222,43 @@ impl DecodeStepInputs {
                 host[ROW_VISIBLE * b + s] = ((p + 1) / r) as i64;
             }
         }
-        if let Some(c) = &self.compressed {
-            host.extend(c.pages.host_rows());
-        }
         let dev = self.table.device();
+        // The page table: whole with the rows when many sequences' pages changed (or at the first
+        // write), else only the changed rows (a sequence takes a page every 64·r steps).
+        let mut page_rows = Vec::new();
+        let mut uploaded = None;
+        if let Some(c) = &self.compressed {
+            let new = c.pages.host_rows();
+            let last = c.uploaded.lock().unwrap_or_else(|e| e.into_inner());
+            let mp = new.len() / b.max(1);
+            let row = |t: &[i64], s: usize| t[s * mp..(s + 1) * mp].to_vec();
+            match last.as_ref() {
+                Some(old) if old.len() == new.len() => {
+                    let changed: Vec<usize> = (0..b).filter(|&s| row(old, s) != row(&new, s)).collect();
+                    if changed.len() * WHOLE_TABLE_SHARE > b {
+                        host.extend_from_slice(&new);
+                    } else {
+                        page_rows = changed.into_iter().map(|s| (s, row(&new, s))).collect();
+                    }
+                }
+                _ => host.extend_from_slice(&new),
+            }
+            uploaded = Some((&c.uploaded, new));
+        }
         let n = host.len();
         self.upload.slice_set(&Tensor::from_vec(host, n, dev)?, 0, 0)?;
+        if let Some(c) = &self.compressed {
+            for (s, r) in page_rows {
+                let m = r.len();
+                c.page_table.slice_set(&Tensor::from_vec(r, (1, m), dev)?, 0, s)?;
+            }
+        }
+        if let Some((cell, new)) = uploaded {
+            *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(new);
+        }
         // Candle's broadcasting kernels upload their shape descriptors per call; with its upload
         // cache on (after the table's upload) they are uploaded once, the shapes never change:
-        // the table is the update's only host→device copy.
+        // the upload above (and any changed page-table rows) are the update's host→device copies.
         #[cfg(feature = "cuda")]
         let _descriptors = match dev {
             Device::Cuda(c) => Some(c.enable_cuda_graph_htod_cache()),

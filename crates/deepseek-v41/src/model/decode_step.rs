@@ -8,7 +8,7 @@
 //! | input | shape | written by `update` |
 //! |---|---|---|
 //! | tokens and Engram row ids | `[B + E·B·cols]` u32 (views `[B]` and, per Engram layer, `[B, cols]`) | one host→device copy; the ids hashed on the host from each sequence's [`EngramHistory`] (spec §9.4) |
-//! | positions, slots, RoPE rows, page tables, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one `[5·B + B·max_pages]` copy each |
+//! | positions, slots, RoPE rows, page tables, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one copy each (`[5, B]`; the page table whole when many rows changed, else its changed rows) |
 //! | Engram rows of a table in host memory | `[B, cols·head_dim]` bf16 per such layer | gathered on the host from the ids, one copy (and the device decode of stored FP8 rows) |
 //!
 //! The kv sources' compressed entries and index keys live in pages shared by the B sequences
