@@ -4,7 +4,7 @@
 //! or after a token budget; [`SteppedGeneration`] runs the decode steps on the batched decode
 //! step, on CUDA replayed from a CUDA graph.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 
 use crate::input::{check_context, check_sampling, InputError};
 use crate::model::{BatchItem, Model, ModelCache};
@@ -100,21 +100,32 @@ pub fn generate(
     eos: Option<u32>,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
-    model.check_tokens(prompt)?;
-    check_context(cache.seq_len() + prompt.len(), max_new, model.max_positions())?;
+    let (mut next, _) = prefill(model, cache, prompt, max_new, sampler)?;
     let mut out = Vec::new();
-    let mut logits = model.forward(prompt, cache)?;
-    while out.len() < max_new {
-        let last = logits.narrow(0, logits.dim(0)? - 1, 1)?.squeeze(0)?;
-        let next = sampler.sample(&last)?;
-        out.push(next);
-        on_token(next)?;
-        if Some(next) == eos || out.len() == max_new {
+    while let Some(id) = next {
+        out.push(id);
+        on_token(id)?;
+        if Some(id) == eos || out.len() == max_new {
             break;
         }
-        logits = model.forward(&[next], cache)?;
+        next = Some(sample_last(sampler, &model.forward(&[id], cache)?)?);
     }
     Ok(out)
+}
+
+/// [`generate`]'s checks, the prompt's forward call on `cache` and the first token drawn from its
+/// last logits row (`None`, after the forward call, when `max_new` is 0); with the logits' device.
+fn prefill(model: &Model, cache: &mut ModelCache, prompt: &[u32], max_new: usize, sampler: &mut Sampler) -> Result<(Option<u32>, Device)> {
+    model.check_tokens(prompt)?;
+    check_context(cache.seq_len() + prompt.len(), max_new, model.max_positions())?;
+    let logits = model.forward(prompt, cache)?;
+    let first = if max_new == 0 { None } else { Some(sample_last(sampler, &logits)?) };
+    Ok((first, logits.device().clone()))
+}
+
+/// The next token from the last row of `logits` `[T, vocab]`.
+fn sample_last(sampler: &mut Sampler, logits: &Tensor) -> Result<u32> {
+    sampler.sample(&logits.narrow(0, logits.dim(0)? - 1, 1)?.squeeze(0)?)
 }
 
 /// One sequence of [`generate_batch`] / [`generate_batch_greedy`].

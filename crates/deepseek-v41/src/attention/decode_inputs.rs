@@ -231,14 +231,14 @@ impl DecodeStepInputs {
             let new = c.pages.host_rows();
             let last = c.uploaded.lock().unwrap_or_else(|e| e.into_inner());
             let mp = new.len() / b.max(1);
-            let row = |t: &[i64], s: usize| t[s * mp..(s + 1) * mp].to_vec();
+            let row = |s: usize| s * mp..(s + 1) * mp;
             match last.as_ref() {
                 Some(old) if old.len() == new.len() => {
-                    let changed: Vec<usize> = (0..b).filter(|&s| row(old, s) != row(&new, s)).collect();
+                    let changed: Vec<usize> = (0..b).filter(|&s| old[row(s)] != new[row(s)]).collect();
                     if changed.len() * WHOLE_TABLE_SHARE > b {
                         host.extend_from_slice(&new);
                     } else {
-                        page_rows = changed.into_iter().map(|s| (s, row(&new, s))).collect();
+                        page_rows = changed.into_iter().map(|s| (s, new[row(s)].to_vec())).collect();
                     }
                 }
                 _ => host.extend_from_slice(&new),

@@ -9,7 +9,6 @@ use candle_core::Result;
 use super::Sampler;
 use crate::attention::BatchStorage;
 use crate::config::Config;
-use crate::input::check_context;
 use crate::model::{Model, ModelCache, ModelDecodeStep};
 use crate::sampling::SamplingBatch;
 
@@ -34,7 +33,7 @@ impl SteppedGeneration<'_> {
     ///
     /// `cache` holds the prompt afterwards: the decoded tokens' state lives in the step, which
     /// is dropped at the end. Errors as [`super::generate`] does; for `graph` off CUDA (after the
-    /// prefill); and when the model cannot run as the step ([`ModelDecodeStep::new`]; with `graph` also
+    /// prefill and the first draw); and when the model cannot run as the step ([`ModelDecodeStep::new`]; with `graph` also
     /// [`crate::model::GraphedDecodeStep::capture`]: activations other than bf16, routed experts
     /// that are not MXFP4) — then only the prefill has run.
     pub fn generate(
@@ -47,18 +46,12 @@ impl SteppedGeneration<'_> {
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
         let model = self.model;
-        model.check_tokens(prompt)?;
-        check_context(cache.seq_len() + prompt.len(), max_new, model.max_positions())?;
-        let logits = model.forward(prompt, cache)?;
-        let device = logits.device().clone();
+        let (first, device) = super::prefill(model, cache, prompt, max_new, sampler)?;
         if self.graph && !device.is_cuda() {
             candle_core::bail!("SteppedGeneration: graph replay needs a CUDA device, the model runs on {device:?} (set graph to false)")
         }
         let mut out = Vec::new();
-        if max_new == 0 {
-            return Ok(out);
-        }
-        let mut next = sampler.sample(&logits.narrow(0, logits.dim(0)? - 1, 1)?.squeeze(0)?)?;
+        let Some(mut next) = first else { return Ok(out) };
         let mut pos = cache.seq_len();
         let mut runner: Option<Runner> = None;
         loop {
