@@ -21,7 +21,8 @@
 //! `--graph` (CUDA): per B also the whole-model step `model::ModelDecodeStep` over the same
 //! prefilled sequences, eager (`update` + `forward` + the greedy ids read back) and captured
 //! once into a CUDA graph and replayed after each `update` (`update` + replay + the ids read
-//! back), when the model's layers are ones the step composes and it reads nothing back
+//! back; of that the host's part, and one replay alone back to back; `--census` lists the graph's
+//! nodes by kernel), when the model's layers are ones the step composes and it reads nothing back
 //! (`ModelDecodeStep::host_reads`); otherwise it prints why and skips
 //! (`docs/architecture.md`, "The whole-model decode step"). `--random-step-model` replaces the
 //! loaded model with random weights on the tiny config as released (every layer kind) at head_dim
@@ -83,6 +84,9 @@ struct Args {
     /// Also time `ModelDecodeStep`, eager and replayed from a CUDA graph (CUDA only).
     #[arg(long)]
     graph: bool,
+    /// With `--graph`: print the captured graph's nodes by kernel (most frequent first) for each B.
+    #[arg(long)]
+    census: bool,
     /// Time a random model (the tiny config, head_dim 512, MXFP4 experts) instead of a loaded one.
     #[arg(long)]
     random_step_model: bool,
@@ -216,8 +220,8 @@ fn run(args: &Args) -> Result<()> {
         let ms = median(times);
         println!("| {b} | {prefill_ms:.1} | {ms:.3} | {:.0} |", b as f64 / ms * 1e3);
         if args.graph {
-            match graph::time(&p, &caches, &next, storage, args.steps) {
-                Ok(row) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} | {} |", row.0, row.1, row.2)),
+            match graph::time(&p, &caches, &next, storage, args.steps, args.census) {
+                Ok(r) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} |", r.eager, r.step, r.host, r.replay, r.nodes)),
                 Err(e) => {
                     println!("\n--graph skipped: {e:#}\n");
                     break;
@@ -226,8 +230,10 @@ fn run(args: &Args) -> Result<()> {
         }
     }
     if !graph_rows.is_empty() {
-        println!("\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph replay ms (update + replay + ids) | graph nodes |");
-        println!("|---|---|---|---|---|");
+        println!(
+            "\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph step ms (update + replay + ids) | of which host (update + launch) | replay alone ms | graph nodes |"
+        );
+        println!("|---|---|---|---|---|---|---|");
         graph_rows.iter().for_each(|r| println!("{r}"));
     }
 
@@ -256,11 +262,25 @@ mod graph {
 
     use super::Loaded;
 
-    /// Median ms of the eager `ModelDecodeStep` and of its graph replay (and the graph's node count), each step with its
-    /// `update` and the greedy ids read back, over the sequences of `caches` (their next tokens
-    /// `next`), `steps` steps after 3 warm-ups.
+    /// The `--graph` figures of one B (median ms).
+    pub struct Row {
+        /// The eager step: `update` + `forward` + the greedy ids read back.
+        pub eager: f64,
+        /// The graph step: `update` + replay + the ids read back.
+        pub step: f64,
+        /// Of which the host's part: `update` and the launch, before the read waits.
+        pub host: f64,
+        /// One replay alone, back to back at unchanged inputs (device time per step).
+        pub replay: f64,
+        /// Nodes of the graph.
+        pub nodes: usize,
+    }
+
+    /// The eager `ModelDecodeStep` and its graph replay over the sequences of `caches` (their
+    /// next tokens `next`), `steps` steps after 3 warm-ups; `census` prints the graph's nodes by
+    /// kernel.
     #[cfg(feature = "cuda")]
-    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize) -> Result<(f64, f64, usize)> {
+    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize, census: bool) -> Result<Row> {
         use std::time::Instant;
 
         use candle_core::{DType, Tensor, D};
@@ -296,17 +316,39 @@ mod graph {
         let sampling = SamplingBatch::new(vec![SamplingParams::GREEDY; b], vec![0; b], &p.device)?;
         let (mut toks, mut pos) = (next.to_vec(), start);
         let mut graphed = GraphedDecodeStep::capture(model_step(p, caches, capacity, storage)?, sampling, &toks, &pos)?;
-        let nodes = graphed.graph().nodes();
-        let mut times = Vec::with_capacity(steps);
+        let graph = &graphed.graphs()[0].1;
+        let nodes = graph.nodes();
+        if census {
+            println!("\nB = {b}: {nodes} graph nodes by kernel:");
+            for (name, n) in graph.census()? {
+                println!("  {n:5}  {name}");
+            }
+        }
+        // One replay alone: back to back at the last inputs (a repeated step changes nothing).
+        let reps = 20;
+        graph.replay()?;
+        p.device.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..reps {
+            graph.replay()?;
+        }
+        p.device.synchronize()?;
+        let replay = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        let (mut times, mut host) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
+        toks = graphed.ids()?.to_vec1::<u32>()?;
+        pos.iter_mut().for_each(|q| *q += 1);
         for step in 0..steps + 3 {
             let t = Instant::now();
-            toks = if step > 0 { graphed.step_ids(&toks, &pos, &vec![0; b])? } else { graphed.ids().to_vec1::<u32>()? };
+            graphed.step(&toks, &pos, &vec![0; b])?;
+            let launched = t.elapsed().as_secs_f64() * 1e3;
+            toks = graphed.ids()?.to_vec1::<u32>()?;
             if step >= 3 {
                 times.push(t.elapsed().as_secs_f64() * 1e3);
+                host.push(launched);
             }
             pos.iter_mut().for_each(|q| *q += 1);
         }
-        Ok((eager_ms, super::median(times), nodes))
+        Ok(Row { eager: eager_ms, step: super::median(times), host: super::median(host), replay, nodes })
     }
 
     /// A step over the sequences of `caches`, `capacity` tokens each.
@@ -322,7 +364,7 @@ mod graph {
 
     /// Without the `cuda` feature there is no graph to time.
     #[cfg(not(feature = "cuda"))]
-    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize) -> Result<(f64, f64, usize)> {
+    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize, _: bool) -> Result<Row> {
         bail!("--graph needs a build with --features cuda")
     }
 }

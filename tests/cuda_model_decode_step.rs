@@ -12,7 +12,11 @@
 //!   ids copied into fixed tensors inside the graph) and replayed after each update of tokens,
 //!   positions and sampling steps: bit for bit the eager step on a second set of pools, logits
 //!   and temperature-sampled ids, step after step; the same over the paged pools with sequences
-//!   crossing into new pages and a released row loaded with a new sequence between replays.
+//!   crossing into new pages and a released row loaded with a new sequence between replays;
+//! * one graph per batch-size bucket (`GraphedDecodeStep::capture_buckets`, 1 / 2 / 4 / 8 over
+//!   one set of pools): sequences joining and leaving, each step replaying the smallest bucket
+//!   that holds them, bit for bit the eager step over the same rows (`update_first` +
+//!   `forward_rows`), logits and sampled ids.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_model_decode_step`.
@@ -23,7 +27,7 @@ use deepseek_v41::attention::BatchStorage;
 use deepseek_v41::config::Config;
 use deepseek_v41::golden::{compare, Tolerance};
 use deepseek_v41::model::{GraphedDecodeStep, Model, ModelCache, ModelDecodeStep};
-use deepseek_v41::sampling::{SamplingBatch, SamplingParams};
+use deepseek_v41::sampling::{sample_batch, SamplingBatch, SamplingParams};
 use deepseek_v41::Numerics;
 
 #[path = "support/rng.rs"]
@@ -126,7 +130,7 @@ fn graph_replay_equals_eager_steps_on(cfg: &Config) -> Result<()> {
     let mut toks = tokens(&mut rng, b, cfg.vocab_size);
     let graphed = GraphedDecodeStep::capture(step(cfg, &on_gpu, &caches, &dev)?, SamplingBatch::new(params.clone(), vec![0; b], &dev)?, &toks, &pos);
     let mut graphed = graphed.context("capturing the step")?;
-    ensure!(graphed.graph().nodes() > 0, "an empty graph");
+    ensure!(graphed.graphs()[0].1.nodes() > 0, "an empty graph");
     let mut previous: Option<Vec<u32>> = None;
     for t in 0..STEPS {
         let steps = vec![t as u64; b];
@@ -136,9 +140,9 @@ fn graph_replay_equals_eager_steps_on(cfg: &Config) -> Result<()> {
         }
         eager.update(&toks, &pos)?;
         let (want, want_ids) = eager.forward_sampled(&SamplingBatch::new(params.clone(), steps, &dev)?)?;
-        ensure!(bits(graphed.logits())? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
-        ensure!(graphed.ids().to_vec1::<u32>()? == want_ids.to_vec1::<u32>()?, "step {t}: sampled ids");
-        let now = bits(graphed.logits())?;
+        ensure!(bits(&graphed.logits()?)? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
+        ensure!(graphed.ids()?.to_vec1::<u32>()? == want_ids.to_vec1::<u32>()?, "step {t}: sampled ids");
+        let now = bits(&graphed.logits()?)?;
         ensure!(previous.as_ref() != Some(&now), "step {t}: the replay repeated the previous step's logits");
         previous = Some(now);
         pos.iter_mut().for_each(|p| *p += 1);
@@ -192,11 +196,70 @@ fn graph_replay_over_interleaved_pages() -> Result<()> {
         }
         eager.update(&toks, &pos)?;
         let want = eager.forward()?;
-        ensure!(bits(graphed.logits())? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
+        ensure!(bits(&graphed.logits()?)? == bits(&want)?, "step {t} at {pos:?}: the replayed logits differ from the eager step");
         pos.iter_mut().for_each(|p| *p += 1);
     }
     ensure!(ratio1(graphed.inner()) > first_used, "the replays took no page");
     let interleaved = graphed.inner().caches().iter().filter_map(|c| c.pages()).any(|p| (0..b).any(|s| p.pages_of(s).windows(2).any(|w| w[1] != w[0] + 1)));
     ensure!(interleaved, "no sequence holds pages that are not adjacent");
+    Ok(())
+}
+
+/// Buckets 1 / 2 / 4 / 8 captured over one set of pools of 8 rows before any sequence: 3
+/// sequences (bucket 4), a fourth joining (4), a fifth (8), the fifth leaving (4); each replay's
+/// logits equal the eager step's over the bucket's rows bit for bit, its temperature-sampled ids
+/// those drawn from the eager logits. More sequences than the largest bucket, and a step that
+/// would idle a row holding a sequence, are errors.
+#[test]
+fn bucket_graphs_equal_the_eager_rows() -> Result<()> {
+    let cfg = full_config(512)?;
+    let (dev, cpu) = (gpu(), Device::Cpu);
+    let (on_cpu, on_gpu) = (model(&cfg, &cpu)?, model(&cfg, &dev)?);
+    let mut rng = Rng(0xb0c7);
+    let caches = run::prefill_lengths(&cfg, &on_cpu, &[61, 62, 63, 59, 7], &mut rng, &cpu)?;
+    let rows = 8;
+    let params: Vec<SamplingParams> = (0..rows).map(|s| SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.95, seed: 11 + s as u64 }).collect();
+    let sampling = SamplingBatch::new(params.clone(), vec![0; rows], &dev)?;
+    let mut eager = ModelDecodeStep::new(&cfg, &on_gpu, rows, 160, BatchStorage::BF16, &dev)?;
+    let mut graphed = GraphedDecodeStep::capture_buckets(ModelDecodeStep::new(&cfg, &on_gpu, rows, 160, BatchStorage::BF16, &dev)?, sampling, &[])?;
+    let sizes: Vec<usize> = graphed.graphs().iter().map(|g| g.0).collect();
+    ensure!(sizes == [1, 2, 4, 8], "buckets {sizes:?}");
+    let mut pos: Vec<usize> = Vec::new();
+    for t in 0..9 {
+        // Who is in the batch: rows 0..3, then row 3 joins at step 3, row 4 at step 5, row 4 leaves at step 7.
+        let join = match t {
+            0 => 0..3,
+            3 => 3..4,
+            5 => 4..5,
+            _ => 0..0,
+        };
+        for s in join {
+            eager.load(s, &caches[s])?;
+            graphed.step_mut().load(s, &caches[s])?;
+            pos.push(caches[s].seq_len());
+        }
+        if t == 7 {
+            eager.release(4)?;
+            graphed.step_mut().release(4)?;
+            pos.pop();
+        }
+        let n = pos.len();
+        let toks = tokens(&mut rng, n, cfg.vocab_size);
+        let steps = vec![t as u64; n];
+        graphed.step(&toks, &pos, &steps)?;
+        let bucket = sizes.iter().copied().find(|&r| r >= n).context("a bucket")?;
+        eager.update_first(&toks, &pos)?;
+        let want = eager.forward_rows(bucket)?;
+        let mut drawn = SamplingBatch::new(params[..bucket].to_vec(), vec![t as u64; bucket], &dev)?;
+        drawn.set_first_steps(&steps)?;
+        let want_ids = sample_batch(&want, &drawn)?.narrow(0, 0, n)?;
+        ensure!(bits(&graphed.logits()?)? == bits(&want.narrow(0, 0, n)?)?, "step {t}, {n} sequences in bucket {bucket}: logits differ from the eager rows");
+        ensure!(graphed.ids()?.to_vec1::<u32>()? == want_ids.to_vec1::<u32>()?, "step {t}: sampled ids");
+        pos.iter_mut().for_each(|p| *p += 1);
+    }
+    let e = graphed.step(&tokens(&mut rng, 9, cfg.vocab_size), &[70; 9], &[0; 9]).unwrap_err().to_string();
+    ensure!(e.contains("largest captured bucket has 8 rows"), "{e}");
+    let e = graphed.step(&tokens(&mut rng, 2, cfg.vocab_size), &pos[..2], &[0; 2]).unwrap_err().to_string();
+    ensure!(e.contains("row 2 holds a sequence"), "{e}");
     Ok(())
 }

@@ -248,3 +248,46 @@ fn a_full_page_pool_then_release_and_load() -> Result<()> {
     // The failed update changed no Engram history: the others step on from the same positions.
     run(&mut step, &mut caches, &mut rng, 3)
 }
+
+/// Batch-size buckets (`update_first` + `forward_rows`): a step built for 8 rows runs 3
+/// sequences in a bucket of 4 (row 3 idle), then a fourth joins in the lowest free row and 4
+/// run in a bucket of 8, then the last leaves: every step's logits of the sequences equal
+/// `forward_batch`'s bit for bit, and idle rows take no page. Idling a row that holds a sequence
+/// and stepping fewer rows than were given tokens are errors.
+#[test]
+fn bucket_steps_run_only_the_first_rows() -> Result<()> {
+    let (cfg, dev) = (full_config(128)?, Device::Cpu);
+    let m = model(&cfg, 43)?;
+    let mut rng = Rng(0xb0c7);
+    let mut caches = prefill_lengths(&cfg, &m, &[2, 3, 9, 20], &mut rng, &dev)?;
+    let mut step = ModelDecodeStep::new(&cfg, &m, 8, CAPACITY, BatchStorage::BF16, &dev)?;
+    for (s, c) in caches.iter().take(3).enumerate() {
+        step.load(s, c)?;
+    }
+    let run = |step: &mut ModelDecodeStep, caches: &mut [ModelCache], rng: &mut Rng, rows: usize, steps: usize| -> Result<()> {
+        for t in 0..steps {
+            let toks = tokens(rng, caches.len(), cfg.vocab_size);
+            let pos: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+            step.update_first(&toks, &pos)?;
+            let got = step.forward_rows(rows)?;
+            ensure!(got.dims() == [rows, cfg.vocab_size], "logits {:?}", got.dims());
+            let want = eager_step(&m, caches, &toks)?;
+            ensure!(bits(&got.narrow(0, 0, caches.len())?)? == bits(&want)?, "{rows} rows, step {t} at {pos:?}: differs from forward_batch");
+        }
+        Ok(())
+    };
+    run(&mut step, &mut caches[..3], &mut rng, 4, 3)?;
+    let idle_pages = |step: &ModelDecodeStep, from: usize| step.caches().iter().filter_map(|c| c.pages()).all(|p| (from..8).all(|s| p.pages_of(s).is_empty()));
+    ensure!(idle_pages(&step, 3), "an idle row took pages");
+    // Errors: a step over fewer rows than were given tokens; an update that would idle row 2.
+    let e = step.forward_rows(2).unwrap_err().to_string();
+    ensure!(e.contains("gave tokens to 3 rows"), "{e}");
+    let pos: Vec<usize> = caches.iter().take(2).map(|c| c.seq_len()).collect();
+    let e = step.update_first(&tokens(&mut rng, 2, cfg.vocab_size), &pos).unwrap_err().to_string();
+    ensure!(e.contains("row 2 holds a sequence"), "{e}");
+    step.load(3, &caches[3])?;
+    run(&mut step, &mut caches, &mut rng, 8, 3)?;
+    ensure!(idle_pages(&step, 4), "an idle row took pages");
+    step.release(3)?;
+    run(&mut step, &mut caches[..3], &mut rng, 4, 2)
+}

@@ -322,6 +322,21 @@ impl BatchedLayerCache {
         Ok(Self { layer: l, batch, ratio: layer.ratio(), window_stride, rows: window, source, pages })
     }
 
+    /// The caches of the first `rows` sequences, for a step over those rows (a batch-size
+    /// bucket, with [`super::DecodeStepInputs::leading`]): the same pools and page table, the
+    /// carries narrowed to their first `rows` rows (views: writes show through). Errors for 0
+    /// rows or more than the batch.
+    pub fn leading(&self, rows: usize) -> Result<Self> {
+        if rows == 0 || rows > self.batch {
+            Err(DecodeStepError::BatchMismatch { what: "the leading rows", batch: self.batch, got: rows })?
+        }
+        let source = match &self.source {
+            Some(s) => Some(BatchedSource { carry_kv: s.carry_kv.narrow(0, 0, rows)?, carry_score: s.carry_score.narrow(0, 0, rows)?, ..s.clone() }),
+            None => None,
+        };
+        Ok(Self { batch: rows, source, ..self.clone() })
+    }
+
     /// The layer these pools belong to.
     pub fn layer(&self) -> usize {
         self.layer

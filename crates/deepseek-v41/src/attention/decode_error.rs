@@ -54,6 +54,28 @@ pub enum DecodeStepError {
         /// Entries a page holds.
         page: usize,
     },
+    /// A step over the first rows would run an idle row that holds a sequence.
+    #[error(
+        "batched decode step: row {row} holds a sequence but the step gives tokens for only the first {given} rows; give it its \
+         token (sequences take the lowest free rows) or release it"
+    )]
+    RowInUse {
+        /// The row that holds a sequence.
+        row: usize,
+        /// The rows given tokens.
+        given: usize,
+    },
+    /// A step over fewer rows than the last update gave tokens to.
+    #[error(
+        "batched decode step: the last update gave tokens to {updated} rows, a step over the first {rows} would skip some; step at \
+         least {updated} rows (a bucket at least that large)"
+    )]
+    RowsNotStepped {
+        /// Rows given tokens by the update.
+        updated: usize,
+        /// Rows asked for.
+        rows: usize,
+    },
     /// A position past what the step's integer inputs hold.
     #[error("batched decode step: sequence {seq} is at position {position}, positions above {max} are not supported")]
     PositionOutOfRange {

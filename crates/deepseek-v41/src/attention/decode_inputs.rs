@@ -109,6 +109,9 @@ pub struct DecodeStepInputs {
     window_base: Tensor,
     window_none: Tensor,
     compressed: Option<CompressedInputs>,
+    /// A view of the first rows of other inputs ([`DecodeStepInputs::leading`]): stepped, never
+    /// updated.
+    view: bool,
 }
 
 impl DecodeStepInputs {
@@ -178,6 +181,7 @@ impl DecodeStepInputs {
             upload,
             table,
             compressed,
+            view: false,
         };
         inputs.write(&vec![0; b], false)?;
         Ok(inputs)
@@ -195,12 +199,28 @@ impl DecodeStepInputs {
     /// (`CudaDevice::enable_cuda_graph_htod_cache`) is on: that cache keeps every distinct
     /// upload.
     pub fn update(&self, positions: &[usize]) -> Result<()> {
+        self.check_count(positions, true)?;
         self.write(positions, true)
     }
 
-    /// [`DecodeStepInputs::update`]; `take_pages` false (the inputs' construction) takes no page:
-    /// an entry without a page gets slot −1 (no insert).
+    /// [`DecodeStepInputs::update`] of the first n = `positions.len()` ≤ B sequences; rows
+    /// n.. are written idle: position 0, no compressed entry visible, none inserted, no page
+    /// taken. A step over idle rows writes only their own window region's first slot and
+    /// compressor carry (meaningless values), so idle rows must hold no sequence: a step over the
+    /// first m ≥ n rows ([`DecodeStepInputs::leading`]) after this update is the step of the n
+    /// sequences. Errors as `update` does, and for more positions than sequences.
+    pub fn update_first(&self, positions: &[usize]) -> Result<()> {
+        self.check_count(positions, false)?;
+        self.write(positions, true)
+    }
+
+    /// [`DecodeStepInputs::update`] of `positions.len()` ≤ B sequences, rows past them idle;
+    /// `take_pages` false (the inputs' construction) takes no page: an entry without a page gets
+    /// slot −1 (no insert).
     fn write(&self, positions: &[usize], take_pages: bool) -> Result<()> {
+        if self.view {
+            candle_core::bail!("DecodeStepInputs: a leading view is not updated: update the inputs it was taken from")
+        }
         let needs = self.check_positions(positions)?;
         let b = self.batch;
         let (w, ws) = (self.window, self.window_stride);
@@ -208,7 +228,15 @@ impl DecodeStepInputs {
             c.pages.grow(needs)?;
         }
         let mut host = vec![-1i64; ROWS * b];
-        for (s, &p) in positions.iter().enumerate() {
+        for s in 0..b {
+            let Some(&p) = positions.get(s) else {
+                // Idle: position 0 in its own window region, nothing visible, nothing inserted.
+                host[ROW_POSITION * b + s] = 0;
+                host[ROW_WINDOW_SLOT * b + s] = (s * ws) as i64;
+                host[ROW_ENTRY_POSITION * b + s] = 0;
+                host[ROW_VISIBLE * b + s] = 0;
+                continue;
+            };
             host[ROW_POSITION * b + s] = p as i64;
             host[ROW_WINDOW_SLOT * b + s] = (s * ws + p % w) as i64;
             if let Some(c) = &self.compressed {
@@ -289,19 +317,37 @@ impl DecodeStepInputs {
     /// Checks `positions` as [`DecodeStepInputs::update`] does, the page pool included, changing
     /// nothing (a caller updating several inputs objects checks them all first).
     pub fn check(&self, positions: &[usize]) -> Result<()> {
+        self.check_count(positions, true)?;
+        self.check_pages(positions)
+    }
+
+    /// Checks `positions` as [`DecodeStepInputs::update_first`] does, changing nothing.
+    pub fn check_first(&self, positions: &[usize]) -> Result<()> {
+        self.check_count(positions, false)?;
+        self.check_pages(positions)
+    }
+
+    fn check_pages(&self, positions: &[usize]) -> Result<()> {
         if let (Some(c), Some(needs)) = (&self.compressed, self.check_positions(positions)?) {
             c.pages.check_grow(&needs)?;
         }
         Ok(())
     }
 
-    /// Checks the count and range of `positions`; for compressed layers returns the entries each
-    /// sequence sees after this step (what its pages must hold).
+    /// One position per sequence (`every`), or at most one.
+    fn check_count(&self, positions: &[usize], every: bool) -> std::result::Result<(), DecodeStepError> {
+        let (b, n) = (self.batch, positions.len());
+        if n > b || (every && n != b) {
+            return Err(DecodeStepError::BatchMismatch { what: "positions", batch: b, got: n });
+        }
+        Ok(())
+    }
+
+    /// Checks the range of `positions` (at most one per sequence); for compressed layers returns
+    /// the entries each sequence sees after this step (what its pages must hold; 0 for idle rows).
     fn check_positions(&self, positions: &[usize]) -> Result<Option<Vec<usize>>> {
         let b = self.batch;
-        if positions.len() != b {
-            Err(DecodeStepError::BatchMismatch { what: "positions", batch: b, got: positions.len() })?
-        }
+        self.check_count(positions, false)?;
         for (s, &p) in positions.iter().enumerate() {
             if p > MAX_POSITION {
                 Err(DecodeStepError::PositionOutOfRange { seq: s, position: p, max: MAX_POSITION })?
@@ -317,7 +363,58 @@ impl DecodeStepInputs {
             }
             needs.push(visible);
         }
+        needs.resize(b, 0);
         Ok(Some(needs))
+    }
+
+    /// The inputs of the first `rows` sequences: every `[B, ..]` tensor narrowed to its first
+    /// `rows` rows (views of the same memory, so later updates show through), for a step over
+    /// those rows (a batch-size bucket) with caches narrowed alike
+    /// ([`super::BatchedLayerCache::leading`]). Errors for 0 rows or more than the batch.
+    pub fn leading(&self, rows: usize) -> Result<Self> {
+        if rows == 0 || rows > self.batch {
+            Err(DecodeStepError::BatchMismatch { what: "the leading rows", batch: self.batch, got: rows })?
+        }
+        let n = |t: &Tensor| t.narrow(0, 0, rows);
+        let compressed = match &self.compressed {
+            Some(c) => Some(CompressedInputs {
+                ratio: c.ratio,
+                entries: c.entries,
+                pages: c.pages.clone(),
+                page_table: n(&c.page_table)?,
+                entry_slots: n(&c.entry_slots)?,
+                entry_cos: n(&c.entry_cos)?,
+                entry_sin: n(&c.entry_sin)?,
+                closing: n(&c.closing)?,
+                visible: n(&c.visible)?,
+                zeros: n(&c.zeros)?,
+                none: n(&c.none)?,
+                page_len: c.page_len.clone(),
+                uploaded: c.uploaded.clone(),
+            }),
+            None => None,
+        };
+        Ok(Self {
+            batch: rows,
+            window: self.window,
+            window_stride: self.window_stride,
+            rope: self.rope.clone(),
+            upload: self.upload.clone(),
+            table: self.table.narrow(1, 0, rows)?,
+            positions: n(&self.positions)?,
+            window_slots: n(&self.window_slots)?,
+            window_indices: n(&self.window_indices)?,
+            cos: n(&self.cos)?,
+            sin: n(&self.sin)?,
+            neg_sin: n(&self.neg_sin)?,
+            no_extra: n(&self.no_extra)?,
+            window_offsets: self.window_offsets.clone(),
+            window_len: self.window_len.clone(),
+            window_base: n(&self.window_base)?,
+            window_none: n(&self.window_none)?,
+            compressed,
+            view: true,
+        })
     }
 
     /// Sequences of the batch.

@@ -65,4 +65,51 @@ impl StepGraph {
     pub fn nodes(&self) -> usize {
         self.nodes
     }
+
+    /// The graph's nodes by what they run, most frequent first: each kernel by its (mangled)
+    /// function name, other nodes by their type (`memcpy`, `memset`, ...). What a step's fusion
+    /// work starts from (`bench_model_decode --graph --census`).
+    pub fn census(&self) -> Result<Vec<(String, usize)>> {
+        let graph = self.graph.cu_graph();
+        let mut n = self.nodes;
+        let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+        // SAFETY: `graph` is alive; `nodes` has room for `n` handles.
+        unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }.result().w()?;
+        nodes.truncate(n);
+        let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        for node in nodes {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` belongs to the live graph.
+            unsafe { sys::cuGraphNodeGetType(node, &mut kind) }.result().w()?;
+            let name = match kind {
+                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => kernel_name(node)?,
+                other => format!("{other:?}").trim_start_matches("CU_GRAPH_NODE_TYPE_").to_lowercase(),
+            };
+            *counts.entry(name).or_default() += 1;
+        }
+        let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        Ok(counts)
+    }
+}
+
+/// The function name of a kernel node (`?` where the driver gives none).
+fn kernel_name(node: sys::CUgraphNode) -> Result<String> {
+    // SAFETY: the params struct is plain data the driver fills; `node` is a kernel node.
+    let mut params: sys::CUDA_KERNEL_NODE_PARAMS_v2 = unsafe { std::mem::zeroed() };
+    unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) }.result().w()?;
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `func` / `kern` come from the driver; a null name pointer is handled below.
+    let got = if !params.func.is_null() {
+        unsafe { sys::cuFuncGetName(&mut name, params.func) }
+    } else if !params.kern.is_null() {
+        unsafe { sys::cuKernelGetName(&mut name, params.kern) }
+    } else {
+        return Ok("?".into());
+    };
+    if got != sys::CUresult::CUDA_SUCCESS || name.is_null() {
+        return Ok("?".into());
+    }
+    // SAFETY: the driver returns a NUL-terminated string it owns.
+    Ok(unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned())
 }

@@ -92,7 +92,7 @@ impl<'m> Runner<'m> {
         #[cfg(feature = "cuda")]
         if graph {
             let g = crate::model::GraphedDecodeStep::capture(step, batch, &[next], &[pos])?;
-            let id = g.ids().to_vec1::<u32>()?[0];
+            let id = g.ids()?.to_vec1::<u32>()?[0];
             return Ok((Self::Graph(g), id));
         }
         let _ = graph; // without the feature there is no CUDA device: refused after the prefill

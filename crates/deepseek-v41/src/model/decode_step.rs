@@ -81,6 +81,10 @@ pub struct ModelDecodeStep<'m> {
     ngram: usize,
     rows: RowGroups,
     options: StepOptions,
+    /// Per row whether it holds a sequence (loaded or stepped, not released since).
+    live: Vec<bool>,
+    /// Rows the last update gave tokens to (the rest idle).
+    updated: usize,
 }
 
 impl<'m> ModelDecodeStep<'m> {
@@ -213,6 +217,8 @@ impl<'m> ModelDecodeStep<'m> {
             ngram,
             rows: RowGroups::from_lens(std::iter::repeat_n(1, batch)),
             options: StepOptions::default(),
+            live: vec![false; batch],
+            updated: batch,
         })
     }
 
@@ -269,7 +275,13 @@ impl<'m> ModelDecodeStep<'m> {
             c.release(seq)?;
         }
         self.histories[seq] = EngramHistory::new(self.ngram);
+        self.live[seq] = false;
         Ok(())
+    }
+
+    /// Whether row `seq` holds a sequence (loaded or stepped since its last release).
+    pub fn is_live(&self, seq: usize) -> bool {
+        self.live.get(seq).copied().unwrap_or(false)
     }
 
     /// Copies sequence `cache` (prefilled with [`Model::forward`] or [`Model::forward_batch`])
@@ -295,6 +307,7 @@ impl<'m> ModelDecodeStep<'m> {
             c.load_sequence(seq, &cache.attention)?;
         }
         self.histories[seq] = cache.engram.clone();
+        self.live[seq] = true;
         Ok(())
     }
 
@@ -315,15 +328,52 @@ impl<'m> ModelDecodeStep<'m> {
                 Err(DecodeStepError::BatchMismatch { what, batch: b, got })?
             }
         }
+        self.update_first(tokens, positions)
+    }
+
+    /// [`ModelDecodeStep::update`] of the first n = `tokens.len()` ≤ B rows; the rows after them
+    /// are written idle ([`DecodeStepInputs::update_first`]: they take no page, no Engram token)
+    /// and must hold no sequence, so that a step over any first m ≥ n rows
+    /// ([`ModelDecodeStep::forward_rows`], a batch-size bucket) steps exactly the n sequences.
+    /// Sequences take the lowest rows: load or start new ones in the lowest free rows. Errors,
+    /// changing nothing, as `update` does, for n = 0 or n > B, and for a row at or past n that
+    /// holds a sequence ([`DecodeStepError::RowInUse`]).
+    pub fn update_first(&mut self, tokens: &[u32], positions: &[usize]) -> Result<()> {
+        if tokens.is_empty() {
+            Err(DecodeStepError::EmptyBatch)?
+        }
+        self.write_first(tokens, positions)
+    }
+
+    /// Writes every row idle: a step then changes no sequence's state (what
+    /// [`super::GraphedDecodeStep::capture_buckets`] captures over). Errors for a row that holds
+    /// a sequence ([`DecodeStepError::RowInUse`]).
+    pub fn idle(&mut self) -> Result<()> {
+        self.write_first(&[], &[])
+    }
+
+    /// [`ModelDecodeStep::update_first`], n = 0 included.
+    fn write_first(&mut self, tokens: &[u32], positions: &[usize]) -> Result<()> {
+        let (b, n) = (self.batch, tokens.len());
+        for (what, got) in [("tokens", n), ("positions", positions.len())] {
+            if got > b || got != n {
+                Err(DecodeStepError::BatchMismatch { what, batch: b, got })?
+            }
+        }
+        if let Some(row) = (n..b).find(|&r| self.live[r]) {
+            Err(DecodeStepError::RowInUse { row, given: n })?
+        }
         self.model.check_tokens(tokens)?;
         if let Some((s, &p)) = positions.iter().enumerate().find(|&(_, &p)| p >= self.capacity) {
             candle_core::bail!("ModelDecodeStep::update: sequence {s} at position {p}, the step holds {} tokens per sequence", self.capacity)
         }
-        let mut host = Vec::with_capacity(self.ids.elem_count());
-        host.extend_from_slice(tokens);
+        // The buffer: B tokens (idle rows 0), then per Engram layer B·cols ids (idle rows 0).
+        let cols = self.engram_cols;
+        let mut host = vec![0u32; self.ids.elem_count()];
+        host[..n].copy_from_slice(tokens);
         let mut histories = self.histories.clone();
         if let Some(hasher) = self.model.engram_hasher() {
-            let mut hashed = Vec::with_capacity(b);
+            let mut hashed = Vec::with_capacity(n);
             for (s, ((&t, &p), h)) in tokens.iter().zip(positions).zip(&mut histories).enumerate() {
                 if h.seq_len() != p {
                     candle_core::bail!(
@@ -333,40 +383,44 @@ impl<'m> ModelDecodeStep<'m> {
                 }
                 hashed.push(hasher.hash(&[t], h)?);
             }
+            let mut at = b;
             for (block, ids) in self.model.layers().iter().zip(&self.engram_ids) {
                 if ids.is_none() {
                     continue;
                 }
-                for h in &hashed {
+                for (s, h) in hashed.iter().enumerate() {
                     match h.layer(block.layer()) {
-                        Some(v) => host.extend_from_slice(v),
+                        Some(v) if v.len() == cols => host[at + s * cols..at + (s + 1) * cols].copy_from_slice(v),
+                        Some(v) => candle_core::bail!("ModelDecodeStep::update: the Engram hasher gave {} ids for layer {}, expected {cols}", v.len(), block.layer()),
                         None => candle_core::bail!("ModelDecodeStep::update: the Engram hasher has no ids for layer {}", block.layer()),
                     }
                 }
+                at += b * cols;
             }
         }
         // Every page pool can serve the step before anything is written.
         for inputs in &self.inputs {
-            inputs.check(positions)?;
+            inputs.check_first(positions)?;
         }
         let dev = self.ids.device();
         // Rows of host tables: gathered now (the ids are known), staged for the step.
         let mut staged = Vec::new();
         for (block, rows) in self.model.layers().iter().zip(&self.staged_rows) {
-            if let (Some(e), Some((o, _))) = (block.engram(), rows) {
-                let n = b * self.engram_cols;
-                let ids = Tensor::from_slice(&host[*o..*o + n], n, &Device::Cpu)?;
-                staged.push(e.table().rows(&ids, dev)?.reshape((b, ()))?);
+            if let (Some(e), Some((o, _)), true) = (block.engram(), rows, n > 0) {
+                let ids = Tensor::from_slice(&host[*o..*o + n * cols], n * cols, &Device::Cpu)?;
+                staged.push(e.table().rows(&ids, dev)?.reshape((n, ()))?);
             }
         }
         self.ids.slice_set(&Tensor::from_vec(host, self.ids.elem_count(), dev)?, 0, 0)?;
         for inputs in &self.inputs {
-            inputs.update(positions)?;
+            inputs.update_first(positions)?;
         }
         for ((_, rows), new) in self.staged_rows.iter().flatten().zip(&staged) {
             rows.slice_set(new, 0, 0)?;
         }
         self.histories = histories;
+        self.live[..n].iter_mut().for_each(|l| *l = true);
+        self.updated = n;
         Ok(())
     }
 
@@ -374,18 +428,39 @@ impl<'m> ModelDecodeStep<'m> {
     /// [`ModelDecodeStep::update`], appending their attention state to the pools (a repeated
     /// step at the same inputs gives the same logits and leaves the pools as one step does).
     pub fn forward(&self) -> Result<Tensor> {
+        self.forward_rows(self.batch)
+    }
+
+    /// The step of the first `rows` rows only (a batch-size bucket): logits `[rows, vocab]` f32,
+    /// the rows' state appended to the pools, the other rows untouched. `rows` must cover the
+    /// rows the last update gave tokens to ([`ModelDecodeStep::update_first`]; the rows past
+    /// them are idle). Errors for `rows` = 0, past the batch, or below the updated rows
+    /// ([`DecodeStepError::RowsNotStepped`]).
+    pub fn forward_rows(&self, rows: usize) -> Result<Tensor> {
+        if rows == 0 || rows > self.batch {
+            Err(DecodeStepError::BatchMismatch { what: "the rows to step", batch: self.batch, got: rows })?
+        }
+        if rows < self.updated {
+            Err(DecodeStepError::RowsNotStepped { updated: self.updated, rows })?
+        }
         #[cfg(feature = "cuda")]
         if self.ids.device().is_cuda() {
-            return crate::cuda::with_device_routing(|| self.run());
+            return crate::cuda::with_device_routing(|| self.run(rows));
         }
-        self.run()
+        self.run(rows)
     }
 
     /// [`ModelDecodeStep::forward`] and one sampled token per sequence (`[B]` u32 on the step's
     /// device; [`sample_batch`]: on CUDA with `sampling`'s table on the device, one kernel that
     /// reads nothing back). Returns `(logits, ids)`.
     pub fn forward_sampled(&self, sampling: &SamplingBatch) -> Result<(Tensor, Tensor)> {
-        let logits = self.forward()?;
+        self.forward_sampled_rows(self.batch, sampling)
+    }
+
+    /// [`ModelDecodeStep::forward_rows`] and one sampled token per row (`sampling` has one row
+    /// per stepped row, e.g. [`SamplingBatch::leading`]). Returns `(logits, ids)`.
+    pub fn forward_sampled_rows(&self, rows: usize, sampling: &SamplingBatch) -> Result<(Tensor, Tensor)> {
+        let logits = self.forward_rows(rows)?;
         let ids = sample_batch(&logits, sampling)?;
         Ok((logits, ids))
     }
@@ -411,21 +486,35 @@ impl<'m> ModelDecodeStep<'m> {
         why
     }
 
-    fn run(&self) -> Result<Tensor> {
-        let (m, b) = (self.model, self.batch);
-        let h0 = m.embedding().forward(&self.tokens)?.to_dtype(m.dtype())?;
+    /// The step over the first `b` rows: every batch-shaped tensor narrowed to them (views).
+    fn run(&self, b: usize) -> Result<Tensor> {
+        let m = self.model;
+        let whole = b == self.batch;
+        let narrowed;
+        let (caches, inputs, rows) = if whole {
+            (&self.caches, &self.inputs, &self.rows)
+        } else {
+            narrowed = (
+                self.caches.iter().map(|c| c.leading(b)).collect::<Result<Vec<_>>>()?,
+                self.inputs.iter().map(|i| i.leading(b)).collect::<Result<Vec<_>>>()?,
+                RowGroups::from_lens(std::iter::repeat_n(1, b)),
+            );
+            (&narrowed.0, &narrowed.1, &narrowed.2)
+        };
+        let lead = |t: &Tensor| if whole { Ok(t.clone()) } else { t.narrow(0, 0, b) };
+        let h0 = m.embedding().forward(&lead(&self.tokens)?)?.to_dtype(m.dtype())?;
         let d = h0.dim(1)?;
         let mut x = h0.unsqueeze(1)?.broadcast_as((b, m.hc_mult(), d))?.contiguous()?;
-        let mut pre = self.pre0.clone();
+        let mut pre = lead(&self.pre0)?;
         let mut topk: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         let mut blocks: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         for (l, block) in m.layers().iter().enumerate() {
-            if let (Some(e), Some((_, rows))) = (block.engram(), &self.staged_rows[l]) {
-                x = e.forward_rows(&x, rows, &self.rows)?;
+            if let (Some(e), Some((_, staged))) = (block.engram(), &self.staged_rows[l]) {
+                x = e.forward_rows(&x, &lead(staged)?, rows)?;
             } else if let (Some(e), Some(ids)) = (block.engram(), &self.engram_ids[l]) {
-                x = e.forward_grouped(&x, ids, &self.rows)?;
+                x = e.forward_grouped(&x, &lead(ids)?, rows)?;
             }
-            let a = block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, &self.rows)?;
+            let a = block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, rows)?;
             let h = block.attn_norm().forward(&collapse(&x, &pre)?)?;
             let layer = &self.layers[l];
             // What earlier layers of this step published: a reuse layer's top-k, a candidate
@@ -440,19 +529,19 @@ impl<'m> ModelDecodeStep<'m> {
                     _ => None,
                 },
             };
-            let step = DecodeStep::new(layer, &self.caches[l], kv_cache(layer, &self.caches), &self.inputs[self.input_of[l]])?.with_options(self.options);
+            let step = DecodeStep::new(layer, &caches[l], kv_cache(layer, caches), &inputs[self.input_of[l]])?.with_options(self.options);
             let out = step.forward(&h, published)?;
             topk.push(out.topk);
             blocks.push(out.candidates);
             let x1 = post(&out.y, &x, &a.post, &a.comb)?;
-            let f = block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, &self.rows)?;
+            let f = block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, rows)?;
             let h2 = block.ffn_norm().forward(&collapse(&x1, &a.pre)?)?;
-            let z = block.moe().forward_grouped(&h2, &self.rows)?;
+            let z = block.moe().forward_grouped(&h2, rows)?;
             x = post(&z.out, &x1, &f.post, &f.comb)?;
             pre = f.pre;
         }
         let h = m.final_norm().forward(&collapse(&x, &pre)?)?;
-        m.head().forward_grouped(&h, &self.rows)
+        m.head().forward_grouped(&h, rows)
     }
 }
 

@@ -218,6 +218,49 @@ impl SamplingBatch {
         Ok(())
     }
 
+    /// Sets the steps of the first `steps.len()` sequences (the others keep theirs), rewriting
+    /// their table rows in place with one host→device copy. Errors, changing nothing, for more
+    /// steps than sequences.
+    pub fn set_first_steps(&mut self, steps: &[u64]) -> Result<()> {
+        let n = steps.len();
+        if n > self.len() {
+            return Err(SamplingError::Steps { sequences: self.len(), steps: n }.into());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let words: Vec<u32> = self.params.iter().zip(steps).flat_map(|(p, &s)| p.table_row(s)).collect();
+        self.table.slice_set(&Tensor::from_vec(words, (n, SAMPLING_TABLE_WORDS), self.table.device())?, 0, 0)?;
+        self.steps[..n].copy_from_slice(steps);
+        Ok(())
+    }
+
+    /// Gives sequence `seq` new settings and step (a sequence joining the batch in that row),
+    /// rewriting its table row in place. Errors, changing nothing, for invalid values or a
+    /// sequence outside the batch.
+    pub fn set_sequence(&mut self, seq: usize, params: SamplingParams, step: u64) -> Result<()> {
+        if seq >= self.len() {
+            candle_core::bail!("SamplingBatch::set_sequence: sequence {seq} is outside the batch of {} sequences", self.len())
+        }
+        params.check_values(seq)?;
+        let words = params.table_row(step).to_vec();
+        self.table.slice_set(&Tensor::from_vec(words, (1, SAMPLING_TABLE_WORDS), self.table.device())?, 0, seq)?;
+        self.params[seq] = params;
+        self.steps[seq] = step;
+        Ok(())
+    }
+
+    /// The first `rows` sequences as a batch of their own whose table is a view of this one's
+    /// (for a step over the first rows, a batch-size bucket: later rewrites of this batch's table
+    /// show through on the device; the view's host copy of settings is taken now). Errors for
+    /// more rows than sequences.
+    pub fn leading(&self, rows: usize) -> Result<Self> {
+        if rows > self.len() {
+            return Err(SamplingError::Steps { sequences: self.len(), steps: rows }.into());
+        }
+        Ok(Self { params: self.params[..rows].to_vec(), steps: self.steps[..rows].to_vec(), table: self.table.narrow(0, 0, rows)? })
+    }
+
     /// Sequences in the batch.
     pub fn len(&self) -> usize {
         self.params.len()

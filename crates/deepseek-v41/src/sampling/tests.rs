@@ -259,3 +259,26 @@ fn set_steps_rewrites_the_table_in_place_as_a_new_batch_would() -> Result<()> {
     assert_eq!(batch.steps(), &[5, 9], "a refused update changes nothing");
     Ok(())
 }
+
+#[test]
+fn first_steps_new_sequences_and_leading_views_share_the_table() -> Result<()> {
+    let dev = Device::Cpu;
+    let ps = vec![params(0.9, 0, 0.95, 3), params(1.3, 7, 1.0, 11), params(0.7, 2, 0.5, 5)];
+    let mut batch = SamplingBatch::new(ps.clone(), vec![1, 2, 3], &dev)?;
+    let lead = batch.leading(2)?;
+    assert_eq!((lead.len(), lead.params(), lead.steps()), (2, &ps[..2], &[1u64, 2][..]));
+    batch.set_first_steps(&[8, 9])?;
+    let joined = params(1.1, 0, 0.8, 99);
+    batch.set_sequence(1, joined, 4)?;
+    let want = SamplingBatch::new(vec![ps[0], joined, ps[2]], vec![8, 4, 3], &dev)?;
+    assert_eq!((batch.params(), batch.steps()), (want.params(), want.steps()));
+    assert_eq!(batch.table().to_vec2::<u32>()?, want.table().to_vec2::<u32>()?);
+    // The view taken before sees the rewrites of its rows.
+    assert_eq!(lead.table().to_vec2::<u32>()?, want.table().narrow(0, 0, 2)?.to_vec2::<u32>()?);
+    assert!(batch.set_first_steps(&[0; 4]).is_err() && batch.leading(4).is_err());
+    let e = batch.set_sequence(3, joined, 0).unwrap_err().to_string();
+    assert!(e.contains("sequence 3 is outside the batch of 3"), "{e}");
+    assert!(batch.set_sequence(0, params(-1.0, 0, 1.0, 0), 0).is_err());
+    assert_eq!(batch.steps(), &[8, 4, 3], "refused changes change nothing");
+    Ok(())
+}
