@@ -1,6 +1,7 @@
 //! GPU tests of the decoder's small-op kernels, `kernels/decoder_ops.cu` (RMSNorm, the mHC mixes'
 //! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation) and
-//! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU):
+//! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU) and `kernels/compress_pool.cu` (the
+//! ratio-2 compressor's pooling and carry of the batched decode step):
 //! every output bit for bit equal to the Candle op sequence each kernel replaces, run on the same
 //! GPU (`cuda::with_plain_candle`), and close to the CPU reference; fresh random rows of many
 //! widths (below, at and above candle's 32-element small reduction, around its float4 and
@@ -12,7 +13,8 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
-use deepseek_v41::cuda::{accumulate_device, collapse_device, mhc_post_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
+use deepseek_v41::attention::compress_pool_ref;
+use deepseek_v41::cuda::{accumulate_device, collapse_device, compress_pool_device, mhc_post_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
 use deepseek_v41::model::{collapse, engram_mix, post, Expert};
 use deepseek_v41::nn::{RandomWeights, RmsNorm};
 use deepseek_v41::Numerics;
@@ -321,5 +323,52 @@ fn accumulate_kernel_equals_the_candle_ops() -> Result<()> {
     let negz = Tensor::from_vec(vec![-0.0f32; 4], (1, 4), &dev)?;
     ensure!(bits(&accumulate_device(None, &negz, DType::F32)?)?.iter().all(|&b| b == 0), "-0 was not summed from +0");
     ensure!(accumulate_device(Some(&Tensor::zeros((1, 3), DType::F32, &dev)?), &negz, DType::F32).is_err(), "wrong acc shape accepted");
+    Ok(())
+}
+
+/// The compressor's pooling: scores of every magnitude (equal, far apart: one weight underflows
+/// to 0, within a few ulps), groups closing and opening in one batch; the pooled rows and both
+/// carries bit for bit the Candle ops on the same GPU, close to the CPU's.
+#[test]
+fn compress_pool_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xc0b1);
+    for (b, d) in [(1usize, 512usize), (3, 31), (64, 512), (257, 1000), (2, 1)] {
+        let t = |v: Vec<f32>| Tensor::from_vec(v, (b, d), &dev);
+        let (carry_kv, kv) = (t(rows(&mut rng, b, d))?, t(rows(&mut rng, b, d))?);
+        let s0: Vec<f32> = (0..b * d).map(|_| rng.normal() * 4.0).collect();
+        // Per element: the same score, one 100 above / below (exp underflows), or a nearby one.
+        let s1: Vec<f32> = s0
+            .iter()
+            .map(|&x| match rng.below(5) {
+                0 => x,
+                1 => x + 100.0,
+                2 => x - 100.0,
+                3 => f32::from_bits(x.to_bits() + 3),
+                _ => rng.normal() * 4.0,
+            })
+            .collect();
+        let (carry_score, score) = (t(s0)?, t(s1)?);
+        let closing = Tensor::from_vec((0..b).map(|_| rng.below(2) as u8).collect::<Vec<u8>>(), (b, 1), &dev)?;
+        poison(&dev, 3 * b * d)?;
+        let got = compress_pool_device(&carry_kv, &carry_score, &kv, &score, &closing)?;
+        let want = compress_pool_ref(&carry_kv, &carry_score, &kv, &score, &closing, DType::BF16)?;
+        ensure!(got.0.dtype() == DType::BF16 && got.0.dims() == [b, d], "{:?} {:?}", got.0.dtype(), got.0.shape());
+        for (what, g, w) in [("pooled", &got.0, &want.0), ("carried kv", &got.1, &want.1), ("carried score", &got.2, &want.2)] {
+            ensure!(differing(g, w)? == 0, "[{b}, {d}]: the {what} differs from the Candle ops");
+        }
+        let cpu = Device::Cpu;
+        let on_cpu = |x: &Tensor| x.to_device(&cpu);
+        let host = compress_pool_ref(&on_cpu(&carry_kv)?, &on_cpu(&carry_score)?, &on_cpu(&kv)?, &on_cpu(&score)?, &on_cpu(&closing)?, DType::BF16)?;
+        let err = max_abs(&(got.0.to_device(&cpu)?.to_dtype(DType::F32)? - host.0.to_dtype(DType::F32)?)?)?;
+        ensure!(err <= 1e-2 * max_abs(&host.0.to_dtype(DType::F32)?)?, "[{b}, {d}]: pooled far from the CPU's: max |Δ| {err}");
+        ensure!(differing(&got.1, &host.1)? == 0 && differing(&got.2, &host.2)? == 0, "[{b}, {d}]: the carries differ from the CPU's");
+        let opened = closing.to_vec2::<u8>()?.iter().filter(|r| r[0] == 0).count();
+        ensure!(b < 3 || (opened > 0 && opened < b), "[{b}, {d}]: the batch does not mix closing and opening groups");
+    }
+    let x = Tensor::zeros((2, 4), DType::F32, &dev)?;
+    let closing = Tensor::zeros((2, 1), DType::U8, &dev)?;
+    ensure!(compress_pool_device(&x, &x, &x.to_dtype(DType::BF16)?, &x, &closing).is_err(), "a bf16 kv accepted");
+    ensure!(compress_pool_device(&x, &x, &x, &x, &Tensor::zeros((3, 1), DType::U8, &dev)?).is_err(), "3 flags for 2 rows accepted");
     Ok(())
 }

@@ -251,8 +251,9 @@ fn a_full_page_pool_then_release_and_load() -> Result<()> {
 
 /// Batch-size buckets (`update_first` + `forward_rows`): a step built for 8 rows runs 3
 /// sequences in a bucket of 4 (row 3 idle), then a fourth joins in the lowest free row and 4
-/// run in a bucket of 8, then the last leaves: every step's logits of the sequences equal
-/// `forward_batch`'s bit for bit, and idle rows take no page. Idling a row that holds a sequence
+/// run in a bucket of 8, then the last leaves, all after a step over 8 idle rows (a bucket
+/// capture): every step's logits of the sequences equal `forward_batch`'s bit for bit, and idle
+/// rows take no page. Idling a row that holds a sequence
 /// and stepping fewer rows than were given tokens are errors.
 #[test]
 fn bucket_steps_run_only_the_first_rows() -> Result<()> {
@@ -261,6 +262,9 @@ fn bucket_steps_run_only_the_first_rows() -> Result<()> {
     let mut rng = Rng(0xb0c7);
     let mut caches = prefill_lengths(&cfg, &m, &[2, 3, 9, 20], &mut rng, &dev)?;
     let mut step = ModelDecodeStep::new(&cfg, &m, 8, CAPACITY, BatchStorage::BF16, &dev)?;
+    // All rows idle (what a bucket capture steps over): it leaves no state a sequence reads.
+    step.idle()?;
+    ensure!(step.forward_rows(8)?.dims() == [8, cfg.vocab_size], "the idle step's logits");
     for (s, c) in caches.iter().take(3).enumerate() {
         step.load(s, c)?;
     }

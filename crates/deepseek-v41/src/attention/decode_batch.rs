@@ -43,6 +43,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 
 use super::batch_cache::{BatchedLayerCache, PoolRows};
+use super::compress_pool::compress_pool;
 use super::decode_error::{check_tensor, DecodeStepError};
 use super::decode_inputs::DecodeStepInputs;
 #[cfg(feature = "cuda")]
@@ -438,16 +439,19 @@ impl<'s> DecodeStep<'s> {
         let ckv = c.wkv().forward_grouped(&pr.x, &self.rows)?;
         // Spec §5. Ratio 1: every token is a group of one, `norm(wkv x)` (a bf16 product), no
         // carry. Ratio 2: the group is the carried token and this one; softmax over the two.
-        let gated = match c.wgate() {
+        // The carry: kept where a group closes, this token's projections where one opens (written
+        // after the pooling has read the old carry).
+        let pooled = match c.wgate() {
             None => None,
             Some(wgate) => {
                 let cs = wgate.forward_grouped(&pr.x, &self.rows)?;
-                let alpha = candle_nn::ops::softmax(&Tensor::stack(&[&src.carry_score, &cs], 1)?, 1)?;
-                let pooled = (alpha * Tensor::stack(&[&src.carry_kv, &ckv], 1)?)?.sum(1)?.to_dtype(pr.x.dtype())?;
-                Some((pooled, cs))
+                let (pooled, kv, score) = compress_pool(&src.carry_kv, &src.carry_score, &ckv, &cs, &ci.closing, pr.x.dtype())?;
+                src.carry_kv.slice_set(&kv, 0, 0)?;
+                src.carry_score.slice_set(&score, 0, 0)?;
+                Some(pooled)
             }
         };
-        let latent = c.norm().forward(gated.as_ref().map_or(&ckv, |(pooled, _)| pooled))?;
+        let latent = c.norm().forward(pooled.as_ref().unwrap_or(&ckv))?;
         let k_pre = keys.project_grouped(&latent, &self.rows)?;
         let slots = &ci.entry_slots;
         match &src.compressed {
@@ -461,11 +465,6 @@ impl<'s> DecodeStep<'s> {
             #[cfg(feature = "cuda")]
             PoolRows::Packed(t, l) => packed_insert(t, l, &k_pre, &ci.entry_cos, &ci.entry_sin, slots, Some((norm.weight(), norm.eps())))?,
         }
-        let Some((_, cs)) = gated else { return Ok(()) };
-        // The carry: kept where a group closes, this token's projections where one opens.
-        let closing = ci.closing.broadcast_as(ckv.shape())?;
-        src.carry_kv.slice_set(&closing.where_cond(&src.carry_kv, &ckv)?, 0, 0)?;
-        src.carry_score.slice_set(&closing.where_cond(&src.carry_score, &cs)?, 0, 0)?;
         Ok(())
     }
 

@@ -21,6 +21,7 @@
 
 pub mod batch_cache;
 pub mod cache;
+pub mod compress_pool;
 pub mod compressor;
 pub mod decode_batch;
 pub mod decode_error;
@@ -41,6 +42,7 @@ pub mod window;
 
 pub use batch_cache::{BatchStorage, BatchedLayerCache, BatchedSource, PoolRows};
 pub use cache::SequenceCache;
+pub use compress_pool::{compress_pool, compress_pool_ref};
 pub use decode_batch::{DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepOutput, Projections, Published, StepOptions, StepSelection};
 pub use decode_error::DecodeStepError;
 pub use decode_inputs::{CompressedInputs, DecodeStepInputs};

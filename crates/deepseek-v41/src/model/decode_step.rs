@@ -363,7 +363,9 @@ impl<'m> ModelDecodeStep<'m> {
         if let Some(row) = (n..b).find(|&r| self.live[r]) {
             Err(DecodeStepError::RowInUse { row, given: n })?
         }
-        self.model.check_tokens(tokens)?;
+        if n > 0 {
+            self.model.check_tokens(tokens)?;
+        }
         if let Some((s, &p)) = positions.iter().enumerate().find(|&(_, &p)| p >= self.capacity) {
             candle_core::bail!("ModelDecodeStep::update: sequence {s} at position {p}, the step holds {} tokens per sequence", self.capacity)
         }
