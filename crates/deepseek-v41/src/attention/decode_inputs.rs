@@ -184,6 +184,7 @@ impl DecodeStepInputs {
             view: false,
         };
         inputs.write(&vec![0; b], false)?;
+        inputs.derive()?;
         Ok(inputs)
     }
 
@@ -200,7 +201,8 @@ impl DecodeStepInputs {
     /// upload.
     pub fn update(&self, positions: &[usize]) -> Result<()> {
         self.check_count(positions, true)?;
-        self.write(positions, true)
+        self.write(positions, true)?;
+        self.derive()
     }
 
     /// [`DecodeStepInputs::update`] of the first n = `positions.len()` ≤ B sequences; rows
@@ -210,13 +212,23 @@ impl DecodeStepInputs {
     /// first m ≥ n rows ([`DecodeStepInputs::leading`]) after this update is the step of the n
     /// sequences. Errors as `update` does, and for more positions than sequences.
     pub fn update_first(&self, positions: &[usize]) -> Result<()> {
+        self.stage_first(positions)?;
+        self.derive()
+    }
+
+    /// The host part of [`DecodeStepInputs::update_first`]: the pages taken and the one
+    /// host→device copy of the integer rows (and page table), without the device ops that derive
+    /// the rest from them. Run [`DecodeStepInputs::derive`] before the step reads the inputs — a
+    /// captured step may run it inside its graph (it reads only the uploaded rows), which saves
+    /// the update its launches.
+    pub fn stage_first(&self, positions: &[usize]) -> Result<()> {
         self.check_count(positions, false)?;
         self.write(positions, true)
     }
 
-    /// [`DecodeStepInputs::update`] of `positions.len()` ≤ B sequences, rows past them idle;
-    /// `take_pages` false (the inputs' construction) takes no page: an entry without a page gets
-    /// slot −1 (no insert).
+    /// [`DecodeStepInputs::update`] of `positions.len()` ≤ B sequences, rows past them idle,
+    /// except the derived rows ([`DecodeStepInputs::derive`]); `take_pages` false (the inputs'
+    /// construction) takes no page: an entry without a page gets slot −1 (no insert).
     fn write(&self, positions: &[usize], take_pages: bool) -> Result<()> {
         if self.view {
             candle_core::bail!("DecodeStepInputs: a leading view is not updated: update the inputs it was taken from")
@@ -284,15 +296,22 @@ impl DecodeStepInputs {
         if let Some((cell, new)) = uploaded {
             *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(new);
         }
-        // Candle's broadcasting kernels upload their shape descriptors per call; with its upload
-        // cache on (after the table's upload) they are uploaded once, the shapes never change:
-        // the upload above (and any changed page-table rows) are the update's host→device copies.
+        Ok(())
+    }
+
+    /// Derives on the device, from the rows the last update uploaded, the RoPE rows, the window
+    /// indices and (compressed layers) the closing entry's RoPE rows, the closing flags and the
+    /// visible counts, written in place. It launches the same ops with the same arguments every
+    /// time and reads nothing back, so it may run inside a captured step (also on a
+    /// [`DecodeStepInputs::leading`] view, deriving its rows only). On CUDA it runs with Candle's
+    /// host-upload cache on: the shape descriptors of its broadcasting ops are uploaded once.
+    pub fn derive(&self) -> Result<()> {
+        let (b, w) = (self.batch, self.window);
         #[cfg(feature = "cuda")]
-        let _descriptors = match dev {
+        let _descriptors = match self.table.device() {
             Device::Cuda(c) => Some(c.enable_cuda_graph_htod_cache()),
             _ => None,
         };
-
         let rows = self.rope.rows_at(&self.positions)?;
         self.cos.slice_set(&rows.cos, 0, 0)?;
         self.sin.slice_set(&rows.sin, 0, 0)?;

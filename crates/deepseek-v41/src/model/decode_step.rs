@@ -8,7 +8,7 @@
 //! | input | shape | written by `update` |
 //! |---|---|---|
 //! | tokens and Engram row ids | `[B + E·B·cols]` u32 (views `[B]` and, per Engram layer, `[B, cols]`) | one host→device copy; the ids hashed on the host from each sequence's [`EngramHistory`] (spec §9.4) |
-//! | positions, slots, RoPE rows, page tables, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one copy each (`[5, B]`; the page table whole when many rows changed, else its changed rows) |
+//! | positions, slots, RoPE rows, page tables, ... | [`DecodeStepInputs`], one per RoPE set and entry geometry | one copy each (`[5, B]`; the page table whole when many rows changed, else its changed rows); the step derives the rest on the device ([`DecodeStepInputs::derive`], inside its graph) |
 //! | Engram rows of a table in host memory | `[B, cols·head_dim]` bf16 per such layer | gathered on the host from the ids, one copy (and the device decode of stored FP8 rows) |
 //!
 //! The kv sources' compressed entries and index keys live in pages shared by the B sequences
@@ -414,8 +414,9 @@ impl<'m> ModelDecodeStep<'m> {
             }
         }
         self.ids.slice_set(&Tensor::from_vec(host, self.ids.elem_count(), dev)?, 0, 0)?;
+        // The host part only: the step derives the rest on the device (inside its graph).
         for inputs in &self.inputs {
-            inputs.update_first(positions)?;
+            inputs.stage_first(positions)?;
         }
         for ((_, rows), new) in self.staged_rows.iter().flatten().zip(&staged) {
             rows.slice_set(new, 0, 0)?;
@@ -503,6 +504,9 @@ impl<'m> ModelDecodeStep<'m> {
             );
             (&narrowed.0, &narrowed.1, &narrowed.2)
         };
+        for i in inputs {
+            i.derive()?;
+        }
         let lead = |t: &Tensor| if whole { Ok(t.clone()) } else { t.narrow(0, 0, b) };
         let h0 = m.embedding().forward(&lead(&self.tokens)?)?.to_dtype(m.dtype())?;
         let d = h0.dim(1)?;
