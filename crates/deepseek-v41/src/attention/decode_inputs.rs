@@ -69,9 +69,9 @@ pub struct CompressedInputs {
     pub(super) zeros: Tensor,
     pub(super) none: Tensor,
     pub(super) page_len: Tensor,
-    /// The page-table rows last written to `page_table` (shared by clones, which share the
-    /// tensor); `None` before the first write.
-    uploaded: Arc<Mutex<Option<Vec<i64>>>>,
+    /// The page table's row versions ([`PageTable::row_versions`]) last written to `page_table`
+    /// (shared by clones, which share the tensor); `None` before the first write.
+    uploaded: Arc<Mutex<Option<Vec<u64>>>>,
 }
 
 /// Above this share of changed sequences an update rewrites the whole device page table in its
@@ -268,22 +268,22 @@ impl DecodeStepInputs {
         let mut page_rows = Vec::new();
         let mut uploaded = None;
         if let Some(c) = &self.compressed {
-            let new = c.pages.host_rows();
+            // Rows whose version moved since the last upload (the table itself is built only
+            // when it goes up whole).
+            let now = c.pages.row_versions();
             let last = c.uploaded.lock().unwrap_or_else(|e| e.into_inner());
-            let mp = new.len() / b.max(1);
-            let row = |s: usize| s * mp..(s + 1) * mp;
             match last.as_ref() {
-                Some(old) if old.len() == new.len() => {
-                    let changed: Vec<usize> = (0..b).filter(|&s| old[row(s)] != new[row(s)]).collect();
+                Some(old) if old.len() == now.len() => {
+                    let changed: Vec<usize> = (0..b).filter(|&s| old[s] != now[s]).collect();
                     if changed.len() * WHOLE_TABLE_SHARE > b {
-                        host.extend_from_slice(&new);
+                        host.extend_from_slice(&c.pages.host_rows());
                     } else {
-                        page_rows = changed.into_iter().map(|s| (s, new[row(s)].to_vec())).collect();
+                        page_rows = changed.into_iter().map(|s| (s, c.pages.host_row(s))).collect();
                     }
                 }
-                _ => host.extend_from_slice(&new),
+                _ => host.extend_from_slice(&c.pages.host_rows()),
             }
-            uploaded = Some((&c.uploaded, new));
+            uploaded = Some((&c.uploaded, now));
         }
         let n = host.len();
         self.upload.slice_set(&Tensor::from_vec(host, n, dev)?, 0, 0)?;

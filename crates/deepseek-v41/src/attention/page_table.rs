@@ -47,6 +47,8 @@ struct Pages {
     free: Vec<usize>,
     /// Per sequence, its pages in entry order.
     rows: Vec<Vec<usize>>,
+    /// Per sequence, a counter bumped whenever its row changes (what an upload compares).
+    versions: Vec<u64>,
 }
 
 impl Pages {
@@ -80,7 +82,7 @@ impl PageTable {
                 why: format!("a kv source's pools need at least 1 page and 1 entry per sequence, got {pages} pages and {entries} entries"),
             });
         }
-        let pages_inner = Pages { layer, max_pages: entries.div_ceil(Self::PAGE), total: pages, free: (0..pages).rev().collect(), rows: vec![Vec::new(); batch] };
+        let pages_inner = Pages { layer, max_pages: entries.div_ceil(Self::PAGE), total: pages, free: (0..pages).rev().collect(), rows: vec![Vec::new(); batch], versions: vec![0; batch] };
         Ok(Self { inner: Arc::new(Mutex::new(pages_inner)) })
     }
 
@@ -165,6 +167,9 @@ impl PageTable {
                 let page = p.free.pop().expect("checked: enough free pages");
                 p.rows[s].push(page);
             }
+            if m > 0 {
+                p.versions[s] += 1;
+            }
         }
         Ok(())
     }
@@ -230,6 +235,7 @@ impl PageTable {
             let page = p.free.pop().expect("checked: enough free pages");
             p.rows[seq].push(page);
         }
+        p.versions[seq] += 1;
         Ok(())
     }
 
@@ -240,7 +246,23 @@ impl PageTable {
         Self::check_seq(&p, seq)?;
         let pages = std::mem::take(&mut p.rows[seq]);
         p.free.extend(pages.into_iter().rev());
+        p.versions[seq] += 1;
         Ok(())
+    }
+
+    /// Per sequence, a counter that changes whenever its row does (an upload of the device copy
+    /// compares them to find the rows to rewrite, without building the table).
+    pub fn row_versions(&self) -> Vec<u64> {
+        self.lock().versions.clone()
+    }
+
+    /// Row `seq` of [`PageTable::host_rows`] (`max_pages` values; empty outside the batch).
+    pub fn host_row(&self, seq: usize) -> Vec<i64> {
+        let p = self.lock();
+        let Some(r) = p.rows.get(seq) else { return Vec::new() };
+        let mut out = vec![-1i64; p.max_pages];
+        out.iter_mut().zip(r).for_each(|(o, &page)| *o = page as i64);
+        out
     }
 
     /// The table `[B, max_pages]` row-major: each sequence's pages, −1 past those it holds (what
@@ -287,5 +309,14 @@ mod tests {
         assert_eq!(t.host_rows(), vec![0, 3, -1, -1, 1, -1, -1, -1]);
         assert!(t.resize(2, 1).is_err() && t.grow(&[1]).is_err() && t.grow(&[257, 0]).is_err() && t.resize(0, 257).is_err());
         assert!(t.same(&t.clone()) && !t.same(&PageTable::new(3, 2, 200, 5).unwrap()));
+        // Every change of a row bumps its version; a grow that takes nothing for a row does not.
+        let v = t.row_versions();
+        t.grow(&[65, 10]).unwrap();
+        assert_eq!(t.row_versions(), v);
+        t.grow(&[129, 10]).unwrap();
+        assert_eq!((t.row_versions()[0] > v[0], t.row_versions()[1]), (true, v[1]));
+        assert_eq!(t.host_row(1), vec![1, -1, -1, -1]);
+        assert_eq!([t.host_row(0), t.host_row(1)].concat(), t.host_rows());
+        assert!(t.host_row(2).is_empty());
     }
 }
