@@ -16,7 +16,8 @@
 // Numerics (candle's kernels, operation by operation, nothing contracted into an FMA):
 //   * max is fmaxf; the subtraction, the two-term sums, the division and the products are single
 //     IEEE roundings (__fsub_rn, __fadd_rn, __fdiv_rn, __fmul_rn); a two-term sum does not depend
-//     on its order;
+//     on its order, but candle's sums start from +0, so the pool is (+0 + p0) + p1: a product of
+//     −0 (a weight that underflowed to 0 times a negative value) gives +0 as there;
 //   * exp is expf (candle's expg for f32);
 //   * the bf16 cast rounds to nearest even.
 #include <cuda_bf16.h>
@@ -39,7 +40,8 @@ __global__ void __launch_bounds__(kPoolThreads) compress_pool_kernel(Dsv41Compre
     const float e1 = expf(__fsub_rn(s1, m));
     const float den = __fadd_rn(e0, e1);
     const float a0 = __fdiv_rn(e0, den), a1 = __fdiv_rn(e1, den);
-    const float pooled = __fadd_rn(__fmul_rn(a0, kv0), __fmul_rn(a1, kv1));
+    // candle's sum starts from +0: a −0 product becomes +0 before the second term is added.
+    const float pooled = __fadd_rn(__fadd_rn(0.0f, __fmul_rn(a0, kv0)), __fmul_rn(a1, kv1));
     static_cast<__nv_bfloat16*>(p.pooled)[e] = __float2bfloat16_rn(pooled);
     const bool keep = p.closing[b] != 0;
     p.new_kv[e] = keep ? kv0 : kv1;
