@@ -33,3 +33,56 @@ pub fn compress_pool_ref(carry_kv: &Tensor, carry_score: &Tensor, kv: &Tensor, s
     let keep = closing.broadcast_as(kv.shape())?;
     Ok((pooled, keep.where_cond(carry_kv, kv)?, keep.where_cond(carry_score, score)?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The kernel's per-element formula (`kernels/compress_pool.cu`, with the CPU's `exp`) gives
+    /// the reference's bits on the CPU: the op order, and the pooled sum started from +0 (a −0
+    /// product — a weight underflowed to 0 times a negative value — gives +0 as candle's sum).
+    #[test]
+    fn the_kernel_formula_equals_the_reference() -> Result<()> {
+        let (b, d) = (16, 64);
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut value = |zeros: bool| -> f32 {
+            let r = next();
+            match (zeros, r % 8) {
+                (true, 0) => 0.0,
+                (true, 1) => -0.0,
+                _ => ((r >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 8.0,
+            }
+        };
+        let (ck, kv): (Vec<f32>, Vec<f32>) = (0..b * d).map(|_| (value(true), value(true))).unzip();
+        let s0: Vec<f32> = (0..b * d).map(|_| value(false)).collect();
+        // Far apart every third element: one weight underflows to exactly 0.
+        let s1: Vec<f32> = s0.iter().enumerate().map(|(i, &x)| if i % 3 == 0 { x - 120.0 } else { x + 0.25 }).collect();
+        let closing: Vec<u8> = (0..b).map(|i| (i % 2) as u8).collect();
+        let dev = Device::Cpu;
+        let t = |v: &[f32]| Tensor::from_slice(v, (b, d), &dev);
+        let (pooled, new_kv, new_score) = compress_pool_ref(&t(&ck)?, &t(&s0)?, &t(&kv)?, &t(&s1)?, &Tensor::from_slice(&closing, (b, 1), &dev)?, DType::BF16)?;
+        let pooled: Vec<half::bf16> = pooled.flatten_all()?.to_vec1()?;
+        let (new_kv, new_score): (Vec<f32>, Vec<f32>) = (new_kv.flatten_all()?.to_vec1()?, new_score.flatten_all()?.to_vec1()?);
+        let mut negative_zero_products = 0;
+        for e in 0..b * d {
+            let m = s0[e].max(s1[e]);
+            let (e0, e1) = ((s0[e] - m).exp(), (s1[e] - m).exp());
+            let den = e0 + e1;
+            let (p0, p1) = ((e0 / den) * ck[e], (e1 / den) * kv[e]);
+            negative_zero_products += usize::from(p0.to_bits() == (-0.0f32).to_bits());
+            let want = half::bf16::from_f32((0.0 + p0) + p1);
+            assert_eq!(pooled[e].to_bits(), want.to_bits(), "element {e}");
+            let keep = closing[e / d] != 0;
+            assert_eq!((new_kv[e], new_score[e]), if keep { (ck[e], s0[e]) } else { (kv[e], s1[e]) });
+        }
+        assert!(negative_zero_products > 0, "no −0 product: the case the +0 start decides is not exercised");
+        Ok(())
+    }
+}
