@@ -9,7 +9,7 @@
 //! cargo build --release --features cuda --example bench_flash_layer --example synthetic_checkpoint
 //! synthetic_checkpoint /tmp/v41-flash --flash-shapes --layers 4
 //! bench_flash_layer --model /tmp/v41-flash [--batch 1,64,256] [--context 131072] [--prefill 4096]
-//!     [--keys bf16,packed-kv] [--engram-placement auto|device|host] [--layers 0,1,2,3] [--reps 5] [--eager-only]
+//!     [--keys bf16,packed-kv] [--engram-placement auto|device|host] [--layers 0,1,2,3] [--reps 5] [--eager-only] [--census]
 //! bench_flash_layer --model /tmp/v41-flash-small --cpu --batch 1,3 --context 1024 --prefill 64   # logic check, no GPU
 //! ```
 //!
@@ -126,6 +126,9 @@ struct Args {
     /// No CUDA graphs: eager timings only.
     #[arg(long)]
     eager_only: bool,
+    /// Print the whole-layer graph's nodes by kernel (most frequent first) for each layer and B.
+    #[arg(long)]
+    census: bool,
     /// HBM read bandwidth of the roofline (GB/s).
     #[arg(long, default_value_t = 4260.0)]
     hbm_gbps: f64,
@@ -393,6 +396,15 @@ impl Bench<'_> {
                 ph("experts+combine", self.graph("experts", || ls.experts(&m.h2, &r, sh.as_ref()).map(|_| ())), "graph");
                 ph("moe", self.graph("moe", || ls.moe(&m.h2).map(|_| ())), "graph");
                 row.graph = self.graph("the whole layer", || ls.run().map(|_| ()));
+                if let (true, Some(t)) = (self.args.census, self.timer.as_ref()) {
+                    match t.census(|| ls.run().map(|_| ())) {
+                        Ok(c) => {
+                            println!("    whole-layer graph: {} nodes by kernel:", c.iter().map(|n| n.1).sum::<usize>());
+                            c.iter().for_each(|(name, n)| println!("      {n:5}  {name}"));
+                        }
+                        Err(e) => println!("    whole-layer census: error: {e:#}"),
+                    }
+                }
             }
             Err(why) => {
                 println!("    moe eager, whole-layer graph: no ({why})");

@@ -151,6 +151,19 @@ impl Timer {
         Ok(per_graph / n as f64)
     }
 
+    /// The nodes of one call of `f` captured into a CUDA graph, by kernel, most frequent first
+    /// (`deepseek_v41::cuda::graph_census`; after one call outside the capture).
+    pub fn census(&self, mut f: impl FnMut() -> Result<()>) -> Result<Vec<(String, usize)>> {
+        f()?;
+        self.stream.synchronize()?;
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        let captured = f();
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        captured.context("a call failed during graph capture")?;
+        let graph = graph?.context("graph capture returned no graph")?;
+        Ok(deepseek_v41::cuda::graph_census(&graph)?)
+    }
+
     /// Milliseconds per call of `iters` back-to-back calls, from two events.
     fn span(&self, iters: usize, f: &mut impl FnMut() -> Result<()>) -> Result<f64> {
         let start = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;

@@ -121,7 +121,7 @@ pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use sampling::sample_device;
 pub use slots::keep_last_writer;
-pub use step_graph::StepGraph;
+pub use step_graph::{graph_census, StepGraph};
 pub use swiglu::{swiglu_device, swiglu_supported};
 pub use compress_pool::compress_pool_device;
 pub use sparse_attention::{

@@ -70,27 +70,35 @@ impl StepGraph {
     /// function name, other nodes by their type (`memcpy`, `memset`, ...). What a step's fusion
     /// work starts from (`bench_model_decode --graph --census`).
     pub fn census(&self) -> Result<Vec<(String, usize)>> {
-        let graph = self.graph.cu_graph();
-        let mut n = self.nodes;
-        let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
-        // SAFETY: `graph` is alive; `nodes` has room for `n` handles.
-        unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }.result().w()?;
-        nodes.truncate(n);
-        let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-        for node in nodes {
-            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: `node` belongs to the live graph.
-            unsafe { sys::cuGraphNodeGetType(node, &mut kind) }.result().w()?;
-            let name = match kind {
-                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => kernel_name(node)?,
-                other => format!("{other:?}").trim_start_matches("CU_GRAPH_NODE_TYPE_").to_lowercase(),
-            };
-            *counts.entry(name).or_default() += 1;
-        }
-        let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
-        counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        Ok(counts)
+        graph_census(&self.graph)
     }
+}
+
+/// The nodes of a captured graph by what they run, most frequent first (see
+/// [`StepGraph::census`]); for graphs captured by other code (the benchmarks' timers).
+pub fn graph_census(graph: &CudaGraph) -> Result<Vec<(String, usize)>> {
+    let graph = graph.cu_graph();
+    let mut n = 0usize;
+    // SAFETY: `graph` is alive; a null node array asks for the count only.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }.result().w()?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: `graph` is alive; `nodes` has room for `n` handles.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }.result().w()?;
+    nodes.truncate(n);
+    let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for node in nodes {
+        let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to the live graph.
+        unsafe { sys::cuGraphNodeGetType(node, &mut kind) }.result().w()?;
+        let name = match kind {
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => kernel_name(node)?,
+            other => format!("{other:?}").trim_start_matches("CU_GRAPH_NODE_TYPE_").to_lowercase(),
+        };
+        *counts.entry(name).or_default() += 1;
+    }
+    let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Ok(counts)
 }
 
 /// The function name of a kernel node (`?` where the driver gives none).
