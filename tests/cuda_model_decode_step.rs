@@ -16,7 +16,10 @@
 //! * one graph per batch-size bucket (`GraphedDecodeStep::capture_buckets`, 1 / 2 / 4 / 8 over
 //!   one set of pools): sequences joining and leaving, each step replaying the smallest bucket
 //!   that holds them, bit for bit the eager step over the same rows (`update_first` +
-//!   `forward_rows`), logits and sampled ids.
+//!   `forward_rows`), logits and sampled ids;
+//! * the step inputs' derived rows (`kernels/step_inputs.cu`: RoPE rows, window indices, closing
+//!   flags, visible counts) bit for bit the Candle ops they replace (`derive_ref`), over poisoned
+//!   outputs, for whole batches, idle rows and leading views.
 //!
 //! These tests need a CUDA device and FAIL without one.
 //! Build: `cargo test --release --features cuda --test cuda_model_decode_step`.
@@ -261,5 +264,63 @@ fn bucket_graphs_equal_the_eager_rows() -> Result<()> {
     ensure!(e.contains("largest captured bucket has 8 rows"), "{e}");
     let e = graphed.step(&tokens(&mut rng, 2, cfg.vocab_size), &pos[..2], &[0; 2]).unwrap_err().to_string();
     ensure!(e.contains("row 2 holds a sequence"), "{e}");
+    Ok(())
+}
+
+/// Every inputs object of the step (window-only, ratio-1 and ratio-2 kv sources): after random
+/// updates (positions below, at and past the window; rows idle), the kernel's derived rows over
+/// poisoned outputs equal the Candle ops' bit for bit, for the whole batch and a leading view.
+#[test]
+fn derived_inputs_equal_the_candle_ops() -> Result<()> {
+    let cfg = full_config(512)?;
+    let dev = gpu();
+    let m = model(&cfg, &dev)?;
+    let rows = 8;
+    let step = ModelDecodeStep::new(&cfg, &m, rows, 160, BatchStorage::BF16, &dev)?;
+    let mut rng = Rng(0xd371);
+    let outputs = |i: &deepseek_v41::attention::DecodeStepInputs| -> Vec<Tensor> {
+        let (cos, sin, neg) = i.rope_rows();
+        let mut v = vec![cos.clone(), sin.clone(), neg.clone(), i.window_indices().clone()];
+        if let Some(c) = i.compressed() {
+            v.extend([c.entry_cos.clone(), c.entry_sin.clone(), c.closing.clone(), c.visible.clone()]);
+        }
+        v
+    };
+    let snapshot = |ts: &[Tensor]| -> Result<Vec<Vec<u32>>> {
+        ts.iter().map(|t| Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())).collect()
+    };
+    let poison = |ts: &[Tensor]| -> Result<()> {
+        for t in ts {
+            let junk = match t.dtype() {
+                DType::F32 => Tensor::full(f32::NAN, t.shape(), &dev)?,
+                DType::I64 => Tensor::full(-7i64, t.shape(), &dev)?,
+                DType::U8 => Tensor::full(7u8, t.shape(), &dev)?,
+                _ => Tensor::full(7u32, t.shape(), &dev)?,
+            };
+            t.slice_set(&junk, 0, 0)?;
+        }
+        Ok(())
+    };
+    ensure!(step.inputs().iter().any(|i| i.compressed().is_some()) && step.inputs().iter().any(|i| i.compressed().is_none()), "the kinds of inputs");
+    // Positions only grow (pages are taken as entries grow); rows past `n` idle.
+    let mut pos: Vec<usize> = (0..rows).map(|_| rng.below(6)).collect();
+    for (t, n) in [8usize, 5, 8, 3].into_iter().enumerate() {
+        pos.iter_mut().for_each(|p| *p += 1 + rng.below(30));
+        for (k, i) in step.inputs().iter().enumerate() {
+            i.update_first(&pos[..n])?;
+            let outs = outputs(i);
+            i.derive_ref()?;
+            let want = snapshot(&outs)?;
+            poison(&outs)?;
+            i.derive()?;
+            ensure!(snapshot(&outs)? == want, "update {t}, inputs {k}: the kernel's derived rows differ from the Candle ops");
+            let lead = i.leading(3)?;
+            poison(&outs)?;
+            lead.derive()?;
+            let got = snapshot(&outputs(&lead))?;
+            let lead_want: Vec<Vec<u32>> = want.iter().map(|w| w[..w.len() / rows * 3].to_vec()).collect();
+            ensure!(got == lead_want, "update {t}, inputs {k}: a leading view's derived rows differ");
+        }
+    }
     Ok(())
 }

@@ -306,6 +306,27 @@ impl DecodeStepInputs {
     /// [`DecodeStepInputs::leading`] view, deriving its rows only). On CUDA it runs with Candle's
     /// host-upload cache on: the shape descriptors of its broadcasting ops are uploaded once.
     pub fn derive(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::fused_kernels(self.table.device()) {
+            // One launch (`kernels/step_inputs.cu`), bit for bit the ops of `derive_ref`.
+            let (entry_positions, visible) = (self.table.get(ROW_ENTRY_POSITION)?, self.table.get(ROW_VISIBLE)?);
+            let entry = self.compressed.as_ref().map(|c| crate::cuda::EntryRows {
+                positions: &entry_positions,
+                slots: &c.entry_slots,
+                visible_in: &visible,
+                cos: &c.entry_cos,
+                sin: &c.entry_sin,
+                closing: &c.closing,
+                visible: &c.visible,
+            });
+            let (cos, sin, neg_sin) = (&self.cos, &self.sin, &self.neg_sin);
+            return crate::cuda::step_inputs_device(&self.positions, self.rope.inv_freq(), self.window_stride, cos, sin, neg_sin, &self.window_indices, entry);
+        }
+        self.derive_ref()
+    }
+
+    /// [`DecodeStepInputs::derive`] as Candle ops (the reference, on any device).
+    pub fn derive_ref(&self) -> Result<()> {
         let (b, w) = (self.batch, self.window);
         #[cfg(feature = "cuda")]
         let _descriptors = match self.table.device() {

@@ -27,7 +27,8 @@
 //!   (RMSNorm, the mHC mixes' rsqrt factor, collapse and post, the Engram gate, the MoE's f32
 //!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
 //!   CUDA device (the decode step of a small model is launch-bound); [`compress_pool_device`]: the
-//!   ratio-2 compressor's pooling and carry of the batched decode step, likewise.
+//!   ratio-2 compressor's pooling and carry of the batched decode step, likewise;
+//!   [`step_inputs_device`]: the step's position-derived inputs, likewise.
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS or the FP8 wgmma GEMM for
 //!   large m), and [`fp8_dequantize_device`].
@@ -91,6 +92,7 @@ mod step_graph;
 mod sparse_attention;
 mod swiglu;
 mod compress_pool;
+mod step_inputs;
 mod window_insert;
 
 pub use act_quant::fake_quant_device;
@@ -124,6 +126,7 @@ pub use slots::keep_last_writer;
 pub use step_graph::{graph_census, StepGraph};
 pub use swiglu::{swiglu_device, swiglu_supported};
 pub use compress_pool::compress_pool_device;
+pub use step_inputs::{step_inputs_device, EntryRows};
 pub use sparse_attention::{
     sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionKernel,
     SparseAttentionOptions, SPARSE_ATTENTION_HEAD_DIM, SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,

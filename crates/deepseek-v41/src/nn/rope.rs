@@ -130,6 +130,11 @@ impl RopeTable {
         self.rope_dim
     }
 
+    /// `[1, rope_dim/2]` f32: the frequencies.
+    pub fn inv_freq(&self) -> &Tensor {
+        &self.inv_freq
+    }
+
     /// `(cos, sin)`, each `[positions.len(), rope_dim/2]` f32, angle = `f32(p)·inv_freq` in f32.
     ///
     /// Consecutive positions inside one block of [`ROPE_BLOCK`] are views of that block's rows
