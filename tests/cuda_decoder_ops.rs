@@ -1,7 +1,8 @@
 //! GPU tests of the decoder's small-op kernels, `kernels/decoder_ops.cu` (RMSNorm, the mHC mixes'
 //! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation) and
-//! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU) and `kernels/compress_pool.cu` (the
-//! ratio-2 compressor's pooling and carry of the batched decode step):
+//! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU), `kernels/compress_pool.cu` (the
+//! ratio-2 compressor's pooling and carry of the batched decode step) and `kernels/page_rows.cu`
+//! (its top-k entries mapped to page-pool rows):
 //! every output bit for bit equal to the Candle op sequence each kernel replaces, run on the same
 //! GPU (`cuda::with_plain_candle`), and close to the CPU reference; fresh random rows of many
 //! widths (below, at and above candle's 32-element small reduction, around its float4 and
@@ -13,8 +14,8 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
-use deepseek_v41::attention::compress_pool_ref;
-use deepseek_v41::cuda::{accumulate_device, collapse_device, compress_pool_device, mhc_post_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
+use deepseek_v41::attention::{compress_pool_ref, page_rows_ref};
+use deepseek_v41::cuda::{accumulate_device, collapse_device, compress_pool_device, page_rows_device, mhc_post_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
 use deepseek_v41::model::{collapse, engram_mix, post, Expert};
 use deepseek_v41::nn::{RandomWeights, RmsNorm};
 use deepseek_v41::Numerics;
@@ -370,5 +371,51 @@ fn compress_pool_kernel_equals_the_candle_ops() -> Result<()> {
     let closing = Tensor::zeros((2, 1), DType::U8, &dev)?;
     ensure!(compress_pool_device(&x, &x, &x.to_dtype(DType::BF16)?, &x, &closing).is_err(), "a bf16 kv accepted");
     ensure!(compress_pool_device(&x, &x, &x, &x, &Tensor::zeros((3, 1), DType::U8, &dev)?).is_err(), "3 flags for 2 rows accepted");
+    Ok(())
+}
+
+/// The top-k's pool rows: entries at page boundaries (63, 64, 127), no entry (−1) anywhere,
+/// interleaved pages, rows of a single page and rows with none; bit for bit the Candle ops on
+/// the same GPU and the CPU's.
+#[test]
+fn page_rows_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0x9a6e);
+    const P: usize = 64;
+    for (b, k, max_pages) in [(1usize, 1usize, 1usize), (3, 17, 4), (64, 512, 8), (5, 2048, 40)] {
+        // Each sequence holds some pages (distinct, shuffled over a pool of b·max_pages).
+        let mut free: Vec<i64> = (0..(b * max_pages) as i64).collect();
+        let mut table = vec![-1i64; b * max_pages];
+        let mut held = vec![0usize; b];
+        for s in 0..b {
+            held[s] = if s == 1 { 0 } else { 1 + rng.below(max_pages) };
+            for p in 0..held[s] {
+                let at = rng.below(free.len());
+                table[s * max_pages + p] = free.swap_remove(at);
+            }
+        }
+        let topk: Vec<i64> = (0..b * k)
+            .map(|e| {
+                let n = held[e / k] * P;
+                match (n, rng.below(6)) {
+                    (0, _) | (_, 0) => -1,
+                    (_, 1) => (P - 1).min(n - 1) as i64,
+                    (_, 2) => P.min(n - 1) as i64,
+                    _ => rng.below(n) as i64,
+                }
+            })
+            .collect();
+        let topk = Tensor::from_vec(topk, (b, k), &dev)?;
+        let table = Tensor::from_vec(table, (b, max_pages), &dev)?;
+        drop(Tensor::full(-7i64, b * k, &dev)?);
+        let got = page_rows_device(&topk, &table, P)?;
+        let want = page_rows_ref(&topk, &table)?;
+        let host = page_rows_ref(&topk.to_device(&Device::Cpu)?, &table.to_device(&Device::Cpu)?)?;
+        ensure!(got.dims() == [b, k] && got.dtype() == DType::I64, "{:?} {:?}", got.dtype(), got.shape());
+        let (g, w, h) = (got.to_vec2::<i64>()?, want.to_vec2::<i64>()?, host.to_vec2::<i64>()?);
+        ensure!(g == w && g == h, "[{b}, {k}] over {max_pages} pages: the pool rows differ from the Candle ops");
+        ensure!(b * k < 16 || (g.iter().flatten().any(|&r| r < 0) && g.iter().flatten().any(|&r| r >= 0)), "[{b}, {k}]: no mix of entries and none");
+    }
+    ensure!(page_rows_device(&Tensor::zeros((2, 3), DType::I64, &dev)?, &Tensor::zeros((3, 4), DType::I64, &dev)?, P).is_err(), "a table of another batch accepted");
     Ok(())
 }

@@ -44,6 +44,7 @@ use candle_core::{DType, Module, Result, Tensor};
 
 use super::batch_cache::{BatchedLayerCache, PoolRows};
 use super::compress_pool::compress_pool;
+use super::page_table::page_rows;
 use super::decode_error::{check_tensor, DecodeStepError};
 use super::decode_inputs::DecodeStepInputs;
 #[cfg(feature = "cuda")]
@@ -505,13 +506,8 @@ impl<'s> DecodeStep<'s> {
         let hw = ix.head_weights_grouped(&pr.x, &self.rows)?;
         let keys = SelectKeys { keys: &src.index_keys, page_table: &ci.page_table, entries: ci.entries, visible: &ci.visible };
         let sel = select_topk(&iq, &hw, &keys, k, consume.as_ref(), publish)?;
-        // Entry j of sequence b → pool row table[b][j / P]·P + j mod P (a gather), −1 kept.
-        let valid = sel.topk.ge(&ci.zeros)?;
-        let j = valid.where_cond(&sel.topk, &ci.zeros)?;
-        let page = j.broadcast_div(&ci.page_len)?;
-        let within = (&j - page.broadcast_mul(&ci.page_len)?)?;
-        let rows = ci.page_table.gather(&page.contiguous()?, 1)?.broadcast_mul(&ci.page_len)?;
-        let topk = valid.where_cond(&(rows + within)?, &ci.none)?;
+        // Entry j of sequence b → pool row table[b][j / P]·P + j mod P, −1 kept.
+        let topk = page_rows(&sel.topk, &ci.page_table)?;
         Ok(StepSelection { topk: Some(topk), candidates: sel.candidates.map(|c| c.kept) })
     }
 

@@ -65,10 +65,6 @@ pub struct CompressedInputs {
     pub closing: Tensor,
     /// `[B]` u32: entries visible to each sequence's query.
     pub visible: Tensor,
-    /// `[B, k]` i64 zeros and −1, `[1, 1]` i64 P (the top-k's map to pool rows keeps −1).
-    pub(super) zeros: Tensor,
-    pub(super) none: Tensor,
-    pub(super) page_len: Tensor,
     /// The page table's row versions ([`PageTable::row_versions`]) last written to `page_table`
     /// (shared by clones, which share the tensor); `None` before the first write.
     uploaded: Arc<Mutex<Option<Vec<u64>>>>,
@@ -143,7 +139,6 @@ impl DecodeStepInputs {
                     layer: layer.layer(),
                     why: format!("layer {} is not a kv source (no compressed pools)", kv.layer()),
                 })?;
-                let k = layer.topk();
                 Some(CompressedInputs {
                     ratio: layer.ratio(),
                     entries: src.entries,
@@ -154,9 +149,6 @@ impl DecodeStepInputs {
                     entry_sin: Tensor::zeros((b, half), DType::F32, &dev)?,
                     closing: Tensor::zeros((b, 1), DType::U8, &dev)?,
                     visible: Tensor::zeros(b, DType::U32, &dev)?,
-                    zeros: Tensor::zeros((b, k), DType::I64, &dev)?,
-                    none: Tensor::full(-1i64, (b, k), &dev)?,
-                    page_len: Tensor::full(PageTable::PAGE as i64, (1, 1), &dev)?,
                     uploaded: Arc::default(),
                 })
             }
@@ -427,9 +419,6 @@ impl DecodeStepInputs {
                 entry_sin: n(&c.entry_sin)?,
                 closing: n(&c.closing)?,
                 visible: n(&c.visible)?,
-                zeros: n(&c.zeros)?,
-                none: n(&c.none)?,
-                page_len: c.page_len.clone(),
                 uploaded: c.uploaded.clone(),
             }),
             None => None,

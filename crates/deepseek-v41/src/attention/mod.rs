@@ -47,7 +47,7 @@ pub use decode_batch::{DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepOutpu
 pub use decode_error::DecodeStepError;
 pub use decode_inputs::{CompressedInputs, DecodeStepInputs};
 pub use layer::{Attention, AttentionParams};
-pub use page_table::{PageTable, PageUse};
+pub use page_table::{page_rows, page_rows_ref, PageTable, PageUse};
 pub use pool::{CachePool, PoolError, PoolLease, PoolOccupancy};
 pub use rollback::RollbackError;
 #[cfg(feature = "cuda")]

@@ -279,6 +279,31 @@ impl PageTable {
     }
 }
 
+/// The pool rows of a batched step's top-k entries: entry j of sequence b (`topk` `[B, k]` i64,
+/// < 0: none) at `table[b][j / P]·P + j mod P` through the device page table `page_table`
+/// (`[B, max_pages]` i64), −1 kept. On CUDA one kernel ([`crate::cuda::page_rows_device`], bit
+/// for bit [`page_rows_ref`] for the entries inside the pages a sequence holds).
+pub fn page_rows(topk: &candle_core::Tensor, page_table: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused_kernels(topk.device()) {
+        return crate::cuda::page_rows_device(topk, page_table, PageTable::PAGE);
+    }
+    page_rows_ref(topk, page_table)
+}
+
+/// [`page_rows`] as Candle ops (the reference, on any device).
+pub fn page_rows_ref(topk: &candle_core::Tensor, page_table: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    use candle_core::Tensor;
+    let zeros = topk.zeros_like()?;
+    let page_len = Tensor::full(PageTable::PAGE as i64, (1, 1), topk.device())?;
+    let valid = topk.ge(&zeros)?;
+    let j = valid.where_cond(topk, &zeros)?;
+    let page = j.broadcast_div(&page_len)?;
+    let within = (&j - page.broadcast_mul(&page_len)?)?;
+    let rows = page_table.gather(&page.contiguous()?, 1)?.broadcast_mul(&page_len)?;
+    valid.where_cond(&(rows + within)?, &Tensor::full(-1i64, topk.shape(), topk.device())?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

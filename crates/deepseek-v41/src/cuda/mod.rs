@@ -28,7 +28,8 @@
 //!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
 //!   CUDA device (the decode step of a small model is launch-bound); [`compress_pool_device`]: the
 //!   ratio-2 compressor's pooling and carry of the batched decode step, likewise;
-//!   [`step_inputs_device`]: the step's position-derived inputs, likewise.
+//!   [`step_inputs_device`]: the step's position-derived inputs, likewise; [`page_rows_device`]:
+//!   its top-k entries mapped to page-pool rows, likewise.
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS or the FP8 wgmma GEMM for
 //!   large m), and [`fp8_dequantize_device`].
@@ -93,6 +94,7 @@ mod sparse_attention;
 mod swiglu;
 mod compress_pool;
 mod step_inputs;
+mod page_rows;
 mod window_insert;
 
 pub use act_quant::fake_quant_device;
@@ -127,6 +129,7 @@ pub use step_graph::{graph_census, StepGraph};
 pub use swiglu::{swiglu_device, swiglu_supported};
 pub use compress_pool::compress_pool_device;
 pub use step_inputs::{step_inputs_device, EntryRows};
+pub use page_rows::page_rows_device;
 pub use sparse_attention::{
     sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionKernel,
     SparseAttentionOptions, SPARSE_ATTENTION_HEAD_DIM, SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,
