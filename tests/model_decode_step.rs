@@ -295,3 +295,54 @@ fn bucket_steps_run_only_the_first_rows() -> Result<()> {
     step.release(3)?;
     run(&mut step, &mut caches[..3], &mut rng, 4, 2)
 }
+
+/// The formula of `kernels/step_inputs.cu`, evaluated on the host from each inputs object's
+/// uploaded rows, equals the Candle ops of `DecodeStepInputs::derive_ref` bit for bit (both with
+/// the CPU's `sin` / `cos`): `f32(p)·inv_freq`, the window slots `(p + 1 + k) mod W + b·W'` where
+/// `p + 1 + k ≥ W`, the closing flags and visible counts — for positions below, at and past the
+/// window, idle rows included.
+#[test]
+fn the_step_inputs_kernel_formula_equals_the_candle_ops() -> Result<()> {
+    let (cfg, dev) = (full_config(128)?, Device::Cpu);
+    let m = model(&cfg, 3)?;
+    let rows = 6;
+    let step = ModelDecodeStep::new(&cfg, &m, rows, CAPACITY, BatchStorage::BF16, &dev)?;
+    let mut rng = Rng(0x57e9);
+    let mut pos: Vec<usize> = vec![0; rows];
+    for n in [6usize, 4, 6] {
+        pos.iter_mut().for_each(|p| *p += 1 + rng.below(10));
+        for (k, i) in step.inputs().iter().enumerate() {
+            i.update_first(&pos[..n])?;
+            i.derive_ref()?;
+            let p = i.positions().to_vec1::<i64>()?;
+            let freq = i.rope().inv_freq().flatten_all()?.to_vec1::<f32>()?;
+            let (w, ws) = (i.window_indices().dim(1)?, i.window_stride());
+            let (cos, sin, neg) = i.rope_rows();
+            let (cos, sin, neg) = (cos.to_vec2::<f32>()?, sin.to_vec2::<f32>()?, neg.to_vec2::<f32>()?);
+            let idx = i.window_indices().to_vec2::<i64>()?;
+            for b in 0..rows {
+                for (j, &f) in freq.iter().enumerate() {
+                    let a = p[b] as f32 * f;
+                    ensure!(cos[b][j].to_bits() == a.cos().to_bits() && sin[b][j].to_bits() == a.sin().to_bits(), "inputs {k}, row {b}: rope rows");
+                    ensure!(neg[b][j].to_bits() == (-a.sin()).to_bits(), "inputs {k}, row {b}: −sin");
+                }
+                for (kk, &got) in idx[b].iter().enumerate() {
+                    let q = p[b] + 1 + kk as i64;
+                    let want = if q >= w as i64 { q % w as i64 + (b * ws) as i64 } else { -1 };
+                    ensure!(got == want, "inputs {k}, row {b}, offset {kk}: window index {got}, the formula gives {want}");
+                }
+            }
+            if let Some(c) = i.compressed() {
+                let (ecos, closing, visible) = (c.entry_cos.to_vec2::<f32>()?, c.closing.flatten_all()?.to_vec1::<u8>()?, c.visible.to_vec1::<u32>()?);
+                let slots = c.entry_slots.to_vec1::<i64>()?;
+                for b in 0..rows {
+                    let (pb, r) = (p[b] as usize, c.ratio);
+                    let (entry, vis) = if b < n { (pb / r * r, (pb + 1) / r) } else { (0, 0) };
+                    ensure!(ecos[b][0].to_bits() == (entry as f32 * freq[0]).cos().to_bits(), "inputs {k}, row {b}: entry rope rows");
+                    ensure!(closing[b] == u8::from(slots[b] >= 0) && visible[b] == vis as u32, "inputs {k}, row {b}: closing / visible");
+                }
+            }
+        }
+    }
+    Ok(())
+}
