@@ -2,12 +2,13 @@
 //! Flash-width checkpoint (`synthetic_checkpoint --flash-shapes`, all 384 experts) loaded through
 //! the real loader (`Pretrained::load_with`, native FP8 / MXFP4 weights), then for each layer of
 //! the checkpoint (each kind: window-only, window-only + Engram, ratio-2 kv + index source, top-k
-//! reuse) and each B the decode step of B sequences (one token each, every sequence at
+//! reuse, and with `--layer-ids …,20` the ratio-1 kv + index source that publishes the candidate
+//! blocks) and each B the decode step of B sequences (one token each, every sequence at
 //! `--context` tokens), per phase and whole, graph-replayed; then a `--prefill`-token prefill.
 //!
 //! ```text
 //! cargo build --release --features cuda --example bench_flash_layer --example synthetic_checkpoint
-//! synthetic_checkpoint /tmp/v41-flash --flash-shapes --layers 4
+//! synthetic_checkpoint /tmp/v41-flash --flash-shapes --layers 4      # or --layer-ids 0,1,2,3,20
 //! bench_flash_layer --model /tmp/v41-flash [--batch 1,64,256] [--context 131072] [--prefill 4096]
 //!     [--keys bf16,packed-kv] [--engram-placement auto|device|host] [--layers 0,1,2,3] [--reps 5] [--eager-only] [--census]
 //! bench_flash_layer --model /tmp/v41-flash-small --cpu --batch 1,3 --context 1024 --prefill 64   # logic check, no GPU

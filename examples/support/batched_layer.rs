@@ -7,9 +7,9 @@
 //!
 //! The kinds the benchmarks set up ([`LayerKind`], spec §1.4): window-only layers, kv + index
 //! sources without candidate blocks (`Full` top-k: layer 2 of V4.1-Flash) and top-k reuse layers
-//! (layer 3). The step also composes the ratio-1 candidate source and the `Reindex` layers that
-//! consume its candidate blocks (layers 20 and 24); the benchmarks do not fill their pools or
-//! pass candidate blocks, and refuse them.
+//! (layer 3), and the ratio-1 candidate source (layer 20: a kv + index source that also returns
+//! its candidate blocks). The step also composes the `Reindex` layers that consume those blocks
+//! (layer 24); the benchmarks do not pass candidate blocks, and refuse them.
 #![allow(dead_code)]
 
 use anyhow::Result;
@@ -49,11 +49,16 @@ impl LayerKind {
 }
 
 impl LayerKind {
-    /// The kind of `dl`; errors for the layers the benchmarks do not set up (candidate blocks,
-    /// `Reindex` layers).
+    /// The kind of `dl`; errors for the layers the benchmarks do not set up (candidate consumers,
+    /// `Reindex` layers). The candidate source is a kv + index source that also returns its
+    /// candidate blocks (computed every step, consumed by no layer of the benchmark).
     pub fn of(dl: &DecodeLayer) -> Result<Self> {
         let l = dl.layer();
-        anyhow::ensure!(dl.candidates() == CandidateRole::None, "layer {l}: the benchmarks do not set up candidate blocks ({:?})", dl.candidates());
+        anyhow::ensure!(
+            matches!(dl.candidates(), CandidateRole::None | CandidateRole::Publish),
+            "layer {l}: the benchmarks do not pass candidate blocks to a consumer ({:?})",
+            dl.candidates()
+        );
         Ok(match dl.kind() {
             DecodeLayerKind::WindowOnly => LayerKind::WindowOnly,
             DecodeLayerKind::Source => LayerKind::Source,
