@@ -193,8 +193,7 @@ impl DecodeStepInputs {
     /// upload.
     pub fn update(&self, positions: &[usize]) -> Result<()> {
         self.check_count(positions, true)?;
-        self.write(positions, true)?;
-        self.derive()
+        self.update_first(positions)
     }
 
     /// [`DecodeStepInputs::update`] of the first n = `positions.len()` ≤ B sequences; rows

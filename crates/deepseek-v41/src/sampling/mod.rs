@@ -209,13 +209,7 @@ impl SamplingBatch {
         if steps.len() != self.len() {
             return Err(SamplingError::Steps { sequences: self.len(), steps: steps.len() }.into());
         }
-        if self.is_empty() {
-            return Ok(());
-        }
-        let words: Vec<u32> = self.params.iter().zip(steps).flat_map(|(p, &s)| p.table_row(s)).collect();
-        self.table.slice_set(&Tensor::from_vec(words, (self.len(), SAMPLING_TABLE_WORDS), self.table.device())?, 0, 0)?;
-        self.steps.copy_from_slice(steps);
-        Ok(())
+        self.set_first_steps(steps)
     }
 
     /// Sets the steps of the first `steps.len()` sequences (the others keep theirs), rewriting
