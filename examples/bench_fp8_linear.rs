@@ -13,7 +13,9 @@
 //! * `fp8 auto`: `fp8_linear` (streaming kernel, shared-memory pipeline variant, for m <= 64,
 //!   else dequantize + cuBLAS);
 //! * `fp8 stream (pipeline | registers | warp)`: the streaming kernel's variants forced (`--variants`;
-//!   up to m = 256, warp up to m = 64), one after the other for each shape and m;
+//!   up to m = 256, warp up to m = 64), one after the other for each shape and m (registers at
+//!   m <= 16 with the activation fused, `Fp8Prep::Auto`);
+//! * `fp8 stream (registers, prep kernel)`: m <= 16, the activation from the prep kernel instead;
 //! * `fp8 dequant+cuBLAS`: that path forced (m = 64 .. 256);
 //! * `fp8 gemm (wgmma)`: the FP8 wgmma GEMM forced (m >= 64; with `--no-act-quant` it falls back
 //!   to dequantize + cuBLAS);
@@ -37,7 +39,7 @@ use bench::{cuda_device, gbps, l2_bytes, parse_args, rotation_sets, tflops, Benc
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
 use deepseek_v41::cuda::{
-    fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant, FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
+    fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant, FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
 };
 use deepseek_v41::nn::{Linear, LinearKind};
 use deepseek_v41::quant::Fp8Weight;
@@ -170,10 +172,19 @@ fn main() -> Result<()> {
             print(&Row { shape: name, m, what: "fp8 auto", graph_ms: g, calls_ms: c, weight_bytes: fp8_bytes, flops });
             for &(_, what, variant, _) in VARIANTS.iter().filter(|v| m <= v.3 && args.variants.iter().any(|a| a == v.0)) {
                 let (g, _) = time(&timer, sets, false, |s| {
-                    fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant })?;
+                    fp8_linear_with(&x, &weights[s], aq, Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant, ..Default::default() })?;
                     Ok(())
                 })?;
                 print(&Row { shape: name, m, what, graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
+            }
+            if m <= 16 {
+                // The register ring with the activation from a prep kernel (the fused default's baseline).
+                let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, variant: Fp8StreamVariant::Registers, prep: Fp8Prep::Kernel, ..Default::default() };
+                let (g, _) = time(&timer, sets, false, |s| {
+                    fp8_linear_with(&x, &weights[s], aq, opts)?;
+                    Ok(())
+                })?;
+                print(&Row { shape: name, m, what: "fp8 stream (registers, prep kernel)", graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
             }
             if m >= 64 {
                 let (g, _) = time(&timer, sets, false, |s| {

@@ -154,6 +154,7 @@ __device__ __forceinline__ void finish(const float (&acc)[2][NT][4], float* red,
     __syncthreads();
     if (!*is_last) return;
     __threadfence();
+    if (threadIdx.x == 0) a.ctr[tile] = 0u;  // every split has arrived: ready for the next call
     for (int it = threadIdx.x; it < TOK * 8; it += kThreads) {
         const int tk = it >> 3, q = (it & 7) * 4;
         const float* p = a.ws + (tile * a.splits * TOK + tk) * 32 + q;
@@ -172,7 +173,7 @@ __device__ __forceinline__ void finish(const float (&acc)[2][NT][4], float* red,
 // Register-ring variant (any k and alignment): grid (mc, ceil(n/32), splits), 128 threads; warp
 // w takes the k32 blocks w, w+4, ... of the split, 4 of them in flight (8-byte loads per lane
 // and row, or byte loads when !VEC). See the header comment.
-template <int NT, bool ACTQ, bool VEC>
+template <int NT, bool ACTQ, bool VEC, bool FUSED>
 __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(const StreamArgs a) {
     constexpr int D = 4;
     __shared__ __align__(16) float red[4 * 8 * NT * kLd];
@@ -206,8 +207,9 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(c
     const int first = kb_begin + warp;
 #pragma unroll
     for (int d = 0; d < D; ++d) issue(d, first + 4 * d);
-    // Programmatic dependent launch: the weight loads above may overlap the prep kernel; the
-    // panel, its scales and the counters are read only after it has finished.
+    // Programmatic dependent launch: the weight loads above may overlap the previous kernel (the
+    // prep kernel, or with FUSED whatever wrote x); x, the panel, its scales and the counters
+    // are read only after it has finished.
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
     for (int base = first; base < kb_end; base += 4 * D) {
@@ -220,8 +222,12 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(c
             for (int i = 0; i < 4; ++i) w[i] = buf[d][i];
             const float sw = e8m0_f32(sbuf[d]);
             issue(d, kb + 4 * D);
-            const uint4* pb = reinterpret_cast<const uint4*>(a.panel) + ((static_cast<int64_t>(tok0 + g) * a.kpad + kb * 32 + 8 * t) >> 3);
-            block_step<NT, ACTQ>(acc, w, sw, t, pb, a.kpad, a.ascale + static_cast<int64_t>(kb) * a.mpad + tok0);
+            if constexpr (FUSED) {
+                block_step_fused<NT, ACTQ>(acc, w, sw, g, t, a.x, a.m, a.k, tok0, kb);
+            } else {
+                const uint4* pb = reinterpret_cast<const uint4*>(a.panel) + ((static_cast<int64_t>(tok0 + g) * a.kpad + kb * 32 + 8 * t) >> 3);
+                block_step<NT, ACTQ>(acc, w, sw, t, pb, a.kpad, a.ascale + static_cast<int64_t>(kb) * a.mpad + tok0);
+            }
         }
     }
     finish<NT>(acc, red, &is_last, a, warp, g, t);
@@ -469,6 +475,7 @@ inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->m < 1 || p->m > DSV41_FP8_STREAM_MAX_M || p->n < 1 || p->k < 1 || p->splits < 0) return DSV41_ERR_SHAPE;
     if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_WARP) return DSV41_ERR_SHAPE;
+    if (p->prep < DSV41_FP8_PREP_AUTO || p->prep > DSV41_FP8_PREP_KERNEL) return DSV41_ERR_SHAPE;
     if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
     // Grid limits: ceil(n/32) CTAs in y (<= 65535).
     if ((p->n + 31) / 32 > 65535) return DSV41_ERR_SHAPE;
@@ -556,25 +563,28 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
 }
 
 // kind: 0 register ring with byte loads, 1 register ring with 8-byte loads, 2 smem pipeline (3:
-// the WARP variant, launch_warp).
+// the WARP variant, launch_warp); fused: REGISTERS with the activation from x (nt <= 2).
 template <int NT, bool ACTQ>
-cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
+cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, bool fused, cudaStream_t st) {
     const dim3 grid(q.mc, q.nb, q.splits);
     if (kind == 2) {
         // make_plan set the kernel's shared memory limit (streamk_per_sm).
         return dsv41_launch::launch_pdl(fp8_streamk_kernel<NT, ACTQ>, dim3(q.ctas), dim3(kThreads), streamk_smem<NT>(), st, 1, a);
     }
-    auto* kernel = kind == 1 ? fp8_stream_kernel<NT, ACTQ, true> : fp8_stream_kernel<NT, ACTQ, false>;
+    auto* kernel = kind == 1 ? fp8_stream_kernel<NT, ACTQ, true, false> : fp8_stream_kernel<NT, ACTQ, false, false>;
+    if constexpr (NT <= 2) {
+        if (fused) kernel = kind == 1 ? fp8_stream_kernel<NT, ACTQ, true, true> : fp8_stream_kernel<NT, ACTQ, false, true>;
+    }
     return dsv41_launch::launch_pdl(kernel, grid, dim3(kThreads), 0, st, 1, a);
 }
 
 template <bool ACTQ>
-cudaError_t launch_stream_nt(const StreamArgs& a, const Plan& q, int kind, cudaStream_t st) {
+cudaError_t launch_stream_nt(const StreamArgs& a, const Plan& q, int kind, bool fused, cudaStream_t st) {
     switch (q.nt) {
-        case 1: return launch_stream<1, ACTQ>(a, q, kind, st);
-        case 2: return launch_stream<2, ACTQ>(a, q, kind, st);
-        case 4: return launch_stream<4, ACTQ>(a, q, kind, st);
-        default: return launch_stream<8, ACTQ>(a, q, kind, st);
+        case 1: return launch_stream<1, ACTQ>(a, q, kind, fused, st);
+        case 2: return launch_stream<2, ACTQ>(a, q, kind, fused, st);
+        case 4: return launch_stream<4, ACTQ>(a, q, kind, false, st);
+        default: return launch_stream<8, ACTQ>(a, q, kind, false, st);
     }
 }
 
@@ -603,6 +613,7 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     char* base = static_cast<char*>(p->scratch);
     StreamArgs a;
+    a.x = static_cast<const __nv_bfloat16*>(p->x);
     a.codes = p->codes;
     a.scales = p->scales;
     a.out = static_cast<__nv_bfloat16*>(p->out);
@@ -632,6 +643,15 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE ||
                           ((p->variant == DSV41_FP8_VARIANT_AUTO || p->variant == DSV41_FP8_VARIANT_WARP) && p->m > 16);
     const int kind = q.warp ? 3 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
+    // The fused activation (DSV41_FP8_PREP_AUTO): REGISTERS at m <= 16 reading x itself, where
+    // its 16-byte loads are possible and the split-K counters need no zeroing (one split, or the
+    // caller's counters, which the last arrival of every tile leaves zero).
+    const bool fused = p->prep == DSV41_FP8_PREP_AUTO && kind <= 1 && q.nt <= 2 && p->k % 8 == 0 &&
+                       (reinterpret_cast<uintptr_t>(p->x) & 15) == 0 && (q.splits == 1 || (p->counters && q.nb * q.mc <= DSV41_FP8_COUNTERS));
+    if (fused) {
+        if (q.splits > 1) a.ctr = p->counters;
+        return static_cast<int>(p->act_quant ? launch_stream_nt<true>(a, q, kind, true, st) : launch_stream_nt<false>(a, q, kind, true, st));
+    }
     int n_ctr = 0;  // arrival counters the prep kernel zeroes
     if (kind == 3) n_ctr = q.wp.splits > 1 ? (p->n + 15) / 16 : 0;
     else if (kind == 2) n_ctr = q.mc * ((p->n + 127) / 128);
@@ -647,6 +667,6 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
     if (kind == 3) e = launch_warp(a, q.wp, q.nt, p->act_quant != 0, vec8, st);
-    else e = p->act_quant ? launch_stream_nt<true>(a, q, kind, st) : launch_stream_nt<false>(a, q, kind, st);
+    else e = p->act_quant ? launch_stream_nt<true>(a, q, kind, false, st) : launch_stream_nt<false>(a, q, kind, false, st);
     return static_cast<int>(e);
 }

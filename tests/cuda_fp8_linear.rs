@@ -19,7 +19,7 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::cuda::{fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant};
+use deepseek_v41::cuda::{fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant};
 use deepseek_v41::quant::{fp8_activation_quant, fp8_linear_ref, Fp8Weight};
 
 #[path = "support/rng.rs"]
@@ -210,7 +210,7 @@ fn check_runs(dev: &Device, x: &Tensor, w: &Fp8Weight, act_quant: bool, runs: &[
     let mut sum = Diff::default();
     for &(path, variant, splits) in runs {
         poison(dev, 4 * m * n + 4 * m * k + (1 << 20))?;
-        let got = fp8_linear_with(&xg, &wg, act_quant, Fp8LinearOptions { path, splits, variant })?;
+        let got = fp8_linear_with(&xg, &wg, act_quant, Fp8LinearOptions { path, splits, variant, ..Default::default() })?;
         let d = compare(&got, &want, &absdot, error_bound(path), &format!("{what} m={m} n={n} k={k} aq={act_quant} {path:?} {variant:?} splits={splits}"))?;
         sum.total += d.total;
         sum.one_ulp += d.one_ulp;
@@ -312,7 +312,7 @@ fn extreme_scales() -> Result<()> {
     let (xg, wg) = (x.to_device(&dev)?, Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?);
     for variant in [Fp8StreamVariant::Auto, Fp8StreamVariant::Warp] {
         poison(&dev, 1 << 20)?;
-        let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant };
+        let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, splits: 0, variant, ..Default::default() };
         let y = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         ensure!(
             y.iter().all(|r| r[..32].iter().all(|v| v.is_nan()) && r[32..].iter().all(|v| v.is_finite())),
@@ -337,7 +337,7 @@ fn split_k_factors() -> Result<()> {
             ensure!(d.one_ulp + d.beyond <= d.total / 50, "m {m} splits {splits}: {d:?}");
             let xg = x.to_device(&dev)?;
             for variant in STREAM_VARIANTS {
-                let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, splits, variant };
+                let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, splits, variant, ..Default::default() };
                 let a = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 poison(&dev, 1 << 20)?;
                 let b = fp8_linear_with(&xg, &wg, true, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -353,6 +353,76 @@ fn split_k_factors() -> Result<()> {
         let runs = [(Fp8LinearPath::Auto, Fp8StreamVariant::Auto, 0), (Fp8LinearPath::Auto, Fp8StreamVariant::AutoWarp, 0)];
         let d = check_runs(&dev, &x, &w, true, &runs, "wq_a")?;
         report(&format!("5120 -> 1280, m = {m}"), d);
+    }
+    Ok(())
+}
+
+/// The register ring's fused activation (`Fp8Prep::Auto`: x quantized per k32 block in
+/// registers, one launch) equals the prep kernel's panel (`Fp8Prep::Kernel`) bit for bit: m = 1,
+/// 2, 7, 8, 9, 15, 16 (one and two n8 tiles, padded tokens), act quant on (typical, huge and tiny
+/// blocks, the 1e-4 floor) and off, k a multiple of 8 but not of 32 / 128, n not a multiple of 32,
+/// one and several K splits (the device's arrival counters: three calls in a row and a graph
+/// replayed five times must give the same bits, which they do only if every call leaves the
+/// counters zero), and x at an offset that is not 16-byte aligned (the prep kernel then runs).
+#[test]
+fn fused_activation_equals_the_prep_kernel() -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let dev = gpu();
+    let mut rng = Rng(0xf8_0011);
+    let opts = |prep: Fp8Prep, splits: usize| Fp8LinearOptions { path: Fp8LinearPath::Stream, splits, variant: Fp8StreamVariant::Registers, prep };
+    let bits = |t: &Tensor| -> Result<Vec<u16>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()) };
+    for (n, k, aq, kind) in [
+        (160usize, 4096usize, true, Acts::Typical),
+        (100, 1024, true, Acts::Huge),
+        (64, 512, true, Acts::Small),
+        (1280, 5120, true, Acts::Typical),
+        (70, 200, false, Acts::Typical),
+        (96, 1152, false, Acts::Typical),
+    ] {
+        let scales = if matches!(kind, Acts::Small) { Scales::Huge } else { Scales::Typical };
+        let w = weight(&mut rng, n, k, scales)?;
+        let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+        for m in [1usize, 2, 7, 8, 9, 15, 16] {
+            let x = acts(&mut rng, m, k, kind)?.to_device(&dev)?;
+            for splits in [1usize, 0, 5] {
+                let want = bits(&fp8_linear_with(&x, &wg, aq, opts(Fp8Prep::Kernel, splits))?)?;
+                for call in 0..3 {
+                    poison(&dev, 1 << 20)?;
+                    let got = bits(&fp8_linear_with(&x, &wg, aq, opts(Fp8Prep::Auto, splits))?)?;
+                    let n_diff = want.iter().zip(&got).filter(|(a, b)| a != b).count();
+                    ensure!(n_diff == 0, "n {n} k {k} aq {aq} m {m} splits {splits} call {call}: {n_diff} of {} outputs differ from the prep kernel's", want.len());
+                }
+            }
+            // x not 16-byte aligned (a row offset of 1 element): the launcher takes the prep kernel.
+            if k % 8 == 0 && m >= 2 {
+                let wide = acts(&mut rng, m, k + 1, kind)?.to_device(&dev)?;
+                let xs = wide.flatten_all()?.narrow(0, 1, m * k)?.reshape((m, k))?;
+                let want = bits(&fp8_linear_with(&xs.contiguous()?, &wg, aq, opts(Fp8Prep::Kernel, 0))?)?;
+                ensure!(want == bits(&fp8_linear_with(&xs, &wg, aq, opts(Fp8Prep::Auto, 0))?)?, "n {n} k {k} m {m}: unaligned x differs");
+            }
+        }
+    }
+    // In a graph: the counters are created outside the capture by the first call, and five
+    // replays of a split-K call give the eager bits each time.
+    let w = weight(&mut rng, 1280, 5120, Scales::Typical)?;
+    let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
+    let x = acts(&mut rng, 4, 5120, Acts::Typical)?.to_device(&dev)?;
+    let want = bits(&fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Kernel, 0))?)?;
+    let eager = fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Auto, 0))?;
+    ensure!(bits(&eager)? == want, "eager fused call differs");
+    let stream = match &dev {
+        Device::Cuda(c) => c.cuda_stream(),
+        _ => unreachable!("gpu() is CUDA"),
+    };
+    stream.synchronize()?;
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let captured = fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Auto, 0));
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+    let out = captured?;
+    let graph = graph.ok_or_else(|| anyhow::anyhow!("empty capture"))?;
+    for replay in 0..5 {
+        graph.launch()?;
+        ensure!(bits(&out)? == want, "replay {replay} differs from the prep kernel's bits");
     }
     Ok(())
 }
@@ -395,7 +465,7 @@ fn warp_variant() -> Result<()> {
             sum.one_ulp += d.one_ulp;
             sum.beyond += d.beyond;
             let xg = x.to_device(&dev)?;
-            let opts = Fp8LinearOptions { path: stream, splits: 0, variant: Fp8StreamVariant::Warp };
+            let opts = Fp8LinearOptions { path: stream, splits: 0, variant: Fp8StreamVariant::Warp, ..Default::default() };
             let a = fp8_linear_with(&xg, &wg, act_quant, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             poison(&dev, 1 << 20)?;
             let b = fp8_linear_with(&xg, &wg, act_quant, opts)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;

@@ -22,13 +22,27 @@ typedef struct {
     void* out;              // [m, n] bf16, contiguous
     void* scratch;          // dsv41_fp8_linear_scratch_bytes() bytes, 256-byte aligned (NULL when 0)
     int64_t scratch_bytes;  // size of scratch
+    unsigned* counters;     // DSV41_FP8_COUNTERS arrival counters, all zero, left zero (or NULL): what the
+                            // fused activation's split-K uses (the prep kernel zeroes its own in the scratch)
     int32_t m;              // tokens, 1 ..= DSV41_FP8_STREAM_MAX_M
     int32_t n;              // output features >= 1
     int32_t k;              // input features >= 1 (a multiple of 32 when act_quant)
     int32_t act_quant;      // 1: FP8 activation quantization per 1x32 block (Q1), 0: bf16 x as is
     int32_t splits;         // split-K factor; 0 = the launcher's choice (WARP: raised to what its shared memory needs)
     int32_t variant;        // DSV41_FP8_VARIANT_*
+    int32_t prep;           // DSV41_FP8_PREP_*
+    int32_t reserved;       // 0
 } Dsv41Fp8LinearParams;
+
+// How the weight-streaming kernel gets its activations. AUTO: REGISTERS with m <= 16 quantizes
+// (or reads) x itself, per k32 block in registers - one launch, no panel - where k % 8 == 0, x
+// is 16-byte aligned and either one K split runs or `counters` is given; else (and with KERNEL)
+// a prep kernel writes the activation panel first (kernels/fp8_linear.cu). Both give the same
+// bits.
+#define DSV41_FP8_PREP_AUTO 0
+#define DSV41_FP8_PREP_KERNEL 1
+// Arrival counters the caller provides for the fused activation (one per 32-row block).
+#define DSV41_FP8_COUNTERS 65536
 
 // Weight-streaming kernel variants: AUTO = PIPELINE for m > 16 when k % 128 == 0, the codes are
 // 16-byte and the scales 4-byte aligned, else REGISTERS (which also takes any k and alignment).

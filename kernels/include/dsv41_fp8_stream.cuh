@@ -12,6 +12,7 @@
 
 #include "dsv41_fp8.cuh"
 #include "dsv41_fp8_linear.h"
+#include "dsv41_numerics.cuh"
 
 namespace dsv41 {
 namespace fp8 {
@@ -76,30 +77,23 @@ __device__ __forceinline__ uint2 load_w8(const uint8_t* row, int k0, int k, bool
 
 // What the stream kernels read (pointers into the caller's buffers and the scratch).
 struct StreamArgs {
+    const __nv_bfloat16* x;  // [m, k] (the fused activation of REGISTERS reads it)
     const uint8_t* codes;
     const uint8_t* scales;
     __nv_bfloat16* out;
     const uint16_t* panel;  // [mpad, kpad]
     const float* ascale;    // [kb, mpad] (ACTQ)
     float* ws;              // split-K / stream-K partials (the kernel's layout)
-    unsigned* ctr;          // arrival counters (the kernel's)
+    unsigned* ctr;          // arrival counters: zero before the call, zero after it (the last arrival resets its own)
     int m, n, k, kb, kpad, mpad, mc, splits;
     int parts, prow;        // WARP: CTAs per split, bytes per panel row in shared memory
 };
 
-// One k32 block of the warp's 16 MT rows (MT m16 tiles: 2 for the 32-row blocks of REGISTERS and
-// PIPELINE, 1 for the 16-row units of WARP): w[i] = the lane's 8 code bytes of row g + 8i (k
-// offsets 8t..8t+7 of the block), sw = the block's weight scale. acc += (codes · panel) · 2^(sa + sw).
-// pb: the lane's 16 panel bytes of the block for token tok0 + g (global or shared memory),
-// pstride: uint4s from one n8 token tile to the next; sap (ACTQ): the block's activation scales
-// from token tok0 on (global or shared memory).
-template <int NT, bool ACTQ, int MT>
-__device__ __forceinline__ void block_step(float (&acc)[MT][NT][4], const uint2 (&w)[2 * MT], float sw, int t, const uint4* pb, int pstride,
-                                           const float* sap) {
-    constexpr int G = NT < 4 ? NT : 4;  // n8 tiles per group of independent products
-    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // A fragments: [m tile][k16 step]; a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
-    uint32_t af[MT][2][4];
+// The A fragments of one k32 block of the warp's 16 MT rows: w[i] = the lane's 8 code bytes of
+// row g + 8i (k offsets 8t..8t+7 of the block), converted exactly; [m tile][k16 step][reg],
+// a0/a2 = row g (+16), a1/a3 = row g + 8 (+16).
+template <bool ACTQ, int MT>
+__device__ __forceinline__ void weight_frags(uint32_t (&af)[MT][2][4], const uint2 (&w)[2 * MT]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -111,8 +105,56 @@ __device__ __forceinline__ void block_step(float (&acc)[MT][NT][4], const uint2 
             af[mt][j][1] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi & 0xffffu));
             af[mt][j][3] = cvt_codes<ACTQ>(static_cast<uint16_t>(hi >> 16));
         }
-    // G n8 tiles at a time: 2G independent first-half products, then the second halves, then
-    // the scaled sums (no product waits on the one just issued).
+}
+
+// The scale product 2^(sa + sw) of one token and block; >= 2^128 is clamped so that an all-zero
+// block contributes 0, not NaN.
+__device__ __forceinline__ float scale_product(float sa, float sw) {
+    const float s = sa * sw;
+    return isinf(s) ? FLT_MAX : s;
+}
+
+// The products of G n8 token tiles n0.. of one k32 block: b[u] = the lane's 16 panel bytes of
+// tile n0 + u (token 8 (n0 + u) + g, k offsets 8t..8t+7), s0 / s1[u] = the scale products of its
+// tokens 2t and 2t + 1. 2G independent first-half products, then the second halves, then the
+// scaled sums (no product waits on the one just issued).
+template <int G, bool ACTQ, int MT, int NT>
+__device__ __forceinline__ void group_products(float (&acc)[MT][NT][4], const uint32_t (&af)[MT][2][4], int n0, const uint4 (&b)[G],
+                                               const float (&s0)[G], const float (&s1)[G]) {
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float p[MT][G][4];
+#pragma unroll
+    for (int u = 0; u < G; ++u)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][0], b[u].x, b[u].y, zero);
+#pragma unroll
+    for (int u = 0; u < G; ++u)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][1], b[u].z, b[u].w, p[mt][u]);
+#pragma unroll
+    for (int u = 0; u < G; ++u)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float* c = acc[mt][n0 + u];
+            c[0] = fmaf(p[mt][u][0], s0[u], c[0]);
+            c[1] = fmaf(p[mt][u][1], s1[u], c[1]);
+            c[2] = fmaf(p[mt][u][2], s0[u], c[2]);
+            c[3] = fmaf(p[mt][u][3], s1[u], c[3]);
+        }
+}
+
+// One k32 block of the warp's 16 MT rows (MT m16 tiles: 2 for the 32-row blocks of REGISTERS and
+// PIPELINE, 1 for the 16-row units of WARP): w[i] = the lane's 8 code bytes of row g + 8i (k
+// offsets 8t..8t+7 of the block), sw = the block's weight scale. acc += (codes · panel) · 2^(sa + sw).
+// pb: the lane's 16 panel bytes of the block for token tok0 + g (global or shared memory),
+// pstride: uint4s from one n8 token tile to the next; sap (ACTQ): the block's activation scales
+// from token tok0 on (global or shared memory).
+template <int NT, bool ACTQ, int MT>
+__device__ __forceinline__ void block_step(float (&acc)[MT][NT][4], const uint2 (&w)[2 * MT], float sw, int t, const uint4* pb, int pstride,
+                                           const float* sap) {
+    constexpr int G = NT < 4 ? NT : 4;  // n8 tiles per group of independent products
+    uint32_t af[MT][2][4];
+    weight_frags<ACTQ, MT>(af, w);
 #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += G) {
         uint4 b[G];
@@ -124,32 +166,77 @@ __device__ __forceinline__ void block_step(float (&acc)[MT][NT][4], const uint2 
             s1[u] = sw;
             if constexpr (ACTQ) {
                 const float2 sa = *reinterpret_cast<const float2*>(sap + 8 * (n0 + u) + 2 * t);
-                s0[u] = sa.x * sw;
-                s1[u] = sa.y * sw;
-                // 2^(sa+sw) >= 2^128: clamp so that an all-zero block contributes 0, not NaN.
-                if (isinf(s0[u])) s0[u] = FLT_MAX;
-                if (isinf(s1[u])) s1[u] = FLT_MAX;
+                s0[u] = scale_product(sa.x, sw);
+                s1[u] = scale_product(sa.y, sw);
             }
         }
-        float p[MT][G][4];
+        group_products<G, ACTQ>(acc, af, n0, b, s0, s1);
+    }
+}
+
+// The fused activation of one k32 block (no prep kernel, no panel): what the prep kernel would
+// have written for this lane - the 16 panel bytes of token tok = 8 u + g of the chunk (k offsets
+// 8t..8t+7 of block kb: Q1's e4m3 values as f16 with ACTQ, else the bf16 x) - computed from x in
+// registers, and the scale products of the tile's tokens 2t and 2t + 1. Q1's block scale is the
+// amax of the token's 32 values, which the lane quad g holds (two xor shuffles); a token's scale
+// then comes from its quad's lane 0. Every lane of the warp must call it (shuffles). x rows are
+// 16-byte aligned (k % 8 == 0, x 16-byte aligned); tokens >= m and columns >= k read as zeros (tokens
+// >= m with scale 0), as the prep kernel pads them.
+template <bool ACTQ>
+__device__ __forceinline__ void fused_activation(const __nv_bfloat16* __restrict__ x, int m, int k, int tok, int kb, int t, float sw, uint4& b,
+                                                 float& s0, float& s1) {
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    const int k0 = kb * 32 + 8 * t;  // k % 8 == 0: a group of 8 lies wholly inside or past k (padding zeros)
+    if (tok < m && k0 < k) raw = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tok) * k + k0));
+    if constexpr (!ACTQ) {
+        b = raw;
+        s0 = sw;
+        s1 = sw;
+    } else {
+        using Q1 = QuantTraits<Quant::Fp8Ue8m0B32>;
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        float v[8];
+        float amax = 0.0f;
 #pragma unroll
-        for (int u = 0; u < G; ++u)
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+            v[2 * i] = f.x;
+            v[2 * i + 1] = f.y;
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const BlockScale bs = Q1::scale(amax);
+        uint32_t out[4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][0], b[u].x, b[u].y, zero);
+        for (int i = 0; i < 4; ++i) {
+            const __half2 h = __halves2half2(__float2half_rn(Q1::round(Q1::quotient(v[2 * i], bs))),
+                                             __float2half_rn(Q1::round(Q1::quotient(v[2 * i + 1], bs))));
+            out[i] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        b = make_uint4(out[0], out[1], out[2], out[3]);
+        const float mine = tok < m ? bs.s : 0.0f;
+        // Token 2t's quad is lanes 8t..8t+3, token 2t + 1's 8t+4..8t+7.
+        s0 = scale_product(__shfl_sync(0xffffffffu, mine, 8 * t), sw);
+        s1 = scale_product(__shfl_sync(0xffffffffu, mine, 8 * t + 4), sw);
+    }
+}
+
+// block_step with the activation fused (fused_activation per n8 tile) instead of read from a
+// panel: tok0 = the chunk's first token.
+template <int NT, bool ACTQ, int MT>
+__device__ __forceinline__ void block_step_fused(float (&acc)[MT][NT][4], const uint2 (&w)[2 * MT], float sw, int g, int t,
+                                                 const __nv_bfloat16* __restrict__ x, int m, int k, int tok0, int kb) {
+    constexpr int G = NT < 4 ? NT : 4;
+    uint32_t af[MT][2][4];
+    weight_frags<ACTQ, MT>(af, w);
 #pragma unroll
-        for (int u = 0; u < G; ++u)
+    for (int n0 = 0; n0 < NT; n0 += G) {
+        uint4 b[G];
+        float s0[G], s1[G];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) mma16816<ACTQ>(p[mt][u], af[mt][1], b[u].z, b[u].w, p[mt][u]);
-#pragma unroll
-        for (int u = 0; u < G; ++u)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                float* c = acc[mt][n0 + u];
-                c[0] = fmaf(p[mt][u][0], s0[u], c[0]);
-                c[1] = fmaf(p[mt][u][1], s1[u], c[1]);
-                c[2] = fmaf(p[mt][u][2], s0[u], c[2]);
-                c[3] = fmaf(p[mt][u][3], s1[u], c[3]);
-            }
+        for (int u = 0; u < G; ++u) fused_activation<ACTQ>(x, m, k, tok0 + 8 * (n0 + u) + g, kb, t, sw, b[u], s0[u], s1[u]);
+        group_products<G, ACTQ>(acc, af, n0, b, s0, s1);
     }
 }
 

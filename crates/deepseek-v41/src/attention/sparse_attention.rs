@@ -103,9 +103,11 @@ pub fn sparse_attention_sources(
 ///
 /// Returns `[T, H, D]` bf16. On CUDA with `D` = [`crate::cuda::SPARSE_ATTENTION_HEAD_DIM`] the
 /// fused kernel ([`crate::cuda::SparseAttentionInputs`], packed rows dequantized in the kernel);
-/// on CUDA with another head dim (the tiny test configs) or more indices per token than the
-/// kernel takes ([`crate::cuda::SPARSE_ATTENTION_MAX_INDICES`]) [`sparse_attention_candle`]
-/// (packed sources first dequantized through the host, exactly); on the CPU the reference. Packed
+/// on CUDA with another head dim (the tiny configs) or more indices per token than the kernel
+/// takes ([`crate::cuda::SPARSE_ATTENTION_MAX_INDICES`]): over bf16 rows
+/// [`crate::cuda::sparse_attention_small`] (one launch, the reference's order), else
+/// [`sparse_attention_candle`] (packed sources first dequantized through the host, exactly); on
+/// the CPU the reference. Packed
 /// sources give bit for bit the result of their dequantized bf16 rows in the same kernel (the
 /// launcher runs the all-heads kernel for packed sources; for bf16 rows of a few decode tokens it
 /// picks the dims-split pair, whose f32 sums run in another order).
@@ -122,6 +124,12 @@ pub fn sparse_attention_kv_rows(
 ) -> Result<Tensor> {
     let indices = idx_window.dim(1)? + idx_extra.dim(1)?;
     if q.device().is_cuda() && (q.dim(2)? != crate::cuda::SPARSE_ATTENTION_HEAD_DIM || indices > crate::cuda::SPARSE_ATTENTION_MAX_INDICES) {
+        use crate::cuda::KvRows;
+        if let (KvRows::Bf16(w), KvRows::Bf16(e)) = (&window, &extra) {
+            if crate::cuda::fused_kernels(q.device()) && crate::cuda::sparse_attention_small_supported(q, w, e) {
+                return crate::cuda::sparse_attention_small(q, w, idx_window, e, idx_extra, sink, scale);
+            }
+        }
         let (kv_window, kv_extra) = (window.to_bf16()?, extra.to_bf16()?);
         return sparse_attention_candle(q, &[(&kv_window, idx_window), (&kv_extra, idx_extra)], sink, scale);
     }

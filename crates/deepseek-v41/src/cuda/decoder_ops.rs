@@ -317,19 +317,12 @@ pub fn mhc_post_supported(x: &Tensor, y: &Tensor, out_dtype: DType) -> bool {
     x.device().is_cuda() && x.dims().get(1).is_some_and(|&hc| hc <= MHC_POST_MAX_HC) && float_io(x.dtype()) && float_io(y.dtype()) && float_io(out_dtype)
 }
 
-/// Whether `model::post` of a `[T, hc, d]` stream takes [`mhc_post_device`] (else the Candle
-/// ops): where the kernel's comb product was checked bit for bit against cuBLAS's
-/// (`tests/cuda_decoder_ops.rs`): d ≥ 4096 (the released widths) and T ≤ 1024. cuBLAS picks its
-/// SGEMM kernel by shape, and at small widths (hidden 192, T = 1) it sums K in pairs, another
-/// order than the kernel's single FMA chain.
-pub fn mhc_post_fused(t: usize, d: usize) -> bool {
-    d >= 4096 && t <= 1024
-}
-
 /// The mHC post on the GPU in one launch: `out[t, j, c] = post[t, j] · y[t, c] + Σ_i comb[t, i,
-/// j] · x[t, i, c]` in f32, rounded to `out_dtype` — bit for bit [`crate::model::post`]'s Candle
-/// ops on a CUDA device (a transpose copy of comb, x to f32, the batched cuBLAS product, the
-/// multiply and the add; the product's order is cuBLAS's for K = hc: `kernels/decoder_ops.cu`).
+/// j] · x[t, i, c]` in f32, rounded to `out_dtype` — bit for bit [`crate::model::post`] on the
+/// CPU (the comb product one FMA chain over the copies in ascending order, `kernels/decoder_ops.cu`).
+/// The same Candle ops on a CUDA device call cuBLAS, which sums K = hc in that order at the
+/// released widths (d ≥ 4096) but in pairs at small ones (hidden 192): the kernel is the
+/// reference's order at every width.
 ///
 /// `x`: `[T, hc, d]` bf16 or f32; `comb`: `[T, hc, hc]` (any float dtype, used as f32); `y`:
 /// `[T, d]` bf16 or f32; `post`: `[T, hc]` (used as f32); all on one CUDA device. `out_dtype`:

@@ -345,6 +345,8 @@ pub(crate) struct Fp8LinearParams {
     /// `scratch_bytes` bytes, 256-byte aligned.
     pub scratch: *mut c_void,
     pub scratch_bytes: i64,
+    /// `DSV41_FP8_COUNTERS` zeroed arrival counters the call leaves zero, or null.
+    pub counters: *mut u32,
     pub m: i32,
     pub n: i32,
     pub k: i32,
@@ -353,7 +355,13 @@ pub(crate) struct Fp8LinearParams {
     pub splits: i32,
     /// `DSV41_FP8_VARIANT_*`: 0 auto, 1 register ring, 2 shared-memory pipeline, 3 warp-owned.
     pub variant: i32,
+    /// `DSV41_FP8_PREP_*`: 0 the activation fused where possible, 1 the prep kernel.
+    pub prep: i32,
+    pub reserved: i32,
 }
+
+/// `DSV41_FP8_COUNTERS`: the arrival counters [`Fp8LinearParams::counters`] points to.
+pub(crate) const FP8_COUNTERS: usize = 65536;
 
 /// `DSV41_FP8_STREAM_MAX_M`: the largest `m` of the weight-streaming kernel.
 pub(crate) const FP8_STREAM_MAX_M: usize = 256;

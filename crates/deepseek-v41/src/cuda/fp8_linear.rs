@@ -17,7 +17,12 @@
 //!
 //! [`fp8_linear`] picks the path by m; [`fp8_linear_with`] forces one (tests, benchmarks).
 
-use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::{CudaDevice, DeviceId};
 use candle_core::{DType, Layout, Result, Tensor};
 use half::bf16;
 
@@ -74,6 +79,20 @@ pub enum Fp8LinearPath {
     Gemm,
 }
 
+/// How the weight-streaming kernel gets its activation (`DSV41_FP8_PREP_*`); both give the same
+/// bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8Prep {
+    /// `Registers` at m <= 16 quantizes (or reads) x itself per k32 block — one launch — where
+    /// K % 8 == 0 and x is 16-byte aligned (with several K splits: on the device's arrival
+    /// counters, [`arrival_counters`]); else `Kernel`.
+    #[default]
+    Auto,
+    /// A prep kernel writes the activation panel (Q1 codes and block scales, or the bf16 x,
+    /// padded) and zeroes the counters; the streaming kernel starts its weight loads meanwhile.
+    Kernel,
+}
+
 /// Options of [`fp8_linear_with`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fp8LinearOptions {
@@ -84,6 +103,8 @@ pub struct Fp8LinearOptions {
     pub splits: usize,
     /// The streaming kernel's variant.
     pub variant: Fp8StreamVariant,
+    /// Where the streaming kernel's activation comes from.
+    pub prep: Fp8Prep,
 }
 
 /// `x · Wᵀ`: `x` `[M, K]` bf16 on a CUDA device, `w` `[N, K]` on the same device; returns
@@ -156,6 +177,7 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
         out: std::ptr::null_mut(),
         scratch: std::ptr::null_mut(),
         scratch_bytes: 0,
+        counters: std::ptr::null_mut(),
         m: m as i32,
         n: n as i32,
         k: k as i32,
@@ -170,6 +192,12 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
             Fp8StreamVariant::AutoWarp if m <= 16 => 3,
             Fp8StreamVariant::AutoWarp => 0,
         },
+        prep: match opts.prep {
+            _ if gemm => 0,
+            Fp8Prep::Auto => 0,
+            Fp8Prep::Kernel => 1,
+        },
+        reserved: 0,
     };
     let mut bytes = 0i64;
     let size = std::mem::size_of::<Fp8LinearParams>();
@@ -207,6 +235,9 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
         params.out = o_p;
         params.scratch = scr_p as *mut std::ffi::c_void;
         params.scratch_bytes = bytes;
+        if !gemm && opts.prep == Fp8Prep::Auto {
+            params.counters = arrival_counters(&cdev, &stream)?.map_or(std::ptr::null_mut(), |p| p as *mut u32);
+        }
         // SAFETY: x is read-locked, contiguous [m, k] bf16; codes / scales are read-locked and
         // contiguous with the weight's shapes; out is a fresh [m, n] bf16 buffer; the scratch
         // holds the bytes the launcher asked for; the launcher checks sizes and alignment; the
@@ -222,6 +253,34 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
     }
     drop((xs, cs, ss));
     Ok(cuda_tensor(out, (m, n)))
+}
+
+/// The arrival counters of the streaming kernel's split-K with the fused activation
+/// ([`Fp8Prep::Auto`]): `DSV41_FP8_COUNTERS` u32 per candle CUDA device (one stream each),
+/// zeroed once on that stream and left zero by every call (the last CTA of a tile to arrive
+/// resets its counter), so no launch zeroes them. Kernels on one stream run one after another,
+/// which is what makes one set per stream enough. The buffer lives as long as the process (a
+/// captured graph keeps its address); it is never created inside a stream capture (`None`
+/// there: that call takes the prep kernel when it splits K).
+pub fn arrival_counters(cdev: &CudaDevice, stream: &Arc<CudaStream>) -> Result<Option<u64>> {
+    /// A device's counters and their address.
+    type CounterSet = (CudaSlice<u32>, u64);
+    static SETS: OnceLock<Mutex<HashMap<DeviceId, CounterSet>>> = OnceLock::new();
+    let mut sets = SETS.get_or_init(Default::default).lock().map_err(|_| candle_core::Error::Msg("fp8_linear: the counter sets' lock is poisoned".into()))?;
+    if let Some((_, p)) = sets.get(&cdev.id()) {
+        return Ok(Some(*p));
+    }
+    let capturing = stream.capture_status().map_err(candle_core::Error::wrap)?;
+    if capturing != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        return Ok(None);
+    }
+    let slice = stream.alloc_zeros::<u32>(ffi::FP8_COUNTERS).map_err(candle_core::Error::wrap)?;
+    let p = {
+        let (p, _guard) = slice.device_ptr(stream);
+        p
+    };
+    sets.insert(cdev.id(), (slice, p));
+    Ok(Some(p))
 }
 
 /// The weight `[N, K]` dequantized on its CUDA device into f32 or bf16 (one kernel; bit for bit

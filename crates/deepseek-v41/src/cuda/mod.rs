@@ -28,7 +28,8 @@
 //!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
 //!   CUDA device (the decode step of a small model is launch-bound); [`compress_pool_device`]: the
 //!   ratio-2 compressor's pooling and carry of the batched decode step, likewise;
-//!   [`step_inputs_device`]: the step's position-derived inputs, likewise; [`page_rows_device`]:
+//!   [`step_inputs_device`]: the step's position-derived inputs, likewise; [`sparse_attention_small`]:
+//!   the sparse attention of head dims below the FlashMLA-style kernels' 512 in one launch; [`page_rows_device`]:
 //!   its top-k entries mapped to page-pool rows, likewise.
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS or the FP8 wgmma GEMM for
@@ -91,6 +92,7 @@ mod sampling;
 mod slots;
 mod step_graph;
 mod sparse_attention;
+mod sparse_attention_small;
 mod swiglu;
 mod compress_pool;
 mod step_inputs;
@@ -101,12 +103,12 @@ pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
 pub use decode_device::decode_device;
 pub use fp8_linear::{
-    fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8StreamVariant, FP8_AUTO_STREAM_MAX_M,
+    arrival_counters, fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant, FP8_AUTO_STREAM_MAX_M,
     FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
 };
 pub use decoder_ops::{
     accumulate_device, accumulate_supported, collapse_device, collapse_supported, engram_mix_device, engram_mix_supported, mhc_post_device,
-    mhc_post_fused, mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, MHC_POST_MAX_HC, ROW_NORM_MAX_N,
+    mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, MHC_POST_MAX_HC, ROW_NORM_MAX_N,
 };
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeyPages, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
@@ -130,6 +132,7 @@ pub use swiglu::{swiglu_device, swiglu_supported};
 pub use compress_pool::compress_pool_device;
 pub use step_inputs::{step_inputs_device, EntryRows};
 pub use page_rows::page_rows_device;
+pub use sparse_attention_small::{sparse_attention_small, sparse_attention_small_supported, SPARSE_ATTENTION_SMALL_MAX_DIM};
 pub use sparse_attention::{
     sparse_attention_two_source, sparse_attention_two_source_with, KvRows, SparseAttentionInputs, SparseAttentionKernel,
     SparseAttentionOptions, SPARSE_ATTENTION_HEAD_DIM, SPARSE_ATTENTION_MAX_INDICES, SPARSE_ATTENTION_MAX_SPLITS,

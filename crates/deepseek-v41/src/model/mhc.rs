@@ -221,9 +221,9 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
         )
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(x, y, x.dtype()) && crate::cuda::mhc_post_fused(t, d) {
-        // One launch, bit for bit the op sequence below (the comb product included, at the
-        // shapes where cuBLAS sums K in one FMA chain: `cuda::mhc_post_fused`).
+    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(x, y, x.dtype()) {
+        // One launch, bit for bit the op sequence below as the CPU computes it (the comb
+        // product one FMA chain over the copies: `post_is_one_fma_chain_over_the_copies`).
         return crate::cuda::mhc_post_device(x, comb, y, post, x.dtype());
     }
     // Σ_i comb[i, j]·x[i] = (combᵀ · x)[j], per token.
@@ -323,6 +323,53 @@ mod tests {
             transposed_differs,
             "the test comb does not distinguish comb from its transpose"
         );
+        Ok(())
+    }
+
+    /// The CPU reference's comb product is one f32 FMA chain over the residual copies,
+    /// `((c0·x0) ⊕fma c1·x1) ⊕fma …`, then `post·y` added: the order `kernels/decoder_ops.cu`'s
+    /// post kernel computes, so the kernel equals the reference bit for bit at every width
+    /// (cuBLAS's SGEMM sums K = hc in pairs at small widths: another order). f32 outputs, so
+    /// no final rounding hides a different order (the pairwise order differs in ~30 % of them).
+    #[test]
+    fn post_is_one_fma_chain_over_the_copies() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut r = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / 2f32.powi(31)) * 2.0 - 1.0
+        };
+        for (t, hc, d) in [(1usize, 4usize, 192usize), (3, 4, 192), (2, 4, 5120), (2, 3, 7)] {
+            let x: Vec<f32> = (0..t * hc * d).map(|_| r() * 3.0).collect();
+            let y: Vec<f32> = (0..t * d).map(|_| r() * 3.0).collect();
+            let p: Vec<f32> = (0..t * hc).map(|_| r()).collect();
+            let c: Vec<f32> = (0..t * hc * hc).map(|_| r().abs()).collect();
+            let xt = Tensor::from_vec(x, (t, hc, d), &dev)?.to_dtype(DType::BF16)?;
+            let yt = Tensor::from_vec(y, (t, d), &dev)?.to_dtype(DType::BF16)?;
+            let (pt, ct) = (Tensor::from_vec(p.clone(), (t, hc), &dev)?, Tensor::from_vec(c.clone(), (t, hc, hc), &dev)?);
+            let got = post(&yt, &xt.to_dtype(DType::F32)?, &pt, &ct)?.flatten_all()?.to_vec1::<f32>()?;
+            let (xv, yv) = (xt.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, yt.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            let (mut chain_differs, mut pairs_differ) = (0usize, 0usize);
+            for tt in 0..t {
+                for j in 0..hc {
+                    for cc in 0..d {
+                        let term = |i: usize| (c[(tt * hc + i) * hc + j], xv[(tt * hc + i) * d + cc]);
+                        let (c0, x0) = term(0);
+                        let mixed = (1..hc).fold(c0 * x0, |m, i| {
+                            let (ci, xi) = term(i);
+                            ci.mul_add(xi, m)
+                        });
+                        let direct = p[tt * hc + j] * yv[tt * d + cc];
+                        let pairs = (0..hc).step_by(2).map(|i| (0..2).filter(|k| i + k < hc).map(|k| term(i + k).0 * term(i + k).1).sum::<f32>()).sum::<f32>();
+                        let g = got[(tt * hc + j) * d + cc];
+                        chain_differs += (g != direct + mixed) as usize;
+                        pairs_differ += (g != direct + pairs) as usize;
+                    }
+                }
+            }
+            assert_eq!(chain_differs, 0, "T {t}, hc {hc}, d {d}: the CPU post is not the FMA chain");
+            assert!(pairs_differ > 0, "T {t}, hc {hc}, d {d}: the test cannot tell the chain from pairwise sums");
+        }
         Ok(())
     }
 
