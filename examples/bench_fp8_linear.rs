@@ -13,9 +13,9 @@
 //! * `fp8 auto`: `fp8_linear` (streaming kernel, shared-memory pipeline variant, for m <= 64,
 //!   else dequantize + cuBLAS);
 //! * `fp8 stream (pipeline | registers | warp)`: the streaming kernel's variants forced (`--variants`;
-//!   up to m = 256, warp up to m = 64), one after the other for each shape and m (registers at
-//!   m <= 16 with the activation fused, `Fp8Prep::Auto`);
-//! * `fp8 stream (registers, prep kernel)`: m <= 16, the activation from the prep kernel instead;
+//!   up to m = 256, warp up to m = 64), one after the other for each shape and m;
+//! * `fp8 stream (registers, fused act | prep kernel)`: m <= 16, the activation quantized inside
+//!   the streaming kernel (`Fp8Prep::Fused`) or by the prep kernel (`Fp8Prep::Kernel`);
 //! * `fp8 dequant+cuBLAS`: that path forced (m = 64 .. 256);
 //! * `fp8 gemm (wgmma)`: the FP8 wgmma GEMM forced (m >= 64; with `--no-act-quant` it falls back
 //!   to dequantize + cuBLAS);
@@ -178,13 +178,15 @@ fn main() -> Result<()> {
                 print(&Row { shape: name, m, what, graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
             }
             if m <= 16 {
-                // The register ring with the activation from a prep kernel (the fused default's baseline).
-                let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, variant: Fp8StreamVariant::Registers, prep: Fp8Prep::Kernel, ..Default::default() };
-                let (g, _) = time(&timer, sets, false, |s| {
-                    fp8_linear_with(&x, &weights[s], aq, opts)?;
-                    Ok(())
-                })?;
-                print(&Row { shape: name, m, what: "fp8 stream (registers, prep kernel)", graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
+                // The register ring with the activation fused and from a prep kernel, both forced.
+                for (prep, what) in [(Fp8Prep::Fused, "fp8 stream (registers, fused act)"), (Fp8Prep::Kernel, "fp8 stream (registers, prep kernel)")] {
+                    let opts = Fp8LinearOptions { path: Fp8LinearPath::Stream, variant: Fp8StreamVariant::Registers, prep, ..Default::default() };
+                    let (g, _) = time(&timer, sets, false, |s| {
+                        fp8_linear_with(&x, &weights[s], aq, opts)?;
+                        Ok(())
+                    })?;
+                    print(&Row { shape: name, m, what, graph_ms: g, calls_ms: None, weight_bytes: fp8_bytes, flops });
+                }
             }
             if m >= 64 {
                 let (g, _) = time(&timer, sets, false, |s| {

@@ -475,7 +475,7 @@ inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->m < 1 || p->m > DSV41_FP8_STREAM_MAX_M || p->n < 1 || p->k < 1 || p->splits < 0) return DSV41_ERR_SHAPE;
     if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_WARP) return DSV41_ERR_SHAPE;
-    if (p->prep < DSV41_FP8_PREP_AUTO || p->prep > DSV41_FP8_PREP_KERNEL) return DSV41_ERR_SHAPE;
+    if (p->prep < DSV41_FP8_PREP_AUTO || p->prep > DSV41_FP8_PREP_FUSED) return DSV41_ERR_SHAPE;
     if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
     // Grid limits: ceil(n/32) CTAs in y (<= 65535).
     if ((p->n + 31) / 32 > 65535) return DSV41_ERR_SHAPE;
@@ -643,10 +643,12 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE ||
                           ((p->variant == DSV41_FP8_VARIANT_AUTO || p->variant == DSV41_FP8_VARIANT_WARP) && p->m > 16);
     const int kind = q.warp ? 3 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
-    // The fused activation (DSV41_FP8_PREP_AUTO): REGISTERS at m <= 16 reading x itself, where
-    // its 16-byte loads are possible and the split-K counters need no zeroing (one split, or the
-    // caller's counters, which the last arrival of every tile leaves zero).
-    const bool fused = p->prep == DSV41_FP8_PREP_AUTO && kind <= 1 && q.nt <= 2 && p->k % 8 == 0 &&
+    // The fused activation (FUSED, or AUTO for a small weight): REGISTERS at m <= 16 reading x
+    // itself, where its 16-byte loads are possible and the split-K counters need no zeroing (one
+    // split, or the caller's counters, which the last arrival of every tile leaves zero).
+    const bool want_fused = p->prep == DSV41_FP8_PREP_FUSED ||
+                            (p->prep == DSV41_FP8_PREP_AUTO && static_cast<int64_t>(p->n) * p->k <= DSV41_FP8_FUSED_AUTO_MAX_BYTES);
+    const bool fused = want_fused && kind <= 1 && q.nt <= 2 && p->k % 8 == 0 &&
                        (reinterpret_cast<uintptr_t>(p->x) & 15) == 0 && (q.splits == 1 || (p->counters && q.nb * q.mc <= DSV41_FP8_COUNTERS));
     if (fused) {
         if (q.splits > 1) a.ctr = p->counters;

@@ -357,7 +357,7 @@ fn split_k_factors() -> Result<()> {
     Ok(())
 }
 
-/// The register ring's fused activation (`Fp8Prep::Auto`: x quantized per k32 block in
+/// The register ring's fused activation (`Fp8Prep::Fused`: x quantized per k32 block in
 /// registers, one launch) equals the prep kernel's panel (`Fp8Prep::Kernel`) bit for bit: m = 1,
 /// 2, 7, 8, 9, 15, 16 (one and two n8 tiles, padded tokens), act quant on (typical, huge and tiny
 /// blocks, the 1e-4 floor) and off, k a multiple of 8 but not of 32 / 128, n not a multiple of 32,
@@ -388,7 +388,7 @@ fn fused_activation_equals_the_prep_kernel() -> Result<()> {
                 let want = bits(&fp8_linear_with(&x, &wg, aq, opts(Fp8Prep::Kernel, splits))?)?;
                 for call in 0..3 {
                     poison(&dev, 1 << 20)?;
-                    let got = bits(&fp8_linear_with(&x, &wg, aq, opts(Fp8Prep::Auto, splits))?)?;
+                    let got = bits(&fp8_linear_with(&x, &wg, aq, opts(Fp8Prep::Fused, splits))?)?;
                     let n_diff = want.iter().zip(&got).filter(|(a, b)| a != b).count();
                     ensure!(n_diff == 0, "n {n} k {k} aq {aq} m {m} splits {splits} call {call}: {n_diff} of {} outputs differ from the prep kernel's", want.len());
                 }
@@ -398,7 +398,7 @@ fn fused_activation_equals_the_prep_kernel() -> Result<()> {
                 let wide = acts(&mut rng, m, k + 1, kind)?.to_device(&dev)?;
                 let xs = wide.flatten_all()?.narrow(0, 1, m * k)?.reshape((m, k))?;
                 let want = bits(&fp8_linear_with(&xs.contiguous()?, &wg, aq, opts(Fp8Prep::Kernel, 0))?)?;
-                ensure!(want == bits(&fp8_linear_with(&xs, &wg, aq, opts(Fp8Prep::Auto, 0))?)?, "n {n} k {k} m {m}: unaligned x differs");
+                ensure!(want == bits(&fp8_linear_with(&xs, &wg, aq, opts(Fp8Prep::Fused, 0))?)?, "n {n} k {k} m {m}: unaligned x differs");
             }
         }
     }
@@ -408,7 +408,7 @@ fn fused_activation_equals_the_prep_kernel() -> Result<()> {
     let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
     let x = acts(&mut rng, 4, 5120, Acts::Typical)?.to_device(&dev)?;
     let want = bits(&fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Kernel, 0))?)?;
-    let eager = fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Auto, 0))?;
+    let eager = fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Fused, 0))?;
     ensure!(bits(&eager)? == want, "eager fused call differs");
     let stream = match &dev {
         Device::Cuda(c) => c.cuda_stream(),
@@ -416,7 +416,7 @@ fn fused_activation_equals_the_prep_kernel() -> Result<()> {
     };
     stream.synchronize()?;
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-    let captured = fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Auto, 0));
+    let captured = fp8_linear_with(&x, &wg, true, opts(Fp8Prep::Fused, 0));
     let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
     let out = captured?;
     let graph = graph.ok_or_else(|| anyhow::anyhow!("empty capture"))?;

@@ -34,13 +34,16 @@ typedef struct {
     int32_t reserved;       // 0
 } Dsv41Fp8LinearParams;
 
-// How the weight-streaming kernel gets its activations. AUTO: REGISTERS with m <= 16 quantizes
+// How the weight-streaming kernel gets its activations. FUSED: REGISTERS with m <= 16 quantizes
 // (or reads) x itself, per k32 block in registers - one launch, no panel - where k % 8 == 0, x
 // is 16-byte aligned and either one K split runs or `counters` is given; else (and with KERNEL)
-// a prep kernel writes the activation panel first (kernels/fp8_linear.cu). Both give the same
-// bits.
+// a prep kernel writes the activation panel first (kernels/fp8_linear.cu). AUTO: FUSED for
+// weights of at most DSV41_FP8_FUSED_AUTO_MAX_BYTES code bytes (launch-bound sizes), KERNEL
+// above. All give the same bits.
 #define DSV41_FP8_PREP_AUTO 0
 #define DSV41_FP8_PREP_KERNEL 1
+#define DSV41_FP8_PREP_FUSED 2
+#define DSV41_FP8_FUSED_AUTO_MAX_BYTES (4ll << 20)
 // Arrival counters the caller provides for the fused activation (one per 32-row block).
 #define DSV41_FP8_COUNTERS 65536
 

@@ -355,7 +355,7 @@ pub(crate) struct Fp8LinearParams {
     pub splits: i32,
     /// `DSV41_FP8_VARIANT_*`: 0 auto, 1 register ring, 2 shared-memory pipeline, 3 warp-owned.
     pub variant: i32,
-    /// `DSV41_FP8_PREP_*`: 0 the activation fused where possible, 1 the prep kernel.
+    /// `DSV41_FP8_PREP_*`: 0 auto (fused for small weights), 1 the prep kernel, 2 fused where possible.
     pub prep: i32,
     pub reserved: i32,
 }

@@ -30,6 +30,10 @@ use super::device::{as_cuda, cuda_tensor, dequant_launch, float_alloc, float_wri
 use super::ffi::{self, check_status, Fp8DequantParams, Fp8LinearParams};
 use crate::quant::{fp8_activation_quant, Fp8Weight};
 
+/// `DSV41_FP8_FUSED_AUTO_MAX_BYTES`: the largest weight (code bytes, N·K) for which
+/// [`Fp8Prep::Auto`] fuses the activation into the streaming kernel.
+pub const FP8_FUSED_AUTO_MAX_BYTES: usize = 4 << 20;
+
 /// The largest m the weight-streaming kernel takes (tokens in chunks of 64).
 pub const FP8_STREAM_MAX_M: usize = ffi::FP8_STREAM_MAX_M;
 
@@ -83,11 +87,14 @@ pub enum Fp8LinearPath {
 /// bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8Prep {
+    /// `Fused` for weights of at most [`FP8_FUSED_AUTO_MAX_BYTES`] code bytes (launch-bound
+    /// sizes), `Kernel` above.
+    #[default]
+    Auto,
     /// `Registers` at m <= 16 quantizes (or reads) x itself per k32 block — one launch — where
     /// K % 8 == 0 and x is 16-byte aligned (with several K splits: on the device's arrival
     /// counters, [`arrival_counters`]); else `Kernel`.
-    #[default]
-    Auto,
+    Fused,
     /// A prep kernel writes the activation panel (Q1 codes and block scales, or the bf16 x,
     /// padded) and zeroes the counters; the streaming kernel starts its weight loads meanwhile.
     Kernel,
@@ -196,6 +203,7 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
             _ if gemm => 0,
             Fp8Prep::Auto => 0,
             Fp8Prep::Kernel => 1,
+            Fp8Prep::Fused => 2,
         },
         reserved: 0,
     };
@@ -235,7 +243,7 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
         params.out = o_p;
         params.scratch = scr_p as *mut std::ffi::c_void;
         params.scratch_bytes = bytes;
-        if !gemm && opts.prep == Fp8Prep::Auto {
+        if !gemm && opts.prep != Fp8Prep::Kernel {
             params.counters = arrival_counters(&cdev, &stream)?.map_or(std::ptr::null_mut(), |p| p as *mut u32);
         }
         // SAFETY: x is read-locked, contiguous [m, k] bf16; codes / scales are read-locked and
