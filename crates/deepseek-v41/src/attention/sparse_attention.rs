@@ -312,4 +312,78 @@ mod tests {
         assert!(err.to_string().contains("indices[0] holds 2"), "{err}");
         Ok(())
     }
+
+    /// `kernels/sparse_attention_small.cu`'s schedule on the host — index chunks of 128 entries
+    /// (one per thread), the valid rows compacted in order into a buffer, a block whenever 64 are
+    /// buffered and the rest moved to the front, the last partial block, the running max, the
+    /// denominator summed in order by one thread, each dim's products added in row order — with
+    /// the reference's sequential dot products: then it must equal [`sparse_attention_ref`] bit
+    /// for bit. Valid-row counts around 64 and 128, rows with none, one source empty.
+    #[test]
+    fn the_small_kernel_schedule_equals_the_reference() -> Result<()> {
+        fn schedule(q: &[f32], kv: &[f32], d: usize, idx: &[i64], n: usize, sink: f32, scale: f32) -> Vec<f32> {
+            let (mut acc, mut m, mut den) = (vec![0f32; d], -1e30f32, 0f32);
+            let mut buf: Vec<usize> = Vec::new();
+            let block = |rows: &[usize], acc: &mut Vec<f32>, m: &mut f32, den: &mut f32| {
+                let logit: Vec<f32> = rows.iter().map(|&r| scale * dot(q, &kv[r * d..][..d])).collect();
+                let m_new = logit.iter().fold(*m, |a, &b| a.max(b));
+                let alpha = (*m - m_new).exp();
+                let prob: Vec<f32> = logit.iter().map(|&l| (l - m_new).exp()).collect();
+                *den *= alpha;
+                for &p in &prob {
+                    *den += p;
+                }
+                for (c, o) in acc.iter_mut().enumerate() {
+                    *o *= alpha;
+                    for (&r, &p) in rows.iter().zip(&prob) {
+                        *o += half::bf16::from_f32(p).to_f32() * kv[r * d + c];
+                    }
+                }
+                *m = m_new;
+            };
+            for chunk in idx.chunks(128) {
+                buf.extend(chunk.iter().filter(|&&i| i >= 0 && (i as usize) < n).map(|&i| i as usize));
+                while buf.len() >= SOFTMAX_BLOCK {
+                    let rows: Vec<usize> = buf.drain(..SOFTMAX_BLOCK).collect();
+                    block(&rows, &mut acc, &mut m, &mut den);
+                }
+            }
+            if !buf.is_empty() {
+                let rows = std::mem::take(&mut buf);
+                block(&rows, &mut acc, &mut m, &mut den);
+            }
+            let den = den + (sink - m).exp();
+            acc.iter().map(|&o| if den > 0.0 && den.is_finite() { o / den } else { 0.0 }).collect()
+        }
+        let dev = Device::Cpu;
+        let (h, d, n) = (2usize, 24usize, 300usize);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut r = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let kv = Tensor::from_vec((0..n * d).map(|_| r() * 2.0).collect::<Vec<f32>>(), (n, d), &dev)?.to_dtype(DType::BF16)?;
+        let kvv = kv.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        for (t, k, valid_every) in [(3usize, 64usize, 1usize), (2, 130, 1), (2, 200, 3), (2, 129, 2), (2, 5, 100)] {
+            let q = Tensor::from_vec((0..t * h * d).map(|_| r() * 4.0).collect::<Vec<f32>>(), (t, h, d), &dev)?.to_dtype(DType::BF16)?;
+            let qv = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let idx: Vec<Vec<i64>> = (0..t)
+                .map(|ti| (0..k).map(|j| if (j + ti) % valid_every == 0 { ((j * 37 + ti * 11) % n) as i64 } else { -1 }).collect())
+                .collect();
+            let sink = Tensor::new(&[0.5f32, f32::NEG_INFINITY], &dev)?;
+            let want = sparse_attention_ref(&q, &kv, &idx, &sink, 0.3)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            for ti in 0..t {
+                for (hi, s) in [0.5f32, f32::NEG_INFINITY].into_iter().enumerate() {
+                    let got = schedule(&qv[(ti * h + hi) * d..][..d], &kvv, d, &idx[ti], n, s, 0.3);
+                    let row = &want[(ti * h + hi) * d..][..d];
+                    for (c, (g, w)) in got.iter().zip(row).enumerate() {
+                        assert_eq!(half::bf16::from_f32(*g).to_f32(), *w, "t {t} k {k} token {ti} head {hi} dim {c}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
