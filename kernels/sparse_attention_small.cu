@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attention_small_kernel(const 
     for (int c = tid; c < p.d; c += kThreads) qs[c] = __bfloat162float(q[c]);
     const __nv_bfloat16* kva = static_cast<const __nv_bfloat16*>(p.kv_a);
     const __nv_bfloat16* kvb = static_cast<const __nv_bfloat16*>(p.kv_b);
-    const int64_t* ia = p.idx_a + static_cast<int64_t>(t) * p.ka;
+    const int64_t* ia = p.idx_a ? p.idx_a + static_cast<int64_t>(t) * p.ka : nullptr;
     const int64_t* ib = p.idx_b ? p.idx_b + static_cast<int64_t>(t) * p.kb : nullptr;
 
     float acc[kDims];
@@ -158,6 +158,7 @@ extern "C" int dsv41_sparse_attention_small(const Dsv41SparseAttentionSmallParam
     if (p->t == 0) return DSV41_OK;
     if (!p->q || !p->sink || !p->out || (p->ka > 0 && (!p->idx_a || !p->kv_a)) || (p->kb > 0 && (!p->idx_b || !p->kv_b))) return DSV41_ERR_NULL;
     Dsv41SparseAttentionSmallParams a = *p;
+    if (a.ka == 0) a.idx_a = nullptr;
     if (a.kb == 0) a.idx_b = nullptr;
     sparse_attention_small_kernel<<<static_cast<unsigned>(a.t * a.h), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
     return static_cast<int>(cudaGetLastError());

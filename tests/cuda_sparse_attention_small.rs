@@ -3,7 +3,7 @@
 //! (the window's rows followed by the extra source's, indices shifted, out-of-range ones as −1):
 //! random bf16 rows and queries, head dims 1, 33, 64, 128, 512, 1–4 heads, valid-row counts
 //! that cross the reference's 64-row softmax blocks and the kernel's 128-entry index chunks,
-//! −1, out-of-range and duplicate indices, an empty extra list, tokens with no valid row (with
+//! −1, out-of-range and duplicate indices, an empty extra list, a source without rows, tokens with no valid row (with
 //! and without a sink), logits spread wide enough that the running max moves between blocks, and
 //! more than 65,535 (token, head) pairs; outputs allocated over NaN-poisoned memory; the errors.
 //!
@@ -125,6 +125,9 @@ fn matches_the_cpu_reference() -> Result<()> {
         // Odd dims, no extra list, one dim.
         Case { t: 4, h: 3, d: 33, nw: 50, ne: 1, kw: 70, ke: 0, spread: 2.0, sink: Some(0.0) },
         Case { t: 6, h: 2, d: 1, nw: 9, ne: 9, kw: 7, ke: 3, spread: 1.0, sink: None },
+        // A source without rows (a prefill before the first compressed entry): its indices are none.
+        Case { t: 3, h: 2, d: 128, nw: 40, ne: 0, kw: 32, ke: 16, spread: 1.0, sink: Some(0.0) },
+        Case { t: 3, h: 2, d: 128, nw: 0, ne: 20, kw: 8, ke: 16, spread: 1.0, sink: Some(0.0) },
         // Prefill-like: many tokens.
         Case { t: 200, h: 4, d: 128, nw: 256, ne: 64, kw: 32, ke: 16, spread: 1.0, sink: Some(0.25) },
     ];

@@ -122,12 +122,14 @@ pub fn sparse_attention_small(q: &Tensor, window: &Tensor, idx_window: &Tensor, 
         let (ie_p, _g4) = read_ptr::<i64>(as_cuda(&ies, "idx_extra")?, iel, &stream)?;
         let (s_p, _g5) = read_ptr::<f32>(as_cuda(&ss, "sink")?, sl, &stream)?;
         let (o_p, _g6) = out.device_ptr_mut(&stream);
+        // A source without rows has no valid index (its buffer may not even have an address).
+        let (ka, kb) = (if nw == 0 { 0 } else { kw }, if ne == 0 { 0 } else { ke });
         let params = SparseAttentionSmallParams {
             q: q_p as *const c_void,
             kv_a: w_p as *const c_void,
-            idx_a: iw_p,
+            idx_a: if ka == 0 { std::ptr::null() } else { iw_p },
             kv_b: e_p as *const c_void,
-            idx_b: if ke == 0 { std::ptr::null() } else { ie_p },
+            idx_b: if kb == 0 { std::ptr::null() } else { ie_p },
             sink: s_p,
             out: o_p as *mut c_void,
             na: nw as i64,
@@ -135,8 +137,8 @@ pub fn sparse_attention_small(q: &Tensor, window: &Tensor, idx_window: &Tensor, 
             t: t as i32,
             h: h as i32,
             d: d as i32,
-            ka: kw as i32,
-            kb: ke as i32,
+            ka: ka as i32,
+            kb: kb as i32,
             scale,
         };
         // SAFETY: every input is a read-locked contiguous tensor of the checked shape and dtype;

@@ -373,7 +373,8 @@ impl<'m> ModelDecodeStep<'m> {
         let cols = self.engram_cols;
         let mut host = vec![0u32; self.ids.elem_count()];
         host[..n].copy_from_slice(tokens);
-        let mut histories = self.histories.clone();
+        // The stepped rows' histories, committed only once every check has passed.
+        let mut histories = self.histories[..n].to_vec();
         if let Some(hasher) = self.model.engram_hasher() {
             let mut hashed = Vec::with_capacity(n);
             for (s, ((&t, &p), h)) in tokens.iter().zip(positions).zip(&mut histories).enumerate() {
@@ -421,7 +422,7 @@ impl<'m> ModelDecodeStep<'m> {
         for ((_, rows), new) in self.staged_rows.iter().flatten().zip(&staged) {
             rows.slice_set(new, 0, 0)?;
         }
-        self.histories = histories;
+        self.histories[..n].clone_from_slice(&histories);
         self.live[..n].iter_mut().for_each(|l| *l = true);
         self.updated = n;
         Ok(())
