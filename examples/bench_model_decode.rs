@@ -319,8 +319,11 @@ mod graph {
         let graph = &graphed.graphs()[0].1;
         let nodes = graph.nodes();
         if census {
-            println!("\nB = {b}: {nodes} graph nodes by kernel:");
-            for (name, n) in graph.census()? {
+            let list = graph.census()?;
+            let count = |f: &dyn Fn(&str) -> bool| list.iter().filter(|(name, _)| f(name)).map(|(_, n)| n).sum::<usize>();
+            let (alloc, free, copy) = (count(&|k| k == "mem_alloc"), count(&|k| k == "mem_free"), count(&|k| k == "memcpy" || k == "memset"));
+            println!("\nB = {b}: {nodes} graph nodes = {} kernels and other nodes + {alloc} allocations + {free} frees + {copy} copies / sets; by kernel:", nodes - alloc - free - copy);
+            for (name, n) in list {
                 println!("  {n:5}  {name}");
             }
         }
