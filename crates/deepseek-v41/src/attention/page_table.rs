@@ -261,7 +261,7 @@ impl PageTable {
         let p = self.lock();
         let Some(r) = p.rows.get(seq) else { return Vec::new() };
         let mut out = vec![-1i64; p.max_pages];
-        out.iter_mut().zip(r).for_each(|(o, &page)| *o = page as i64);
+        fill_row(&mut out, r);
         out
     }
 
@@ -270,13 +270,16 @@ impl PageTable {
     pub fn host_rows(&self) -> Vec<i64> {
         let p = self.lock();
         let mut out = vec![-1i64; p.rows.len() * p.max_pages];
-        for (s, r) in p.rows.iter().enumerate() {
-            for (i, &page) in r.iter().enumerate() {
-                out[s * p.max_pages + i] = page as i64;
-            }
+        for (row, r) in out.chunks_mut(p.max_pages.max(1)).zip(&p.rows) {
+            fill_row(row, r);
         }
         out
     }
+}
+
+/// One row of the device table: the sequence's pages, the rest of `row` (−1) left as is.
+fn fill_row(row: &mut [i64], pages: &[usize]) {
+    row.iter_mut().zip(pages).for_each(|(o, &page)| *o = page as i64);
 }
 
 /// The pool rows of a batched step's top-k entries: entry j of sequence b (`topk` `[B, k]` i64,

@@ -243,7 +243,8 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
         params.out = o_p;
         params.scratch = scr_p as *mut std::ffi::c_void;
         params.scratch_bytes = bytes;
-        if !gemm && opts.prep != Fp8Prep::Kernel {
+        // Only the register ring of m <= 16 can fuse the activation (and use the counters).
+        if !gemm && opts.prep != Fp8Prep::Kernel && m <= 16 {
             params.counters = arrival_counters(&cdev, &stream)?.map_or(std::ptr::null_mut(), |p| p as *mut u32);
         }
         // SAFETY: x is read-locked, contiguous [m, k] bf16; codes / scales are read-locked and

@@ -422,7 +422,9 @@ impl<'m> ModelDecodeStep<'m> {
         for ((_, rows), new) in self.staged_rows.iter().flatten().zip(&staged) {
             rows.slice_set(new, 0, 0)?;
         }
-        self.histories[..n].clone_from_slice(&histories);
+        for (kept, new) in self.histories.iter_mut().zip(histories) {
+            *kept = new;
+        }
         self.live[..n].iter_mut().for_each(|l| *l = true);
         self.updated = n;
         Ok(())
