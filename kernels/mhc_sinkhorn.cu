@@ -35,29 +35,11 @@
 #include <type_traits>
 
 #include "include/dsv41_mhc.h"
+#include "include/dsv41_mhc_split.cuh"
 
 namespace dsv41 {
 
 constexpr int kMhcThreads = 128;
-
-__device__ __forceinline__ float candle_sigmoid(float x) {
-    return static_cast<float>(1.0 / static_cast<double>(__fadd_rn(1.0f, expf(-x))));
-}
-
-// Sum of v[0..N) (N ≤ 32) in the order of a 32-lane xor-butterfly with masks 16, 8, 4, 2, 1 and
-// zeros in lanes ≥ N: lane 0's value after each level is its own partial plus the partner's.
-template <int N>
-__device__ __forceinline__ float butterfly_sum(const float* v) {
-    float lane[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) lane[i] = i < N ? v[i] : 0.0f;
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) {
-#pragma unroll
-        for (int i = 0; i < mask; ++i) lane[i] = __fadd_rn(lane[i], lane[i + mask]);
-    }
-    return lane[0];
-}
 
 template <int HC>
 __global__ void __launch_bounds__(kMhcThreads) mhc_split_kernel(Dsv41MhcSplitParams p) {
@@ -119,59 +101,19 @@ __global__ void __launch_bounds__(kMhcThreads) mhc_split_kernel(Dsv41MhcSplitPar
         for (int j = 0; j < HC; ++j) p.comb[(t * HC + i) * HC + j] = c[i][j];
 }
 
-// The lanes layout (see the header comment): P lanes per token, lane e < hc² holds comb[e / hc]
-// [e % hc]. Every lane of the warp runs every shuffle (tokens past the end compute on zeros and
-// store nothing).
+// The lanes layout (see the header comment and include/dsv41_mhc_split.cuh).
 template <int HC>
 __global__ void __launch_bounds__(kMhcThreads) mhc_split_lanes_kernel(Dsv41MhcSplitParams p) {
-    constexpr int N = HC * HC;
-    constexpr int P = N <= 1 ? 1 : N <= 2 ? 2 : N <= 4 ? 4 : N <= 8 ? 8 : N <= 16 ? 16 : 32;
-    static_assert(N <= 32, "the lanes layout takes hc <= 5");
+    constexpr int P = mhc_split_lanes<HC>();
     constexpr int W = (2 + HC) * HC;
     const int64_t gid = static_cast<int64_t>(blockIdx.x) * kMhcThreads + threadIdx.x;
     const int64_t t = gid / P;
     const int e = static_cast<int>(gid % P);
-    const int lane = threadIdx.x % 32, base_lane = lane - e;
+    const int base_lane = static_cast<int>(threadIdx.x % 32) - e;
     const bool live = t < p.tokens;
-    const bool elem = live && e < N;
-    const int i = e / HC, j = e % HC;
-    const float* m = p.mixes + (live ? t : 0) * W;
-    const float eps = p.eps;
-    auto part = [&](int k, float s) { return __fadd_rn(__fmul_rn(m[k], s), p.base[k]); };
-    if (live && e < HC) {
-        p.pre[t * HC + e] = __fadd_rn(candle_sigmoid(part(e, p.scale[0])), eps);
-        p.post[t * HC + e] = __fmul_rn(candle_sigmoid(part(HC + e, p.scale[1])), 2.0f);
-    }
-    // Element k of the token's matrix from its lane (every lane calls; k < N).
-    auto at = [&](float v, int k) { return __shfl_sync(0xffffffffu, v, base_lane + k); };
-    float c = live && e < N ? part(2 * HC + e, p.scale[2]) : 0.0f;
-    // Row softmax: max, expf, the butterfly sum of the row, times the reciprocal, + eps.
-    float row[HC];
-#pragma unroll
-    for (int b = 0; b < HC; ++b) row[b] = at(c, i < HC ? i * HC + b : b);
-    float mx = -INFINITY;
-#pragma unroll
-    for (int b = 0; b < HC; ++b) mx = fmaxf(mx, row[b]);
-#pragma unroll
-    for (int b = 0; b < HC; ++b) row[b] = expf(__fsub_rn(row[b], mx));
-    const float inv = static_cast<float>(1.0 / static_cast<double>(butterfly_sum<HC>(row)));
-    c = __fadd_rn(__fmul_rn(row[j], inv), eps);
-    // Divides the lane's element by its column's (kRows: row's) sum + eps, summed from 0 in order.
-    auto normalize = [&](bool rows) {
-        float s = 0.0f;
-#pragma unroll
-        for (int b = 0; b < HC; ++b) {
-            const int k = rows ? i * HC + b : b * HC + j;
-            s = __fadd_rn(s, at(c, k < N ? k : 0));
-        }
-        c = __fdiv_rn(c, __fadd_rn(s, eps));
-    };
-    normalize(false);
-    for (int it = 1; it < p.iters; ++it) {
-        normalize(true);
-        normalize(false);
-    }
-    if (elem) p.comb[t * N + e] = c;
+    const int64_t tr = live ? t : 0;
+    mhc_split_token_lanes<HC>(p.mixes + tr * W, live, e, base_lane, p.scale, p.base, p.eps, p.iters, p.pre + tr * HC,
+                              p.post + tr * HC, p.comb + tr * HC * HC);
 }
 
 }  // namespace dsv41

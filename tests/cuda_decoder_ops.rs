@@ -1,5 +1,6 @@
 //! GPU tests of the decoder's small-op kernels, `kernels/decoder_ops.cu` (RMSNorm, the mHC mixes'
-//! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation) and
+//! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation),
+//! `kernels/mhc_mixes.cu` (one sublayer's mHC coefficients in one launch) and
 //! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU), `kernels/compress_pool.cu` (the
 //! ratio-2 compressor's pooling and carry of the batched decode step) and `kernels/page_rows.cu`
 //! (its top-k entries mapped to page-pool rows):
@@ -15,8 +16,11 @@
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use deepseek_v41::attention::{compress_pool_ref, page_rows_ref};
-use deepseek_v41::cuda::{accumulate_device, collapse_device, compress_pool_device, page_rows_device, mhc_post_device, rms_norm_device, rms_scale_device, swiglu_device, with_plain_candle};
-use deepseek_v41::model::{collapse, engram_mix, post, Expert};
+use deepseek_v41::cuda::{
+    accumulate_device, collapse_device, compress_pool_device, mhc_mixes_device, mhc_mixes_supported, mhc_post_device, page_rows_device, rms_norm_device, rms_scale_device,
+    split_sinkhorn_device, swiglu_device, with_plain_candle,
+};
+use deepseek_v41::model::{collapse, engram_mix, post, split_sinkhorn, Expert};
 use deepseek_v41::nn::{RandomWeights, RmsNorm};
 use deepseek_v41::Numerics;
 
@@ -147,6 +151,126 @@ fn mhc_scale_kernel_equals_the_candle_ops() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// The raw mixes of one token row `x` `[n]` as `kernels/mhc_mixes.cu` sums them: CTA split `s` of
+/// `splits` takes `k` in `[s·chunk, (s+1)·chunk)`, thread `i` an FMA chain over `k ≡ i (mod 256)`,
+/// an xor butterfly over the 32 lanes, the 8 warps in order, the splits in order; then
+/// `dot · 1/sqrt(Σx²/n + norm_eps)`.
+fn kernel_order_mixes(x: &[f32], func: &[f32], width: usize, splits: usize, norm_eps: f32) -> Vec<f32> {
+    let n = x.len();
+    let chunk = n.div_ceil(splits);
+    let sum_of = |value: &dyn Fn(usize) -> f32| -> f32 {
+        let mut total = 0.0f32;
+        for s in 0..splits {
+            let (k0, k1) = ((s * chunk).min(n), ((s + 1) * chunk).min(n));
+            let mut warps = [0.0f32; 8];
+            for (w, warp) in warps.iter_mut().enumerate() {
+                let mut lanes = [0.0f32; 32];
+                for (l, lane) in lanes.iter_mut().enumerate() {
+                    let mut k = k0 + w * 32 + l;
+                    while k < k1 {
+                        *lane = x[k].mul_add(value(k), *lane);
+                        k += 256;
+                    }
+                }
+                let mut mask = 16;
+                while mask > 0 {
+                    let prev = lanes;
+                    for l in 0..32 {
+                        lanes[l] = prev[l] + prev[l ^ mask];
+                    }
+                    mask /= 2;
+                }
+                *warp = lanes[0];
+            }
+            let cta = warps[1..].iter().fold(warps[0], |a, b| a + b);
+            total = if s == 0 { cta } else { total + cta };
+        }
+        total
+    };
+    let ss = sum_of(&|k| x[k]);
+    let rs = 1.0 / ((ss / n as f32) + norm_eps).sqrt();
+    (0..width).map(|w| sum_of(&|k| func[w * n + k]) * rs).collect()
+}
+
+#[test]
+fn mhc_mixes_kernel_equals_its_order_and_the_reference() -> Result<()> {
+    let dev = gpu();
+    let cpu = Device::Cpu;
+    let mut rng = Rng(0x313c);
+    let (iters, eps, norm_eps) = (20usize, 1e-6f64, 1e-6f64);
+    // (T, hc, d): the embedded model's hc·d = 768 at decode and prefill sizes, a T = 1 tile, V4.1-Flash's
+    // 16384 (a cluster of 8 CTAs), 4096 (2), hc 1..3, a row shorter than a warp.
+    for (t, hc, d) in [(1usize, 4usize, 192usize), (5, 4, 192), (64, 4, 192), (3, 4, 4096), (2, 4, 1024), (2, 1, 7), (7, 2, 33), (4, 3, 100)] {
+        let (n, width) = (hc * d, (2 + hc) * hc);
+        let splits = n.div_ceil(2048).clamp(1, 8);
+        for dtype in [DType::BF16, DType::F32] {
+            let x = Tensor::from_vec(rows(&mut rng, t, n), (t, n), &dev)?.to_dtype(dtype)?;
+            let func_v: Vec<f32> = (0..width * n).map(|_| rng.normal() * 0.05).collect();
+            let func = Tensor::from_vec(func_v.clone(), (width, n), &dev)?;
+            let scale = Tensor::from_vec(vec![0.7f32 + rng.uniform(), 0.5 + rng.uniform(), 1.0 + rng.uniform()], 3, &dev)?;
+            let base = Tensor::from_vec((0..width).map(|_| rng.normal() * 0.5).collect::<Vec<f32>>(), width, &dev)?;
+            ensure!(mhc_mixes_supported(&x, hc), "T {t}, hc {hc}, n {n}: not supported");
+            poison(&dev, 4 * t * (2 * hc + hc * hc))?;
+            let (pre, post_c, comb) = mhc_mixes_device(&x, &func, &scale, &base, hc, iters, eps, norm_eps, None)?;
+            ensure!(pre.dims() == [t, hc] && post_c.dims() == [t, hc] && comb.dims() == [t, hc, hc], "shapes");
+
+            // 1. Bit for bit: the kernel's summation order on the host, then the split kernel.
+            let xh = x.to_device(&cpu)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let mixes: Vec<f32> = xh.iter().flat_map(|row| kernel_order_mixes(row, &func_v, width, splits, norm_eps as f32)).collect();
+            let mixes = Tensor::from_vec(mixes, (t, width), &dev)?;
+            let (p2, q2, c2) = split_sinkhorn_device(&mixes, &scale, &base, hc, iters, eps)?;
+            for (name, a, b) in [("pre", &pre, &p2), ("post", &post_c, &q2), ("comb", &comb, &c2)] {
+                let nd = differing(a, b)?;
+                ensure!(nd == 0, "T {t}, hc {hc}, d {d}, {dtype:?}: {nd} {name} values differ from the kernel order + split");
+            }
+
+            // 2. Close to the CPU reference (its own product order).
+            let xf = x.to_device(&cpu)?.to_dtype(DType::F32)?;
+            let rsqrt = (xf.sqr()?.mean_keepdim(D::Minus1)? + norm_eps)?.sqrt()?.recip()?;
+            let raw = xf.matmul(&func.to_device(&cpu)?.t()?)?.broadcast_mul(&rsqrt)?;
+            let r = split_sinkhorn(&raw, &scale.to_device(&cpu)?, &base.to_device(&cpu)?, hc, iters, eps)?;
+            for (name, a, b) in [("pre", &pre, &r.pre), ("post", &post_c, &r.post), ("comb", &comb, &r.comb)] {
+                let diff = max_abs(&(a.to_device(&cpu)? - b)?)?;
+                ensure!(diff <= 2e-4, "T {t}, hc {hc}, d {d}, {dtype:?}: {name} off the CPU reference by {diff}");
+            }
+
+            // 3. A token alone gives the bits it gets in the batch (tile of 1 vs 4).
+            if t > 2 {
+                let (p1, q1, c1) = mhc_mixes_device(&x.narrow(0, 2, 1)?, &func, &scale, &base, hc, iters, eps, norm_eps, None)?;
+                for (name, a, b) in [("pre", &p1, &pre), ("post", &q1, &post_c), ("comb", &c1, &comb)] {
+                    let nd = differing(a, &b.narrow(0, 2, 1)?)?;
+                    ensure!(nd == 0, "T {t}, hc {hc}, d {d}: token 2 alone differs in {nd} {name} values");
+                }
+            }
+        }
+    }
+    // Forced splits agree with the kernel order for that split count.
+    let (t, hc, d) = (3usize, 4usize, 192usize);
+    let (n, width) = (hc * d, (2 + hc) * hc);
+    let x = Tensor::from_vec(rows(&mut rng, t, n), (t, n), &dev)?.to_dtype(DType::BF16)?;
+    let func_v: Vec<f32> = (0..width * n).map(|_| rng.normal() * 0.05).collect();
+    let func = Tensor::from_vec(func_v.clone(), (width, n), &dev)?;
+    let scale = Tensor::from_vec(vec![1.0f32, 1.0, 1.0], 3, &dev)?;
+    let base = Tensor::from_vec((0..width).map(|_| rng.normal()).collect::<Vec<f32>>(), width, &dev)?;
+    let xh = x.to_device(&cpu)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    for splits in [2usize, 3, 8] {
+        let (_, _, comb) = mhc_mixes_device(&x, &func, &scale, &base, hc, iters, eps, norm_eps, Some(splits))?;
+        let mixes: Vec<f32> = xh.iter().flat_map(|row| kernel_order_mixes(row, &func_v, width, splits, norm_eps as f32)).collect();
+        let (_, _, c2) = split_sinkhorn_device(&Tensor::from_vec(mixes, (t, width), &dev)?, &scale, &base, hc, iters, eps)?;
+        let nd = differing(&comb, &c2)?;
+        ensure!(nd == 0, "splits {splits}: {nd} comb values differ from the kernel order");
+    }
+    // Errors, not panics.
+    ensure!(mhc_mixes_device(&x, &func, &scale, &base, 5, iters, eps, norm_eps, None).is_err(), "hc 5 accepted");
+    ensure!(mhc_mixes_device(&x, &func.narrow(0, 0, 20)?, &scale, &base, hc, iters, eps, norm_eps, None).is_err(), "short fn accepted");
+    ensure!(mhc_mixes_device(&x, &func, &scale, &base, hc, 0, eps, norm_eps, None).is_err(), "0 iterations accepted");
+    ensure!(mhc_mixes_device(&x, &func, &scale, &base, hc, iters, eps, norm_eps, Some(9)).is_err(), "9 splits accepted");
+    ensure!(!mhc_mixes_supported(&x.to_device(&cpu)?, hc), "a CPU tensor is supported");
+    let (p0, _, c0) = mhc_mixes_device(&x.narrow(0, 0, 0)?, &func, &scale, &base, hc, iters, eps, norm_eps, None)?;
+    ensure!(p0.dims() == [0, hc] && c0.dims() == [0, hc, hc], "empty shapes {:?} {:?}", p0.shape(), c0.shape());
     Ok(())
 }
 

@@ -330,6 +330,40 @@ extern "C" {
     pub(crate) fn dsv41_mhc_split_sinkhorn(p: *const MhcSplitParams, params_size: usize, stream: *mut c_void) -> i32;
 }
 
+/// `Dsv41MhcMixesParams` of `kernels/include/dsv41_mhc.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MhcMixesParams {
+    /// `[tokens, n]` bf16 or f32 (`x_f32`), contiguous.
+    pub x: *const c_void,
+    /// `[(2+hc)·hc, n]` f32, contiguous.
+    pub func: *const f32,
+    /// `[3]` f32.
+    pub scale: *const f32,
+    /// `[(2+hc)·hc]` f32.
+    pub base: *const f32,
+    /// `[tokens, hc]` f32 out.
+    pub pre: *mut f32,
+    /// `[tokens, hc]` f32 out.
+    pub post: *mut f32,
+    /// `[tokens, hc, hc]` f32 out.
+    pub comb: *mut f32,
+    pub tokens: i64,
+    pub n: i32,
+    pub hc: i32,
+    pub iters: i32,
+    pub x_f32: i32,
+    /// 0: automatic (ceil(n / 2048), at most 8).
+    pub splits: i32,
+    pub eps: f32,
+    pub norm_eps: f32,
+    pub reserved: i32,
+}
+
+extern "C" {
+    pub(crate) fn dsv41_mhc_mixes(p: *const MhcMixesParams, params_size: usize, stream: *mut c_void) -> i32;
+}
+
 /// `Dsv41Fp8LinearParams` of `kernels/include/dsv41_fp8_linear.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]

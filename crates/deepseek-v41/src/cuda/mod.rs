@@ -21,7 +21,8 @@
 //!   chooses the scratch size and whether the top-k's first histogram is built by the scores
 //!   kernel ([`SelectOptions`]).
 //! * [`split_sinkhorn_device`]: the mHC coefficient split (Sinkhorn) in one launch, bit for bit
-//!   the Candle op sequence it replaces on a CUDA device.
+//!   the Candle op sequence it replaces on a CUDA device; [`mhc_mixes_device`]: the raw mixes
+//!   (rsqrt-scaled product with `hc_*_fn`) and that split in one launch.
 //! * [`rms_norm_device`], [`rms_scale_device`], [`collapse_device`], [`mhc_post_device`],
 //!   [`engram_mix_device`], [`accumulate_device`], [`swiglu_device`]: the decoder's small ops
 //!   (RMSNorm, the mHC mixes' rsqrt factor, collapse and post, the Engram gate, the MoE's f32
@@ -31,6 +32,8 @@
 //!   [`step_inputs_device`]: the step's position-derived inputs, likewise; [`sparse_attention_small`]:
 //!   the sparse attention of head dims below the FlashMLA-style kernels' 512 in one launch; [`page_rows_device`]:
 //!   its top-k entries mapped to page-pool rows, likewise.
+//! * [`f32_linear_device`]: the f32-weight linears (router, compressor, head) at decode sizes in
+//!   one launch over bf16 or f32 input ([`f32_linear_ref`] is the reference).
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS or the FP8 wgmma GEMM for
 //!   large m), and [`fp8_dequantize_device`].
@@ -70,6 +73,7 @@ mod compressed_insert;
 mod decode_device;
 mod decoder_ops;
 mod device;
+mod f32_linear;
 mod ffi;
 mod fp8_linear;
 mod index_key_insert;
@@ -77,6 +81,7 @@ mod indexer_inputs;
 mod indexer_scores;
 mod indexer_select;
 mod indexer_topk;
+mod mhc_mixes;
 mod mhc_sinkhorn;
 mod moe_experts;
 mod moe_experts_gemm;
@@ -102,6 +107,7 @@ mod window_insert;
 pub use act_quant::fake_quant_device;
 pub use compressed_insert::compressed_insert;
 pub use decode_device::decode_device;
+pub use f32_linear::{f32_linear_device, f32_linear_ref, f32_linear_supported, F32_LINEAR_MAX_M};
 pub use fp8_linear::{
     arrival_counters, fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant, FP8_AUTO_STREAM_MAX_M, FP8_FUSED_AUTO_MAX_BYTES,
     FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
@@ -116,6 +122,7 @@ pub use indexer_scores::masked_index_scores;
 pub use indexer_select::{index_select, index_select_with_options, SelectOptions, SCORE_SCRATCH_BYTES};
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
+pub use mhc_mixes::{mhc_mixes_device, mhc_mixes_supported, MHC_MIXES_MAX_FN_TRAFFIC, MHC_MIXES_MAX_HC};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use mxfp4::mxfp4_dequantize_device;
 pub use moe_experts::{moe_experts_device, moe_experts_device_with, GroupedExperts, MoeExpertsOutput, MOE_EXPERTS_MAX_E, MOE_EXPERTS_MAX_K};

@@ -105,6 +105,23 @@ impl HcMix {
         }
         let x2 = x.reshape((t, hc * d))?;
         #[cfg(feature = "cuda")]
+        if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_mixes_supported(&x2, hc) {
+            // One launch: the product's f32 sums in the kernel's order (like cuBLAS's, not the
+            // CPU's), the split bit for bit the one below (kernels/mhc_mixes.cu).
+            let (pre, post, comb) = crate::cuda::mhc_mixes_device(
+                &x2,
+                &self.func,
+                &self.scale,
+                &self.base,
+                hc,
+                self.sinkhorn_iters,
+                self.hc_eps,
+                self.norm_eps,
+                None,
+            )?;
+            return Ok(HcCoeffs { pre, post, comb });
+        }
+        #[cfg(feature = "cuda")]
         let (xf, rsqrt) = if crate::cuda::fused_kernels(x.device()) && crate::cuda::row_norm_supported(&x2) {
             // One launch, bit for bit the op sequence below.
             crate::cuda::rms_scale_device(&x2, self.norm_eps)?

@@ -298,8 +298,22 @@ impl Expert {
     /// ([`Linear::forward_grouped`]).
     pub fn forward_prepared_grouped(&self, xp: &Tensor, weight: Option<&Tensor>, groups: &RowGroups) -> Result<Tensor> {
         let (gate, up) = (self.w1.forward_prepared_grouped(xp, groups)?, self.w3.forward_prepared_grouped(xp, groups)?);
+        self.down(gate, up, xp.dtype(), weight, groups)
+    }
+
+    /// [`Expert::forward`] with `w1` and `w3` each given `x` itself ([`Linear::forward`]): an FP8
+    /// weight on CUDA quantizes the activation inside its kernel (one launch per linear instead of
+    /// the shared quantization and a prep launch each). The same quantized values as
+    /// [`Expert::forward`]; on CUDA the products' f32 sums in the fused kernels' order.
+    pub fn forward_quantizing(&self, x: &Tensor, weight: Option<&Tensor>) -> Result<Tensor> {
+        let (gate, up) = (self.w1.forward(x)?, self.w3.forward(x)?);
+        self.down(gate, up, x.dtype(), weight, &RowGroups::whole(x.dim(0)?))
+    }
+
+    /// The SwiGLU of `gate` and `up` (times `weight`), rounded to `dtype`, through `w2`.
+    fn down(&self, gate: Tensor, up: Tensor, dtype: DType, weight: Option<&Tensor>, groups: &RowGroups) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if crate::cuda::fused_kernels(gate.device()) && crate::cuda::swiglu_supported(&gate) && gate.dtype() == xp.dtype() {
+        if crate::cuda::fused_kernels(gate.device()) && crate::cuda::swiglu_supported(&gate) && gate.dtype() == dtype {
             // One launch, bit for bit the op sequence below.
             return self.w2.forward(&crate::cuda::swiglu_device(&gate, &up, weight, self.limit)?);
         }
@@ -313,7 +327,7 @@ impl Expert {
         if let Some(w) = weight {
             act = act.broadcast_mul(w)?;
         }
-        self.w2.forward_grouped(&act.to_dtype(xp.dtype())?, groups)
+        self.w2.forward_grouped(&act.to_dtype(dtype)?, groups)
     }
 
     /// The SwiGLU clamp `L` (`swiglu_limit`; `None`: no clamp).
@@ -508,17 +522,15 @@ impl Moe {
     #[cfg(feature = "cuda")]
     fn forward_on_device(&self, x: &Tensor, g: &crate::cuda::GroupedExperts) -> Result<MoeOutput> {
         let r = self.gate.route_device(x)?;
-        // x is FP8-quantized (Q1, spec §0.1b.8) twice: by `prepare_input` for the shared expert's
-        // w1 and w3 (FP8 in the release; Q1(x) as bf16 values in row order), and by the routed
+        // x is FP8-quantized (Q1, spec §0.1b.8) by the shared expert's w1 and w3 kernels (FP8 in
+        // the release: each quantizes x itself, `Expert::forward_quantizing`) and by the routed
         // kernels' gate/up prep launch into their own panel (the streaming kernel: e4m3 values as
         // f16, K permuted within 8-groups, the block scales apart; the GEMM: bf16 values in its
-        // stage order, K padded to 128). No layout serves both, the prep launch runs anyway (it
-        // also sorts the slots' tokens and weights) and reads x once either way, so sharing would
-        // save arithmetic, not a launch or a read. Letting the shared expert's FP8 kernels quantize
-        // x themselves would save the fake-quant launch at decode sizes but equals this path only
-        // up to the f32 summation order (`Linear::forward_prepared`).
+        // stage order, K padded to 128). No layout serves all, and the prep launch runs anyway (it
+        // also sorts the slots' tokens and weights), so a shared quantization would cost a launch
+        // and save none.
         let shared = match &self.shared {
-            Some(s) => Some(s.forward_prepared(&s.prepare_input(x)?, None)?),
+            Some(s) => Some(s.forward_quantizing(x, None)?),
             None => None,
         };
         let limit = self.experts.first().and_then(|e| e.limit).map(|l| l as f32);

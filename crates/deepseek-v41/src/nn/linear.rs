@@ -134,6 +134,22 @@ impl Linear {
     pub fn forward_prepared(&self, xp: &Tensor) -> Result<Tensor> {
         let out_dtype = if self.kind == LinearKind::F32 { DType::F32 } else { xp.dtype() };
         let y = match &self.weight {
+            #[cfg(feature = "cuda")]
+            LinearWeight::Dense(w) if self.kind == LinearKind::F32 && crate::cuda::fused_kernels(xp.device()) => {
+                // Decode sizes: one launch over x in its own dtype (cuda::f32_linear_device;
+                // its f32 sums in the kernel's order, like cuBLAS's not the CPU's).
+                let k = w.dim(1)?;
+                let lead = &xp.dims()[..xp.rank().saturating_sub(1)];
+                let x2 = xp.reshape((lead.iter().product::<usize>(), k));
+                match x2 {
+                    Ok(x2) if xp.rank() >= 2 && xp.dims().last() == Some(&k) && crate::cuda::f32_linear_supported(&x2, w) => {
+                        let mut shape = lead.to_vec();
+                        shape.push(w.dim(0)?);
+                        crate::cuda::f32_linear_device(&x2, w)?.reshape(shape)?
+                    }
+                    _ => dense_product(xp, w)?,
+                }
+            }
             LinearWeight::Dense(w) => dense_product(xp, w)?,
             LinearWeight::Fp8(w) => fp8_product(xp, w, false)?,
             LinearWeight::Mxfp4(w) => mxfp4_product(xp, w)?,
