@@ -12,6 +12,8 @@
 //   * engram_mix: out = cast(h + σ(signed_sqrt(dot))·value) of model::engram::engram_mix: the
 //                 two rsqrt factors and the gated dot product per (token, copy) row (~25 Candle
 //                 kernels and uploads)
+//   * scale_round: out = f32(bf16(f32(v)·mul))  (4 Candle kernels: the indexer's head weights,
+//                 attention::Indexer::head_weights; the product is candle's affine, fmaf(v, mul, 0))
 //   * accumulate: out = cast(acc + f32(v)), acc = +0 when absent   (2–3 Candle kernels: the MoE
 //                 sums its experts' outputs in f32 from zeros and casts the total)
 //
@@ -178,6 +180,14 @@ __global__ void __launch_bounds__(kCollapseThreads) accumulate_kernel(Dsv41Accum
     store_as(static_cast<O*>(p.out), e, __fadd_rn(a, load_f32(static_cast<const V*>(p.v), e)));
 }
 
+template <typename V>
+__global__ void __launch_bounds__(kCollapseThreads) scale_round_kernel(Dsv41ScaleRoundParams p) {
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * kCollapseThreads + threadIdx.x;
+    if (e >= p.n) return;
+    const float v = __fmaf_rn(load_f32(static_cast<const V*>(p.v), e), p.mul, 0.0f);
+    p.out[e] = __bfloat162float(__float2bfloat16_rn(v));
+}
+
 // One block per (token, copy) row k of the stream: h = f32(x[t, k]), key = kv[t, k·d ..], value
 // = kv[t, hc·d ..]; candle's op sequence of model::engram::engram_mix.
 template <typename T>
@@ -311,5 +321,18 @@ extern "C" int dsv41_engram_mix(const Dsv41EngramMixParams* p, size_t params_siz
     const dim3 grid(static_cast<unsigned>(rows));
     if (p->x_f32) engram_mix_kernel<float><<<grid, norm_block(p->d), 0, s>>>(*p);
     else engram_mix_kernel<__nv_bfloat16><<<grid, norm_block(p->d), 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dsv41_scale_round(const Dsv41ScaleRoundParams* p, size_t params_size, void* stream) {
+    using namespace dsv41;
+    if (params_size != sizeof(Dsv41ScaleRoundParams)) return DSV41_ERR_PARAMS_SIZE;
+    if (p->n < 0 || p->n / kCollapseThreads >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
+    if (p->n == 0) return DSV41_OK;
+    if (!p->v || !p->out) return DSV41_ERR_NULL;
+    const dim3 grid(static_cast<unsigned>((p->n + kCollapseThreads - 1) / kCollapseThreads));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->v_f32) scale_round_kernel<float><<<grid, kCollapseThreads, 0, s>>>(*p);
+    else scale_round_kernel<__nv_bfloat16><<<grid, kCollapseThreads, 0, s>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }

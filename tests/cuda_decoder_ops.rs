@@ -1,6 +1,7 @@
 //! GPU tests of the decoder's small-op kernels, `kernels/decoder_ops.cu` (RMSNorm, the mHC mixes'
 //! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation),
-//! `kernels/mhc_mixes.cu` (one sublayer's mHC coefficients in one launch) and
+//! `kernels/mhc_mixes.cu` (one sublayer's mHC coefficients in one launch), the indexer's head-weight
+//! rounding (`scale_round_device`) and
 //! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU), `kernels/compress_pool.cu` (the
 //! ratio-2 compressor's pooling and carry of the batched decode step) and `kernels/page_rows.cu`
 //! (its top-k entries mapped to page-pool rows):
@@ -18,7 +19,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use deepseek_v41::attention::{compress_pool_ref, page_rows_ref};
 use deepseek_v41::cuda::{
     accumulate_device, collapse_device, compress_pool_device, mhc_mixes_device, mhc_mixes_supported, mhc_post_device, page_rows_device, rms_norm_device, rms_scale_device,
-    split_sinkhorn_device, swiglu_device, with_plain_candle,
+    scale_round_device, split_sinkhorn_device, swiglu_device, with_plain_candle,
 };
 use deepseek_v41::model::{collapse, engram_mix, post, split_sinkhorn, Expert};
 use deepseek_v41::nn::{RandomWeights, RmsNorm};
@@ -271,6 +272,27 @@ fn mhc_mixes_kernel_equals_its_order_and_the_reference() -> Result<()> {
     ensure!(!mhc_mixes_supported(&x.to_device(&cpu)?, hc), "a CPU tensor is supported");
     let (p0, _, c0) = mhc_mixes_device(&x.narrow(0, 0, 0)?, &func, &scale, &base, hc, iters, eps, norm_eps, None)?;
     ensure!(p0.dims() == [0, hc] && c0.dims() == [0, hc, hc], "empty shapes {:?} {:?}", p0.shape(), c0.shape());
+    Ok(())
+}
+
+#[test]
+fn scale_round_kernel_equals_the_candle_ops() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0x5c41);
+    for (t, h) in [(1usize, 4usize), (3, 64), (257, 9), (1, 1)] {
+        for dtype in [DType::BF16, DType::F32] {
+            for mul in [0.0078125f64 * 0.125, 1.0 / (128f64 * 64f64).sqrt(), 3.3] {
+                let v = Tensor::from_vec(rows(&mut rng, t, h), (t, h), &dev)?.to_dtype(dtype)?;
+                poison(&dev, t * h)?;
+                let kernel = scale_round_device(&v, mul)?;
+                let ops = with_plain_candle(|| (v.to_dtype(DType::F32)? * mul)?.to_dtype(DType::BF16)?.to_dtype(DType::F32))?;
+                ensure!(kernel.dims() == [t, h] && kernel.dtype() == DType::F32, "{:?} {:?}", kernel.shape(), kernel.dtype());
+                let n = differing(&kernel, &ops)?;
+                ensure!(n == 0, "[{t}, {h}] {dtype:?} × {mul}: {n} values differ from the Candle ops");
+            }
+        }
+    }
+    ensure!(scale_round_device(&Tensor::ones(3, DType::U32, &dev)?, 1.0).is_err(), "u32 accepted");
     Ok(())
 }
 

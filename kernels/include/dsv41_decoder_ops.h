@@ -69,6 +69,14 @@ typedef struct {
 } Dsv41AccumulateParams;
 
 typedef struct {
+    const void* v;        // [n] bf16 or f32 (v_f32), contiguous
+    float* out;           // [n] f32
+    int64_t n;            // >= 0
+    int32_t v_f32;        // 1: v is f32, 0: bf16
+    float mul;            // the scale, as f32
+} Dsv41ScaleRoundParams;
+
+typedef struct {
     const void* x;        // [tokens, hc, d] bf16 or f32 (x_f32), contiguous: the mHC stream
     const float* kv;      // [tokens, (hc+1)·d] f32, contiguous: wkv output (hc key rows, then the value row)
     const float* qk;      // [hc, d] f32, contiguous: q_weight · k_weight
@@ -94,6 +102,8 @@ int dsv41_mhc_collapse(const Dsv41CollapseParams* p, size_t params_size, void* s
 int dsv41_engram_mix(const Dsv41EngramMixParams* p, size_t params_size, void* stream);
 // out = cast(acc + f32(v)) in f32 (acc = 0 when NULL).
 int dsv41_accumulate(const Dsv41AccumulateParams* p, size_t params_size, void* stream);
+// out = f32(bf16(f32(v)·mul)) (the indexer's head weights).
+int dsv41_scale_round(const Dsv41ScaleRoundParams* p, size_t params_size, void* stream);
 // out[t, j, c] = cast(post[t, j] · y[t, c] + mixed[t, j, c]) in f32.
 int dsv41_mhc_post(const Dsv41MhcPostParams* p, size_t params_size, void* stream);
 

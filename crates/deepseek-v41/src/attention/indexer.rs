@@ -231,7 +231,13 @@ impl Indexer {
     /// sequence's rows get the bits of its own call, [`Linear::forward_grouped`]).
     pub fn head_weights_grouped(&self, x: &Tensor, groups: &RowGroups) -> Result<Tensor> {
         let scale = (self.head_dim as f64).powf(-0.5) * (self.n_heads as f64).powf(-0.5);
-        (self.weights_proj.forward_grouped(x, groups)?.to_dtype(DType::F32)? * scale)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)
+        let w = self.weights_proj.forward_grouped(x, groups)?;
+        #[cfg(feature = "cuda")]
+        if crate::cuda::fused_kernels(w.device()) && matches!(w.dtype(), DType::BF16 | DType::F32) {
+            // One launch, bit for bit the ops below.
+            return crate::cuda::scale_round_device(&w, scale);
+        }
+        (w.to_dtype(DType::F32)? * scale)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)
     }
 
     /// Selects the top-k of the call's tokens, on `x`'s device (CUDA: the indexer kernels of

@@ -92,6 +92,19 @@ struct AccumulateParams {
     out_f32: i32,
 }
 
+/// `Dsv41ScaleRoundParams` of `kernels/include/dsv41_decoder_ops.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ScaleRoundParams {
+    /// `[n]` bf16 or f32 (`v_f32`), contiguous.
+    v: *const c_void,
+    /// `[n]` f32.
+    out: *mut f32,
+    n: i64,
+    v_f32: i32,
+    mul: f32,
+}
+
 /// `Dsv41EngramMixParams` of `kernels/include/dsv41_decoder_ops.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -118,6 +131,7 @@ struct EngramMixParams {
 extern "C" {
     fn dsv41_engram_mix(p: *const EngramMixParams, params_size: usize, stream: *mut c_void) -> i32;
     fn dsv41_accumulate(p: *const AccumulateParams, params_size: usize, stream: *mut c_void) -> i32;
+    fn dsv41_scale_round(p: *const ScaleRoundParams, params_size: usize, stream: *mut c_void) -> i32;
     fn dsv41_mhc_post(p: *const MhcPostParams, params_size: usize, stream: *mut c_void) -> i32;
     fn dsv41_rms_norm(p: *const RowNormParams, params_size: usize, stream: *mut c_void) -> i32;
     fn dsv41_rms_scale(p: *const RowNormParams, params_size: usize, stream: *mut c_void) -> i32;
@@ -440,6 +454,40 @@ pub fn accumulate_device(acc: Option<&Tensor>, v: &Tensor, out_dtype: DType) -> 
         check_status(op, code)?;
     }
     drop((vs, as_));
+    Ok(cuda_tensor(out, v.shape().clone()))
+}
+
+/// `f32(bf16(f32(v)·mul))` on the GPU — bit for bit the Candle ops `(v.to_dtype(F32) · mul)`
+/// (an affine) `.to_dtype(BF16).to_dtype(F32)` on a CUDA device (the indexer's head weights,
+/// [`crate::attention::Indexer::head_weights`]). `v`: bf16 or f32 on a CUDA device; returns f32
+/// of `v`'s shape.
+pub fn scale_round_device(v: &Tensor, mul: f64) -> Result<Tensor> {
+    let op = "scale_round_device";
+    if !v.device().is_cuda() || !float_io(v.dtype()) {
+        candle_core::bail!("{op}: v must be bf16 or f32 on a CUDA device, got {:?} on {:?}", v.dtype(), v.device())
+    }
+    let n = v.elem_count();
+    if n == 0 {
+        return Tensor::zeros(v.shape(), DType::F32, v.device());
+    }
+    let vc = v.contiguous()?;
+    let (vs, vl) = vc.storage_and_layout();
+    let vcu = as_cuda(&vs, "v")?;
+    let cdev = vcu.device.clone();
+    let stream = stream_for(vcu)?;
+    let v_f32 = v.dtype() == DType::F32;
+    // The kernel writes every element of the output (n > 0 here).
+    let mut out = float_alloc(&cdev, n, true)?;
+    {
+        let (v_p, _gv) = float_read_ptr(vcu, vl, v_f32, &stream)?;
+        let (out_p, _go) = float_write_ptr(&mut out, &Layout::contiguous(n), true, &stream)?;
+        let params = ScaleRoundParams { v: v_p, out: out_p as *mut f32, n: n as i64, v_f32: v_f32 as i32, mul: mul as f32 };
+        // SAFETY: v is read-locked, contiguous of n elements of the flagged dtype; out is a fresh
+        // allocation of n f32; the launcher checks counts and pointers.
+        let code = unsafe { dsv41_scale_round(&params, std::mem::size_of::<ScaleRoundParams>(), raw_stream(&stream)) };
+        check_status(op, code)?;
+    }
+    drop(vs);
     Ok(cuda_tensor(out, v.shape().clone()))
 }
 

@@ -114,7 +114,7 @@ pub use fp8_linear::{
 };
 pub use decoder_ops::{
     accumulate_device, accumulate_supported, collapse_device, collapse_supported, engram_mix_device, engram_mix_supported, mhc_post_device,
-    mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, COLLAPSE_MAX_HC, MHC_POST_MAX_HC, ROW_NORM_MAX_N,
+    mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, scale_round_device, COLLAPSE_MAX_HC, MHC_POST_MAX_HC, ROW_NORM_MAX_N,
 };
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeyPages, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
