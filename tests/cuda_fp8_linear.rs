@@ -19,7 +19,9 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use deepseek_v41::cuda::{fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant};
+use deepseek_v41::cuda::{
+    fp8_dequantize_device, fp8_linear, fp8_linear_with, group_diagonal_device, group_diagonal_ref, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant,
+};
 use deepseek_v41::quant::{fp8_activation_quant, fp8_linear_ref, Fp8Weight};
 
 #[path = "support/rng.rs"]
@@ -681,5 +683,29 @@ fn grouped_wo_a_over_fp8_groups() -> Result<()> {
     }
     report("grouped wo_a (FP8 groups)", sum);
     ensure!(sum.one_ulp + sum.beyond <= sum.total / 100, "grouped wo_a: {sum:?}");
+    Ok(())
+}
+
+/// The grouped `wo_a`'s diagonal blocks (`kernels/group_diagonal.cu`) equal the concatenation of
+/// the narrowed blocks bit for bit (a copy), bf16 and f32, over poisoned outputs; bad shapes are
+/// errors.
+#[test]
+fn group_diagonal_equals_the_concatenation() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0xd1a6);
+    for (g, t, og) in [(8usize, 1usize, 1024usize), (2, 5, 64), (3, 2, 7), (1, 4, 9), (8, 64, 33)] {
+        for dtype in [DType::BF16, DType::F32] {
+            let y = Tensor::from_vec((0..g * t * g * og).map(|_| rng.normal()).collect::<Vec<f32>>(), (g * t, g * og), &dev)?.to_dtype(dtype)?;
+            poison(&dev, t * g * og)?;
+            let got = group_diagonal_device(&y, g)?;
+            let want = group_diagonal_ref(&y, g)?;
+            ensure!(got.dims() == [t, g * og] && got.dtype() == dtype, "{:?} {:?}", got.shape(), got.dtype());
+            let (a, b) = (got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, want.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            ensure!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "G {g}, T {t}, og {og}, {dtype:?}: differs from the concatenation");
+        }
+    }
+    let y = Tensor::zeros((6, 6), DType::BF16, &dev)?;
+    ensure!(group_diagonal_device(&y, 4).is_err() && group_diagonal_device(&y, 0).is_err(), "bad group counts accepted");
+    ensure!(group_diagonal_device(&y.to_dtype(DType::U32)?, 2).is_err(), "u32 accepted");
     Ok(())
 }

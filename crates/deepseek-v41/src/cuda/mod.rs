@@ -34,6 +34,8 @@
 //!   its top-k entries mapped to page-pool rows, likewise.
 //! * [`f32_linear_device`]: the f32-weight linears (router, compressor, head) at decode sizes in
 //!   one launch over bf16 or f32 input ([`f32_linear_ref`] is the reference).
+//! * [`group_diagonal_device`]: the diagonal blocks of a stacked grouped product (the grouped
+//!   `wo_a` at decode sizes) gathered in one launch ([`group_diagonal_ref`]).
 //! * [`fp8_linear`]: the block-scaled FP8 linear over an [`crate::quant::Fp8Weight`] kept in its
 //!   release format (weight streaming for small m, dequantize + cuBLAS or the FP8 wgmma GEMM for
 //!   large m), and [`fp8_dequantize_device`].
@@ -76,6 +78,7 @@ mod device;
 mod f32_linear;
 mod ffi;
 mod fp8_linear;
+mod group_diagonal;
 mod index_key_insert;
 mod indexer_inputs;
 mod indexer_scores;
@@ -116,6 +119,7 @@ pub use decoder_ops::{
     accumulate_device, accumulate_supported, collapse_device, collapse_supported, engram_mix_device, engram_mix_supported, mhc_post_device,
     mhc_post_supported, rms_norm_device, rms_scale_device, row_norm_supported, scale_round_device, COLLAPSE_MAX_HC, MHC_POST_MAX_HC, ROW_NORM_MAX_N,
 };
+pub use group_diagonal::{group_diagonal_device, group_diagonal_ref};
 pub use index_key_insert::index_key_insert;
 pub use indexer_inputs::{IndexKeys, KeyPages, KeySource, Visibility, INDEX_HEAD_DIM, MAX_INDEX_HEADS};
 pub use indexer_scores::masked_index_scores;
