@@ -39,13 +39,21 @@ fn embedded_model_set_passes_with_every_divergence_explained() -> anyhow::Result
     Ok(())
 }
 
-/// One case of the embedded model's set with its golden `L{layer}.moe_ids` changed at `row` to
-/// another expert pair: a routing error the teacher-forced run does not share.
-fn check_with_wrong_routing(layer: usize, row: usize) -> anyhow::Result<Report> {
+/// Case `case` of the embedded model's set checked as it is (`wrong = None`) or with its golden
+/// `L{layer}.moe_ids` changed at `row` (`wrong = Some((layer, row))`, the row clamped to the
+/// case's last) to another expert pair: a routing error the teacher-forced run does not share.
+fn check_with_wrong_routing(case: usize, wrong: Option<(usize, usize)>) -> anyhow::Result<Report> {
     let set = GoldenSet::open(fixture("v41-shakespeare"))?;
-    let mut case = set.load_case(&set.cases[0], &Device::Cpu)?;
+    let mut case = set.load_case(&set.cases[case], &Device::Cpu)?;
+    let Some((layer, row)) = wrong else {
+        let token_map = set.token_map(&case)?;
+        let mut report = Report::default();
+        runner::check_case(&case, token_map.as_ref(), &Device::Cpu, runner::RunOptions::default(), &mut report)?;
+        return Ok(report);
+    };
     let name = format!("L{layer}.moe_ids");
     let ids = case.golden[&name].to_dtype(DType::I64)?.to_vec2::<i64>()?;
+    let row = row.min(ids.len() - 1);
     let n_experts = case.config.n_routed_experts as i64;
     let mut changed = ids.clone();
     changed[row] = changed[row].iter().map(|&e| (e + 1) % n_experts).collect();
@@ -61,20 +69,29 @@ fn check_with_wrong_routing(layer: usize, row: usize) -> anyhow::Result<Report> 
 
 #[test]
 fn a_real_error_beside_explained_divergences_still_fails() -> anyhow::Result<()> {
-    // prompt0 has explained index flips from layer 3 on. A wrong routing at layer 0, row 5
-    // (before every one of them) fails end to end as an unexplained divergence, and in the
-    // teacher-forced check.
-    let report = check_with_wrong_routing(0, 5)?;
+    // A wrong routing at layer 0, row 5 of prompt0 (before any divergence) fails end to end as an
+    // unexplained divergence, and in the teacher-forced check.
+    let report = check_with_wrong_routing(0, Some((0, 5)))?;
     let failed: Vec<&str> = report.outcomes.iter().filter(|o| !o.pass).map(|o| o.name.as_str()).collect();
     assert!(failed.contains(&"prompt0/L0.moe_ids"), "end-to-end L0.moe_ids must fail, failed: {failed:?}");
     assert!(failed.contains(&"prompt0/teacher_forced/L0.moe_ids"), "teacher-forced L0.moe_ids must fail, failed: {failed:?}");
-    // A wrong routing at layer 5, row 60, inside the cone of the explained flips: the end-to-end
-    // row is reported as downstream, but the teacher-forced check still fails, and the other
-    // divergences stay explained.
-    let report = check_with_wrong_routing(5, 60)?;
+    // Which prompts flip end to end depends on the CPU's f32 summation kernels (the gemm crate
+    // picks AVX-512 or AVX2 paths): take the first case that has explained divergences here. A
+    // wrong routing at its last layer, row 60 (inside or beside their cone): the teacher-forced
+    // check still fails, and the other divergences stay explained.
+    let mut flipped = None;
+    for case in 0..3 {
+        if check_with_wrong_routing(case, None)?.explained > 0 {
+            flipped = Some(case);
+            break;
+        }
+    }
+    let case = flipped.expect("some prompt of the embedded set has explained divergences");
+    let report = check_with_wrong_routing(case, Some((5, 60)))?;
     let failed: Vec<&str> = report.outcomes.iter().filter(|o| !o.pass).map(|o| o.name.as_str()).collect();
-    assert!(failed.contains(&"prompt0/teacher_forced/L5.moe_ids"), "teacher-forced L5.moe_ids must fail, failed: {failed:?}");
-    assert!(report.explained > 0, "the other divergences stay explained");
+    let want = format!("prompt{case}/teacher_forced/L5.moe_ids");
+    assert!(failed.contains(&want.as_str()), "{want} must fail, failed: {failed:?}");
+    assert!(report.explained > 0, "the other divergences of prompt{case} stay explained");
     Ok(())
 }
 
