@@ -405,7 +405,9 @@ fn fused_activation_equals_the_prep_kernel() -> Result<()> {
         }
     }
     // In a graph: the counters are created outside the capture by the first call, and five
-    // replays of a split-K call give the eager bits each time.
+    // replays of a split-K call give the eager bits each time. Captured on a decode device (no
+    // per-buffer events: an event recorded inside a capture cannot be waited on outside it).
+    let dev = deepseek_v41::cuda::decode_device(0)?;
     let w = weight(&mut rng, 1280, 5120, Scales::Typical)?;
     let wg = Fp8Weight::new(w.codes().to_device(&dev)?, w.scales().to_device(&dev)?)?;
     let x = acts(&mut rng, 4, 5120, Acts::Typical)?.to_device(&dev)?;

@@ -233,7 +233,7 @@ impl Indexer {
         let scale = (self.head_dim as f64).powf(-0.5) * (self.n_heads as f64).powf(-0.5);
         let w = self.weights_proj.forward_grouped(x, groups)?;
         #[cfg(feature = "cuda")]
-        if crate::cuda::fused_kernels(w.device()) && matches!(w.dtype(), DType::BF16 | DType::F32) {
+        if crate::cuda::fused_kernels(w.device()) && !crate::cuda::unfused("scale_round") && matches!(w.dtype(), DType::BF16 | DType::F32) {
             // One launch, bit for bit the ops below.
             return crate::cuda::scale_round_device(&w, scale);
         }

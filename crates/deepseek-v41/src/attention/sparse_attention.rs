@@ -126,7 +126,7 @@ pub fn sparse_attention_kv_rows(
     if q.device().is_cuda() && (q.dim(2)? != crate::cuda::SPARSE_ATTENTION_HEAD_DIM || indices > crate::cuda::SPARSE_ATTENTION_MAX_INDICES) {
         use crate::cuda::KvRows;
         if let (KvRows::Bf16(w), KvRows::Bf16(e)) = (&window, &extra) {
-            if crate::cuda::fused_kernels(q.device()) && crate::cuda::sparse_attention_small_supported(q, w, e) {
+            if crate::cuda::fused_kernels(q.device()) && !crate::cuda::unfused("sparse_small") && crate::cuda::sparse_attention_small_supported(q, w, e) {
                 return crate::cuda::sparse_attention_small(q, w, idx_window, e, idx_extra, sink, scale);
             }
         }

@@ -201,6 +201,7 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
         },
         prep: match opts.prep {
             _ if gemm => 0,
+            Fp8Prep::Auto if super::policy::unfused("fp8_fused") => 1,
             Fp8Prep::Auto => 0,
             Fp8Prep::Kernel => 1,
             Fp8Prep::Fused => 2,

@@ -134,7 +134,7 @@ pub use moe_experts_gemm::{MoeExpertsKernel, MOE_GEMM_MIN_AVG_SLOTS};
 pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};
 pub use packed_insert::{packed_insert, PackedLayout};
 pub(crate) use pinned_staging::PinnedStaging;
-pub use policy::{device_routing, fused_kernels, with_device_routing, with_plain_candle};
+pub use policy::{device_routing, fused_kernels, unfused, with_device_routing, with_plain_candle, UNFUSE_NAMES};
 pub use q_rope::{q_rope, q_rope_inplace};
 pub use sampling::sample_device;
 pub use slots::keep_last_writer;

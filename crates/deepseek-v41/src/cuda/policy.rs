@@ -61,6 +61,19 @@ pub fn fused_kernels(device: &Device) -> bool {
     device.is_cuda() && !PLAIN.get()
 }
 
+/// The kernels a diagnosis can switch off one by one, by name, in the environment variable
+/// `DSV41_UNFUSE` (comma-separated, read once per process): each named op then takes the path it
+/// took before its kernel existed (a second opinion when a result moves; not for production).
+pub const UNFUSE_NAMES: [&str; 7] = ["sparse_small", "mhc_mixes", "f32_linear", "scale_round", "group_diagonal", "fp8_fused", "mhc_post"];
+
+/// Whether `name` (one of [`UNFUSE_NAMES`]) is switched off by `DSV41_UNFUSE`.
+pub fn unfused(name: &str) -> bool {
+    static SET: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    SET.get_or_init(|| std::env::var("DSV41_UNFUSE").map(|v| v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()).unwrap_or_default())
+        .iter()
+        .any(|s| s == name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -105,7 +105,7 @@ impl HcMix {
         }
         let x2 = x.reshape((t, hc * d))?;
         #[cfg(feature = "cuda")]
-        if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_mixes_supported(&x2, hc) {
+        if crate::cuda::fused_kernels(x.device()) && !crate::cuda::unfused("mhc_mixes") && crate::cuda::mhc_mixes_supported(&x2, hc) {
             // One launch: the product's f32 sums in the kernel's order (like cuBLAS's, not the
             // CPU's), the split bit for bit the one below (kernels/mhc_mixes.cu).
             let (pre, post, comb) = crate::cuda::mhc_mixes_device(
@@ -238,7 +238,7 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
         )
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused_kernels(x.device()) && crate::cuda::mhc_post_supported(x, y, x.dtype()) {
+    if crate::cuda::fused_kernels(x.device()) && !crate::cuda::unfused("mhc_post") && crate::cuda::mhc_post_supported(x, y, x.dtype()) {
         // One launch, bit for bit the op sequence below as the CPU computes it (the comb
         // product one FMA chain over the copies: `post_is_one_fma_chain_over_the_copies`).
         return crate::cuda::mhc_post_device(x, comb, y, post, x.dtype());

@@ -107,7 +107,7 @@ impl GroupedLinear {
                 let stacked = x.transpose(0, 1)?.contiguous()?.reshape((g * t, k))?;
                 let y = fp8_product(&stacked, w, false)?;
                 #[cfg(feature = "cuda")]
-                if crate::cuda::fused_kernels(y.device()) {
+                if crate::cuda::fused_kernels(y.device()) && !crate::cuda::unfused("group_diagonal") {
                     // One launch for the G blocks (a copy, bit for bit the concatenation below).
                     return crate::cuda::group_diagonal_device(&y, g)?.to_dtype(dtype);
                 }

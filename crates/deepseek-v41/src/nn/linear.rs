@@ -135,7 +135,7 @@ impl Linear {
         let out_dtype = if self.kind == LinearKind::F32 { DType::F32 } else { xp.dtype() };
         let y = match &self.weight {
             #[cfg(feature = "cuda")]
-            LinearWeight::Dense(w) if self.kind == LinearKind::F32 && crate::cuda::fused_kernels(xp.device()) => {
+            LinearWeight::Dense(w) if self.kind == LinearKind::F32 && crate::cuda::fused_kernels(xp.device()) && !crate::cuda::unfused("f32_linear") => {
                 // Decode sizes: one launch over x in its own dtype (cuda::f32_linear_device;
                 // its f32 sums in the kernel's order, like cuBLAS's not the CPU's).
                 let k = w.dim(1)?;
