@@ -63,7 +63,11 @@ pub fn fused_kernels(device: &Device) -> bool {
 
 /// The kernels a diagnosis can switch off one by one, by name, in the environment variable
 /// `DSV41_UNFUSE` (comma-separated, read once per process): each named op then takes the path it
-/// took before its kernel existed (a second opinion when a result moves; not for production).
+/// took before its kernel existed (a second opinion when a result moves): `sparse_small` (the
+/// sparse attention of head dims below 512: Candle ops), `mhc_mixes` (rsqrt, cuBLAS product,
+/// split), `f32_linear` (cast + cuBLAS), `scale_round` and `group_diagonal` (Candle ops, the
+/// same bits), `fp8_fused` (the FP8 linears' prep launch, the shared expert's shared
+/// quantization), `mhc_post` (Candle ops with cuBLAS's comb product).
 pub const UNFUSE_NAMES: [&str; 7] = ["sparse_small", "mhc_mixes", "f32_linear", "scale_round", "group_diagonal", "fp8_fused", "mhc_post"];
 
 /// Whether `name` (one of [`UNFUSE_NAMES`]) is switched off by `DSV41_UNFUSE`.

@@ -530,6 +530,7 @@ impl Moe {
         // also sorts the slots' tokens and weights), so a shared quantization would cost a launch
         // and save none.
         let shared = match &self.shared {
+            Some(s) if crate::cuda::unfused("fp8_fused") => Some(s.forward_prepared(&s.prepare_input(x)?, None)?),
             Some(s) => Some(s.forward_quantizing(x, None)?),
             None => None,
         };
