@@ -30,6 +30,10 @@ use deepseek_v41::Numerics;
 mod rng;
 use rng::Rng;
 
+#[path = "support/warp_sum.rs"]
+mod warp_sum;
+use warp_sum::xor_butterfly;
+
 fn gpu() -> Device {
     Device::new_cuda(0).expect("tests/cuda_decoder_ops.rs needs a CUDA device (none found): these tests must run on a GPU")
 }
@@ -176,15 +180,7 @@ fn kernel_order_mixes(x: &[f32], func: &[f32], width: usize, splits: usize, norm
                         k += 256;
                     }
                 }
-                let mut mask = 16;
-                while mask > 0 {
-                    let prev = lanes;
-                    for l in 0..32 {
-                        lanes[l] = prev[l] + prev[l ^ mask];
-                    }
-                    mask /= 2;
-                }
-                *warp = lanes[0];
+                *warp = xor_butterfly(lanes);
             }
             let cta = warps[1..].iter().fold(warps[0], |a, b| a + b);
             total = if s == 0 { cta } else { total + cta };

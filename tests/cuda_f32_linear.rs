@@ -21,6 +21,10 @@ use deepseek_v41::Numerics;
 mod rng;
 use rng::Rng;
 
+#[path = "support/warp_sum.rs"]
+mod warp_sum;
+use warp_sum::xor_butterfly;
+
 fn gpu() -> Device {
     Device::new_cuda(0).expect("tests/cuda_f32_linear.rs needs a CUDA device (none found): these tests must run on a GPU")
 }
@@ -55,15 +59,7 @@ fn kernel_order_dot(x: &[f32], w: &[f32]) -> f32 {
             }
         }
     }
-    let mut mask = 16;
-    while mask > 0 {
-        let prev = lanes;
-        for l in 0..32 {
-            lanes[l] = prev[l] + prev[l ^ mask];
-        }
-        mask /= 2;
-    }
-    lanes[0]
+    xor_butterfly(lanes)
 }
 
 #[test]
