@@ -12,7 +12,7 @@
 // same k (L1/L2-resident: x is a few KB), into one FMA chain per row; the lanes combine by an xor
 // butterfly (16 … 1) and lane 0 writes the m outputs. A k that is not a multiple of 4, or an
 // unaligned row, takes a scalar loop (lane l: k = l, l + 32, …). The weight is read once: at
-// V4.1-Flash's head (129280 × 4096 f32) it runs at the speed of HBM (docs/perf.md).
+// V4.1-Flash's head (129280 × 5120 f32) the design reads at HBM speed (not yet measured).
 //
 // Numerics: f32 products summed in the kernel's order (per lane in k order, then the butterfly),
 // not cuBLAS's and not the CPU's: within the golden README's tolerance of the CPU reference

@@ -8,9 +8,10 @@
 //! kernel's own order (like cuBLAS's, not the CPU's), so results match the CPU reference within
 //! the golden tolerance. A token's result depends on its row and `n` only, not on the batch.
 
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor};
+use candle_core::{DType, Result, Tensor};
 
-use super::device::{as_cuda, cuda_tensor, float_read_ptr, raw_stream, read_ptr, stream_for, write_ptr};
+use super::device::{as_cuda, float_read_ptr, raw_stream, read_ptr, stream_for};
+use super::mhc_sinkhorn::SplitOutputs;
 use super::ffi;
 
 /// Largest `hc` the kernel takes (`DSV41_MHC_MIXES_MAX_HC`).
@@ -77,8 +78,7 @@ pub fn mhc_mixes_device(
     };
     let dev = x.device();
     if t == 0 {
-        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, dev);
-        return Ok((z(&[0, hc])?, z(&[0, hc])?, z(&[0, hc, hc])?));
+        return SplitOutputs::empty(dev, hc);
     }
     let f32c = |v: &Tensor| -> Result<Tensor> { v.to_device(dev)?.to_dtype(DType::F32)?.contiguous() };
     let (xc, func, scale, base) = (x.contiguous()?, f32c(func)?, f32c(scale)?, f32c(base)?);
@@ -88,21 +88,14 @@ pub fn mhc_mixes_device(
     let (bs, bl) = base.storage_and_layout();
     let (xcu, fc, sc, bc) = (as_cuda(&xs, "x")?, as_cuda(&fs, "fn")?, as_cuda(&ss, "scale")?, as_cuda(&bs, "base")?);
     let stream = stream_for(xcu)?;
-    let alloc = |len: usize| -> Result<CudaStorage> {
-        // SAFETY: the kernel writes every element of the outputs (len > 0 here).
-        Ok(CudaStorage::wrap_cuda_slice(unsafe { xcu.device.alloc::<f32>(len)? }, xcu.device.clone()))
-    };
-    let (s_pre, s_comb): (Shape, Shape) = ((t, hc).into(), (t, hc, hc).into());
-    let (mut pre, mut post, mut comb) = (alloc(t * hc)?, alloc(t * hc)?, alloc(t * hc * hc)?);
+    let mut outs = SplitOutputs::new(&xcu.device, t, hc)?;
     {
         let is_f32 = x.dtype() == DType::F32;
         let (x_p, _gx) = float_read_ptr(xcu, xl, is_f32, &stream)?;
         let (f_p, _g1) = read_ptr::<f32>(fc, fl, &stream)?;
         let (s_p, _g2) = read_ptr::<f32>(sc, sl, &stream)?;
         let (b_p, _g3) = read_ptr::<f32>(bc, bl, &stream)?;
-        let (pre_p, _g4) = write_ptr::<f32>(&mut pre, &Layout::contiguous(&s_pre), &stream)?;
-        let (post_p, _g5) = write_ptr::<f32>(&mut post, &Layout::contiguous(&s_pre), &stream)?;
-        let (comb_p, _g6) = write_ptr::<f32>(&mut comb, &Layout::contiguous(&s_comb), &stream)?;
+        let ([pre_p, post_p, comb_p], _gw) = outs.write_ptrs(&stream)?;
         let params = ffi::MhcMixesParams {
             x: x_p,
             func: f_p,
@@ -128,5 +121,5 @@ pub fn mhc_mixes_device(
         ffi::check_status(op, code)?;
     }
     drop((xs, fs, ss, bs));
-    Ok((cuda_tensor(pre, s_pre.clone()), cuda_tensor(post, s_pre), cuda_tensor(comb, s_comb)))
+    Ok(outs.tensors())
 }

@@ -3,7 +3,9 @@
 //! op sequence, with bit-identical results to that sequence on a CUDA device
 //! (`tests/cuda_layer.rs`). [`crate::model::split_sinkhorn`] calls it for CUDA tensors.
 
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, SyncOnDrop};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
 
 use super::device::{as_cuda, cuda_tensor, raw_stream, read_ptr, stream_for, write_ptr};
 use super::ffi;
@@ -26,8 +28,7 @@ pub fn split_sinkhorn_device(mixes: &Tensor, scale: &Tensor, base: &Tensor, hc: 
     }
     let dev = mixes.device();
     if t == 0 {
-        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, dev);
-        return Ok((z(&[0, hc])?, z(&[0, hc])?, z(&[0, hc, hc])?));
+        return SplitOutputs::empty(dev, hc);
     }
     let f32c = |x: &Tensor| -> Result<Tensor> { x.to_device(dev)?.to_dtype(DType::F32)?.contiguous() };
     let (mixes, scale, base) = (f32c(mixes)?, f32c(scale)?, f32c(base)?);
@@ -36,19 +37,12 @@ pub fn split_sinkhorn_device(mixes: &Tensor, scale: &Tensor, base: &Tensor, hc: 
     let (bs, bl) = base.storage_and_layout();
     let (mc, sc, bc) = (as_cuda(&ms, "mixes")?, as_cuda(&ss, "scale")?, as_cuda(&bs, "base")?);
     let stream = stream_for(mc)?;
-    let alloc = |n: usize| -> Result<CudaStorage> {
-        // SAFETY: the kernel writes every element of the outputs (n > 0 here).
-        Ok(CudaStorage::wrap_cuda_slice(unsafe { mc.device.alloc::<f32>(n)? }, mc.device.clone()))
-    };
-    let (s_pre, s_comb): (Shape, Shape) = ((t, hc).into(), (t, hc, hc).into());
-    let (mut pre, mut post, mut comb) = (alloc(t * hc)?, alloc(t * hc)?, alloc(t * hc * hc)?);
+    let mut outs = SplitOutputs::new(&mc.device, t, hc)?;
     {
         let (m_p, _g0) = read_ptr::<f32>(mc, ml, &stream)?;
         let (s_p, _g1) = read_ptr::<f32>(sc, sl, &stream)?;
         let (b_p, _g2) = read_ptr::<f32>(bc, bl, &stream)?;
-        let (pre_p, _g3) = write_ptr::<f32>(&mut pre, &Layout::contiguous(&s_pre), &stream)?;
-        let (post_p, _g4) = write_ptr::<f32>(&mut post, &Layout::contiguous(&s_pre), &stream)?;
-        let (comb_p, _g5) = write_ptr::<f32>(&mut comb, &Layout::contiguous(&s_comb), &stream)?;
+        let ([pre_p, post_p, comb_p], _gw) = outs.write_ptrs(&stream)?;
         let params = ffi::MhcSplitParams {
             mixes: m_p,
             scale: s_p,
@@ -68,5 +62,46 @@ pub fn split_sinkhorn_device(mixes: &Tensor, scale: &Tensor, base: &Tensor, hc: 
         ffi::check_status(op, code)?;
     }
     drop((ms, ss, bs));
-    Ok((cuda_tensor(pre, s_pre.clone()), cuda_tensor(post, s_pre), cuda_tensor(comb, s_comb)))
+    Ok(outs.tensors())
 }
+
+/// The split's three f32 outputs for `t > 0` tokens of `hc` copies, uninitialized (the kernels
+/// write every element): pre `[t, hc]`, post `[t, hc]`, comb `[t, hc, hc]`. Shared by
+/// [`split_sinkhorn_device`] and `mhc_mixes_device`.
+pub(super) struct SplitOutputs {
+    pre: CudaStorage,
+    post: CudaStorage,
+    comb: CudaStorage,
+    t: usize,
+    hc: usize,
+}
+
+impl SplitOutputs {
+    pub(super) fn new(dev: &CudaDevice, t: usize, hc: usize) -> Result<Self> {
+        // SAFETY: the kernel that follows writes every element (t > 0, callers' contract).
+        let alloc = |n: usize| -> Result<CudaStorage> { Ok(CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(n)? }, dev.clone())) };
+        Ok(Self { pre: alloc(t * hc)?, post: alloc(t * hc)?, comb: alloc(t * hc * hc)?, t, hc })
+    }
+
+    /// The outputs' write pointers (pre, post, comb) and their guards on `stream`.
+    pub(super) fn write_ptrs<'a>(&'a mut self, stream: &'a CudaStream) -> Result<([*mut f32; 3], [SyncOnDrop<'a>; 3])> {
+        let (row, mat) = (Layout::contiguous((self.t, self.hc)), Layout::contiguous((self.t, self.hc, self.hc)));
+        let (pre, g0) = write_ptr::<f32>(&mut self.pre, &row, stream)?;
+        let (post, g1) = write_ptr::<f32>(&mut self.post, &row, stream)?;
+        let (comb, g2) = write_ptr::<f32>(&mut self.comb, &mat, stream)?;
+        Ok(([pre, post, comb], [g0, g1, g2]))
+    }
+
+    /// `(pre, post, comb)` as tensors.
+    pub(super) fn tensors(self) -> (Tensor, Tensor, Tensor) {
+        let (t, hc) = (self.t, self.hc);
+        (cuda_tensor(self.pre, (t, hc)), cuda_tensor(self.post, (t, hc)), cuda_tensor(self.comb, (t, hc, hc)))
+    }
+
+    /// The outputs of zero tokens.
+    pub(super) fn empty(dev: &candle_core::Device, hc: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, dev);
+        Ok((z(&[0, hc])?, z(&[0, hc])?, z(&[0, hc, hc])?))
+    }
+}
+
