@@ -1,6 +1,7 @@
 //! GPU tests of the decoder's small-op kernels, `kernels/decoder_ops.cu` (RMSNorm, the mHC mixes'
 //! rsqrt factor, the mHC collapse and post, the Engram gate, the MoE's f32 accumulation),
-//! `kernels/mhc_mixes.cu` (one sublayer's mHC coefficients in one launch), the indexer's head-weight
+//! `kernels/mhc_mixes.cu` (one sublayer's mHC coefficients in one launch), `kernels/mhc_norm.cu`
+//! (a collapse and its norm, after a post), the indexer's head-weight
 //! rounding (`scale_round_device`) and
 //! `kernels/swiglu.cu` (the MoE experts' clamped SwiGLU), `kernels/compress_pool.cu` (the
 //! ratio-2 compressor's pooling and carry of the batched decode step) and `kernels/page_rows.cu`
@@ -18,10 +19,10 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use deepseek_v41::attention::{compress_pool_ref, page_rows_ref};
 use deepseek_v41::cuda::{
-    accumulate_device, collapse_device, compress_pool_device, mhc_mixes_device, mhc_mixes_supported, mhc_post_device, page_rows_device, rms_norm_device, rms_scale_device,
+    accumulate_device, collapse_device, collapse_norm_device, mhc_norm_supported, mhc_post_norm_device, MHC_NORM_MAX_D, compress_pool_device, mhc_mixes_device, mhc_mixes_supported, mhc_post_device, page_rows_device, rms_norm_device, rms_scale_device,
     scale_round_device, split_sinkhorn_device, swiglu_device, with_plain_candle,
 };
-use deepseek_v41::model::{collapse, engram_mix, post, split_sinkhorn, Expert};
+use deepseek_v41::model::{collapse, collapse_norm, engram_mix, post, post_collapse_norm, split_sinkhorn, Expert};
 use deepseek_v41::nn::{RandomWeights, RmsNorm};
 use deepseek_v41::Numerics;
 
@@ -365,6 +366,96 @@ fn collapse_and_post_kernels_equal_the_candle_ops() -> Result<()> {
 }
 
 /// The SwiGLU op sequence of `model::Expert` in plain Candle ops (the kernel's definition).
+/// The fused collapse + norm (and post + collapse + norm) kernels of `kernels/mhc_norm.cu`, bit
+/// for bit the separate kernels they replace (each itself bit for bit the Candle ops: the tests
+/// above), over widths around candle's reduction boundaries and its shared-memory limit, both
+/// dtypes, hc 1..32; outputs over NaN-poisoned memory; the errors.
+#[test]
+fn mhc_norm_kernels_equal_the_separate_kernels() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng(0x90e1);
+    let mut failures = Vec::new();
+    let shapes = [(1usize, 4usize, 192usize), (5, 4, 31), (3, 4, 32), (2, 4, 33), (64, 4, 333), (3, 1, 7), (2, 7, 1030), (9, 32, 100), (1, 4, 1), (2, 4, 4096), (1, 4, 5120), (1, 4, 8192)];
+    for (t, hc, d) in shapes {
+        for (xdt, ydt) in [(DType::BF16, DType::BF16), (DType::F32, DType::BF16), (DType::BF16, DType::F32), (DType::F32, DType::F32)] {
+            let x = Tensor::from_vec(rows(&mut rng, t * hc, d), (t, hc, d), &dev)?.to_dtype(xdt)?;
+            let y = Tensor::from_vec(rows(&mut rng, t, d), (t, d), &dev)?.to_dtype(ydt)?;
+            let pw = Tensor::from_vec((0..t * hc).map(|_| rng.normal()).collect::<Vec<f32>>(), (t, hc), &dev)?;
+            let pre = Tensor::from_vec((0..t * hc).map(|_| rng.normal()).collect::<Vec<f32>>(), (t, hc), &dev)?;
+            let comb = Tensor::from_vec((0..t * hc * hc).map(|_| rng.uniform()).collect::<Vec<f32>>(), (t, hc, hc), &dev)?;
+            let eps = [1e-20, 1e-6][d % 2];
+            let norm = RmsNorm::from_weight(Tensor::from_vec((0..d).map(|_| rng.normal()).collect::<Vec<f32>>(), d, &dev)?, eps)?;
+            let case = format!("T {t}, hc {hc}, d {d}, x {xdt:?}, y {ydt:?}");
+            // collapse + norm
+            poison(&dev, t * d)?;
+            let fused = collapse_norm_device(&x, &pre, norm.weight(), eps)?;
+            let separate = rms_norm_device(&collapse_device(&x, &pre)?, norm.weight(), eps)?;
+            ensure!(fused.dims() == [t, d] && fused.dtype() == xdt, "{case}: collapse_norm {:?} {:?}", fused.shape(), fused.dtype());
+            let n = differing(&fused, &separate)?;
+            if n != 0 {
+                failures.push(format!("{case}: collapse_norm: {n} of {} values differ", t * d));
+            }
+            // post + collapse + norm
+            poison(&dev, t * hc * d + t * d)?;
+            let (x1, h) = mhc_post_norm_device(&x, &comb, &y, &pw, &pre, norm.weight(), eps)?;
+            let x1_sep = mhc_post_device(&x, &comb, &y, &pw, xdt)?;
+            let h_sep = rms_norm_device(&collapse_device(&x1_sep, &pre)?, norm.weight(), eps)?;
+            ensure!(x1.dims() == [t, hc, d] && x1.dtype() == xdt && h.dims() == [t, d] && h.dtype() == xdt, "{case}: post_norm shapes");
+            let (n1, n2) = (differing(&x1, &x1_sep)?, differing(&h, &h_sep)?);
+            if n1 + n2 != 0 {
+                failures.push(format!("{case}: post_norm: {n1} stream and {n2} normed values differ"));
+            }
+            for (what, v) in [("collapse_norm", &fused), ("post_norm stream", &x1), ("post_norm normed", &h)] {
+                if bits(v)?.iter().any(|&b| f32::from_bits(b).is_nan()) {
+                    failures.push(format!("{case}: NaN in the {what} output"));
+                }
+            }
+            // The model-level helpers take the fused path and agree with the composed ops.
+            if t == 2 && xdt == DType::BF16 && ydt == DType::BF16 {
+                let (mx1, mh) = post_collapse_norm(&y, &x, &pw, &comb, &pre, &norm)?;
+                let composed = with_plain_candle(|| -> candle_core::Result<_> {
+                    let x1 = post(&y, &x, &pw, &comb)?;
+                    let h = norm.forward(&collapse(&x1, &pre)?)?;
+                    Ok((x1, h))
+                })?;
+                let close = max_rel(&mh, &composed.1)?;
+                if differing(&mx1, &x1_sep)? + differing(&mh, &h_sep)? != 0 || (d >= 4096 && close > 0.0) {
+                    failures.push(format!("{case}: post_collapse_norm differs from the kernels (relative {close} from the Candle ops)"));
+                }
+                if differing(&collapse_norm(&x, &pre, &norm)?, &separate)? != 0 {
+                    failures.push(format!("{case}: collapse_norm differs from the kernels"));
+                }
+            }
+        }
+    }
+    ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    // Negative controls: pre and the norm weight are used; the errors.
+    let x = Tensor::from_vec(rows(&mut rng, 8, 16), (2, 4, 16), &dev)?.to_dtype(DType::BF16)?;
+    let pre = Tensor::from_vec((0..8).map(|_| rng.normal()).collect::<Vec<f32>>(), (2, 4), &dev)?;
+    let w = Tensor::from_vec((0..16).map(|_| rng.normal()).collect::<Vec<f32>>(), 16, &dev)?;
+    let a = collapse_norm_device(&x, &pre, &w, 1e-6)?;
+    let pre2 = Tensor::from_vec((0..8).map(|_| rng.normal()).collect::<Vec<f32>>(), (2, 4), &dev)?;
+    ensure!(differing(&a, &collapse_norm_device(&x, &pre2, &w, 1e-6)?)? > 0, "pre is ignored");
+    ensure!(differing(&a, &collapse_norm_device(&x, &pre, &(w.clone() * 2.0)?, 1e-6)?)? > 0, "the weight is ignored");
+    ensure!(collapse_norm_device(&x, &pre.narrow(1, 0, 3)?, &w, 1e-6).is_err(), "wrong pre shape accepted");
+    ensure!(collapse_norm_device(&x, &pre, &w.narrow(0, 0, 8)?, 1e-6).is_err(), "wrong weight shape accepted");
+    let wide = Tensor::zeros((1, 4, MHC_NORM_MAX_D + 1), DType::BF16, &dev)?;
+    ensure!(!mhc_norm_supported(&wide, None), "d past the shared-memory limit reported as supported");
+    let wd = Tensor::ones(MHC_NORM_MAX_D + 1, DType::F32, &dev)?;
+    ensure!(collapse_norm_device(&wide, &Tensor::ones((1, 4), DType::F32, &dev)?, &wd, 1e-6).is_err(), "d past the limit accepted");
+    // ... while the model-level helper falls back to the separate kernels there.
+    let wide = Tensor::from_vec(rows(&mut rng, 4, MHC_NORM_MAX_D + 1), (1, 4, MHC_NORM_MAX_D + 1), &dev)?.to_dtype(DType::BF16)?;
+    let p1 = Tensor::ones((1, 4), DType::F32, &dev)?;
+    let nw = RmsNorm::from_weight(wd, 1e-6)?;
+    ensure!(differing(&collapse_norm(&wide, &p1, &nw)?, &nw.forward(&collapse(&wide, &p1)?)?)? == 0, "the fallback differs");
+    let y = Tensor::from_vec(rows(&mut rng, 2, 16), (2, 16), &dev)?.to_dtype(DType::BF16)?;
+    let comb = Tensor::from_vec((0..32).map(|_| rng.uniform()).collect::<Vec<f32>>(), (2, 4, 4), &dev)?;
+    let pn = |c: &Tensor| mhc_post_norm_device(&x, c, &y, &pre, &pre, &w, 1e-6);
+    ensure!(differing(&pn(&comb)?.0, &pn(&comb.transpose(1, 2)?.contiguous()?)?.0)? > 0, "comb is ignored or its axes swapped");
+    ensure!(pn(&comb.narrow(2, 0, 3)?).is_err(), "wrong comb shape accepted");
+    Ok(())
+}
+
 fn swiglu_ops(gate: &Tensor, up: &Tensor, w: Option<&Tensor>, limit: Option<f64>) -> candle_core::Result<Tensor> {
     with_plain_candle(|| {
         let (mut g, mut u) = (gate.to_dtype(DType::F32)?, up.to_dtype(DType::F32)?);

@@ -12,5 +12,8 @@ __device__ __forceinline__ float load_f32(const float* p, int64_t i) { return p[
 __device__ __forceinline__ float load_f32(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void store_as(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_as(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+// v as store_as would store it into a buffer of p's type, read back as f32.
+__device__ __forceinline__ float rounded_as(const float*, float v) { return v; }
+__device__ __forceinline__ float rounded_as(const __nv_bfloat16*, float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 }  // namespace dsv41

@@ -31,7 +31,9 @@
 //!   ratio-2 compressor's pooling and carry of the batched decode step, likewise;
 //!   [`step_inputs_device`]: the step's position-derived inputs, likewise; [`sparse_attention_small`]:
 //!   the sparse attention of head dims below the FlashMLA-style kernels' 512 in one launch; [`page_rows_device`]:
-//!   its top-k entries mapped to page-pool rows, likewise.
+//!   its top-k entries mapped to page-pool rows, likewise; [`collapse_norm_device`],
+//!   [`mhc_post_norm_device`]: a collapse and its RMSNorm (after a post) in one launch, bit for
+//!   bit the separate kernels.
 //! * [`f32_linear_device`]: the f32-weight linears (router, compressor, head) at decode sizes in
 //!   one launch over bf16 or f32 input ([`f32_linear_ref`] is the reference).
 //! * [`group_diagonal_device`]: the diagonal blocks of a stacked grouped product (the grouped
@@ -85,6 +87,7 @@ mod indexer_scores;
 mod indexer_select;
 mod indexer_topk;
 mod mhc_mixes;
+mod mhc_norm;
 mod mhc_sinkhorn;
 mod moe_experts;
 mod moe_experts_gemm;
@@ -127,6 +130,7 @@ pub use indexer_select::{index_select, index_select_with_options, SelectOptions,
 pub(crate) use indexer_select::select_on_device;
 pub use indexer_topk::{candidate_blocks, index_topk};
 pub use mhc_mixes::{mhc_mixes_device, mhc_mixes_supported, MHC_MIXES_MAX_FN_TRAFFIC, MHC_MIXES_MAX_HC};
+pub use mhc_norm::{collapse_norm_device, mhc_norm_supported, mhc_post_norm_device, MHC_NORM_MAX_D, MHC_NORM_MAX_HC};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use mxfp4::mxfp4_dequantize_device;
 pub use moe_experts::{moe_experts_device, moe_experts_device_with, GroupedExperts, MoeExpertsOutput, MOE_EXPERTS_MAX_E, MOE_EXPERTS_MAX_K};

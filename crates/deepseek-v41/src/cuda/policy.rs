@@ -67,8 +67,9 @@ pub fn fused_kernels(device: &Device) -> bool {
 /// sparse attention of head dims below 512: Candle ops), `mhc_mixes` (rsqrt, cuBLAS product,
 /// split), `f32_linear` (cast + cuBLAS), `scale_round` and `group_diagonal` (Candle ops, the
 /// same bits), `fp8_fused` (the FP8 linears' prep launch, the shared expert's shared
-/// quantization), `mhc_post` (Candle ops with cuBLAS's comb product).
-pub const UNFUSE_NAMES: [&str; 7] = ["sparse_small", "mhc_mixes", "f32_linear", "scale_round", "group_diagonal", "fp8_fused", "mhc_post"];
+/// quantization), `mhc_post` (Candle ops with cuBLAS's comb product), `mhc_norm` (the collapse
+/// and the norm after it, with the post before them, as separate launches; the same bits).
+pub const UNFUSE_NAMES: [&str; 8] = ["sparse_small", "mhc_mixes", "f32_linear", "scale_round", "group_diagonal", "fp8_fused", "mhc_post", "mhc_norm"];
 
 /// Whether `name` (one of [`UNFUSE_NAMES`]) is switched off by `DSV41_UNFUSE`.
 pub fn unfused(name: &str) -> bool {

@@ -42,7 +42,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use super::decoder::{Model, ModelCache};
 use super::engram::EngramTable;
 use super::engram_hash::EngramHistory;
-use super::mhc::{collapse, post, HcSublayer};
+use super::mhc::{collapse_norm, post, post_collapse_norm, HcSublayer};
 use crate::attention::{
     BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, DecodeStepInputs, PageTable, PageUse, Published,
     StepOptions,
@@ -515,6 +515,10 @@ impl<'m> ModelDecodeStep<'m> {
         let d = h0.dim(1)?;
         let mut x = h0.unsqueeze(1)?.broadcast_as((b, m.hc_mult(), d))?.contiguous()?;
         let mut pre = lead(&self.pre0)?;
+        // The next layer's attention input when the last post computed it with its collapse and
+        // norm (one launch on CUDA: `post_collapse_norm`); not across an Engram layer, which
+        // mixes the stream first.
+        let mut h_next: Option<Tensor> = None;
         let mut topk: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         let mut blocks: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         for (l, block) in m.layers().iter().enumerate() {
@@ -524,7 +528,10 @@ impl<'m> ModelDecodeStep<'m> {
                 x = e.forward_grouped(&x, &lead(ids)?, rows)?;
             }
             let a = block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, rows)?;
-            let h = block.attn_norm().forward(&collapse(&x, &pre)?)?;
+            let h = match h_next.take() {
+                Some(h) => h,
+                None => collapse_norm(&x, &pre, block.attn_norm())?,
+            };
             let layer = &self.layers[l];
             // What earlier layers of this step published: a reuse layer's top-k, a candidate
             // consumer's blocks; reindex and reuse layers read their kv source's cache.
@@ -542,14 +549,27 @@ impl<'m> ModelDecodeStep<'m> {
             let out = step.forward(&h, published)?;
             topk.push(out.topk);
             blocks.push(out.candidates);
-            let x1 = post(&out.y, &x, &a.post, &a.comb)?;
+            let (x1, h2) = post_collapse_norm(&out.y, &x, &a.post, &a.comb, &a.pre, block.ffn_norm())?;
             let f = block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, rows)?;
-            let h2 = block.ffn_norm().forward(&collapse(&x1, &a.pre)?)?;
             let z = block.moe().forward_grouped(&h2, rows)?;
-            x = post(&z.out, &x1, &f.post, &f.comb)?;
+            let next_norm = match m.layers().get(l + 1) {
+                Some(next) if next.engram().is_some() => None,
+                Some(next) => Some(next.attn_norm()),
+                None => Some(m.final_norm()),
+            };
+            match next_norm {
+                Some(norm) => {
+                    let (xn, hn) = post_collapse_norm(&z.out, &x1, &f.post, &f.comb, &f.pre, norm)?;
+                    (x, h_next) = (xn, Some(hn));
+                }
+                None => x = post(&z.out, &x1, &f.post, &f.comb)?,
+            }
             pre = f.pre;
         }
-        let h = m.final_norm().forward(&collapse(&x, &pre)?)?;
+        let h = match h_next {
+            Some(h) => h,
+            None => collapse_norm(&x, &pre, m.final_norm())?,
+        };
         m.head().forward_grouped(&h, rows)
     }
 }

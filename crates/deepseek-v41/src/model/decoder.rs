@@ -13,7 +13,7 @@ use super::batch::{BatchItem, BatchOutput, BatchPlan, LogitRows};
 use super::engram::Engram;
 use super::engram_hash::{EngramHasher, EngramHistory, EngramIds, TokenMap};
 use super::engram_placement::{EngramOptions, EngramTableInfo};
-use super::mhc::{collapse, post, HcMix, HcSublayer};
+use super::mhc::{collapse_norm, post, post_collapse_norm, HcMix, HcSublayer};
 use super::moe::Moe;
 use crate::attention::{Attention, CachePool, CacheStorage, PoolLease, RollbackError, SequenceCache, Trace};
 use crate::config::Config;
@@ -175,13 +175,12 @@ impl DecoderLayer {
             record(segs, || format!("L{l}.engram_out"), &x)?;
         }
         let a = self.hc_attn.mixes_grouped(&x, &groups)?;
-        let h = self.attn_norm.forward(&collapse(&x, p_in)?)?;
+        let h = collapse_norm(&x, p_in, &self.attn_norm)?;
         record(segs, || format!("L{l}.attn_in"), &h)?;
         let y = self.segment_attention(&h, segs)?;
         record(segs, || format!("L{l}.attn_out"), &y)?;
-        let x1 = post(&y, &x, &a.post, &a.comb)?;
+        let (x1, h2) = post_collapse_norm(&y, &x, &a.post, &a.comb, &a.pre, &self.ffn_norm)?;
         let f = self.hc_ffn.mixes_grouped(&x1, &groups)?;
-        let h2 = self.ffn_norm.forward(&collapse(&x1, &a.pre)?)?;
         record(segs, || format!("L{l}.ffn_in"), &h2)?;
         let z = self.ffn.forward_grouped(&h2, &groups)?;
         record(segs, || format!("L{l}.ffn_out"), &z.out)?;
@@ -455,7 +454,7 @@ impl Model {
             let rows = Tensor::new(plan.logit_rows.as_slice(), &dev)?;
             (x, pre) = (x.index_select(&rows, 0)?, pre.index_select(&rows, 0)?);
         }
-        let h = self.norm.forward(&collapse(&x, &pre)?)?;
+        let h = collapse_norm(&x, &pre, &self.norm)?;
         // Each item's head rows as in its own call, which multiplies all its chunk's rows.
         let head_groups = RowGroups::new(plan.out_rows.iter().zip(&plan.spans).map(|(o, s)| RowGroup { len: o.len(), alone: s.len().max(o.len()) }).collect())?;
         let logits = self.head.forward_grouped(&h, &head_groups)?;

@@ -4,13 +4,14 @@
 //!
 //! V4.1 staggers the coefficients (spec §3.2, §14 item 9): the *pre* a sublayer computes is used
 //! by the next sublayer's [`collapse`]; *post* and *comb* are used by the same sublayer's
-//! [`post`]. The wiring lives in the decoder layer; this file holds the three operations.
+//! [`post`]. The wiring lives in the decoder layer; this file holds the three operations and the
+//! fused [`collapse_norm`] / [`post_collapse_norm`] (one launch on CUDA where a collapse feeds a norm).
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::config::Config;
-use crate::nn::{grouped_matmul, RowGroups};
+use crate::nn::{grouped_matmul, RmsNorm, RowGroups};
 
 /// Which sublayer's mixing weights to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -251,6 +252,40 @@ pub fn post(y: &Tensor, x: &Tensor, post: &Tensor, comb: &Tensor) -> Result<Tens
         .unsqueeze(2)?
         .broadcast_mul(&y.to_dtype(DType::F32)?.unsqueeze(1)?)?;
     (direct + mixed)?.to_dtype(x.dtype())
+}
+
+/// The sublayer input `norm(collapse(x, pre))` (spec §3.2, then the sublayer's RMSNorm), in
+/// `x`'s dtype. On CUDA one launch ([`crate::cuda::collapse_norm_device`]), bit for bit the two
+/// ops.
+pub fn collapse_norm(x: &Tensor, pre: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if fused_norm(x, None) && pre.dims() == [x.dim(0)?, x.dim(1)?] {
+        return crate::cuda::collapse_norm_device(x, pre, norm.weight(), norm.eps());
+    }
+    norm.forward(&collapse(x, pre)?)
+}
+
+/// A sublayer's post and the next sublayer's input: `(x1, norm(collapse(x1, pre)))` with
+/// `x1 = post(y, x, post_w, comb)` (the next collapse's weights `pre` are known before the post:
+/// the staggered wiring of spec §3.2). On CUDA one launch
+/// ([`crate::cuda::mhc_post_norm_device`]), bit for bit [`post`], [`collapse`] and the norm.
+pub fn post_collapse_norm(y: &Tensor, x: &Tensor, post_w: &Tensor, comb: &Tensor, pre: &Tensor, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if fused_norm(x, Some(y)) && !crate::cuda::unfused("mhc_post") {
+        let (t, hc, d) = x.dims3()?;
+        if y.dims() == [t, d] && post_w.dims() == [t, hc] && comb.dims() == [t, hc, hc] && pre.dims() == [t, hc] {
+            return crate::cuda::mhc_post_norm_device(x, comb, y, post_w, pre, norm.weight(), norm.eps());
+        }
+    }
+    let x1 = post(y, x, post_w, comb)?;
+    let h = collapse_norm(&x1, pre, norm)?;
+    Ok((x1, h))
+}
+
+/// Whether the fused collapse-norm kernels run for this stream (and sublayer output).
+#[cfg(feature = "cuda")]
+fn fused_norm(x: &Tensor, y: Option<&Tensor>) -> bool {
+    crate::cuda::fused_kernels(x.device()) && !crate::cuda::unfused("mhc_norm") && crate::cuda::mhc_norm_supported(x, y)
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ pub use engram_hash::{
 };
 pub use engram_host::{GatheredRows, HostRows};
 pub use engram_placement::{EngramLocation, EngramOptions, EngramPlacement, EngramTableInfo, AUTO_DEVICE_MAX_BYTES};
-pub use mhc::{collapse, post, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
+pub use mhc::{collapse, collapse_norm, post, post_collapse_norm, split_sinkhorn, HcCoeffs, HcMix, HcSublayer};
 pub use pretrained::{LoadOptions, Pretrained};
 pub use moe::{Expert, Gate, Moe, MoeOutput, Routing};
 pub use moe_sort::{moe_route_ref, sort_by_expert, ExpertSort};
