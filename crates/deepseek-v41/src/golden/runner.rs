@@ -61,6 +61,13 @@ pub enum Regime {
 }
 
 /// The tolerance for golden tensor `name` (without case prefix) in `regime`.
+///
+/// End to end, the per-layer tensors get rel. Frobenius 1e-1: the reference itself moves its
+/// worst layer's attention output by 5.5 % when only the blocking of the mHC mixes' f32 GEMM
+/// changes (1 vs 2 CPU threads, golden README), and every valid summation order lands somewhere
+/// in that spread (5.4 % on the CPU, 6.3 % with the CUDA decode step's mixes kernel,
+/// `docs/numerics.md`); the sharp checks stay exact decisions, the logits (3e-2) and the
+/// teacher-forced layers (2e-3).
 pub fn tolerance_for(name: &str, regime: Regime) -> Tolerance {
     let leaf = name.rsplit('.').next().unwrap_or(name);
     match leaf {
@@ -69,7 +76,7 @@ pub fn tolerance_for(name: &str, regime: Regime) -> Tolerance {
         "logits" => Tolerance::RelFro { rel_fro: 3e-2, max_abs: Some(0.3) },
         _ => match regime {
             Regime::TeacherForced => Tolerance::RelFro { rel_fro: 2e-3, max_abs: None },
-            Regime::EndToEnd => Tolerance::RelFro { rel_fro: 6e-2, max_abs: None },
+            Regime::EndToEnd => Tolerance::RelFro { rel_fro: 1e-1, max_abs: None },
         },
     }
 }
