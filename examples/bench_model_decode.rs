@@ -7,8 +7,8 @@
 //! ```text
 //! cargo build --release --features cuda --example bench_model_decode
 //! bench_model_decode [--model models/v41-shakespeare-tiny] [--batch 1,8,64,256] [--steps 24]
-//!     [--prompt-len 16] [--device cuda|cpu] [--moe-on-device] [--cache bf16|packed] [--graph]
-//!     [--random-step-model]
+//!     [--prompt-len 16] [--device cuda|cpu] [--moe-on-device] [--cache bf16|packed] [--graph
+//!     [--census] [--profile-replay]] [--random-step-model]
 //! ```
 //!
 //! Per B: the median wall time of a decode step (host work, launches and the device, ended by
@@ -87,6 +87,11 @@ struct Args {
     /// With `--graph`: print the captured graph's nodes by kernel (most frequent first) for each B.
     #[arg(long)]
     census: bool,
+    /// With `--graph`: one more replay of each B's graph between `cuProfilerStart` and
+    /// `cuProfilerStop`, for a profiler started with its collection off (`ncu --profile-from-start
+    /// off --graph-profiling node`: each kernel of the step timed alone).
+    #[arg(long)]
+    profile_replay: bool,
     /// Time a random model (the tiny config, head_dim 512, MXFP4 experts) instead of a loaded one.
     #[arg(long)]
     random_step_model: bool,
@@ -220,7 +225,7 @@ fn run(args: &Args) -> Result<()> {
         let ms = median(times);
         println!("| {b} | {prefill_ms:.1} | {ms:.3} | {:.0} |", b as f64 / ms * 1e3);
         if args.graph {
-            match graph::time(&p, &caches, &next, storage, args.steps, args.census) {
+            match graph::time(&p, &caches, &next, storage, args.steps, args.census, args.profile_replay) {
                 Ok(r) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} |", r.eager, r.step, r.host, r.replay, r.nodes)),
                 Err(e) => {
                     println!("\n--graph skipped: {e:#}\n");
@@ -280,7 +285,7 @@ mod graph {
     /// next tokens `next`), `steps` steps after 3 warm-ups; `census` prints the graph's nodes by
     /// kernel.
     #[cfg(feature = "cuda")]
-    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize, census: bool) -> Result<Row> {
+    pub fn time(p: &Loaded, caches: &[ModelCache], next: &[u32], storage: CacheStorage, steps: usize, census: bool, profile: bool) -> Result<Row> {
         use std::time::Instant;
 
         use candle_core::{DType, Tensor, D};
@@ -337,6 +342,14 @@ mod graph {
         }
         p.device.synchronize()?;
         let replay = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        if profile {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            // SAFETY: plain driver calls on the current context; no pointers are passed.
+            unsafe { sys::cuProfilerStart() }.result()?;
+            graph.replay()?;
+            p.device.synchronize()?;
+            unsafe { sys::cuProfilerStop() }.result()?;
+        }
         let (mut times, mut host) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
         toks = graphed.ids()?.to_vec1::<u32>()?;
         pos.iter_mut().for_each(|q| *q += 1);
@@ -367,7 +380,7 @@ mod graph {
 
     /// Without the `cuda` feature there is no graph to time.
     #[cfg(not(feature = "cuda"))]
-    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize, _: bool) -> Result<Row> {
+    pub fn time(_: &Loaded, _: &[ModelCache], _: &[u32], _: CacheStorage, _: usize, _: bool, _: bool) -> Result<Row> {
         bail!("--graph needs a build with --features cuda")
     }
 }
