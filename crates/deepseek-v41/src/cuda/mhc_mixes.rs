@@ -87,8 +87,10 @@ pub fn mhc_mixes_device(
     let (ss, sl) = scale.storage_and_layout();
     let (bs, bl) = base.storage_and_layout();
     let (xcu, fc, sc, bc) = (as_cuda(&xs, "x")?, as_cuda(&fs, "fn")?, as_cuda(&ss, "scale")?, as_cuda(&bs, "base")?);
-    let stream = stream_for(xcu)?;
+    let main = stream_for(xcu)?;
     let mut outs = SplitOutputs::new(&xcu.device, t, hc)?;
+    // Inside a SideStream::run: on the side stream, after everything enqueued so far.
+    let stream = super::side_stream::side_launch_stream(&main)?.unwrap_or(main);
     {
         let is_f32 = x.dtype() == DType::F32;
         let (x_p, _gx) = float_read_ptr(xcu, xl, is_f32, &stream)?;
@@ -116,7 +118,8 @@ pub fn mhc_mixes_device(
         };
         // SAFETY: inputs are read-locked and contiguous in the checked shapes and dtypes; outputs
         // are fresh allocations of T·hc / T·hc² f32; the launcher checks counts and pointers; the
-        // guards order the launch on the storages' stream.
+        // guards order the launch on the storages' stream (a side stream waits for that stream
+        // first, and its caller joins before reading the outputs: SideStream).
         let code = unsafe { ffi::dsv41_mhc_mixes(&params, std::mem::size_of::<ffi::MhcMixesParams>(), raw_stream(&stream)) };
         ffi::check_status(op, code)?;
     }

@@ -519,6 +519,8 @@ impl<'m> ModelDecodeStep<'m> {
         // norm (one launch on CUDA: `post_collapse_norm`); not across an Engram layer, which
         // mixes the stream first.
         let mut h_next: Option<Tensor> = None;
+        // The mHC mixes run beside the attention and the MoE (they are needed only at the posts).
+        let mut side = SideWork::new(h0.device())?;
         let mut topk: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         let mut blocks: Vec<Option<Tensor>> = Vec::with_capacity(self.layers.len());
         for (l, block) in m.layers().iter().enumerate() {
@@ -527,7 +529,7 @@ impl<'m> ModelDecodeStep<'m> {
             } else if let (Some(e), Some(ids)) = (block.engram(), &self.engram_ids[l]) {
                 x = e.forward_grouped(&x, &lead(ids)?, rows)?;
             }
-            let a = block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, rows)?;
+            let a = side.run(|| block.hc_mix(HcSublayer::Attn).mixes_grouped(&x, rows))?;
             let h = match h_next.take() {
                 Some(h) => h,
                 None => collapse_norm(&x, &pre, block.attn_norm())?,
@@ -549,9 +551,11 @@ impl<'m> ModelDecodeStep<'m> {
             let out = step.forward(&h, published)?;
             topk.push(out.topk);
             blocks.push(out.candidates);
+            side.join()?;
             let (x1, h2) = post_collapse_norm(&out.y, &x, &a.post, &a.comb, &a.pre, block.ffn_norm())?;
-            let f = block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, rows)?;
+            let f = side.run(|| block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, rows))?;
             let z = block.moe().forward_grouped(&h2, rows)?;
+            side.join()?;
             let next_norm = match m.layers().get(l + 1) {
                 Some(next) if next.engram().is_some() => None,
                 Some(next) => Some(next.attn_norm()),
@@ -571,6 +575,38 @@ impl<'m> ModelDecodeStep<'m> {
             None => collapse_norm(&x, &pre, m.final_norm())?,
         };
         m.head().forward_grouped(&h, rows)
+    }
+}
+
+/// Work the step runs off its critical path: on CUDA decode devices the mHC mixes on the
+/// device's side stream ([`crate::cuda::SideStream`]), elsewhere in line.
+struct SideWork {
+    #[cfg(feature = "cuda")]
+    side: Option<crate::cuda::SideStream>,
+}
+
+impl SideWork {
+    fn new(_device: &candle_core::Device) -> Result<Self> {
+        Ok(Self {
+            #[cfg(feature = "cuda")]
+            side: crate::cuda::SideStream::new(_device)?,
+        })
+    }
+
+    fn run<T>(&mut self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        #[cfg(feature = "cuda")]
+        if let Some(s) = self.side.as_mut() {
+            return s.run(f);
+        }
+        f()
+    }
+
+    fn join(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(s) = self.side.as_mut() {
+            s.join()?;
+        }
+        Ok(())
     }
 }
 
