@@ -8,7 +8,10 @@
 //! device's stream (its inputs and its freshly allocated outputs included), then launches there.
 //! [`SideStream::join`] makes the device's stream wait for the side stream; the caller joins
 //! before it reads the outputs, and keeps the inputs alive until then (the decode step's posts
-//! read the same stream the mixes read, after the join). Only on devices without per-buffer
+//! read the same stream the mixes read, after the join). A launcher branches only when it
+//! frees nothing the side kernel reads before the join (no temporary copies, no scratch):
+//! candle frees on the device's stream, where a later allocation could reuse the memory while
+//! the side kernel still reads it. Only on devices without per-buffer
 //! event tracking ([`super::decode_device`]): there every buffer is ordered by this protocol
 //! alone. Elsewhere [`SideStream::new`] gives `None` and the work stays on the device's stream.
 
