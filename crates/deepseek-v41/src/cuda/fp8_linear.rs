@@ -225,12 +225,15 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
     let (ss, sl) = w.scales().storage_and_layout();
     let (xc, cc, sc) = (as_cuda(&xs, "x")?, as_cuda(&cs, "codes")?, as_cuda(&ss, "scales")?);
     let cdev = xc.device.clone();
-    let stream = stream_for(xc)?;
+    let main = stream_for(xc)?;
     // SAFETY (both allocations): written by the kernels before they are read (every output
     // element; the scratch's panel, scales and counters by the prep kernel, partials before the
     // last CTA reads them).
     let mut out = float_alloc(&cdev, m * n, false)?;
     let mut scratch = unsafe { cdev.alloc::<u8>(bytes.max(1) as usize)? };
+    // Inside a SideStream::run: on the side stream (what the kernels read kept until the join).
+    let side = super::side_stream::side_launch_stream(&main)?;
+    let stream = side.clone().unwrap_or(main);
     {
         let out_layout = Layout::contiguous((m, n));
         let (x_p, _gx) = read_ptr::<bf16>(xc, xl, &stream)?;
@@ -262,22 +265,26 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
         check_status(op, code)?;
     }
     drop((xs, cs, ss));
+    if side.is_some() {
+        super::side_stream::side_keep(Box::new((x.clone(), w.codes().clone(), w.scales().clone(), scratch)));
+    }
     Ok(cuda_tensor(out, (m, n)))
 }
 
 /// The arrival counters of the streaming kernel's split-K with the fused activation
-/// ([`Fp8Prep::Auto`]): `DSV41_FP8_COUNTERS` u32 per candle CUDA device (one stream each),
-/// zeroed once on that stream and left zero by every call (the last CTA of a tile to arrive
-/// resets its counter), so no launch zeroes them. Kernels on one stream run one after another,
-/// which is what makes one set per stream enough. The buffer lives as long as the process (a
+/// ([`Fp8Prep::Auto`]): `DSV41_FP8_COUNTERS` u32 per stream of a candle CUDA device (its own
+/// stream, a [`super::SideStream`]), zeroed once on that stream and left zero by every call (the
+/// last CTA of a tile to arrive resets its counter), so no launch zeroes them. Kernels on one
+/// stream run one after another, which is what makes one set per stream enough. The buffer lives as long as the process (a
 /// captured graph keeps its address); it is never created inside a stream capture (`None`
 /// there: that call takes the prep kernel when it splits K).
 pub fn arrival_counters(cdev: &CudaDevice, stream: &Arc<CudaStream>) -> Result<Option<u64>> {
     /// A device's counters and their address.
     type CounterSet = (CudaSlice<u32>, u64);
-    static SETS: OnceLock<Mutex<HashMap<DeviceId, CounterSet>>> = OnceLock::new();
+    static SETS: OnceLock<Mutex<HashMap<(DeviceId, usize), CounterSet>>> = OnceLock::new();
     let mut sets = SETS.get_or_init(Default::default).lock().map_err(|_| candle_core::Error::Msg("fp8_linear: the counter sets' lock is poisoned".into()))?;
-    if let Some((_, p)) = sets.get(&cdev.id()) {
+    let key = (cdev.id(), stream.cu_stream() as usize);
+    if let Some((_, p)) = sets.get(&key) {
         return Ok(Some(*p));
     }
     let capturing = stream.capture_status().map_err(candle_core::Error::wrap)?;
@@ -289,7 +296,7 @@ pub fn arrival_counters(cdev: &CudaDevice, stream: &Arc<CudaStream>) -> Result<O
         let (p, _guard) = slice.device_ptr(stream);
         p
     };
-    sets.insert(cdev.id(), (slice, p));
+    sets.insert(key, (slice, p));
     Ok(Some(p))
 }
 

@@ -80,10 +80,6 @@ pub fn mhc_mixes_device(
     if t == 0 {
         return SplitOutputs::empty(dev, hc);
     }
-    // The side stream (SideStream::run) only where no input needs a temporary copy: a temporary
-    // would be freed on the device's stream while the side stream may still read it.
-    let in_place = |v: &Tensor| v.dtype() == DType::F32 && v.is_contiguous() && v.device().same_device(dev);
-    let may_branch = x.is_contiguous() && in_place(func) && in_place(scale) && in_place(base);
     let f32c = |v: &Tensor| -> Result<Tensor> { v.to_device(dev)?.to_dtype(DType::F32)?.contiguous() };
     let (xc, func, scale, base) = (x.contiguous()?, f32c(func)?, f32c(scale)?, f32c(base)?);
     let (xs, xl) = xc.storage_and_layout();
@@ -95,7 +91,11 @@ pub fn mhc_mixes_device(
     let mut outs = SplitOutputs::new(&xcu.device, t, hc)?;
     // Inside a SideStream::run: on the side stream, after everything enqueued so far (the
     // outputs' allocations included).
-    let side = if may_branch { super::side_stream::side_launch_stream(&main)? } else { None };
+    let side = super::side_stream::side_launch_stream(&main)?;
+    if side.is_some() {
+        // What the side kernel reads stays allocated until the join.
+        super::side_stream::side_keep(Box::new((xc.clone(), func.clone(), scale.clone(), base.clone())));
+    }
     let stream = side.unwrap_or(main);
     {
         let is_f32 = x.dtype() == DType::F32;

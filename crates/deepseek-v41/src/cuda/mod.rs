@@ -134,6 +134,7 @@ pub use mhc_mixes::{mhc_mixes_device, mhc_mixes_supported, MHC_MIXES_MAX_FN_TRAF
 pub use mhc_norm::{collapse_norm_device, mhc_norm_supported, mhc_post_norm_device, MHC_NORM_MAX_D, MHC_NORM_MAX_HC};
 pub use mhc_sinkhorn::{split_sinkhorn_device, MHC_MAX_HC};
 pub use mxfp4::mxfp4_dequantize_device;
+pub(crate) use moe_experts::moe_experts_device_joined;
 pub use moe_experts::{moe_experts_device, moe_experts_device_with, GroupedExperts, MoeExpertsOutput, MOE_EXPERTS_MAX_E, MOE_EXPERTS_MAX_K};
 pub use moe_experts_gemm::{MoeExpertsKernel, MOE_GEMM_MIN_AVG_SLOTS};
 pub use moe_route::{moe_route_device, moe_route_supported, DeviceRouting, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_K};

@@ -210,6 +210,20 @@ pub fn moe_experts_device_with(
     shared: Option<&Tensor>,
     kernel: MoeExpertsKernel,
 ) -> Result<MoeExpertsOutput> {
+    moe_experts_device_joined(x, routing, experts, limit, shared, kernel, &mut || Ok(()))
+}
+
+/// [`moe_experts_device_with`] calling `before_combine` after the experts' launches, right before
+/// the combine reads `shared`: where the shared expert runs on a [`super::SideStream`], the join.
+pub(crate) fn moe_experts_device_joined(
+    x: &Tensor,
+    routing: &DeviceRouting,
+    experts: &GroupedExperts,
+    limit: Option<f32>,
+    shared: Option<&Tensor>,
+    kernel: MoeExpertsKernel,
+    before_combine: &mut dyn FnMut() -> Result<()>,
+) -> Result<MoeExpertsOutput> {
     let op = "moe_experts_device";
     let (t, d) = x.dims2()?;
     let (hidden, inter) = experts.dims();
@@ -361,6 +375,7 @@ pub fn moe_experts_device_with(
                 check_status(op, dsv41_moe_experts(&gu, size, raw_stream(&stream)))?;
                 check_status(op, dsv41_moe_experts(&dn, size, raw_stream(&stream)))?;
             }
+            before_combine()?;
             check_status(op, dsv41_moe_combine(&comb, std::mem::size_of::<MoeCombineParams>(), raw_stream(&stream)))?;
         }
     }

@@ -7,14 +7,16 @@
 //! enqueue on it: each first makes the side stream wait for everything enqueued so far on the
 //! device's stream (its inputs and its freshly allocated outputs included), then launches there.
 //! [`SideStream::join`] makes the device's stream wait for the side stream; the caller joins
-//! before it reads the outputs, and keeps the inputs alive until then (the decode step's posts
-//! read the same stream the mixes read, after the join). A launcher branches only when it
-//! frees nothing the side kernel reads before the join (no temporary copies, no scratch):
-//! candle frees on the device's stream, where a later allocation could reuse the memory while
-//! the side kernel still reads it. Only on devices without per-buffer
+//! before it reads the outputs. Candle frees on the device's stream, where a later allocation
+//! could reuse the memory while a side kernel still reads it, so a launcher that branches hands
+//! the side stream what its kernel reads ([`side_keep`]: its input tensors, its scratch), which
+//! the join releases — after the device's stream has waited for the side stream. Inside `run`
+//! everything else (Candle ops) stays on the device's stream: a closure may feed side kernels
+//! from it, but reads side outputs only after the join. Only on devices without per-buffer
 //! event tracking ([`super::decode_device`]): there every buffer is ordered by this protocol
 //! alone. Elsewhere [`SideStream::new`] gives `None` and the work stays on the device's stream.
 
+use std::any::Any;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -25,9 +27,16 @@ use candle_core::{Device, Result};
 
 use candle_core::cuda_backend::WrapErr;
 
+/// The state of a [`SideStream::run`] on this thread: the side stream, whether a launcher used
+/// it, and what its kernels read (kept until the join).
+struct Active {
+    side: Arc<CudaStream>,
+    launched: bool,
+    kept: Vec<Box<dyn Any>>,
+}
+
 thread_local! {
-    /// The side stream the launchers enqueue on inside [`SideStream::run`], and whether they did.
-    static ACTIVE: RefCell<Option<(Arc<CudaStream>, bool)>> = const { RefCell::new(None) };
+    static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
 }
 
 /// A device's side stream: created once per device (outside any capture: the decode step runs
@@ -36,6 +45,7 @@ pub struct SideStream {
     main: Arc<CudaStream>,
     side: Arc<CudaStream>,
     pending: bool,
+    kept: Vec<Box<dyn Any>>,
 }
 
 impl SideStream {
@@ -57,41 +67,66 @@ impl SideStream {
                 s
             }
         };
-        Ok(Some(Self { main, side, pending: false }))
+        Ok(Some(Self { main, side, pending: false, kept: Vec::new() }))
     }
 
     /// Runs `f` with the side-stream launchers enqueueing on the side stream (other work in `f`
     /// stays on the device's stream, ordered as usual).
     pub fn run<T>(&mut self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        ACTIVE.with(|a| *a.borrow_mut() = Some((self.side.clone(), false)));
+        let outer = ACTIVE.with(|a| a.borrow_mut().replace(Active { side: self.side.clone(), launched: false, kept: Vec::new() }));
         let out = f();
-        let launched = ACTIVE.with(|a| a.borrow_mut().take().is_some_and(|(_, l)| l));
-        self.pending |= launched;
+        let mine = ACTIVE.with(|a| std::mem::replace(&mut *a.borrow_mut(), outer));
+        if let Some(m) = mine {
+            self.pending |= m.launched;
+            self.kept.extend(m.kept);
+        }
         out
     }
 
     /// The device's stream waits for the side stream's work (nothing to do when none was
-    /// launched since the last join).
+    /// launched since the last join); then what the side kernels read is released.
     pub fn join(&mut self) -> Result<()> {
         if self.pending {
             self.main.join(&self.side).w()?;
             self.pending = false;
         }
+        self.kept.clear();
         Ok(())
     }
 }
 
+impl Drop for SideStream {
+    /// A side stream dropped without its join (an error in between): the device's stream still
+    /// waits for it before anything it kept is freed.
+    fn drop(&mut self) {
+        if self.pending {
+            let _ = self.main.join(&self.side);
+        }
+    }
+}
+
+/// Inside [`SideStream::run`], after a launch on the side stream: keeps `what` (a clone of an
+/// input tensor, a scratch buffer) alive until the join. Elsewhere it is dropped at once.
+pub(crate) fn side_keep(what: Box<dyn Any>) {
+    ACTIVE.with(|a| {
+        if let Some(a) = a.borrow_mut().as_mut() {
+            a.kept.push(what);
+        }
+    });
+}
+
 /// Inside [`SideStream::run`]: the side stream, made to wait for `main`'s work so far (a launcher
-/// calls this after allocating its outputs, right before its launch). `None` elsewhere.
+/// calls this after allocating its outputs and scratch, right before its launch, and then hands
+/// what the kernel reads to [`side_keep`]). `None` elsewhere.
 pub(crate) fn side_launch_stream(main: &Arc<CudaStream>) -> Result<Option<Arc<CudaStream>>> {
     ACTIVE.with(|a| -> Result<Option<Arc<CudaStream>>> {
         let mut a = a.borrow_mut();
-        let Some((side, launched)) = a.as_mut() else { return Ok(None) };
-        if !Arc::ptr_eq(side.context(), main.context()) {
+        let Some(act) = a.as_mut() else { return Ok(None) };
+        if !Arc::ptr_eq(act.side.context(), main.context()) {
             return Ok(None);
         }
-        side.join(main).w()?;
-        *launched = true;
-        Ok(Some(side.clone()))
+        act.side.join(main).w()?;
+        act.launched = true;
+        Ok(Some(act.side.clone()))
     })
 }

@@ -79,10 +79,16 @@ pub fn swiglu_device(gate: &Tensor, up: &Tensor, weight: Option<&Tensor>, limit:
     let ws = w.as_ref().map(|w| w.storage_and_layout());
     let (gc, uc) = (as_cuda(&gs, "gate")?, as_cuda(&us, "up")?);
     let cdev = gc.device.clone();
-    let stream = stream_for(gc)?;
+    let main = stream_for(gc)?;
     let x_f32 = gate.dtype() == DType::F32;
     // The kernel writes every element of the output (rows·inter > 0 here).
     let mut out = float_alloc(&cdev, rows * inter, x_f32)?;
+    // Inside a SideStream::run: on the side stream, its inputs kept until the join.
+    let side = super::side_stream::side_launch_stream(&main)?;
+    if side.is_some() {
+        super::side_stream::side_keep(Box::new((g.clone(), u.clone(), w.clone())));
+    }
+    let stream = side.unwrap_or(main);
     {
         let out_layout = Layout::contiguous((rows, inter));
         let (g_p, _gg) = float_read_ptr(gc, gl, x_f32, &stream)?;
@@ -102,7 +108,8 @@ pub fn swiglu_device(gate: &Tensor, up: &Tensor, weight: Option<&Tensor>, limit:
         };
         // SAFETY: gate and up are read-locked, contiguous [rows, inter] of the flagged dtype;
         // weight is [rows] f32 or null; out is a fresh allocation of rows·inter elements; the
-        // launcher checks counts and pointers; the guards order the launch on the stream.
+        // launcher checks counts and pointers; the guards order the launch on the stream (a side
+        // stream waits for the device's stream first and keeps the inputs: SideStream).
         let code = unsafe { dsv41_swiglu(&params, std::mem::size_of::<SwigluParams>(), raw_stream(&stream)) };
         check_status(op, code)?;
     }

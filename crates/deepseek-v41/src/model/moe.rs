@@ -310,6 +310,22 @@ impl Expert {
         self.down(gate, up, x.dtype(), weight, &RowGroups::whole(x.dim(0)?))
     }
 
+    /// Whether [`Expert::forward_quantizing`] of `x` is, on CUDA, launches of the crate's kernels
+    /// only — three FP8 streaming linears quantizing their input in the kernel (bf16 `x` of at
+    /// most [`crate::cuda::FP8_AUTO_STREAM_MAX_M`] contiguous rows, input widths multiples of 32)
+    /// and the SwiGLU — with no Candle op reading a kernel's output, so that the whole expert
+    /// can run on a [`crate::cuda::SideStream`].
+    #[cfg(feature = "cuda")]
+    pub(crate) fn kernels_only(&self, x: &Tensor) -> bool {
+        let fused_fp8 = |l: &Linear| l.quantizes_input() && l.weight().fp8().is_some_and(|w| w.dims().1.is_multiple_of(32));
+        crate::cuda::fused_kernels(x.device())
+            && !crate::cuda::unfused("fp8_fused")
+            && x.dtype() == DType::BF16
+            && x.is_contiguous()
+            && x.dims2().is_ok_and(|(t, _)| (1..=crate::cuda::FP8_AUTO_STREAM_MAX_M).contains(&t))
+            && [&self.w1, &self.w3, &self.w2].into_iter().all(fused_fp8)
+    }
+
     /// The SwiGLU of `gate` and `up` (times `weight`), rounded to `dtype`, through `w2`.
     fn down(&self, gate: Tensor, up: Tensor, dtype: DType, weight: Option<&Tensor>, groups: &RowGroups) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
@@ -521,7 +537,10 @@ impl Moe {
     /// [`Moe::forward`] on the device: routing, shared expert, grouped routed experts.
     #[cfg(feature = "cuda")]
     fn forward_on_device(&self, x: &Tensor, g: &crate::cuda::GroupedExperts) -> Result<MoeOutput> {
-        let r = self.gate.route_device(x)?;
+        // The shared expert first, on the device's side stream where it has one (a decode
+        // device, `cuda::SideStream`): beside the routing and the routed experts, joined before
+        // the combine reads its output.
+        let mut side = crate::cuda::SideStream::new(x.device())?;
         // x is FP8-quantized (Q1, spec §0.1b.8) by the shared expert's w1 and w3 kernels (FP8 in
         // the release: each quantizes x itself, `Expert::forward_quantizing`) and by the routed
         // kernels' gate/up prep launch into their own panel (the streaming kernel: e4m3 values as
@@ -529,13 +548,22 @@ impl Moe {
         // stage order, K padded to 128). No layout serves all, and the prep launch runs anyway (it
         // also sorts the slots' tokens and weights), so a shared quantization would cost a launch
         // and save none.
-        let shared = match &self.shared {
-            Some(s) if crate::cuda::unfused("fp8_fused") => Some(s.forward_prepared(&s.prepare_input(x)?, None)?),
-            Some(s) => Some(s.forward_quantizing(x, None)?),
-            None => None,
+        let shared_of = || -> Result<Option<Tensor>> {
+            Ok(match &self.shared {
+                Some(s) if crate::cuda::unfused("fp8_fused") => Some(s.forward_prepared(&s.prepare_input(x)?, None)?),
+                Some(s) => Some(s.forward_quantizing(x, None)?),
+                None => None,
+            })
         };
+        let shared = match (side.as_mut(), &self.shared) {
+            (Some(sd), Some(s)) if s.kernels_only(x) => sd.run(shared_of)?,
+            _ => shared_of()?,
+        };
+        let r = self.gate.route_device(x)?;
         let limit = self.experts.first().and_then(|e| e.limit).map(|l| l as f32);
-        let out = crate::cuda::moe_experts_device(x, &r, g, limit, shared.as_ref())?.out;
+        let mut join = || side.as_mut().map_or(Ok(()), |s| s.join());
+        let kernel = crate::cuda::MoeExpertsKernel::Auto;
+        let out = crate::cuda::moe_experts_device_joined(x, &r, g, limit, shared.as_ref(), kernel, &mut join)?.out;
         Ok(MoeOutput { out, ids: r.ids, weights: r.weights })
     }
 

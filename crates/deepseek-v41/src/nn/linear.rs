@@ -95,6 +95,12 @@ impl Linear {
         Self { weight, kind, quantize_input }
     }
 
+    /// Whether the linear FP8-quantizes its input (a quantized kind with the activation
+    /// quantization on).
+    pub fn quantizes_input(&self) -> bool {
+        self.quantize_input
+    }
+
     /// The weight `[out, in]`, dense, FP8 or MXFP4 ([`LinearWeight::to_dense`] gives a dense copy
     /// of any).
     pub fn weight(&self) -> &LinearWeight {
