@@ -1,10 +1,11 @@
 //! A second stream for work that is off a step's critical path (`docs/architecture.md`, "The
 //! whole-model decode step"): the mHC mixes of a sublayer depend only on its input stream and are
 //! needed only at its post, so they can run beside the attention or the MoE instead of before
-//! them. Captured into a CUDA graph, the fork and the join become a parallel branch.
+//! them; the MoE's shared expert likewise beside the routing and the routed experts (joined before
+//! the combine). Captured into a CUDA graph, the fork and the join become a parallel branch.
 //!
-//! [`SideStream::run`] makes the launchers that take a side stream ([`super::mhc_mixes_device`])
-//! enqueue on it: each first makes the side stream wait for everything enqueued so far on the
+//! [`SideStream::run`] makes the launchers that take a side stream ([`super::mhc_mixes_device`],
+//! the FP8 linears' [`super::fp8_linear_with`], [`super::swiglu_device`]) enqueue on it: each first makes the side stream wait for everything enqueued so far on the
 //! device's stream (its inputs and its freshly allocated outputs included), then launches there.
 //! [`SideStream::join`] makes the device's stream wait for the side stream; the caller joins
 //! before it reads the outputs. Candle frees on the device's stream, where a later allocation
