@@ -143,7 +143,7 @@ pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8Line
         return Tensor::zeros((0, n), DType::BF16, x.device());
     }
     let kernel = match opts.path {
-        Fp8LinearPath::Auto if m <= FP8_AUTO_STREAM_MAX_M => Kernel::Stream,
+        Fp8LinearPath::Auto if auto_streams(m) => Kernel::Stream,
         Fp8LinearPath::Stream => Kernel::Stream,
         Fp8LinearPath::Gemm if act_quant && k.is_multiple_of(128) => Kernel::Gemm,
         Fp8LinearPath::Auto | Fp8LinearPath::Dequant | Fp8LinearPath::Gemm => Kernel::Dequant,
@@ -160,6 +160,11 @@ pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8Line
         candle_core::bail!("{op}: the streaming kernel takes M <= {FP8_STREAM_MAX_M}, got {m}")
     }
     launch(op, &x.contiguous()?, w, m, act_quant, opts, Kernel::Stream)
+}
+
+/// Whether [`Fp8LinearPath::Auto`] streams the weight for `m` rows (else dequantize + cuBLAS).
+pub(crate) fn auto_streams(m: usize) -> bool {
+    m <= FP8_AUTO_STREAM_MAX_M
 }
 
 /// The kernel a call runs.

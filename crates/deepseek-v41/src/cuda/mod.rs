@@ -80,6 +80,7 @@ mod device;
 mod f32_linear;
 mod ffi;
 mod fp8_linear;
+pub(crate) use fp8_linear::auto_streams;
 mod group_diagonal;
 mod index_key_insert;
 mod indexer_inputs;

@@ -311,19 +311,17 @@ impl Expert {
     }
 
     /// Whether [`Expert::forward_quantizing`] of `x` is, on CUDA, launches of the crate's kernels
-    /// only — three FP8 streaming linears quantizing their input in the kernel (bf16 `x` of at
-    /// most [`crate::cuda::FP8_AUTO_STREAM_MAX_M`] contiguous rows, input widths multiples of 32)
-    /// and the SwiGLU — with no Candle op reading a kernel's output, so that the whole expert
-    /// can run on a [`crate::cuda::SideStream`].
+    /// only — `w1`, `w3` and `w2` each one FP8 streaming kernel
+    /// ([`Linear::forward_is_kernels_only`]) and the SwiGLU between them — with no Candle op
+    /// reading a kernel's output, so that the whole expert can run on a
+    /// [`crate::cuda::SideStream`]. Not with `DSV41_UNFUSE=fp8_fused`, whose path quantizes
+    /// each input with a separate launch.
     #[cfg(feature = "cuda")]
     pub(crate) fn kernels_only(&self, x: &Tensor) -> bool {
-        let fused_fp8 = |l: &Linear| l.quantizes_input() && l.weight().fp8().is_some_and(|w| w.dims().1.is_multiple_of(32));
-        crate::cuda::fused_kernels(x.device())
-            && !crate::cuda::unfused("fp8_fused")
-            && x.dtype() == DType::BF16
-            && x.is_contiguous()
-            && x.dims2().is_ok_and(|(t, _)| (1..=crate::cuda::FP8_AUTO_STREAM_MAX_M).contains(&t))
-            && [&self.w1, &self.w3, &self.w2].into_iter().all(fused_fp8)
+        let (Ok((rows, _)), dev, dt) = (x.dims2(), x.device(), x.dtype()) else { return false };
+        // gate, up and the SwiGLU's output are fresh contiguous [rows, inter] tensors of x's dtype.
+        let swiglu = crate::cuda::fused_kernels(dev) && !crate::cuda::unfused("fp8_fused") && crate::cuda::swiglu_supported(x);
+        x.is_contiguous() && swiglu && [&self.w1, &self.w3, &self.w2].into_iter().all(|l| l.forward_is_kernels_only(dev, dt, rows))
     }
 
     /// The SwiGLU of `gate` and `up` (times `weight`), rounded to `dtype`, through `w2`.

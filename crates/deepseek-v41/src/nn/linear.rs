@@ -95,10 +95,23 @@ impl Linear {
         Self { weight, kind, quantize_input }
     }
 
-    /// Whether the linear FP8-quantizes its input (a quantized kind with the activation
-    /// quantization on).
-    pub fn quantizes_input(&self) -> bool {
-        self.quantize_input
+    /// The FP8 weight when [`Module::forward`] of an input on `device` in `dtype` quantizes it
+    /// inside the FP8 kernel: an FP8 weight that quantizes its input, a bf16 input on CUDA, an
+    /// input width that is a multiple of 32.
+    fn fused_fp8(&self, device: &candle_core::Device, dtype: DType) -> Option<&crate::quant::Fp8Weight> {
+        match &self.weight {
+            LinearWeight::Fp8(w) if self.quantize_input && device.is_cuda() && dtype == DType::BF16 && w.dims().1.is_multiple_of(32) => Some(w),
+            _ => None,
+        }
+    }
+
+    /// Whether [`Module::forward`] of a contiguous `[rows, in]` input on `device` in `dtype` is
+    /// launches of the crate's FP8 streaming kernel only, with no Candle op (what a
+    /// [`crate::cuda::SideStream`] branch needs): the fused activation ([`Linear::fused_fp8`]),
+    /// the fused kernels on, and few enough rows for the streaming path.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn forward_is_kernels_only(&self, device: &candle_core::Device, dtype: DType, rows: usize) -> bool {
+        self.fused_fp8(device, dtype).is_some() && crate::cuda::fused_kernels(device) && rows >= 1 && crate::cuda::auto_streams(rows)
     }
 
     /// The weight `[out, in]`, dense, FP8 or MXFP4 ([`LinearWeight::to_dense`] gives a dense copy
@@ -199,11 +212,8 @@ impl Module for Linear {
     /// quantization inside the FP8 kernel; any other input is prepared first
     /// ([`Linear::prepare_input`], in `x`'s dtype as for a dense weight) and multiplied as is.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let LinearWeight::Fp8(w) = &self.weight {
-            let fused = x.device().is_cuda() && x.dtype() == DType::BF16 && w.dims().1.is_multiple_of(32);
-            if self.quantize_input && fused {
-                return fp8_product(x, w, true)?.to_dtype(x.dtype());
-            }
+        if let Some(w) = self.fused_fp8(x.device(), x.dtype()) {
+            return fp8_product(x, w, true)?.to_dtype(x.dtype());
         }
         self.forward_prepared(&self.prepare_input(x)?)
     }
