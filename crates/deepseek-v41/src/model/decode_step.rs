@@ -43,6 +43,7 @@ use super::decoder::{Model, ModelCache};
 use super::engram::EngramTable;
 use super::engram_hash::EngramHistory;
 use super::mhc::{collapse_norm, post, post_collapse_norm, HcSublayer};
+use super::side_work::SideWork;
 use crate::attention::{
     BatchStorage, BatchedLayerCache, DecodeLayer, DecodeLayerKind, DecodeStep, DecodeStepError, DecodeStepInputs, PageTable, PageUse, Published,
     StepOptions,
@@ -575,38 +576,6 @@ impl<'m> ModelDecodeStep<'m> {
             None => collapse_norm(&x, &pre, m.final_norm())?,
         };
         m.head().forward_grouped(&h, rows)
-    }
-}
-
-/// Work the step runs off its critical path: on CUDA decode devices the mHC mixes on the
-/// device's side stream ([`crate::cuda::SideStream`]), elsewhere in line.
-struct SideWork {
-    #[cfg(feature = "cuda")]
-    side: Option<crate::cuda::SideStream>,
-}
-
-impl SideWork {
-    fn new(_device: &candle_core::Device) -> Result<Self> {
-        Ok(Self {
-            #[cfg(feature = "cuda")]
-            side: crate::cuda::SideStream::new(_device)?,
-        })
-    }
-
-    fn run<T>(&mut self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        #[cfg(feature = "cuda")]
-        if let Some(s) = self.side.as_mut() {
-            return s.run(f);
-        }
-        f()
-    }
-
-    fn join(&mut self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Some(s) = self.side.as_mut() {
-            s.join()?;
-        }
-        Ok(())
     }
 }
 

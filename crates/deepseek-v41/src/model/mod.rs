@@ -10,6 +10,7 @@ pub mod engram_hash;
 pub mod engram_host;
 pub mod engram_placement;
 pub mod mhc;
+mod side_work;
 pub mod moe;
 pub mod moe_sort;
 pub mod numpy_rng;

@@ -538,7 +538,7 @@ impl Moe {
         // The shared expert first, on the device's side stream where it has one (a decode
         // device, `cuda::SideStream`): beside the routing and the routed experts, joined before
         // the combine reads its output.
-        let mut side = crate::cuda::SideStream::new(x.device())?;
+        let mut side = super::side_work::SideWork::new(x.device())?;
         // x is FP8-quantized (Q1, spec §0.1b.8) by the shared expert's w1 and w3 kernels (FP8 in
         // the release: each quantizes x itself, `Expert::forward_quantizing`) and by the routed
         // kernels' gate/up prep launch into their own panel (the streaming kernel: e4m3 values as
@@ -553,13 +553,10 @@ impl Moe {
                 None => None,
             })
         };
-        let shared = match (side.as_mut(), &self.shared) {
-            (Some(sd), Some(s)) if s.kernels_only(x) => sd.run(shared_of)?,
-            _ => shared_of()?,
-        };
+        let shared = if self.shared.as_ref().is_some_and(|s| s.kernels_only(x)) { side.run(shared_of)? } else { shared_of()? };
         let r = self.gate.route_device(x)?;
         let limit = self.experts.first().and_then(|e| e.limit).map(|l| l as f32);
-        let mut join = || side.as_mut().map_or(Ok(()), |s| s.join());
+        let mut join = || side.join();
         let kernel = crate::cuda::MoeExpertsKernel::Auto;
         let out = crate::cuda::moe_experts_device_joined(x, &r, g, limit, shared.as_ref(), kernel, &mut join)?.out;
         Ok(MoeOutput { out, ids: r.ids, weights: r.weights })
