@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo build --release --features cuda --example bench_fp8_linear
-//! bench_fp8_linear [--m 1,16,64,256,4096] [--shapes wq_a,wq_b,wo_b,w13,w2] [--variants pipeline,registers,warp]
+//! bench_fp8_linear [--m 1,16,64,256,4096] [--shapes wq_a,wq_b,wo_b,w13,w2,wq_a+wkv] [--variants pipeline,registers,warp]
 //!                  [--no-act-quant] [--reps 9]
 //! ```
 //!
@@ -39,7 +39,7 @@ use bench::{cuda_device, gbps, l2_bytes, parse_args, rotation_sets, tflops, Benc
 use candle_core::{DType, Device, Module, Tensor};
 use clap::Parser;
 use deepseek_v41::cuda::{
-    fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant, FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
+    fp8_dequantize_device, fp8_linear, fp8_linear_split, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant, FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
 };
 use deepseek_v41::nn::{Linear, LinearKind};
 use deepseek_v41::quant::Fp8Weight;
@@ -56,7 +56,8 @@ struct Args {
     /// Token counts.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64,256,4096")]
     m: Vec<usize>,
-    /// Shapes (wq_a 5120->1280, wq_b 1280->32768, wo_b 8192->5120, w13 5120->2304, w2 2304->5120).
+    /// Shapes (wq_a 5120->1280, wq_b 1280->32768, wo_b 8192->5120, w13 5120->2304, w2 2304->5120;
+    /// wq_a+wkv: the two of one input, two calls against one stacked call).
     #[arg(long, value_delimiter = ',', default_value = "wq_a,wq_b,wo_b,w13,w2")]
     shapes: Vec<String>,
     /// Streaming-kernel variants timed forced (pipeline, registers, warp).
@@ -210,6 +211,36 @@ fn main() -> Result<()> {
                 print(&Row { shape: name, m, what: "bf16 linear (today)", graph_ms: g, calls_ms: c, weight_bytes: 2.0 * (n * k) as f64, flops });
             }
         }
+    }
+    if args.shapes.iter().any(|a| a == "wq_a+wkv") {
+        stacked_pair(&args, &timer, &dev, l2, aq)?;
+    }
+    Ok(())
+}
+
+/// `wq_a` (5120 -> 1280) and `wkv` (5120 -> 512) of one input: two calls against one launch over
+/// the stacked weight writing both outputs (`fp8_linear_split`, what `nn::LinearPair` runs).
+fn stacked_pair(args: &Args, timer: &Timer, dev: &Device, l2: usize, aq: bool) -> Result<()> {
+    let (k, n1, n2) = (5120, 1280, 512);
+    let n = n1 + n2;
+    let sets = rotation_sets(n * k, l2, 8);
+    let pairs: Vec<(Fp8Weight, Fp8Weight)> = (0..sets).map(|_| Ok((random_weight(n1, k, dev)?, random_weight(n2, k, dev)?))).collect::<Result<_>>()?;
+    let stacked: Vec<Fp8Weight> = pairs.iter().map(|(a, b)| Ok(a.stack(b)?)).collect::<Result<_>>()?;
+    let fp8_bytes = (n * k + n.div_ceil(32) * k.div_ceil(32)) as f64;
+    for &m in args.m.iter().filter(|&&m| m <= FP8_STREAM_MAX_M) {
+        let x = Tensor::randn(0f32, 1.0, (m, k), dev)?.to_dtype(DType::BF16)?;
+        let flops = 2.0 * (m * n * k) as f64;
+        let (g, c) = time(timer, sets, m <= 64, |s| {
+            fp8_linear(&x, &pairs[s].0, aq)?;
+            fp8_linear(&x, &pairs[s].1, aq)?;
+            Ok(())
+        })?;
+        print(&Row { shape: "wq_a+wkv", m, what: "fp8 auto, two calls", graph_ms: g, calls_ms: c, weight_bytes: fp8_bytes, flops });
+        let (g, c) = time(timer, sets, m <= 64, |s| {
+            fp8_linear_split(&x, &stacked[s], aq, Fp8LinearOptions::default(), n1)?;
+            Ok(())
+        })?;
+        print(&Row { shape: "wq_a+wkv", m, what: "fp8 stacked, one call", graph_ms: g, calls_ms: c, weight_bytes: fp8_bytes, flops });
     }
     Ok(())
 }

@@ -309,6 +309,7 @@ using dsv41_launch::align256;
 inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->m < 1 || p->n < 1 || p->k < BK || p->k % BK != 0 || !p->act_quant) return DSV41_ERR_SHAPE;
+    if (p->n_first != 0) return DSV41_ERR_SHAPE;  // one output (the caller splits a stacked product)
     // Tile counts and the scratch indices in int: m, n below 2^31 - 128.
     if (p->m > INT32_MAX - BM || p->n > INT32_MAX - BN) return DSV41_ERR_SHAPE;
     const int64_t tiles = static_cast<int64_t>((p->m + BM - 1) / BM) * ((p->n + BN - 1) / BN);

@@ -90,8 +90,11 @@ constexpr int kPrepThreads = 256;
 // Stores 4 consecutive outputs (row tok, columns n0..n0+3) as bf16.
 __device__ __forceinline__ void store_out4(const StreamArgs& a, int tok, int n0, float4 v) {
     if (tok >= a.m) return;
-    __nv_bfloat16* o = a.out + static_cast<int64_t>(tok) * a.n + n0;
-    if ((a.n & 3) == 0 && n0 + 3 < a.n) {
+    // n0 is a multiple of 4 and n1 of 32: the 4 outputs lie in one of the two outputs.
+    const OutBlock ob = out_block(a, n0);
+    const int w = ob.width, c0 = n0 - ob.first;
+    __nv_bfloat16* o = ob.at(tok, n0);
+    if ((w & 3) == 0 && c0 + 3 < w) {
         __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
         uint2 w;
         w.x = *reinterpret_cast<uint32_t*>(&lo);
@@ -101,7 +104,7 @@ __device__ __forceinline__ void store_out4(const StreamArgs& a, int tok, int n0,
         const float f[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-            if (n0 + c < a.n) o[c] = __float2bfloat16_rn(f[c]);
+            if (c0 + c < w) o[c] = __float2bfloat16_rn(f[c]);
     }
 }
 
@@ -264,6 +267,7 @@ __device__ __forceinline__ int cta_of(int64_t u, int64_t units, int ctas) { retu
 // Stores the warp's 32 rows x 8 NT tokens from acc-shaped registers (bf16, bounds-checked).
 template <int NT>
 __device__ __forceinline__ void store_rows(const StreamArgs& a, const float (&acc)[2][NT][4], int row0, int tok0, int g, int t) {
+    const OutBlock ob = out_block(a, row0);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -271,7 +275,7 @@ __device__ __forceinline__ void store_rows(const StreamArgs& a, const float (&ac
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = row0 + 16 * mt + g + (e >= 2 ? 8 : 0), tok = tok0 + 8 * nt + 2 * t + (e & 1);
-                if (r < a.n && tok < a.m) a.out[static_cast<int64_t>(tok) * a.n + r] = __float2bfloat16_rn(acc[mt][nt][e]);
+                if (r < a.n && tok < a.m) *ob.at(tok, r) = __float2bfloat16_rn(acc[mt][nt][e]);
             }
 }
 
@@ -477,6 +481,7 @@ inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_WARP) return DSV41_ERR_SHAPE;
     if (p->prep < DSV41_FP8_PREP_AUTO || p->prep > DSV41_FP8_PREP_FUSED) return DSV41_ERR_SHAPE;
     if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
+    if (p->n_first < 0 || p->n_first % 32 != 0 || (p->n_first > 0 && p->n_first >= p->n)) return DSV41_ERR_SHAPE;
     // Grid limits: ceil(n/32) CTAs in y (<= 65535).
     if ((p->n + 31) / 32 > 65535) return DSV41_ERR_SHAPE;
     return DSV41_OK;
@@ -604,11 +609,11 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     using namespace dsv41::fp8;
     const int v = validate(p, params_size);
     if (v != DSV41_OK) return v;
-    if (!p->x || !p->codes || !p->scales || !p->out || !p->scratch) return DSV41_ERR_NULL;
+    if (!p->x || !p->codes || !p->scales || !p->out || !p->scratch || (p->n_first > 0 && !p->out2)) return DSV41_ERR_NULL;
     const Plan q = make_plan(p);
     if (p->scratch_bytes < q.bytes) return DSV41_ERR_SHAPE;
     if ((reinterpret_cast<uintptr_t>(p->scratch) & 255) != 0 || (reinterpret_cast<uintptr_t>(p->out) & 7) != 0 ||
-        (reinterpret_cast<uintptr_t>(p->x) & 1) != 0)
+        (reinterpret_cast<uintptr_t>(p->x) & 1) != 0 || (p->n_first > 0 && (reinterpret_cast<uintptr_t>(p->out2) & 7) != 0))
         return DSV41_ERR_ALIGNMENT;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     char* base = static_cast<char*>(p->scratch);
@@ -617,6 +622,8 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     a.codes = p->codes;
     a.scales = p->scales;
     a.out = static_cast<__nv_bfloat16*>(p->out);
+    a.out2 = static_cast<__nv_bfloat16*>(p->n_first > 0 ? p->out2 : p->out);
+    a.n1 = p->n_first > 0 ? p->n_first : p->n;
     a.panel = reinterpret_cast<const uint16_t*>(base + q.panel_off);
     a.ascale = reinterpret_cast<const float*>(base + q.ascale_off);
     a.ws = reinterpret_cast<float*>(base + q.ws_off);
@@ -636,12 +643,15 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     const bool vec8 = p->k % 8 == 0 && (cp & 7) == 0;
     const bool streamk = p->k % 128 == 0 && (cp & 15) == 0 && (reinterpret_cast<uintptr_t>(p->scales) & 3) == 0;
     // DSV41_FP8_VARIANT_*: AUTO takes the stream-K pipeline for m > 16 where its whole-stage copies
-    // are possible (faster there on an H100: 48 vs 57 us for wq_b at m = 64), the ring for m <= 16
-    // (as fast or faster: 9.5 vs 12.6 us for wq_a at m = 1; docs/perf.md "FP8 linear"). WARP
+    // are possible (faster there on an H100: 48 vs 57 us for wq_b at m = 64) and its grid has at
+    // least a quarter as many CTAs as the GPU has SMs; the ring for m <= 16 (as fast or faster: 9.5
+    // vs 12.6 us for wq_a at m = 1; docs/perf.md "FP8 linear") and for small weights, whose few
+    // stream-K units would run on one or two CTAs one after another (the embedded model's 16 KB -
+    // 100 KB weights at m = 64: 7 - 16 us a call against ~6 us on the ring, ncu). WARP
     // (kernels/fp8_linear_warp.cu) runs where asked for and m <= kWarpMaxM, any k and alignment;
     // asked for above, it runs what AUTO picks.
     const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE ||
-                          ((p->variant == DSV41_FP8_VARIANT_AUTO || p->variant == DSV41_FP8_VARIANT_WARP) && p->m > 16);
+                          ((p->variant == DSV41_FP8_VARIANT_AUTO || p->variant == DSV41_FP8_VARIANT_WARP) && p->m > 16 && 4 * q.ctas >= sm_count());
     const int kind = q.warp ? 3 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
     // The fused activation (FUSED, or AUTO for a small weight): REGISTERS at m <= 16 reading x
     // itself, where its 16-byte loads are possible and the split-K counters need no zeroing (one

@@ -183,12 +183,13 @@ __global__ void __launch_bounds__(kWarpThreads, 1) fp8_warp_kernel(const StreamA
                 for (int e = 0; e < 4; ++e) acc[0][nt][e] = sum[4 * nt + e];
         }
         // Lane (g, t): rows g, g + 8 of the unit (registers 0-1 / 2-3), tokens 2t, 2t + 1 of each tile.
+        const OutBlock ob = out_block(a, kUnitRows * u);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = kUnitRows * u + g + (e >= 2 ? 8 : 0), tok = 8 * nt + 2 * t + (e & 1);
-                if (r < a.n && tok < a.m) a.out[static_cast<int64_t>(tok) * a.n + r] = __float2bfloat16_rn(acc[0][nt][e]);
+                if (r < a.n && tok < a.m) *ob.at(tok, r) = __float2bfloat16_rn(acc[0][nt][e]);
             }
     };
 

@@ -16,7 +16,7 @@ trap 'rm -rf "$WORK"' EXIT
 if [[ -f "$BIN/golden.xz" ]]; then xz -dc "$BIN/golden.xz" > "$WORK/golden"; else cp "$BIN/golden" "$WORK/golden"; fi
 chmod +x "$WORK/golden"
 for set in v41-tiny v41-shakespeare; do
-    for u in none sparse_small mhc_mixes f32_linear scale_round group_diagonal fp8_fused mhc_post mhc_norm side_stream; do
+    for u in none sparse_small mhc_mixes f32_linear scale_round group_diagonal fp8_fused mhc_post mhc_norm side_stream stacked; do
         DSV41_UNFUSE=$u timeout 120 "$WORK/golden" "tests/fixtures/$set" --device cuda > "$OUT/golden-$set-$u.log" 2>&1
         echo "$set, DSV41_UNFUSE=$u: $(grep -E 'passed, .* failed' "$OUT/golden-$set-$u.log") $(grep -E '^FAIL' "$OUT/golden-$set-$u.log" | cut -c1-70 | head -3 | tr '\n' ';')"
     done

@@ -19,7 +19,8 @@ typedef struct {
     const void* x;          // [m, k] bf16, contiguous
     const uint8_t* codes;   // [n, k] e4m3fn bytes, contiguous
     const uint8_t* scales;  // [ceil(n/32), ceil(k/32)] e8m0 bytes, contiguous
-    void* out;              // [m, n] bf16, contiguous
+    void* out;              // [m, n] bf16, contiguous; with n_first > 0: [m, n_first] (features 0 .. n_first)
+    void* out2;             // n_first > 0: [m, n - n_first] bf16, contiguous (features n_first .. n); else NULL
     void* scratch;          // dsv41_fp8_linear_scratch_bytes() bytes, 256-byte aligned (NULL when 0)
     int64_t scratch_bytes;  // size of scratch
     unsigned* counters;     // DSV41_FP8_COUNTERS arrival counters, all zero, left zero (or NULL): what the
@@ -31,7 +32,9 @@ typedef struct {
     int32_t splits;         // split-K factor; 0 = the launcher's choice (WARP: raised to what its shared memory needs)
     int32_t variant;        // DSV41_FP8_VARIANT_*
     int32_t prep;           // DSV41_FP8_PREP_*
-    int32_t reserved;       // 0
+    int32_t n_first;        // 0: one output; else a multiple of 32 in 32 .. n - 32: the product of two
+                            // linears of one input stacked along N, written to out and out2 (spec §2.5: every
+                            // output feature is its own dot product, so each output is its linear's alone)
 } Dsv41Fp8LinearParams;
 
 // How the weight-streaming kernel gets its activations. FUSED: REGISTERS with m <= 16 quantizes

@@ -80,14 +80,28 @@ struct StreamArgs {
     const __nv_bfloat16* x;  // [m, k] (the fused activation of REGISTERS reads it)
     const uint8_t* codes;
     const uint8_t* scales;
-    __nv_bfloat16* out;
+    __nv_bfloat16* out;     // [m, n1] (features 0 .. n1)
+    __nv_bfloat16* out2;    // [m, n - n1] (features n1 .. n); unused when n1 == n
     const uint16_t* panel;  // [mpad, kpad]
     const float* ascale;    // [kb, mpad] (ACTQ)
     float* ws;              // split-K / stream-K partials (the kernel's layout)
     unsigned* ctr;          // arrival counters: zero before the call, zero after it (the last arrival resets its own)
     int m, n, k, kb, kpad, mpad, mc, splits;
     int parts, prow;        // WARP: CTAs per split, bytes per panel row in shared memory
+    int n1;                 // features of out: n, or Dsv41Fp8LinearParams::n_first (a multiple of 32)
 };
+
+// The output holding the features of one 32-row block (n1 is a multiple of 32): element (tok,
+// feature r) of the block is o[tok * width + r - first]. Computed once per block, so the stores
+// cost what they did with one output.
+struct OutBlock {
+    __nv_bfloat16* o;
+    int width, first;
+    __device__ __forceinline__ __nv_bfloat16* at(int tok, int r) const { return o + static_cast<int64_t>(tok) * width + (r - first); }
+};
+__device__ __forceinline__ OutBlock out_block(const StreamArgs& a, int row) {
+    return row < a.n1 ? OutBlock{a.out, a.n1, 0} : OutBlock{a.out2, a.n - a.n1, a.n1};
+}
 
 // The A fragments of one k32 block of the warp's 16 MT rows: w[i] = the lane's 8 code bytes of
 // row g + 8i (k offsets 8t..8t+7 of the block), converted exactly; [m tile][k16 step][reg],

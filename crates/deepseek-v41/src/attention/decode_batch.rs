@@ -413,8 +413,9 @@ impl<'s> DecodeStep<'s> {
     pub fn projections(&self, x: &Tensor) -> Result<Projections> {
         let (w, b) = (&self.layer.params, self.batch());
         check_tensor("x", x, DType::BF16, &[b, self.layer.hidden])?;
-        let qr = w.q_norm.forward(&w.wq_a.forward_grouped(x, &self.rows)?)?;
-        let kv = w.kv_norm.forward(&w.wkv.forward_grouped(x, &self.rows)?)?;
+        let (qa, kva) = w.wq_a_wkv.forward_grouped(x, &self.rows)?;
+        let qr = w.q_norm.forward(&qa)?;
+        let kv = w.kv_norm.forward(&kva)?;
         let q = w.wq_b.forward_grouped(&qr, &self.rows)?.reshape((b, self.layer.heads, self.layer.head_dim))?;
         Ok(Projections { x: x.clone(), qr, kv, q })
     }

@@ -10,7 +10,7 @@ use super::indexer::{IndexKeyProjection, Indexer};
 use super::sparse_attention::sparse_attention;
 use crate::config::{AttentionRole, Config, TopkRole};
 use crate::nn::linear::{named, prefixed, NamedLinears};
-use crate::nn::{GroupedLinear, Linear, LinearKind, RmsNorm, RopeKind, RopeTable};
+use crate::nn::{GroupedLinear, Linear, LinearKind, LinearPair, RmsNorm, RopeKind, RopeTable};
 use crate::numerics::Numerics;
 use crate::quant::fake_quant::{fake_quant, QatFormat};
 
@@ -58,10 +58,10 @@ pub use fused::LayerPhase;
 pub struct Attention {
     layer: usize,
     role: AttentionRole,
-    wq_a: Linear,
+    /// `wq_a` and `wkv` (one input; stacked into one FP8 product on CUDA, `nn::LinearPair`).
+    wq_a_wkv: LinearPair,
     q_norm: RmsNorm,
     wq_b: Linear,
-    wkv: Linear,
     kv_norm: RmsNorm,
     /// The grouped (block-diagonal) `wo_a`: `o_groups` groups of `o_lora` rows over
     /// `heads_per_group·head_dim` inputs.
@@ -98,6 +98,8 @@ pub struct AttentionParams<'a> {
     pub wq_b: &'a Linear,
     /// `wkv` `[head_dim, hidden]`.
     pub wkv: &'a Linear,
+    /// `wq_a` and `wkv` as one pair (their products of one input in one call).
+    pub wq_a_wkv: &'a LinearPair,
     /// `kv_norm` over the window KV.
     pub kv_norm: &'a RmsNorm,
     /// The grouped `wo_a` (`o_groups` groups of `o_lora` rows over `heads_per_group·head_dim`).
@@ -152,10 +154,12 @@ impl Attention {
         Ok(Self {
             layer,
             role,
-            wq_a: Linear::new(d, cfg.q_lora_rank, q, numerics, vb.pp("wq_a"))?,
+            wq_a_wkv: LinearPair::new(
+                Linear::new(d, cfg.q_lora_rank, q, numerics, vb.pp("wq_a"))?,
+                Linear::new(d, hd, q, numerics, vb.pp("wkv"))?,
+            )?,
             q_norm: RmsNorm::new(cfg.q_lora_rank, cfg.rms_norm_eps, vb.pp("q_norm"))?,
             wq_b: Linear::new(cfg.q_lora_rank, h * hd, q, numerics, vb.pp("wq_b"))?,
-            wkv: Linear::new(d, hd, q, numerics, vb.pp("wkv"))?,
             kv_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("kv_norm"))?,
             wo_a,
             wo_b: Linear::new(g * ol, d, q, numerics, vb.pp("wo_b"))?,
@@ -180,10 +184,11 @@ impl Attention {
     /// The layer's parameters, borrowed ([`AttentionParams`]).
     pub fn params(&self) -> AttentionParams<'_> {
         AttentionParams {
-            wq_a: &self.wq_a,
+            wq_a: self.wq_a_wkv.first(),
             q_norm: &self.q_norm,
             wq_b: &self.wq_b,
-            wkv: &self.wkv,
+            wkv: self.wq_a_wkv.second(),
+            wq_a_wkv: &self.wq_a_wkv,
             kv_norm: &self.kv_norm,
             wo_a: &self.wo_a,
             wo_b: &self.wo_b,
@@ -246,8 +251,8 @@ impl Attention {
         let positions: Vec<usize> = (start..start + t).collect();
 
         // Projections and the q path (no q norm in V4.1).
-        let qr = self.q_norm.forward(&self.wq_a.forward(x)?)?;
-        let kv = self.kv_norm.forward(&self.wkv.forward(x)?)?;
+        let qr = self.q_norm.forward(&self.wq_a_wkv.first().forward(x)?)?;
+        let kv = self.kv_norm.forward(&self.wq_a_wkv.second().forward(x)?)?;
         let q = self.wq_b.forward(&qr)?.reshape((t, self.n_heads, self.head_dim))?;
         let q = self.rope.apply(&q, &positions, false)?;
 
@@ -347,7 +352,7 @@ impl Attention {
     /// Every linear of the layer with its checkpoint prefix (`wq_a`, `compressor.wkv`,
     /// `indexer.wq_b`, ...). The grouped `wo_a` is not a linear ([`Attention::wo_a`]).
     pub fn linears(&self) -> NamedLinears<'_> {
-        let mut v = named([("wq_a", &self.wq_a), ("wq_b", &self.wq_b), ("wkv", &self.wkv), ("wo_b", &self.wo_b)]);
+        let mut v = named([("wq_a", self.wq_a_wkv.first()), ("wq_b", &self.wq_b), ("wkv", self.wq_a_wkv.second()), ("wo_b", &self.wo_b)]);
         if let Some(c) = &self.compressor {
             v.extend(prefixed("compressor", c.linears()));
         }

@@ -83,10 +83,10 @@ impl Attention {
         let positions: Vec<usize> = (start..start + t).collect();
         let crate::nn::RopeRows { cos, sin, neg_sin } = self.rope.rows(&positions)?;
 
-        // wq_a and wkv (same kind and numerics) share one activation quantization of x.
-        let xq = self.wq_a.prepare_input(x)?;
-        let qr = self.q_norm.forward(&self.wq_a.forward_prepared(&xq)?)?;
-        let kv = self.kv_norm.forward(&self.wkv.forward_prepared(&xq)?)?;
+        // wq_a and wkv: one stacked FP8 product where it applies (nn::LinearPair).
+        let (qa, kva) = self.wq_a_wkv.forward(x)?;
+        let qr = self.q_norm.forward(&qa)?;
+        let kv = self.kv_norm.forward(&kva)?;
         let q = self.wq_b.forward(&qr)?.reshape((t, self.n_heads, self.head_dim))?;
         observe(LayerPhase::Projections);
 

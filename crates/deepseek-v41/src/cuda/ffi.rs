@@ -374,8 +374,10 @@ pub(crate) struct Fp8LinearParams {
     pub codes: *const u8,
     /// `[ceil(n/32), ceil(k/32)]` e8m0 bytes, contiguous.
     pub scales: *const u8,
-    /// `[m, n]` bf16 out.
+    /// `[m, n]` bf16 out (`[m, n_first]` when `n_first > 0`).
     pub out: *mut c_void,
+    /// `[m, n - n_first]` bf16 out when `n_first > 0`, else null.
+    pub out2: *mut c_void,
     /// `scratch_bytes` bytes, 256-byte aligned.
     pub scratch: *mut c_void,
     pub scratch_bytes: i64,
@@ -391,7 +393,8 @@ pub(crate) struct Fp8LinearParams {
     pub variant: i32,
     /// `DSV41_FP8_PREP_*`: 0 auto (fused for small weights), 1 the prep kernel, 2 fused where possible.
     pub prep: i32,
-    pub reserved: i32,
+    /// 0: one output; else a multiple of 32 below `n`: the features of `out`, the rest in `out2`.
+    pub n_first: i32,
 }
 
 /// `DSV41_FP8_COUNTERS`: the arrival counters [`Fp8LinearParams::counters`] points to.

@@ -48,7 +48,8 @@ pub const FP8_WARP_MAX_M: usize = ffi::FP8_WARP_MAX_M;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8StreamVariant {
     /// `Pipeline` for m > 16 where its copies are possible (K a multiple of 128, aligned codes and
-    /// scales), else `Registers` (the faster one at m <= 16, `docs/perf.md` "FP8 linear").
+    /// scales) and the weight fills a quarter of the GPU's SMs with its stream-K CTAs, else
+    /// `Registers` (the faster one at m <= 16 and for small weights, `docs/perf.md` "FP8 linear").
     #[default]
     Auto,
     /// 8-byte loads (byte loads for K not a multiple of 8) into a register ring.
@@ -124,7 +125,32 @@ pub fn fp8_linear(x: &Tensor, w: &Fp8Weight, act_quant: bool) -> Result<Tensor> 
 
 /// [`fp8_linear`] with a chosen path and split-K factor.
 pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8LinearOptions) -> Result<Tensor> {
-    let op = "fp8_linear";
+    Ok(product("fp8_linear", x, w, act_quant, opts, 0)?.0)
+}
+
+/// [`fp8_linear_with`] of a weight that stacks two linears of one input along N (rows
+/// `0..n_first`, then the rest; [`Fp8Weight::stack`]): the two products, `[M, n_first]` and
+/// `[M, N − n_first]`, as two tensors. On the streaming path one launch writes both, bit for bit
+/// the stacked product's columns — each its linear's own product up to the f32 summation order
+/// (every output feature is a dot product of its own weight row; the split-K factor follows the
+/// stacked N). The other paths (larger M) run one call per row view of the weight
+/// ([`Fp8Weight::rows`]), bit for bit the two linears' own calls. `n_first` must be a multiple of
+/// 32 in `32..N` (a whole row of scale blocks).
+pub fn fp8_linear_split(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8LinearOptions, n_first: usize) -> Result<(Tensor, Tensor)> {
+    let op = "fp8_linear_split";
+    let n = w.dims().0;
+    if n_first == 0 || !n_first.is_multiple_of(32) || n_first >= n {
+        candle_core::bail!("{op}: the first output's width must be a multiple of 32 in 32..{n} (the weight's N), got {n_first}")
+    }
+    match product(op, x, w, act_quant, opts, n_first)? {
+        (a, Some(b)) => Ok((a, b)),
+        (y, None) => candle_core::bail!("{op}: one output {:?} for a split product (an internal error)", y.shape()),
+    }
+}
+
+/// The product of [`fp8_linear_with`]; with `n_first > 0` the two outputs of
+/// [`fp8_linear_split`] (the second returned as `Some`).
+fn product(op: &str, x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8LinearOptions, n_first: usize) -> Result<(Tensor, Option<Tensor>)> {
     let (n, k) = w.dims();
     let m = match x.dims() {
         &[m, xk] if xk == k => m,
@@ -139,27 +165,32 @@ pub fn fp8_linear_with(x: &Tensor, w: &Fp8Weight, act_quant: bool, opts: Fp8Line
     if act_quant && !k.is_multiple_of(32) {
         candle_core::bail!("{op}: the activation quantization needs K (= {k}) to be a multiple of 32")
     }
-    if m == 0 {
-        return Tensor::zeros((0, n), DType::BF16, x.device());
-    }
     let kernel = match opts.path {
         Fp8LinearPath::Auto if auto_streams(m) => Kernel::Stream,
         Fp8LinearPath::Stream => Kernel::Stream,
         Fp8LinearPath::Gemm if act_quant && k.is_multiple_of(128) => Kernel::Gemm,
         Fp8LinearPath::Auto | Fp8LinearPath::Dequant | Fp8LinearPath::Gemm => Kernel::Dequant,
     };
+    if n_first > 0 && (m == 0 || kernel != Kernel::Stream) {
+        // Each linear's own call over its rows of the stacked weight (views, no copy).
+        let (a, b) = (w.rows(0, n_first)?, w.rows(n_first, n - n_first)?);
+        return Ok((product(op, x, &a, act_quant, opts, 0)?.0, Some(product(op, x, &b, act_quant, opts, 0)?.0)));
+    }
+    if m == 0 {
+        return Ok((Tensor::zeros((0, n), DType::BF16, x.device())?, None));
+    }
     if kernel == Kernel::Gemm {
-        return launch(op, &x.contiguous()?, w, m, act_quant, opts, Kernel::Gemm);
+        return Ok((launch(op, &x.contiguous()?, w, m, act_quant, opts, Kernel::Gemm, 0)?.0, None));
     }
     if kernel == Kernel::Dequant {
         let xq = if act_quant { fp8_activation_quant(x)? } else { x.clone() };
         let wd = fp8_dequantize_device(w, DType::BF16)?;
-        return xq.matmul(&wd.t()?);
+        return Ok((xq.matmul(&wd.t()?)?, None));
     }
     if m > FP8_STREAM_MAX_M {
         candle_core::bail!("{op}: the streaming kernel takes M <= {FP8_STREAM_MAX_M}, got {m}")
     }
-    launch(op, &x.contiguous()?, w, m, act_quant, opts, Kernel::Stream)
+    launch(op, &x.contiguous()?, w, m, act_quant, opts, Kernel::Stream, n_first)
 }
 
 /// Whether [`Fp8LinearPath::Auto`] streams the weight for `m` rows (else dequantize + cuBLAS).
@@ -175,8 +206,10 @@ enum Kernel {
     Dequant,
 }
 
-/// Launches the streaming kernel or the GEMM (same parameter block and scratch protocol).
-fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: Fp8LinearOptions, kernel: Kernel) -> Result<Tensor> {
+/// Launches the streaming kernel or the GEMM (same parameter block and scratch protocol); with
+/// `n_first > 0` (the streaming kernel) into two outputs, `[m, n_first]` and `[m, n − n_first]`.
+#[allow(clippy::too_many_arguments)]
+fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: Fp8LinearOptions, kernel: Kernel, n_first: usize) -> Result<(Tensor, Option<Tensor>)> {
     let gemm = kernel == Kernel::Gemm;
     let (n, k) = w.dims();
     if [m, n, k].iter().any(|&d| d > i32::MAX as usize - 128) {
@@ -187,6 +220,7 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
         codes: std::ptr::null(),
         scales: std::ptr::null(),
         out: std::ptr::null_mut(),
+        out2: std::ptr::null_mut(),
         scratch: std::ptr::null_mut(),
         scratch_bytes: 0,
         counters: std::ptr::null_mut(),
@@ -211,7 +245,7 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
             Fp8Prep::Kernel => 1,
             Fp8Prep::Fused => 2,
         },
-        reserved: 0,
+        n_first: n_first as i32,
     };
     let mut bytes = 0i64;
     let size = std::mem::size_of::<Fp8LinearParams>();
@@ -234,22 +268,33 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
     // SAFETY (both allocations): written by the kernels before they are read (every output
     // element; the scratch's panel, scales and counters by the prep kernel, partials before the
     // last CTA reads them).
-    let mut out = float_alloc(&cdev, m * n, false)?;
+    let n_out = if n_first > 0 { n_first } else { n };
+    let mut out = float_alloc(&cdev, m * n_out, false)?;
+    let mut out2 = if n_first > 0 { Some(float_alloc(&cdev, m * (n - n_first), false)?) } else { None };
     let mut scratch = unsafe { cdev.alloc::<u8>(bytes.max(1) as usize)? };
     // Inside a SideStream::run: on the side stream (what the kernels read kept until the join).
     let side = super::side_stream::side_launch_stream(&main)?;
     let stream = side.clone().unwrap_or(main);
     {
-        let out_layout = Layout::contiguous((m, n));
+        let out_layout = Layout::contiguous((m, n_out));
         let (x_p, _gx) = read_ptr::<bf16>(xc, xl, &stream)?;
         let (c_p, _gc) = read_ptr::<u8>(cc, cl, &stream)?;
         let (s_p, _gs) = read_ptr::<u8>(sc, sl, &stream)?;
         let (o_p, _go) = float_write_ptr(&mut out, &out_layout, false, &stream)?;
+        let out2_layout = Layout::contiguous((m, n - n_out));
+        let (o2_p, _go2) = match out2.as_mut() {
+            Some(o2) => {
+                let (p, g) = float_write_ptr(o2, &out2_layout, false, &stream)?;
+                (p, Some(g))
+            }
+            None => (std::ptr::null_mut(), None),
+        };
         let (scr_p, _gscr) = scratch.device_ptr_mut(&stream);
         params.x = x_p as *const std::ffi::c_void;
         params.codes = c_p;
         params.scales = s_p;
         params.out = o_p;
+        params.out2 = o2_p;
         params.scratch = scr_p as *mut std::ffi::c_void;
         params.scratch_bytes = bytes;
         // Only the register ring of m <= 16 can fuse the activation (and use the counters).
@@ -273,7 +318,7 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
     if side.is_some() {
         super::side_stream::side_keep(Box::new((x.clone(), w.codes().clone(), w.scales().clone(), scratch)));
     }
-    Ok(cuda_tensor(out, (m, n)))
+    Ok((cuda_tensor(out, (m, n_out)), out2.map(|o| cuda_tensor(o, (m, n - n_out)))))
 }
 
 /// The arrival counters of the streaming kernel's split-K with the fused activation

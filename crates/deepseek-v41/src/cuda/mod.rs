@@ -117,7 +117,7 @@ pub use compressed_insert::compressed_insert;
 pub use decode_device::decode_device;
 pub use f32_linear::{f32_linear_device, f32_linear_ref, f32_linear_supported, F32_LINEAR_MAX_M};
 pub use fp8_linear::{
-    arrival_counters, fp8_dequantize_device, fp8_linear, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant, FP8_AUTO_STREAM_MAX_M, FP8_FUSED_AUTO_MAX_BYTES,
+    arrival_counters, fp8_dequantize_device, fp8_linear, fp8_linear_split, fp8_linear_with, Fp8LinearOptions, Fp8LinearPath, Fp8Prep, Fp8StreamVariant, FP8_AUTO_STREAM_MAX_M, FP8_FUSED_AUTO_MAX_BYTES,
     FP8_STREAM_MAX_M, FP8_WARP_MAX_M,
 };
 pub use decoder_ops::{

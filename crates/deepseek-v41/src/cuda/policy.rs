@@ -69,8 +69,11 @@ pub fn fused_kernels(device: &Device) -> bool {
 /// same bits), `fp8_fused` (the FP8 linears' prep launch, the shared expert's shared
 /// quantization), `mhc_post` (Candle ops with cuBLAS's comb product), `mhc_norm` (the collapse
 /// and the norm after it, with the post before them, as separate launches; the same bits),
-/// `side_stream` (the decode step's mHC mixes in line on the device's stream; the same bits).
-pub const UNFUSE_NAMES: [&str; 9] = ["sparse_small", "mhc_mixes", "f32_linear", "scale_round", "group_diagonal", "fp8_fused", "mhc_post", "mhc_norm", "side_stream"];
+/// `side_stream` (the decode step's mHC mixes in line on the device's stream; the same bits),
+/// `stacked` (`wq_a` and `wkv` as two FP8 launches instead of one over their stacked weight,
+/// `nn::LinearPair`).
+pub const UNFUSE_NAMES: [&str; 10] =
+    ["sparse_small", "mhc_mixes", "f32_linear", "scale_round", "group_diagonal", "fp8_fused", "mhc_post", "mhc_norm", "side_stream", "stacked"];
 
 /// Whether `name` (one of [`UNFUSE_NAMES`]) is switched off by `DSV41_UNFUSE`.
 pub fn unfused(name: &str) -> bool {

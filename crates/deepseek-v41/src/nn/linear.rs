@@ -98,7 +98,7 @@ impl Linear {
     /// The FP8 weight when [`Module::forward`] of an input on `device` in `dtype` quantizes it
     /// inside the FP8 kernel: an FP8 weight that quantizes its input, a bf16 input on CUDA, an
     /// input width that is a multiple of 32.
-    fn fused_fp8(&self, device: &candle_core::Device, dtype: DType) -> Option<&crate::quant::Fp8Weight> {
+    pub(super) fn fused_fp8(&self, device: &candle_core::Device, dtype: DType) -> Option<&crate::quant::Fp8Weight> {
         match &self.weight {
             LinearWeight::Fp8(w) if self.quantize_input && device.is_cuda() && dtype == DType::BF16 && w.dims().1.is_multiple_of(32) => Some(w),
             _ => None,
@@ -112,6 +112,17 @@ impl Linear {
     #[cfg(feature = "cuda")]
     pub(crate) fn forward_is_kernels_only(&self, device: &candle_core::Device, dtype: DType, rows: usize) -> bool {
         self.fused_fp8(device, dtype).is_some() && crate::cuda::fused_kernels(device) && rows >= 1 && crate::cuda::auto_streams(rows)
+    }
+
+    /// The same linear (kind, input quantization) over another FP8 weight of its shape: the views
+    /// of a stacked weight ([`super::LinearPair`]).
+    pub(super) fn with_fp8(&self, weight: crate::quant::Fp8Weight) -> Self {
+        Self { weight: LinearWeight::Fp8(weight), kind: self.kind, quantize_input: self.quantize_input }
+    }
+
+    /// Whether the linear quantizes its input ([`Linear::prepare_input`]).
+    pub(super) fn quantizes_input(&self) -> bool {
+        self.quantize_input
     }
 
     /// The weight `[out, in]`, dense, FP8 or MXFP4 ([`LinearWeight::to_dense`] gives a dense copy

@@ -3,6 +3,7 @@
 
 pub mod grouped_linear;
 pub mod linear;
+pub mod linear_pair;
 pub mod linear_weight;
 pub mod random_weights;
 pub mod rms_norm;
@@ -11,6 +12,7 @@ pub mod row_groups;
 
 pub use grouped_linear::GroupedLinear;
 pub use linear::{Linear, LinearKind};
+pub use linear_pair::LinearPair;
 pub use linear_weight::LinearWeight;
 pub use random_weights::RandomWeights;
 pub use rms_norm::RmsNorm;

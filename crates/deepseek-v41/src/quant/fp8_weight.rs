@@ -105,6 +105,23 @@ impl Fp8Weight {
         Ok(Self { codes, scales })
     }
 
+    /// `self`'s rows, then `other`'s: one weight `[N₁ + N₂, K]` (a copy on the weights'
+    /// device; [`Fp8Weight::rows`] gives the two back as views of it). Two linears of one input
+    /// stacked this way are one product ([`crate::nn::LinearPair`]). Errors, naming the values,
+    /// unless both have the same K and device and N₁ is a multiple of 32 (so that `other`'s
+    /// 32×32 blocks stay whole).
+    pub fn stack(&self, other: &Self) -> Result<Self> {
+        let ((n1, k1), (n2, k2)) = (self.dims(), other.dims());
+        if k1 != k2 || !n1.is_multiple_of(BLOCK32) || !self.device().same_device(other.device()) {
+            candle_core::bail!(
+                "Fp8Weight::stack: weights [{n1}, {k1}] on {:?} and [{n2}, {k2}] on {:?}: they need the same K and device, and the first's N a multiple of {BLOCK32}",
+                self.device(),
+                other.device()
+            )
+        }
+        Self::new(Tensor::cat(&[&self.codes, &other.codes], 0)?, Tensor::cat(&[&self.scales, &other.scales], 0)?)
+    }
+
     /// Bytes held: codes plus scales.
     pub fn bytes(&self) -> usize {
         self.codes.elem_count() + self.scales.elem_count()
@@ -246,6 +263,27 @@ mod tests {
             let off = fp8_linear_ref(&x, &w, false)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             assert_ne!(on, off, "activation quantization had no effect ({dtype:?})");
         }
+        Ok(())
+    }
+
+    /// A stack's row views are the stacked weights, their products the weights' own products;
+    /// stacks that would split a 32x32 block or mix widths are errors naming the shapes.
+    #[test]
+    fn stack_and_rows() -> anyhow::Result<()> {
+        let (a, b) = (weight(64, 96, 3), weight(40, 96, 5));
+        let s = a.stack(&b)?;
+        assert_eq!(s.dims(), (104, 96));
+        let x = x_rows(3, 96, 9);
+        for (view, w) in [(s.rows(0, 64)?, &a), (s.rows(64, 40)?, &b)] {
+            assert_eq!(view.codes().to_vec2::<u8>()?, w.codes().to_vec2::<u8>()?);
+            assert_eq!(view.scales().to_vec2::<u8>()?, w.scales().to_vec2::<u8>()?);
+            let (g, r) = (fp8_linear_ref(&x, &view, true)?.to_vec2::<f32>()?, fp8_linear_ref(&x, w, true)?.to_vec2::<f32>()?);
+            assert_eq!(g, r);
+        }
+        let e = b.stack(&a).unwrap_err().to_string();
+        assert!(e.contains("[40, 96]") && e.contains("multiple of 32"), "{e}");
+        let e = a.stack(&weight(32, 64, 1)).unwrap_err().to_string();
+        assert!(e.contains("[32, 64]") && e.contains("same K"), "{e}");
         Ok(())
     }
 
