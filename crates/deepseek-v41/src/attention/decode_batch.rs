@@ -286,6 +286,10 @@ pub struct Projections {
     pub kv: Tensor,
     /// `[B, heads, head_dim]` bf16: the queries (RoPE'd in place by [`DecodeStep::inserts`]).
     pub q: Tensor,
+    /// `[B, H_I·d_I]` bf16: the index queries' projection, where the layer computes it with `q`
+    /// (`wq_b` and `indexer.wq_b` stacked: one launch; RoPE'd in place by
+    /// [`DecodeStep::selection`]); else `None` and the selection computes it.
+    pub iq: Option<Tensor>,
 }
 
 /// The result of [`DecodeStep::selection`].
@@ -416,8 +420,15 @@ impl<'s> DecodeStep<'s> {
         let (qa, kva) = w.wq_a_wkv.forward_grouped(x, &self.rows)?;
         let qr = w.q_norm.forward(&qa)?;
         let kv = w.kv_norm.forward(&kva)?;
-        let q = w.wq_b.forward_grouped(&qr, &self.rows)?.reshape((b, self.layer.heads, self.layer.head_dim))?;
-        Ok(Projections { x: x.clone(), qr, kv, q })
+        let (q, iq) = match w.wq_b_index {
+            Some(pair) => {
+                let (q, iq) = pair.forward_grouped(&qr, &self.rows)?;
+                (q, Some(iq))
+            }
+            None => (w.wq_b.forward_grouped(&qr, &self.rows)?, None),
+        };
+        let q = q.reshape((b, self.layer.heads, self.layer.head_dim))?;
+        Ok(Projections { x: x.clone(), qr, kv, q, iq })
     }
 
     /// Rotates the queries in place and writes the caches: the window rows and, for a kv
@@ -501,7 +512,11 @@ impl<'s> DecodeStep<'s> {
         };
         let publish = (l.candidates == CandidateRole::Publish).then_some(CandidateShape { block: l.candidate_block, n_keep: l.candidate_blocks });
         let (cos, sin, _) = self.inputs.rope_rows();
-        let iq = ix.wq_b().forward_grouped(&pr.qr, &self.rows)?.reshape((b, l.index_heads, l.index_head_dim))?;
+        let iq = match &pr.iq {
+            Some(iq) => iq.clone(),
+            None => ix.wq_b().forward_grouped(&pr.qr, &self.rows)?,
+        };
+        let iq = iq.reshape((b, l.index_heads, l.index_head_dim))?;
         q_rope_inplace(&iq, cos, sin, None)?;
         let iq = if l.params.numerics.cache_fake_quant { fake_quant_device(&iq, QatFormat::Fp4Ue8m0B32)? } else { iq };
         let hw = ix.head_weights_grouped(&pr.x, &self.rows)?;

@@ -200,6 +200,12 @@ impl Indexer {
         &self.wq_b
     }
 
+    /// Replaces `indexer.wq_b` by the same weight held elsewhere (the view of a stacked pair,
+    /// `nn::LinearPair`).
+    pub(super) fn set_wq_b(&mut self, wq_b: Linear) {
+        self.wq_b = wq_b;
+    }
+
     /// `indexer.weights_proj` `[H_I, hidden]`.
     pub fn weights_proj(&self) -> &Linear {
         &self.weights_proj

@@ -62,6 +62,9 @@ pub struct Attention {
     wq_a_wkv: LinearPair,
     q_norm: RmsNorm,
     wq_b: Linear,
+    /// `wq_b` and `indexer.wq_b` (both of the q-LoRA activation) stacked, on CUDA in layers with
+    /// an indexer (`wq_b` and the indexer's are then views of it).
+    wq_b_index: Option<LinearPair>,
     kv_norm: RmsNorm,
     /// The grouped (block-diagonal) `wo_a`: `o_groups` groups of `o_lora` rows over
     /// `heads_per_group·head_dim` inputs.
@@ -96,6 +99,8 @@ pub struct AttentionParams<'a> {
     pub q_norm: &'a RmsNorm,
     /// `wq_b` `[heads·head_dim, q_lora]`.
     pub wq_b: &'a Linear,
+    /// `wq_b` and `indexer.wq_b` as one stacked pair (index sources on CUDA; else `None`).
+    pub wq_b_index: Option<&'a LinearPair>,
     /// `wkv` `[head_dim, hidden]`.
     pub wkv: &'a Linear,
     /// `wq_a` and `wkv` as one pair (their products of one input in one call).
@@ -138,6 +143,7 @@ impl Attention {
         };
         let wo_a = GroupedLinear::new(h / g * hd, g * ol, g, vb.pp("wo_a"))?;
         let (mut compressor, mut key_projection, mut indexer) = (None, None, None);
+        let wq_b = Linear::new(cfg.q_lora_rank, h * hd, q, numerics, vb.pp("wq_b"))?;
         if let AttentionRole::Compressed { ratio, kv_source, topk } = role {
             if kv_source == layer {
                 compressor = Some(Compressor::new(cfg, ratio, numerics, vb.pp("compressor"))?);
@@ -151,6 +157,14 @@ impl Attention {
                 indexer = Some(Indexer::new(cfg, ratio, c, numerics, vb.pp("indexer"))?);
             }
         }
+        let (wq_b, wq_b_index) = match indexer.as_mut() {
+            Some(ix) => {
+                let pair = LinearPair::new(wq_b, ix.wq_b().clone())?;
+                ix.set_wq_b(pair.second().clone());
+                (pair.first().clone(), Some(pair).filter(LinearPair::is_stacked))
+            }
+            None => (wq_b, None),
+        };
         Ok(Self {
             layer,
             role,
@@ -159,7 +173,8 @@ impl Attention {
                 Linear::new(d, hd, q, numerics, vb.pp("wkv"))?,
             )?,
             q_norm: RmsNorm::new(cfg.q_lora_rank, cfg.rms_norm_eps, vb.pp("q_norm"))?,
-            wq_b: Linear::new(cfg.q_lora_rank, h * hd, q, numerics, vb.pp("wq_b"))?,
+            wq_b,
+            wq_b_index,
             kv_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("kv_norm"))?,
             wo_a,
             wo_b: Linear::new(g * ol, d, q, numerics, vb.pp("wo_b"))?,
@@ -187,6 +202,7 @@ impl Attention {
             wq_a: self.wq_a_wkv.first(),
             q_norm: &self.q_norm,
             wq_b: &self.wq_b,
+            wq_b_index: self.wq_b_index.as_ref(),
             wkv: self.wq_a_wkv.second(),
             wq_a_wkv: &self.wq_a_wkv,
             kv_norm: &self.kv_norm,

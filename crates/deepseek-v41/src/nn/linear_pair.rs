@@ -1,5 +1,6 @@
-//! [`LinearPair`]: two linears of one input — the attention's `wq_a` and `wkv` (spec §4.1) —
-//! computed as one product where that saves a launch.
+//! [`LinearPair`]: two linears of one input — the attention's `wq_a` and `wkv` (spec §4.1), its
+//! `wq_b` and the indexer's `wq_b` (both of the q-LoRA activation) — computed as one product where
+//! that saves a launch.
 //!
 //! On CUDA, when both weights are FP8 as stored, of the same kind and input quantization, with
 //! the same K and the first's N a multiple of 32, the pair holds one weight stacking them along N
@@ -49,12 +50,12 @@ impl LinearPair {
         Ok(Self { first: first.with_fp8(w.rows(0, n1)?), second: second.with_fp8(w.rows(n1, n2)?), stacked: Some(w) })
     }
 
-    /// The first linear (`wq_a`).
+    /// The first linear (`wq_a`, `wq_b`).
     pub fn first(&self) -> &Linear {
         &self.first
     }
 
-    /// The second linear (`wkv`).
+    /// The second linear (`wkv`, `indexer.wq_b`).
     pub fn second(&self) -> &Linear {
         &self.second
     }
