@@ -6,7 +6,10 @@
 // crate's nn::Linear over the dequantized weight); GPU tests: tests/cuda_fp8_linear.rs.
 //
 // Layout: x [m, k] bf16, codes [n, k] u8, scales [ceil(n/32), ceil(k/32)] u8, out [m, n] bf16,
-// all contiguous row-major. The exact dequantization W -> bf16 / f32 (the large-m path's first
+// all contiguous row-major. Two outputs (n_first > 0, a multiple of 32): two linears of one input
+// stacked along N (the attention's wq_a and wkv, spec §4.1) - features 0 .. n_first go to out
+// [m, n_first], the rest to out2 [m, n - n_first]; a 32-row block lies in one of them, so every
+// store finds its output once per block (include/dsv41_fp8_stream.cuh, out_block). The exact dequantization W -> bf16 / f32 (the large-m path's first
 // step) is kernels/fp8_dequant.cu; the FP8 wgmma GEMM kernels/fp8_gemm.cu; the WARP variant of
 // the weight streaming kernels/fp8_linear_warp.cu (the device pieces all variants share:
 // include/dsv41_fp8_stream.cuh).

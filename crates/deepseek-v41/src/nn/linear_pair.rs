@@ -97,3 +97,36 @@ impl LinearPair {
         fp8_linear_split(x, w, true, Fp8LinearOptions::default(), n1).map(Some)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Module, Tensor};
+
+    use super::*;
+    use crate::nn::LinearKind;
+    use crate::numerics::Numerics;
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// On the CPU a pair is not stacked and gives each linear's own output, in order, for one
+    /// sequence and for rows of several (each group as its own call).
+    #[test]
+    fn cpu_pair_is_the_two_linears() -> anyhow::Result<()> {
+        let dev = Device::Cpu;
+        let numerics = Numerics::REFERENCE;
+        let w1 = Tensor::randn(0f32, 0.05, (64, 96), &dev)?;
+        let w2 = Tensor::randn(0f32, 0.05, (32, 96), &dev)?;
+        let (a, b) = (Linear::from_weight(w1, LinearKind::Quantized, numerics), Linear::from_weight(w2, LinearKind::Quantized, numerics));
+        let pair = LinearPair::new(a.clone(), b.clone())?;
+        assert!(!pair.is_stacked());
+        let x = Tensor::randn(0f32, 1.0, (5, 96), &dev)?;
+        let (ya, yb) = pair.forward(&x)?;
+        assert_eq!((bits(&ya), bits(&yb)), (bits(&a.forward(&x)?), bits(&b.forward(&x)?)));
+        let groups = RowGroups::from_lens([2, 3]);
+        let (ga, gb) = pair.forward_grouped(&x, &groups)?;
+        assert_eq!((bits(&ga), bits(&gb)), (bits(&a.forward_grouped(&x, &groups)?), bits(&b.forward_grouped(&x, &groups)?)));
+        Ok(())
+    }
+}
