@@ -10,9 +10,11 @@
 //! weight row, so each output is its linear's product up to the kernel's f32 summation order (the
 //! split-K factor follows the stacked N) — the FP8 kernels' contract with the reference
 //! ([`crate::quant::fp8_linear_ref`]). Elsewhere (the CPU, dense weights, large calls,
-//! `DSV41_UNFUSE=stacked`) the two linears run as before, one call each.
+//! `DSV41_UNFUSE=stacked`) the two linears run as before: one call each, and for one sequence
+//! ([`LinearPair::forward`]) over one activation quantization of the input when they have the
+//! same kind and numerics.
 
-use candle_core::{Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 
 use super::linear::Linear;
 use super::row_groups::RowGroups;
@@ -75,9 +77,21 @@ impl LinearPair {
         Ok((self.first.forward_grouped(x, groups)?, self.second.forward_grouped(x, groups)?))
     }
 
-    /// [`LinearPair::forward_grouped`] of one sequence's rows.
+    /// `(first(x), second(x))` for one sequence's rows `x` `[m, in]`: the stacked product where it
+    /// applies, else the two products of one [`Linear::prepare_input`] of `x` when the linears
+    /// have the same kind and input quantization (bit for bit each linear's `forward` for a dense
+    /// or MXFP4 weight; for an FP8 weight on CUDA up to the kernels' f32 summation order), else
+    /// each linear's `forward`.
     pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.forward_grouped(x, &RowGroups::whole(x.dim(0)?))
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.stacked_forward(x)? {
+            return Ok(y);
+        }
+        if self.first.kind() == self.second.kind() && self.first.quantizes_input() == self.second.quantizes_input() {
+            let xq = self.first.prepare_input(x)?;
+            return Ok((self.first.forward_prepared(&xq)?, self.second.forward_prepared(&xq)?));
+        }
+        Ok((self.first.forward(x)?, self.second.forward(x)?))
     }
 
     /// The stacked product where it applies: a stacked pair, a contiguous `[m, in]` bf16 input
@@ -100,7 +114,7 @@ impl LinearPair {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{DType, Device, Module, Tensor};
+    use candle_core::{DType, Device, Tensor};
 
     use super::*;
     use crate::nn::LinearKind;
