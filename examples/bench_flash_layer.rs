@@ -338,7 +338,7 @@ impl Bench<'_> {
         let on_device = ls.moe_on_device(cfg.num_experts_per_tok);
         let ids = match (&self.timer, &on_device) {
             (Some(_), Ok(())) => ls.route(&m.h2)?.ids,
-            _ => with_device_routing(|| dl.moe().forward(&m.h2))?.ids,
+            _ => with_device_routing(|| dl.moe()?.forward(&m.h2))?.ids,
         };
         let mut touched_ids = ids.flatten_all()?.to_vec1::<u32>()?;
         touched_ids.sort_unstable();
@@ -445,7 +445,7 @@ impl Bench<'_> {
         let (cfg, w, dl, b) = (self.cfg, lr.w, lr.dl, lr.s.b);
         let hc = cfg.hc_mult;
         let mhc = 2.0 * ((2 + hc) * hc * hc * cfg.hidden_size * 4) as f64;
-        let moe = dl.moe();
+        let moe = dl.moe()?;
         let router = bytes_of(moe.linears().into_iter().filter(|(n, _)| n == "gate").collect());
         let shared = moe.shared_expert().map_or(0.0, |s| bytes_of(s.linears()));
         let expert = moe.experts().first().map_or(0.0, |e| bytes_of(e.linears()));

@@ -15,6 +15,9 @@
 //! and long prefills (chunks of 512 tokens) show progress bars on stderr; nothing is drawn when
 //! stderr is piped.
 //!
+//! `--ranks N` runs the model expert-parallel as N ranks (threads; `deepseek_v41::parallel`):
+//! each holds 1/N of every MoE layer's routed experts, and the same tokens come out.
+//!
 //! `--dry-run` reads only `config.json` (a folder holding nothing else will do, e.g.
 //! `--model tests/fixtures/deepseek-v41-flash`) and prints what loading it with the given
 //! `--device`, `--dtype`, `--quantized-weights` and `--engram-placement` would place where
@@ -23,6 +26,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -34,6 +38,7 @@ use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
 use deepseek_v41::input::check_context;
 use deepseek_v41::loader::{LoadPlan, PlanDevice, PlanOptions, QuantizedWeights, ReleaseCheckpoint};
 use deepseek_v41::model::{EngramPlacement, LoadOptions, ModelCache, Pretrained};
+use deepseek_v41::parallel::{run_local_ranks, Collective};
 use deepseek_v41::tokenizer::{ChatPrompt, Tokenizer};
 use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSource};
 use deepseek_v41::{Config, Numerics};
@@ -149,6 +154,12 @@ struct Args {
     /// near-tie of the logits. Needs MXFP4 routed experts.
     #[arg(long)]
     graph: bool,
+    /// Expert parallelism: run the model as this many ranks, threads of this process, each
+    /// holding 1/N of every MoE layer's routed experts (only those read from the checkpoint)
+    /// and exchanging the routed tokens' rows with the others; rank 0 runs the prompt. With
+    /// `--device cuda` rank r runs on GPU r mod (GPUs). The same tokens as one rank.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
 }
 
 /// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
@@ -345,65 +356,144 @@ fn run_args(args: Args) -> Result<()> {
     check_context(prompt_ids.len(), args.max_new_tokens, config.max_position_embeddings)
         .context("check --prompt and --max-new-tokens")?;
 
+    let options = LoadOptions { quantized: quantized_of(args.quantized_weights), engram: engram_of(args.engram_placement) };
+    let run = Run { args: &args, dir: &dir, device: &device, numerics, dtype, storage, sampling, prompt_ids: &prompt_ids };
+    if args.ranks != 1 {
+        return run.ranks(config, tokenizer, options);
+    }
     let t0 = Instant::now();
     let ckpt = ReleaseCheckpoint::open_dir(&dir).with_context(|| format!("loading {}", dir.display()))?;
     let loading = bar(ckpt.stored_bytes(), format!("loading {}", dir.display()), LOAD_BAR);
     let counter = loading.clone();
     ckpt.set_progress(move |bytes| counter.inc(bytes));
-    let (quantized, engram) = (quantized_of(args.quantized_weights), engram_of(args.engram_placement));
-    let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, LoadOptions { quantized, engram })
+    let p = Pretrained::load_with(config, tokenizer, ckpt, numerics, dtype, &device, options)
         .with_context(|| format!("loading {}", dir.display()))?;
     loading.finish_and_clear();
     eprintln!("loaded {} in {:.2}s", dir.display(), t0.elapsed().as_secs_f64());
+    run.text(&p)
+}
 
-    let mut sampler = Sampler::new(sampling)?;
-    let mut cache = p.new_cache_with(storage)?;
-    let mut stream = p.tokenizer.stream(true);
-    let mut out = std::io::stdout();
-    write!(out, "{}", args.prompt)?;
-    out.flush()?;
-    let eos = p.tokenizer.eos_id();
-    let t1 = Instant::now();
-    let tail = prefill_head(&p, &mut cache, &prompt_ids)?;
-    let mut first_token = None;
-    let mut emit = |id| {
-        first_token.get_or_insert_with(Instant::now);
-        if let Some(text) = stream.push(id)? {
-            write!(out, "{text}").map_err(candle_core::Error::wrap)?;
-            out.flush().map_err(candle_core::Error::wrap)?;
+/// What [`run_args`] settled before loading the weights.
+struct Run<'a> {
+    args: &'a Args,
+    dir: &'a Path,
+    device: &'a Device,
+    numerics: Numerics,
+    dtype: DType,
+    storage: CacheStorage,
+    sampling: Sampling,
+    prompt_ids: &'a [u32],
+}
+
+impl Run<'_> {
+    /// The prompt's continuation streamed to stdout, then the speed line on stderr.
+    fn text(&self, p: &Pretrained) -> Result<()> {
+        let (args, prompt_ids) = (self.args, self.prompt_ids);
+        let mut sampler = Sampler::new(self.sampling)?;
+        let mut cache = p.new_cache_with(self.storage)?;
+        let mut stream = p.tokenizer.stream(true);
+        let mut out = std::io::stdout();
+        write!(out, "{}", args.prompt)?;
+        out.flush()?;
+        let eos = p.tokenizer.eos_id();
+        let t1 = Instant::now();
+        let tail = prefill_head(p, &mut cache, prompt_ids)?;
+        let mut first_token = None;
+        let mut emit = |id| {
+            first_token.get_or_insert_with(Instant::now);
+            if let Some(text) = stream.push(id)? {
+                write!(out, "{text}").map_err(candle_core::Error::wrap)?;
+                out.flush().map_err(candle_core::Error::wrap)?;
+            }
+            Ok(())
+        };
+        let new = if args.graph {
+            SteppedGeneration { model: &p.model, config: &p.config, graph: true }
+                .generate(&mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)
+                .context("--graph: the decode step could not run as a CUDA graph (run without --graph)")?
+        } else {
+            generate(&p.model, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)?
+        };
+        let done = Instant::now();
+        if let Some(text) = stream.finish()? {
+            write!(out, "{text}")?;
+        }
+        println!();
+        // Prefill: the prompt's forward calls and the first token; decode: every later token.
+        let prefill = first_token.map_or(done - t1, |t| t - t1).as_secs_f64();
+        let steps = new.len().saturating_sub(1);
+        let decode = first_token.map_or(0.0, |t| (done - t).as_secs_f64());
+        eprintln!(
+            "prefill: {} prompt tokens in {prefill:.2}s ({:.1} tokens/s); decode: {steps} tokens in {decode:.2}s \
+             ({:.1} tokens/s, {:.2} ms/token); {} new tokens{}",
+            prompt_ids.len(),
+            prompt_ids.len() as f64 / prefill.max(f64::MIN_POSITIVE),
+            steps as f64 / decode.max(f64::MIN_POSITIVE),
+            1e3 * decode / steps.max(1) as f64,
+            new.len(),
+            if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" },
+        );
+        if args.profile {
+            profile_steps(p, self.storage, prompt_ids, &new, &mut sampler)?;
         }
         Ok(())
-    };
-    let new = if args.graph {
-        SteppedGeneration { model: &p.model, config: &p.config, graph: true }
-            .generate(&mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)
-            .context("--graph: the decode step could not run as a CUDA graph (run without --graph)")?
-    } else {
-        generate(&p.model, &mut cache, tail, args.max_new_tokens, &mut sampler, Some(eos), &mut emit)?
-    };
-    let done = Instant::now();
-    if let Some(text) = stream.finish()? {
-        write!(out, "{text}")?;
     }
-    println!();
-    // Prefill: the prompt's forward calls and the first token; decode: every later token.
-    let prefill = first_token.map_or(done - t1, |t| t - t1).as_secs_f64();
-    let steps = new.len().saturating_sub(1);
-    let decode = first_token.map_or(0.0, |t| (done - t).as_secs_f64());
-    eprintln!(
-        "prefill: {} prompt tokens in {prefill:.2}s ({:.1} tokens/s); decode: {steps} tokens in {decode:.2}s \
-         ({:.1} tokens/s, {:.2} ms/token); {} new tokens{}",
-        prompt_ids.len(),
-        prompt_ids.len() as f64 / prefill.max(f64::MIN_POSITIVE),
-        steps as f64 / decode.max(f64::MIN_POSITIVE),
-        1e3 * decode / steps.max(1) as f64,
-        new.len(),
-        if new.last() == Some(&eos) { " (stopped at EOS)" } else { "" },
-    );
-    if args.profile {
-        profile_steps(&p, storage, &prompt_ids, &new, &mut sampler)?;
+
+    /// `--ranks N`: the ranks as threads (`parallel::run_local_ranks`), each loading its share of
+    /// the experts; rank 0 generates, every rank then serves the others until all are done.
+    fn ranks(&self, config: Config, tokenizer: Tokenizer, options: LoadOptions) -> Result<()> {
+        let (args, n) = (self.args, self.args.ranks);
+        if n == 0 {
+            bail!("--ranks 0: give 1 or more ranks")
+        }
+        if n > config.n_routed_experts {
+            bail!("--ranks {n}: the model has {} routed experts per layer; give at most that many ranks", config.n_routed_experts)
+        }
+        if args.graph || args.profile {
+            bail!("--ranks {n}: --graph and --profile run one rank's decode step; run them without --ranks")
+        }
+        let devices = rank_devices(self.device, n)?;
+        let t0 = Instant::now();
+        run_local_ranks(n, |comm| -> candle_core::Result<()> {
+            let r = comm.rank();
+            let on_rank = || -> Result<()> {
+                let ckpt = ReleaseCheckpoint::open_dir(self.dir).with_context(|| format!("rank {r}: loading {}", self.dir.display()))?;
+                let (config, tokenizer) = (config.clone(), tokenizer.clone());
+                let p = Pretrained::load_rank(config, tokenizer, ckpt, self.numerics, self.dtype, &devices[r], options, Arc::new(comm))
+                    .with_context(|| format!("rank {r}: loading {}", self.dir.display()))?;
+                if r == 0 {
+                    eprintln!("loaded {} as {n} expert-parallel ranks in {:.2}s", self.dir.display(), t0.elapsed().as_secs_f64());
+                    self.text(&p)?;
+                }
+                Ok(p.model.serve_until_done()?)
+            };
+            #[cfg(feature = "cuda")]
+            if args.device == DeviceArg::Cuda && !args.host_routing {
+                return deepseek_v41::cuda::with_device_routing(on_rank).map_err(|e| candle_core::Error::Msg(format!("{e:#}")));
+            }
+            on_rank().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+        })?;
+        Ok(())
     }
-    Ok(())
+}
+
+/// The device of each of `n` ranks: `first` (the CPU, or GPU 0) for rank 0; on CUDA GPU r mod
+/// (GPUs) for rank r.
+fn rank_devices(first: &Device, n: usize) -> Result<Vec<Device>> {
+    let mut devices = vec![first.clone()];
+    #[cfg(feature = "cuda")]
+    if first.is_cuda() {
+        let gpus = candle_core::cuda_backend::cudarc::driver::result::device::get_count()? as usize;
+        for r in 1..n {
+            devices.push(match r % gpus.max(1) {
+                0 => first.clone(),
+                g => deepseek_v41::cuda::decode_device(g)?,
+            });
+        }
+        return Ok(devices);
+    }
+    devices.resize(n, first.clone());
+    Ok(devices)
 }
 
 fn dtype_of(arg: DTypeArg) -> DType {

@@ -125,7 +125,7 @@ impl<'a> LayerStep<'a> {
 
     /// The MoE output `[B, D]` (`Moe::forward` inside `cuda::with_device_routing`).
     pub fn moe(&self, h2: &Tensor) -> Result<Tensor> {
-        Ok(with_device_routing(|| self.layer.moe().forward(h2))?.out)
+        Ok(with_device_routing(|| self.layer.moe()?.forward(h2))?.out)
     }
 
     /// Whether [`LayerStep::moe`] stays on the device for any number of tokens (no host read: capturable
@@ -141,17 +141,17 @@ impl<'a> LayerStep<'a> {
     }
 
     fn grouped(&self) -> Option<&'a GroupedExperts> {
-        self.layer.moe().grouped_experts()
+        self.layer.moe().ok()?.grouped_experts()
     }
 
     /// The routing decision on the device (router logits and `moe_route_device`).
     pub fn route(&self, h2: &Tensor) -> Result<DeviceRouting> {
-        Ok(self.layer.moe().gate().route_device(h2)?)
+        Ok(self.layer.moe()?.gate().route_device(h2)?)
     }
 
     /// The shared expert's output `[B, D]` (none when the layer has no shared expert).
     pub fn shared(&self, h2: &Tensor) -> Result<Option<Tensor>> {
-        match self.layer.moe().shared_expert() {
+        match self.layer.moe()?.shared_expert() {
             Some(s) => Ok(Some(s.forward_prepared(&s.prepare_input(h2)?, None)?)),
             None => Ok(None),
         }
@@ -161,7 +161,7 @@ impl<'a> LayerStep<'a> {
     /// (`moe_experts_device`), `[B, D]`.
     pub fn experts(&self, h2: &Tensor, r: &DeviceRouting, shared: Option<&Tensor>) -> Result<Tensor> {
         let g = self.grouped().context("no grouped experts")?;
-        let limit = self.layer.moe().experts().first().and_then(|e| e.swiglu_limit()).map(|l| l as f32);
+        let limit = self.layer.moe()?.experts().first().and_then(|e| e.swiglu_limit()).map(|l| l as f32);
         Ok(moe_experts_device(h2, r, g, limit, shared)?.out)
     }
 

@@ -50,7 +50,7 @@ impl Prefill<'_> {
         println!("|---|---|---|");
         for &l in run {
             let x = (Tensor::randn(0f32, 1.0, (t, d), dev)?).to_dtype(DType::BF16)?;
-            let moe = layers[l].moe();
+            let moe = layers[l].moe()?;
             match eager_ms(stream, reps, || Ok(with_device_routing(|| moe.forward(&x)).map(|_| ())?)) {
                 Ok(ms) => println!("| {l} | {ms:.2} | {:.0} |", t as f64 / ms * 1e3),
                 Err(e) => println!("| {l} | error: {e:#} | |"),

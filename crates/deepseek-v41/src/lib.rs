@@ -112,6 +112,7 @@ pub mod loader;
 pub mod model;
 pub mod nn;
 pub mod numerics;
+pub mod parallel;
 pub mod quant;
 pub mod sampling;
 pub mod tokenizer;

@@ -78,16 +78,17 @@ impl ReleaseCheckpoint {
     /// [`NON_TEXT_SUFFIXES`] and names starting with any of `ignore_prefixes`. `.scale`
     /// companions are never listed (they belong to their weight, which is).
     pub fn unused_names(&self, ignore_prefixes: &[&str]) -> Vec<String> {
+        self.unused_names_except(|n| ignore_prefixes.iter().any(|p| n.starts_with(p)))
+    }
+
+    /// [`unused_names`](Self::unused_names) skipping the names for which `ignore` holds (e.g.
+    /// the routed experts another rank of an expert-parallel group loads).
+    pub fn unused_names_except(&self, ignore: impl Fn(&str) -> bool) -> Vec<String> {
         let usage = self.usage();
         self.names()
             .into_iter()
             .filter(|n| !usage.used.contains(n))
-            .filter(|n| {
-                !NON_TEXT_PREFIXES
-                    .iter()
-                    .chain(ignore_prefixes)
-                    .any(|p| n.starts_with(p))
-            })
+            .filter(|n| !NON_TEXT_PREFIXES.iter().any(|p| n.starts_with(p)) && !ignore(n))
             .filter(|n| !NON_TEXT_SUFFIXES.iter().any(|s| n.ends_with(s)))
             .collect()
     }
@@ -142,8 +143,14 @@ impl ReleaseCheckpoint {
     /// [`check_all_used`](Self::check_all_used)) together, so that a renamed tensor shows up as
     /// both missing and unexpected.
     pub fn check_strict(&self, ignore_prefixes: &[&str]) -> Result<(), LoadError> {
+        self.check_strict_except(|n| ignore_prefixes.iter().any(|p| n.starts_with(p)))
+    }
+
+    /// [`check_strict`](Self::check_strict) not listing the unused names for which `ignore`
+    /// holds.
+    pub fn check_strict_except(&self, ignore: impl Fn(&str) -> bool) -> Result<(), LoadError> {
         let problems = self.load_problems();
-        let unexpected = self.unused_names(ignore_prefixes);
+        let unexpected = self.unused_names_except(ignore);
         if problems.is_empty() && unexpected.is_empty() {
             Ok(())
         } else {

@@ -480,7 +480,13 @@ impl<'m> ModelDecodeStep<'m> {
         #[cfg(feature = "cuda")]
         if self.ids.device().is_cuda() {
             for block in self.model.layers() {
-                let moe = block.moe();
+                let moe = match block.moe() {
+                    Ok(moe) => moe,
+                    Err(e) => {
+                        why.push(e.to_string());
+                        continue;
+                    }
+                };
                 let k = moe.gate().top_k();
                 let on_device = moe
                     .grouped_experts()
@@ -555,7 +561,7 @@ impl<'m> ModelDecodeStep<'m> {
             side.join()?;
             let (x1, h2) = post_collapse_norm(&out.y, &x, &a.post, &a.comb, &a.pre, block.ffn_norm())?;
             let f = side.run(|| block.hc_mix(HcSublayer::Ffn).mixes_grouped(&x1, rows))?;
-            let z = block.moe().forward_grouped(&h2, rows)?;
+            let z = block.moe()?.forward_grouped(&h2, rows)?;
             side.join()?;
             let next_norm = match m.layers().get(l + 1) {
                 Some(next) if next.engram().is_some() => None,

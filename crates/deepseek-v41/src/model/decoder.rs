@@ -15,6 +15,7 @@ use super::engram_hash::{EngramHasher, EngramHistory, EngramIds, TokenMap};
 use super::engram_placement::{EngramOptions, EngramTableInfo};
 use super::mhc::{collapse_norm, post, post_collapse_norm, HcMix, HcSublayer};
 use super::moe::Moe;
+use crate::parallel::{agree, Collective, ExpertPlacement, ShardedMoe, Turn};
 use crate::attention::{Attention, CachePool, CacheStorage, PoolLease, RollbackError, SequenceCache, Trace};
 use crate::config::Config;
 use crate::input::{check_tokens, InputError};
@@ -112,7 +113,15 @@ pub struct DecoderLayer {
     attn_norm: RmsNorm,
     attn: Attention,
     ffn_norm: RmsNorm,
-    ffn: Moe,
+    ffn: Ffn,
+}
+
+/// A block's MoE: whole, or a rank's part of it with the group its tokens' slots travel in
+/// (expert parallelism, [`crate::parallel`]).
+#[derive(Debug, Clone)]
+enum Ffn {
+    Whole(Moe),
+    Sharded(ShardedMoe, Arc<dyn Collective>),
 }
 
 impl DecoderLayer {
@@ -123,6 +132,26 @@ impl DecoderLayer {
 
     /// [`DecoderLayer::new`] with the Engram table placed as `engram` says ([`Engram::load`]).
     pub fn with_engram(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder, engram: &EngramOptions) -> Result<Self> {
+        let ffn = Ffn::Whole(Moe::new(cfg, numerics, vb.pp("ffn"))?);
+        Self::with_ffn(cfg, layer, numerics, vb, engram, ffn)
+    }
+
+    /// [`DecoderLayer::with_engram`] holding only `placement`'s routed experts, its MoE calls
+    /// exchanging slots with the other ranks of `comm` ([`ShardedMoe`]).
+    pub fn expert_parallel(
+        cfg: &Config,
+        layer: usize,
+        numerics: Numerics,
+        vb: VarBuilder,
+        engram: &EngramOptions,
+        placement: ExpertPlacement,
+        comm: Arc<dyn Collective>,
+    ) -> Result<Self> {
+        let ffn = Ffn::Sharded(ShardedMoe::new(cfg, numerics, vb.pp("ffn"), placement)?, comm);
+        Self::with_ffn(cfg, layer, numerics, vb, engram, ffn)
+    }
+
+    fn with_ffn(cfg: &Config, layer: usize, numerics: Numerics, vb: VarBuilder, engram: &EngramOptions, ffn: Ffn) -> Result<Self> {
         let engram = match cfg.layers[layer].engram {
             true => Some(Engram::load(cfg, layer, numerics, vb.pp("engram"), engram)?),
             false => None,
@@ -135,7 +164,7 @@ impl DecoderLayer {
             attn_norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("attn_norm"))?,
             attn: Attention::new(cfg, layer, numerics, vb.pp("attn"))?,
             ffn_norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("ffn_norm"))?,
-            ffn: Moe::new(cfg, numerics, vb.pp("ffn"))?,
+            ffn,
         })
     }
 
@@ -182,16 +211,22 @@ impl DecoderLayer {
         let (x1, h2) = post_collapse_norm(&y, &x, &a.post, &a.comb, &a.pre, &self.ffn_norm)?;
         let f = self.hc_ffn.mixes_grouped(&x1, &groups)?;
         record(segs, || format!("L{l}.ffn_in"), &h2)?;
-        let z = self.ffn.forward_grouped(&h2, &groups)?;
-        record(segs, || format!("L{l}.ffn_out"), &z.out)?;
-        record(segs, || format!("L{l}.moe_ids"), &z.ids)?;
-        record(segs, || format!("L{l}.moe_weights"), &z.weights)?;
+        let z = match &self.ffn {
+            Ffn::Whole(moe) => {
+                let z = moe.forward_grouped(&h2, &groups)?;
+                record(segs, || format!("L{l}.moe_ids"), &z.ids)?;
+                record(segs, || format!("L{l}.moe_weights"), &z.weights)?;
+                z.out
+            }
+            Ffn::Sharded(moe, comm) => moe.forward(&h2, &groups, comm.as_ref())?,
+        };
+        record(segs, || format!("L{l}.ffn_out"), &z)?;
         for (name, c) in [("attn", &a), ("ffn", &f)] {
             record(segs, || format!("L{l}.hc_{name}_pre"), &c.pre)?;
             record(segs, || format!("L{l}.hc_{name}_post"), &c.post)?;
             record(segs, || format!("L{l}.hc_{name}_comb"), &c.comb)?;
         }
-        let x2 = post(&z.out, &x1, &f.post, &f.comb)?;
+        let x2 = post(&z, &x1, &f.post, &f.comb)?;
         Ok((x2, f.pre))
     }
 
@@ -210,9 +245,17 @@ impl DecoderLayer {
         &self.attn
     }
 
-    /// The MoE sublayer.
-    pub fn moe(&self) -> &Moe {
-        &self.ffn
+    /// The MoE sublayer; an error for a block of a [`Model::expert_parallel`] rank (it holds only
+    /// its share of the routed experts).
+    pub fn moe(&self) -> Result<&Moe> {
+        match &self.ffn {
+            Ffn::Whole(moe) => Ok(moe),
+            Ffn::Sharded(m, _) => candle_core::bail!(
+                "layer {}: the MoE is split over {} ranks (expert parallelism); this path needs the whole MoE",
+                self.layer,
+                m.placement().world()
+            ),
+        }
     }
 
     /// The RMSNorm before the attention (`attn_norm`).
@@ -251,7 +294,13 @@ impl DecoderLayer {
     /// `engram.wkv`, ...).
     pub fn linears(&self) -> NamedLinears<'_> {
         let mut v = prefixed("attn", self.attn.linears());
-        v.extend(prefixed("ffn", self.ffn.linears()));
+        v.extend(prefixed(
+            "ffn",
+            match &self.ffn {
+                Ffn::Whole(moe) => moe.linears(),
+                Ffn::Sharded(moe, _) => moe.linears(),
+            },
+        ));
         if let Some(e) = &self.engram {
             v.extend(prefixed("engram", e.linears()));
         }
@@ -312,6 +361,8 @@ pub struct Model {
     dtype: DType,
     vocab_size: usize,
     max_positions: usize,
+    /// The expert-parallel group every block's MoE exchanges in ([`Model::expert_parallel`]).
+    group: Option<Arc<dyn Collective>>,
 }
 
 impl Model {
@@ -327,10 +378,21 @@ impl Model {
     /// over [`super::AUTO_DEVICE_MAX_BYTES`] (the released ones) in host memory, read by rows per
     /// call ([`super::HostRows`]); see [`Model::engram_placements`].
     pub fn with_engram(cfg: &Config, numerics: Numerics, token_map: Option<TokenMap>, vb: VarBuilder, engram: &EngramOptions) -> Result<Self> {
-        let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed"))?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|l| DecoderLayer::with_engram(cfg, l, numerics, vb.pp("layers").pp(l), engram))
             .collect::<Result<Vec<_>>>()?;
+        Self::with_layers(cfg, numerics, token_map, vb, layers, None)
+    }
+
+    fn with_layers(
+        cfg: &Config,
+        numerics: Numerics,
+        token_map: Option<TokenMap>,
+        vb: VarBuilder,
+        layers: Vec<DecoderLayer>,
+        group: Option<Arc<dyn Collective>>,
+    ) -> Result<Self> {
+        let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed"))?;
         let engram = match (&cfg.engram, token_map) {
             (None, _) => None,
             (Some(e), Some(map)) => Some(EngramHasher::new(e, map)?),
@@ -346,7 +408,39 @@ impl Model {
             dtype: vb.dtype(),
             vocab_size: cfg.vocab_size,
             max_positions: cfg.max_position_embeddings,
+            group,
         })
+    }
+
+    /// [`Model::with_engram`] as rank `placement.rank()` of an expert-parallel group: every block
+    /// holds only the routed experts `placement.range()` (the other experts' tensors are not
+    /// read) and its MoE calls exchange slots with the other ranks of `comm`, which must run the
+    /// same calls ([`crate::parallel`]: each rank forwards its own sequences; the attention and
+    /// everything else are replicated). The paths that need the whole MoE (`DecoderLayer::moe`,
+    /// the decode step) report an error.
+    ///
+    /// Every call is a collective, started by a round ([`crate::parallel::agree`]):
+    /// [`Model::forward_batch`] (and [`Model::forward`]) on a rank with tokens,
+    /// [`Model::join_idle`] on a rank without, and [`Model::serve_until_done`] once on every rank
+    /// after its last forward — so the ranks may make different numbers of forward calls. An
+    /// error in a call leaves the group out of step: drop every rank's model (dropping a
+    /// [`crate::parallel::LocalRank`] makes the others' exchanges fail instead of wait).
+    pub fn expert_parallel(
+        cfg: &Config,
+        numerics: Numerics,
+        token_map: Option<TokenMap>,
+        vb: VarBuilder,
+        engram: &EngramOptions,
+        placement: ExpertPlacement,
+        comm: Arc<dyn Collective>,
+    ) -> Result<Self> {
+        if comm.rank() != placement.rank() || comm.world() != placement.world() {
+            candle_core::bail!("Model: rank {} of {} in the group, placed as rank {} of {}", comm.rank(), comm.world(), placement.rank(), placement.world())
+        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| DecoderLayer::expert_parallel(cfg, l, numerics, vb.pp("layers").pp(l), engram, placement, comm.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        Self::with_layers(cfg, numerics, token_map, vb, layers, Some(comm))
     }
 
     /// The vocabulary size (token ids must be below it).
@@ -374,6 +468,58 @@ impl Model {
         Ok(self.forward_batch(&mut [BatchItem::new(tokens, cache).with_logits(LogitRows::All)])?.logits)
     }
 
+    /// One round of an expert-parallel rank ([`Model::expert_parallel`]) with no sequence to
+    /// forward now: it tells the group it is idle ([`crate::parallel::Turn::Idle`]) and, if
+    /// another rank forwards in this call, joins every block's exchange with no tokens so that
+    /// rank gets its experts' outputs. Returns whether a rank forwarded. Errors on a model that
+    /// is not expert-parallel (there is no group to join).
+    pub fn join_idle(&self) -> Result<bool> {
+        self.round(Turn::Idle)
+    }
+
+    /// The end of an expert-parallel rank's work: joins the other ranks' calls (as
+    /// [`Model::join_idle`]) until every rank of the group has called this, then returns. Every
+    /// rank calls it once, after its last forward. Errors on a model that is not expert-parallel.
+    pub fn serve_until_done(&self) -> Result<()> {
+        loop {
+            let g = self.group()?;
+            let round = agree(g, Turn::Done)?;
+            if round.all_done {
+                return Ok(());
+            }
+            if round.forward {
+                self.join_blocks()?;
+            }
+        }
+    }
+
+    fn group(&self) -> Result<&dyn Collective> {
+        match &self.group {
+            Some(g) => Ok(g.as_ref()),
+            None => candle_core::bail!("Model: the model is not expert-parallel (it has no group to exchange with; see Model::expert_parallel)"),
+        }
+    }
+
+    fn round(&self, turn: Turn) -> Result<bool> {
+        let round = agree(self.group()?, turn)?;
+        if round.forward && turn != Turn::Forward {
+            self.join_blocks()?;
+        }
+        Ok(round.forward)
+    }
+
+    /// Every block's MoE exchange with no tokens, in block order.
+    fn join_blocks(&self) -> Result<()> {
+        let (dev, d) = (self.head.device(), self.embed.hidden_size());
+        let empty = Tensor::zeros((0, d), self.dtype, dev)?;
+        for layer in &self.layers {
+            if let Ffn::Sharded(moe, comm) = &layer.ffn {
+                moe.forward(&empty, &RowGroups::from_lens([]), comm.as_ref())?;
+            }
+        }
+        Ok(())
+    }
+
     /// One forward over several sequences, each an item: a chunk of tokens (a prefill chunk or
     /// one decode token, mixed freely) at positions `item.cache.seq_len() ..` of its own cache.
     /// Returns the logits of the rows each item asks for ([`LogitRows`], default its last token).
@@ -391,6 +537,10 @@ impl Model {
     /// vocabulary. The same cache cannot be passed twice (each item borrows it mutably).
     pub fn forward_batch(&self, items: &mut [BatchItem]) -> Result<BatchOutput> {
         let plan = BatchPlan::new(self, items)?;
+        if self.group.is_some() {
+            // Expert parallel: the other ranks learn that this call forwards and join it.
+            self.round(Turn::Forward)?;
+        }
         let tokens: Vec<u32> = items.iter().flat_map(|it| it.tokens.iter().copied()).collect();
         let t = tokens.len();
         let dev = self.head.device().clone();

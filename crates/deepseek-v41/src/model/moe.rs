@@ -124,6 +124,11 @@ impl Gate {
         })
     }
 
+    /// The router's projection `[E, D]` (f32).
+    pub(crate) fn proj(&self) -> &Linear {
+        &self.proj
+    }
+
     /// Experts chosen per token (`num_experts_per_tok`).
     pub fn top_k(&self) -> usize {
         self.top_k
@@ -232,7 +237,7 @@ pub(crate) fn select_experts(scores: &[Vec<f32>], bias: &[f32], k: usize, route_
 /// `(acc + f32(v))` rounded to `dtype`, with `acc` = zeros when `None`: one step of the MoE's f32
 /// sum. `acc`: f32 of `v`'s shape; `v`: any float dtype. On a CUDA device one kernel, bit for bit
 /// these ops.
-fn accumulate(acc: Option<&Tensor>, v: &Tensor, dtype: DType) -> Result<Tensor> {
+pub(crate) fn accumulate(acc: Option<&Tensor>, v: &Tensor, dtype: DType) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::cuda::fused_kernels(v.device()) && crate::cuda::accumulate_supported(v, dtype) {
         return crate::cuda::accumulate_device(acc, v, dtype);
@@ -357,7 +362,7 @@ impl Expert {
 
 /// Row groups of the runs of equal owners (the rows of one sequence routed to an expert, in
 /// order): each its own whole product.
-fn runs(owners: impl Iterator<Item = usize>) -> RowGroups {
+pub(crate) fn runs<T: PartialEq + Copy>(owners: impl Iterator<Item = T>) -> RowGroups {
     let mut lens: Vec<usize> = Vec::new();
     let mut last = None;
     for o in owners {

@@ -3,6 +3,7 @@
 //! tokenizer — with a strict check of the checkpoint's tensor names.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Result};
 
@@ -12,6 +13,7 @@ use crate::attention::CacheStorage;
 use crate::config::Config;
 use crate::loader::{var_builder_with, QuantizedWeights, ReleaseCheckpoint};
 use crate::numerics::Numerics;
+use crate::parallel::{Collective, ExpertPlacement};
 use crate::tokenizer::{engram_token_map, Tokenizer};
 
 /// How [`Pretrained`] holds the weights it loads. A [`QuantizedWeights`] converts into it (with
@@ -108,7 +110,38 @@ impl Pretrained {
         device: &Device,
         options: impl Into<LoadOptions>,
     ) -> Result<Self> {
-        let LoadOptions { quantized, engram } = options.into();
+        Self::load_parts(config, tokenizer, ckpt, (numerics, dtype, device), options.into(), None)
+    }
+
+    /// [`Pretrained::load_with`] as rank `comm.rank()` of an expert-parallel group of
+    /// `comm.world()` ranks ([`Model::expert_parallel`]): every MoE layer holds only the rank's
+    /// share of the routed experts ([`ExpertPlacement::new`]), and only those experts' tensors
+    /// are read from `ckpt` — the strict check expects the other ranks' experts unused. Every
+    /// rank of the group loads its own and makes the group's calls (`Model::expert_parallel`'s
+    /// protocol; [`crate::parallel::run_local_ranks`] runs the ranks as threads).
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_rank(
+        config: Config,
+        tokenizer: Tokenizer,
+        ckpt: ReleaseCheckpoint,
+        numerics: Numerics,
+        dtype: DType,
+        device: &Device,
+        options: impl Into<LoadOptions>,
+        comm: Arc<dyn Collective>,
+    ) -> Result<Self> {
+        Self::load_parts(config, tokenizer, ckpt, (numerics, dtype, device), options.into(), Some(comm))
+    }
+
+    fn load_parts(
+        config: Config,
+        tokenizer: Tokenizer,
+        ckpt: ReleaseCheckpoint,
+        (numerics, dtype, device): (Numerics, DType, &Device),
+        options: LoadOptions,
+        group: Option<Arc<dyn Collective>>,
+    ) -> Result<Self> {
+        let LoadOptions { quantized, engram } = options;
         if tokenizer.vocab_size() > config.vocab_size {
             candle_core::bail!("tokenizer has {} ids but the model's vocab_size is {}", tokenizer.vocab_size(), config.vocab_size)
         }
@@ -118,12 +151,21 @@ impl Pretrained {
         };
         ckpt.set_collect_missing(true);
         let vb = var_builder_with(ckpt.clone(), dtype, device, quantized);
-        let model = match Model::with_engram(&config, numerics, token_map, vb, &EngramOptions::new(engram, &ckpt)) {
+        let engram_options = EngramOptions::new(engram, &ckpt);
+        let placement = match &group {
+            Some(comm) => Some(ExpertPlacement::new(config.n_routed_experts, comm.world(), comm.rank())?),
+            None => None,
+        };
+        let model = match (&group, placement) {
+            (Some(comm), Some(placement)) => Model::expert_parallel(&config, numerics, token_map, vb, &engram_options, placement, comm.clone()),
+            _ => Model::with_engram(&config, numerics, token_map, vb, &engram_options),
+        };
+        let model = match model {
             // A failure unrelated to the checkpoint's names: the unused list would be noise.
             Err(e) if ckpt.load_problems().is_empty() => return Err(e),
             model => model,
         };
-        ckpt.check_strict(&[])?;
+        ckpt.check_strict_except(|name| placement.is_some_and(|p| p.held_elsewhere(name)))?;
         let model = model?;
         Ok(Self { config, model, tokenizer, dtype, device: device.clone(), quantized_weights: quantized, engram_placement: engram })
     }

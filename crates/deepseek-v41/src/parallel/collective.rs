@@ -1,0 +1,152 @@
+//! [`Collective`]: the exchange between the ranks of an expert-parallel group, and
+//! [`LocalGroup`], its in-process form (ranks as threads).
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Mutex;
+
+use candle_core::Result;
+
+/// An all-to-all exchange of byte buffers between the ranks of a group. Every rank calls it the
+/// same number of times in the same order (a collective); call `i` of a rank meets call `i` of
+/// every other.
+pub trait Collective: Send + Sync + std::fmt::Debug {
+    /// This rank (0 ..= world − 1).
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+    /// Sends `send[d]` to rank `d` (`send.len()` = world; the own entry included) and returns
+    /// what every rank sent to this one, by source rank.
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>;
+}
+
+/// One rank of a [`LocalGroup`]: a channel to and from every rank (FIFO per pair, so the calls
+/// of a collective meet in order). Move each into its own thread.
+#[derive(Debug)]
+pub struct LocalRank {
+    rank: usize,
+    to: Vec<Sender<Vec<u8>>>,
+    from: Vec<Mutex<Receiver<Vec<u8>>>>,
+}
+
+/// `world` ranks in one process ([`LocalGroup::ranks`]).
+#[derive(Debug)]
+pub struct LocalGroup;
+
+impl LocalGroup {
+    /// The ranks of a new group of `world` ranks, in rank order.
+    pub fn ranks(world: usize) -> Vec<LocalRank> {
+        // pair[s][d]: the channel from s to d.
+        let mut tx: Vec<Vec<Option<Sender<Vec<u8>>>>> = (0..world).map(|_| (0..world).map(|_| None).collect()).collect();
+        let mut rx: Vec<Vec<Option<Receiver<Vec<u8>>>>> = (0..world).map(|_| (0..world).map(|_| None).collect()).collect();
+        for s in 0..world {
+            for d in 0..world {
+                let (t, r) = channel();
+                tx[s][d] = Some(t);
+                rx[d][s] = Some(r);
+            }
+        }
+        tx.into_iter()
+            .zip(rx)
+            .enumerate()
+            .map(|(rank, (to, from))| LocalRank { rank, to: to.into_iter().flatten().collect(), from: from.into_iter().flatten().map(Mutex::new).collect() })
+            .collect()
+    }
+}
+
+impl Collective for LocalRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.to.len()
+    }
+
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        if send.len() != self.to.len() {
+            candle_core::bail!("all_to_all: {} buffers for {} ranks", send.len(), self.to.len())
+        }
+        for (d, (buf, to)) in send.into_iter().zip(&self.to).enumerate() {
+            to.send(buf).map_err(|_| candle_core::Error::Msg(format!("all_to_all: rank {d} has left the group (rank {})", self.rank)))?;
+        }
+        self.from
+            .iter()
+            .enumerate()
+            .map(|(s, r)| {
+                let r = r.lock().map_err(|_| candle_core::Error::Msg(format!("all_to_all: the channel from rank {s} is poisoned (rank {})", self.rank)))?;
+                r.recv().map_err(|_| candle_core::Error::Msg(format!("all_to_all: rank {s} has left the group (rank {})", self.rank)))
+            })
+            .collect()
+    }
+}
+
+/// Runs `f` as every rank of a new [`LocalGroup`] of `world` ranks, one thread each, and returns
+/// their results in rank order. A rank that fails (or panics) drops its channels, so the ranks
+/// waiting on it in an exchange fail too instead of waiting forever; the first failure by rank is
+/// returned, naming the rank.
+pub fn run_local_ranks<T: Send>(world: usize, f: impl Fn(LocalRank) -> Result<T> + Sync) -> Result<Vec<T>> {
+    if world == 0 {
+        candle_core::bail!("run_local_ranks: a group of 0 ranks")
+    }
+    let f = &f;
+    let results: Vec<Result<T>> = std::thread::scope(|s| {
+        let handles: Vec<_> = LocalGroup::ranks(world).into_iter().map(|comm| s.spawn(move || f(comm))).collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| h.join().unwrap_or_else(|_| Err(candle_core::Error::Msg(format!("rank {r} panicked")))))
+            .collect()
+    });
+    results.into_iter().enumerate().map(|(r, v)| v.map_err(|e| candle_core::Error::Msg(format!("rank {r} of {world}: {e}")))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank gets what each rank sent it, by source, over several calls.
+    #[test]
+    fn all_to_all_delivers_by_source() -> Result<()> {
+        let got = run_local_ranks(4, |c| {
+            let mut seen = Vec::new();
+            for call in 0..3u8 {
+                let send = (0..4u8).map(|d| vec![c.rank() as u8, d, call]).collect();
+                seen.push(c.all_to_all(send)?);
+            }
+            Ok(seen)
+        })?;
+        for (r, calls) in got.iter().enumerate() {
+            for (call, from) in calls.iter().enumerate() {
+                for (s, b) in from.iter().enumerate() {
+                    assert_eq!(b, &vec![s as u8, r as u8, call as u8], "rank {r} call {call} from {s}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A rank that fails before an exchange makes the others' exchange fail: no rank waits
+    /// forever, and the error names the failing rank.
+    #[test]
+    fn a_failing_rank_does_not_hang_the_group() {
+        let err = run_local_ranks(3, |c| {
+            if c.rank() == 1 {
+                candle_core::bail!("load failed")
+            }
+            c.all_to_all(vec![vec![]; 3])?;
+            c.all_to_all(vec![vec![]; 3])
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("left the group") || err.contains("load failed"), "{err}");
+        let err = run_local_ranks(2, |c| -> Result<()> {
+            if c.rank() == 0 {
+                panic!("boom")
+            }
+            c.all_to_all(vec![vec![]; 2]).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("rank 0 panicked") || err.contains("left the group"), "{err}");
+    }
+}

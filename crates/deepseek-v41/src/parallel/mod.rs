@@ -1,0 +1,35 @@
+//! Expert parallelism (issue 25): the routed experts of a MoE layer spread over the ranks of a
+//! group (one rank per GPU of a node), each rank holding `E / N` of them and its own sequences'
+//! tokens; the tokens routed to an expert travel to its rank and the outputs come back
+//! ([`ShardedMoe`], over a [`Collective`]).
+//!
+//! * [`ExpertPlacement`]: which experts a rank holds (contiguous ranges, as even as `E` allows);
+//!   a rank loads only those ([`ShardedMoe::new`]).
+//! * [`Collective`]: the all-to-all exchange the dispatch and the combine use; [`LocalGroup`] runs
+//!   `N` ranks as threads of one process (the tests, and the semantics an NCCL group must keep),
+//!   [`run_local_ranks`] launches them (a failing rank fails the others' exchanges: no hang).
+//! * [`ShardedMoe::forward`]: route locally (the router is replicated), send each routed slot's
+//!   token row to its expert's rank, compute every received slot there, send the outputs back, and
+//!   sum them in expert-id order followed by the (replicated) shared expert — the sequence of
+//!   [`crate::model::Moe::forward_grouped`], so on the CPU every rank's rows are bit for bit
+//!   those of one process running all ranks' sequences as one batch (`tests/expert_parallel.rs`).
+//!
+//! * [`crate::model::Model::expert_parallel`]: the whole model as one rank — every block holds
+//!   its layer's [`ShardedMoe`]; each rank forwards its own sequences (data-parallel attention,
+//!   replicated weights but the experts); on the CPU every sequence's logits are bit for bit
+//!   those of one model forwarding all ranks' sequences in one batch. A rank with no sequence
+//!   in a call joins its exchanges with [`crate::model::Model::join_idle`].
+//!
+//! Not yet: an NCCL [`Collective`] over device buffers (the exchange here is of host bytes), the
+//! device-routed path (`cuda::moe_experts_device` over a rank's experts) and the captured decode
+//! step over a sharded model, tensor-parallel attention, the `--gpus N` launcher.
+
+mod collective;
+mod placement;
+mod round;
+mod sharded_moe;
+
+pub use collective::{run_local_ranks, Collective, LocalGroup, LocalRank};
+pub use placement::ExpertPlacement;
+pub use round::{agree, Round, Turn};
+pub use sharded_moe::ShardedMoe;
