@@ -104,6 +104,7 @@ pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod generation;
+mod host_upload;
 pub mod golden;
 #[cfg(feature = "hub")]
 pub mod hub;

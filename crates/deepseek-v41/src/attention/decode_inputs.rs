@@ -32,6 +32,7 @@ use super::batch_cache::BatchedLayerCache;
 use super::decode_batch::DecodeLayer;
 use super::decode_error::DecodeStepError;
 use super::page_table::PageTable;
+use crate::host_upload::HostUpload;
 use crate::nn::RopeTable;
 
 /// Rows of the uploaded `[ROWS, B]` i64 table (followed by the `[B, max_pages]` page table).
@@ -85,6 +86,8 @@ pub struct DecodeStepInputs {
     rope: RopeTable,
     /// `[ROWS·B + B·max_pages]` i64: the rows (rewritten by each update), then the page table.
     upload: Tensor,
+    /// Writes `upload` (page-locked, one asynchronous copy on CUDA).
+    writer: HostUpload,
     /// `[ROWS, B]` i64 view of `upload`.
     table: Tensor,
     /// `[B]` i64 views of `table`.
@@ -171,6 +174,7 @@ impl DecodeStepInputs {
             window_base: Tensor::from_vec((0..b).map(|i| (i * ws) as i64).collect::<Vec<_>>(), (b, 1), &dev)?,
             window_none: Tensor::full(-1i64, (b, w), &dev)?,
             upload,
+            writer: HostUpload::default(),
             table,
             compressed,
             view: false,
@@ -276,8 +280,7 @@ impl DecodeStepInputs {
             }
             uploaded = Some((&c.uploaded, now));
         }
-        let n = host.len();
-        self.upload.slice_set(&Tensor::from_vec(host, n, dev)?, 0, 0)?;
+        self.writer.write(&self.upload, &host)?;
         if let Some(c) = &self.compressed {
             for (s, r) in page_rows {
                 let m = r.len();
@@ -428,6 +431,7 @@ impl DecodeStepInputs {
             window_stride: self.window_stride,
             rope: self.rope.clone(),
             upload: self.upload.clone(),
+            writer: HostUpload::default(),
             table: self.table.narrow(1, 0, rows)?,
             positions: n(&self.positions)?,
             window_slots: n(&self.window_slots)?,

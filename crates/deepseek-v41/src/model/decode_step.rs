@@ -49,6 +49,7 @@ use crate::attention::{
     StepOptions,
 };
 use crate::config::{CandidateRole, Config};
+use crate::host_upload::HostUpload;
 use crate::nn::RowGroups;
 use crate::sampling::{sample_batch, SamplingBatch};
 
@@ -67,6 +68,8 @@ pub struct ModelDecodeStep<'m> {
     input_of: Vec<usize>,
     /// `[B + E·B·cols]` u32: the tokens, then each Engram layer's `[B, cols]` row ids.
     ids: Tensor,
+    /// Writes `ids` (page-locked, one asynchronous copy on CUDA).
+    ids_writer: HostUpload,
     tokens: Tensor,
     /// Per layer, its Engram ids view `[B, cols]` (Engram layers only).
     engram_ids: Vec<Option<Tensor>>,
@@ -210,6 +213,7 @@ impl<'m> ModelDecodeStep<'m> {
             input_of,
             tokens: ids.narrow(0, 0, batch)?,
             ids,
+            ids_writer: HostUpload::default(),
             engram_ids,
             staged_rows,
             engram_cols: n_cols,
@@ -415,7 +419,7 @@ impl<'m> ModelDecodeStep<'m> {
                 staged.push(e.table().rows(&ids, dev)?.reshape((n, ()))?);
             }
         }
-        self.ids.slice_set(&Tensor::from_vec(host, self.ids.elem_count(), dev)?, 0, 0)?;
+        self.ids_writer.write(&self.ids, &host)?;
         // The host part only: the step derives the rest on the device (inside its graph).
         for inputs in &self.inputs {
             inputs.stage_first(positions)?;
