@@ -13,11 +13,13 @@ pub(crate) trait Plain: WithDType {}
 impl Plain for u32 {}
 impl Plain for i64 {}
 
-/// A reusable host → device writer for one tensor's per-step rows (see the module doc).
+/// A reusable host → device writer for one tensor's per-step rows (see the module doc). Two
+/// staging buffers used in turn: a write waits only for the copy of the write before the last
+/// one to have read its buffer, not for the last (still queued behind the step in flight).
 #[derive(Default)]
 pub(crate) struct HostUpload {
     #[cfg(feature = "cuda")]
-    staging: std::sync::Mutex<Option<crate::cuda::PinnedStaging>>,
+    staging: std::sync::Mutex<(usize, [Option<crate::cuda::PinnedStaging>; 2])>,
 }
 
 impl std::fmt::Debug for HostUpload {
@@ -45,7 +47,9 @@ impl HostUpload {
             // SAFETY: u32 / i64 (`Plain`) have no padding and any bit pattern is a valid byte.
             let bytes = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, std::mem::size_of_val(host)) };
             let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-            let st = staging.get_or_insert_with(|| crate::cuda::PinnedStaging::new(dev));
+            let (turn, buffers) = &mut *staging;
+            *turn ^= 1;
+            let st = buffers[*turn].get_or_insert_with(|| crate::cuda::PinnedStaging::new(dev));
             if st.fill(bytes.len(), |b| {
                 b.copy_from_slice(bytes);
                 Ok(())
