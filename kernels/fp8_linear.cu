@@ -7,10 +7,11 @@
 //
 // Layout: x [m, k] bf16, codes [n, k] u8, scales [ceil(n/32), ceil(k/32)] u8, out [m, n] bf16,
 // all contiguous row-major. Two outputs (n_first > 0, a multiple of 32): two linears of one input
-// stacked along N (the attention's wq_a and wkv, spec §4.1) - features 0 .. n_first go to out
-// [m, n_first], the rest to out2 [m, n - n_first]; a 32-row block lies in one of them, so every
-// store finds its output once per block (include/dsv41_fp8_stream.cuh, out_block). The exact dequantization W -> bf16 / f32 (the large-m path's first
-// step) is kernels/fp8_dequant.cu; the FP8 wgmma GEMM kernels/fp8_gemm.cu; the WARP variant of
+// stacked along N (the attention's wq_a and wkv, spec §4.1; its wq_b and the indexer's wq_b) -
+// features 0 .. n_first go to out [m, n_first], the rest to out2 [m, n - n_first]; a 32-row
+// block lies in one of them, so every store finds its output once per block
+// (include/dsv41_fp8_stream.cuh, out_block). The exact dequantization W -> bf16 / f32 (the
+// large-m path's first step) is kernels/fp8_dequant.cu; the FP8 wgmma GEMM kernels/fp8_gemm.cu; the WARP variant of
 // the weight streaming kernels/fp8_linear_warp.cu (the device pieces all variants share:
 // include/dsv41_fp8_stream.cuh).
 //
@@ -49,7 +50,10 @@
 //     blocks ahead of the products across its units; a persistent grid of 16-warp CTAs, each
 //     with one K split and an equal contiguous run of units, its panel slice copied into shared
 //     memory once; no weight ring, no per-stage barrier, no cross-warp reduction; split-K
-//     partials added in split order by the unit's last warp.
+//     partials added in split order by the unit's last warp. BULK (PIPELINE's requirements;
+//     explicit only until timed, design in kernels/fp8_linear_bulk.cu): PIPELINE's units and
+//     products, the stages filled by a copying warp with TMA bulk copies into a ring of up to
+//     200 KB with full / empty mbarriers (no CTA barrier per unit).
 //   * Why stream-K (docs/perf.md "FP8 linear"): with a CTA per 32-row block, every CTA read
 //     only 40-340 KB and waited for its first bytes; the measured time was ~5.6 us plus the
 //     bytes at 2.3 TB/s on an H100, whether the bytes came through registers or a 3-stage
@@ -112,9 +116,6 @@ __device__ __forceinline__ void store_out4(const StreamArgs& a, int tok, int n0,
 }
 
 constexpr int kLd = 36;        // padded row (32 rows + 4) of the reduction tile: conflict-free, float4-aligned
-constexpr int kStepBlocks = 4; // smem pipeline: k32 blocks per stage (128 bytes of each of 32 rows)
-constexpr int kSrow = 144;     // smem pipeline: bytes per staged row (128 + 16: conflict-free 8-byte reads)
-constexpr int kWarpStage = 32 * kSrow;
 
 // The CTA's epilogue: the 4 warps' sums meet in red (fixed order), then bf16 stores, or with
 // split-K an f32 partial and, in the last CTA of the tile to arrive, the sum of the partials in
@@ -252,35 +253,10 @@ __global__ void __launch_bounds__(kThreads, NT >= 4 ? 3 : 4) fp8_stream_kernel(c
 // a row group, the CTA stores its f32 partial (registers as they are: [warp][register][lane]) in
 // one of two slots of its own, and the last of the group's contributors to arrive (a counter per
 // group) adds the partials in CTA order: deterministic.
-constexpr int kPst = 320;     // bytes per staged panel row (256 + 64: conflict-free 16-byte reads)
-constexpr int kMinUnits = 3;  // units per CTA at least (fewer contributors per row group)
-
 template <int NT>
 __host__ __device__ constexpr int streamk_stages() { return NT <= 2 ? 4 : 3; }
-// Stage layout: weights [4][32][kSrow] | panel [TOK][kPst] | act scales [4][TOK] f32 | weight scales [4][4] u8.
-template <int NT>
-__host__ __device__ constexpr int streamk_stage_bytes() { return 4 * kWarpStage + 8 * NT * kPst + 4 * 8 * NT * 4 + 16; }
 template <int NT>
 __host__ __device__ constexpr int streamk_smem() { return streamk_stages<NT>() * streamk_stage_bytes<NT>(); }
-
-// The first unit of CTA c's range [c U / C, (c+1) U / C), and the CTA whose range holds unit u.
-__device__ __forceinline__ int64_t unit_begin(int c, int64_t units, int ctas) { return static_cast<int64_t>(c) * units / ctas; }
-__device__ __forceinline__ int cta_of(int64_t u, int64_t units, int ctas) { return static_cast<int>(((u + 1) * ctas - 1) / units); }
-
-// Stores the warp's 32 rows x 8 NT tokens from acc-shaped registers (bf16, bounds-checked).
-template <int NT>
-__device__ __forceinline__ void store_rows(const StreamArgs& a, const float (&acc)[2][NT][4], int row0, int tok0, int g, int t) {
-    const OutBlock ob = out_block(a, row0);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = row0 + 16 * mt + g + (e >= 2 ? 8 : 0), tok = tok0 + 8 * nt + 2 * t + (e & 1);
-                if (r < a.n && tok < a.m) *ob.at(tok, r) = __float2bfloat16_rn(acc[mt][nt][e]);
-            }
-}
 
 __device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -288,7 +264,7 @@ __device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok)
 
 template <int NT, bool ACTQ>
 __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamArgs a) {
-    constexpr int TOK = 8 * NT, S = streamk_stages<NT>(), R = 2 * NT * 4, SB = streamk_stage_bytes<NT>();
+    constexpr int TOK = 8 * NT, S = streamk_stages<NT>(), SB = streamk_stage_bytes<NT>();
     constexpr int kPanelOff = 4 * kWarpStage, kAsOff = kPanelOff + TOK * kPst, kWsOff = kAsOff + 4 * TOK * 4;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ int is_last;
@@ -355,71 +331,10 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamAr
         const int64_t grp = u / sk;  // chunk * nrg + row group
         const int st = static_cast<int>(u % sk), rb = static_cast<int>(grp % nrg) * 4 + warp;
         const int tok0 = static_cast<int>(grp / nrg) * TOK;
-        const uint8_t* stage = smem + (i % S) * SB;
-        const uint8_t* wst = stage + warp * kWarpStage;
-        const uint32_t wsc = *reinterpret_cast<const uint32_t*>(stage + kWsOff + 4 * warp);
-#pragma unroll
-        for (int ub = 0; ub < kStepBlocks; ++ub) {
-            uint2 w[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) w[r] = *reinterpret_cast<const uint2*>(wst + (g + 8 * r) * kSrow + 32 * ub + 8 * t);
-            const uint4* pb = reinterpret_cast<const uint4*>(stage + kPanelOff + g * kPst + 64 * ub + 16 * t);
-            const float* sap = reinterpret_cast<const float*>(stage + kAsOff) + ub * TOK;
-            block_step<NT, ACTQ>(acc, w, e8m0_f32((wsc >> (8 * ub)) & 0xffu), t, pb, 8 * kPst / 16, sap);
-        }
+        streamk_stage_products<NT, ACTQ>(acc, smem + (i % S) * SB, warp, g, t);
         if (st != sk - 1 && u + 1 < u1) continue;
         // The range leaves this row group: store, or hand the partial to the group's last CTA.
-        const int64_t g_first = grp * sk, g_last = g_first + sk - 1;
-        const int c_first = cta_of(g_first, units, ctas), c_last = cta_of(g_last, units, ctas);
-        if (c_first == c_last) {
-            store_rows<NT>(a, acc, rb * 32, tok0, g, t);
-        } else {
-            const int slot = 2 * c + (g_first <= u0 ? 0 : 1);  // 2c: the range's first group
-            float* mine = a.ws + (static_cast<int64_t>(slot) * 4 + warp) * R * 32 + lane;
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) mine[((mt * NT + nt) * 4 + e) * 32] = acc[mt][nt][e];
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) is_last = atomicAdd(a.ctr + grp, 1u) == static_cast<unsigned>(c_last - c_first);
-            __syncthreads();
-            if (is_last) {
-                __threadfence();
-                // The partials in CTA order, B contributors' loads in flight at a time.
-                constexpr int B = R >= 64 ? 1 : 64 / R;
-                float sum[R];
-#pragma unroll
-                for (int j = 0; j < R; ++j) sum[j] = 0.0f;
-                for (int c0 = c_first; c0 <= c_last; c0 += B) {
-                    float v[B][R];
-#pragma unroll
-                    for (int q = 0; q < B; ++q) {
-                        const int cc = c0 + q;
-                        if (cc > c_last) break;
-                        const int slot_cc = 2 * cc + (g_first <= unit_begin(cc, units, ctas) ? 0 : 1);
-                        const float* p = a.ws + (static_cast<int64_t>(slot_cc) * 4 + warp) * R * 32 + lane;
-#pragma unroll
-                        for (int j = 0; j < R; ++j) v[q][j] = __ldcg(p + j * 32);
-                    }
-#pragma unroll
-                    for (int q = 0; q < B; ++q) {
-                        if (c0 + q > c_last) break;
-#pragma unroll
-                        for (int j = 0; j < R; ++j) sum[j] += v[q][j];
-                    }
-                }
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = sum[(mt * NT + nt) * 4 + e];
-                store_rows<NT>(a, acc, rb * 32, tok0, g, t);
-            }
-        }
+        streamk_leave_group<NT, CtaSync>(acc, a, &is_last, grp, u0, units, c, ctas, warp, lane, g, t, rb * 32, tok0);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -481,7 +396,7 @@ using dsv41_launch::sm_count;
 inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->m < 1 || p->m > DSV41_FP8_STREAM_MAX_M || p->n < 1 || p->k < 1 || p->splits < 0) return DSV41_ERR_SHAPE;
-    if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_WARP) return DSV41_ERR_SHAPE;
+    if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_BULK) return DSV41_ERR_SHAPE;
     if (p->prep < DSV41_FP8_PREP_AUTO || p->prep > DSV41_FP8_PREP_FUSED) return DSV41_ERR_SHAPE;
     if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
     if (p->n_first < 0 || p->n_first % 32 != 0 || (p->n_first > 0 && p->n_first >= p->n)) return DSV41_ERR_SHAPE;
@@ -490,27 +405,10 @@ inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     return DSV41_OK;
 }
 
-// Resident stream-K CTAs per SM (its dynamic shared memory limit set once per device); 1 if
-// the query fails.
+// Resident stream-K CTAs per SM (its dynamic shared memory limit set once per device).
 template <int NT, bool ACTQ>
 int streamk_per_sm() {
-    static thread_local int configured_dev = -1, per_sm = 0;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) {
-        cudaGetLastError();
-        return 1;
-    }
-    if (configured_dev != dev) {
-        int n = 0;
-        if (dsv41_launch::set_max_dynamic_smem(fp8_streamk_kernel<NT, ACTQ>, dev, streamk_smem<NT>(), configured_dev) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fp8_streamk_kernel<NT, ACTQ>, kThreads, streamk_smem<NT>()) != cudaSuccess) {
-            cudaGetLastError();
-            configured_dev = -1;
-            return 1;
-        }
-        per_sm = n > 0 ? n : 1;
-    }
-    return per_sm;
+    return dsv41_launch::resident_per_sm<fp8_streamk_kernel<NT, ACTQ>>(kThreads, streamk_smem<NT>());
 }
 
 template <bool ACTQ>
@@ -551,7 +449,10 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
     // lanes x 8 floats per CTA; a counter per (chunk, row group).
     const int64_t groups = static_cast<int64_t>(q.mc) * ((p->n + 127) / 128);
     const int64_t units = groups * ((q.kb + kStepBlocks - 1) / kStepBlocks);
-    const int64_t per_sm = p->act_quant ? streamk_per_sm_nt<true>(q.nt) : streamk_per_sm_nt<false>(q.nt);
+    // The grid of the stream-K variant that would run (BULK: its own shared memory, so its own count).
+    const int64_t per_sm = p->variant == DSV41_FP8_VARIANT_BULK ? bulk_per_sm(q.nt, p->act_quant != 0)
+                           : p->act_quant                        ? streamk_per_sm_nt<true>(q.nt)
+                                                                 : streamk_per_sm_nt<false>(q.nt);
     const int64_t ctas = per_sm * sm_count(), by_units = units / kMinUnits > 1 ? units / kMinUnits : 1;
     q.ctas = static_cast<int>(ctas < by_units ? ctas : by_units);
     const int64_t ws_reg = s > 1 ? tiles * s * q.tok * 32 * 4 : 0, ws_sk = 2 * static_cast<int64_t>(q.ctas) * 4 * (8 * q.nt) * 32 * 4;
@@ -571,7 +472,7 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
 }
 
 // kind: 0 register ring with byte loads, 1 register ring with 8-byte loads, 2 smem pipeline (3:
-// the WARP variant, launch_warp); fused: REGISTERS with the activation from x (nt <= 2).
+// the WARP variant, launch_warp; 4: the BULK variant, launch_bulk); fused: REGISTERS with the activation from x (nt <= 2).
 template <int NT, bool ACTQ>
 cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, bool fused, cudaStream_t st) {
     const dim3 grid(q.mc, q.nb, q.splits);
@@ -655,7 +556,8 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     // asked for above, it runs what AUTO picks.
     const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE ||
                           ((p->variant == DSV41_FP8_VARIANT_AUTO || p->variant == DSV41_FP8_VARIANT_WARP) && p->m > 16 && 4 * q.ctas >= sm_count());
-    const int kind = q.warp ? 3 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
+    const bool bulk = p->variant == DSV41_FP8_VARIANT_BULK && streamk;
+    const int kind = q.warp ? 3 : bulk ? 4 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
     // The fused activation (FUSED, or AUTO for a small weight): REGISTERS at m <= 16 reading x
     // itself, where its 16-byte loads are possible and the split-K counters need no zeroing (one
     // split, or the caller's counters, which the last arrival of every tile leaves zero).
@@ -669,7 +571,7 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     }
     int n_ctr = 0;  // arrival counters the prep kernel zeroes
     if (kind == 3) n_ctr = q.wp.splits > 1 ? (p->n + 15) / 16 : 0;
-    else if (kind == 2) n_ctr = q.mc * ((p->n + 127) / 128);
+    else if (kind == 2 || kind == 4) n_ctr = q.mc * ((p->n + 127) / 128);
     else if (q.splits > 1) n_ctr = q.nb * q.mc;
     const int64_t prep_threads = static_cast<int64_t>(q.mpad) * q.kb * 32;
     const unsigned prep_blocks = static_cast<unsigned>((prep_threads + kPrepThreads - 1) / kPrepThreads);
@@ -682,6 +584,7 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
     if (kind == 3) e = launch_warp(a, q.wp, q.nt, p->act_quant != 0, vec8, st);
+    else if (kind == 4) e = launch_bulk(a, q.ctas, q.nt, p->act_quant != 0, st);
     else e = p->act_quant ? launch_stream_nt<true>(a, q, kind, false, st) : launch_stream_nt<false>(a, q, kind, false, st);
     return static_cast<int>(e);
 }

@@ -1,7 +1,7 @@
 // Device pieces shared by the FP8 linear's weight-streaming kernels (spec §2.4-§2.5, issue 21):
 // kernels/fp8_linear.cu (the launcher, the prep kernel, the REGISTERS and PIPELINE variants; its
-// header comment holds the design and the numerics) and kernels/fp8_linear_warp.cu (the WARP
-// variant): the code conversion, the mma, the weight loads, the kernels' arguments and the
+// header comment holds the design and the numerics), kernels/fp8_linear_warp.cu (the WARP
+// variant) and kernels/fp8_linear_bulk.cu (the BULK variant): the code conversion, the mma, the weight loads, the kernels' arguments and the
 // per-k32-block product with the block scales applied in f32.
 #pragma once
 #include <cuda_bf16.h>
@@ -254,6 +254,129 @@ __device__ __forceinline__ void block_step_fused(float (&acc)[MT][NT][4], const 
     }
 }
 
+// ------------------------------------------------------------------------------ stream-K pieces
+// The stream-K variants (PIPELINE in kernels/fp8_linear.cu, BULK in kernels/fp8_linear_bulk.cu;
+// the design is fp8_streamk_kernel's comment): units of 128 rows x 128 bytes of K (4 row blocks
+// of 32 rows, one per computing warp, x 4 k32 blocks), each CTA an equal contiguous run of them.
+constexpr int kStepBlocks = 4;  // k32 blocks per unit (128 bytes of each row)
+constexpr int kSrow = 144;      // bytes per staged row (128 + 16: conflict-free 8-byte reads)
+constexpr int kWarpStage = 32 * kSrow;
+constexpr int kPst = 320;       // bytes per staged panel row (256 + 64: conflict-free 16-byte reads)
+constexpr int kMinUnits = 3;    // units per CTA at least (fewer contributors per row group)
+
+// Stage layout: weights [4][32][kSrow] | panel [TOK][kPst] | act scales [4][TOK] f32 | weight scales [4][4] u8.
+template <int NT>
+__host__ __device__ constexpr int streamk_stage_bytes() { return 4 * kWarpStage + 8 * NT * kPst + 4 * 8 * NT * 4 + 16; }
+
+// The first unit of CTA c's range [c U / C, (c+1) U / C), and the CTA whose range holds unit u.
+__device__ __forceinline__ int64_t unit_begin(int c, int64_t units, int ctas) { return static_cast<int64_t>(c) * units / ctas; }
+__device__ __forceinline__ int cta_of(int64_t u, int64_t units, int ctas) { return static_cast<int>(((u + 1) * ctas - 1) / units); }
+
+// Stores the warp's 32 rows x 8 NT tokens from acc-shaped registers (bf16, bounds-checked).
+template <int NT>
+__device__ __forceinline__ void store_rows(const StreamArgs& a, const float (&acc)[2][NT][4], int row0, int tok0, int g, int t) {
+    const OutBlock ob = out_block(a, row0);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row0 + 16 * mt + g + (e >= 2 ? 8 : 0), tok = tok0 + 8 * nt + 2 * t + (e & 1);
+                if (r < a.n && tok < a.m) *ob.at(tok, r) = __float2bfloat16_rn(acc[mt][nt][e]);
+            }
+}
+
+// The barrier of a stream-K CTA's 4 computing warps: the whole CTA (PIPELINE), or named barrier
+// 1 of 128 threads (BULK, whose copying warp does not take part).
+struct CtaSync {
+    __device__ static void sync() { __syncthreads(); }
+};
+struct ComputeSync {
+    __device__ static void sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+};
+
+// Where CTA c's range leaves the row group grp (of chunk x 128 rows) after its last unit there:
+// the warp's sums acc are the whole group's (the group lies in the range) and are stored, or the
+// CTA's partial goes to one of its two slots in a.ws (registers as they are: [warp][register]
+// [lane]) and the last of the group's contributors to arrive (a counter per group, left zero)
+// adds the partials in CTA order and stores: deterministic. Every computing thread calls it;
+// Sync is their barrier; is_last: a shared int.
+template <int NT, typename Sync>
+__device__ __forceinline__ void streamk_leave_group(float (&acc)[2][NT][4], const StreamArgs& a, int* is_last, int64_t grp, int64_t u0,
+                                                    int64_t units, int c, int ctas, int warp, int lane, int g, int t, int row0, int tok0) {
+    constexpr int R = 2 * NT * 4;
+    const int sk = a.kb / kStepBlocks;
+    const int64_t g_first = grp * sk, g_last = g_first + sk - 1;
+    const int c_first = cta_of(g_first, units, ctas), c_last = cta_of(g_last, units, ctas);
+    if (c_first == c_last) {
+        store_rows<NT>(a, acc, row0, tok0, g, t);
+        return;
+    }
+    const int slot = 2 * c + (g_first <= u0 ? 0 : 1);  // 2c: the range's first group
+    float* mine = a.ws + (static_cast<int64_t>(slot) * 4 + warp) * R * 32 + lane;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[((mt * NT + nt) * 4 + e) * 32] = acc[mt][nt][e];
+    __threadfence();
+    Sync::sync();
+    if (warp == 0 && lane == 0) *is_last = atomicAdd(a.ctr + grp, 1u) == static_cast<unsigned>(c_last - c_first);
+    Sync::sync();
+    if (!*is_last) return;
+    __threadfence();
+    // The partials in CTA order, B contributors' loads in flight at a time.
+    constexpr int B = R >= 64 ? 1 : 64 / R;
+    float sum[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) sum[j] = 0.0f;
+    for (int c0 = c_first; c0 <= c_last; c0 += B) {
+        float v[B][R];
+#pragma unroll
+        for (int q = 0; q < B; ++q) {
+            const int cc = c0 + q;
+            if (cc > c_last) break;
+            const int slot_cc = 2 * cc + (g_first <= unit_begin(cc, units, ctas) ? 0 : 1);
+            const float* p = a.ws + (static_cast<int64_t>(slot_cc) * 4 + warp) * R * 32 + lane;
+#pragma unroll
+            for (int j = 0; j < R; ++j) v[q][j] = __ldcg(p + j * 32);
+        }
+#pragma unroll
+        for (int q = 0; q < B; ++q) {
+            if (c0 + q > c_last) break;
+#pragma unroll
+            for (int j = 0; j < R; ++j) sum[j] += v[q][j];
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = sum[(mt * NT + nt) * 4 + e];
+    store_rows<NT>(a, acc, row0, tok0, g, t);
+}
+
+// The products of one unit staged in shared memory (stage: its layout above) for the warp's
+// row block: 4 k32 blocks into acc.
+template <int NT, bool ACTQ>
+__device__ __forceinline__ void streamk_stage_products(float (&acc)[2][NT][4], const uint8_t* stage, int warp, int g, int t) {
+    constexpr int TOK = 8 * NT, kPanelOff = 4 * kWarpStage, kAsOff = kPanelOff + TOK * kPst, kWsOff = kAsOff + 4 * TOK * 4;
+    const uint8_t* wst = stage + warp * kWarpStage;
+    const uint32_t wsc = *reinterpret_cast<const uint32_t*>(stage + kWsOff + 4 * warp);
+#pragma unroll
+    for (int ub = 0; ub < kStepBlocks; ++ub) {
+        uint2 w[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) w[r] = *reinterpret_cast<const uint2*>(wst + (g + 8 * r) * kSrow + 32 * ub + 8 * t);
+        const uint4* pb = reinterpret_cast<const uint4*>(stage + kPanelOff + g * kPst + 64 * ub + 16 * t);
+        const float* sap = reinterpret_cast<const float*>(stage + kAsOff) + ub * TOK;
+        block_step<NT, ACTQ>(acc, w, e8m0_f32((wsc >> (8 * ub)) & 0xffu), t, pb, 8 * kPst / 16, sap);
+    }
+}
+
 // The WARP variant (kernels/fp8_linear_warp.cu; m <= kWarpMaxM, one token chunk): its launch
 // shape and shared memory, chosen by warp_plan from the shape alone (scratch_bytes and the launch
 // see the same plan).
@@ -269,6 +392,12 @@ WarpPlan warp_plan(int n, int kb, int tok, bool act_quant, int splits);
 // Launches the WARP kernel for a.m <= kWarpMaxM (nt = 1, 2, 4 or 8 n8 tiles; vec8: k % 8 == 0
 // and the codes 8-byte aligned).
 cudaError_t launch_warp(const StreamArgs& a, const WarpPlan& w, int nt, bool act_quant, bool vec8, cudaStream_t st);
+
+// The BULK variant (kernels/fp8_linear_bulk.cu; the stream-K units fed by a copying warp with TMA
+// bulk copies): its resident CTAs per SM (its shared memory limit raised first), and its launch
+// over `ctas` CTAs (nt = 1, 2, 4 or 8 n8 tiles).
+int bulk_per_sm(int nt, bool act_quant);
+cudaError_t launch_bulk(const StreamArgs& a, int ctas, int nt, bool act_quant, cudaStream_t st);
 
 }  // namespace fp8
 }  // namespace dsv41

@@ -1,6 +1,6 @@
-// Host-side launch helpers shared by the launchers (the sparse attention ones, kernels/fp8_linear.cu,
+// Host-side launch helpers shared by the launchers (the sparse attention ones, kernels/fp8_linear*.cu,
 // fp8_gemm.cu, moe_experts*.cu): scratch alignment and the SM count, the dynamic shared-memory limit raised
-// once per device and thread, the diagnostic trace buffer cleared, a launch with programmatic
+// once per device and thread, resident CTAs per SM, the diagnostic trace buffer cleared, a launch with programmatic
 // dependent launch (the grid may start while the previous kernel of the stream finishes; every
 // kernel launched this way waits in griddepcontrol.wait before its first global access) and an
 // optional thread-block cluster, and a persistent grid (a CTA per SM) launched that way.
@@ -36,6 +36,29 @@ inline cudaError_t set_max_dynamic_smem(Kernel* kernel, int dev, int max_smem, i
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
     if (e == cudaSuccess) configured_dev = dev;
     return e;
+}
+
+// Resident CTAs per SM of `Kernel` with `threads` threads and `smem` bytes of dynamic shared
+// memory (its limit raised to `smem` once per device and thread); 1 if a query fails.
+template <auto Kernel>
+inline int resident_per_sm(int threads, int smem) {
+    static thread_local int configured_dev = -1, per_sm = 1;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 1;
+    }
+    if (configured_dev != dev) {
+        int n = 0;
+        if (set_max_dynamic_smem(Kernel, dev, smem, configured_dev) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem) != cudaSuccess) {
+            cudaGetLastError();
+            configured_dev = -1;
+            return 1;
+        }
+        per_sm = n > 0 ? n : 1;
+    }
+    return per_sm;
 }
 
 // Zeroes `bytes` of the device symbol `trace` on `stream` (diagnostics: errors are ignored, the
