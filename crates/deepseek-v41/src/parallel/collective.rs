@@ -4,11 +4,11 @@
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Mutex;
 
-use candle_core::Result;
+use candle_core::{DType, Device, Result, Tensor};
+use half::bf16;
 
-/// An all-to-all exchange of byte buffers between the ranks of a group. Every rank calls it the
-/// same number of times in the same order (a collective); call `i` of a rank meets call `i` of
-/// every other.
+/// The exchanges between the ranks of a group. Every rank calls them the same number of times in
+/// the same order (collectives); call `i` of a rank meets call `i` of every other.
 pub trait Collective: Send + Sync + std::fmt::Debug {
     /// This rank (0 ..= world − 1).
     fn rank(&self) -> usize;
@@ -17,6 +17,33 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// Sends `send[d]` to rank `d` (`send.len()` = world; the own entry included) and returns
     /// what every rank sent to this one, by source rank.
     fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>>;
+
+    /// Sends the rows `send[d]` (`[n_d, width]` bf16, `n_d` ≥ 0) to rank `d` and returns the rows
+    /// every rank sent to this one, by source rank, on `device`. The default goes through
+    /// [`Collective::all_to_all`] as host bytes; a collective over device buffers sends them as
+    /// they are.
+    fn all_to_all_rows(&self, send: Vec<Tensor>, width: usize, device: &Device) -> Result<Vec<Tensor>> {
+        let bytes = send.iter().map(|t| rows_to_bytes(t, width)).collect::<Result<Vec<_>>>()?;
+        self.all_to_all(bytes)?.iter().enumerate().map(|(src, b)| rows_from_bytes(b, width, device, src)).collect()
+    }
+}
+
+/// `[n, width]` bf16 rows as little-endian bytes.
+fn rows_to_bytes(t: &Tensor, width: usize) -> Result<Vec<u8>> {
+    let (_, w) = t.dims2()?;
+    if w != width || t.dtype() != DType::BF16 {
+        candle_core::bail!("all_to_all_rows: a {:?} {:?} tensor where [n, {width}] bf16 rows were expected", t.dtype(), t.shape())
+    }
+    Ok(t.flatten_all()?.to_vec1::<bf16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect())
+}
+
+/// Inverse of [`rows_to_bytes`]; errors on a length that is not whole rows.
+fn rows_from_bytes(b: &[u8], width: usize, device: &Device, src: usize) -> Result<Tensor> {
+    if width == 0 || !b.len().is_multiple_of(2 * width) {
+        candle_core::bail!("all_to_all_rows: {} bytes from rank {src} are not whole rows of {width} bf16 values", b.len())
+    }
+    let v: Vec<bf16> = b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
+    Tensor::from_vec(v, (b.len() / (2 * width), width), device)
 }
 
 /// One rank of a [`LocalGroup`]: a channel to and from every rank (FIFO per pair, so the calls
@@ -120,6 +147,37 @@ mod tests {
                 for (s, b) in from.iter().enumerate() {
                     assert_eq!(b, &vec![s as u8, r as u8, call as u8], "rank {r} call {call} from {s}");
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows sent to every rank (none to some) arrive by source with their values, shapes and
+    /// dtype; a wrong width is an error.
+    #[test]
+    fn all_to_all_rows_delivers_by_source() -> Result<()> {
+        let got = run_local_ranks(3, |c| {
+            let send = (0..3)
+                .map(|d| {
+                    let n = (c.rank() + d) % 3;
+                    let v: Vec<f32> = (0..n * 4).map(|i| (100 * c.rank() + 10 * d + i) as f32).collect();
+                    Tensor::from_vec(v, (n, 4), &Device::Cpu)?.to_dtype(DType::BF16)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let bad = c.all_to_all_rows(vec![Tensor::zeros((1, 3), DType::BF16, &Device::Cpu)?; 3], 4, &Device::Cpu);
+            if bad.is_ok() {
+                candle_core::bail!("a [1, 3] tensor went out as rows of 4")
+            }
+            c.all_to_all_rows(send, 4, &Device::Cpu)
+        });
+        // The failing call errors on every rank before it sends: the group stays in step.
+        let got = got?;
+        for (r, from) in got.iter().enumerate() {
+            for (s, t) in from.iter().enumerate() {
+                let n = (s + r) % 3;
+                assert_eq!(t.dims(), [n, 4], "rank {r} from {s}");
+                let want: Vec<f32> = (0..n * 4).map(|i| (100 * s + 10 * r + i) as f32).collect();
+                assert_eq!(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, want, "rank {r} from {s}");
             }
         }
         Ok(())

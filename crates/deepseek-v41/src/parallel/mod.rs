@@ -5,9 +5,14 @@
 //!
 //! * [`ExpertPlacement`]: which experts a rank holds (contiguous ranges, as even as `E` allows);
 //!   a rank loads only those ([`ShardedMoe::new`]).
-//! * [`Collective`]: the all-to-all exchange the dispatch and the combine use; [`LocalGroup`] runs
-//!   `N` ranks as threads of one process (the tests, and the semantics an NCCL group must keep),
+//! * [`Collective`]: the all-to-all exchanges the dispatch and the combine use — of host bytes
+//!   (the slots' metadata, the rounds) and of bf16 rows ([`Collective::all_to_all_rows`]: the
+//!   token rows and the outputs, which stay on the device where the collective exchanges device
+//!   buffers; by default through host bytes); [`LocalGroup`] runs `N` ranks as threads of one
+//!   process (the tests, `generate --ranks N`, and the semantics an NCCL group must keep),
 //!   [`run_local_ranks`] launches them (a failing rank fails the others' exchanges: no hang).
+//! * [`agree`]: the round that starts every call of an expert-parallel model ([`Turn`]: forward,
+//!   idle or done), so ranks may make different numbers of calls.
 //! * [`ShardedMoe::forward`]: route locally (the router is replicated), send each routed slot's
 //!   token row to its expert's rank, compute every received slot there, send the outputs back, and
 //!   sum them in expert-id order followed by the (replicated) shared expert — the sequence of
@@ -20,9 +25,9 @@
 //!   those of one model forwarding all ranks' sequences in one batch. A rank with no sequence
 //!   in a call joins its exchanges with [`crate::model::Model::join_idle`].
 //!
-//! Not yet: an NCCL [`Collective`] over device buffers (the exchange here is of host bytes), the
-//! device-routed path (`cuda::moe_experts_device` over a rank's experts) and the captured decode
-//! step over a sharded model, tensor-parallel attention, the `--gpus N` launcher.
+//! Not yet: an NCCL [`Collective`] over device buffers ([`LocalGroup`]'s rows go through host
+//! memory), the device-routed path (`cuda::moe_experts_device` over a rank's experts) and the
+//! captured decode step over a sharded model, tensor-parallel attention.
 
 mod collective;
 mod placement;

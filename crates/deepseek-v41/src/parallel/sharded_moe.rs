@@ -3,7 +3,6 @@
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
-use half::bf16;
 
 use super::{Collective, ExpertPlacement};
 use crate::config::Config;
@@ -25,6 +24,7 @@ pub struct ShardedMoe {
 
 /// A routed slot as it travels to its expert's rank: the expert, the routing weight, and the
 /// sequence it belongs to (source rank, row group) — what the expert's row groups are made of.
+/// Its token row travels beside it ([`Collective::all_to_all_rows`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Slot {
     expert: u32,
@@ -34,16 +34,14 @@ struct Slot {
 
 const SLOT_BYTES: usize = 12;
 
-/// `[n: u64][n × (expert u32, weight f32, group u32)][n × D bf16]`, little-endian.
-fn encode(slots: &[Slot], rows: &[bf16]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(8 + slots.len() * SLOT_BYTES + rows.len() * 2);
-    out.extend_from_slice(&(slots.len() as u64).to_le_bytes());
+/// `[n × (expert u32, weight f32, group u32)]`, little-endian.
+fn encode(slots: &[Slot]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(slots.len() * SLOT_BYTES);
     for s in slots {
         out.extend_from_slice(&s.expert.to_le_bytes());
         out.extend_from_slice(&s.weight.to_bits().to_le_bytes());
         out.extend_from_slice(&s.group.to_le_bytes());
     }
-    out.extend_from_slice(&bf16_bytes(rows));
     out
 }
 
@@ -51,30 +49,31 @@ fn word(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-/// bf16 values as little-endian bytes (the combine's messages: the outputs, no header).
-fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
-}
-
-fn bf16s(b: &[u8]) -> Vec<bf16> {
-    b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()
-}
-
-/// Inverse of [`encode`] for rows of `dim` values; errors on a malformed buffer.
-fn decode(b: &[u8], dim: usize, from: usize) -> Result<(Vec<Slot>, Vec<bf16>)> {
-    let bad = || candle_core::Error::Msg(format!("expert parallel: a malformed dispatch buffer of {} bytes from rank {from}", b.len()));
-    let n = u64::from_le_bytes(b.get(..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-    let rows_at = n.checked_mul(SLOT_BYTES).and_then(|v| v.checked_add(8)).ok_or_else(bad)?;
-    if n.checked_mul(dim * 2).and_then(|v| v.checked_add(rows_at)) != Some(b.len()) {
-        return Err(bad());
+/// Inverse of [`encode`]; errors on a malformed buffer.
+fn decode(b: &[u8], from: usize) -> Result<Vec<Slot>> {
+    if !b.len().is_multiple_of(SLOT_BYTES) {
+        candle_core::bail!("expert parallel: a malformed dispatch buffer of {} bytes from rank {from}", b.len())
     }
-    let slots = (0..n)
-        .map(|i| {
-            let at = 8 + i * SLOT_BYTES;
-            Slot { expert: word(b, at), weight: f32::from_bits(word(b, at + 4)), group: word(b, at + 8) }
-        })
-        .collect();
-    Ok((slots, bf16s(&b[rows_at..])))
+    Ok(b.chunks_exact(SLOT_BYTES).map(|c| Slot { expert: word(c, 0), weight: f32::from_bits(word(c, 4)), group: word(c, 8) }).collect())
+}
+
+/// The rows `at` of `x` `[T, D]` (an empty `[0, D]` for none).
+fn rows(x: &Tensor, at: &[u32]) -> Result<Tensor> {
+    let d = x.dim(1)?;
+    if at.is_empty() {
+        return Tensor::zeros((0, d), x.dtype(), x.device());
+    }
+    x.index_select(&Tensor::from_slice(at, at.len(), x.device())?, 0)
+}
+
+/// The tensors' rows in order (an empty `[0, width]` of `dtype` for none).
+fn cat_rows(parts: &[Tensor], width: usize, dtype: DType, dev: &candle_core::Device) -> Result<Tensor> {
+    let parts: Vec<&Tensor> = parts.iter().filter(|t| t.dim(0).is_ok_and(|n| n > 0)).collect();
+    match parts.len() {
+        0 => Tensor::zeros((0, width), dtype, dev),
+        1 => Ok(parts[0].clone()),
+        _ => Tensor::cat(&parts, 0),
+    }
 }
 
 impl ShardedMoe {
@@ -120,7 +119,9 @@ impl ShardedMoe {
     /// The MoE output `[T, D]` of this rank's tokens `x` `[T, D]` (bf16, ffn-normed; `groups`:
     /// its sequences, as for [`crate::model::Moe::forward_grouped`]; T = 0 allowed). A
     /// collective: every rank of `comm` calls it once per layer and step, with its own tokens.
-    /// Two exchanges: the routed slots' rows to their experts' ranks, the outputs back.
+    /// The routed slots go to their experts' ranks (their metadata as host bytes, their token rows
+    /// with [`Collective::all_to_all_rows`], which keeps them on the device where the collective
+    /// can), the outputs come back the same way; the rows stay on `x`'s device otherwise.
     pub fn forward(&self, x: &Tensor, groups: &RowGroups, comm: &dyn Collective) -> Result<Tensor> {
         let p = &self.placement;
         if comm.world() != p.world() || comm.rank() != p.rank() {
@@ -144,7 +145,6 @@ impl ShardedMoe {
         if group_of.len() != t {
             candle_core::bail!("ShardedMoe: the row groups cover {} rows, the input has {t}", group_of.len())
         }
-        let xs: Vec<bf16> = x.flatten_all()?.to_vec1()?;
         // Dispatch: each rank's slots in slot order.
         let mut sent: Vec<Vec<usize>> = vec![Vec::new(); world];
         for (s, &e) in ids.iter().enumerate() {
@@ -153,29 +153,27 @@ impl ShardedMoe {
             }
             sent[p.owner(e as usize)].push(s);
         }
-        let send = sent
-            .iter()
-            .map(|slots| {
-                let meta: Vec<Slot> = slots.iter().map(|&s| Slot { expert: ids[s], weight: weights[s], group: group_of[s / k] }).collect();
-                let rows: Vec<bf16> = slots.iter().flat_map(|&s| xs[(s / k) * d..(s / k + 1) * d].iter().copied()).collect();
-                encode(&meta, &rows)
-            })
-            .collect();
-        let got = comm.all_to_all(send)?;
-        // Compute every received slot with its expert; outputs in received order.
+        let meta = sent.iter().map(|slots| encode(&slots.iter().map(|&s| Slot { expert: ids[s], weight: weights[s], group: group_of[s / k] }).collect::<Vec<_>>())).collect();
+        let send_rows = sent.iter().map(|slots| rows(x, &slots.iter().map(|&s| (s / k) as u32).collect::<Vec<_>>())).collect::<Result<Vec<_>>>()?;
+        let got_meta = comm.all_to_all(meta)?;
+        let got_rows = comm.all_to_all_rows(send_rows, d, dev)?;
+        // Every received slot, in received order (source by source).
         let mut slots: Vec<(usize, Slot)> = Vec::new();
-        let mut rows: Vec<bf16> = Vec::new();
         let mut per_source = Vec::with_capacity(world);
-        for (src, buf) in got.iter().enumerate() {
-            let (m, r) = decode(buf, d, src)?;
+        for (src, (buf, r)) in got_meta.iter().zip(&got_rows).enumerate() {
+            let m = decode(buf, src)?;
+            if r.dim(0)? != m.len() {
+                candle_core::bail!("expert parallel: rank {src} sent {} slots and {} rows", m.len(), r.dim(0)?)
+            }
             per_source.push(m.len());
             slots.extend(m.into_iter().map(|s| (src, s)));
-            rows.extend(r);
         }
         let n = slots.len();
-        let mut outs: Vec<bf16> = vec![bf16::ZERO; n * d];
-        if n > 0 {
-            let xr = Tensor::from_vec(rows, (n, d), dev)?;
+        // Compute every received slot with its expert; the outputs in received order.
+        let outs = if n == 0 {
+            Tensor::zeros((0, d), DType::BF16, dev)?
+        } else {
+            let xr = cat_rows(&got_rows, d, DType::BF16, dev)?;
             let xp = match (self.experts.first(), &self.shared) {
                 (Some(e), _) | (None, Some(e)) => e.prepare_input(&xr)?,
                 (None, None) => xr,
@@ -188,47 +186,48 @@ impl ShardedMoe {
                     None => candle_core::bail!("expert parallel: rank {} received a slot of expert {}, it holds {:?}", p.rank(), slot.expert, p.range()),
                 }
             }
+            let (mut parts, mut order) = (Vec::new(), Vec::with_capacity(n));
             for (expert, mine) in self.experts.iter().zip(&by_expert) {
                 if mine.is_empty() {
                     continue;
                 }
                 let ws = Tensor::from_vec(mine.iter().map(|&j| slots[j].1.weight).collect::<Vec<_>>(), (mine.len(), 1), dev)?;
-                let sel = Tensor::from_vec(mine.iter().map(|&j| j as u32).collect::<Vec<_>>(), mine.len(), dev)?;
+                let sel: Vec<u32> = mine.iter().map(|&j| j as u32).collect();
                 let eg = runs(mine.iter().map(|&j| (slots[j].0, slots[j].1.group)));
-                let out: Vec<bf16> = expert.forward_prepared_grouped(&xp.index_select(&sel, 0)?, Some(&ws), &eg)?.to_dtype(DType::BF16)?.flatten_all()?.to_vec1()?;
-                for (q, &j) in mine.iter().enumerate() {
-                    outs[j * d..(j + 1) * d].copy_from_slice(&out[q * d..(q + 1) * d]);
-                }
+                parts.push(expert.forward_prepared_grouped(&rows(&xp, &sel)?, Some(&ws), &eg)?.to_dtype(DType::BF16)?);
+                order.extend(sel);
             }
-        }
+            // Back into received order: received slot j is row at[j] of the experts' outputs.
+            let mut at = vec![0u32; n];
+            for (q, &j) in order.iter().enumerate() {
+                at[j as usize] = q as u32;
+            }
+            rows(&cat_rows(&parts, d, DType::BF16, dev)?, &at)?
+        };
         // Combine: the outputs back to their sources, in the order they came.
-        let mut at = 0;
-        let back: Vec<Vec<u8>> = per_source
+        let mut first = 0;
+        let back = per_source
             .iter()
             .map(|&m| {
-                let b = bf16_bytes(&outs[at * d..(at + m) * d]);
-                at += m;
+                let b = outs.narrow(0, first, m);
+                first += m;
                 b
             })
-            .collect();
-        let returned = comm.all_to_all(back)?;
-        let mut slot_out: Vec<Option<&[bf16]>> = vec![None; ids.len()];
-        let decoded: Vec<Vec<bf16>> = returned
-            .iter()
-            .enumerate()
-            .map(|(src, b)| {
-                let v = bf16s(b);
-                if v.len() != sent[src].len() * d {
-                    candle_core::bail!("expert parallel: rank {src} returned {} values for {} slots of width {d}", v.len(), sent[src].len())
-                }
-                Ok(v)
-            })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
+        let returned = comm.all_to_all_rows(back, d, dev)?;
+        // Slot s's output is row pos[s] of the returned rows (destination by destination).
+        let mut pos = vec![0u32; ids.len()];
+        let mut base = 0;
         for (dst, slots_sent) in sent.iter().enumerate() {
-            for (q, &s) in slots_sent.iter().enumerate() {
-                slot_out[s] = Some(&decoded[dst][q * d..(q + 1) * d]);
+            if returned[dst].dim(0)? != slots_sent.len() {
+                candle_core::bail!("expert parallel: rank {dst} returned {} rows for {} slots", returned[dst].dim(0)?, slots_sent.len())
             }
+            for (q, &s) in slots_sent.iter().enumerate() {
+                pos[s] = (base + q) as u32;
+            }
+            base += slots_sent.len();
         }
+        let all = cat_rows(&returned, d, DType::BF16, dev)?;
         // The f32 sum in expert-id order, then the shared expert (model::Moe::forward_grouped).
         let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); p.experts()];
         for (s, &e) in ids.iter().enumerate() {
@@ -239,8 +238,7 @@ impl ShardedMoe {
             if mine.is_empty() {
                 continue;
             }
-            let vals: Vec<bf16> = mine.iter().flat_map(|&s| slot_out[s].unwrap_or(&[]).iter().copied()).collect();
-            let out = Tensor::from_vec(vals, (mine.len(), d), dev)?;
+            let out = rows(&all, &mine.iter().map(|&s| pos[s]).collect::<Vec<_>>())?;
             if mine.len() == t {
                 y = Some(accumulate(y.as_ref(), &out, DType::F32)?);
             } else {
