@@ -198,31 +198,19 @@ mod tests {
     use crate::nn::Linear;
     use crate::numerics::Numerics;
     use crate::quant::{fp8_linear_ref, mxfp4_linear_ref};
-
-    /// Deterministic bytes (xorshift).
-    fn bytes(seed: u64, n: usize) -> Vec<u8> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 24) as u8
-            })
-            .collect()
-    }
+    use crate::test_util::xorshift_bytes as bytes;
 
     /// A random FP8 weight (no NaN codes, scales around 2^-10).
     fn weight(n: usize, k: usize, seed: u64) -> Fp8Weight {
-        let codes = bytes(seed, n * k).into_iter().map(|b| if b & 0x7f == 0x7f { b & 0xf0 } else { b }).collect();
-        let scales = bytes(seed + 1, blocks(n) * blocks(k)).into_iter().map(|b| 112 + b % 24).collect();
+        let codes = bytes(seed, n * k, |b| b).into_iter().map(|b| if b & 0x7f == 0x7f { b & 0xf0 } else { b }).collect();
+        let scales = bytes(seed + 1, blocks(n) * blocks(k), |b| b).into_iter().map(|b| 112 + b % 24).collect();
         Fp8Weight::from_bytes(codes, scales, n, k, &Device::Cpu).unwrap()
     }
 
     fn x(dims: &[usize], seed: u64) -> Tensor {
         let n = dims.iter().product();
         let scale = |i: usize| 2f32.powi((i / 32 % 7) as i32 - 3);
-        let v: Vec<f32> = bytes(seed, n).iter().enumerate().map(|(i, &b)| (b as f32 - 127.5) / 32.0 * scale(i)).collect();
+        let v: Vec<f32> = bytes(seed, n, |b| b).iter().enumerate().map(|(i, &b)| (b as f32 - 127.5) / 32.0 * scale(i)).collect();
         Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
     }
 
@@ -278,7 +266,7 @@ mod tests {
     #[test]
     fn mxfp4_linear_on_the_cpu_is_the_reference() -> anyhow::Result<()> {
         let (n, k) = (40, 96);
-        let w = Mxfp4Weight::from_bytes(bytes(5, n * k / 2), bytes(6, n * k / 32).into_iter().map(|b| 118 + b % 12).collect(), n, k, &Device::Cpu)?;
+        let w = Mxfp4Weight::from_bytes(bytes(5, n * k / 2, |b| b), bytes(6, n * k / 32, |b| b).into_iter().map(|b| 118 + b % 12).collect(), n, k, &Device::Cpu)?;
         for aq in [true, false] {
             let numerics = Numerics { activation_quant: aq, ..Numerics::PLAIN };
             let fp4 = Linear::from_mxfp4(w.clone(), numerics);

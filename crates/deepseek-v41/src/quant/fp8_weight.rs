@@ -173,22 +173,10 @@ mod tests {
     use candle_core::{DType, Device, Module, Tensor};
 
     use super::*;
+    use crate::test_util::{x_rows, xorshift_bytes as bytes};
     use crate::nn::{Linear, LinearKind};
     use crate::numerics::Numerics;
     use crate::quant::formats::e4m3_to_f32;
-
-    /// Deterministic bytes (xorshift), codes without the NaN patterns 0x7f / 0xff.
-    fn bytes(seed: u64, n: usize, f: impl Fn(u8) -> u8) -> Vec<u8> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                f((s >> 24) as u8)
-            })
-            .collect()
-    }
 
     fn code(b: u8) -> u8 {
         if b & 0x7f == 0x7f {
@@ -202,11 +190,6 @@ mod tests {
         let codes = bytes(seed, n * k, code);
         let scales = bytes(seed + 1, blocks(n) * blocks(k), |b| 112 + b % 24);
         Fp8Weight::from_bytes(codes, scales, n, k, &Device::Cpu).unwrap()
-    }
-
-    fn x_rows(m: usize, k: usize, seed: u64) -> Tensor {
-        let v: Vec<f32> = bytes(seed, m * k, |b| b).iter().enumerate().map(|(i, &b)| (b as f32 - 127.5) / 64.0 * 2f32.powi((i / 32 % 9) as i32 - 4)).collect();
-        Tensor::from_vec(v, (m, k), &Device::Cpu).unwrap()
     }
 
     /// Spec §2.4 test vector: row `d8 71 f2 79 70 69 f0 e5`, block scale 0x73 (2^-12).

@@ -136,32 +136,15 @@ mod tests {
     use candle_core::{DType, Device, Module, Tensor};
 
     use super::*;
+    use crate::test_util::{x_rows, xorshift_bytes as bytes};
     use crate::nn::{Linear, LinearKind};
     use crate::numerics::Numerics;
     use crate::quant::formats::{e2m1_to_f32, e8m0_to_f32};
-
-    /// Deterministic bytes (xorshift).
-    fn bytes(seed: u64, n: usize, f: impl Fn(u8) -> u8) -> Vec<u8> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                f((s >> 24) as u8)
-            })
-            .collect()
-    }
 
     fn weight(n: usize, k: usize, seed: u64) -> Mxfp4Weight {
         let codes = bytes(seed, n * k / 2, |b| b);
         let scales = bytes(seed + 1, n * k / 32, |b| 118 + b % 12);
         Mxfp4Weight::from_bytes(codes, scales, n, k, &Device::Cpu).unwrap()
-    }
-
-    fn x_rows(m: usize, k: usize, seed: u64) -> Tensor {
-        let v: Vec<f32> = bytes(seed, m * k, |b| b).iter().enumerate().map(|(i, &b)| (b as f32 - 127.5) / 64.0 * 2f32.powi((i / 32 % 9) as i32 - 4)).collect();
-        Tensor::from_vec(v, (m, k), &Device::Cpu).unwrap()
     }
 
     fn bits(t: &Tensor) -> Vec<u32> {
