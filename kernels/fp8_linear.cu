@@ -335,12 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamAr
         if (st != sk - 1 && u + 1 < u1) continue;
         // The range leaves this row group: store, or hand the partial to the group's last CTA.
         streamk_leave_group<NT, CtaSync>(acc, a, &is_last, grp, u0, units, c, ctas, warp, lane, g, t, rb * 32, tok0);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+        zero_acc<NT>(acc);
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 }

@@ -157,12 +157,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) fp8_bulk_kernel(const StreamA
         if (static_cast<int>(u % sk) != sk - 1 && u + 1 < u1) continue;
         const int rb = static_cast<int>(grp % nrg) * 4 + warp, tok0 = static_cast<int>(grp / nrg) * TOK;
         streamk_leave_group<NT, ComputeSync>(acc, a, &is_last, grp, u0, units, c, ctas, warp, lane, g, t, rb * 32, tok0);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+        zero_acc<NT>(acc);
     }
 }
 

@@ -287,6 +287,17 @@ __device__ __forceinline__ void store_rows(const StreamArgs& a, const float (&ac
             }
 }
 
+// acc = 0 (the next row group's sums).
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+}
+
 // The barrier of a stream-K CTA's 4 computing warps: the whole CTA (PIPELINE), or named barrier
 // 1 of 128 threads (BULK, whose copying warp does not take part).
 struct CtaSync {
