@@ -38,7 +38,7 @@ use deepseek_v41::hub::{fetch, HubCheckpoint, HubOptions, HubWeights};
 use deepseek_v41::input::check_context;
 use deepseek_v41::loader::{LoadPlan, PlanDevice, PlanOptions, QuantizedWeights, ReleaseCheckpoint};
 use deepseek_v41::model::{EngramPlacement, LoadOptions, ModelCache, Pretrained};
-use deepseek_v41::parallel::{run_local_ranks, Collective};
+use deepseek_v41::parallel::{run_ranks, Collective, LocalGroup};
 use deepseek_v41::tokenizer::{ChatPrompt, Tokenizer};
 use deepseek_v41::weights::{WeightFiles, WeightsCatalog, WeightsEntry, WeightsSource};
 use deepseek_v41::{Config, Numerics};
@@ -160,6 +160,10 @@ struct Args {
     /// `--device cuda` rank r runs on GPU r mod (GPUs). The same tokens as one rank.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
+    /// With --ranks on CUDA: exchange the routed rows over NCCL, one rank per GPU (needs a build
+    /// with `--features nccl`, and as many GPUs as ranks), instead of through host memory.
+    #[arg(long)]
+    nccl: bool,
 }
 
 /// Prompts longer than this are prefilled in chunks of this many tokens (progress on a terminal).
@@ -358,7 +362,7 @@ fn run_args(args: Args) -> Result<()> {
 
     let options = LoadOptions { quantized: quantized_of(args.quantized_weights), engram: engram_of(args.engram_placement) };
     let run = Run { args: &args, dir: &dir, device: &device, numerics, dtype, storage, sampling, prompt_ids: &prompt_ids };
-    if args.ranks != 1 {
+    if args.ranks != 1 || args.nccl {
         return run.ranks(config, tokenizer, options);
     }
     let t0 = Instant::now();
@@ -453,13 +457,18 @@ impl Run<'_> {
             bail!("--ranks {n}: --graph and --profile run one rank's decode step; run them without --ranks")
         }
         let devices = rank_devices(self.device, n)?;
+        let comms: Vec<Arc<dyn Collective>> = if args.nccl {
+            nccl_group(&devices)?
+        } else {
+            LocalGroup::ranks(n).into_iter().map(|c| Arc::new(c) as Arc<dyn Collective>).collect()
+        };
         let t0 = Instant::now();
-        run_local_ranks(n, |comm| -> candle_core::Result<()> {
+        run_ranks(comms, |comm| -> candle_core::Result<()> {
             let r = comm.rank();
             let on_rank = || -> Result<()> {
                 let ckpt = ReleaseCheckpoint::open_dir(self.dir).with_context(|| format!("rank {r}: loading {}", self.dir.display()))?;
                 let (config, tokenizer) = (config.clone(), tokenizer.clone());
-                let p = Pretrained::load_rank(config, tokenizer, ckpt, self.numerics, self.dtype, &devices[r], options, Arc::new(comm))
+                let p = Pretrained::load_rank(config, tokenizer, ckpt, self.numerics, self.dtype, &devices[r], options, comm)
                     .with_context(|| format!("rank {r}: loading {}", self.dir.display()))?;
                 if r == 0 {
                     eprintln!("loaded {} as {n} expert-parallel ranks in {:.2}s", self.dir.display(), t0.elapsed().as_secs_f64());
@@ -475,6 +484,21 @@ impl Run<'_> {
         })?;
         Ok(())
     }
+}
+
+/// `--nccl`: an NCCL group over the ranks' GPUs.
+#[cfg(feature = "nccl")]
+fn nccl_group(devices: &[Device]) -> Result<Vec<Arc<dyn Collective>>> {
+    if !devices.iter().all(Device::is_cuda) {
+        bail!("--nccl exchanges device buffers: add --device cuda")
+    }
+    let group = deepseek_v41::parallel::NcclRank::group(devices).context("--nccl: one rank per GPU (give at most as many --ranks as GPUs)")?;
+    Ok(group.into_iter().map(|c| Arc::new(c) as Arc<dyn Collective>).collect())
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_group(_: &[Device]) -> Result<Vec<Arc<dyn Collective>>> {
+    bail!("--nccl: this binary was built without NCCL; rebuild it with `--features nccl` (DSV41_NCCL=1 source scripts/cuda-env.sh installs libnccl)")
 }
 
 /// The device of each of `n` ranks: `first` (the CPU, or GPU 0) for rank 0; on CUDA GPU r mod

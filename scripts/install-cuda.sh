@@ -67,6 +67,24 @@ else
     log "done: $("$HOME_CU/bin/nvcc" --version | tail -n2 | head -n1)"
 fi
 
+# With DSV41_NCCL=1: NCCL for the `nccl` feature (cudarc links libnccl at build time; its
+# bindings are NCCL 2.30's), from the nvidia-nccl-cu13 wheel into $PREFIX/nccl. At run time the
+# GPU machine's own libnccl.so.2 is used (e.g. torch's nvidia/nccl/lib).
+NCCL_REQ='nvidia-nccl-cu13==2.30.7'
+NCCL_LIB="$PREFIX/nccl/nvidia/nccl/lib"
+if [[ "${DSV41_NCCL:-0}" == 1 ]]; then
+    if [[ ! -f "$PREFIX/nccl/.installed" || "$(cat "$PREFIX/nccl/.installed")" != "$NCCL_REQ" ]]; then
+        log "installing $NCCL_REQ into $PREFIX/nccl"
+        rm -rf "$PREFIX/nccl"
+        "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+            --target "$PREFIX/nccl" "$NCCL_REQ"
+        [[ -f "$NCCL_LIB/libnccl.so.2" ]] || { log "no libnccl.so.2 in $NCCL_LIB after install"; exit 1; }
+        ln -sf libnccl.so.2 "$NCCL_LIB/libnccl.so"
+        echo "$NCCL_REQ" > "$PREFIX/nccl/.installed"
+    fi
+    echo "export LIBRARY_PATH=\"$NCCL_LIB:\$LIBRARY_PATH\""
+fi
+
 # The environment to export (also what scripts/cuda-env.sh sets).
 cat <<ENV
 export CUDA_HOME="$HOME_CU"

@@ -26,6 +26,35 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         let bytes = send.iter().map(|t| rows_to_bytes(t, width)).collect::<Result<Vec<_>>>()?;
         self.all_to_all(bytes)?.iter().enumerate().map(|(src, b)| rows_from_bytes(b, width, device, src)).collect()
     }
+
+    /// Ends this rank's part in the group after another rank failed, so that its pending and
+    /// later exchanges fail instead of waiting ([`run_ranks`] calls it; NCCL: the communicator is
+    /// aborted). Default: nothing (where a failing rank already fails the others' exchanges, as in
+    /// [`LocalGroup`]).
+    fn abort(&self) {}
+}
+
+/// A shared rank is a rank (e.g. `Arc<dyn Collective>`, what a rank's model blocks hold).
+impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world(&self) -> usize {
+        (**self).world()
+    }
+
+    fn all_to_all(&self, send: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        (**self).all_to_all(send)
+    }
+
+    fn all_to_all_rows(&self, send: Vec<Tensor>, width: usize, device: &Device) -> Result<Vec<Tensor>> {
+        (**self).all_to_all_rows(send, width, device)
+    }
+
+    fn abort(&self) {
+        (**self).abort()
+    }
 }
 
 /// `[n, width]` bf16 rows as little-endian bytes.
@@ -108,23 +137,80 @@ impl Collective for LocalRank {
 }
 
 /// Runs `f` as every rank of a new [`LocalGroup`] of `world` ranks, one thread each, and returns
-/// their results in rank order. A rank that fails (or panics) drops its channels, so the ranks
-/// waiting on it in an exchange fail too instead of waiting forever; the first failure by rank is
-/// returned, naming the rank.
+/// their results in rank order (as [`run_ranks`]). A rank that fails (or panics) drops its
+/// channels, so the ranks waiting on it in an exchange fail too instead of waiting forever.
 pub fn run_local_ranks<T: Send>(world: usize, f: impl Fn(LocalRank) -> Result<T> + Sync) -> Result<Vec<T>> {
     if world == 0 {
         candle_core::bail!("run_local_ranks: a group of 0 ranks")
     }
+    run_threads(LocalGroup::ranks(world), f, |_| ())
+}
+
+/// Runs `f` as every rank of `comms` (rank r gets `comms[r]`, e.g. `Arc<dyn Collective>`), one
+/// thread each, and returns their results in rank order; the first failure by rank is returned,
+/// naming the rank. When a rank fails (or panics) the others are aborted
+/// ([`Collective::abort`]), so none waits forever for it.
+pub fn run_ranks<C: Collective + Clone, T: Send>(comms: Vec<C>, f: impl Fn(C) -> Result<T> + Sync) -> Result<Vec<T>> {
+    let handles = comms.clone();
+    run_threads(comms, f, |failed| handles.iter().enumerate().filter(|&(r, _)| r != failed).for_each(|(_, c)| c.abort()))
+}
+
+/// Tells the launcher that its rank ended, and whether it succeeded (false if it unwinds).
+struct Ended {
+    rank: usize,
+    ok: bool,
+    tx: Sender<(usize, bool)>,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let _ = self.tx.send((self.rank, self.ok));
+    }
+}
+
+fn run_threads<C: Collective, T: Send>(comms: Vec<C>, f: impl Fn(C) -> Result<T> + Sync, on_failure: impl Fn(usize)) -> Result<Vec<T>> {
+    let world = comms.len();
+    if world == 0 {
+        candle_core::bail!("run_ranks: a group of 0 ranks")
+    }
     let f = &f;
+    let mut first_failed = None;
     let results: Vec<Result<T>> = std::thread::scope(|s| {
-        let handles: Vec<_> = LocalGroup::ranks(world).into_iter().map(|comm| s.spawn(move || f(comm))).collect();
+        let (tx, rx) = channel();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let mut ended = Ended { rank, ok: false, tx: tx.clone() };
+                s.spawn(move || {
+                    let out = f(comm);
+                    ended.ok = out.is_ok();
+                    drop(ended);
+                    out
+                })
+            })
+            .collect();
+        drop(tx);
+        for (rank, ok) in rx {
+            if !ok && first_failed.is_none() {
+                first_failed = Some(rank);
+                on_failure(rank);
+            }
+        }
         handles
             .into_iter()
             .enumerate()
             .map(|(r, h)| h.join().unwrap_or_else(|_| Err(candle_core::Error::Msg(format!("rank {r} panicked")))))
             .collect()
     });
-    results.into_iter().enumerate().map(|(r, v)| v.map_err(|e| candle_core::Error::Msg(format!("rank {r} of {world}: {e}")))).collect()
+    // The rank that failed first is the cause; the others' failures may only follow from it.
+    let mut results: Vec<Option<Result<T>>> = results.into_iter().map(Some).collect();
+    if let Some(r) = first_failed {
+        if let Some(Err(e)) = results[r].take() {
+            candle_core::bail!("rank {r} of {world}: {e}")
+        }
+    }
+    results.into_iter().enumerate().map(|(r, v)| v.unwrap_or_else(|| Err(candle_core::Error::Msg("no result".into()))).map_err(|e| candle_core::Error::Msg(format!("rank {r} of {world}: {e}")))).collect()
 }
 
 #[cfg(test)]
@@ -181,6 +267,50 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// A rank whose exchanges wait until it is aborted (as an NCCL rank waits for a peer).
+    #[derive(Debug)]
+    struct Waiting {
+        rank: usize,
+        aborted: std::sync::Arc<(Mutex<bool>, std::sync::Condvar)>,
+    }
+
+    impl Collective for Waiting {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world(&self) -> usize {
+            3
+        }
+        fn all_to_all(&self, _: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+            let (flag, cv) = &*self.aborted;
+            let mut done = flag.lock().unwrap();
+            while !*done {
+                done = cv.wait(done).unwrap();
+            }
+            candle_core::bail!("aborted")
+        }
+        fn abort(&self) {
+            *self.aborted.0.lock().unwrap() = true;
+            self.aborted.1.notify_all();
+        }
+    }
+
+    /// When a rank fails, run_ranks aborts the others (which would otherwise wait forever) and
+    /// reports the failing rank's error, not the aborted ranks'.
+    #[test]
+    fn run_ranks_aborts_the_others_and_names_the_cause() {
+        let comms: Vec<std::sync::Arc<Waiting>> = (0..3).map(|rank| std::sync::Arc::new(Waiting { rank, aborted: Default::default() })).collect();
+        let err = run_ranks(comms, |c| -> Result<()> {
+            if c.rank() == 1 {
+                candle_core::bail!("load failed")
+            }
+            c.all_to_all(vec![vec![]; 3]).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("rank 1 of 3") && err.contains("load failed"), "{err}");
     }
 
     /// A rank that fails before an exchange makes the others' exchange fail: no rank waits

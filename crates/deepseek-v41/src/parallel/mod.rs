@@ -25,16 +25,22 @@
 //!   those of one model forwarding all ranks' sequences in one batch. A rank with no sequence
 //!   in a call joins its exchanges with [`crate::model::Model::join_idle`].
 //!
-//! Not yet: an NCCL [`Collective`] over device buffers ([`LocalGroup`]'s rows go through host
-//! memory), the device-routed path (`cuda::moe_experts_device` over a rank's experts) and the
+//! * `NcclRank` (feature `nccl`): the collective over NCCL, one rank per GPU, the rows sent from
+//!   and into device memory.
+//!
+//! Not yet: the device-routed path (`cuda::moe_experts_device` over a rank's experts) and the
 //! captured decode step over a sharded model, tensor-parallel attention.
 
 mod collective;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod placement;
 mod round;
 mod sharded_moe;
 
-pub use collective::{run_local_ranks, Collective, LocalGroup, LocalRank};
+pub use collective::{run_local_ranks, run_ranks, Collective, LocalGroup, LocalRank};
+#[cfg(feature = "nccl")]
+pub use nccl::NcclRank;
 pub use placement::ExpertPlacement;
 pub use round::{agree, Round, Turn};
 pub use sharded_moe::ShardedMoe;
