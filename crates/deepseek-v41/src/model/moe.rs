@@ -360,6 +360,32 @@ impl Expert {
     }
 }
 
+/// The f32 sum of the routed experts (`None` until the first adds to it) plus one expert's outputs
+/// `out` `[n, D]`: of every token in order (`rows` = None), or of the tokens `rows` `[n]` u32 of
+/// `T` (an `index_add` into zeros the first time). One step of the MoE's sum in expert-id order.
+pub(crate) fn add_routed(y: Option<Tensor>, out: &Tensor, rows: Option<(&Tensor, usize)>) -> Result<Tensor> {
+    match rows {
+        None => accumulate(y.as_ref(), out, DType::F32),
+        Some((rows, t)) => {
+            let acc = match y {
+                Some(y) => y,
+                None => Tensor::zeros((t, out.dim(1)?), DType::F32, out.device())?,
+            };
+            acc.index_add(rows, &out.to_dtype(DType::F32)?, 0)
+        }
+    }
+}
+
+/// The MoE output in `x`'s dtype: the routed sum `y` plus the shared expert's output over its
+/// prepared input (`shared` = the expert and `xp`), zeros when there is neither.
+pub(crate) fn add_shared(y: Option<Tensor>, shared: Option<(&Expert, &Tensor)>, x: &Tensor, groups: &RowGroups) -> Result<Tensor> {
+    match (shared, y) {
+        (Some((shared, xp)), y) => accumulate(y.as_ref(), &shared.forward_prepared_grouped(xp, None, groups)?, x.dtype()),
+        (None, Some(y)) => y.to_dtype(x.dtype()),
+        (None, None) => Tensor::zeros(x.dims(), x.dtype(), x.device()),
+    }
+}
+
 /// Row groups of the runs of equal owners (the rows of one sequence routed to an expert, in
 /// order): each its own whole product.
 pub(crate) fn runs<T: PartialEq + Copy>(owners: impl Iterator<Item = T>) -> RowGroups {
@@ -476,7 +502,7 @@ impl Moe {
     /// rows as its own call does ([`Linear::forward_grouped`]; a routed expert's groups are the
     /// sequences' runs of rows routed to it).
     pub fn forward_grouped(&self, x: &Tensor, groups: &RowGroups) -> Result<MoeOutput> {
-        let (t, d) = x.dims2()?;
+        let t = x.dims2()?.0;
         let dev = x.device();
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.grouped {
@@ -518,22 +544,14 @@ impl Moe {
             let eg = runs(slots.iter().map(|&s| owner[s / k]));
             if n == t {
                 // Every token chose e (top-k ids are distinct): its rows are 0..T in order.
-                y = Some(accumulate(y.as_ref(), &expert.forward_prepared_grouped(&xp, Some(&ws), &eg)?, DType::F32)?);
+                y = Some(add_routed(y, &expert.forward_prepared_grouped(&xp, Some(&ws), &eg)?, None)?);
             } else {
                 let rows = Tensor::from_vec(slots.iter().map(|&s| (s / k) as u32).collect::<Vec<_>>(), n, dev)?;
                 let out = expert.forward_prepared_grouped(&xp.index_select(&rows, 0)?, Some(&ws), &eg)?;
-                let acc = match y {
-                    Some(y) => y,
-                    None => Tensor::zeros((t, d), DType::F32, dev)?,
-                };
-                y = Some(acc.index_add(&rows, &out.to_dtype(DType::F32)?, 0)?);
+                y = Some(add_routed(y, &out, Some((&rows, t)))?);
             }
         }
-        let out = match (&self.shared, y) {
-            (Some(shared), y) => accumulate(y.as_ref(), &shared.forward_prepared_grouped(&xp, None, groups)?, x.dtype())?,
-            (None, Some(y)) => y.to_dtype(x.dtype())?,
-            (None, None) => Tensor::zeros((t, d), x.dtype(), dev)?,
-        };
+        let out = add_shared(y, self.shared.as_ref().map(|s| (s, &xp)), x, groups)?;
         Ok(MoeOutput { out, ids: routing.ids_tensor(dev)?, weights })
     }
 

@@ -6,7 +6,7 @@ use candle_nn::VarBuilder;
 
 use super::{Collective, ExpertPlacement};
 use crate::config::Config;
-use crate::model::moe::{accumulate, runs};
+use crate::model::moe::{add_routed, add_shared, runs};
 use crate::model::{Expert, Gate};
 use crate::nn::linear::{named, prefixed, NamedLinears};
 use crate::nn::RowGroups;
@@ -239,24 +239,17 @@ impl ShardedMoe {
                 continue;
             }
             let out = rows(&all, &mine.iter().map(|&s| pos[s]).collect::<Vec<_>>())?;
-            if mine.len() == t {
-                y = Some(accumulate(y.as_ref(), &out, DType::F32)?);
+            y = Some(if mine.len() == t {
+                add_routed(y, &out, None)?
             } else {
                 let at = Tensor::from_vec(mine.iter().map(|&s| (s / k) as u32).collect::<Vec<_>>(), mine.len(), dev)?;
-                let acc = match y {
-                    Some(y) => y,
-                    None => Tensor::zeros((t, d), DType::F32, dev)?,
-                };
-                y = Some(acc.index_add(&at, &out.to_dtype(DType::F32)?, 0)?);
-            }
+                add_routed(y, &out, Some((&at, t)))?
+            });
         }
-        Ok(match (&self.shared, y) {
-            (Some(shared), y) => {
-                let xp = shared.prepare_input(x)?;
-                accumulate(y.as_ref(), &shared.forward_prepared_grouped(&xp, None, groups)?, x.dtype())?
-            }
-            (None, Some(y)) => y.to_dtype(x.dtype())?,
-            (None, None) => Tensor::zeros((t, d), x.dtype(), dev)?,
-        })
+        let xp = match &self.shared {
+            Some(shared) => Some((shared, shared.prepare_input(x)?)),
+            None => None,
+        };
+        add_shared(y, xp.as_ref().map(|(s, xp)| (*s, xp)), x, groups)
     }
 }
