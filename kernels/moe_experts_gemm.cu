@@ -12,10 +12,13 @@
 //     routing weight and pos, as the stream path's prep does.
 //   * GEMM: a persistent grid (one CTA of 3 warpgroups per SM). An item is (expert, tile of up to
 //     128 of its slots, tile of 128 weight rows: GATE_UP the same 64 rows of w1 and w3, DOWN 128
-//     rows of w2); the items of all experts are numbered from an in-CTA scan of the counts and
-//     each CTA takes a contiguous run of equal estimated cost (slots rounded up to 16, plus a
-//     fixed part for the weights), so the grid is fixed by the device (graph capture) while the
-//     work follows the routing. Deterministic: an item is computed by one CTA in a fixed order.
+//     rows of w2); the items of all experts are numbered from an in-CTA scan of the counts (row
+//     tiles fastest) and CTA b takes items b, b + grid, b + 2 grid, ...: the CTAs running at once
+//     work on a window of consecutive items, the row tiles of a few experts, so the slot rows that
+//     every row tile of an expert reads again stay in L2 (in contiguous runs per CTA, the 132
+//     experts' panels in use at once outgrew L2 and came from DRAM again). The grid is fixed by
+//     the device (graph capture) while the work follows the routing. Deterministic: an item is
+//     computed by one CTA in a fixed order.
 //   * producer warpgroup: per stage of 128 inputs, with cp.async, the slots' panel rows (gathered
 //     by token for GATE_UP; 128-byte-swizzled K-major, two 64-input atoms), the 128 weight rows'
 //     code bytes (64 per row) and scale bytes (4 per row) into a ring of kStages stages, mbarrier
@@ -76,21 +79,19 @@ constexpr int SM_B = 0;               // the panel tile: 2 atoms
 constexpr int SM_C = 2 * kAtom;       // code bytes [BM][64]
 constexpr int SM_S = SM_C + BM * 64;  // scale bytes [BM][4]
 constexpr int kStageBytes = (SM_S + BM * 4 + 1023) & ~1023;
-constexpr int kCostFixed = 32;        // an item's cost beyond its slots, in slots (weights streamed and converted)
 constexpr uint32_t kFastLo = 33, kFastHi = 128;  // scale bytes the bf16 path multiplies exactly
 constexpr int kPrepThreads = 256;
 constexpr int kMaxSmem = 227 * 1024;
 static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled tiles");
 
-// Dynamic shared memory for E experts: the stages, the scans (estimated cost, slots, items;
-// exclusive prefixes [E + 1]), the mbarriers, and the slack that aligns the base to 1024 bytes.
+// Dynamic shared memory for E experts: the stages, the scans (slots, items; exclusive prefixes
+// [E + 1]), the mbarriers, and the slack that aligns the base to 1024 bytes.
 struct Smem {
-    int cost, off, item, bar, bytes;
+    int off, item, bar, bytes;
 };
 __host__ __device__ inline Smem smem_layout(int e) {
     Smem m;
-    m.cost = kStages * kStageBytes;
-    m.off = m.cost + 8 * (e + 1);
+    m.off = kStages * kStageBytes;
     m.item = m.off + 4 * (e + 1);
     m.bar = (m.item + 4 * (e + 1) + 7) & ~7;
     m.bytes = m.bar + 2 * kStages * 8 + 1024;
@@ -123,33 +124,8 @@ struct Item {
 
 __device__ __forceinline__ int round16(int v) { return (v + 15) & ~15; }
 
-// An expert's items and estimated cost for c slots.
+// An expert's items for c slots.
 __device__ __forceinline__ int items_of(int c, int n_rt) { return (c + BN - 1) / BN * n_rt; }
-__device__ __forceinline__ int64_t cost_of(int c, int n_rt) {
-    const int rem = c % BN;
-    return static_cast<int64_t>(n_rt) * ((c / BN) * (BN + kCostFixed) + (rem ? round16(rem) + kCostFixed : 0));
-}
-
-// The first item whose estimated cost starts at or after `target` (the items of expert e start at
-// cost[e]; its full slot tiles cost BN + kCostFixed each, the last partial one less).
-__device__ int first_item_at(int64_t target, const int64_t* cost, const int* off, const int* item, int ne, int n_rt) {
-    if (target >= cost[ne]) return item[ne];
-    int lo = 0, hi = ne;  // the last expert with cost[e] <= target: it has items (target < cost[ne])
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (cost[mid] <= target) lo = mid;
-        else hi = mid;
-    }
-    const int64_t d = target - cost[lo], cf = BN + kCostFixed;
-    const int c = off[lo + 1] - off[lo], full = c / BN * n_rt;
-    int64_t i = (d + cf - 1) / cf;
-    if (i > full) {
-        const int64_t cl = round16(c % BN) + kCostFixed;
-        i = full + (d - full * cf + cl - 1) / cl;
-    }
-    const int n_items = item[lo + 1] - item[lo];
-    return item[lo] + static_cast<int>(i < n_items ? i : n_items);
-}
 
 // Item idx: expert (the last with item[e] <= idx), slot tile j and row tile (row tiles fastest).
 __device__ Item decode(int idx, const int* off, const int* item, int ne, int n_rt) {
@@ -353,7 +329,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
     const uint32_t sbase = (raw + 1023u) & ~1023u;
     unsigned char* smem = smem_raw + (sbase - raw);
     const Smem L = smem_layout(a.e);
-    int64_t* cost = reinterpret_cast<int64_t*>(smem + L.cost);
     int* off = reinterpret_cast<int*>(smem + L.off);
     int* item = reinterpret_cast<int*>(smem + L.item);
     const uint32_t full = sbase + L.bar, empty = full + 8 * kStages;
@@ -366,56 +341,44 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
     }
     grid_dep_wait();  // the routing's counts, the prep's panel and sorted rows
 
-    // Warp 0: exclusive scans of the slots, items and estimated costs per expert (a lane per run
-    // of experts).
+    // Warp 0: exclusive scans of the slots and items per expert (a lane per run of experts).
     if (warp == 0) {
         const int per = (a.e + 31) >> 5, e0 = lane * per;
         int sc = 0, si = 0;
-        int64_t sk = 0;
         for (int i = 0; i < per; ++i) {
             if (e0 + i >= a.e) break;
             const int cnt = static_cast<int>(__ldg(a.counts + e0 + i));
             sc += cnt;
             si += items_of(cnt, a.n_rt);
-            sk += cost_of(cnt, a.n_rt);
         }
         int ic = sc, ii = si;
-        int64_t ik = sk;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
             const int vc = __shfl_up_sync(0xffffffffu, ic, d), vi = __shfl_up_sync(0xffffffffu, ii, d);
-            const int64_t vk = __shfl_up_sync(0xffffffffu, ik, d);
             if (lane >= d) {
                 ic += vc;
                 ii += vi;
-                ik += vk;
             }
         }
         int rc = ic - sc, ri = ii - si;
-        int64_t rk = ik - sk;
         for (int i = 0; i < per; ++i) {
             const int e = e0 + i;
             if (e >= a.e) break;
             const int cnt = static_cast<int>(__ldg(a.counts + e));
             off[e] = rc;
             item[e] = ri;
-            cost[e] = rk;
             rc += cnt;
             ri += items_of(cnt, a.n_rt);
-            rk += cost_of(cnt, a.n_rt);
         }
         if (lane == 31) {
             off[a.e] = ic;
             item[a.e] = ii;
-            cost[a.e] = ik;
         }
     }
     __syncthreads();
 
-    const int64_t total = cost[a.e];
-    const int i0 = first_item_at(total * blockIdx.x / gridDim.x, cost, off, item, a.e, a.n_rt);
-    const int i1 = first_item_at(total * (blockIdx.x + 1) / gridDim.x, cost, off, item, a.e, a.n_rt);
-    if (i0 >= i1) return;
+    const int n_items = item[a.e];
+    if (static_cast<int>(blockIdx.x) >= n_items) return;
 
     if (warp >= kConsumerWarps) {
         // Producer: thread p copies chunks p % 8 and 8 + p % 8 of tile rows p / 8 + 16 i of the
@@ -425,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
         const bool scale_vec = (a.kb & 3) == 0;
         int s = 0;
         uint32_t ph = 0;
-        for (int it = i0; it < i1; ++it) {
+        for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
             const Item u = decode(it, off, item, a.e, a.n_rt);
             const int nfill = round16(u.cnt);
             int src[8];  // panel row; -1: zero fill (slot columns up to N); -2: not read
@@ -497,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_kernel(const Args a) {
     const uint32_t flag = MODE == DSV41_MOE_GATE_UP ? DSV41_MOE_GEMM_FLAG_GATE_UP : DSV41_MOE_GEMM_FLAG_DOWN;
     int s = 0;
     uint32_t ph = 0;
-    for (int it = i0; it < i1; ++it) {
+    for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
         const Item u = decode(it, off, item, a.e, a.n_rt);
         const bool exact = (__ldg(a.flags + u.e) & flag) != 0;
         switch ((u.cnt + 15) >> 4) {
