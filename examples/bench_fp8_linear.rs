@@ -60,8 +60,8 @@ struct Args {
     /// wq_a+wkv: the two of one input, two calls against one stacked call).
     #[arg(long, value_delimiter = ',', default_value = "wq_a,wq_b,wo_b,w13,w2")]
     shapes: Vec<String>,
-    /// Streaming-kernel variants timed forced (pipeline, registers, warp, bulk).
-    #[arg(long, value_delimiter = ',', default_value = "pipeline,registers,warp,bulk")]
+    /// Streaming-kernel variants timed forced (pipeline, registers, warp).
+    #[arg(long, value_delimiter = ',', default_value = "pipeline,registers,warp")]
     variants: Vec<String>,
     /// Run with the activation quantization off.
     #[arg(long)]
@@ -69,11 +69,10 @@ struct Args {
 }
 
 /// The forced streaming variants: (`--variants` name, row label, variant, largest m).
-const VARIANTS: [(&str, &str, Fp8StreamVariant, usize); 4] = [
+const VARIANTS: [(&str, &str, Fp8StreamVariant, usize); 3] = [
     ("pipeline", "fp8 stream (pipeline)", Fp8StreamVariant::Pipeline, FP8_STREAM_MAX_M),
     ("registers", "fp8 stream (registers)", Fp8StreamVariant::Registers, FP8_STREAM_MAX_M),
     ("warp", "fp8 stream (warp)", Fp8StreamVariant::Warp, FP8_WARP_MAX_M),
-    ("bulk", "fp8 stream (bulk)", Fp8StreamVariant::Bulk, FP8_STREAM_MAX_M),
 ];
 
 /// (name, in = k, out = n).

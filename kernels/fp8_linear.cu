@@ -50,10 +50,7 @@
 //     blocks ahead of the products across its units; a persistent grid of 16-warp CTAs, each
 //     with one K split and an equal contiguous run of units, its panel slice copied into shared
 //     memory once; no weight ring, no per-stage barrier, no cross-warp reduction; split-K
-//     partials added in split order by the unit's last warp. BULK (PIPELINE's requirements;
-//     explicit only until timed, design in kernels/fp8_linear_bulk.cu): PIPELINE's units and
-//     products, the stages filled by a copying warp with TMA bulk copies into a ring of up to
-//     200 KB with full / empty mbarriers (no CTA barrier per unit).
+//     partials added in split order by the unit's last warp.
 //   * Why stream-K (docs/perf.md "FP8 linear"): with a CTA per 32-row block, every CTA read
 //     only 40-340 KB and waited for its first bytes; the measured time was ~5.6 us plus the
 //     bytes at 2.3 TB/s on an H100, whether the bytes came through registers or a 3-stage
@@ -391,7 +388,7 @@ using dsv41_launch::sm_count;
 inline int validate(const Dsv41Fp8LinearParams* p, size_t params_size) {
     if (params_size != sizeof(Dsv41Fp8LinearParams)) return DSV41_ERR_PARAMS_SIZE;
     if (p->m < 1 || p->m > DSV41_FP8_STREAM_MAX_M || p->n < 1 || p->k < 1 || p->splits < 0) return DSV41_ERR_SHAPE;
-    if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_BULK) return DSV41_ERR_SHAPE;
+    if (p->variant < DSV41_FP8_VARIANT_AUTO || p->variant > DSV41_FP8_VARIANT_WARP) return DSV41_ERR_SHAPE;
     if (p->prep < DSV41_FP8_PREP_AUTO || p->prep > DSV41_FP8_PREP_FUSED) return DSV41_ERR_SHAPE;
     if (p->act_quant && p->k % 32 != 0) return DSV41_ERR_SHAPE;
     if (p->n_first < 0 || p->n_first % 32 != 0 || (p->n_first > 0 && p->n_first >= p->n)) return DSV41_ERR_SHAPE;
@@ -444,10 +441,8 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
     // lanes x 8 floats per CTA; a counter per (chunk, row group).
     const int64_t groups = static_cast<int64_t>(q.mc) * ((p->n + 127) / 128);
     const int64_t units = groups * ((q.kb + kStepBlocks - 1) / kStepBlocks);
-    // The grid of the stream-K variant that would run (BULK: its own shared memory, so its own count).
-    const int64_t per_sm = p->variant == DSV41_FP8_VARIANT_BULK ? bulk_per_sm(q.nt, p->act_quant != 0)
-                           : p->act_quant                        ? streamk_per_sm_nt<true>(q.nt)
-                                                                 : streamk_per_sm_nt<false>(q.nt);
+    // The grid of the stream-K variant.
+    const int64_t per_sm = p->act_quant ? streamk_per_sm_nt<true>(q.nt) : streamk_per_sm_nt<false>(q.nt);
     const int64_t ctas = per_sm * sm_count(), by_units = units / kMinUnits > 1 ? units / kMinUnits : 1;
     q.ctas = static_cast<int>(ctas < by_units ? ctas : by_units);
     const int64_t ws_reg = s > 1 ? tiles * s * q.tok * 32 * 4 : 0, ws_sk = 2 * static_cast<int64_t>(q.ctas) * 4 * (8 * q.nt) * 32 * 4;
@@ -467,7 +462,7 @@ inline Plan make_plan(const Dsv41Fp8LinearParams* p) {
 }
 
 // kind: 0 register ring with byte loads, 1 register ring with 8-byte loads, 2 smem pipeline (3:
-// the WARP variant, launch_warp; 4: the BULK variant, launch_bulk); fused: REGISTERS with the activation from x (nt <= 2).
+// the WARP variant, launch_warp); fused: REGISTERS with the activation from x (nt <= 2).
 template <int NT, bool ACTQ>
 cudaError_t launch_stream(const StreamArgs& a, const Plan& q, int kind, bool fused, cudaStream_t st) {
     const dim3 grid(q.mc, q.nb, q.splits);
@@ -551,8 +546,7 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     // asked for above, it runs what AUTO picks.
     const bool pipeline = p->variant == DSV41_FP8_VARIANT_PIPELINE ||
                           ((p->variant == DSV41_FP8_VARIANT_AUTO || p->variant == DSV41_FP8_VARIANT_WARP) && p->m > 16 && 4 * q.ctas >= sm_count());
-    const bool bulk = p->variant == DSV41_FP8_VARIANT_BULK && streamk;
-    const int kind = q.warp ? 3 : bulk ? 4 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
+    const int kind = q.warp ? 3 : (pipeline && streamk) ? 2 : (vec8 ? 1 : 0);
     // The fused activation (FUSED, or AUTO for a small weight): REGISTERS at m <= 16 reading x
     // itself, where its 16-byte loads are possible and the split-K counters need no zeroing (one
     // split, or the caller's counters, which the last arrival of every tile leaves zero).
@@ -566,7 +560,7 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     }
     int n_ctr = 0;  // arrival counters the prep kernel zeroes
     if (kind == 3) n_ctr = q.wp.splits > 1 ? (p->n + 15) / 16 : 0;
-    else if (kind == 2 || kind == 4) n_ctr = q.mc * ((p->n + 127) / 128);
+    else if (kind == 2) n_ctr = q.mc * ((p->n + 127) / 128);
     else if (q.splits > 1) n_ctr = q.nb * q.mc;
     const int64_t prep_threads = static_cast<int64_t>(q.mpad) * q.kb * 32;
     const unsigned prep_blocks = static_cast<unsigned>((prep_threads + kPrepThreads - 1) / kPrepThreads);
@@ -579,7 +573,6 @@ extern "C" int dsv41_fp8_linear(const Dsv41Fp8LinearParams* p, size_t params_siz
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
     if (kind == 3) e = launch_warp(a, q.wp, q.nt, p->act_quant != 0, vec8, st);
-    else if (kind == 4) e = launch_bulk(a, q.ctas, q.nt, p->act_quant != 0, st);
     else e = p->act_quant ? launch_stream_nt<true>(a, q, kind, false, st) : launch_stream_nt<false>(a, q, kind, false, st);
     return static_cast<int>(e);
 }

@@ -82,7 +82,7 @@ if [[ "${DSV41_NCCL:-0}" == 1 ]]; then
         ln -sf libnccl.so.2 "$NCCL_LIB/libnccl.so"
         echo "$NCCL_REQ" > "$PREFIX/nccl/.installed"
     fi
-    echo "export LIBRARY_PATH=\"$NCCL_LIB:\$LIBRARY_PATH\""
+    echo "export LIBRARY_PATH=\"$NCCL_LIB\${LIBRARY_PATH:+:\$LIBRARY_PATH}\""
 fi
 
 # The environment to export (also what scripts/cuda-env.sh sets).

@@ -53,12 +53,10 @@ typedef struct {
 // Weight-streaming kernel variants: AUTO = PIPELINE for m > 16 when k % 128 == 0, the codes are
 // 16-byte and the scales 4-byte aligned, else REGISTERS (which also takes any k and alignment).
 // WARP takes any k and alignment for m <= 64; asked for with m > 64 it runs what AUTO picks.
-// BULK has PIPELINE's requirements; where they do not hold it runs REGISTERS.
 #define DSV41_FP8_VARIANT_AUTO 0
 #define DSV41_FP8_VARIANT_REGISTERS 1  // 8-byte loads into a register ring, 4 k32 blocks in flight per warp
 #define DSV41_FP8_VARIANT_PIPELINE 2   // stream-K: a persistent grid, cp.async stages of 128 rows x 128 bytes in shared memory
 #define DSV41_FP8_VARIANT_WARP 3       // warp-owned 16-row units streamed into registers (kernels/fp8_linear_warp.cu)
-#define DSV41_FP8_VARIANT_BULK 4       // stream-K fed by a copying warp's TMA bulk copies (kernels/fp8_linear_bulk.cu)
 
 // Largest m of the weight-streaming kernel (tokens run in chunks of 64 columns).
 #define DSV41_FP8_STREAM_MAX_M 256

@@ -1,7 +1,7 @@
 // Device pieces shared by the FP8 linear's weight-streaming kernels (spec §2.4-§2.5, issue 21):
 // kernels/fp8_linear.cu (the launcher, the prep kernel, the REGISTERS and PIPELINE variants; its
 // header comment holds the design and the numerics), kernels/fp8_linear_warp.cu (the WARP
-// variant) and kernels/fp8_linear_bulk.cu (the BULK variant): the code conversion, the mma, the weight loads, the kernels' arguments and the
+// variant): the code conversion, the mma, the weight loads, the kernels' arguments and the
 // per-k32-block product with the block scales applied in f32.
 #pragma once
 #include <cuda_bf16.h>
@@ -255,8 +255,8 @@ __device__ __forceinline__ void block_step_fused(float (&acc)[MT][NT][4], const 
 }
 
 // ------------------------------------------------------------------------------ stream-K pieces
-// The stream-K variants (PIPELINE in kernels/fp8_linear.cu, BULK in kernels/fp8_linear_bulk.cu;
-// the design is fp8_streamk_kernel's comment): units of 128 rows x 128 bytes of K (4 row blocks
+// The stream-K variant (PIPELINE in kernels/fp8_linear.cu; the design is fp8_streamk_kernel's
+// comment): units of 128 rows x 128 bytes of K (4 row blocks
 // of 32 rows, one per computing warp, x 4 k32 blocks), each CTA an equal contiguous run of them.
 constexpr int kStepBlocks = 4;  // k32 blocks per unit (128 bytes of each row)
 constexpr int kSrow = 144;      // bytes per staged row (128 + 16: conflict-free 8-byte reads)
@@ -298,13 +298,9 @@ __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
 }
 
-// The barrier of a stream-K CTA's 4 computing warps: the whole CTA (PIPELINE), or named barrier
-// 1 of 128 threads (BULK, whose copying warp does not take part).
+// The barrier of a stream-K CTA's 4 computing warps: the whole CTA.
 struct CtaSync {
     __device__ static void sync() { __syncthreads(); }
-};
-struct ComputeSync {
-    __device__ static void sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 };
 
 // Where CTA c's range leaves the row group grp (of chunk x 128 rows) after its last unit there:
@@ -403,12 +399,6 @@ WarpPlan warp_plan(int n, int kb, int tok, bool act_quant, int splits);
 // Launches the WARP kernel for a.m <= kWarpMaxM (nt = 1, 2, 4 or 8 n8 tiles; vec8: k % 8 == 0
 // and the codes 8-byte aligned).
 cudaError_t launch_warp(const StreamArgs& a, const WarpPlan& w, int nt, bool act_quant, bool vec8, cudaStream_t st);
-
-// The BULK variant (kernels/fp8_linear_bulk.cu; the stream-K units fed by a copying warp with TMA
-// bulk copies): its resident CTAs per SM (its shared memory limit raised first), and its launch
-// over `ctas` CTAs (nt = 1, 2, 4 or 8 n8 tiles).
-int bulk_per_sm(int nt, bool act_quant);
-cudaError_t launch_bulk(const StreamArgs& a, int ctas, int nt, bool act_quant, cudaStream_t st);
 
 }  // namespace fp8
 }  // namespace dsv41

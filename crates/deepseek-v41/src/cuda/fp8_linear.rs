@@ -63,11 +63,6 @@ pub enum Fp8StreamVariant {
     /// picks). The split factor is raised where the CTA's activation slice needs it to fit shared
     /// memory.
     Warp,
-    /// Stream-K as `Pipeline` (the same units and products; one CTA per SM) with the stages filled
-    /// by a copying warp's TMA bulk copies into a ring of up to 200 KB, full / empty mbarriers
-    /// instead of a CTA barrier per unit (`kernels/fp8_linear_bulk.cu`). `Pipeline`'s
-    /// requirements (else `Registers`). Explicit: not yet timed against `Auto`'s choice.
-    Bulk,
     /// `Auto` with `Warp` for m <= 16. Explicit: on an H100 `Warp` is faster where N is large
     /// and one K split fills the GPU (wq_b 1280 -> 32768) and slower on the other released shapes
     /// (`docs/perf.md` "FP8 linear").
@@ -240,7 +235,6 @@ fn launch(op: &str, x: &Tensor, w: &Fp8Weight, m: usize, act_quant: bool, opts: 
             Fp8StreamVariant::Registers => 1,
             Fp8StreamVariant::Pipeline => 2,
             Fp8StreamVariant::Warp => 3,
-            Fp8StreamVariant::Bulk => 4,
             Fp8StreamVariant::AutoWarp if m <= 16 => 3,
             Fp8StreamVariant::AutoWarp => 0,
         },

@@ -16,7 +16,7 @@
 
 use std::sync::Mutex;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use candle_core::cuda_backend::cudarc::nccl::{group_end, group_start, Comm, NcclType};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::op::BackpropOp;
@@ -72,7 +72,7 @@ impl NcclRank {
 
     /// Sends `send[d]` to rank d and receives `recv[s]` from rank s, as one NCCL group; the
     /// buffers of `send_n[d]` / `recv_n[s]` = 0 elements (placeholders of one) are skipped.
-    fn exchange<T: NcclType + DeviceRepr>(&self, send: &[CudaSlice<T>], send_n: &[usize], recv: &mut [CudaSlice<T>], recv_n: &[usize]) -> Result<()> {
+    fn exchange<T: NcclType + DeviceRepr, S: DevicePtr<T>>(&self, send: &[S], send_n: &[usize], recv: &mut [CudaSlice<T>], recv_n: &[usize]) -> Result<()> {
         let guard = self.comm.lock().map_err(|_| candle_core::Error::Msg(format!("NcclRank {}: the communicator's lock is poisoned", self.rank)))?;
         let Some(comm) = guard.as_ref() else { candle_core::bail!("NcclRank {}: the group was aborted (another rank failed)", self.rank) };
         group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
@@ -142,26 +142,22 @@ impl Collective for NcclRank {
         if !device.same_device(&Device::Cuda(self.device.clone())) {
             candle_core::bail!("all_to_all_rows: rank {} runs on its own GPU, the rows were asked for on {device:?}", self.rank)
         }
-        let stream = self.stream();
-        // Each tensor's rows as one contiguous device buffer of this rank's device.
-        let mut bufs = Vec::with_capacity(send.len());
-        let mut counts = Vec::with_capacity(send.len());
+        // Each tensor's rows, contiguous on this rank's device, sent from where they lie.
+        let mut rows = Vec::with_capacity(send.len());
         for t in &send {
-            let (n, w) = t.dims2()?;
+            let (_, w) = t.dims2()?;
             if w != width || t.dtype() != DType::BF16 {
                 candle_core::bail!("all_to_all_rows: a {:?} {:?} tensor where [n, {width}] bf16 rows were expected", t.dtype(), t.shape())
             }
-            let t = t.to_device(device)?.contiguous()?;
-            let (storage, layout) = t.storage_and_layout();
-            let Storage::Cuda(cs) = &*storage else { candle_core::bail!("all_to_all_rows: rows not on the GPU") };
-            let slice: &CudaSlice<bf16> = cs.as_cuda_slice::<bf16>()?;
+            rows.push(t.to_device(device)?.contiguous()?);
+        }
+        let counts: Vec<u64> = rows.iter().map(|t| t.dim(0).map(|n| n as u64)).collect::<Result<_>>()?;
+        let stored: Vec<_> = rows.iter().map(|t| t.storage_and_layout()).collect();
+        let mut bufs = Vec::with_capacity(stored.len());
+        for ((storage, layout), &n) in stored.iter().zip(&counts) {
+            let Storage::Cuda(cs) = &**storage else { candle_core::bail!("all_to_all_rows: rows not on the GPU") };
             let start = layout.start_offset();
-            let mut own = self.alloc::<bf16>(n * w)?;
-            if n > 0 {
-                stream.memcpy_dtod(&slice.slice(start..start + n * w), &mut own).w()?;
-            }
-            bufs.push(own);
-            counts.push(n as u64);
+            bufs.push(cs.as_cuda_slice::<bf16>()?.slice(start..start + n as usize * width));
         }
         let got: Vec<usize> = self.counts(&counts)?.into_iter().map(|n| n as usize).collect();
         let send_n: Vec<usize> = counts.iter().map(|&n| n as usize * width).collect();
