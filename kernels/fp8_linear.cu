@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamAr
         streamk_stage_products<NT, ACTQ>(acc, smem + (i % S) * SB, warp, g, t);
         if (st != sk - 1 && u + 1 < u1) continue;
         // The range leaves this row group: store, or hand the partial to the group's last CTA.
-        streamk_leave_group<NT, CtaSync>(acc, a, &is_last, grp, u0, units, c, ctas, warp, lane, g, t, rb * 32, tok0);
+        streamk_leave_group<NT>(acc, a, &is_last, grp, u0, units, c, ctas, warp, lane, g, t, rb * 32, tok0);
         zero_acc<NT>(acc);
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");

@@ -18,6 +18,10 @@ use deepseek_v41::nn::RowGroups;
 use deepseek_v41::parallel::{run_local_ranks, Collective, ExpertPlacement, LocalGroup, ShardedMoe};
 use deepseek_v41::Numerics;
 
+#[path = "support/deal.rs"]
+mod deal;
+use deal::deal_rows;
+
 fn fixtures() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny"))
 }
@@ -40,15 +44,7 @@ fn bits(t: &Tensor) -> Result<Vec<u16>> {
 fn sharded(cfg: &Config, vb: &VarBuilder<'static>, layer: usize, x: &Tensor, lens: &[usize], deal: &[usize]) -> Result<Tensor> {
     let world = deal.len();
     let ffn = vb.pp("layers").pp(layer).pp("ffn");
-    let mut parts = Vec::new();
-    let (mut seq, mut row) = (0, 0);
-    for &n in deal {
-        let mine = &lens[seq..seq + n];
-        let rows: usize = mine.iter().sum();
-        parts.push((x.narrow(0, row, rows)?, RowGroups::from_lens(mine.iter().copied())));
-        seq += n;
-        row += rows;
-    }
+    let parts = deal_rows(x, lens, deal)?;
     let outs = run_local_ranks(world, |comm| {
         let (xr, groups) = &parts[comm.rank()];
         let placement = ExpertPlacement::new(cfg.n_routed_experts, world, comm.rank())?;

@@ -256,8 +256,8 @@ __device__ __forceinline__ void block_step_fused(float (&acc)[MT][NT][4], const 
 
 // ------------------------------------------------------------------------------ stream-K pieces
 // The stream-K variant (PIPELINE in kernels/fp8_linear.cu; the design is fp8_streamk_kernel's
-// comment): units of 128 rows x 128 bytes of K (4 row blocks
-// of 32 rows, one per computing warp, x 4 k32 blocks), each CTA an equal contiguous run of them.
+// comment): units of 128 rows x 128 bytes of K (4 row blocks of 32 rows, one per warp, x 4 k32
+// blocks), each CTA an equal contiguous run of them.
 constexpr int kStepBlocks = 4;  // k32 blocks per unit (128 bytes of each row)
 constexpr int kSrow = 144;      // bytes per staged row (128 + 16: conflict-free 8-byte reads)
 constexpr int kWarpStage = 32 * kSrow;
@@ -298,18 +298,13 @@ __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
 }
 
-// The barrier of a stream-K CTA's 4 computing warps: the whole CTA.
-struct CtaSync {
-    __device__ static void sync() { __syncthreads(); }
-};
-
 // Where CTA c's range leaves the row group grp (of chunk x 128 rows) after its last unit there:
 // the warp's sums acc are the whole group's (the group lies in the range) and are stored, or the
 // CTA's partial goes to one of its two slots in a.ws (registers as they are: [warp][register]
 // [lane]) and the last of the group's contributors to arrive (a counter per group, left zero)
-// adds the partials in CTA order and stores: deterministic. Every computing thread calls it;
-// Sync is their barrier; is_last: a shared int.
-template <int NT, typename Sync>
+// adds the partials in CTA order and stores: deterministic. Every thread of the CTA calls it
+// (two CTA barriers); is_last: a shared int.
+template <int NT>
 __device__ __forceinline__ void streamk_leave_group(float (&acc)[2][NT][4], const StreamArgs& a, int* is_last, int64_t grp, int64_t u0,
                                                     int64_t units, int c, int ctas, int warp, int lane, int g, int t, int row0, int tok0) {
     constexpr int R = 2 * NT * 4;
@@ -329,9 +324,9 @@ __device__ __forceinline__ void streamk_leave_group(float (&acc)[2][NT][4], cons
 #pragma unroll
             for (int e = 0; e < 4; ++e) mine[((mt * NT + nt) * 4 + e) * 32] = acc[mt][nt][e];
     __threadfence();
-    Sync::sync();
+    __syncthreads();
     if (warp == 0 && lane == 0) *is_last = atomicAdd(a.ctr + grp, 1u) == static_cast<unsigned>(c_last - c_first);
-    Sync::sync();
+    __syncthreads();
     if (!*is_last) return;
     __threadfence();
     // The partials in CTA order, B contributors' loads in flight at a time.

@@ -261,6 +261,12 @@ pub struct Expert {
 }
 
 impl Expert {
+    /// The SwiGLU limit (none when the config's is 0).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn limit(&self) -> Option<f64> {
+        self.limit
+    }
+
     /// Loads `w1`, `w3` `[inter, D]` and `w2` `[D, inter]` from `vb` = `…experts.E` or
     /// `…shared_experts`.
     pub fn new(
@@ -601,7 +607,7 @@ impl Moe {
 /// The grouped form of `experts` when every one holds MXFP4 `w1`, `w3`, `w2` on a CUDA device
 /// with the activation quantization on (the kernels always quantize), else `None`.
 #[cfg(feature = "cuda")]
-fn grouped_experts(experts: &[Expert], numerics: Numerics) -> Result<Option<crate::cuda::GroupedExperts>> {
+pub(crate) fn grouped_experts(experts: &[Expert], numerics: Numerics) -> Result<Option<crate::cuda::GroupedExperts>> {
     if !numerics.activation_quant || experts.is_empty() || experts.len() > crate::cuda::MOE_EXPERTS_MAX_E {
         return Ok(None);
     }

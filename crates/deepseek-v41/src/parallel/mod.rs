@@ -28,7 +28,12 @@
 //! * `NcclRank` (feature `nccl`): the collective over NCCL, one rank per GPU, the rows sent from
 //!   and into device memory.
 //!
-//! Not yet: the device-routed path (`cuda::moe_experts_device` over a rank's experts) and the
+//! * On CUDA with MXFP4 experts and the device routing on (`cuda::with_device_routing`), a rank
+//!   computes the slots it receives with the grouped expert kernels (`cuda::moe_experts_device`
+//!   over its experts, one expert per received row) instead of a loop over its experts; the
+//!   dispatch metadata still travels as host bytes (`tests/cuda_expert_parallel.rs`).
+//!
+//! Not yet: the routing and the dispatch without the host (fixed-capacity exchanges), the
 //! captured decode step over a sharded model, tensor-parallel attention.
 
 mod collective;

@@ -20,6 +20,10 @@ pub struct ShardedMoe {
     experts: Vec<Expert>,
     shared: Option<Expert>,
     placement: ExpertPlacement,
+    /// This rank's experts for the grouped kernels (`cuda::moe_experts_device`): on a CUDA
+    /// device when they are MXFP4 and the linears quantize their activations.
+    #[cfg(feature = "cuda")]
+    grouped: Option<crate::cuda::GroupedExperts>,
 }
 
 /// A routed slot as it travels to its expert's rank: the expert, the routing weight, and the
@@ -90,7 +94,16 @@ impl ShardedMoe {
             0 => None,
             n => Some(Expert::new(d, inter * n, limit, numerics, vb.pp("shared_experts"))?),
         };
-        Ok(Self { gate: Gate::new(cfg, vb.pp("gate"))?, experts, shared, placement })
+        #[cfg(feature = "cuda")]
+        let grouped = crate::model::moe::grouped_experts(&experts, numerics)?;
+        Ok(Self {
+            gate: Gate::new(cfg, vb.pp("gate"))?,
+            experts,
+            shared,
+            placement,
+            #[cfg(feature = "cuda")]
+            grouped,
+        })
     }
 
     /// Where the routed experts are.
@@ -101,6 +114,15 @@ impl ShardedMoe {
     /// This rank's routed experts (`placement().range()`, in order).
     pub fn experts(&self) -> &[Expert] {
         &self.experts
+    }
+
+    /// This rank's routed experts in the grouped form of `cuda::moe_experts_device` (MXFP4
+    /// experts on a CUDA device with the activation quantization on), else `None`: with them and
+    /// the device routing on (`cuda::with_device_routing`), the received slots run through the
+    /// grouped kernels, else through the per-expert loop.
+    #[cfg(feature = "cuda")]
+    pub fn grouped_experts(&self) -> Option<&crate::cuda::GroupedExperts> {
+        self.grouped.as_ref()
     }
 
     /// Every linear this rank holds with its checkpoint prefix (`gate`, `experts.E.w1` with the
@@ -169,9 +191,19 @@ impl ShardedMoe {
             slots.extend(m.into_iter().map(|s| (src, s)));
         }
         let n = slots.len();
+        // The received slots' experts as indices into this rank's.
+        let local = slots
+            .iter()
+            .map(|(_, slot)| match (slot.expert as usize).checked_sub(p.range().start).filter(|&i| i < self.experts.len()) {
+                Some(i) => Ok(i),
+                None => candle_core::bail!("expert parallel: rank {} received a slot of expert {}, it holds {:?}", p.rank(), slot.expert, p.range()),
+            })
+            .collect::<Result<Vec<_>>>()?;
         // Compute every received slot with its expert; the outputs in received order.
         let outs = if n == 0 {
             Tensor::zeros((0, d), DType::BF16, dev)?
+        } else if let Some(outs) = self.received_on_device(&got_rows, &slots, &local, d, dev)? {
+            outs
         } else {
             let xr = cat_rows(&got_rows, d, DType::BF16, dev)?;
             let xp = match (self.experts.first(), &self.shared) {
@@ -180,11 +212,8 @@ impl ShardedMoe {
             };
             // The received slots of each local expert, in received order.
             let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); self.experts.len()];
-            for (j, (_, slot)) in slots.iter().enumerate() {
-                match (slot.expert as usize).checked_sub(p.range().start).and_then(|i| by_expert.get_mut(i)) {
-                    Some(v) => v.push(j),
-                    None => candle_core::bail!("expert parallel: rank {} received a slot of expert {}, it holds {:?}", p.rank(), slot.expert, p.range()),
-                }
+            for (j, &i) in local.iter().enumerate() {
+                by_expert[i].push(j);
             }
             let (mut parts, mut order) = (Vec::new(), Vec::with_capacity(n));
             for (expert, mine) in self.experts.iter().zip(&by_expert) {
@@ -251,5 +280,80 @@ impl ShardedMoe {
             None => None,
         };
         add_shared(y, xp.as_ref().map(|(s, xp)| (*s, xp)), x, groups)
+    }
+}
+
+/// The received rows sorted by their expert (`local[j]` < `e`: row j's expert among the rank's)
+/// as `cuda::DeviceRouting` holds a sort with one expert per row: the rows per expert, their
+/// exclusive prefix sum (`e + 1` entries) and the rows grouped by expert ascending, in received
+/// order within one.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn expert_order(local: &[usize], e: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut counts = vec![0u32; e];
+    for &i in local {
+        counts[i] += 1;
+    }
+    let mut offsets = Vec::with_capacity(e + 1);
+    offsets.push(0u32);
+    for c in &counts {
+        offsets.push(offsets.last().copied().unwrap_or(0) + c);
+    }
+    let mut next: Vec<u32> = offsets[..e].to_vec();
+    let mut order = vec![0u32; local.len()];
+    for (j, &i) in local.iter().enumerate() {
+        order[next[i] as usize] = j as u32;
+        next[i] += 1;
+    }
+    (counts, offsets, order)
+}
+
+impl ShardedMoe {
+    /// The received slots' outputs `[n, D]` bf16 in received order from the grouped expert
+    /// kernels (`cuda::moe_experts_device` with one expert per received row, the rank's experts
+    /// as the group: each row's SwiGLU times its weight, `w2`, as the single-GPU device path
+    /// computes a slot), where this rank has them and the device routing is on; else `None`
+    /// (the per-expert loop). The slot order and counts are known on the host (they came as
+    /// metadata): they go to the device as small uploads, with no device read.
+    #[cfg(feature = "cuda")]
+    fn received_on_device(&self, got_rows: &[Tensor], slots: &[(usize, Slot)], local: &[usize], d: usize, dev: &candle_core::Device) -> Result<Option<Tensor>> {
+        let Some(g) = &self.grouped else { return Ok(None) };
+        if !crate::cuda::device_routing(dev) {
+            return Ok(None);
+        }
+        let n = slots.len();
+        let e = g.len();
+        let (counts, offsets, order) = expert_order(local, e);
+        let routing = crate::cuda::DeviceRouting {
+            ids: Tensor::from_vec(local.iter().map(|&i| i as u32).collect::<Vec<_>>(), (n, 1), dev)?,
+            weights: Tensor::from_vec(slots.iter().map(|(_, s)| s.weight).collect::<Vec<_>>(), (n, 1), dev)?,
+            counts: Tensor::from_vec(counts, e, dev)?,
+            offsets: Tensor::from_vec(offsets, e + 1, dev)?,
+            order: Tensor::from_vec(order, n, dev)?,
+        };
+        let xr = cat_rows(got_rows, d, DType::BF16, dev)?.contiguous()?;
+        let limit = self.experts.first().and_then(|e| e.limit()).map(|l| l as f32);
+        // k = 1 and no shared expert: the combine's bf16(0 + y) is each row's y as it is.
+        Ok(Some(crate::cuda::moe_experts_device(&xr, &routing, g, limit, None)?.out))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn received_on_device(&self, _: &[Tensor], _: &[(usize, Slot)], _: &[usize], _: usize, _: &candle_core::Device) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expert_order;
+
+    #[test]
+    fn expert_order_groups_rows_by_expert_in_received_order() {
+        // Rows 0..7 with experts 2, 0, 2, 3, 0, 2, 3 of 5 (expert 1 and 4 without rows).
+        let (counts, offsets, order) = expert_order(&[2, 0, 2, 3, 0, 2, 3], 5);
+        assert_eq!(counts, [2, 0, 3, 2, 0]);
+        assert_eq!(offsets, [0, 2, 2, 5, 7, 7]);
+        assert_eq!(order, [1, 4, 0, 2, 5, 3, 6]);
+        let (counts, offsets, order) = expert_order(&[], 3);
+        assert_eq!((counts, offsets, order), (vec![0; 3], vec![0; 4], vec![]));
     }
 }
