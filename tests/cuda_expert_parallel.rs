@@ -20,12 +20,12 @@ use deepseek_v41::cuda::with_device_routing;
 use deepseek_v41::loader::{var_builder, ReleaseCheckpoint};
 use deepseek_v41::model::Moe;
 use deepseek_v41::nn::RowGroups;
-use deepseek_v41::parallel::{run_local_ranks, Collective, ExpertPlacement, ShardedMoe};
+use deepseek_v41::parallel::Collective;
 use deepseek_v41::Numerics;
 
 #[path = "support/deal.rs"]
 mod deal;
-use deal::deal_rows;
+use deal::sharded_with;
 
 fn gpu() -> Result<Device> {
     Device::new_cuda(0).context("tests/cuda_expert_parallel.rs needs a CUDA device (none found): these tests must run on a GPU")
@@ -44,23 +44,16 @@ fn setup(dev: &Device) -> Result<(Config, VarBuilder<'static>, Tensor)> {
 /// order); `device`: inside `with_device_routing` (the grouped kernels, which every rank must
 /// hold) or not (the per-expert loop).
 fn sharded(cfg: &Config, vb: &VarBuilder<'static>, layer: usize, x: &Tensor, lens: &[usize], deal: &[usize], device: bool) -> Result<Tensor> {
-    let world = deal.len();
-    let ffn = vb.pp("layers").pp(layer).pp("ffn");
-    let parts = deal_rows(x, lens, deal)?;
-    let outs = run_local_ranks(world, |comm| {
-        let (xr, groups) = &parts[comm.rank()];
-        let placement = ExpertPlacement::new(cfg.n_routed_experts, world, comm.rank())?;
-        let moe = ShardedMoe::new(cfg, Numerics::REFERENCE, ffn.clone(), placement)?;
+    Ok(sharded_with(cfg, vb, layer, x, lens, deal, |moe, xr, groups, comm| {
         if moe.grouped_experts().is_none() {
             candle_core::bail!("rank {}: no grouped experts (MXFP4 experts on CUDA expected)", comm.rank())
         }
         if device {
-            with_device_routing(|| moe.forward(xr, groups, &comm))
+            with_device_routing(|| moe.forward(xr, groups, comm))
         } else {
-            moe.forward(xr, groups, &comm)
+            moe.forward(xr, groups, comm)
         }
-    })?;
-    Ok(Tensor::cat(&outs, 0)?)
+    })?)
 }
 
 /// How far `got` is from `want`: (elements more than 2 bf16 ulps apart, relative Frobenius error).

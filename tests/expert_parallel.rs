@@ -20,7 +20,7 @@ use deepseek_v41::Numerics;
 
 #[path = "support/deal.rs"]
 mod deal;
-use deal::deal_rows;
+use deal::sharded_with;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/v41-tiny"))
@@ -42,19 +42,7 @@ fn bits(t: &Tensor) -> Result<Vec<u16>> {
 /// The ranks' outputs for `layer`, the sequences `lens` (rows of `x` in order) dealt to the ranks
 /// as `deal` (sequence counts per rank, in order), concatenated in rank order.
 fn sharded(cfg: &Config, vb: &VarBuilder<'static>, layer: usize, x: &Tensor, lens: &[usize], deal: &[usize]) -> Result<Tensor> {
-    let world = deal.len();
-    let ffn = vb.pp("layers").pp(layer).pp("ffn");
-    let parts = deal_rows(x, lens, deal)?;
-    let outs = run_local_ranks(world, |comm| {
-        let (xr, groups) = &parts[comm.rank()];
-        let placement = ExpertPlacement::new(cfg.n_routed_experts, world, comm.rank())?;
-        let moe = ShardedMoe::new(cfg, Numerics::REFERENCE, ffn.clone(), placement)?;
-        if moe.experts().len() != placement.range().len() {
-            candle_core::bail!("rank {} loaded {} experts", comm.rank(), moe.experts().len())
-        }
-        moe.forward(xr, groups, &comm)
-    })?;
-    Ok(Tensor::cat(&outs, 0)?)
+    Ok(sharded_with(cfg, vb, layer, x, lens, deal, |moe, xr, groups, comm| moe.forward(xr, groups, comm))?)
 }
 
 #[test]
