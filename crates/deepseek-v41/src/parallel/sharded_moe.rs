@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 use super::{Collective, ExpertPlacement};
 use crate::config::Config;
 use crate::model::moe::{add_routed, add_shared, runs};
-use crate::model::{Expert, Gate};
+use crate::model::{sort_by_expert, Expert, ExpertSort, Gate};
 use crate::nn::linear::{named, prefixed, NamedLinears};
 use crate::nn::RowGroups;
 use crate::Numerics;
@@ -191,18 +191,20 @@ impl ShardedMoe {
             slots.extend(m.into_iter().map(|s| (src, s)));
         }
         let n = slots.len();
-        // The received slots' experts as indices into this rank's.
+        // The received slots' experts as indices into this rank's, and the slots grouped by them
+        // (in received order within one).
         let local = slots
             .iter()
             .map(|(_, slot)| match (slot.expert as usize).checked_sub(p.range().start).filter(|&i| i < self.experts.len()) {
-                Some(i) => Ok(i),
+                Some(i) => Ok(i as u32),
                 None => candle_core::bail!("expert parallel: rank {} received a slot of expert {}, it holds {:?}", p.rank(), slot.expert, p.range()),
             })
             .collect::<Result<Vec<_>>>()?;
+        let sort = sort_by_expert(&local, self.experts.len())?;
         // Compute every received slot with its expert; the outputs in received order.
         let outs = if n == 0 {
             Tensor::zeros((0, d), DType::BF16, dev)?
-        } else if let Some(outs) = self.received_on_device(&got_rows, &slots, &local, d, dev)? {
+        } else if let Some(outs) = self.received_on_device(&got_rows, &slots, &local, &sort, d, dev)? {
             outs
         } else {
             let xr = cat_rows(&got_rows, d, DType::BF16, dev)?;
@@ -210,25 +212,22 @@ impl ShardedMoe {
                 (Some(e), _) | (None, Some(e)) => e.prepare_input(&xr)?,
                 (None, None) => xr,
             };
-            // The received slots of each local expert, in received order.
-            let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); self.experts.len()];
-            for (j, &i) in local.iter().enumerate() {
-                by_expert[i].push(j);
-            }
-            let (mut parts, mut order) = (Vec::new(), Vec::with_capacity(n));
-            for (expert, mine) in self.experts.iter().zip(&by_expert) {
+            let mut parts = Vec::new();
+            for (i, expert) in self.experts.iter().enumerate() {
+                // The received slots of local expert i, in received order.
+                let mine = &sort.order[sort.offsets[i] as usize..sort.offsets[i + 1] as usize];
                 if mine.is_empty() {
                     continue;
                 }
-                let ws = Tensor::from_vec(mine.iter().map(|&j| slots[j].1.weight).collect::<Vec<_>>(), (mine.len(), 1), dev)?;
-                let sel: Vec<u32> = mine.iter().map(|&j| j as u32).collect();
-                let eg = runs(mine.iter().map(|&j| (slots[j].0, slots[j].1.group)));
-                parts.push(expert.forward_prepared_grouped(&rows(&xp, &sel)?, Some(&ws), &eg)?.to_dtype(DType::BF16)?);
-                order.extend(sel);
+                let slot = |j: u32| &slots[j as usize];
+                let ws = Tensor::from_vec(mine.iter().map(|&j| slot(j).1.weight).collect::<Vec<_>>(), (mine.len(), 1), dev)?;
+                let eg = runs(mine.iter().map(|&j| (slot(j).0, slot(j).1.group)));
+                parts.push(expert.forward_prepared_grouped(&rows(&xp, mine)?, Some(&ws), &eg)?.to_dtype(DType::BF16)?);
             }
-            // Back into received order: received slot j is row at[j] of the experts' outputs.
+            // Back into received order: the experts' outputs are in `sort.order`, so received
+            // slot j is row at[j] of them.
             let mut at = vec![0u32; n];
-            for (q, &j) in order.iter().enumerate() {
+            for (q, &j) in sort.order.iter().enumerate() {
                 at[j as usize] = q as u32;
             }
             rows(&cat_rows(&parts, d, DType::BF16, dev)?, &at)?
@@ -283,52 +282,39 @@ impl ShardedMoe {
     }
 }
 
-/// The received rows sorted by their expert (`local[j]` < `e`: row j's expert among the rank's)
-/// as `cuda::DeviceRouting` holds a sort with one expert per row: the rows per expert, their
-/// exclusive prefix sum (`e + 1` entries) and the rows grouped by expert ascending, in received
-/// order within one.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn expert_order(local: &[usize], e: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
-    let mut counts = vec![0u32; e];
-    for &i in local {
-        counts[i] += 1;
-    }
-    let mut offsets = Vec::with_capacity(e + 1);
-    offsets.push(0u32);
-    for c in &counts {
-        offsets.push(offsets.last().copied().unwrap_or(0) + c);
-    }
-    let mut next: Vec<u32> = offsets[..e].to_vec();
-    let mut order = vec![0u32; local.len()];
-    for (j, &i) in local.iter().enumerate() {
-        order[next[i] as usize] = j as u32;
-        next[i] += 1;
-    }
-    (counts, offsets, order)
-}
-
 impl ShardedMoe {
     /// The received slots' outputs `[n, D]` bf16 in received order from the grouped expert
     /// kernels (`cuda::moe_experts_device` with one expert per received row, the rank's experts
     /// as the group: each row's SwiGLU times its weight, `w2`, as the single-GPU device path
     /// computes a slot), where this rank has them and the device routing is on; else `None`
-    /// (the per-expert loop). The slot order and counts are known on the host (they came as
-    /// metadata): they go to the device as small uploads, with no device read.
+    /// (the per-expert loop). `local`: each row's expert among the rank's; `sort`: the rows
+    /// grouped by it. Both are known on the host (the slots came as metadata): they go to the
+    /// device in one upload (the routing's u32 tensors are views of it) beside the weights, with
+    /// no device read.
     #[cfg(feature = "cuda")]
-    fn received_on_device(&self, got_rows: &[Tensor], slots: &[(usize, Slot)], local: &[usize], d: usize, dev: &candle_core::Device) -> Result<Option<Tensor>> {
+    fn received_on_device(
+        &self,
+        got_rows: &[Tensor],
+        slots: &[(usize, Slot)],
+        local: &[u32],
+        sort: &ExpertSort,
+        d: usize,
+        dev: &candle_core::Device,
+    ) -> Result<Option<Tensor>> {
         let Some(g) = &self.grouped else { return Ok(None) };
         if !crate::cuda::device_routing(dev) {
             return Ok(None);
         }
-        let n = slots.len();
-        let e = g.len();
-        let (counts, offsets, order) = expert_order(local, e);
+        let (n, e) = (local.len(), sort.counts.len());
+        // [ids n | counts e | offsets e + 1 | order n]
+        let packed: Vec<u32> = [local, &sort.counts, &sort.offsets, &sort.order].concat();
+        let packed = Tensor::from_vec(packed, 2 * n + 2 * e + 1, dev)?;
         let routing = crate::cuda::DeviceRouting {
-            ids: Tensor::from_vec(local.iter().map(|&i| i as u32).collect::<Vec<_>>(), (n, 1), dev)?,
+            ids: packed.narrow(0, 0, n)?.reshape((n, 1))?,
             weights: Tensor::from_vec(slots.iter().map(|(_, s)| s.weight).collect::<Vec<_>>(), (n, 1), dev)?,
-            counts: Tensor::from_vec(counts, e, dev)?,
-            offsets: Tensor::from_vec(offsets, e + 1, dev)?,
-            order: Tensor::from_vec(order, n, dev)?,
+            counts: packed.narrow(0, n, e)?,
+            offsets: packed.narrow(0, n + e, e + 1)?,
+            order: packed.narrow(0, n + 2 * e + 1, n)?,
         };
         let xr = cat_rows(got_rows, d, DType::BF16, dev)?.contiguous()?;
         let limit = self.experts.first().and_then(|e| e.limit()).map(|l| l as f32);
@@ -337,23 +323,7 @@ impl ShardedMoe {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn received_on_device(&self, _: &[Tensor], _: &[(usize, Slot)], _: &[usize], _: usize, _: &candle_core::Device) -> Result<Option<Tensor>> {
+    fn received_on_device(&self, _: &[Tensor], _: &[(usize, Slot)], _: &[u32], _: &ExpertSort, _: usize, _: &candle_core::Device) -> Result<Option<Tensor>> {
         Ok(None)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::expert_order;
-
-    #[test]
-    fn expert_order_groups_rows_by_expert_in_received_order() {
-        // Rows 0..7 with experts 2, 0, 2, 3, 0, 2, 3 of 5 (expert 1 and 4 without rows).
-        let (counts, offsets, order) = expert_order(&[2, 0, 2, 3, 0, 2, 3], 5);
-        assert_eq!(counts, [2, 0, 3, 2, 0]);
-        assert_eq!(offsets, [0, 2, 2, 5, 7, 7]);
-        assert_eq!(order, [1, 4, 0, 2, 5, 3, 6]);
-        let (counts, offsets, order) = expert_order(&[], 3);
-        assert_eq!((counts, offsets, order), (vec![0; 3], vec![0; 4], vec![]));
     }
 }
