@@ -21,7 +21,9 @@
 //! `--graph` (CUDA): per B also the whole-model step `model::ModelDecodeStep` over the same
 //! prefilled sequences, eager (`update` + `forward` + the greedy ids read back) and captured
 //! once into a CUDA graph and replayed after each `update` (`update` + replay + the ids read
-//! back; of that the host's part, and one replay alone back to back; `--census` lists the graph's
+//! back; of that the host's part; the followed step, `GraphedDecodeStep::step_next_ids`: tokens and
+//! Engram ids written on the device, each step enqueued before the ids of the one it follows are
+//! read back, so the host's part overlaps the GPU; and one replay alone back to back; `--census` lists the graph's
 //! nodes by kernel), when the model's layers are ones the step composes and it reads nothing back
 //! (`ModelDecodeStep::host_reads`); otherwise it prints why and skips
 //! (`docs/architecture.md`, "The whole-model decode step"). `--random-step-model` replaces the
@@ -226,7 +228,7 @@ fn run(args: &Args) -> Result<()> {
         println!("| {b} | {prefill_ms:.1} | {ms:.3} | {:.0} |", b as f64 / ms * 1e3);
         if args.graph {
             match graph::time(&p, &caches, &next, storage, args.steps, args.census, args.profile_replay) {
-                Ok(r) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} |", r.eager, r.step, r.host, r.replay, r.nodes)),
+                Ok(r) => graph_rows.push(format!("| {b} | {ms:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} |", r.eager, r.step, r.host, r.followed, r.replay, r.nodes)),
                 Err(e) => {
                     println!("\n--graph skipped: {e:#}\n");
                     break;
@@ -236,9 +238,9 @@ fn run(args: &Args) -> Result<()> {
     }
     if !graph_rows.is_empty() {
         println!(
-            "\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph step ms (update + replay + ids) | of which host (update + launch) | replay alone ms | graph nodes |"
+            "\n| B | forward_batch step ms | ModelDecodeStep eager ms | graph step ms (update + replay + ids) | of which host (update + launch) | followed step ms (step_next_ids) | replay alone ms | graph nodes |"
         );
-        println!("|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|");
         graph_rows.iter().for_each(|r| println!("{r}"));
     }
 
@@ -277,6 +279,9 @@ mod graph {
         pub host: f64,
         /// One replay alone, back to back at unchanged inputs (device time per step).
         pub replay: f64,
+        /// A followed step (`step_next_ids`: enqueued before the ids of the step it follows are
+        /// read, which arrive while it runs): the time between two such calls.
+        pub followed: f64,
         /// Nodes of the graph.
         pub nodes: usize,
     }
@@ -297,7 +302,7 @@ mod graph {
         }
         let b = caches.len();
         let start: Vec<usize> = caches.iter().map(ModelCache::seq_len).collect();
-        let capacity = start.iter().max().copied().unwrap_or(0) + 2 * (steps + 3) + 2;
+        let capacity = start.iter().max().copied().unwrap_or(0) + 3 * (steps + 3) + 2;
         let mut eager = model_step(p, caches, capacity, storage)?;
         let reads = eager.host_reads();
         if !reads.is_empty() {
@@ -364,7 +369,21 @@ mod graph {
             }
             pos.iter_mut().for_each(|q| *q += 1);
         }
-        Ok(Row { eager: eager_ms, step: super::median(times), host: super::median(host), replay, nodes })
+        // Followed steps: each enqueued before the ids of the one it follows are read back.
+        let mut followed = Vec::with_capacity(steps);
+        let mut t = Instant::now();
+        for step in 0..steps + 3 {
+            let ids = graphed.step_next_ids(&vec![0; b])?;
+            if ids.len() != b {
+                bail!("step_next_ids returned {} ids for {b} sequences", ids.len())
+            }
+            if step >= 3 {
+                followed.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            t = Instant::now();
+        }
+        p.device.synchronize()?;
+        Ok(Row { eager: eager_ms, step: super::median(times), host: super::median(host), replay, followed: super::median(followed), nodes })
     }
 
     /// A step over the sequences of `caches`, `capacity` tokens each.

@@ -17,6 +17,9 @@
 //!   one set of pools): sequences joining and leaving, each step replaying the smallest bucket
 //!   that holds them, bit for bit the eager step over the same rows (`update_first` +
 //!   `forward_rows`), logits and sampled ids;
+//! * replays that follow the last one on the device (`GraphedDecodeStep::step_next_ids`: tokens
+//!   and Engram ids written on the device, the ids read back while the next step runs): bit for
+//!   bit the host-driven replays;
 //! * the step inputs' derived rows (`kernels/step_inputs.cu`: RoPE rows, window indices, closing
 //!   flags, visible counts) bit for bit the Candle ops they replace (`derive_ref`), over poisoned
 //!   outputs, for whole batches, idle rows and leading views.
@@ -149,6 +152,50 @@ fn graph_replay_equals_eager_steps_on(cfg: &Config) -> Result<()> {
         ensure!(previous.as_ref() != Some(&now), "step {t}: the replay repeated the previous step's logits");
         previous = Some(now);
         pos.iter_mut().for_each(|p| *p += 1);
+    }
+    Ok(())
+}
+
+/// Replays that follow the last one on the device (`GraphedDecodeStep::step_next_ids`: the
+/// sampled ids stay on the device, their Engram ids hashed there, each step's ids read back
+/// while the next one runs) equal replays whose tokens the host reads back and gives with
+/// `step`, bit for bit, logits and temperature-sampled ids, step after step, on both configs;
+/// the host takes over once mid-run (its histories catch up from the device).
+#[test]
+fn followed_replays_equal_host_driven_replays() -> Result<()> {
+    for cfg in configs()? {
+        followed_replays_on(&cfg).with_context(|| format!("compress ratios {:?}", cfg.compress_ratios))?;
+    }
+    Ok(())
+}
+
+fn followed_replays_on(cfg: &Config) -> Result<()> {
+    let (dev, cpu) = (gpu(), Device::Cpu);
+    let (on_cpu, on_gpu) = (model(cfg, &cpu)?, model(cfg, &dev)?);
+    let mut rng = Rng(0xf0110);
+    let caches = prefill(cfg, &on_cpu, &mut rng, &cpu)?;
+    let b = STARTS.len();
+    let params: Vec<SamplingParams> = (0..b).map(|s| SamplingParams { temperature: 0.9, top_k: 0, top_p: 0.95, seed: 29 + s as u64 }).collect();
+    let mut pos: Vec<usize> = STARTS.to_vec();
+    let toks = tokens(&mut rng, b, cfg.vocab_size);
+    let capture = || -> Result<GraphedDecodeStep> { Ok(GraphedDecodeStep::capture(step(cfg, &on_gpu, &caches, &dev)?, SamplingBatch::new(params.clone(), vec![0; b], &dev)?, &toks, &pos)?) };
+    let (mut host, mut followed) = (capture().context("capturing the host-driven step")?, capture().context("capturing the followed step")?);
+    let mut last = host.ids()?.to_vec1::<u32>()?;
+    for t in 1..8u64 {
+        let steps = vec![t; b];
+        pos.iter_mut().for_each(|p| *p += 1);
+        host.step(&last, &pos, &steps)?;
+        let before = if t == 4 {
+            // The host gives the tokens once: the followed step's histories catch up first.
+            followed.step(&last, &pos, &steps)?;
+            last.clone()
+        } else {
+            followed.step_next_ids(&steps)?
+        };
+        ensure!(before == last, "step {t}: the ids read while the next step ran differ from the host-driven step's");
+        ensure!(bits(&followed.logits()?)? == bits(&host.logits()?)?, "step {t} at {pos:?}: the followed replay's logits differ");
+        last = host.ids()?.to_vec1::<u32>()?;
+        ensure!(followed.ids()?.to_vec1::<u32>()? == last, "step {t}: sampled ids");
     }
     Ok(())
 }

@@ -296,6 +296,77 @@ fn bucket_steps_run_only_the_first_rows() -> Result<()> {
     run(&mut step, &mut caches[..3], &mut rng, 4, 2)
 }
 
+/// Steps that follow the last one on the device (`update_next`: the sampled ids stay on the
+/// device, their Engram ids hashed there) give the logits of steps whose tokens the host reads
+/// back and updates with, bit for bit, step after step; the host histories catch up when the
+/// host updates again (mid-run) and when a row is released; `update_next` with no step to
+/// follow (a release since), or a wrong count, is an error; over the first rows of a larger
+/// batch it follows exactly those rows.
+#[test]
+fn steps_followed_on_the_device_equal_host_updates() -> Result<()> {
+    let (cfg, dev) = (step_config(128)?, Device::Cpu);
+    ensure!(cfg.engram.is_some(), "the step config lost its Engram layers");
+    let m = model(&cfg, 23)?;
+    let mut rng = Rng(0x7e1d);
+    let caches = prefill(&cfg, &m, &mut rng, &dev)?;
+    let b = STARTS.len();
+    let new_step = |batch: usize| -> Result<ModelDecodeStep> {
+        let mut s = ModelDecodeStep::new(&cfg, &m, batch, CAPACITY, BatchStorage::BF16, &dev)?;
+        for (r, c) in caches.iter().enumerate().take(batch.min(b)) {
+            s.load(r, c)?;
+        }
+        Ok(s)
+    };
+    let (mut host, mut dev_step) = (new_step(b)?, new_step(b)?);
+    let e = dev_step.update_next(&candle_core::Tensor::zeros(b, DType::U32, &dev)?).unwrap_err().to_string();
+    ensure!(e.contains("no step to follow"), "{e}");
+    let greedy = SamplingBatch::new(vec![SamplingParams::GREEDY; b], vec![0; b], &dev)?;
+    let toks = tokens(&mut rng, b, cfg.vocab_size);
+    let mut pos: Vec<usize> = caches.iter().map(|c| c.seq_len()).collect();
+    host.update(&toks, &pos)?;
+    dev_step.update(&toks, &pos)?;
+    let (mut host_ids, mut ids) = (toks.clone(), None);
+    for t in 0..7 {
+        let (want, want_ids) = host.forward_sampled(&greedy)?;
+        let (got, got_ids) = dev_step.forward_sampled(&greedy)?;
+        ensure!(bits(&got)? == bits(&want)?, "step {t} at {pos:?}: the followed step's logits differ");
+        host_ids = want_ids.to_vec1::<u32>()?;
+        ensure!(got_ids.to_vec1::<u32>()? == host_ids, "step {t}: ids");
+        pos.iter_mut().for_each(|p| *p += 1);
+        host.update(&host_ids, &pos)?;
+        if t == 3 {
+            // The host takes over once (its histories catch up from the device), then the device again.
+            dev_step.update(&host_ids, &pos)?;
+        } else {
+            dev_step.update_next(&got_ids)?;
+        }
+        ids = Some(got_ids);
+    }
+    let e = dev_step.update_next(&ids.unwrap().narrow(0, 0, 2)?).unwrap_err().to_string();
+    ensure!(e.contains("sampled must be [4] u32"), "{e}");
+    ensure!(bits(&dev_step.forward()?)? == bits(&host.forward()?)?, "the last followed step");
+    // A release: the step can no longer be followed; the others' histories stay right.
+    dev_step.release(3)?;
+    host.release(3)?;
+    let e = dev_step.update_next(&candle_core::Tensor::new(host_ids.as_slice(), &dev)?).unwrap_err().to_string();
+    ensure!(e.contains("no step to follow"), "{e}");
+    // Three rows of a batch of 4: host update, then two followed steps.
+    let (ids3, mut pos3) = (&host_ids[..3], pos[..3].iter().map(|p| p + 1).collect::<Vec<_>>());
+    host.update_first(ids3, &pos3)?;
+    dev_step.update_first(ids3, &pos3)?;
+    let greedy3 = greedy.leading(3)?;
+    for t in 0..2 {
+        let (want, want_ids) = host.forward_sampled_rows(3, &greedy3)?;
+        let (got, got_ids) = dev_step.forward_sampled_rows(3, &greedy3)?;
+        ensure!(bits(&got)? == bits(&want)?, "3 rows, step {t}: the followed step's logits differ");
+        pos3.iter_mut().for_each(|p| *p += 1);
+        host.update_first(&want_ids.to_vec1::<u32>()?, &pos3)?;
+        dev_step.update_next(&got_ids)?;
+    }
+    ensure!(bits(&dev_step.forward_rows(3)?)? == bits(&host.forward_rows(3)?)?, "3 rows: the last followed step");
+    Ok(())
+}
+
 /// The formula of `kernels/step_inputs.cu`, evaluated on the host from each inputs object's
 /// uploaded rows, equals the Candle ops of `DecodeStepInputs::derive_ref` bit for bit (both with
 /// the CPU's `sin` / `cos`): `f32(p)·inv_freq`, the window slots `(p + 1 + k) mod W + b·W'` where

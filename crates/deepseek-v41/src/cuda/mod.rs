@@ -29,7 +29,8 @@
 //!   sum and SwiGLU) in one launch each, bit for bit the Candle op sequences they replace on a
 //!   CUDA device (the decode step of a small model is launch-bound); [`compress_pool_device`]: the
 //!   ratio-2 compressor's pooling and carry of the batched decode step, likewise;
-//!   [`step_inputs_device`]: the step's position-derived inputs, likewise; [`sparse_attention_small`]:
+//!   [`step_inputs_device`]: the step's position-derived inputs, likewise; [`engram_next_device`]:
+//!   the tokens and Engram row ids of a step following the last one on the device; [`sparse_attention_small`]:
 //!   the sparse attention of head dims below the FlashMLA-style kernels' 512 in one launch; [`page_rows_device`]:
 //!   its top-k entries mapped to page-pool rows, likewise; [`collapse_norm_device`],
 //!   [`mhc_post_norm_device`]: a collapse and its RMSNorm (after a post) in one launch, bit for
@@ -108,6 +109,8 @@ mod sparse_attention;
 mod sparse_attention_small;
 mod swiglu;
 mod compress_pool;
+mod engram_next;
+mod pinned_readback;
 mod step_inputs;
 mod page_rows;
 mod window_insert;
@@ -149,6 +152,8 @@ pub use slots::keep_last_writer;
 pub use step_graph::{graph_census, StepGraph};
 pub use swiglu::{swiglu_device, swiglu_supported};
 pub use compress_pool::compress_pool_device;
+pub use engram_next::engram_next_device;
+pub(crate) use pinned_readback::PinnedReadback;
 pub use step_inputs::{step_inputs_device, EntryRows};
 pub use page_rows::page_rows_device;
 pub use sparse_attention_small::{sparse_attention_small, sparse_attention_small_supported, SPARSE_ATTENTION_SMALL_MAX_DIM};

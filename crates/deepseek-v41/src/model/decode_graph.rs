@@ -18,7 +18,7 @@ use candle_core::{DType, Result, Tensor};
 
 use super::decode_step::ModelDecodeStep;
 use crate::attention::DecodeStepError;
-use crate::cuda::StepGraph;
+use crate::cuda::{PinnedReadback, StepGraph};
 use crate::sampling::SamplingBatch;
 
 /// A [`ModelDecodeStep`] replayed from CUDA graphs, one per batch-size bucket (see the module
@@ -34,6 +34,8 @@ pub struct GraphedDecodeStep<'m> {
     graphs: Vec<(usize, StepGraph)>,
     /// Sequences of the last step.
     rows: usize,
+    /// The ids of a step, read back by [`Self::step_next_ids`] while the next one runs.
+    readback: Option<PinnedReadback>,
 }
 
 impl<'m> GraphedDecodeStep<'m> {
@@ -49,7 +51,7 @@ impl<'m> GraphedDecodeStep<'m> {
         step.update(tokens, positions)?;
         let b = step.batch();
         let graph = Self::capture_rows(&step, &sampling, b, &logits, &ids)?;
-        Ok(Self { step, sampling, logits, ids, graphs: vec![(b, graph)], rows: b })
+        Ok(Self { step, sampling, logits, ids, graphs: vec![(b, graph)], rows: b, readback: None })
     }
 
     /// Captures one graph per bucket of `buckets` (row counts, each at most the batch; empty:
@@ -77,7 +79,7 @@ impl<'m> GraphedDecodeStep<'m> {
         }
         step.idle()?;
         let graphs = sizes.iter().map(|&r| Ok((r, Self::capture_rows(&step, &sampling, r, &logits, &ids)?))).collect::<Result<Vec<_>>>()?;
-        Ok(Self { step, sampling, logits, ids, graphs, rows: 0 })
+        Ok(Self { step, sampling, logits, ids, graphs, rows: 0, readback: None })
     }
 
     /// The fixed outputs `[B, vocab]` f32 and `[B]` u32, after checking the step and `sampling`.
@@ -134,6 +136,44 @@ impl<'m> GraphedDecodeStep<'m> {
     pub fn step_ids(&mut self, tokens: &[u32], positions: &[usize], sampling_steps: &[u64]) -> Result<Vec<u32>> {
         self.step(tokens, positions, sampling_steps)?;
         self.ids()?.to_vec1::<u32>()
+    }
+
+    /// The step that follows the last one on the device: its n sequences decode the ids it
+    /// sampled at their next positions ([`ModelDecodeStep::update_next`]: tokens and Engram ids
+    /// written on the device) with their sampling steps `sampling_steps`, then the replay of the
+    /// same bucket — all enqueued without reading anything back, so the host's part of the step
+    /// overlaps the step before it on the GPU. Errors, before anything is replayed, as
+    /// `update_next` (no step to follow: give the tokens with [`Self::step`]) and
+    /// `set_first_steps`.
+    pub fn step_next(&mut self, sampling_steps: &[u64]) -> Result<()> {
+        let n = self.rows;
+        if sampling_steps.len() != n {
+            candle_core::bail!("GraphedDecodeStep::step_next: {} sampling steps for the {n} sequences of the last step", sampling_steps.len())
+        }
+        let Some(at) = self.graphs.iter().position(|(r, _)| *r >= n.max(1)) else {
+            candle_core::bail!("GraphedDecodeStep::step_next: no bucket of {n} rows")
+        };
+        self.step.update_next(&self.ids.narrow(0, 0, n)?)?;
+        self.sampling.set_first_steps(sampling_steps)?;
+        self.graphs[at].1.replay()
+    }
+
+    /// [`Self::step_next`], and the ids the step it follows sampled: copied to page-locked memory
+    /// before the new step is enqueued and returned once that copy is done, while the new step
+    /// runs (a decode loop reads each step's ids one step late and never waits for the GPU to
+    /// drain; the last step's ids are [`Self::ids`]).
+    pub fn step_next_ids(&mut self, sampling_steps: &[u64]) -> Result<Vec<u32>> {
+        let ids = self.ids()?;
+        let readback = match &mut self.readback {
+            Some(r) => r,
+            None => {
+                let candle_core::Device::Cuda(dev) = self.ids.device() else { candle_core::bail!("GraphedDecodeStep: not on a CUDA device") };
+                self.readback.insert(PinnedReadback::new(dev))
+            }
+        };
+        readback.enqueue(&ids)?;
+        self.step_next(sampling_steps)?;
+        self.readback.as_mut().map_or(Ok(Vec::new()), |r| r.read())
     }
 
     /// `[n, vocab]` f32: the logits of the last step's n sequences (a view of the fixed output).

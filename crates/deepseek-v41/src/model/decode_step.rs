@@ -42,6 +42,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use super::decoder::{Model, ModelCache};
 use super::engram::EngramTable;
 use super::engram_hash::EngramHistory;
+use super::engram_next::NextIds;
 use super::mhc::{collapse_norm, post, post_collapse_norm, HcSublayer};
 use super::side_work::SideWork;
 use crate::attention::{
@@ -89,6 +90,14 @@ pub struct ModelDecodeStep<'m> {
     live: Vec<bool>,
     /// Rows the last update gave tokens to (the rest idle).
     updated: usize,
+    /// The device hash of a step following the last one ([`ModelDecodeStep::update_next`]); `Err`:
+    /// why there is none (an Engram table in host memory needs the ids on the host).
+    next: std::result::Result<NextIds, String>,
+    /// The positions of the last step's rows, while [`ModelDecodeStep::update_next`] may follow it
+    /// (no load or release since).
+    last_positions: Option<Vec<usize>>,
+    /// Per row whether its device history is ahead of `histories` (steps followed on the device).
+    stale: Vec<bool>,
 }
 
 impl<'m> ModelDecodeStep<'m> {
@@ -194,6 +203,22 @@ impl<'m> ModelDecodeStep<'m> {
             }
             offsets.push(offset);
         }
+        let engram_layers: Vec<usize> = blocks.iter().filter(|b| b.engram().is_some()).map(|b| b.layer()).collect();
+        let next = if staged_rows.iter().any(Option::is_some) {
+            Err("an Engram table in host memory: the step gathers its rows on the host from the ids".to_string())
+        } else {
+            NextIds::new(model.engram_hasher(), &engram_layers, batch, model.vocab_size(), device).map_err(|e| e.to_string())
+        };
+        // The history region after the Engram ids (`engram_next`): B·(max_ngram − 1) ids.
+        let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
+        if model.engram_hasher().is_some() {
+            width += batch * (ngram - 1);
+        }
+        if let Ok(n) = &next {
+            if n.geometry().len() != width {
+                candle_core::bail!("ModelDecodeStep: the id buffer holds {width} ids, the device hash expects {}", n.geometry().len())
+            }
+        }
         let ids = Tensor::zeros(width, DType::U32, device)?;
         let engram_ids = offsets
             .iter()
@@ -202,7 +227,6 @@ impl<'m> ModelDecodeStep<'m> {
         let hc = model.hc_mult();
         let mut one_hot = vec![0f32; batch * hc];
         one_hot.iter_mut().step_by(hc).for_each(|v| *v = 1.0);
-        let ngram = cfg.engram.as_ref().map_or(1, |e| e.max_ngram_size);
         Ok(Self {
             model,
             batch,
@@ -224,6 +248,9 @@ impl<'m> ModelDecodeStep<'m> {
             options: StepOptions::default(),
             live: vec![false; batch],
             updated: batch,
+            next,
+            last_positions: None,
+            stale: vec![false; batch],
         })
     }
 
@@ -276,10 +303,12 @@ impl<'m> ModelDecodeStep<'m> {
         if seq >= self.batch {
             Err(DecodeStepError::BatchMismatch { what: "the sequence index", batch: self.batch, got: seq + 1 })?
         }
+        self.sync_histories()?;
         for c in &self.caches {
             c.release(seq)?;
         }
         self.histories[seq] = EngramHistory::new(self.ngram);
+        (self.stale[seq], self.last_positions) = (false, None);
         self.live[seq] = false;
         Ok(())
     }
@@ -308,10 +337,12 @@ impl<'m> ModelDecodeStep<'m> {
         for c in &self.caches {
             c.check_load(seq, &cache.attention)?;
         }
+        self.sync_histories()?;
         for c in &self.caches {
             c.load_sequence(seq, &cache.attention)?;
         }
         self.histories[seq] = cache.engram.clone();
+        (self.stale[seq], self.last_positions) = (false, None);
         self.live[seq] = true;
         Ok(())
     }
@@ -374,7 +405,9 @@ impl<'m> ModelDecodeStep<'m> {
         if let Some((s, &p)) = positions.iter().enumerate().find(|&(_, &p)| p >= self.capacity) {
             candle_core::bail!("ModelDecodeStep::update: sequence {s} at position {p}, the step holds {} tokens per sequence", self.capacity)
         }
-        // The buffer: B tokens (idle rows 0), then per Engram layer B·cols ids (idle rows 0).
+        self.sync_histories()?;
+        // The buffer: B tokens (idle rows 0), then per Engram layer B·cols ids (idle rows 0),
+        // then the histories after this step (`engram_next`).
         let cols = self.engram_cols;
         let mut host = vec![0u32; self.ids.elem_count()];
         host[..n].copy_from_slice(tokens);
@@ -405,6 +438,14 @@ impl<'m> ModelDecodeStep<'m> {
                 }
                 at += b * cols;
             }
+            let (g, pad) = (self.ngram - 1, hasher.pad_compressed());
+            for s in 0..b {
+                let recent = histories.get(s).map_or(&[][..], |h| h.recent());
+                let kept = &recent[recent.len().saturating_sub(g)..];
+                let row = &mut host[at + s * g..at + (s + 1) * g];
+                row[..g - kept.len()].fill(pad);
+                row[g - kept.len()..].copy_from_slice(kept);
+            }
         }
         // Every page pool can serve the step before anything is written.
         for inputs in &self.inputs {
@@ -432,6 +473,69 @@ impl<'m> ModelDecodeStep<'m> {
         }
         self.live[..n].iter_mut().for_each(|l| *l = true);
         self.updated = n;
+        self.last_positions = (n > 0).then(|| positions.to_vec());
+        Ok(())
+    }
+
+    /// Writes the inputs of the step that follows the last one: each of its n rows decodes the
+    /// token `sampled[r]` (`[n]` u32 on the step's device: the ids the last step sampled, e.g.
+    /// [`ModelDecodeStep::forward_sampled`]'s) at its next position, with nothing read back — the
+    /// tokens and their Engram ids are written on the device (`model::engram_next`: the Engram
+    /// hash there, against the histories the step keeps on the device), the position tables
+    /// copied up as [`ModelDecodeStep::update`] does. The host learns the tokens later, if at
+    /// all: the histories it keeps are brought up to date from the device by the next
+    /// `update` or `load`. Errors, changing nothing, when the last change was not a step's update
+    /// (a load, a release, or none yet: give the tokens with `update`), for a wrong count, a
+    /// position reaching the capacity, a full page pool, or a model whose Engram tables are in
+    /// host memory (their rows are gathered on the host from the ids).
+    pub fn update_next(&mut self, sampled: &Tensor) -> Result<()> {
+        let next = self.next.as_ref().map_err(|why| candle_core::Error::Msg(format!("ModelDecodeStep::update_next: not available for this model: {why}")))?;
+        let Some(last) = &self.last_positions else {
+            candle_core::bail!("ModelDecodeStep::update_next: no step to follow (none yet, or a sequence was loaded or released since): give the tokens with update")
+        };
+        let n = last.len();
+        if sampled.dims() != [n] || sampled.dtype() != DType::U32 || !sampled.device().same_device(self.ids.device()) {
+            candle_core::bail!("ModelDecodeStep::update_next: the last step had {n} rows: sampled must be [{n}] u32 on the step's device, got {:?} {:?}", sampled.dtype(), sampled.shape())
+        }
+        let positions: Vec<usize> = last.iter().map(|&p| p + 1).collect();
+        if let Some((s, &p)) = positions.iter().enumerate().find(|&(_, &p)| p >= self.capacity) {
+            candle_core::bail!("ModelDecodeStep::update_next: sequence {s} would step at position {p}, the step holds {} tokens per sequence", self.capacity)
+        }
+        for inputs in &self.inputs {
+            inputs.check_first(&positions)?;
+        }
+        next.apply(&self.ids, sampled)?;
+        for inputs in &self.inputs {
+            inputs.stage_first(&positions)?;
+        }
+        if next.geometry().layers > 0 {
+            self.stale[..n].iter_mut().for_each(|s| *s = true);
+        }
+        self.updated = n;
+        self.last_positions = Some(positions);
+        Ok(())
+    }
+
+    /// Brings the host histories of rows stepped by [`ModelDecodeStep::update_next`] up to date
+    /// from the device (one read of the history region, only when some row is behind).
+    fn sync_histories(&mut self) -> Result<()> {
+        if !self.stale.iter().any(|&s| s) {
+            return Ok(());
+        }
+        let Ok(next) = &self.next else { return Ok(()) };
+        let (b, g) = (self.batch, self.ngram - 1);
+        let hist = self.ids.narrow(0, next.geometry().history_offset(), b * g)?.to_vec1::<u32>()?;
+        let last = self.last_positions.as_deref().unwrap_or(&[]);
+        for (r, stale) in self.stale.iter_mut().enumerate() {
+            if !*stale {
+                continue;
+            }
+            // A stale row stepped on the device since its last host update: `last` holds it.
+            let seen = last.get(r).map_or(0, |&p| p + 1);
+            let row = &hist[r * g..(r + 1) * g];
+            self.histories[r] = EngramHistory::resume(self.ngram, &row[g - seen.min(g)..], seen);
+            *stale = false;
+        }
         Ok(())
     }
 

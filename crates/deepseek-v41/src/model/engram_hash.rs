@@ -43,6 +43,11 @@ impl TokenMap {
         self.compressed_vocab_size
     }
 
+    /// The compressed id of every token id (`map[token_id]`).
+    pub fn ids(&self) -> &[u32] {
+        &self.map
+    }
+
     /// Number of token ids covered.
     pub fn vocab_size(&self) -> usize {
         self.map.len()
@@ -77,6 +82,22 @@ impl EngramLayerLayout {
     /// Table rows of this layer (the sum of its primes).
     pub fn num_rows(&self) -> u64 {
         self.primes.iter().sum()
+    }
+
+    /// Appends the row ids of one position to `out`: `(max_ngram − 1)·heads` values from its
+    /// lookback ids (`lookback[s]` = the compressed id `s` tokens back, the pad id before the
+    /// sequence start). `rolling = tok₀·m₀`, then for `s = 1..max_ngram`: `rolling ^= tok_s·m_s`
+    /// and `id[(s−1)·heads + k] = rolling mod prime + offset` (spec §9.4).
+    pub(crate) fn push_ids(&self, lookback: &[u64], heads: usize, out: &mut Vec<u32>) {
+        // tok < compressed vocab and m < 2·(i64::MAX / vocab / 2) + 1, so no overflow.
+        let mut rolling = lookback[0] * self.multipliers[0];
+        for (s, (&tok, &m)) in lookback.iter().zip(&self.multipliers).enumerate().skip(1) {
+            rolling ^= tok * m;
+            for k in 0..heads {
+                let c = (s - 1) * heads + k;
+                out.push((rolling % self.primes[c] + self.offsets[c]) as u32);
+            }
+        }
     }
 }
 
@@ -199,6 +220,11 @@ impl EngramLayout {
         (self.max_ngram - 1) * self.n_heads
     }
 
+    /// Hash heads per n-gram order.
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
     /// Largest n-gram order.
     pub fn max_ngram(&self) -> usize {
         self.max_ngram
@@ -265,6 +291,15 @@ impl EngramHistory {
         self.recent.truncate(self.recent.len().saturating_sub(self.seen - len));
         self.seen = len;
         true
+    }
+
+    /// A history that has seen `seen` tokens, the last of them `recent` (oldest first; at most
+    /// `max_ngram − 1` are kept).
+    pub(crate) fn resume(max_ngram_size: usize, recent: &[u32], seen: usize) -> Self {
+        let mut h = Self::new(max_ngram_size);
+        h.push_all(recent);
+        h.seen = seen;
+        h
     }
 
     fn push_all(&mut self, ids: &[u32]) {
@@ -344,6 +379,11 @@ impl EngramHasher {
         &self.layout
     }
 
+    /// The token map.
+    pub fn token_map(&self) -> &TokenMap {
+        &self.token_map
+    }
+
     /// The compressed pad id used for missing lookback (`map[engram_pad_token_id]`).
     pub fn pad_compressed(&self) -> u32 {
         self.pad
@@ -394,16 +434,7 @@ impl EngramHasher {
                 *tok = if blocked { self.pad } else { seq[at - s] } as u64;
             }
             for (layout, (_, out)) in self.layout.layers.iter().zip(per_layer.iter_mut()) {
-                // tok < compressed vocab and m < 2·(i64::MAX / vocab / 2) + 1, so no overflow.
-                let mut rolling = lookback[0] * layout.multipliers[0];
-                for (s, (&tok, &m)) in lookback.iter().zip(&layout.multipliers).enumerate().skip(1)
-                {
-                    rolling ^= tok * m;
-                    for k in 0..heads {
-                        let c = (s - 1) * heads + k;
-                        out.push((rolling % layout.primes[c] + layout.offsets[c]) as u32);
-                    }
-                }
+                layout.push_ids(&lookback, heads, out);
             }
         }
         history.push_all(&compressed);

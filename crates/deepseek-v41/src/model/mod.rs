@@ -7,6 +7,7 @@ pub mod decode_graph;
 pub mod decoder;
 pub mod engram;
 pub mod engram_hash;
+pub mod engram_next;
 pub mod engram_host;
 pub mod engram_placement;
 pub mod mhc;
