@@ -447,10 +447,11 @@ impl EngramHasher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn real_cfg() -> EngramConfig {
+    /// The released Engram configuration.
+    pub(crate) fn real_cfg() -> EngramConfig {
         EngramConfig {
             layer_ids: vec![1, 14],
             num_embeddings: vec![384006168, 384016682],

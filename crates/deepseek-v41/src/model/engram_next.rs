@@ -169,29 +169,15 @@ pub fn next_ids_ref(buf: &mut [u32], sampled: &[u32], map: &[u32], tables: &[i64
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::EngramConfig;
-    use crate::model::engram_hash::{EngramLayout, TokenMap};
+    use crate::model::engram_hash::tests::real_cfg;
+    use crate::model::engram_hash::TokenMap;
 
+    /// The released Engram layout (layers 1 and 14, orders 2..=4, 8 heads) over a token map of
+    /// 600 ids whose largest compressed id is the released 99091.
     fn hasher() -> EngramHasher {
-        // Two layers, orders 2..=3, 3 heads; the table sizes are whatever the prime walk gives.
-        let mut cfg = EngramConfig {
-            layer_ids: vec![0, 2],
-            num_embeddings: vec![0, 0],
-            max_ngram_size: 3,
-            vocab_size: 500,
-            n_heads: 3,
-            head_dim: 4,
-            pad_token_id: 1,
-            compressed_vocab_size: 300,
-        };
-        let rows = |cfg: &EngramConfig| EngramLayout::new(cfg).err().map(|e| e.to_string());
-        // Take the sizes from the walk itself (the error names the sum for each layer).
-        for i in 0..2 {
-            let msg = rows(&cfg).expect("sizes 0 are refused");
-            let sum: usize = msg.split("sum to ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
-            cfg.num_embeddings[i] = sum;
-        }
-        let map: Vec<u32> = (0..600u32).map(|t| (t * 7 + 3) % 300).collect();
+        let cfg = real_cfg();
+        let mut map: Vec<u32> = (0..600u32).map(|t| (t * 7919 + 13) % 99092).collect();
+        map[599] = 99091;
         EngramHasher::new(&cfg, TokenMap::new(map).unwrap()).unwrap()
     }
 
@@ -201,9 +187,9 @@ mod tests {
     fn follows_the_host_hash() -> Result<()> {
         let h = hasher();
         let (batch, n) = (4usize, 3usize);
-        let next = NextIds::new(Some(&h), &[0, 2], batch, 600, &Device::Cpu)?;
+        let next = NextIds::new(Some(&h), &[1, 14], batch, 600, &Device::Cpu)?;
         let g = next.geometry();
-        assert_eq!((g.layers, g.cols, g.ngram), (2, 6, 3));
+        assert_eq!((g.layers, g.cols, g.ngram), (2, 24, 4));
         // Start: the history of every row is all pads; row 3 holds sentinels.
         let mut buf = vec![0u32; g.len()];
         for v in &mut buf[g.history_offset()..] {
@@ -213,7 +199,7 @@ mod tests {
         buf[3] = sentinel;
         let mut histories: Vec<_> = (0..n).map(|_| h.new_history()).collect();
         let mut rng = 12345u64;
-        for _step in 0..5 {
+        for _step in 0..6 {
             let sampled: Vec<u32> = (0..n)
                 .map(|_| {
                     rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -224,13 +210,14 @@ mod tests {
             for (r, hist) in histories.iter_mut().enumerate() {
                 let want = h.hash(&[sampled[r]], hist)?;
                 assert_eq!(buf[r], sampled[r]);
-                for (l, layer) in [0usize, 2].iter().enumerate() {
+                for (l, layer) in [1usize, 14].iter().enumerate() {
                     let at = g.batch + (l * g.batch + r) * g.cols;
                     assert_eq!(&buf[at..at + g.cols], want.layer(*layer).unwrap(), "row {r} layer {layer}");
                 }
                 let recent = hist.recent();
-                let row = &buf[g.history_offset() + r * 2..g.history_offset() + r * 2 + 2];
-                assert_eq!(&row[2 - recent.len()..], recent);
+                let row = &buf[g.history_offset() + r * 3..g.history_offset() + r * 3 + 3];
+                assert_eq!(&row[3 - recent.len()..], recent);
+                assert!(row[..3 - recent.len()].iter().all(|&v| v == next.pad()));
             }
             assert_eq!(buf[3], sentinel);
         }
@@ -247,9 +234,9 @@ mod tests {
     #[test]
     fn errors() -> Result<()> {
         let h = hasher();
-        assert!(NextIds::new(Some(&h), &[0], 2, 601, &Device::Cpu).unwrap_err().to_string().contains("601"));
-        assert!(NextIds::new(Some(&h), &[1], 2, 600, &Device::Cpu).unwrap_err().to_string().contains("layer 1"));
-        let next = NextIds::new(Some(&h), &[0, 2], 2, 600, &Device::Cpu)?;
+        assert!(NextIds::new(Some(&h), &[1], 2, 601, &Device::Cpu).unwrap_err().to_string().contains("601"));
+        assert!(NextIds::new(Some(&h), &[2], 2, 600, &Device::Cpu).unwrap_err().to_string().contains("layer 2"));
+        let next = NextIds::new(Some(&h), &[1, 14], 2, 600, &Device::Cpu)?;
         let buf = Tensor::zeros(next.geometry().len(), DType::U32, &Device::Cpu)?;
         let e = next.apply(&buf, &Tensor::zeros(3, DType::U32, &Device::Cpu)?).unwrap_err().to_string();
         assert!(e.contains("[1..=2]"), "{e}");
