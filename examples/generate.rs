@@ -149,7 +149,8 @@ struct Args {
     #[arg(long)]
     host_routing: bool,
     /// On CUDA, replay every decode step from a CUDA graph: the prompt's cache loaded into the
-    /// library's batched decode step for one sequence, captured once (`generation::SteppedGeneration`).
+    /// library's batched decode step for one sequence, captured once (`generation::SteppedGeneration`;
+    /// each step follows the last on the device, its token read back while the next one runs).
     /// Its kernels sum in another order than the default path's, so a token may differ at a
     /// near-tie of the logits. Needs MXFP4 routed experts.
     #[arg(long)]

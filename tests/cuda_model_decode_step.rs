@@ -20,6 +20,7 @@
 //! * replays that follow the last one on the device (`GraphedDecodeStep::step_next_ids`: tokens
 //!   and Engram ids written on the device, the ids read back while the next step runs): bit for
 //!   bit the host-driven replays;
+//! * `SteppedGeneration` with graph replay (followed steps) gives its eager steps' tokens;
 //! * the step inputs' derived rows (`kernels/step_inputs.cu`: RoPE rows, window indices, closing
 //!   flags, visible counts) bit for bit the Candle ops they replace (`derive_ref`), over poisoned
 //!   outputs, for whole batches, idle rows and leading views.
@@ -196,6 +197,44 @@ fn followed_replays_on(cfg: &Config) -> Result<()> {
         ensure!(bits(&followed.logits()?)? == bits(&host.logits()?)?, "step {t} at {pos:?}: the followed replay's logits differ");
         last = host.ids()?.to_vec1::<u32>()?;
         ensure!(followed.ids()?.to_vec1::<u32>()? == last, "step {t}: sampled ids");
+    }
+    Ok(())
+}
+
+/// `SteppedGeneration` with graph replay (the first decode step captured, the later ones
+/// following it on the device, each token read back while the next step runs) gives the tokens
+/// of its eager steps on the same GPU (bit-for-bit logits), greedy and sampled, to the budget and
+/// to an EOS — with the same number of draws made (the step enqueued past the EOS discarded).
+#[test]
+fn stepped_generation_replays_give_the_eager_steps_tokens() -> Result<()> {
+    use deepseek_v41::generation::{Sampler, Sampling, SteppedGeneration};
+    let cfg = step_config(512)?;
+    let dev = gpu();
+    let m = model(&cfg, &dev)?;
+    let mut rng = Rng(0x57e9);
+    let prompt = tokens(&mut rng, 9, cfg.vocab_size);
+    let eager = SteppedGeneration { model: &m, config: &cfg, graph: false };
+    let graphed = SteppedGeneration { graph: true, ..eager };
+    for sampling in [Sampling::GREEDY, Sampling { temperature: 0.9, top_p: 0.95, seed: 5 }] {
+        let run = |g: &SteppedGeneration, max_new: usize, eos: Option<u32>| -> Result<(Vec<u32>, u64)> {
+            let mut sampler = Sampler::new(sampling)?;
+            let mut streamed = Vec::new();
+            let out = g.generate(&mut ModelCache::new(&cfg, DType::BF16, &dev)?, &prompt, max_new, &mut sampler, eos, |id| {
+                streamed.push(id);
+                Ok(())
+            })?;
+            ensure!(streamed == out, "streamed tokens differ from the returned ones");
+            Ok((out, sampler.step()))
+        };
+        let want = run(&eager, 24, None)?;
+        ensure!(want.0.len() == 24, "{} tokens", want.0.len());
+        ensure!(run(&graphed, 24, None)? == want, "{sampling:?}: the replayed generation differs");
+        ensure!(run(&graphed, 2, None)? == run(&eager, 2, None)?, "{sampling:?}: a budget of 2");
+        let eos = want.0[10];
+        let (stopped, draws) = run(&graphed, 24, Some(eos))?;
+        let first = want.0.iter().position(|&t| t == eos).unwrap_or(10);
+        ensure!(stopped == want.0[..=first], "{sampling:?} with EOS {eos}: {stopped:?}");
+        ensure!(draws == first as u64 + 1, "{sampling:?}: {draws} draws for {} tokens", first + 1);
     }
     Ok(())
 }

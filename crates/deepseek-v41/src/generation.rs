@@ -65,6 +65,11 @@ impl Sampler {
         Ok(Self { params: cfg.params(), step: 0 })
     }
 
+    /// The draws made so far (the next token is draw `step`).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
     /// The next token from `logits` `[vocab]` (any float dtype), through
     /// [`crate::sampling::sample_batch`] (the logits are read to the host).
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {

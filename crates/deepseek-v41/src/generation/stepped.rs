@@ -2,7 +2,10 @@
 //! caller's cache, which is then loaded into a one-sequence [`ModelDecodeStep`]; every later
 //! token is one `update` and one step, eager or — on CUDA — replayed from a CUDA graph captured
 //! at the first step ([`crate::model::GraphedDecodeStep`], feature `cuda`; `docs/architecture.md`,
-//! "The whole-model decode step").
+//! "The whole-model decode step"). Replayed steps follow each other on the device
+//! ([`crate::model::GraphedDecodeStep::step_next_ids`]): the next step is enqueued before the
+//! last one's token is read back, so the host's part of a step overlaps the GPU; a step enqueued
+//! past an EOS is discarded (its draw not counted).
 
 use candle_core::Result;
 
@@ -53,64 +56,84 @@ impl SteppedGeneration<'_> {
         let mut out = Vec::new();
         let Some(mut next) = first else { return Ok(out) };
         let mut pos = cache.seq_len();
-        let mut runner: Option<Runner> = None;
+        let mut eager: Option<(ModelDecodeStep, SamplingBatch)> = None;
         loop {
             out.push(next);
             on_token(next)?;
             if Some(next) == eos || out.len() == max_new {
                 return Ok(out);
             }
-            let ids = match runner.as_mut() {
-                Some(r) => r.step(next, pos, sampler.step)?,
+            let (step, batch) = match eager.as_mut() {
+                Some((step, batch)) => {
+                    step.update(&[next], &[pos])?;
+                    batch.set_steps(&[sampler.step])?;
+                    (step, batch)
+                }
                 None => {
-                    // The first decode step builds the step over the prefilled cache (and captures it).
+                    // The first decode step builds the step over the prefilled cache.
                     let mut step = ModelDecodeStep::new(self.config, model, 1, pos + max_new, BatchStorage::uniform(cache.attention.storage()), &device)?;
                     step.load(0, cache)?;
                     let batch = SamplingBatch::new(vec![sampler.params], vec![sampler.step], &device)?;
-                    let (r, ids) = Runner::first(step, batch, self.graph, next, pos)?;
-                    runner = Some(r);
-                    ids
+                    #[cfg(feature = "cuda")]
+                    if self.graph {
+                        // Captured at this step; the later ones follow it on the device.
+                        let mut g = crate::model::GraphedDecodeStep::capture(step, batch, &[next], &[pos])?;
+                        sampler.step += 1;
+                        return follow(&mut g, out, pos, max_new, sampler, eos, &mut on_token);
+                    }
+                    step.update(&[next], &[pos])?;
+                    let (step, batch) = eager.insert((step, batch));
+                    (step, batch)
                 }
             };
+            next = step.forward_sampled(batch)?.1.to_vec1::<u32>()?[0];
             sampler.step += 1;
-            next = ids;
             pos += 1;
         }
     }
 }
 
-/// The step, eager or replayed.
-enum Runner<'m> {
-    Eager(ModelDecodeStep<'m>, SamplingBatch),
-    #[cfg(feature = "cuda")]
-    Graph(crate::model::GraphedDecodeStep<'m>),
-}
-
-impl<'m> Runner<'m> {
-    /// The first step (token `next` at `pos`) and its sampled id.
-    fn first(mut step: ModelDecodeStep<'m>, batch: SamplingBatch, graph: bool, next: u32, pos: usize) -> Result<(Self, u32)> {
-        #[cfg(feature = "cuda")]
-        if graph {
-            let g = crate::model::GraphedDecodeStep::capture(step, batch, &[next], &[pos])?;
-            let id = g.ids()?.to_vec1::<u32>()?[0];
-            return Ok((Self::Graph(g), id));
-        }
-        let _ = graph; // without the feature there is no CUDA device: refused after the prefill
-        step.update(&[next], &[pos])?;
-        let id = step.forward_sampled(&batch)?.1.to_vec1::<u32>()?[0];
-        Ok((Self::Eager(step, batch), id))
-    }
-
-    /// The next step: token `next` at `pos`, sampling draw `draw`; its sampled id.
-    fn step(&mut self, next: u32, pos: usize, draw: u64) -> Result<u32> {
-        match self {
-            Self::Eager(step, batch) => {
-                step.update(&[next], &[pos])?;
-                batch.set_steps(&[draw])?;
-                Ok(step.forward_sampled(batch)?.1.to_vec1::<u32>()?[0])
+/// The replayed steps after the first: `g` has run the step at `pos` whose token is not read
+/// yet (draw `sampler.step − 1`). Each later step follows the last on the device
+/// ([`crate::model::GraphedDecodeStep::step_next_ids`]) and is enqueued before the last one's token
+/// is read back when the budget allows a token after it; a step enqueued past an EOS is left
+/// unread (the device drained, its draw given back). A model whose steps cannot follow on the
+/// device (Engram tables in host memory) gives each token back to `step`.
+#[cfg(feature = "cuda")]
+fn follow(
+    g: &mut crate::model::GraphedDecodeStep,
+    mut out: Vec<u32>,
+    mut pos: usize,
+    max_new: usize,
+    sampler: &mut Sampler,
+    eos: Option<u32>,
+    on_token: &mut impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    let followed = g.inner().next_unavailable().is_none();
+    let device = g.inner().device().clone();
+    loop {
+        let more = out.len() + 1 < max_new;
+        let id = if followed && more {
+            let id = g.step_next_ids(&[sampler.step])?[0];
+            sampler.step += 1;
+            id
+        } else {
+            g.ids()?.to_vec1::<u32>()?[0]
+        };
+        out.push(id);
+        on_token(id)?;
+        if Some(id) == eos || out.len() == max_new {
+            if followed && more {
+                // The step after this one ran for nothing.
+                device.synchronize()?;
+                sampler.step -= 1;
             }
-            #[cfg(feature = "cuda")]
-            Self::Graph(g) => Ok(g.step_ids(&[next], &[pos], &[draw])?[0]),
+            return Ok(out);
+        }
+        if !followed {
+            pos += 1;
+            g.step(&[id], &[pos], &[sampler.step])?;
+            sampler.step += 1;
         }
     }
 }

@@ -516,6 +516,12 @@ impl<'m> ModelDecodeStep<'m> {
         Ok(())
     }
 
+    /// Why [`ModelDecodeStep::update_next`] is not available for this model (`None`: it is):
+    /// Engram tables in host memory, whose rows are gathered on the host from the ids.
+    pub fn next_unavailable(&self) -> Option<&str> {
+        self.next.as_ref().err().map(String::as_str)
+    }
+
     /// Brings the host histories of rows stepped by [`ModelDecodeStep::update_next`] up to date
     /// from the device (one read of the history region, only when some row is behind).
     fn sync_histories(&mut self) -> Result<()> {
