@@ -119,17 +119,26 @@ impl<'m> GraphedDecodeStep<'m> {
         if n == 0 {
             Err(DecodeStepError::EmptyBatch)?
         }
-        if sampling_steps.len() != n {
-            candle_core::bail!("GraphedDecodeStep::step: {} sampling steps for {n} sequences", sampling_steps.len())
-        }
-        let Some(at) = self.graphs.iter().position(|(r, _)| *r >= n) else {
-            let largest = self.graphs.last().map_or(0, |(r, _)| *r);
-            candle_core::bail!("GraphedDecodeStep::step: {n} sequences, the largest captured bucket has {largest} rows")
-        };
+        let at = self.bucket("step", n, sampling_steps)?;
         self.step.update_first(tokens, positions)?;
         self.sampling.set_first_steps(sampling_steps)?;
         self.rows = n;
         self.graphs[at].1.replay()
+    }
+
+    /// The index of the smallest bucket of at least `n` rows for a step of `n` sequences with
+    /// `sampling_steps` (one per sequence); `op` names the caller in the errors.
+    fn bucket(&self, op: &str, n: usize, sampling_steps: &[u64]) -> Result<usize> {
+        if sampling_steps.len() != n {
+            candle_core::bail!("GraphedDecodeStep::{op}: {} sampling steps for {n} sequences", sampling_steps.len())
+        }
+        match self.graphs.iter().position(|(r, _)| *r >= n) {
+            Some(at) => Ok(at),
+            None => {
+                let largest = self.graphs.last().map_or(0, |(r, _)| *r);
+                candle_core::bail!("GraphedDecodeStep::{op}: {n} sequences, the largest captured bucket has {largest} rows")
+            }
+        }
     }
 
     /// [`Self::step`] and the sampled ids read back (one id per sequence).
@@ -147,12 +156,7 @@ impl<'m> GraphedDecodeStep<'m> {
     /// `set_first_steps`.
     pub fn step_next(&mut self, sampling_steps: &[u64]) -> Result<()> {
         let n = self.rows;
-        if sampling_steps.len() != n {
-            candle_core::bail!("GraphedDecodeStep::step_next: {} sampling steps for the {n} sequences of the last step", sampling_steps.len())
-        }
-        let Some(at) = self.graphs.iter().position(|(r, _)| *r >= n.max(1)) else {
-            candle_core::bail!("GraphedDecodeStep::step_next: no bucket of {n} rows")
-        };
+        let at = self.bucket("step_next", n, sampling_steps)?;
         self.step.update_next(&self.ids.narrow(0, 0, n)?)?;
         self.sampling.set_first_steps(sampling_steps)?;
         self.graphs[at].1.replay()
