@@ -1,6 +1,7 @@
 // fp8_linear_warp: the WARP variant (DSV41_FP8_VARIANT_WARP, m <= 64) of the FP8 linear's weight
-// streaming (spec §2.4-§2.5, issue 21): the warp-owned streaming design of kernels/moe_experts.cu
-// applied to the dense FP8 weight. kernels/fp8_linear.cu holds the launcher, the prep kernel (the
+// streaming (spec §2.4-§2.5, issue 21): the warp-owned units of kernels/moe_experts.cu applied to the
+// dense FP8 weight, with the weights loaded into registers (that kernel now streams them through
+// per-warp shared-memory rings, which held more bytes in flight). kernels/fp8_linear.cu holds the launcher, the prep kernel (the
 // activation panel and its block scales), the other variants and the numerics; the per-k32-block
 // product (block_step) and the loads are shared through include/dsv41_fp8_stream.cuh.
 //

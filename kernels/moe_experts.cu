@@ -15,50 +15,54 @@
 // [S, N] bf16 with S = T·k rows in expert order. K a multiple of 32.
 //
 // Design (decode: a few tokens per expert, the weights read once at the speed of HBM):
-//   * prep kernel: the Q1 panel of the inputs — e4m3 code values as f16 (exact) with the block
-//     scales 2^e as f32 [rows, K/32] — and, for GATE_UP, each slot's token row, its routing
-//     weight and pos[order[p]] = p, all in expert order.
+//   * prep kernel: the Q1 panel of the inputs — e4m3 codes with the block scales 2^e as f32
+//     [rows, K/32] — and, for GATE_UP, each slot's token row, its routing weight and
+//     pos[order[p]] = p, all in expert order.
 //   * stream kernel: a persistent grid (one CTA of 16 warps per SM). A unit is (chunk of up to
 //     8 slots of one expert, group of 16 weight rows: GATE_UP 8 rows of w1 and the same 8 of w3,
 //     DOWN 16 rows of w2) over the whole K; the units of all experts are numbered from an in-CTA
 //     scan of the counts (chunk-major) and each CTA takes an equal contiguous run of them, so the
 //     grid is fixed by the device (graph capture) while the work follows the routing.
-//   * warp-owned units: each weight byte is used by one warp only, so a warp reads its unit's
-//     codes straight from global memory into registers (4-byte read-only loads in the mma
-//     fragment pattern: lane (g, t) takes bytes 4t..4t+3 of each k32 block of tile rows g and
-//     g + 8; the other half of each 32-byte sector is the next block, an L1 hit) with the
-//     scales as one 4-byte word per row and 4 blocks. Loads run D groups of 4 blocks ahead of
-//     the products (D = 2 when K/128 is even, else 1; D divides the groups of a unit, so a
-//     unit's last loads are the warp's next unit's first groups): 16 warps x 2 KB in flight
-//     per SM, and each load asks L2 for the aligned 256 bytes around it (the row's next
-//     groups). Deeper register pipelines do not fit: at D = 3 or 4 the 128 registers of a
-//     512-thread CTA spill and ptxas moves the loads behind the products. No shared-memory
-//     weight ring, no per-stage barrier, no cross-warp reduction: the unit's sums end in the
-//     warp, where the GATE_UP epilogue has a and u of the same row and token in one lane (tile
-//     rows 0-7 are w1, 8-15 w3) and applies the SwiGLU.
+//   * warp-owned units: each weight byte is used by one warp only, so each warp streams its
+//     units' weights through its own ring in shared memory: S stages of SB k32 blocks of the
+//     unit's 16 rows (SB = 8, S = 3 when K/32 is a multiple of 8; else SB = 4, S = 6), filled
+//     by cp.async (16-byte pieces of the codes with an L2 fetch of the surrounding 256 bytes, the
+//     scale bytes by 4-byte copies), S - 1 stages in flight while the products use one: 16 warps
+//     x 4-5 KB in flight per SM, in shared memory rather than registers (the previous design
+//     loaded into registers: 2 KB per warp at most, and the kernel ran at the same speed on an
+//     H100 and an H200, latency-bound). The loads run ahead across units (a unit's last stages
+//     are followed by the warp's next unit's first ones, several units ahead when units are
+//     short). Per stage: one cp.async.wait_group and one __syncwarp before the stage is used and
+//     the slot used before it is refilled. Pieces are placed in a stage XOR-swizzled by row so
+//     that the lanes' 4-byte fragment reads (lane (g, t): bytes 4t..4t+3 of each block of tile
+//     rows g and g + 8) are conflict-free. No CTA barrier per stage, no cross-warp reduction: the
+//     unit's sums end in the warp, where the GATE_UP epilogue has a and u of the same row and
+//     token in one lane (tile rows 0-7 are w1, 8-15 w3) and applies the SwiGLU.
 //   * rounds: the CTA's run is cut into rounds of at most 16 consecutive units (warp w takes
 //     unit w of the round) that span at most two chunks; the chunks' panel rows, activation
 //     scales and routing weights are resident in two shared-memory slots (chunk c in slot
 //     c % 2), loaded with cp.async by the whole CTA between two barriers only when a round needs
 //     a chunk not yet resident (barriers per chunk, not per stage). The weight loads of the
-//     warps' next units are already in flight during that load. One CTA of 16 warps rather than
-//     two of 8: two slots take 171 KB at K = 5120, and at B = 1 a run of ~13 units straddles a
-//     chunk boundary on some SMs, which a single slot per CTA would serialise. A warp's unit
-//     (chunk, row group, expert) advances incrementally from its previous one.
-//   * weight scales: a lane decodes 2 of the 64 scales of a group (tile row lane/2, blocks
-//     2(lane%2) and 2(lane%2)+1) and the warp shares them through a small shared-memory buffer
-//     (one __syncwarp per group), instead of every lane decoding the 8 its fragment needs.
+//     warps' next units are already in flight during that load (the load's cp.async.wait_all
+//     also waits for them). One CTA of 16 warps rather than two of 8: at B = 1 a run of ~13
+//     units straddles a chunk boundary on some SMs, which a single slot per CTA would serialise.
+//     Shared memory at K = 5120, E = 384: two slots 91 KB (panel rows as e4m3 bytes: half the
+//     f16 form, converted at use), the rings 102 KB, decoded scales 8 KB, the table 15 KB. A
+//     warp's unit (chunk, row group, expert) advances incrementally from its previous one.
+//   * weight scales: a lane decodes SB / 2 of the 16 x SB scales of a stage from the ring (tile
+//     row lane/2) and the warp shares them through a small shared-memory buffer (one __syncwarp
+//     per stage), instead of every lane decoding the 2 SB its fragment needs.
 //   * products: per k32 block a lane holds 8 nibbles of each of its 2 rows (4 bytes). e2m1 is
 //     e4m3 shifted: placing the sign at bit 7 and (e1 e0 m) at bits 4-2 gives the e4m3 code of
 //     the value · 2^-6 (also for the subnormal 0.5), so each 4-byte word becomes 8 e4m3 codes
 //     with 7 integer ops (even and odd nibbles apart), then f16 by cvt.rn.f16x2.e4m3x2 (exact),
-//     and mma.sync m16n8k16 f16 -> f32 against the panel. The K order inside a block is
-//     permuted (a dot product does not care; the panel is written in the same order), so no
-//     shuffles. Each block's product starts from zero and is added to the running sum times
+//     and mma.sync m16n8k16 f16 -> f32 against the panel (its e4m3 bytes converted the same
+//     way). The K order inside a block is permuted (a dot product does not care; the panel is
+//     written in the same order), so no shuffles. Each block's product starts from zero and is added to the running sum times
 //     (2^sa · 64) · 2^sw in f32, blocks in ascending k.
-//   * Where the time goes with this design: not measured yet (docs/perf.md "MoE experts" holds
-//     the figures and the ncu analysis of the previous design, a shared-memory ring of weight
-//     stages with a CTA barrier per stage, which was instruction-bound).
+//   * Where the time goes (ncu, H100, B = 64; docs/perf.md "MoE experts"): DRAM at 80-85 % of
+//     peak and 0.74 warps issued per scheduler per cycle, near both limits; at B = 1 each warp
+//     has one unit and the launch stays latency-bound.
 //
 // Numerics: products of e4m3 panel codes and e2m1 weights are exact in f16 x f16 -> f32; a
 // block's 32 products are summed by the tensor core in f32 and added to the running sum as
@@ -88,44 +92,47 @@ using dsv41_experts::swiglu;
 
 constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kTok = 8;                    // slots per chunk: one n8 tile
-constexpr int kGroup = 4;                  // k32 blocks per load group: one 4-byte scale word per weight row
-constexpr int kSlots = 2;                  // resident chunks: a round spans at most two
-constexpr int kSwBufs = 2;                 // a warp's decoded-scale buffers: by pipeline stage (D = 2) or group parity (D = 1)
-constexpr int kSwFloats = 16 * kGroup;     // one buffer: 16 tile rows x 4 blocks
+constexpr int kTok = 8;     // slots per chunk: one n8 tile
+constexpr int kSlots = 2;   // resident chunks: a round spans at most two
 constexpr int kPrepThreads = 256;
 constexpr int kMaxSmem = 226 * 1024;  // dynamic shared memory: the sm_90 opt-in limit (227 KB) less the static part
 
-constexpr int align128(int v) { return (v + 127) & ~127; }
+__host__ __device__ constexpr int align128(int v) { return (v + 127) & ~127; }
+
+// A warp's weight ring: S stages of SB k32 blocks of its unit's 16 weight rows (the codes,
+// 16 x SB x 16 bytes, then the scale bytes, 16 x SB).
+template <int SB>
+__host__ __device__ constexpr int stage_bytes() {
+    return 16 * SB * 16 + 16 * SB;
+}
 
 // Dynamic shared memory of the stream kernel for K inputs and E experts: two chunk slots (panel
-// rows, activation scales, routing weights), the warps' decoded weight scales, and the expert
-// table with the two scans.
+// rows, activation scales, routing weights), the warps' weight rings and decoded weight scales,
+// and the expert table with the two scans.
 struct Smem {
-    int prow;   // panel row stride in bytes: 2K + 64 (= 64 mod 128: conflict-free 16-byte reads)
-    int asc;    // in a slot: activation scales [ceil(K/64)][4][2][2] f32 (block pair, t, block, token)
-    int rw;     // in a slot: the chunk's routing weights [8] f32 (GATE_UP), then its first slot and count
-    int slot;   // bytes per slot
-    int sw, tab, bytes;
+    int prow;  // panel row stride in bytes: K rounded up to 128, + 32 (conflict-free 8-byte reads)
+    int asc;   // in a slot: activation scales [ceil(K/64)][4][2][2] f32 (block pair, t, block, token)
+    int rw;    // in a slot: the chunk's routing weights [8] f32 (GATE_UP), then its first slot and count
+    int slot;  // bytes per slot
+    int ring, sw, tab, bytes;
 };
+template <int SB, int S>
 __host__ __device__ inline Smem smem_layout(int k, int e) {
     Smem m;
-    m.prow = 2 * k + 64;
+    m.prow = align128(k) + 32;
     m.asc = kTok * m.prow;
     m.rw = m.asc + ((k / 32 + 1) / 2) * 64;
     m.slot = align128(m.rw + kTok * 4 + 8);
-    m.sw = kSlots * m.slot;
-    m.tab = m.sw + kWarps * kSwBufs * kSwFloats * 4;
+    m.ring = kSlots * m.slot;
+    m.sw = m.ring + kWarps * S * stage_bytes<SB>();
+    m.tab = m.sw + kWarps * 16 * SB * 4;
     m.bytes = m.tab + e * 32 + 2 * (e + 1) * 4;
     return m;
 }
 
-// A read-only 4-byte load that asks L2 to fetch the whole aligned 256 bytes around it on a miss
-// (the next groups of the same weight row).
-__device__ __forceinline__ uint32_t ldg32(const uint8_t* p) {
-    uint32_t v;
-    asm("ld.global.nc.L2::256B.b32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
+// The stream kernel's shared memory for K inputs and E experts (the variant launch_stream picks).
+inline int smem_bytes(int k, int e) {
+    return (k / 32) % 8 == 0 ? smem_layout<8, 3>(k, e).bytes : smem_layout<4, 6>(k, e).bytes;
 }
 
 // 8 e2m1 codes (a 4-byte word, code i in nibble i) -> 8 e4m3 codes of the values · 2^-6:
@@ -167,12 +174,12 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 struct Args {
     const uint64_t* experts;
     const uint32_t* counts;
-    const uint16_t* panel;       // [rows, K] f16 e4m3 code values, 8-groups permuted
+    const uint8_t* panel;        // [rows, K] e4m3 codes, 8-groups permuted
     const float* ascale;         // [rows, kb] block scales · 64
     const uint32_t* tok_sorted;  // [S] (GATE_UP)
     const float* rw_sorted;      // [S] (GATE_UP)
     __nv_bfloat16* out;          // [S, N]
-    int e, n, k, kb, groups, n_rg;  // groups = ceil(kb / 4) per unit
+    int e, n, k, kb, n_rg;
     float limit;
 };
 
@@ -182,19 +189,27 @@ struct UnitPos {
     int rs, chunk, rg, e;
 };
 
-// D: load groups in flight per warp (divides a.groups); FULL: K/32 % 4 == 0 (4-byte scale words;
-// otherwise byte loads and a partial last group, with D = 1).
-template <int MODE, int D, bool FULL>
+// SB: k32 blocks per ring stage; S: stages per warp ring (S - 1 in flight while one is used);
+// FULL: K/32 a multiple of SB (whole stages, the scales copied by 4-byte cp.async: 4-byte
+// aligned, as the launcher checks), otherwise a partial last stage whose scale bytes the issuing
+// lanes read and store themselves.
+template <int MODE, int SB, int S, bool FULL>
 __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
-    static_assert((FULL || D == 1) && D <= kSwBufs, "the partial-group path runs one group ahead; a scale buffer per stage");
+    static_assert(SB == 4 || SB == 8, "a stage's scales: one 4-byte word per half row (SB = 8) or per row (SB = 4)");
+    static_assert(S >= 2, "one stage in use, at least one in flight");
+    constexpr int kStage = stage_bytes<SB>();
+    constexpr int kRowB = 16 * SB;      // a weight row's codes in a stage
+    constexpr int kRpl = 8 / SB;        // weight rows per 128-byte line of a stage
+    constexpr int kPieces = SB / 2;     // 16-byte code pieces per lane and stage
+    constexpr int kPieceRows = 32 / SB; // rows between a lane's pieces
     extern __shared__ __align__(128) uint8_t smem[];
-    const Smem L = smem_layout(a.k, a.e);
+    const Smem L = smem_layout<SB, S>(a.k, a.e);
     uint64_t* tab = reinterpret_cast<uint64_t*>(smem + L.tab);
     int* off = reinterpret_cast<int*>(tab + 4 * a.e);  // [E + 1] exclusive prefix of the counts
     int* item = off + (a.e + 1);                       // [E + 1] exclusive prefix of the chunks
     __shared__ int warp_sum[2][kWarps];
-    // CTA-uniform round state kept in shared memory rather than registers (the load pipeline
-    // needs them): the end of the run, the last chunk loaded and its expert.
+    // CTA-uniform round state kept in shared memory: the end of the run, the last chunk loaded
+    // and its expert.
     __shared__ int run_end, resident, resident_e;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const uint32_t sbase = smem_addr(smem);
@@ -294,91 +309,119 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
         return true;
     };
 
-    // Load side: the rows of tile rows g and g + 8 from byte 4t, and the scale row of tile row
-    // lane / 2 from byte 2 (lane % 2) (the two scales this lane decodes); rows past N read row
-    // N - 1 (their sums are never stored).
-    const int half_k = a.k / 2;
-    const uint8_t *lp0 = nullptr, *lp1 = nullptr, *lps = nullptr;
+    // Load side: the issuing position (unit isu, stage ist of its spu) runs S - 1 stages ahead of
+    // the products, across units. Lane piece j: tile row (lane + 32 j) / SB, block lane % SB of
+    // the stage; scale word: tile row lane / 2, bytes 4 (lane % 2) (SB = 8), or tile row lane,
+    // lanes < 16 (SB = 4). Tile rows: GATE_UP 0-7 = w1, 8-15 = w3 (the same 8 rows), DOWN 16
+    // rows of w2; rows past N read row N - 1 (their sums are never stored). In a stage, piece
+    // (row r, block b) lands at r · 16 SB + 16 (b ^ ((r / kRpl) % SB)): the products' 4-byte reads
+    // of rows g and g + 8 are conflict-free.
+    const int half_k = a.k / 2, spu = (a.kb + SB - 1) / SB, pblk = lane % SB;
+    const int srow = SB == 8 ? lane >> 1 : lane & 15;
+    const uint8_t* pc[kPieces];
+    uint32_t dofs[kPieces];
+    const uint8_t* ps = nullptr;
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+        const int r = lane / SB + kPieceRows * j;
+        dofs[j] = static_cast<uint32_t>(r * kRowB + 16 * (pblk ^ ((r / kRpl) % SB)));
+    }
     auto point = [&](const UnitPos& p) {
         const uint64_t* te = tab + 4 * p.e;
-        const int sr = lane >> 1;
-        int r0, r1, rsc;
-        const uint8_t *c0, *c1, *sc;
-        if (MODE == DSV41_MOE_GATE_UP) {
-            r0 = r1 = min(p.rg * 8 + g, a.n - 1);
-            rsc = min(p.rg * 8 + (sr & 7), a.n - 1);
-            c0 = reinterpret_cast<const uint8_t*>(te[0]);
-            c1 = reinterpret_cast<const uint8_t*>(te[2]);
-            sc = reinterpret_cast<const uint8_t*>(te[sr < 8 ? 1 : 3]);
-        } else {
-            r0 = min(p.rg * 16 + g, a.n - 1);
-            r1 = min(p.rg * 16 + g + 8, a.n - 1);
-            rsc = min(p.rg * 16 + sr, a.n - 1);
-            c0 = c1 = reinterpret_cast<const uint8_t*>(te[0]);
-            sc = reinterpret_cast<const uint8_t*>(te[1]);
-        }
-        lp0 = c0 + static_cast<int64_t>(r0) * half_k + 4 * t;
-        lp1 = c1 + static_cast<int64_t>(r1) * half_k + 4 * t;
-        lps = sc + static_cast<int64_t>(rsc) * a.kb + 2 * (lane & 1);
-    };
-    uint32_t cw[D][kGroup][2], scw[D];
-    int lj = 0;  // partial path: the group index in its unit of the next load
-    auto issue = [&](int s) {  // the next group into buffer s (lp0/lp1/lps at the stage's first group)
-        if (FULL) {
 #pragma unroll
-            for (int i = 0; i < kGroup; ++i) {
-                cw[s][i][0] = ldg32(lp0 + 64 * s + 16 * i);
-                cw[s][i][1] = ldg32(lp1 + 64 * s + 16 * i);
-            }
-            scw[s] = __ldg(reinterpret_cast<const unsigned short*>(lps + 4 * s));
-        } else {
-#pragma unroll
-            for (int i = 0; i < kGroup; ++i) {
-                const bool ok = kGroup * lj + i < a.kb;
-                cw[s][i][0] = ok ? ldg32(lp0 + 16 * i) : 0u;
-                cw[s][i][1] = ok ? ldg32(lp1 + 16 * i) : 0u;
-            }
-            const int b = kGroup * lj + 2 * (lane & 1);
-            scw[s] = (b < a.kb ? static_cast<uint32_t>(__ldg(lps)) : 0u) | (b + 1 < a.kb ? static_cast<uint32_t>(__ldg(lps + 1)) << 8 : 0u);
-            ++lj;
+        for (int j = 0; j < kPieces; ++j) {
+            const int r = lane / SB + kPieceRows * j;
+            const int row = MODE == DSV41_MOE_GATE_UP ? p.rg * 8 + (r & 7) : p.rg * 16 + r;
+            const uint8_t* base = reinterpret_cast<const uint8_t*>(te[MODE == DSV41_MOE_GATE_UP && r >= 8 ? 2 : 0]);
+            pc[j] = base + static_cast<int64_t>(min(row, a.n - 1)) * half_k + 16 * pblk;
         }
+        const int row = MODE == DSV41_MOE_GATE_UP ? p.rg * 8 + (srow & 7) : p.rg * 16 + srow;
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(te[MODE == DSV41_MOE_GATE_UP && srow >= 8 ? 3 : 1]);
+        ps = base + static_cast<int64_t>(min(row, a.n - 1)) * a.kb + (SB == 8 ? 4 * (lane & 1) : 0);
     };
-    auto advance = [&]() {
-        lp0 += 64 * D;
-        lp1 += 64 * D;
-        lps += 4 * D;
+    const uint32_t ring_w = sbase + static_cast<uint32_t>(L.ring + warp * (S * kStage));
+    UnitPos isu{0, 0, 0, 0};
+    int ist = 0;
+    bool live = find_unit(u0, isu);
+    if (live) {
+        const int u = isu.rs + warp;
+        isu.chunk = u / n_rg;
+        isu.rg = u - isu.chunk * n_rg;
+        isu.e = expert_search(isu.chunk);
+        point(isu);
+    }
+    // The next stage into ring slot `slot` (a group committed in any case, empty past the warp's
+    // last unit).
+    auto issue = [&](int slot) {
+        if (live && ist == spu) {
+            live = next_unit(isu);
+            if (live) point(isu);
+            ist = 0;
+        }
+        if (live) {
+            const uint32_t d = ring_w + static_cast<uint32_t>(slot * kStage);
+            const int b0 = ist * SB;
+#pragma unroll
+            for (int j = 0; j < kPieces; ++j)
+                if (FULL || b0 + pblk < a.kb) cp_async16_l2(d + dofs[j], pc[j] + 16 * b0);
+            if (FULL) {
+                if (SB == 8 || lane < 16) cp_async4(d + 16 * kRowB + 4 * lane, ps + b0);
+            } else if (lane < 16) {  // SB = 4: this lane's row, the blocks left (0: never read)
+                uint32_t w = 0;
+#pragma unroll
+                for (int i = 0; i < SB; ++i)
+                    if (b0 + i < a.kb) w |= static_cast<uint32_t>(__ldg(ps + b0 + i)) << (8 * i);
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(d + 16 * kRowB + 4 * lane), "r"(w) : "memory");
+            }
+            ++ist;
+        }
+        cp_async_commit();
     };
 
-    // Compute side: group jg of the unit from buffer s; pb / ab: this lane's panel and
-    // activation-scale addresses of block 0 in the unit's slot.
-    float* const sw_warp = reinterpret_cast<float*>(smem + L.sw) + warp * (kSwBufs * kSwFloats);
-    const int h = lane & 1;
-    auto compute = [&](int s, int jg, const uint8_t* pb, const uint8_t* ab, float (&acc)[4]) {
-        // Weight scales: this lane decodes 2 of the group's 64 (tile row lane / 2, blocks 2h and
-        // 2h + 1); the warp reads its fragment's 8 back.
-        float* buf = sw_warp + (D > 1 ? s : (jg & 1)) * kSwFloats;
-        *reinterpret_cast<float2*>(buf + (lane >> 1) * kGroup + 2 * h) = e8m0x2_f32(scw[s]);
+    // Compute side: stage st of the unit from ring slot `slot`; pb / ab: this lane's panel and
+    // activation-scale addresses of block 0 in the unit's chunk slot.
+    const uint8_t* const ring_p = smem + L.ring + warp * (S * kStage);
+    float* const sw_warp = reinterpret_cast<float*>(smem + L.sw) + warp * (16 * SB);
+    const int fg = 16 * ((g / kRpl) % SB);  // the swizzle of tile rows g and g + 8
+    auto compute = [&](int slot, int st, const uint8_t* pb, const uint8_t* ab, float (&acc)[4]) {
+        const uint8_t* rb = ring_p + slot * kStage;
+        // Weight scales: this lane decodes SB / 2 of the stage's 16 x SB (tile row lane / 2,
+        // blocks (SB / 2)(lane % 2) ...); the warp reads its fragment's back.
+        if (SB == 8) {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(rb + 16 * kRowB + 4 * lane);
+            const float2 lo = e8m0x2_f32(w), hi = e8m0x2_f32(w >> 16);
+            *reinterpret_cast<float4*>(sw_warp + 4 * lane) = make_float4(lo.x, lo.y, hi.x, hi.y);
+        } else {
+            const uint32_t w = *reinterpret_cast<const uint16_t*>(rb + 16 * kRowB + 2 * lane);
+            *reinterpret_cast<float2*>(sw_warp + 2 * lane) = e8m0x2_f32(w);
+        }
         __syncwarp();
-        const float4 swa = *reinterpret_cast<const float4*>(buf + g * kGroup);
-        const float4 swb = *reinterpret_cast<const float4*>(buf + (g + 8) * kGroup);
-        float4 sa = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const uint8_t* wr0 = rb + g * kRowB + 4 * t;
+        const uint8_t* wr1 = wr0 + 8 * kRowB;
+        float4 sa = make_float4(0.0f, 0.0f, 0.0f, 0.0f), swa = sa, swb = sa;
 #pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-            const int kb = kGroup * jg + i;
+        for (int i = 0; i < SB; ++i) {
+            const int kb = st * SB + i;
             if (!FULL && kb >= a.kb) break;
-            const uint4 b = *reinterpret_cast<const uint4*>(pb + 64 * kb);
+            if (i % 4 == 0) {
+                swa = *reinterpret_cast<const float4*>(sw_warp + g * SB + i);
+                swb = *reinterpret_cast<const float4*>(sw_warp + (g + 8) * SB + i);
+            }
             if ((i & 1) == 0) sa = *reinterpret_cast<const float4*>(ab + 32 * kb);
+            const uint2 b = *reinterpret_cast<const uint2*>(pb + 32 * kb);
             const float sa0 = (i & 1) ? sa.z : sa.x, sa1 = (i & 1) ? sa.w : sa.y;
-            const float sw0 = i == 0 ? swa.x : i == 1 ? swa.y : i == 2 ? swa.z : swa.w;
-            const float sw1 = i == 0 ? swb.x : i == 1 ? swb.y : i == 2 ? swb.z : swb.w;
-            const uint32_t wa = cw[s][i][0], wb = cw[s][i][1];
+            const int q = i % 4;
+            const float sw0 = q == 0 ? swa.x : q == 1 ? swa.y : q == 2 ? swa.z : swa.w;
+            const float sw1 = q == 0 ? swb.x : q == 1 ? swb.y : q == 2 ? swb.z : swb.w;
+            const int wo = (16 * i) ^ fg;
+            const uint32_t wa = *reinterpret_cast<const uint32_t*>(wr0 + wo), wb = *reinterpret_cast<const uint32_t*>(wr1 + wo);
             const uint32_t ea = e2m1_even_e4m3(wa), oa = e2m1_odd_e4m3(wa), eb = e2m1_even_e4m3(wb), ob = e2m1_odd_e4m3(wb);
             const uint32_t a0[4] = {e4m3x2_lo_f16x2(ea), e4m3x2_lo_f16x2(eb), e4m3x2_lo_f16x2(oa), e4m3x2_lo_f16x2(ob)};
             const uint32_t a1[4] = {e4m3x2_hi_f16x2(ea), e4m3x2_hi_f16x2(eb), e4m3x2_hi_f16x2(oa), e4m3x2_hi_f16x2(ob)};
             const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             float p[4];
-            mma16816(p, a0, b.x, b.y, zero);
-            mma16816(p, a1, b.z, b.w, p);
+            mma16816(p, a0, e4m3x2_lo_f16x2(b.x), e4m3x2_hi_f16x2(b.x), zero);
+            mma16816(p, a1, e4m3x2_lo_f16x2(b.y), e4m3x2_hi_f16x2(b.y), p);
             // (p · 2^sa · 64) · 2^sw: the first product is exact, the FMA rounds once; an all-zero
             // block stays 0 (the activation scale is finite for finite x).
             acc[0] = fmaf(p[0] * sa0, sw0, acc[0]);
@@ -397,8 +440,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
         if (nn < cnt) {
             const int p = base + nn;
             const uint32_t tok = MODE == DSV41_MOE_GATE_UP ? __ldg(a.tok_sorted + p) : static_cast<uint32_t>(p);
-            const uint16_t* src = a.panel + static_cast<int64_t>(tok) * a.k;
-            for (int c8 = q; c8 < a.k / 8; c8 += 64) cp_async16_l2(dst + nn * L.prow + 16 * c8, src + 8 * c8);
+            const uint8_t* src = a.panel + static_cast<int64_t>(tok) * a.k;
+            for (int c16 = q; c16 < a.k / 16; c16 += 64) cp_async16_l2(dst + nn * L.prow + 16 * c16, src + 16 * c16);
             const float* ss = a.ascale + static_cast<int64_t>(tok) * a.kb;
             for (int b = q; b < a.kb; b += 64) cp_async4(dst + L.asc + 64 * (b >> 1) + 16 * (nn >> 1) + 8 * (b & 1) + 4 * (nn & 1), ss + b);
             if (MODE == DSV41_MOE_GATE_UP && q == 0) reinterpret_cast<float*>(smem + sl * L.slot + L.rw)[nn] = __ldg(a.rw_sorted + p);
@@ -410,24 +453,17 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
         }
     };
 
-    // The warp's first unit and its first D groups in flight.
-    UnitPos cur{0, 0, 0, 0};
-    if (find_unit(u0, cur)) {
-        const int u = cur.rs + warp;
-        cur.chunk = u / n_rg;
-        cur.rg = u - cur.chunk * n_rg;
-        cur.e = expert_search(cur.chunk);
-        point(cur);
+    // The warp's first S - 1 stages in flight.
 #pragma unroll
-        for (int s = 0; s < D; ++s) issue(s);
-        advance();
-    }
-    UnitPos nxt = cur;  // the unit whose groups are being issued
+    for (int s = 0; s < S - 1; ++s) issue(s);
+    int rp = 0;  // the ring slot of the next stage to use
 
     for (int rs = u0; rs < run_end;) {
         const int re = round_end(rs), c_hi = (re - 1) / n_rg;
         if (c_hi > resident) {
             // Every warp is past the earlier rounds (whose chunks are older than this round's).
+            // The wait also takes the warps' weight stages in flight (cp.async completes in
+            // groups, oldest first); they were issued before the chunk and arrive with it.
             const int c_lo = rs / n_rg, c_first = resident + 1 > c_lo ? resident + 1 : c_lo;
             int le = resident_e;
             __syncthreads();
@@ -442,33 +478,24 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
             }
             __syncthreads();
         }
-        if (rs + warp < re) {  // the warp's unit `cur` of this round: groups 0..D-1 are in flight
-            const int sl = cur.chunk & 1;
-            const uint8_t* slot = smem + sl * L.slot;
-            const uint8_t* pb = slot + g * L.prow + 16 * t;
+        if (rs + warp < re) {  // the warp's unit of this round: its first stages are in flight
+            const int u = rs + warp, chunk = u / n_rg, rg = u - chunk * n_rg;
+            const uint8_t* slot = smem + (chunk & 1) * L.slot;
+            const uint8_t* pb = slot + g * L.prow + 8 * t;
             const uint8_t* ab = slot + L.asc + 16 * t;
-            if (D == 1) __syncwarp();  // the scale buffers alternate by group parity within a unit
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int j = 0; j < a.groups; j += D) {
-                if (j + D == a.groups) {  // this pass's loads are the next unit's first groups
-                    // (without one, the same unit's again: unconditional loads keep their place in
-                    // the schedule, and the warp's last D groups are read twice)
-                    next_unit(nxt);
-                    point(nxt);
-                    lj = 0;
-                }
-#pragma unroll
-                for (int s = 0; s < D; ++s) {
-                    compute(s, j + s, pb, ab, acc);
-                    issue(s);
-                }
-                advance();
+            for (int st = 0; st < spu; ++st) {
+                cp_async_wait_group<S - 2>();
+                __syncwarp();  // stage st is in for every lane; every lane is done with the previous one
+                issue(rp == 0 ? S - 1 : rp - 1);
+                compute(rp, st, pb, ab, acc);
+                rp = rp + 1 == S ? 0 : rp + 1;
             }
             // Epilogue: lane (g, t) holds tile rows g, g + 8 of slots 2t, 2t + 1 of the chunk.
             const int* info = reinterpret_cast<const int*>(slot + L.rw + kTok * 4);
             const int base = info[0], cnt = info[1];
             if (MODE == DSV41_MOE_GATE_UP) {
-                const int row = cur.rg * 8 + g;
+                const int row = rg * 8 + g;
                 const float* rw = reinterpret_cast<const float*>(slot + L.rw);
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
@@ -482,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
             } else {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int row = cur.rg * 16 + g + 8 * r;
+                    const int row = rg * 16 + g + 8 * r;
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int nn = 2 * t + c;
@@ -490,17 +517,16 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a) {
                     }
                 }
             }
-            cur = nxt;
         }
         rs = re;
     }
 }
 
-// One warp per (panel row, k32 block): Q1 of the block (spec §0.1b.8) as f16 e4m3 code values,
+// One warp per (panel row, k32 block): Q1 of the block (spec §0.1b.8) as e4m3 codes,
 // the 8-groups stored in the stream kernel's order (positions 1 <-> 2 and 5 <-> 6 swapped), and
 // the block scale. GATE_UP also writes, for each slot position p, its token row, its routing
 // weight and pos[order[p]] = p (grid-stride over the first threads).
-__global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloat16* __restrict__ x, uint16_t* __restrict__ panel,
+__global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloat16* __restrict__ x, uint8_t* __restrict__ panel,
                                                                  float* __restrict__ ascale, int64_t rows, int k, int kb,
                                                                  const uint32_t* __restrict__ order, const float* __restrict__ route_w,
                                                                  uint32_t* __restrict__ tok_sorted, float* __restrict__ rw_sorted,
@@ -520,9 +546,9 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const __nv_bfloa
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const BlockScale bs = Q1::scale(amax);
-    const __half h = __float2half_rn(Q1::round(Q1::quotient(v, bs)));  // an e4m3 value: exact
+    const uint8_t code = e4m3_code(Q1::round(Q1::quotient(v, bs)));  // an e4m3 value: exact
     const int q = lane & 7, at = (lane & ~7) | (q & 4) | ((q & 1) << 1) | ((q >> 1) & 1);
-    panel[row * k + blk * 32 + at] = *reinterpret_cast<const uint16_t*>(&h);
+    panel[row * k + blk * 32 + at] = code;
     if (lane == 0) ascale[row * kb + blk] = bs.s * 64.0f;  // 2^6: the e2m1 -> e4m3 shift of the weights
 }
 
@@ -577,7 +603,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const Dsv41MoeCombineP
 }
 
 struct Plan {
-    int kb, groups, n_rg;
+    int kb, n_rg;
     int64_t rows, slots, panel_off, ascale_off, tok_off, rw_off, bytes;
 };
 
@@ -589,22 +615,21 @@ inline int64_t row_groups(const Dsv41MoeExpertsParams* p) { return p->mode == DS
 inline int validate(const Dsv41MoeExpertsParams* p, size_t params_size) {
     const int v = dsv41_experts::validate_common(p, params_size);
     if (v != DSV41_OK) return v;
-    if (p->kdim > DSV41_MOE_EXPERTS_MAX_KDIM || smem_layout(p->kdim, p->num_experts).bytes > kMaxSmem) return DSV41_ERR_SHAPE;
+    if (p->kdim > DSV41_MOE_EXPERTS_MAX_KDIM || smem_bytes(p->kdim, p->num_experts) > kMaxSmem) return DSV41_ERR_SHAPE;
     // The units (chunks x row groups) are numbered in 32 bits; a chunk holds at least one slot.
     if ((p->num_tokens * p->k + p->num_experts) * row_groups(p) >= (int64_t{1} << 31)) return DSV41_ERR_SHAPE;
     return DSV41_OK;
 }
 
-// Scratch: the panel [rows, K] f16, the activation scales [rows, K/32] f32, then the sorted slots.
+// Scratch: the panel [rows, K] e4m3, the activation scales [rows, K/32] f32, then the sorted slots.
 inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     Plan q;
     q.slots = p->num_tokens * p->k;
     q.kb = p->kdim / 32;
-    q.groups = (q.kb + kGroup - 1) / kGroup;
     q.n_rg = static_cast<int>(row_groups(p));
     q.rows = dsv41_experts::panel_rows(p);
     q.panel_off = 0;
-    q.ascale_off = align256(q.rows * p->kdim * 2);
+    q.ascale_off = align256(q.rows * p->kdim);
     const dsv41_experts::SlotScratch sorted = dsv41_experts::slot_scratch(p, q.ascale_off + align256(q.rows * q.kb * 4));
     q.tok_off = sorted.tok_off;
     q.rw_off = sorted.rw_off;
@@ -612,18 +637,19 @@ inline Plan make_plan(const Dsv41MoeExpertsParams* p) {
     return q;
 }
 
-template <int MODE, int D, bool FULL>
+template <int MODE, int SB, int S, bool FULL>
 cudaError_t launch_variant(const Args& a, cudaStream_t st) {
-    return dsv41_launch::launch_persistent<moe_stream_kernel<MODE, D, FULL>>(dim3(kThreads), smem_layout(a.k, a.e).bytes, kMaxSmem, st, a);
+    const int bytes = smem_layout<SB, S>(a.k, a.e).bytes;
+    return dsv41_launch::launch_persistent<moe_stream_kernel<MODE, SB, S, FULL>>(dim3(kThreads), bytes, kMaxSmem, st, a);
 }
 
-// Two load groups in flight when they divide the groups of a unit (4-byte scale words), else one;
-// the byte path for K/32 not a multiple of 4.
+// Stages of 8 blocks (3 per ring) when they divide K/32, else of 4 (6 per ring): the same shared
+// memory, 4 KB (16 warps: 64 KB per SM) or 5 KB (80 KB) of weights in flight per warp.
 template <int MODE>
 cudaError_t launch_stream(const Args& a, cudaStream_t st) {
-    if (a.kb % kGroup != 0) return launch_variant<MODE, 1, false>(a, st);
-    if (a.groups % 2 == 0) return launch_variant<MODE, 2, true>(a, st);
-    return launch_variant<MODE, 1, true>(a, st);
+    if (a.kb % 8 == 0) return launch_variant<MODE, 8, 3, true>(a, st);
+    if (a.kb % 4 == 0) return launch_variant<MODE, 4, 6, true>(a, st);
+    return launch_variant<MODE, 4, 6, false>(a, st);
 }
 
 }  // namespace moe_x
@@ -649,7 +675,7 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     const bool gu = p->mode == DSV41_MOE_GATE_UP;
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     char* base = static_cast<char*>(p->scratch);
-    auto* panel = reinterpret_cast<uint16_t*>(base + q.panel_off);
+    auto* panel = reinterpret_cast<uint8_t*>(base + q.panel_off);
     auto* ascale = reinterpret_cast<float*>(base + q.ascale_off);
     auto* tok_sorted = reinterpret_cast<uint32_t*>(base + q.tok_off);
     auto* rw_sorted = reinterpret_cast<float*>(base + q.rw_off);
@@ -666,7 +692,6 @@ extern "C" int dsv41_moe_experts(const Dsv41MoeExpertsParams* p, size_t params_s
     dsv41_experts::set_common_args(a, p, tok_sorted, rw_sorted);
     a.panel = panel;
     a.ascale = ascale;
-    a.groups = q.groups;
     a.n_rg = q.n_rg;
     e = gu ? launch_stream<DSV41_MOE_GATE_UP>(a, st) : launch_stream<DSV41_MOE_DOWN>(a, st);
     return static_cast<int>(e);

@@ -9,9 +9,11 @@
 //! * end to end against the all-CPU pipeline (relative Frobenius error);
 //! * routings: near-uniform, skewed (all tokens on the same k experts, most experts empty),
 //!   T = 1 / 8 / 9 / 63 / 64 / 65 / 257 / 4097 (chunks of 8 slots), small and large expert counts,
-//!   K / 32 not a multiple of 4 (the byte scale path, with a partial last group of 4 blocks), K / 128
-//!   odd (one load group in flight) and even (two), CTA runs over several chunks and experts with
-//!   rounds of 16 units spanning two chunks, outputs over NaN-poisoned memory;
+//!   K / 32 a multiple of 8 (ring stages of 8 blocks), of 4 only (stages of 4) and of neither (a
+//!   partial last stage, the scale bytes stored by the issuing lanes), units shorter than the ring
+//!   (the loads run several units ahead), the V4.1-Flash widths (K = 5120 and 2304), CTA runs
+//!   over several chunks and experts with rounds of 16 units spanning two chunks, outputs over
+//!   NaN-poisoned memory;
 //! * the errors.
 //!
 //! These tests need a CUDA device and FAIL without one.
@@ -85,12 +87,14 @@ fn many_experts_few_tokens_and_a_long_prefill() -> Result<()> {
 #[test]
 fn load_pipelines_and_rounds() -> Result<()> {
     // 64 row groups per projection: each CTA runs ~40 units over several chunks and experts, and
-    // rounds of 16 units span a chunk boundary; K / 128 = 8 and 4 (two load groups in flight).
+    // rounds of 16 units span a chunk boundary; K / 32 = 32 and 16 (stages of 8 blocks).
     run_case(MoeCase::new(64, 6, 1024, 512, 33), true, 0x3e_0400)?;
-    // K / 128 = 3 and 5: one load group in flight, 4-byte scale words.
+    // K / 32 = 12 and 20: stages of 4 blocks, 3 and 5 per unit (a ring of 6 spans units).
     run_case(MoeCase::new(16, 4, 384, 640, 20), false, 0x3e_0401)?;
-    // K / 32 = 7 and 5: two groups per unit, the last partial (byte scale path); 20 / 14 row groups.
+    // K / 32 = 7 and 5: two stages per unit, the last partial; 20 / 14 row groups.
     run_case(MoeCase::new(8, 2, 224, 160, 17).skewed(true), true, 0x3e_0402)?;
+    // The V4.1-Flash widths: K / 32 = 160 (20 stages of 8 per unit) and 72 (9, a ring of 3).
+    run_case(MoeCase::new(12, 6, 5120, 2304, 9), false, 0x3e_0403)?;
     Ok(())
 }
 

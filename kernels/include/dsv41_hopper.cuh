@@ -37,6 +37,11 @@ __device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed cp.async groups are pending (oldest first).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // Waits for ALL of this thread's cp.async copies, also those not committed to a group
 // (cp.async.wait_group 0 would skip uncommitted ones: the packed-row producer relies on this).
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }

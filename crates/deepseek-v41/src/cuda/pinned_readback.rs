@@ -15,20 +15,22 @@ use super::device::{as_cuda, stream_for};
 pub(crate) struct PinnedReadback {
     dev: CudaDevice,
     buf: Option<PinnedHostSlice<u32>>,
-    /// Recorded after the last enqueued copy, with the values it copies.
-    copied: Option<(CudaEvent, usize)>,
+    /// Recorded again after each enqueued copy (created with the first).
+    event: Option<CudaEvent>,
+    /// The values the last enqueued copy copies, until they are read.
+    pending: Option<usize>,
 }
 
 impl std::fmt::Debug for PinnedReadback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PinnedReadback").field("pending", &self.copied.as_ref().map(|c| c.1)).finish_non_exhaustive()
+        f.debug_struct("PinnedReadback").field("pending", &self.pending).finish_non_exhaustive()
     }
 }
 
 impl PinnedReadback {
     /// An empty buffer for `dev` (nothing allocated yet).
     pub(crate) fn new(dev: &CudaDevice) -> Self {
-        Self { dev: dev.clone(), buf: None, copied: None }
+        Self { dev: dev.clone(), buf: None, event: None, pending: None }
     }
 
     /// Enqueues a copy of `src` (rank 1, u32, on this device) into the buffer, after the work
@@ -38,8 +40,10 @@ impl PinnedReadback {
         if src.dtype() != DType::U32 {
             candle_core::bail!("PinnedReadback: u32 values expected, got {:?}", src.dtype())
         }
-        if let Some((e, _)) = self.copied.take() {
-            e.synchronize().w()?;
+        if self.pending.take().is_some() {
+            if let Some(e) = &self.event {
+                e.synchronize().w()?;
+            }
         }
         if self.buf.as_ref().map_or(0, |b| b.len()) < n.max(1) {
             let ctx = self.dev.cuda_stream().context().clone();
@@ -59,13 +63,17 @@ impl PinnedReadback {
         if n > 0 {
             stream.memcpy_dtoh(&view, buf).w()?;
         }
-        self.copied = Some((stream.record_event(None).w()?, n));
+        match &self.event {
+            Some(e) => e.record(&stream).w()?,
+            None => self.event = Some(stream.record_event(None).w()?),
+        }
+        self.pending = Some(n);
         Ok(())
     }
 
     /// The values of the last enqueued copy, once it is done (empty when none was enqueued).
     pub(crate) fn read(&mut self) -> Result<Vec<u32>> {
-        let Some((event, n)) = self.copied.take() else { return Ok(Vec::new()) };
+        let (Some(n), Some(event)) = (self.pending.take(), &self.event) else { return Ok(Vec::new()) };
         event.synchronize().w()?;
         match &self.buf {
             Some(b) => Ok(b.as_slice().w()?[..n].to_vec()),
