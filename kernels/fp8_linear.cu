@@ -81,6 +81,7 @@
 #include "include/dsv41_fp8.cuh"
 #include "include/dsv41_fp8_linear.h"
 #include "include/dsv41_fp8_stream.cuh"
+#include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
 #include "include/dsv41_numerics.cuh"
 
@@ -255,10 +256,6 @@ __host__ __device__ constexpr int streamk_stages() { return NT <= 2 ? 4 : 3; }
 template <int NT>
 __host__ __device__ constexpr int streamk_smem() { return streamk_stages<NT>() * streamk_stage_bytes<NT>(); }
 
-__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-
 template <int NT, bool ACTQ>
 __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamArgs a) {
     constexpr int TOK = 8 * NT, S = streamk_stages<NT>(), SB = streamk_stage_bytes<NT>();
@@ -283,12 +280,12 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamAr
         for (int i = 0; i < 8; ++i) {
             const int r = 4 * i + crow, row = rb * 32 + r;
             const bool ok = row < a.n;
-            cp_async(base + warp * kWarpStage + r * kSrow + 16 * cchunk, a.codes + (ok ? static_cast<int64_t>(row) * a.k + st * 128 + 16 * cchunk : 0), ok);
+            dsv41_ptx::cp_async16_l2(base + warp * kWarpStage + r * kSrow + 16 * cchunk, a.codes + (ok ? static_cast<int64_t>(row) * a.k + st * 128 + 16 * cchunk : 0), ok);
         }
         if (lane == 0) {
             const bool ok = rb * 32 < a.n;
             const uint8_t* src = a.scales + (ok ? static_cast<int64_t>(rb) * a.kb + st * kStepBlocks : 0);
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(base + kWsOff + 4 * warp), "l"(src), "r"(ok ? 4 : 0) : "memory");
+            dsv41_ptx::cp_async4(base + kWsOff + 4 * warp, src, ok);
         }
     };
     auto load_act = [&](int slot, int64_t u) {
@@ -296,12 +293,12 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamAr
         const uint32_t base = smem_addr + slot * SB;
         for (int i = threadIdx.x; i < TOK * 16; i += kThreads) {
             const int tk = i >> 4, ch = i & 15;
-            cp_async(base + kPanelOff + tk * kPst + 16 * ch, a.panel + static_cast<int64_t>(tok0 + tk) * a.kpad + st * 128 + 8 * ch, true);
+            dsv41_ptx::cp_async16_l2(base + kPanelOff + tk * kPst + 16 * ch, a.panel + static_cast<int64_t>(tok0 + tk) * a.kpad + st * 128 + 8 * ch, true);
         }
         if constexpr (ACTQ) {
             if (threadIdx.x < TOK) {  // 4 blocks x TOK / 4 chunks of 4 scales
                 const int blk = threadIdx.x / (TOK / 4), part = threadIdx.x % (TOK / 4);
-                cp_async(base + kAsOff + 16 * threadIdx.x, a.ascale + static_cast<int64_t>(st * kStepBlocks + blk) * a.mpad + tok0 + 4 * part, true);
+                dsv41_ptx::cp_async16_l2(base + kAsOff + 16 * threadIdx.x, a.ascale + static_cast<int64_t>(st * kStepBlocks + blk) * a.mpad + tok0 + 4 * part, true);
             }
         }
     };
@@ -312,19 +309,19 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamAr
     asm volatile("griddepcontrol.wait;" ::: "memory");
     for (int d = 0; d < S - 1; ++d) {
         if (u0 + d < u1) load_act(d, u0 + d);
-        asm volatile("cp.async.commit_group;" ::: "memory");
+        dsv41_ptx::cp_async_commit();
     }
 
     float acc[2][NT][4] = {};
     for (int64_t u = u0; u < u1; ++u) {
         const int i = static_cast<int>(u - u0);
-        asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
+        dsv41_ptx::cp_async_wait_group<S - 2>();
         __syncthreads();  // the stage is complete for every thread; slot (i - 1) % S is free
         if (u + S - 1 < u1) {
             load_w((i + S - 1) % S, u + S - 1);
             load_act((i + S - 1) % S, u + S - 1);
         }
-        asm volatile("cp.async.commit_group;" ::: "memory");
+        dsv41_ptx::cp_async_commit();
         const int64_t grp = u / sk;  // chunk * nrg + row group
         const int st = static_cast<int>(u % sk), rb = static_cast<int>(grp % nrg) * 4 + warp;
         const int tok0 = static_cast<int>(grp / nrg) * TOK;
@@ -334,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_streamk_kernel(const StreamAr
         streamk_leave_group<NT>(acc, a, &is_last, grp, u0, units, c, ctas, warp, lane, g, t, rb * 32, tok0);
         zero_acc<NT>(acc);
     }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    dsv41_ptx::cp_async_wait_group<0>();
 }
 
 // One warp per (token row of the panel, k32 block): the panel row's 32 elements and, with

@@ -49,6 +49,7 @@
 
 #include "include/dsv41_fp8_linear.h"
 #include "include/dsv41_fp8_stream.cuh"
+#include "include/dsv41_hopper.cuh"
 #include "include/dsv41_launch.cuh"
 
 namespace dsv41 {
@@ -137,8 +138,8 @@ __global__ void __launch_bounds__(kWarpThreads, 1) fp8_warp_kernel(const StreamA
         const float* asrc = a.ascale + static_cast<int64_t>(kb0) * TOK;  // [kb, TOK]: the split's blocks are contiguous
         for (int i = threadIdx.x; i < nblk * TOK / 4; i += kWarpThreads) cp_async16(sbase + as_off + 16 * i, asrc + 4 * i);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    dsv41_ptx::cp_async_commit();
+    dsv41_ptx::cp_async_wait_group<0>();
     __syncthreads();
     if (steps == 0) return;
 
